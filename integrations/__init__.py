@@ -1,0 +1,1 @@
+"""Integrations of kvflow into inference engines, importable as `kvflow.integrations.<name>`."""

@@ -1,0 +1,624 @@
+"""The sans-IO transfer core: every machine, the block ledger and the deadlines of one engine.
+
+Why sans-IO: the rules that keep KV safe (release once, never while a write may land, fence
+stale epochs, honour every deadline) must be testable exhaustively.  So this class does no I/O
+and reads no clock.  It is driven by three kinds of sources, as in aioquic:
+
+1. local API calls (`expect`, `kv_ready`, `abort`, `delivered`),
+2. events from the wire and the data plane (`receive`, `notification`, `op_submitted`,
+   `op_finished`, `peer_connected`, `peer_lost`),
+3. time: `timer(now)` when `next_deadline()` has passed.
+
+Each call takes `now` and returns a list of actions (`kvflow.actions`).  Local misuse raises a
+`KVFlowError` and changes nothing.  Whatever a peer sends never raises: an unexpected message is
+counted in `stats` and ignored, because a peer's bug must not crash this engine.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+
+from kvflow.actions import Action, DeclarePeerLost, OpKind, ReleaseBlocks, Resolve, SendMessage, SubmitOp
+from kvflow.errors import (
+    ConfigError,
+    InvalidBatch,
+    InvalidTransition,
+    PeerProtocolError,
+    StaleEpoch,
+    UnknownTransfer,
+)
+from kvflow.ledger import BlockLedger
+from kvflow.machine import Machine, check_block_ids, next_batch
+from kvflow.messages import (
+    Done,
+    Message,
+    Notice,
+    Quiesced,
+    Ready,
+    Registration,
+    TransferKey,
+    decode_notification,
+    encode_notification,
+)
+from kvflow.state import (
+    ACTIVE,
+    FENCING,
+    TERMINAL,
+    Act,
+    Input,
+    Mode,
+    Outcome,
+    Role,
+    State,
+    initial_state,
+    is_initiator,
+    outcome_of,
+    transition,
+)
+
+__all__ = ("CoreConfig", "CoreStats", "TransferCore")
+
+
+@dataclass(frozen=True, slots=True)
+class CoreConfig:
+    fence_timeout: float = 10.0  # wait for a peer's fence (or D's ack) before declaring it lost
+    retention: float = 60.0  # keep finished machines this long to absorb late messages
+    max_unstarted: int = 4096  # P: registrations for transfers it has not started itself
+    max_ttl: float = 3600.0  # cap on a peer-supplied time-to-live
+    max_batches: int = 4096
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            if getattr(self, f.name) <= 0:
+                raise ConfigError(f"core config {f.name} must be > 0, got {getattr(self, f.name)}")
+
+
+@dataclass(slots=True)
+class CoreStats:
+    ignored: int = 0  # late or duplicate messages absorbed by a state
+    unknown_transfer: int = 0  # messages or notifications for no known transfer
+    stale_epoch: int = 0  # for a transfer id known here, but another epoch
+    malformed_notifications: int = 0
+    foreign_peer: int = 0  # about a transfer, but from a peer that is not its peer
+    protocol_violations: int = 0  # an input the table does not allow, from a peer
+    rejected_registrations: int = 0
+    completed: int = 0
+    failed: int = 0
+
+
+_DECODE, _PREFILL = Role.DECODE, Role.PREFILL
+Owner = tuple[TransferKey, Role]
+
+
+class TransferCore:
+    def __init__(self, engine_id: str, num_layers: int, config: CoreConfig | None = None) -> None:
+        if num_layers <= 0:
+            raise ConfigError(f"num_layers must be > 0, got {num_layers}")
+        self.engine_id = engine_id
+        self.num_layers = num_layers
+        self.config = config or CoreConfig()
+        self.ledger = BlockLedger()
+        self.stats = CoreStats()
+        self._machines: dict[Owner, Machine] = {}
+        self._epochs: dict[tuple[str, Role], set[int]] = {}
+        self._ops: dict[int, Owner] = {}
+        self._next_op = 1
+        self._timers: list[tuple[float, int, Owner, int]] = []  # (when, seq, owner, gen); gen -1: gc
+        self._seq = 0
+        self._connected: set[str] = set()
+
+    # ------------------------------------------------------------------ introspection
+
+    def machine(self, key: TransferKey, role: Role) -> Machine:
+        """:raises UnknownTransfer: no such machine (or it was already forgotten)."""
+        try:
+            return self._machines[(key, role)]
+        except KeyError:
+            raise UnknownTransfer(f"no {role.value} transfer {key}") from None
+
+    def machines(self) -> list[Machine]:
+        return list(self._machines.values())
+
+    def live(self) -> list[Machine]:
+        """Machines not yet terminal (including D's NOTIFIED awaiting delivery)."""
+        return [m for m in self._machines.values() if m.state not in TERMINAL]
+
+    def next_deadline(self) -> float | None:
+        while self._timers:
+            when, _, owner, gen = self._timers[0]
+            m = self._machines.get(owner)
+            if gen == -1 or (m is not None and m.timer_gen == gen and m.timer_at == when):
+                return when
+            heapq.heappop(self._timers)
+        return None
+
+    # ------------------------------------------------------------------ local API
+
+    def expect(
+        self,
+        key: TransferKey,
+        *,
+        peer: str,
+        mode: Mode,
+        block_ids: Sequence[int],
+        deadline: float,
+        now: float,
+        expected_batches: int = 1,
+    ) -> list[Action]:
+        """D: these destination blocks will receive transfer `key` from `peer`.
+
+        An older, unfinished epoch of the same transfer id is aborted (superseded).
+
+        :raises InvalidBatch: the block list is empty, repeats a block, or has a bad id.
+        :raises BlockConflict: a block is held or quarantined by another transfer.
+        :raises StaleEpoch: this epoch is not newer than one already seen for the id.
+        :raises ConfigError: bad deadline or batch count.
+        """
+        ids = check_block_ids(block_ids, f"expect {key}", unique=True)
+        if not 1 <= expected_batches <= self.config.max_batches or (mode is Mode.PULL and expected_batches != 1):
+            raise ConfigError(f"expected_batches must be 1..{self.config.max_batches} (1 in pull mode)")
+        if deadline <= now:
+            raise ConfigError(f"deadline {deadline} is not after now {now}")
+        self._check_epoch(key, _DECODE)
+        self.ledger.check_free(ids)
+        actions = self._supersede(key, _DECODE, now)
+        m = self._create(key, _DECODE, mode, peer, deadline, now)
+        m.block_ids, m.expected_batches = ids, expected_batches
+        self.ledger.add(m.owner, ids)
+        if mode is Mode.PUSH and peer in self._connected:
+            actions += self._feed(m, Input.REGISTER, now)
+        return actions
+
+    def kv_ready(
+        self,
+        key: TransferKey,
+        *,
+        block_ids: Sequence[int],
+        now: float,
+        final: bool = True,
+        first_position: int = 0,
+        layers: tuple[int, int] | None = None,
+        mode: Mode = Mode.PUSH,
+        peer: str | None = None,
+        deadline: float | None = None,
+    ) -> list[Action]:
+        """P: KV for block positions ``first_position..`` of `layers` (None: all) is ready in
+        `block_ids`.  `final` marks the last batch.  The first call creates the machine unless
+        D's registration already did.
+
+        :raises InvalidBatch: bad ids, layers out of range, or overlap with an earlier batch.
+        :raises InvalidTransition: the transfer cannot take KV now (e.g. after its last batch).
+        :raises StaleEpoch: a newer epoch of the id exists.
+        :raises ConfigError: missing deadline or (pull) peer, or mode differs from the transfer's.
+        """
+        ids = check_block_ids(block_ids, f"kv_ready {key}", unique=False)
+        span = layers if layers is not None else (0, self.num_layers)
+        if not 0 <= span[0] < span[1] <= self.num_layers or first_position < 0:
+            raise InvalidBatch(f"kv_ready {key}: layers {span} or position {first_position} out of range")
+        if mode is Mode.PULL and span != (0, self.num_layers):
+            raise InvalidBatch(f"kv_ready {key}: pull mode moves whole layers")
+        m = self._machines.get((key, _PREFILL))
+        if m is None:
+            if deadline is None or deadline <= now:
+                raise ConfigError(f"kv_ready {key}: a new transfer needs a deadline after now")
+            if mode is Mode.PULL and peer is None:
+                raise ConfigError(f"kv_ready {key}: pull mode needs the decode peer")
+            self._check_epoch(key, _PREFILL)
+        elif m.mode is not mode:
+            raise ConfigError(f"kv_ready {key}: transfer is {m.mode.value}, not {mode.value}")
+        elif peer is not None and m.peer not in (None, peer):
+            raise ConfigError(f"kv_ready {key}: transfer's peer is {m.peer}, not {peer}")
+        input_ = Input.PREFILL_FINISHED if final else Input.KV_READY
+        state = m.state if m is not None else initial_state(_PREFILL)
+        step = transition(mode, _PREFILL, state, input_, str(key))
+        batches = m.batches if m is not None else []
+        if len(batches) >= self.config.max_batches:
+            raise InvalidBatch(f"kv_ready {key}: more than {self.config.max_batches} batches")
+        batch = next_batch(key, batches, first_position, ids, span)
+        consumed = Act.RETURN_BATCH not in step.acts
+        if consumed and mode is Mode.PULL and final:
+            staged = sorted([*batches, batch], key=lambda b: b.first)
+            if staged[0].first or any(a.stop != b.first for a, b in zip(staged, staged[1:], strict=False)):
+                raise InvalidBatch(f"kv_ready {key}: pull batches must cover positions 0..n without gaps")
+        # Validated: from here on nothing raises for the caller's input.
+        actions: list[Action] = []
+        if m is None:
+            actions = self._supersede(key, _PREFILL, now)
+            m = self._create(key, _PREFILL, mode, peer, deadline or now, now)
+        if not consumed:
+            return actions + self._feed(m, input_, now, returned=ids)
+        if m.peer is None:
+            m.peer = peer
+        m.started_locally = True
+        mismatch = m.push_mismatch(self.num_layers, batch, final=final)
+        m.batches.append(batch)
+        m.final_seen = final
+        self.ledger.add(m.owner, ids)
+        if mismatch is not None:
+            batch.submitted = True  # never write a batch of a transfer that cannot complete
+            return actions + self._feed(m, Input.INCOMPATIBLE, now, reason=mismatch)
+        return actions + self._feed(m, input_, now)
+
+    def abort(self, key: TransferKey, role: Role, now: float, reason: str = "aborted by caller") -> list[Action]:
+        """Give up on a transfer.  Idempotent once the transfer has ended.
+
+        :raises UnknownTransfer: no such transfer.
+        :raises InvalidTransition: never in practice: every state accepts ABORT.
+        """
+        return self._feed(self.machine(key, role), Input.ABORT, now, reason=reason)
+
+    def delivered(self, key: TransferKey, now: float) -> list[Action]:
+        """D: the consumer has taken the blocks of a NOTIFIED transfer.
+
+        :raises UnknownTransfer: no such transfer.
+        :raises InvalidTransition: the transfer is not NOTIFIED.
+        """
+        return self._feed(self.machine(key, _DECODE), Input.DELIVERED, now)
+
+    def abort_all(self, now: float, reason: str) -> list[Action]:
+        actions: list[Action] = []
+        for m in self.live():
+            actions += self._feed(m, Input.ABORT, now, reason=reason)
+        return actions
+
+    # ------------------------------------------------------------------ peers and time
+
+    def peer_connected(self, peer: str, now: float) -> list[Action]:
+        """The control channel to `peer` is up: send registrations that were waiting for it."""
+        self._connected.add(peer)
+        actions: list[Action] = []
+        for m in list(self._machines.values()):
+            if m.peer == peer and m.state is State.ALLOCATED and m.mode is Mode.PUSH:
+                actions += self._feed(m, Input.REGISTER, now)
+        return actions
+
+    def peer_lost(self, peer: str, now: float) -> list[Action]:
+        """`peer` was declared dead *and torn down*: nothing it issued can still land here."""
+        self._connected.discard(peer)
+        actions: list[Action] = []
+        for m in list(self._machines.values()):
+            if m.peer == peer and m.state not in TERMINAL:
+                actions += self._feed(m, Input.PEER_LOST, now, reason=f"peer {peer} lost")
+        return actions
+
+    def timer(self, now: float) -> list[Action]:
+        """Feed DEADLINE to every machine whose timer has passed; forget old finished ones."""
+        actions: list[Action] = []
+        while self._timers and self._timers[0][0] <= now:
+            when, _, owner, gen = heapq.heappop(self._timers)
+            m = self._machines.get(owner)
+            if m is None:
+                continue
+            if gen == -1:
+                if m.state in TERMINAL and m.finished_at is not None:
+                    self._forget(m)
+                continue
+            if m.timer_gen == gen and m.timer_at == when:
+                m.timer_at = None
+                reason = "fence timed out" if m.state in FENCING else "deadline reached"
+                actions += self._feed(m, Input.DEADLINE, now, reason=reason)
+        return actions
+
+    # ------------------------------------------------------------------ data plane
+
+    def op_submitted(self, op_id: int, now: float) -> list[Action]:
+        owner = self._ops.get(op_id)
+        m = self._machines.get(owner) if owner is not None else None
+        if m is None or op_id not in m.inflight:
+            return []
+        return self._feed(m, Input.OP_SUBMITTED, now)
+
+    def op_finished(self, op_id: int, now: float, error: str | None = None) -> list[Action]:
+        """An op this engine submitted completed (`error` None) or failed.  Per the transport
+        contract, either way it will not touch memory any more."""
+        owner = self._ops.pop(op_id, None)
+        m = self._machines.get(owner) if owner is not None else None
+        if m is None or op_id not in m.inflight:
+            return []
+        m.inflight.discard(op_id)
+        last = not m.inflight
+        if error is None:
+            input_ = Input.LAST_OP_COMPLETED if last else Input.OP_COMPLETED
+        else:
+            input_ = Input.LAST_OP_FAILED if last else Input.OP_FAILED
+        return self._feed(m, input_, now, reason=error or "")
+
+    def notification(self, peer: str, payload: bytes, now: float) -> list[Action]:
+        """A WRITE notification arrived from `peer` (push, on D)."""
+        try:
+            key, batch = decode_notification(payload)
+        except PeerProtocolError:
+            self.stats.malformed_notifications += 1
+            return []
+        m = self._lookup(key, _DECODE)
+        if m is None:
+            return []
+        if m.mode is not Mode.PUSH or m.peer != peer:
+            self.stats.foreign_peer += 1
+            return []
+        if batch >= m.expected_batches:
+            return self._remote(m, Input.INCOMPATIBLE, now, f"notification for batch {batch} of {m.expected_batches}")
+        if batch in m.landed:
+            return self._remote(m, Input.DUPLICATE, now)
+        last = len(m.landed) + 1 == m.expected_batches
+        input_ = Input.LAST_BATCH_LANDED if last else Input.BATCH_LANDED
+        try:
+            transition(m.mode, m.role, m.state, input_, str(key))
+        except InvalidTransition:
+            self.stats.protocol_violations += 1
+            return []
+        m.landed.add(batch)
+        return self._feed(m, input_, now)
+
+    # ------------------------------------------------------------------ control messages
+
+    def receive(self, peer: str, message: Message, now: float) -> list[Action]:
+        """A control message from `peer`.  Never raises for anything the peer sent."""
+        if isinstance(message, Registration):
+            return self._on_registration(peer, message, now)
+        if isinstance(message, Ready):
+            return self._on_ready(peer, message, now)
+        key = message.key
+        role = _PREFILL if isinstance(message, Done) else None
+        m = self._lookup_any(key, peer, role)
+        if m is None:
+            if isinstance(message, Notice):
+                return [SendMessage(peer, Quiesced(key))]  # nothing of an unknown transfer is in flight
+            return []
+        if isinstance(message, Notice):
+            input_ = Input.PEER_ABORTED if message.outcome == Outcome.ABORTED.value else Input.PEER_FAILED
+            return self._remote(m, input_, now, f"peer {message.outcome}: {message.reason}")
+        if isinstance(message, Quiesced):
+            return self._remote(m, Input.PEER_QUIESCED, now)
+        return self._remote(m, Input.PEER_DONE, now)
+
+    def _on_registration(self, peer: str, reg: Registration, now: float) -> list[Action]:
+        key = reg.key
+        m = self._machines.get((key, _PREFILL))
+        if m is None:
+            problem = self._registration_problem(reg)
+            newer = [e for e in self._epochs.get((key.transfer_id, _PREFILL), ()) if e > key.epoch]
+            if newer:
+                self.stats.stale_epoch += 1
+                problem = f"epoch {key.epoch} is older than {max(newer)}"
+            elif problem is None and sum(not x.started_locally for x in self.live()) >= self.config.max_unstarted:
+                problem = "too many registrations for transfers not started here"
+            if problem is not None:
+                self.stats.rejected_registrations += 1
+                return [SendMessage(peer, Notice(key, Outcome.FAILED.value, problem)), SendMessage(peer, Quiesced(key))]
+            m = self._create(key, _PREFILL, Mode.PUSH, peer, now + min(reg.ttl, self.config.max_ttl), now)
+            m.started_locally = False
+        if m.mode is not Mode.PUSH or m.peer not in (None, peer):
+            self.stats.foreign_peer += 1
+            return []
+        if m.remote_blocks is not None:
+            return self._remote(m, Input.DUPLICATE, now)
+        try:
+            transition(m.mode, m.role, m.state, Input.REGISTRATION_RECEIVED, str(key))
+        except InvalidTransition:
+            self.stats.protocol_violations += 1
+            return []
+        m.peer = peer
+        problem = self._registration_problem(reg)
+        if problem is None:
+            m.remote_blocks, m.remote_expected = reg.block_ids, reg.expected_batches
+            self._set_deadline(m, min(m.deadline, now + min(reg.ttl, self.config.max_ttl)))
+            problem = m.push_mismatch(self.num_layers)
+        if problem is not None and m.state not in TERMINAL:
+            return self._remote(m, Input.INCOMPATIBLE, now, problem)
+        return self._feed(m, Input.REGISTRATION_RECEIVED, now, reason=m.reason or "transfer already ended")
+
+    def _registration_problem(self, reg: Registration) -> str | None:
+        try:
+            check_block_ids(reg.block_ids, "registration", unique=True)
+        except InvalidBatch as exc:
+            return str(exc)
+        if not 1 <= reg.expected_batches <= self.config.max_batches or not reg.ttl > 0:
+            return "registration has a bad batch count or time-to-live"
+        return None
+
+    def _on_ready(self, peer: str, ready: Ready, now: float) -> list[Action]:
+        m = self._lookup(ready.key, _DECODE)
+        if m is None:
+            return []
+        if m.mode is not Mode.PULL or m.peer != peer:
+            self.stats.foreign_peer += 1
+            return []
+        if m.remote_blocks is not None:
+            return self._remote(m, Input.DUPLICATE, now)
+        try:
+            blocks = check_block_ids(ready.block_ids, "ready", unique=False)
+        except InvalidBatch as exc:
+            return self._remote(m, Input.INCOMPATIBLE, now, str(exc))
+        if len(blocks) != len(m.block_ids):
+            return self._remote(
+                m, Input.INCOMPATIBLE, now, f"P is ready with {len(blocks)} blocks, D expects {len(m.block_ids)}"
+            )
+        try:
+            transition(m.mode, m.role, m.state, Input.READY_RECEIVED, str(m.key))
+        except InvalidTransition:
+            self.stats.protocol_violations += 1
+            return []
+        m.remote_blocks = blocks
+        m.batches.append(next_batch(m.key, (), 0, m.block_ids, (0, self.num_layers)))
+        return self._feed(m, Input.READY_RECEIVED, now)
+
+    # ------------------------------------------------------------------ machinery
+
+    def _lookup(self, key: TransferKey, role: Role) -> Machine | None:
+        m = self._machines.get((key, role))
+        if m is None:
+            if (key.transfer_id, role) in self._epochs:
+                self.stats.stale_epoch += 1
+            else:
+                self.stats.unknown_transfer += 1
+        return m
+
+    def _lookup_any(self, key: TransferKey, peer: str, role: Role | None) -> Machine | None:
+        roles = (role,) if role is not None else (_DECODE, _PREFILL)
+        candidates = [self._machines[(key, r)] for r in roles if (key, r) in self._machines]
+        for m in candidates:
+            if m.peer == peer:
+                return m
+        if candidates:
+            self.stats.foreign_peer += 1
+        elif any((key.transfer_id, r) in self._epochs for r in roles):
+            self.stats.stale_epoch += 1
+        else:
+            self.stats.unknown_transfer += 1
+        return None
+
+    def _remote(self, m: Machine, input_: Input, now: float, reason: str = "") -> list[Action]:
+        """Feed an input that a peer caused: a disallowed one is counted, never raised."""
+        try:
+            return self._feed(m, input_, now, reason=reason)
+        except InvalidTransition:
+            self.stats.protocol_violations += 1
+            return []
+
+    def _check_epoch(self, key: TransferKey, role: Role) -> None:
+        seen = self._epochs.get((key.transfer_id, role), set())
+        if seen and max(seen) >= key.epoch:
+            raise StaleEpoch(f"{role.value} transfer {key.transfer_id!r} already has epoch {max(seen)}")
+
+    def _supersede(self, key: TransferKey, role: Role, now: float) -> list[Action]:
+        actions: list[Action] = []
+        for epoch in sorted(self._epochs.get((key.transfer_id, role), ())):
+            old = self._machines[(TransferKey(key.transfer_id, epoch), role)]
+            if old.state in ACTIVE:
+                actions += self._feed(old, Input.ABORT, now, reason=f"superseded by epoch {key.epoch}")
+        return actions
+
+    def _create(
+        self, key: TransferKey, role: Role, mode: Mode, peer: str | None, deadline: float, now: float
+    ) -> Machine:
+        m = Machine(key, role, mode, peer, deadline, now)
+        self._machines[m.owner] = m
+        self._epochs.setdefault((key.transfer_id, role), set()).add(key.epoch)
+        self.ledger.open(m.owner, exclusive=role is _DECODE)
+        self._set_timer(m, deadline)
+        return m
+
+    def _forget(self, m: Machine) -> None:
+        del self._machines[m.owner]
+        epochs = self._epochs[(m.key.transfer_id, m.role)]
+        epochs.discard(m.key.epoch)
+        if not epochs:
+            del self._epochs[(m.key.transfer_id, m.role)]
+        for op in m.inflight:
+            self._ops.pop(op, None)
+
+    def _set_deadline(self, m: Machine, deadline: float) -> None:
+        m.deadline = deadline
+        if m.state in ACTIVE:
+            self._set_timer(m, deadline)
+
+    def _set_timer(self, m: Machine, when: float | None) -> None:
+        if when is not None and when == m.timer_at:
+            return
+        m.timer_gen += 1
+        m.timer_at = when
+        if when is not None:
+            self._seq += 1
+            heapq.heappush(self._timers, (when, self._seq, m.owner, m.timer_gen))
+
+    def _feed(
+        self, m: Machine, input_: Input, now: float, *, reason: str = "", returned: tuple[int, ...] = ()
+    ) -> list[Action]:
+        step = transition(m.mode, m.role, m.state, input_, str(m.key))
+        old, m.state = m.state, step.target
+        actions: list[Action] = []
+        for act in step.acts:
+            self._act(m, act, now, reason, returned, actions)
+        if step.target is not old or input_ is Input.DEADLINE:
+            self._retime(m, old, input_, now)
+        if step.target in FENCING and old not in FENCING and is_initiator(m.mode, m.role) and not m.inflight:
+            actions += self._feed(m, Input.OPS_DRAINED, now)
+        return actions
+
+    def _retime(self, m: Machine, old: State, input_: Input, now: float) -> None:
+        target = m.state
+        if target in ACTIVE:
+            self._set_timer(m, m.deadline)
+        elif target in FENCING and (old not in FENCING or input_ is Input.DEADLINE):
+            self._set_timer(m, now + self.config.fence_timeout)
+        elif target is State.NOTIFIED and m.role is _PREFILL:
+            self._set_timer(m, now + self.config.fence_timeout)  # wait for D's acknowledgement
+        elif target not in FENCING:
+            self._set_timer(m, None)
+        if target in TERMINAL and old not in TERMINAL:
+            m.finished_at = now
+            if m.outcome is Outcome.SUCCEEDED or (m.outcome is None and target is State.DONE):
+                self.stats.completed += 1
+            else:
+                self.stats.failed += 1
+            self._seq += 1
+            heapq.heappush(self._timers, (now + self.config.retention, self._seq, m.owner, -1))
+
+    def _act(self, m: Machine, act: Act, now: float, reason: str, returned: tuple[int, ...], out: list[Action]) -> None:
+        key = m.key
+        if act is Act.IGNORE:
+            self.stats.ignored += 1
+        elif act is Act.RESOLVE:
+            outcome = outcome_of(m.state) or Outcome.FAILED  # RESOLVE only leads to decided states
+            m.outcome = outcome
+            m.reason = reason or ("ok" if outcome is Outcome.SUCCEEDED else m.state.value)
+            out.append(Resolve(key, m.role, outcome, m.reason))
+        elif act is Act.QUARANTINE:
+            self.ledger.quarantine(m.owner)
+        elif act is Act.RELEASE:
+            blocks = self.ledger.release(m.owner)
+            m.released.update(blocks)
+            if blocks:
+                out.append(ReleaseBlocks(key, m.role, blocks, m.outcome or Outcome.SUCCEEDED))
+        elif act is Act.RETURN_BATCH:
+            # A batch that will never be written: it joins the hold while the hold may still be
+            # read by an op in flight (and leaves with it), else it goes back now.  Either way
+            # each block of the transfer is released once.
+            if self.ledger.holds(m.owner):
+                self.ledger.add(m.owner, returned)
+            else:
+                fresh = tuple(dict.fromkeys(b for b in returned if b not in m.released))
+                m.released.update(fresh)
+                if fresh:
+                    out.append(ReleaseBlocks(key, m.role, fresh, m.outcome or Outcome.ABORTED))
+        elif act is Act.DECLARE_PEER_LOST:
+            if m.peer is not None:
+                out.append(DeclarePeerLost(m.peer, f"no fence from peer for {key} within {self.config.fence_timeout}s"))
+        elif m.peer is None:
+            return  # nobody to tell or write to yet
+        elif act is Act.SUBMIT_PENDING:
+            self._submit(m, out)
+        elif act is Act.SEND_REGISTRATION:
+            ttl = max(m.deadline - now, 0.0)
+            out.append(SendMessage(m.peer, Registration(key, m.block_ids, m.expected_batches, ttl)))
+        elif act is Act.SEND_READY:
+            out.append(SendMessage(m.peer, Ready(key, m.pull_source_blocks())))
+        elif act is Act.SEND_ABORT:
+            outcome = m.outcome or outcome_of(m.state) or Outcome.FAILED
+            out.append(SendMessage(m.peer, Notice(key, outcome.value, m.reason or reason)))
+        elif act is Act.SEND_QUIESCED:
+            out.append(SendMessage(m.peer, Quiesced(key)))
+        elif act is Act.SEND_DONE:
+            out.append(SendMessage(m.peer, Done(key)))
+
+    def _submit(self, m: Machine, out: list[Action]) -> None:
+        peer, remote_blocks = m.peer, m.remote_blocks
+        if peer is None or remote_blocks is None:
+            return  # the table submits only once the peer's blocks are known
+        for batch in m.batches:
+            if batch.submitted:
+                continue
+            batch.submitted = True
+            op_id, self._next_op = self._next_op, self._next_op + 1
+            self._ops[op_id] = m.owner
+            m.inflight.add(op_id)
+            if m.mode is Mode.PUSH:
+                remote = remote_blocks[batch.first : batch.stop]
+                layers = None if batch.layers == (0, self.num_layers) else batch.layers
+                note = encode_notification(m.key, batch.index)
+                out.append(SubmitOp(op_id, m.key, peer, OpKind.WRITE, batch.block_ids, remote, layers, note))
+            else:
+                out.append(SubmitOp(op_id, m.key, peer, OpKind.READ, m.block_ids, remote_blocks, None, b""))

@@ -1,0 +1,157 @@
+"""kvflow's exception hierarchy: one root, errors named by what went wrong.
+
+Why a single module: every public function documents what it raises, and callers catch
+`KVFlowError` to be sure nothing from a backend library escapes.  Backends translate their own
+exceptions at the edge with `map_exceptions`, so `nixl`, `zmq` or `msgpack` exception types never
+cross a kvflow boundary.
+
+Messages follow h11's style: lower case, and they carry the state that made the operation fail
+(transfer, state, input, field), so a log line alone says what happened.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+
+__all__ = (
+    "BlockConflict",
+    "ConfigError",
+    "EngineClosed",
+    "EngineCrashed",
+    "InvalidBatch",
+    "InvalidTransition",
+    "KVFlowError",
+    "LayoutMismatch",
+    "PeerProtocolError",
+    "PeerUnknown",
+    "StaleEpoch",
+    "TransferFailed",
+    "TransferTimeout",
+    "TransportError",
+    "TransportUnavailable",
+    "UnknownTransfer",
+    "UnknownTransport",
+    "map_exceptions",
+)
+
+
+class KVFlowError(Exception):
+    """Root of every exception kvflow raises."""
+
+
+class InvalidTransition(KVFlowError):
+    """An input that the transition table does not allow in the machine's current state.
+
+    The machine is left exactly as it was.
+    """
+
+    def __init__(self, transfer: str, state: str, input_: str) -> None:
+        self.transfer = transfer
+        self.state = state
+        self.input = input_
+        super().__init__(f"can't handle {input_} when transfer={transfer!r} and state={state}")
+
+
+class UnknownTransfer(KVFlowError, KeyError):
+    """No transfer with this id and epoch is known here."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable.
+        return str(self.args[0]) if self.args else "unknown transfer"
+
+
+class StaleEpoch(KVFlowError):
+    """A transfer was started again with an epoch that is not newer than one already seen."""
+
+
+class BlockConflict(KVFlowError):
+    """A destination block is already held by another live or quarantined transfer."""
+
+
+class InvalidBatch(KVFlowError, ValueError):
+    """A batch of KV blocks is malformed: empty, out of range, overlapping, or too many."""
+
+
+class ConfigError(KVFlowError, ValueError):
+    """A configuration value or layout description is invalid."""
+
+
+class LayoutMismatch(KVFlowError):
+    """Two peers' KV layouts are incompatible; `field` names the first field that differs."""
+
+    def __init__(self, field: str, local: object, remote: object) -> None:
+        self.field = field
+        self.local = local
+        self.remote = remote
+        super().__init__(f"kv layout mismatch on {field}: local={local!r} remote={remote!r}")
+
+
+class UnknownTransport(KVFlowError, LookupError):
+    """No transport is registered under the requested name."""
+
+
+class EngineClosed(KVFlowError):
+    """The engine was closed; it accepts no more work."""
+
+
+class EngineCrashed(KVFlowError):
+    """A background task of the engine raised; `errors` holds what was recorded."""
+
+    def __init__(self, errors: list[BaseException]) -> None:
+        self.errors = list(errors)
+        first = errors[0] if errors else None
+        super().__init__(f"engine background task failed {len(errors)} time(s); first: {first!r}")
+
+
+class PeerProtocolError(KVFlowError):
+    """A peer sent a malformed or unexpected control message or notification."""
+
+
+class PeerUnknown(KVFlowError):
+    """An operation named a peer that has not completed a handshake with this engine."""
+
+
+class TransferFailed(KVFlowError):
+    """A transfer ended without its KV blocks arriving.
+
+    `outcome` is one of "aborted", "failed", "expired"; `reason` says why.
+    """
+
+    def __init__(self, transfer: str, outcome: str, reason: str) -> None:
+        self.transfer = transfer
+        self.outcome = outcome
+        self.reason = reason
+        super().__init__(f"transfer {transfer!r} {outcome}: {reason}")
+
+
+class TransferTimeout(KVFlowError, TimeoutError):
+    """A wait ran past its deadline."""
+
+
+class TransportError(KVFlowError):
+    """The only family of exceptions a transport may raise."""
+
+
+class TransportUnavailable(TransportError):
+    """A transport's library or device is missing; the message carries an install hint."""
+
+
+@contextlib.contextmanager
+def map_exceptions(mapping: Mapping[type[BaseException], type[KVFlowError]], context: str = "") -> Iterator[None]:
+    """Re-raise third-party exceptions as kvflow exceptions (httpcore's `map_exceptions`).
+
+    The first entry whose key matches the raised exception wins; kvflow exceptions pass
+    through untouched, and unmatched exceptions propagate unchanged so that bugs stay visible.
+
+    :raises KVFlowError: the mapped exception, chained to the original with ``from``.
+    """
+    try:
+        yield
+    except KVFlowError:
+        raise
+    except Exception as exc:
+        for source, target in mapping.items():
+            if isinstance(exc, source):
+                prefix = f"{context}: " if context else ""
+                raise target(f"{prefix}{type(exc).__name__}: {exc}") from exc
+        raise

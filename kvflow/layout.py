@@ -1,0 +1,350 @@
+"""KV-cache layout: where each logical block's bytes live, and how to move a set of blocks.
+
+Why this module: the transfer engine moves *logical block ids*; transports move *byte ranges*.
+This is the pure mapping between the two.  A layout is a set of registered memory regions and,
+per layer, one or more block arrays (for example vLLM's FlashAttention cache keeps K and V as two
+arrays per layer).  Block `b` of an array occupies `[offset + b * stride, + block_len)` of its
+region.
+
+`plan_transfer` turns (local blocks, remote blocks, layers) into descriptors and **coalesces**
+runs that are contiguous on both sides into one descriptor: with vLLM's block size of 16 a long
+prompt otherwise becomes tens of thousands of small RDMA ops.  It is vectorised with numpy
+because it runs on the writer thread for every batch.
+
+`fingerprint` / `check_compatible` let two peers compare the model-level shape of their caches
+and name the first field that differs, before any byte moves.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kvflow.errors import ConfigError, InvalidBatch, LayoutMismatch
+
+__all__ = (
+    "DTYPE_SIZES",
+    "FINGERPRINT_FIELDS",
+    "BlockArray",
+    "Descriptor",
+    "DescriptorPlan",
+    "KVLayout",
+    "KVSpec",
+    "MemoryType",
+    "Region",
+    "check_compatible",
+    "fingerprint",
+    "plan_transfer",
+)
+
+LAYOUT_FORMAT = 1
+
+DTYPE_SIZES: Mapping[str, int] = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int8": 1,
+    "uint8": 1,
+}
+
+
+class MemoryType(enum.Enum):
+    DRAM = "DRAM"  # host memory: numpy arrays, CPU tensors, POSIX shared memory
+    VRAM = "VRAM"  # device memory: CUDA tensors (GPUDirect), Neuron HBM through LIBFABRIC
+
+
+@dataclass(frozen=True, slots=True)
+class Region:
+    """A registered span of memory: base address, length, memory type and device id."""
+
+    base: int
+    length: int
+    memory: MemoryType = MemoryType.DRAM
+    device_id: int = 0
+
+    def __post_init__(self) -> None:
+        if self.base < 0 or self.length <= 0 or self.device_id < 0:
+            raise ConfigError(f"region needs base >= 0, length > 0, device_id >= 0, got {self}")
+
+
+@dataclass(frozen=True, slots=True)
+class BlockArray:
+    """`num_blocks` equally sized blocks of one layer inside one region."""
+
+    region: int
+    offset: int
+    stride: int
+    layer: int
+
+
+@dataclass(frozen=True, slots=True)
+class KVSpec:
+    """The model-level shape of a KV cache; both peers must agree on it."""
+
+    num_layers: int
+    block_size: int  # tokens per block
+    num_kv_heads: int
+    head_dim: int
+    dtype: str = "bfloat16"
+    kv_layout: str = "NHD"
+    arrays_per_layer: int = 2  # 2: K and V kept apart (FlashAttention); 1: joint K/V blocks
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "block_size", "num_kv_heads", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"kv spec field {name} must be > 0, got {getattr(self, name)}")
+        if self.dtype not in DTYPE_SIZES:
+            raise ConfigError(f"kv spec dtype {self.dtype!r} is not one of {sorted(DTYPE_SIZES)}")
+        if self.arrays_per_layer not in (1, 2):
+            raise ConfigError(f"kv spec arrays_per_layer must be 1 or 2, got {self.arrays_per_layer}")
+
+    @property
+    def block_len(self) -> int:
+        """Bytes of one block in one array."""
+        per_token = self.num_kv_heads * self.head_dim * DTYPE_SIZES[self.dtype]
+        return self.block_size * per_token * (2 // self.arrays_per_layer)
+
+
+FINGERPRINT_FIELDS = (
+    "format",
+    "num_layers",
+    "block_size",
+    "num_kv_heads",
+    "head_dim",
+    "dtype",
+    "kv_layout",
+    "arrays_per_layer",
+    "block_len",
+)
+
+
+def fingerprint(spec: KVSpec) -> dict[str, int | str]:
+    """What two peers compare before transferring: every field that must be equal."""
+    return {
+        "format": LAYOUT_FORMAT,
+        "num_layers": spec.num_layers,
+        "block_size": spec.block_size,
+        "num_kv_heads": spec.num_kv_heads,
+        "head_dim": spec.head_dim,
+        "dtype": spec.dtype,
+        "kv_layout": spec.kv_layout,
+        "arrays_per_layer": spec.arrays_per_layer,
+        "block_len": spec.block_len,
+    }
+
+
+def check_compatible(local: Mapping[str, Any], remote: Mapping[str, Any]) -> None:
+    """Compare two fingerprints field by field, in `FINGERPRINT_FIELDS` order.
+
+    :raises LayoutMismatch: naming the first field that differs or is missing.
+    """
+    for name in FINGERPRINT_FIELDS:
+        if local.get(name) != remote.get(name):
+            raise LayoutMismatch(name, local.get(name), remote.get(name))
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Where a KV cache lives: regions plus, per layer, `arrays_per_layer` block arrays."""
+
+    spec: KVSpec
+    num_blocks: int
+    regions: tuple[Region, ...]
+    arrays: tuple[BlockArray, ...]
+    _by_layer: tuple[tuple[BlockArray, ...], ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        spec = self.spec
+        if self.num_blocks <= 0:
+            raise ConfigError(f"layout num_blocks must be > 0, got {self.num_blocks}")
+        by_layer: list[list[BlockArray]] = [[] for _ in range(spec.num_layers)]
+        for array in self.arrays:
+            if not 0 <= array.layer < spec.num_layers:
+                raise ConfigError(f"block array {array} names layer outside 0..{spec.num_layers - 1}")
+            if not 0 <= array.region < len(self.regions):
+                raise ConfigError(f"block array {array} names region outside 0..{len(self.regions) - 1}")
+            if array.stride < spec.block_len or array.offset < 0:
+                raise ConfigError(f"block array {array} has stride < block_len {spec.block_len} or offset < 0")
+            end = array.offset + (self.num_blocks - 1) * array.stride + spec.block_len
+            if end > self.regions[array.region].length:
+                raise ConfigError(
+                    f"block array {array} ends at byte {end}, past its region of "
+                    f"{self.regions[array.region].length} bytes"
+                )
+            by_layer[array.layer].append(array)
+        for layer, arrays in enumerate(by_layer):
+            if len(arrays) != spec.arrays_per_layer:
+                raise ConfigError(f"layer {layer} has {len(arrays)} block arrays, spec says {spec.arrays_per_layer}")
+        object.__setattr__(self, "_by_layer", tuple(tuple(a) for a in by_layer))
+
+    @property
+    def block_len(self) -> int:
+        return self.spec.block_len
+
+    def layer_arrays(self, layer: int) -> tuple[BlockArray, ...]:
+        return self._by_layer[layer]
+
+    @classmethod
+    def per_layer_regions(cls, spec: KVSpec, num_blocks: int, regions: Sequence[Region]) -> KVLayout:
+        """One region per layer, each holding all K blocks then all V blocks (vLLM's
+        FlashAttention shape ``(2, num_blocks, block_size, heads, head_dim)``), or joint blocks
+        when `arrays_per_layer` is 1.
+
+        :raises ConfigError: wrong number of regions, or a region too small.
+        """
+        if len(regions) != spec.num_layers:
+            raise ConfigError(f"need one region per layer ({spec.num_layers}), got {len(regions)}")
+        span = num_blocks * spec.block_len
+        arrays = tuple(
+            BlockArray(region=layer, offset=k * span, stride=spec.block_len, layer=layer)
+            for layer in range(spec.num_layers)
+            for k in range(spec.arrays_per_layer)
+        )
+        return cls(spec, num_blocks, tuple(regions), arrays)
+
+    @classmethod
+    def single_region(cls, spec: KVSpec, num_blocks: int, region: Region, *, block_major: bool = False) -> KVLayout:
+        """Every layer in one region.
+
+        Layer-major (default): layer 0's arrays, then layer 1's, ...  Block-major: all arrays of
+        block 0 side by side, then block 1, ... (the HND-style cross-layer layout in which one
+        block of every layer is one contiguous run).
+
+        :raises ConfigError: the region is too small for the layout.
+        """
+        n_arrays = spec.num_layers * spec.arrays_per_layer
+        arrays = []
+        for layer in range(spec.num_layers):
+            for k in range(spec.arrays_per_layer):
+                index = layer * spec.arrays_per_layer + k
+                if block_major:
+                    arrays.append(BlockArray(0, index * spec.block_len, n_arrays * spec.block_len, layer))
+                else:
+                    arrays.append(BlockArray(0, index * num_blocks * spec.block_len, spec.block_len, layer))
+        return cls(spec, num_blocks, (region,), tuple(arrays))
+
+    def required_bytes(self, region: int) -> int:
+        """Smallest length region `region` may have for this layout."""
+        ends = [a.offset + (self.num_blocks - 1) * a.stride + self.block_len for a in self.arrays if a.region == region]
+        return max(ends, default=0)
+
+
+@dataclass(frozen=True, slots=True)
+class Descriptor:
+    local_region: int
+    local_offset: int
+    remote_region: int
+    remote_offset: int
+    length: int
+
+
+@dataclass(frozen=True)
+class DescriptorPlan:
+    """Byte ranges to move, one row per descriptor, as parallel int64 arrays."""
+
+    local_region: npt.NDArray[np.int64]
+    local_offset: npt.NDArray[np.int64]
+    remote_region: npt.NDArray[np.int64]
+    remote_offset: npt.NDArray[np.int64]
+    length: npt.NDArray[np.int64]
+    uncoalesced: int  # how many descriptors there were before coalescing
+
+    def __len__(self) -> int:
+        return int(self.length.shape[0])
+
+    @property
+    def total_bytes(self) -> int:
+        return int(self.length.sum())
+
+    def __iter__(self) -> Iterator[Descriptor]:
+        for row in zip(
+            self.local_region.tolist(),
+            self.local_offset.tolist(),
+            self.remote_region.tolist(),
+            self.remote_offset.tolist(),
+            self.length.tolist(),
+            strict=True,
+        ):
+            yield Descriptor(*row)
+
+
+def _as_block_ids(
+    blocks: Sequence[int] | npt.NDArray[np.integer[Any]], num_blocks: int, side: str
+) -> npt.NDArray[np.int64]:
+    ids = np.asarray(blocks, dtype=np.int64).reshape(-1)
+    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
+        raise InvalidBatch(f"{side} block id out of range 0..{num_blocks - 1}")
+    return ids
+
+
+def plan_transfer(
+    local: KVLayout,
+    remote: KVLayout,
+    local_blocks: Sequence[int] | npt.NDArray[np.integer[Any]],
+    remote_blocks: Sequence[int] | npt.NDArray[np.integer[Any]],
+    layers: tuple[int, int] | None = None,
+    *,
+    coalesce: bool = True,
+) -> DescriptorPlan:
+    """Descriptors that move local block ``local_blocks[i]`` to/from remote block
+    ``remote_blocks[i]`` in every array of every layer in ``range(*layers)`` (all layers when
+    None).  With `coalesce`, runs contiguous on both sides become one descriptor.
+
+    :raises InvalidBatch: the block lists differ in length, are empty, or name a block outside
+        its layout; or `layers` is outside the model.
+    :raises LayoutMismatch: the two layouts' block lengths or array counts differ.
+    """
+    if local.block_len != remote.block_len:
+        raise LayoutMismatch("block_len", local.block_len, remote.block_len)
+    if local.spec.arrays_per_layer != remote.spec.arrays_per_layer:
+        raise LayoutMismatch("arrays_per_layer", local.spec.arrays_per_layer, remote.spec.arrays_per_layer)
+    lids = _as_block_ids(local_blocks, local.num_blocks, "local")
+    rids = _as_block_ids(remote_blocks, remote.num_blocks, "remote")
+    if lids.size != rids.size or lids.size == 0:
+        raise InvalidBatch(f"need equal, non-empty block lists, got {lids.size} local and {rids.size} remote")
+    first, stop = layers if layers is not None else (0, local.spec.num_layers)
+    if not 0 <= first < stop <= min(local.spec.num_layers, remote.spec.num_layers):
+        raise InvalidBatch(f"layers {first}..{stop} outside the model's {local.spec.num_layers} layers")
+
+    pairs = [
+        (la, ra)
+        for layer in range(first, stop)
+        for la, ra in zip(local.layer_arrays(layer), remote.layer_arrays(layer), strict=True)
+    ]
+    n = lids.size
+    local_region = np.repeat(np.array([la.region for la, _ in pairs], dtype=np.int64), n)
+    remote_region = np.repeat(np.array([ra.region for _, ra in pairs], dtype=np.int64), n)
+    local_offset = np.concatenate([la.offset + lids * la.stride for la, _ in pairs])
+    remote_offset = np.concatenate([ra.offset + rids * ra.stride for _, ra in pairs])
+    length = np.full(local_offset.shape, local.block_len, dtype=np.int64)
+    uncoalesced = int(length.size)
+    if not coalesce or uncoalesced == 1:
+        return DescriptorPlan(local_region, local_offset, remote_region, remote_offset, length, uncoalesced)
+
+    order = np.lexsort((local_offset, local_region))
+    local_region, local_offset = local_region[order], local_offset[order]
+    remote_region, remote_offset = remote_region[order], remote_offset[order]
+    block = local.block_len
+    continues = (
+        (local_region[1:] == local_region[:-1])
+        & (remote_region[1:] == remote_region[:-1])
+        & (local_offset[1:] == local_offset[:-1] + block)
+        & (remote_offset[1:] == remote_offset[:-1] + block)
+    )
+    starts = np.concatenate(([0], np.flatnonzero(~continues) + 1))
+    merged_length = np.diff(np.concatenate((starts, [uncoalesced]))).astype(np.int64) * block
+    return DescriptorPlan(
+        local_region[starts],
+        local_offset[starts],
+        remote_region[starts],
+        remote_offset[starts],
+        merged_length,
+        uncoalesced,
+    )

@@ -1,0 +1,126 @@
+"""The block ledger: which transfer holds which KV blocks, and the rule that each hold ends once.
+
+Why a ledger separate from the state machine: the table decides *when* a transfer releases;
+the ledger makes sure that a release happens exactly once and that no destination block is
+handed to two transfers at the same time, including a block still quarantined because a
+peer's WRITE might land in it.  A violation raises here instead of silently corrupting KV.
+
+Destination blocks (the ones a WRITE or READ lands in) are held *exclusively*.  Source blocks
+may be shared: with prefix caching two prefill requests can hold the same physical block, so
+source holds only count.
+
+Pure code: no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass, field
+
+from kvflow.errors import BlockConflict, KVFlowError
+
+__all__ = ("BlockLedger", "LedgerError")
+
+
+class LedgerError(KVFlowError):
+    """A hold was released twice or never existed: a bug in whoever drives the ledger."""
+
+
+@dataclass(slots=True)
+class _Hold:
+    exclusive: bool
+    blocks: dict[int, None] = field(default_factory=dict)  # insertion-ordered set
+    quarantined: bool = False
+
+
+class BlockLedger:
+    """Holds keyed by an opaque hashable (the core uses (transfer key, role))."""
+
+    def __init__(self) -> None:
+        self._holds: dict[Hashable, _Hold] = {}
+        self._exclusive_owner: dict[int, Hashable] = {}
+        self.released_blocks = 0
+
+    def open(self, owner: Hashable, *, exclusive: bool) -> None:
+        """Start an (empty) hold for `owner`.
+
+        :raises LedgerError: `owner` already has a hold.
+        """
+        if owner in self._holds:
+            raise LedgerError(f"{owner!r} already holds blocks")
+        self._holds[owner] = _Hold(exclusive)
+
+    def check_free(self, blocks: Iterable[int]) -> None:
+        """:raises BlockConflict: a block is held exclusively by someone (nothing changes)."""
+        for block in blocks:
+            holder = self._exclusive_owner.get(block)
+            if holder is not None:
+                state = "quarantined" if self._holds[holder].quarantined else "held"
+                raise BlockConflict(f"block {block} is {state} by transfer {holder!r}")
+
+    def add(self, owner: Hashable, blocks: Iterable[int]) -> None:
+        """Add blocks to `owner`'s hold (a source block listed twice is held once).
+
+        :raises LedgerError: `owner` has no hold.
+        :raises BlockConflict: an exclusive hold would share a block (nothing changes).
+        """
+        hold = self._hold(owner)
+        blocks = list(blocks)
+        if hold.exclusive:
+            self.check_free(blocks)
+            if len(set(blocks)) != len(blocks):
+                raise BlockConflict(f"block list for {owner!r} names a block twice")
+            for block in blocks:
+                self._exclusive_owner[block] = owner
+        hold.blocks.update(dict.fromkeys(blocks))
+
+    def quarantine(self, owner: Hashable) -> None:
+        """Mark `owner`'s blocks as waiting for a peer's fence.
+
+        :raises LedgerError: `owner` has no hold.
+        """
+        self._hold(owner).quarantined = True
+
+    def release(self, owner: Hashable) -> tuple[int, ...]:
+        """End `owner`'s hold and return its blocks.
+
+        :raises LedgerError: `owner` has no hold (never opened, or already released).
+        """
+        hold = self._holds.pop(owner, None)
+        if hold is None:
+            raise LedgerError(f"{owner!r} released blocks it does not hold (double release?)")
+        if hold.exclusive:
+            for block in hold.blocks:
+                del self._exclusive_owner[block]
+        self.released_blocks += len(hold.blocks)
+        return tuple(hold.blocks)
+
+    def holds(self, owner: Hashable) -> bool:
+        return owner in self._holds
+
+    def blocks_of(self, owner: Hashable) -> tuple[int, ...]:
+        return tuple(self._hold(owner).blocks)
+
+    def holder_of(self, block: int) -> Hashable | None:
+        """The exclusive holder of a destination block, if any."""
+        return self._exclusive_owner.get(block)
+
+    def is_quarantined(self, owner: Hashable) -> bool:
+        return self._hold(owner).quarantined
+
+    @property
+    def held_blocks(self) -> int:
+        return sum(len(h.blocks) for h in self._holds.values())
+
+    @property
+    def quarantined_blocks(self) -> int:
+        return sum(len(h.blocks) for h in self._holds.values() if h.quarantined)
+
+    def __len__(self) -> int:
+        return len(self._holds)
+
+    def _hold(self, owner: Hashable) -> _Hold:
+        try:
+            return self._holds[owner]
+        except KeyError:
+            raise LedgerError(f"{owner!r} holds no blocks") from None

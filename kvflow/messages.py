@@ -1,0 +1,134 @@
+"""Control messages between a prefill and a decode engine, and the data-plane notification.
+
+Why a separate module: the core produces and consumes these as plain frozen dataclasses; how
+they travel (in-process hub, msgpack over ZeroMQ) is the control channel's business.  Only the
+WRITE notification is encoded here, because it rides inside the data plane (a NIXL notification
+or the loopback transport's) and the core must parse whatever bytes arrive there.
+
+Times never cross the wire as absolute values: hosts do not share a clock, so a registration
+carries a time-to-live in seconds and the receiver turns it into its own deadline.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from kvflow.errors import PeerProtocolError
+
+__all__ = (
+    "Done",
+    "Hello",
+    "Message",
+    "Notice",
+    "Quiesced",
+    "Ready",
+    "Registration",
+    "TransferKey",
+    "decode_notification",
+    "encode_notification",
+)
+
+NOTIFICATION_TAG = "kvf1"
+MAX_NOTIFICATION_BYTES = 512
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class TransferKey:
+    """A router-set transfer id and the epoch of this attempt at it."""
+
+    transfer_id: str
+    epoch: int
+
+    def __str__(self) -> str:
+        return f"{self.transfer_id}@{self.epoch}"
+
+
+@dataclass(frozen=True, slots=True)
+class Hello:
+    """Handshake: who I am and what my KV cache looks like."""
+
+    engine_id: str
+    role: str
+    fingerprint: dict[str, int | str]
+    layout: dict[str, Any]
+    transport_metadata: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Registration:
+    """Push, D to P: write this transfer's KV into these blocks, in `expected_batches` WRITEs."""
+
+    key: TransferKey
+    block_ids: tuple[int, ...]
+    expected_batches: int
+    ttl: float
+
+
+@dataclass(frozen=True, slots=True)
+class Ready:
+    """Pull, P to D: the KV is ready in these blocks; read them."""
+
+    key: TransferKey
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Notice:
+    """Either direction: this side gave up on the transfer (`outcome`: aborted/failed/expired)."""
+
+    key: TransferKey
+    outcome: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Quiesced:
+    """From the initiator: nothing of this transfer is in flight, and nothing more will be."""
+
+    key: TransferKey
+
+
+@dataclass(frozen=True, slots=True)
+class Done:
+    """D to P: the transfer completed (push: acknowledgement; pull: P may release)."""
+
+    key: TransferKey
+
+
+Message = Registration | Ready | Notice | Quiesced | Done
+
+
+def encode_notification(key: TransferKey, batch: int) -> bytes:
+    """The payload one WRITE carries so that D can count it against the right transfer."""
+    payload: bytes = msgpack.packb([NOTIFICATION_TAG, key.transfer_id, key.epoch, batch])
+    return payload
+
+
+def decode_notification(payload: bytes) -> tuple[TransferKey, int]:
+    """Parse a WRITE notification.
+
+    :raises PeerProtocolError: for any payload that is not exactly what `encode_notification`
+        produces (wrong size, type, tag, or negative numbers).
+    """
+    if not isinstance(payload, bytes | bytearray) or len(payload) > MAX_NOTIFICATION_BYTES:
+        raise PeerProtocolError("notification is not bytes or is too large")
+    try:
+        value = msgpack.unpackb(payload, raw=False, use_list=True, strict_map_key=True)
+    except Exception as exc:  # msgpack raises ExtraData, ValueError, UnicodeDecodeError, ...
+        raise PeerProtocolError(f"notification is not valid msgpack: {type(exc).__name__}") from exc
+    if (
+        not isinstance(value, list)
+        or len(value) != 4
+        or value[0] != NOTIFICATION_TAG
+        or not isinstance(value[1], str)
+        or not value[1]
+        or type(value[2]) is not int
+        or type(value[3]) is not int
+        or value[2] < 0
+        or value[3] < 0
+    ):
+        raise PeerProtocolError("notification does not have the shape [tag, transfer_id, epoch, batch]")
+    return TransferKey(value[1], value[2]), value[3]

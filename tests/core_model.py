@@ -1,0 +1,305 @@
+"""A P core and a D core joined by a simulated network, with a model of both KV memories.
+
+Why a model: the properties that matter are about bytes and ownership, not about which state
+names appear.  Ops stay in flight until a rule lands them, so a WRITE can land long after the
+transfer it belongs to was aborted; notifications can be dropped, duplicated and reordered;
+control messages stay ordered (they travel on one reliable connection); the link can be torn
+down.  Every landing checks that its destination and source blocks are still held by the
+transfer that issued it: a block released too early is caught at the moment it would corrupt
+someone else's KV.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvflow.actions import Action, DeclarePeerLost, OpKind, ReleaseBlocks, Resolve, SendMessage, SubmitOp
+from kvflow.core import CoreConfig, TransferCore
+from kvflow.errors import KVFlowError
+from kvflow.messages import Message, TransferKey
+from kvflow.state import TERMINAL, Mode, Outcome, Role
+
+NUM_LAYERS = 2
+P_BLOCKS = 12
+D_BLOCKS = 12
+CONFIG = CoreConfig(fence_timeout=3.0, retention=50.0)
+
+
+class InvariantViolation(AssertionError):
+    """A safety property of the transfer protocol was broken."""
+
+
+@dataclass
+class Op:
+    issuer: str  # "P" or "D"
+    action: SubmitOp
+
+
+@dataclass
+class Plan:
+    """What the router told both sides about one transfer attempt."""
+
+    key: TransferKey
+    mode: Mode
+    nblocks: int
+    batches: list[tuple[int, int, tuple[int, int]]]  # (first position, count, layers)
+    p_blocks: dict[int, int] = field(default_factory=dict)  # position -> P block
+    d_blocks: tuple[int, ...] = ()
+    sent: int = 0
+
+
+@dataclass
+class Network:
+    now: float = 0.0
+    to_p: deque[Message] = field(default_factory=deque)
+    to_d: deque[Message] = field(default_factory=deque)
+    notifications: list[bytes] = field(default_factory=list)
+    ops: list[Op] = field(default_factory=list)
+
+
+class CorePair:
+    def __init__(self) -> None:
+        self.p = TransferCore("P", NUM_LAYERS, CONFIG)
+        self.d = TransferCore("D", NUM_LAYERS, CONFIG)
+        self.net = Network()
+        self.p_content: dict[tuple[int, int], object] = {}
+        self.d_content: dict[tuple[int, int], object] = {}
+        self.p_owner: dict[int, TransferKey] = {}
+        self.d_owner: dict[int, TransferKey] = {}
+        self.resolved: dict[tuple[str, TransferKey], Outcome] = {}
+        self.plans: dict[TransferKey, Plan] = {}
+        self.successes: set[TransferKey] = set()
+        self.run("D", self.d.peer_connected("P", 0.0))
+        self.run("P", self.p.peer_connected("D", 0.0))
+
+    # ---------------------------------------------------------------- actions
+
+    def run(self, side: str, actions: list[Action]) -> None:
+        for action in actions:
+            if isinstance(action, SendMessage):
+                (self.net.to_d if side == "P" else self.net.to_p).append(action.message)
+            elif isinstance(action, SubmitOp):
+                self._check_submit(side, action)
+                self.net.ops.append(Op(side, action))
+            elif isinstance(action, ReleaseBlocks):
+                self._release(side, action)
+            elif isinstance(action, Resolve):
+                self._resolve(side, action)
+            elif isinstance(action, DeclarePeerLost):
+                self.link_down()
+
+    def _check_submit(self, side: str, op: SubmitOp) -> None:
+        core = self.p if side == "P" else self.d
+        role = Role.PREFILL if side == "P" else Role.DECODE
+        state = core.machine(op.key, role).state
+        if state in TERMINAL:
+            raise InvariantViolation(f"{side} submitted an op for {op.key} in terminal state {state}")
+
+    def _release(self, side: str, action: ReleaseBlocks) -> None:
+        owners = self.p_owner if side == "P" else self.d_owner
+        for block in action.block_ids:
+            if owners.get(block) != action.key:
+                raise InvariantViolation(f"{side} released block {block} for {action.key}, owner {owners.get(block)}")
+        for op in self.net.ops:
+            a = op.action
+            if a.key != action.key:
+                continue
+            touched = self._dst_blocks(op) if side == "D" else self._src_blocks(op)
+            if set(touched) & set(action.block_ids):
+                raise InvariantViolation(
+                    f"{side} released blocks of {action.key} while an op touching them is in flight"
+                )
+        for block in action.block_ids:
+            del owners[block]
+
+    def _resolve(self, side: str, action: Resolve) -> None:
+        tag = (side, action.key)
+        if tag in self.resolved:
+            raise InvariantViolation(f"{side} resolved {action.key} twice")
+        self.resolved[tag] = action.outcome
+        if side == "D" and action.outcome is Outcome.SUCCEEDED:
+            self.check_contents(action.key)
+            self.successes.add(action.key)
+
+    @staticmethod
+    def _dst_blocks(op: Op) -> tuple[int, ...]:
+        return op.action.remote_blocks if op.action.kind is OpKind.WRITE else op.action.local_blocks
+
+    @staticmethod
+    def _src_blocks(op: Op) -> tuple[int, ...]:
+        return op.action.local_blocks if op.action.kind is OpKind.WRITE else op.action.remote_blocks
+
+    # ---------------------------------------------------------------- the data plane
+
+    def land(self, index: int, *, fail: bool) -> None:
+        """Finish an in-flight op: its bytes land (partly, if it fails) and it completes."""
+        op = self.net.ops.pop(index % len(self.net.ops))
+        a = op.action
+        dst, src = self._dst_blocks(op), self._src_blocks(op)
+        layers = range(*(a.layers or (0, NUM_LAYERS)))
+        for block in dst:
+            if self.d_owner.get(block) != a.key:
+                raise InvariantViolation(
+                    f"an op of {a.key} landed in D block {block} owned by {self.d_owner.get(block)}"
+                )
+        for block in src:
+            if self.p_owner.get(block) != a.key:
+                raise InvariantViolation(f"an op of {a.key} read P block {block} owned by {self.p_owner.get(block)}")
+        count = len(dst) // 2 if fail else len(dst)
+        for s, d in list(zip(src, dst, strict=True))[:count]:
+            for layer in layers:
+                self.d_content[(d, layer)] = self.p_content.get((s, layer))
+        if not fail and a.kind is OpKind.WRITE:
+            self.net.notifications.append(a.notification)
+        core = self.p if op.issuer == "P" else self.d
+        self.run(op.issuer, core.op_finished(a.op_id, self.net.now, "injected failure" if fail else None))
+
+    def notify(self, index: int, *, duplicate: bool) -> None:
+        payload = self.net.notifications[index % len(self.net.notifications)]
+        if not duplicate:
+            self.net.notifications.remove(payload)
+        self.run("D", self.d.notification("P", payload, self.net.now))
+
+    def deliver(self, to: str) -> None:
+        queue = self.net.to_p if to == "P" else self.net.to_d
+        message = queue.popleft()
+        core = self.p if to == "P" else self.d
+        self.run(to, core.receive("D" if to == "P" else "P", message, self.net.now))
+
+    def link_down(self) -> None:
+        """Tear the link down: in-flight ops are cancelled and never land; messages are lost."""
+        self.net.ops.clear()
+        self.net.to_p.clear()
+        self.net.to_d.clear()
+        self.net.notifications.clear()
+        self.run("D", self.d.peer_lost("P", self.net.now))
+        self.run("P", self.p.peer_lost("D", self.net.now))
+        self.run("D", self.d.peer_connected("P", self.net.now))
+        self.run("P", self.p.peer_connected("D", self.net.now))
+
+    def advance(self, dt: float) -> None:
+        self.net.now += dt
+        self.run("D", self.d.timer(self.net.now))
+        self.run("P", self.p.timer(self.net.now))
+
+    # ---------------------------------------------------------------- the two engines' callers
+
+    def expect(self, plan: Plan, ttl: float) -> None:
+        free = [b for b in range(D_BLOCKS) if b not in self.d_owner]
+        if len(free) < plan.nblocks:
+            return
+        plan.d_blocks = tuple(free[: plan.nblocks])
+        n_writes = len(plan.batches) if plan.mode is Mode.PUSH else 1
+        actions = self.d.expect(
+            plan.key,
+            peer="P",
+            mode=plan.mode,
+            block_ids=plan.d_blocks,
+            deadline=self.net.now + ttl,
+            now=self.net.now,
+            expected_batches=n_writes,
+        )
+        for block in plan.d_blocks:
+            self.d_owner[block] = plan.key
+            for layer in range(NUM_LAYERS):
+                self.d_content[(block, layer)] = "garbage"
+        self.run("D", actions)
+
+    def kv_ready(self, plan: Plan, p_extra: int) -> None:
+        """Send P's next batch; `p_extra` > 0 makes P's KV larger than D's registration."""
+        if plan.sent == len(plan.batches):
+            return
+        first, count, layers = plan.batches[plan.sent]
+        final = plan.sent == len(plan.batches) - 1
+        if final:
+            count += p_extra
+        positions = range(first, first + count)
+        if any(self.p_owner.get(plan.p_blocks[pos]) != plan.key for pos in positions if pos in plan.p_blocks):
+            return  # kvflow gave these blocks back: the engine stopped computing into them
+        needed = [pos for pos in positions if pos not in plan.p_blocks]
+        # A transfer's blocks are the union of its batches, each returned once: P does not
+        # hand the same transfer a block it already got back from it.
+        used = set(plan.p_blocks.values())
+        free = [b for b in range(P_BLOCKS) if b not in self.p_owner and b not in used]
+        if len(free) < len(needed):
+            return
+        for pos, block in zip(needed, free, strict=False):
+            plan.p_blocks[pos] = block
+            self.p_owner[block] = plan.key
+        ids = [plan.p_blocks[pos] for pos in positions]
+        for pos, block in zip(positions, ids, strict=True):
+            for layer in range(*layers):
+                self.p_content[(block, layer)] = (plan.key, pos, layer)
+        plan.sent += 1
+        actions = self.p.kv_ready(
+            plan.key,
+            block_ids=ids,
+            now=self.net.now,
+            final=final,
+            first_position=first,
+            layers=layers if plan.mode is Mode.PUSH else None,
+            mode=plan.mode,
+            peer="D",
+            deadline=self.net.now + 30.0,
+        )
+        self.run("P", actions)
+
+    def consume(self) -> None:
+        for m in self.d.machines():
+            if m.state.name == "NOTIFIED":
+                self.check_contents(m.key)
+                self.run("D", self.d.delivered(m.key, self.net.now))
+
+    def check_contents(self, key: TransferKey) -> None:
+        plan = self.plans[key]
+        for position, block in enumerate(plan.d_blocks):
+            for layer in range(NUM_LAYERS):
+                got = self.d_content.get((block, layer))
+                if got != (key, position, layer):
+                    raise InvariantViolation(f"D block {block} layer {layer} of {key} holds {got!r}")
+
+    # ---------------------------------------------------------------- the end
+
+    def settle(self) -> None:
+        """Let everything finish: no faults any more, the router completes what it started,
+        time moves on."""
+        for plan in list(self.plans.values()):
+            latest = max(p.key.epoch for p in self.plans.values() if p.key.transfer_id == plan.key.transfer_id)
+            if plan.key.epoch != latest:
+                continue
+            try:
+                if not plan.d_blocks:
+                    self.expect(plan, 20.0)
+                for _ in range(len(plan.batches)):
+                    self.kv_ready(plan, 0)
+            except KVFlowError:
+                pass  # e.g. the transfer already ended: the router's late call is refused
+        for _ in range(200):
+            while self.net.to_p or self.net.to_d or self.net.ops or self.net.notifications:
+                if self.net.to_p:
+                    self.deliver("P")
+                elif self.net.to_d:
+                    self.deliver("D")
+                elif self.net.ops:
+                    self.land(0, fail=False)
+                else:
+                    self.notify(0, duplicate=False)
+            self.consume()
+            if not self.p.live() and not self.d.live():
+                break
+            self.advance(5.0)
+        self.advance(CONFIG.retention + 1)  # finished machines are forgotten
+        live = [(m.role.value, str(m.key), m.state.name) for m in self.p.live() + self.d.live()]
+        if live:
+            raise InvariantViolation(f"transfers never ended: {live}")
+        for name, core in (("P", self.p), ("D", self.d)):
+            if len(core.ledger) or core.ledger.held_blocks:
+                raise InvariantViolation(f"{name} ledger still holds {core.ledger.held_blocks} blocks")
+        if self.d_owner:
+            raise InvariantViolation(f"D blocks never released: {sorted(self.d_owner)}")
+        if self.p_owner:
+            raise InvariantViolation(f"P blocks never released: {sorted(self.p_owner)}")
+        for plan in self.plans.values():
+            if plan.d_blocks and ("D", plan.key) not in self.resolved:
+                raise InvariantViolation(f"D never resolved {plan.key}")

@@ -1,0 +1,148 @@
+"""Hypothesis drives a P core and a D core through random interleavings and faults.
+
+Properties (see `core_model`): no op lands in or reads from a block its transfer no longer
+holds; every block is released exactly once; every D success holds exactly P's bytes; after the
+faults stop and time passes, every transfer has ended and both ledgers are empty.
+"""
+
+from __future__ import annotations
+
+import os
+
+import hypothesis.strategies as st
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from kvflow.messages import TransferKey
+from kvflow.state import Mode, Role
+from tests.core_model import NUM_LAYERS, CorePair, Plan
+
+EXAMPLES = int(os.environ.get("KVFLOW_STATEFUL_EXAMPLES", "300"))
+TRANSFER_IDS = ("a", "b", "c")
+
+
+class CoreProtocol(RuleBasedStateMachine):
+    @initialize()
+    def setup(self) -> None:
+        self.pair = CorePair()
+        self.epochs: dict[str, int] = {}
+        self.current: dict[str, Plan] = {}
+        self.p_extra: dict[TransferKey, int] = {}
+
+    @rule(
+        tid=st.sampled_from(TRANSFER_IDS),
+        mode=st.sampled_from(Mode),
+        nblocks=st.integers(1, 3),
+        split=st.sampled_from(["one", "layers", "positions"]),
+        p_extra=st.sampled_from([0, 0, 0, 1]),
+    )
+    def start(self, tid: str, mode: Mode, nblocks: int, split: str, p_extra: int) -> None:
+        """The router starts a new attempt (epoch) at a transfer."""
+        epoch = self.epochs.get(tid, 0) + 1
+        self.epochs[tid] = epoch
+        key = TransferKey(tid, epoch)
+        full = (0, NUM_LAYERS)
+        if mode is Mode.PULL or split == "one":
+            batches = [(0, nblocks, full)]
+        elif split == "layers":
+            batches = [(0, nblocks, (layer, layer + 1)) for layer in range(NUM_LAYERS)]
+        else:
+            batches = [(i, 1, full) for i in range(nblocks)]
+        plan = Plan(key, mode, nblocks, batches)
+        self.current[tid] = plan
+        self.pair.plans[key] = plan
+        self.p_extra[key] = p_extra
+
+    @precondition(lambda self: any(not p.d_blocks for p in self.current.values()))
+    @rule(data=st.data(), ttl=st.sampled_from([4.0, 20.0]))
+    def decode_allocates(self, data: st.DataObject, ttl: float) -> None:
+        plan = data.draw(st.sampled_from([p for p in self.current.values() if not p.d_blocks]))
+        self.pair.expect(plan, ttl)
+
+    @precondition(lambda self: any(p.sent < len(p.batches) for p in self.current.values()))
+    @rule(data=st.data())
+    def prefill_produces(self, data: st.DataObject) -> None:
+        plan = data.draw(st.sampled_from([p for p in self.current.values() if p.sent < len(p.batches)]))
+        self.pair.kv_ready(plan, self.p_extra[plan.key])
+
+    @precondition(lambda self: bool(self.pair.net.to_p))
+    @rule()
+    def deliver_to_prefill(self) -> None:
+        self.pair.deliver("P")
+
+    @precondition(lambda self: bool(self.pair.net.to_d))
+    @rule()
+    def deliver_to_decode(self) -> None:
+        self.pair.deliver("D")
+
+    @precondition(lambda self: bool(self.pair.net.ops))
+    @rule(index=st.integers(0, 7), fail=st.sampled_from([False, False, False, True]))
+    def op_lands(self, index: int, fail: bool) -> None:
+        self.pair.land(index, fail=fail)
+
+    @precondition(lambda self: bool(self.pair.net.notifications))
+    @rule(index=st.integers(0, 7), duplicate=st.booleans())
+    def notification_arrives(self, index: int, duplicate: bool) -> None:
+        self.pair.notify(index, duplicate=duplicate)
+
+    @precondition(lambda self: bool(self.pair.net.notifications))
+    @rule(index=st.integers(0, 7))
+    def notification_dropped(self, index: int) -> None:
+        notes = self.pair.net.notifications
+        notes.pop(index % len(notes))
+
+    @precondition(lambda self: bool(self.current))
+    @rule(data=st.data(), side=st.sampled_from(["P", "D"]), chance=st.integers(0, 3))
+    def abort(self, data: st.DataObject, side: str, chance: int) -> None:
+        if chance:
+            return  # faults are rarer than progress, so that transfers also get to succeed
+        plan = data.draw(st.sampled_from(list(self.current.values())))
+        core = self.pair.p if side == "P" else self.pair.d
+        role = Role.PREFILL if side == "P" else Role.DECODE
+        if (plan.key, role) in {(m.key, m.role) for m in core.machines()}:
+            self.pair.run(side, core.abort(plan.key, role, self.pair.net.now, "test abort"))
+
+    @precondition(lambda self: bool(self.pair.net.ops))
+    @rule(index=st.integers(0, 7), side=st.sampled_from(["P", "D"]))
+    def abort_while_op_in_flight(self, index: int, side: str) -> None:
+        """The most dangerous moment to give up: an op of the transfer may still land."""
+        key = self.pair.net.ops[index % len(self.pair.net.ops)].action.key
+        core = self.pair.p if side == "P" else self.pair.d
+        role = Role.PREFILL if side == "P" else Role.DECODE
+        if (key, role) in {(m.key, m.role) for m in core.machines()}:
+            self.pair.run(side, core.abort(key, role, self.pair.net.now, "test abort in flight"))
+
+    @rule(dt=st.sampled_from([0.1, 0.5, 2.0, 5.0]))
+    def time_passes(self, dt: float) -> None:
+        self.pair.advance(dt)
+
+    @rule()
+    def consumer_takes_delivery(self) -> None:
+        self.pair.consume()
+
+    @precondition(lambda self: bool(self.current))
+    @rule(chance=st.integers(0, 7))
+    def link_fails(self, chance: int) -> None:
+        if chance == 0:
+            self.pair.link_down()
+
+    @invariant()
+    def ledgers_match_model(self) -> None:
+        pair = self.pair
+        for block, key in pair.d_owner.items():
+            assert pair.d.ledger.holder_of(block) == (key, Role.DECODE), f"D block {block}"
+        assert pair.p.stats.protocol_violations == 0, pair.p.stats
+        assert pair.d.stats.protocol_violations == 0, pair.d.stats
+
+    def teardown(self) -> None:
+        if hasattr(self, "pair"):
+            self.pair.settle()
+
+
+CoreProtocol.TestCase.settings = settings(
+    max_examples=EXAMPLES,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestCoreProtocol = CoreProtocol.TestCase

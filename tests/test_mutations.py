@@ -1,0 +1,77 @@
+"""The stateful test must fail when a release or a fence is taken out of the table.
+
+A property test that cannot fail proves nothing.  Each case below removes one release or one
+fence from the transition table and checks that `CoreProtocol` reports a broken protocol
+invariant (not some unrelated crash).  The search is derandomized, so a mutation is caught on
+every run or on none.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, Phase, settings
+from hypothesis.stateful import run_state_machine_as_test
+
+from kvflow.state import TABLES, Act, Input, Mode, Role, State, Transition
+from tests.core_model import InvariantViolation
+from tests.test_core_stateful import EXAMPLES, CoreProtocol
+
+R = Act.RESOLVE
+MUTATIONS = {
+    # D releases its blocks on abort instead of quarantining them until P is fenced.
+    "push decode abort without fence": (
+        (Mode.PUSH, Role.DECODE),
+        {
+            (State.REGISTERED, Input.ABORT): Transition(State.ABORTED, (R, Act.SEND_ABORT, Act.RELEASE)),
+            (State.WRITING, Input.ABORT): Transition(State.ABORTED, (R, Act.SEND_ABORT, Act.RELEASE)),
+        },
+    ),
+    # P releases its source blocks (and claims quiescence) while its WRITEs are in flight.
+    "push prefill abort without drain": (
+        (Mode.PUSH, Role.PREFILL),
+        {
+            (State.WRITING, Input.PEER_ABORTED): Transition(State.ABORTED, (R, Act.RELEASE, Act.SEND_QUIESCED)),
+            (State.REGISTERED, Input.PEER_ABORTED): Transition(State.ABORTED, (R, Act.RELEASE, Act.SEND_QUIESCED)),
+        },
+    ),
+    # P's lease runs out in pull mode and it releases while D may still be reading.
+    "pull prefill expiry without fence": (
+        (Mode.PULL, Role.PREFILL),
+        {
+            (State.PREFILL_READY, Input.DEADLINE): Transition(State.EXPIRED, (R, Act.SEND_ABORT, Act.RELEASE)),
+            (State.PREFILL_READY, Input.PEER_ABORTED): Transition(State.ABORTED, (R, Act.RELEASE)),
+        },
+    ),
+    # A successful push never gives P's source blocks back.
+    "push prefill success without release": (
+        (Mode.PUSH, Role.PREFILL),
+        {(State.WRITING, Input.LAST_OP_COMPLETED): Transition(State.NOTIFIED, (R,))},
+    ),
+    # D never gives its blocks back after delivery.
+    "push decode delivery without release": (
+        (Mode.PUSH, Role.DECODE),
+        {(State.NOTIFIED, Input.DELIVERED): Transition(State.DONE, ())},
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MUTATIONS))
+def test_stateful_test_catches_mutation(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    table_key, replacements = MUTATIONS[name]
+    table = TABLES[table_key]
+    for entry, mutated in replacements.items():
+        assert entry in table, f"mutation targets a transition that does not exist: {entry}"
+        monkeypatch.setitem(table, entry, mutated)
+    quick = settings(
+        max_examples=EXAMPLES,
+        stateful_step_count=40,
+        deadline=None,
+        phases=[Phase.generate],  # finding the bug is the point; shrinking it is not
+        suppress_health_check=list(HealthCheck),
+        database=None,
+        derandomize=True,  # the same search every run: a mutation is caught always or never
+    )
+    with pytest.raises((InvariantViolation, BaseExceptionGroup)) as caught:
+        run_state_machine_as_test(CoreProtocol, settings=quick)
+    found = getattr(caught.value, "exceptions", (caught.value,))
+    assert all(isinstance(e, InvariantViolation) for e in found), f"failed for another reason: {found}"
