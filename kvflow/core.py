@@ -24,11 +24,10 @@ from kvflow.actions import Action, DeclarePeerLost, OpKind, ReleaseBlocks, Resol
 from kvflow.errors import (
     ConfigError,
     InvalidBatch,
-    InvalidTransition,
-    PeerProtocolError,
     StaleEpoch,
     UnknownTransfer,
 )
+from kvflow.inbox import PeerInbox
 from kvflow.ledger import BlockLedger
 from kvflow.machine import Machine, check_block_ids, next_batch
 from kvflow.messages import (
@@ -39,7 +38,6 @@ from kvflow.messages import (
     Ready,
     Registration,
     TransferKey,
-    decode_notification,
     encode_notification,
 )
 from kvflow.state import (
@@ -84,6 +82,7 @@ class CoreStats:
     foreign_peer: int = 0  # about a transfer, but from a peer that is not its peer
     protocol_violations: int = 0  # an input the table does not allow, from a peer
     rejected_registrations: int = 0
+    early_messages: int = 0  # about transfers not started here yet, kept until they start
     completed: int = 0
     failed: int = 0
 
@@ -108,6 +107,9 @@ class TransferCore:
         self._timers: list[tuple[float, int, Owner, int]] = []  # (when, seq, owner, gen); gen -1: gc
         self._seq = 0
         self._connected: set[str] = set()
+        self._inbox = PeerInbox(self)
+        # messages about transfers not started here yet (a peer's notice or ready came first)
+        self._early: dict[TransferKey, tuple[str, Message, float]] = {}
 
     # ------------------------------------------------------------------ introspection
 
@@ -167,7 +169,8 @@ class TransferCore:
         m = self._create(key, _DECODE, mode, peer, deadline, now)
         m.block_ids, m.expected_batches = ids, expected_batches
         self.ledger.add(m.owner, ids)
-        if mode is Mode.PUSH and peer in self._connected:
+        actions += self._replay_early(m, now)
+        if mode is Mode.PUSH and peer in self._connected and m.state is State.ALLOCATED:
             actions += self._feed(m, Input.REGISTER, now)
         return actions
 
@@ -239,7 +242,8 @@ class TransferCore:
         if mismatch is not None:
             batch.submitted = True  # never write a batch of a transfer that cannot complete
             return actions + self._feed(m, Input.INCOMPATIBLE, now, reason=mismatch)
-        return actions + self._feed(m, input_, now)
+        actions += self._feed(m, input_, now)
+        return actions + self._replay_early(m, now)
 
     def abort(self, key: TransferKey, role: Role, now: float, reason: str = "aborted by caller") -> list[Action]:
         """Give up on a transfer.  Idempotent once the transfer has ended.
@@ -277,6 +281,9 @@ class TransferCore:
     def peer_lost(self, peer: str, now: float) -> list[Action]:
         """`peer` was declared dead *and torn down*: nothing it issued can still land here."""
         self._connected.discard(peer)
+        # What the peer said about transfers not started here refers to blocks its teardown
+        # has released: forget it.
+        self._early = {key: early for key, early in self._early.items() if early[0] != peer}
         actions: list[Action] = []
         for m in list(self._machines.values()):
             if m.peer == peer and m.state not in TERMINAL:
@@ -326,157 +333,16 @@ class TransferCore:
         return self._feed(m, input_, now, reason=error or "")
 
     def notification(self, peer: str, payload: bytes, now: float) -> list[Action]:
-        """A WRITE notification arrived from `peer` (push, on D)."""
-        try:
-            key, batch = decode_notification(payload)
-        except PeerProtocolError:
-            self.stats.malformed_notifications += 1
-            return []
-        m = self._lookup(key, _DECODE)
-        if m is None:
-            return []
-        if m.mode is not Mode.PUSH or m.peer != peer:
-            self.stats.foreign_peer += 1
-            return []
-        if batch >= m.expected_batches:
-            return self._remote(m, Input.INCOMPATIBLE, now, f"notification for batch {batch} of {m.expected_batches}")
-        if batch in m.landed:
-            return self._remote(m, Input.DUPLICATE, now)
-        last = len(m.landed) + 1 == m.expected_batches
-        input_ = Input.LAST_BATCH_LANDED if last else Input.BATCH_LANDED
-        try:
-            transition(m.mode, m.role, m.state, input_, str(key))
-        except InvalidTransition:
-            self.stats.protocol_violations += 1
-            return []
-        m.landed.add(batch)
-        return self._feed(m, input_, now)
+        """A WRITE notification arrived from `peer` (push, on D).  Never raises."""
+        return self._inbox.notification(peer, payload, now)
 
     # ------------------------------------------------------------------ control messages
 
     def receive(self, peer: str, message: Message, now: float) -> list[Action]:
         """A control message from `peer`.  Never raises for anything the peer sent."""
-        if isinstance(message, Registration):
-            return self._on_registration(peer, message, now)
-        if isinstance(message, Ready):
-            return self._on_ready(peer, message, now)
-        key = message.key
-        role = _PREFILL if isinstance(message, Done) else None
-        m = self._lookup_any(key, peer, role)
-        if m is None:
-            if isinstance(message, Notice):
-                return [SendMessage(peer, Quiesced(key))]  # nothing of an unknown transfer is in flight
-            return []
-        if isinstance(message, Notice):
-            input_ = Input.PEER_ABORTED if message.outcome == Outcome.ABORTED.value else Input.PEER_FAILED
-            return self._remote(m, input_, now, f"peer {message.outcome}: {message.reason}")
-        if isinstance(message, Quiesced):
-            return self._remote(m, Input.PEER_QUIESCED, now)
-        return self._remote(m, Input.PEER_DONE, now)
-
-    def _on_registration(self, peer: str, reg: Registration, now: float) -> list[Action]:
-        key = reg.key
-        m = self._machines.get((key, _PREFILL))
-        if m is None:
-            problem = self._registration_problem(reg)
-            newer = [e for e in self._epochs.get((key.transfer_id, _PREFILL), ()) if e > key.epoch]
-            if newer:
-                self.stats.stale_epoch += 1
-                problem = f"epoch {key.epoch} is older than {max(newer)}"
-            elif problem is None and sum(not x.started_locally for x in self.live()) >= self.config.max_unstarted:
-                problem = "too many registrations for transfers not started here"
-            if problem is not None:
-                self.stats.rejected_registrations += 1
-                return [SendMessage(peer, Notice(key, Outcome.FAILED.value, problem)), SendMessage(peer, Quiesced(key))]
-            m = self._create(key, _PREFILL, Mode.PUSH, peer, now + min(reg.ttl, self.config.max_ttl), now)
-            m.started_locally = False
-        if m.mode is not Mode.PUSH or m.peer not in (None, peer):
-            self.stats.foreign_peer += 1
-            return []
-        if m.remote_blocks is not None:
-            return self._remote(m, Input.DUPLICATE, now)
-        try:
-            transition(m.mode, m.role, m.state, Input.REGISTRATION_RECEIVED, str(key))
-        except InvalidTransition:
-            self.stats.protocol_violations += 1
-            return []
-        m.peer = peer
-        problem = self._registration_problem(reg)
-        if problem is None:
-            m.remote_blocks, m.remote_expected = reg.block_ids, reg.expected_batches
-            self._set_deadline(m, min(m.deadline, now + min(reg.ttl, self.config.max_ttl)))
-            problem = m.push_mismatch(self.num_layers)
-        if problem is not None and m.state not in TERMINAL:
-            return self._remote(m, Input.INCOMPATIBLE, now, problem)
-        return self._feed(m, Input.REGISTRATION_RECEIVED, now, reason=m.reason or "transfer already ended")
-
-    def _registration_problem(self, reg: Registration) -> str | None:
-        try:
-            check_block_ids(reg.block_ids, "registration", unique=True)
-        except InvalidBatch as exc:
-            return str(exc)
-        if not 1 <= reg.expected_batches <= self.config.max_batches or not reg.ttl > 0:
-            return "registration has a bad batch count or time-to-live"
-        return None
-
-    def _on_ready(self, peer: str, ready: Ready, now: float) -> list[Action]:
-        m = self._lookup(ready.key, _DECODE)
-        if m is None:
-            return []
-        if m.mode is not Mode.PULL or m.peer != peer:
-            self.stats.foreign_peer += 1
-            return []
-        if m.remote_blocks is not None:
-            return self._remote(m, Input.DUPLICATE, now)
-        try:
-            blocks = check_block_ids(ready.block_ids, "ready", unique=False)
-        except InvalidBatch as exc:
-            return self._remote(m, Input.INCOMPATIBLE, now, str(exc))
-        if len(blocks) != len(m.block_ids):
-            return self._remote(
-                m, Input.INCOMPATIBLE, now, f"P is ready with {len(blocks)} blocks, D expects {len(m.block_ids)}"
-            )
-        try:
-            transition(m.mode, m.role, m.state, Input.READY_RECEIVED, str(m.key))
-        except InvalidTransition:
-            self.stats.protocol_violations += 1
-            return []
-        m.remote_blocks = blocks
-        m.batches.append(next_batch(m.key, (), 0, m.block_ids, (0, self.num_layers)))
-        return self._feed(m, Input.READY_RECEIVED, now)
+        return self._inbox.receive(peer, message, now)
 
     # ------------------------------------------------------------------ machinery
-
-    def _lookup(self, key: TransferKey, role: Role) -> Machine | None:
-        m = self._machines.get((key, role))
-        if m is None:
-            if (key.transfer_id, role) in self._epochs:
-                self.stats.stale_epoch += 1
-            else:
-                self.stats.unknown_transfer += 1
-        return m
-
-    def _lookup_any(self, key: TransferKey, peer: str, role: Role | None) -> Machine | None:
-        roles = (role,) if role is not None else (_DECODE, _PREFILL)
-        candidates = [self._machines[(key, r)] for r in roles if (key, r) in self._machines]
-        for m in candidates:
-            if m.peer == peer:
-                return m
-        if candidates:
-            self.stats.foreign_peer += 1
-        elif any((key.transfer_id, r) in self._epochs for r in roles):
-            self.stats.stale_epoch += 1
-        else:
-            self.stats.unknown_transfer += 1
-        return None
-
-    def _remote(self, m: Machine, input_: Input, now: float, reason: str = "") -> list[Action]:
-        """Feed an input that a peer caused: a disallowed one is counted, never raised."""
-        try:
-            return self._feed(m, input_, now, reason=reason)
-        except InvalidTransition:
-            self.stats.protocol_violations += 1
-            return []
 
     def _check_epoch(self, key: TransferKey, role: Role) -> None:
         seen = self._epochs.get((key.transfer_id, role), set())
@@ -500,6 +366,23 @@ class TransferCore:
         self.ledger.open(m.owner, exclusive=role is _DECODE)
         self._set_timer(m, deadline)
         return m
+
+    def _hold_early(self, peer: str, message: Message, now: float) -> None:
+        """Keep, for `retention` seconds, a message about a transfer not started here yet: the
+        peer may legitimately be ahead (pull: P is ready before D allocates; either side gave
+        up before the other started).  Bounded: the oldest go first."""
+        for old, (_, _, until) in list(self._early.items()):
+            if until > now and len(self._early) < self.config.max_unstarted:
+                break
+            del self._early[old]
+        self._early[message.key] = (peer, message, now + self.config.retention)
+
+    def _replay_early(self, m: Machine, now: float) -> list[Action]:
+        early = self._early.pop(m.key, None)
+        if early is None or early[2] <= now:
+            return []
+        peer, message, _ = early
+        return self._inbox.receive(peer, message, now)
 
     def _forget(self, m: Machine) -> None:
         del self._machines[m.owner]

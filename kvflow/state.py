@@ -319,6 +319,7 @@ PUSH_DECODE: Table = _merge(
         (State.ALLOCATED, Input.PEER_FAILED): _t(State.FAILED, RESOLVE, RELEASE),
         (State.ALLOCATED, Input.DUPLICATE): _t(State.ALLOCATED, IGNORE),
     },
+    _absorbing((State.ALLOCATED, State.REGISTERED, State.WRITING), [Input.PEER_QUIESCED]),
     _push_decode_active(State.REGISTERED),
     _push_decode_active(State.WRITING),
     {
@@ -462,6 +463,9 @@ PULL_PREFILL: Table = _merge(
         (State.PREFILL_READY, Input.PEER_LOST): _t(State.FAILED, RESOLVE, RELEASE),
         (State.PREFILL_READY, Input.DUPLICATE): _t(State.PREFILL_READY, IGNORE),
     },
+    # A fence without a notice: D gave up before this side started and the notice was missed.
+    # "Nothing in flight" is always safe to hear.
+    _absorbing((State.PREFILL_RUNNING, State.PREFILL_READY), [Input.PEER_QUIESCED]),
     _target_fencing([Input.PEER_QUIESCED, Input.PEER_DONE]),
     _fencing_ignores((Input.PEER_ABORTED, Input.PEER_FAILED, Input.DUPLICATE, Input.INCOMPATIBLE)),
     _absorbing(FENCING, (Input.KV_READY, Input.PREFILL_FINISHED), (RETURN_BATCH,)),

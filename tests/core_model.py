@@ -44,6 +44,7 @@ class Plan:
     mode: Mode
     nblocks: int
     batches: list[tuple[int, int, tuple[int, int]]]  # (first position, count, layers)
+    p_ttl: float = 30.0  # how long P holds its blocks for this transfer (its lease)
     p_blocks: dict[int, int] = field(default_factory=dict)  # position -> P block
     d_blocks: tuple[int, ...] = ()
     sent: int = 0
@@ -70,8 +71,13 @@ class CorePair:
         self.resolved: dict[tuple[str, TransferKey], Outcome] = {}
         self.plans: dict[TransferKey, Plan] = {}
         self.successes: set[TransferKey] = set()
+        self.broken = False  # a violation was raised: teardown must not mask it with another
         self.run("D", self.d.peer_connected("P", 0.0))
         self.run("P", self.p.peer_connected("D", 0.0))
+
+    def violation(self, message: str) -> InvariantViolation:
+        self.broken = True
+        return InvariantViolation(message)
 
     # ---------------------------------------------------------------- actions
 
@@ -94,29 +100,27 @@ class CorePair:
         role = Role.PREFILL if side == "P" else Role.DECODE
         state = core.machine(op.key, role).state
         if state in TERMINAL:
-            raise InvariantViolation(f"{side} submitted an op for {op.key} in terminal state {state}")
+            raise self.violation(f"{side} submitted an op for {op.key} in terminal state {state}")
 
     def _release(self, side: str, action: ReleaseBlocks) -> None:
         owners = self.p_owner if side == "P" else self.d_owner
         for block in action.block_ids:
             if owners.get(block) != action.key:
-                raise InvariantViolation(f"{side} released block {block} for {action.key}, owner {owners.get(block)}")
+                raise self.violation(f"{side} released block {block} for {action.key}, owner {owners.get(block)}")
         for op in self.net.ops:
             a = op.action
             if a.key != action.key:
                 continue
             touched = self._dst_blocks(op) if side == "D" else self._src_blocks(op)
             if set(touched) & set(action.block_ids):
-                raise InvariantViolation(
-                    f"{side} released blocks of {action.key} while an op touching them is in flight"
-                )
+                raise self.violation(f"{side} released blocks of {action.key} while an op touching them is in flight")
         for block in action.block_ids:
             del owners[block]
 
     def _resolve(self, side: str, action: Resolve) -> None:
         tag = (side, action.key)
         if tag in self.resolved:
-            raise InvariantViolation(f"{side} resolved {action.key} twice")
+            raise self.violation(f"{side} resolved {action.key} twice")
         self.resolved[tag] = action.outcome
         if side == "D" and action.outcome is Outcome.SUCCEEDED:
             self.check_contents(action.key)
@@ -140,12 +144,10 @@ class CorePair:
         layers = range(*(a.layers or (0, NUM_LAYERS)))
         for block in dst:
             if self.d_owner.get(block) != a.key:
-                raise InvariantViolation(
-                    f"an op of {a.key} landed in D block {block} owned by {self.d_owner.get(block)}"
-                )
+                raise self.violation(f"an op of {a.key} landed in D block {block} owned by {self.d_owner.get(block)}")
         for block in src:
             if self.p_owner.get(block) != a.key:
-                raise InvariantViolation(f"an op of {a.key} read P block {block} owned by {self.p_owner.get(block)}")
+                raise self.violation(f"an op of {a.key} read P block {block} owned by {self.p_owner.get(block)}")
         count = len(dst) // 2 if fail else len(dst)
         for s, d in list(zip(src, dst, strict=True))[:count]:
             for layer in layers:
@@ -241,7 +243,7 @@ class CorePair:
             layers=layers if plan.mode is Mode.PUSH else None,
             mode=plan.mode,
             peer="D",
-            deadline=self.net.now + 30.0,
+            deadline=self.net.now + plan.p_ttl,
         )
         self.run("P", actions)
 
@@ -257,7 +259,7 @@ class CorePair:
             for layer in range(NUM_LAYERS):
                 got = self.d_content.get((block, layer))
                 if got != (key, position, layer):
-                    raise InvariantViolation(f"D block {block} layer {layer} of {key} holds {got!r}")
+                    raise self.violation(f"D block {block} layer {layer} of {key} holds {got!r}")
 
     # ---------------------------------------------------------------- the end
 
@@ -292,14 +294,14 @@ class CorePair:
         self.advance(CONFIG.retention + 1)  # finished machines are forgotten
         live = [(m.role.value, str(m.key), m.state.name) for m in self.p.live() + self.d.live()]
         if live:
-            raise InvariantViolation(f"transfers never ended: {live}")
+            raise self.violation(f"transfers never ended: {live}")
         for name, core in (("P", self.p), ("D", self.d)):
             if len(core.ledger) or core.ledger.held_blocks:
-                raise InvariantViolation(f"{name} ledger still holds {core.ledger.held_blocks} blocks")
+                raise self.violation(f"{name} ledger still holds {core.ledger.held_blocks} blocks")
         if self.d_owner:
-            raise InvariantViolation(f"D blocks never released: {sorted(self.d_owner)}")
+            raise self.violation(f"D blocks never released: {sorted(self.d_owner)}")
         if self.p_owner:
-            raise InvariantViolation(f"P blocks never released: {sorted(self.p_owner)}")
+            raise self.violation(f"P blocks never released: {sorted(self.p_owner)}")
         for plan in self.plans.values():
             if plan.d_blocks and ("D", plan.key) not in self.resolved:
-                raise InvariantViolation(f"D never resolved {plan.key}")
+                raise self.violation(f"D never resolved {plan.key}")

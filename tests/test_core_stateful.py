@@ -18,6 +18,7 @@ from kvflow.state import Mode, Role
 from tests.core_model import NUM_LAYERS, CorePair, Plan
 
 EXAMPLES = int(os.environ.get("KVFLOW_STATEFUL_EXAMPLES", "300"))
+STEPS = 60
 TRANSFER_IDS = ("a", "b", "c")
 
 
@@ -35,8 +36,9 @@ class CoreProtocol(RuleBasedStateMachine):
         nblocks=st.integers(1, 3),
         split=st.sampled_from(["one", "layers", "positions"]),
         p_extra=st.sampled_from([0, 0, 0, 1]),
+        p_ttl=st.sampled_from([3.0, 30.0]),
     )
-    def start(self, tid: str, mode: Mode, nblocks: int, split: str, p_extra: int) -> None:
+    def start(self, tid: str, mode: Mode, nblocks: int, split: str, p_extra: int, p_ttl: float) -> None:
         """The router starts a new attempt (epoch) at a transfer."""
         epoch = self.epochs.get(tid, 0) + 1
         self.epochs[tid] = epoch
@@ -48,7 +50,7 @@ class CoreProtocol(RuleBasedStateMachine):
             batches = [(0, nblocks, (layer, layer + 1)) for layer in range(NUM_LAYERS)]
         else:
             batches = [(i, 1, full) for i in range(nblocks)]
-        plan = Plan(key, mode, nblocks, batches)
+        plan = Plan(key, mode, nblocks, batches, p_ttl=p_ttl)
         self.current[tid] = plan
         self.pair.plans[key] = plan
         self.p_extra[key] = p_extra
@@ -74,6 +76,13 @@ class CoreProtocol(RuleBasedStateMachine):
     @rule()
     def deliver_to_decode(self) -> None:
         self.pair.deliver("D")
+
+    @precondition(lambda self: bool(self.pair.net.to_p or self.pair.net.to_d))
+    @rule()
+    def control_messages_flush(self) -> None:
+        """Every queued control message arrives, data-plane ops still in flight."""
+        while self.pair.net.to_p or self.pair.net.to_d:
+            self.pair.deliver("P" if self.pair.net.to_p else "D")
 
     @precondition(lambda self: bool(self.pair.net.ops))
     @rule(index=st.integers(0, 7), fail=st.sampled_from([False, False, False, True]))
@@ -130,18 +139,20 @@ class CoreProtocol(RuleBasedStateMachine):
     def ledgers_match_model(self) -> None:
         pair = self.pair
         for block, key in pair.d_owner.items():
-            assert pair.d.ledger.holder_of(block) == (key, Role.DECODE), f"D block {block}"
-        assert pair.p.stats.protocol_violations == 0, pair.p.stats
-        assert pair.d.stats.protocol_violations == 0, pair.d.stats
+            if pair.d.ledger.holder_of(block) != (key, Role.DECODE):
+                raise pair.violation(f"D ledger disagrees on block {block}: {pair.d.ledger.holder_of(block)}")
+        for name, core in (("P", pair.p), ("D", pair.d)):
+            if core.stats.protocol_violations:
+                raise pair.violation(f"{name} saw a message its table does not allow: {core.stats}")
 
     def teardown(self) -> None:
-        if hasattr(self, "pair"):
+        if hasattr(self, "pair") and not self.pair.broken:
             self.pair.settle()
 
 
 CoreProtocol.TestCase.settings = settings(
     max_examples=EXAMPLES,
-    stateful_step_count=40,
+    stateful_step_count=STEPS,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )

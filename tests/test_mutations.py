@@ -1,12 +1,14 @@
 """The stateful test must fail when a release or a fence is taken out of the table.
 
 A property test that cannot fail proves nothing.  Each case below removes one release or one
-fence from the transition table and checks that `CoreProtocol` reports a broken protocol
-invariant (not some unrelated crash).  The search is derandomized, so a mutation is caught on
-every run or on none.
+fence from the transition table and checks that `CoreProtocol` reports the broken protocol
+invariant one would expect (not some unrelated crash).  The search is derandomized, so a
+mutation is caught on every run or on none.
 """
 
 from __future__ import annotations
+
+import re
 
 import pytest
 from hypothesis import HealthCheck, Phase, settings
@@ -14,7 +16,7 @@ from hypothesis.stateful import run_state_machine_as_test
 
 from kvflow.state import TABLES, Act, Input, Mode, Role, State, Transition
 from tests.core_model import InvariantViolation
-from tests.test_core_stateful import EXAMPLES, CoreProtocol
+from tests.test_core_stateful import EXAMPLES, STEPS, CoreProtocol
 
 R = Act.RESOLVE
 MUTATIONS = {
@@ -25,6 +27,7 @@ MUTATIONS = {
             (State.REGISTERED, Input.ABORT): Transition(State.ABORTED, (R, Act.SEND_ABORT, Act.RELEASE)),
             (State.WRITING, Input.ABORT): Transition(State.ABORTED, (R, Act.SEND_ABORT, Act.RELEASE)),
         },
+        r"landed in D block|D released blocks .* in flight",
     ),
     # P releases its source blocks (and claims quiescence) while its WRITEs are in flight.
     "push prefill abort without drain": (
@@ -33,6 +36,7 @@ MUTATIONS = {
             (State.WRITING, Input.PEER_ABORTED): Transition(State.ABORTED, (R, Act.RELEASE, Act.SEND_QUIESCED)),
             (State.REGISTERED, Input.PEER_ABORTED): Transition(State.ABORTED, (R, Act.RELEASE, Act.SEND_QUIESCED)),
         },
+        r"P released blocks .* in flight",
     ),
     # P's lease runs out in pull mode and it releases while D may still be reading.
     "pull prefill expiry without fence": (
@@ -41,30 +45,33 @@ MUTATIONS = {
             (State.PREFILL_READY, Input.DEADLINE): Transition(State.EXPIRED, (R, Act.SEND_ABORT, Act.RELEASE)),
             (State.PREFILL_READY, Input.PEER_ABORTED): Transition(State.ABORTED, (R, Act.RELEASE)),
         },
+        r"P released blocks .* in flight",
     ),
     # A successful push never gives P's source blocks back.
     "push prefill success without release": (
         (Mode.PUSH, Role.PREFILL),
         {(State.WRITING, Input.LAST_OP_COMPLETED): Transition(State.NOTIFIED, (R,))},
+        r"P blocks never released|P ledger still holds",
     ),
     # D never gives its blocks back after delivery.
     "push decode delivery without release": (
         (Mode.PUSH, Role.DECODE),
         {(State.NOTIFIED, Input.DELIVERED): Transition(State.DONE, ())},
+        r"D blocks never released|D ledger still holds",
     ),
 }
 
 
 @pytest.mark.parametrize("name", sorted(MUTATIONS))
 def test_stateful_test_catches_mutation(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    table_key, replacements = MUTATIONS[name]
+    table_key, replacements, expected = MUTATIONS[name]
     table = TABLES[table_key]
     for entry, mutated in replacements.items():
         assert entry in table, f"mutation targets a transition that does not exist: {entry}"
         monkeypatch.setitem(table, entry, mutated)
     quick = settings(
-        max_examples=EXAMPLES,
-        stateful_step_count=40,
+        max_examples=max(EXAMPLES, 1000),  # generation stops at the first failure it finds
+        stateful_step_count=STEPS,
         deadline=None,
         phases=[Phase.generate],  # finding the bug is the point; shrinking it is not
         suppress_health_check=list(HealthCheck),
@@ -75,3 +82,4 @@ def test_stateful_test_catches_mutation(name: str, monkeypatch: pytest.MonkeyPat
         run_state_machine_as_test(CoreProtocol, settings=quick)
     found = getattr(caught.value, "exceptions", (caught.value,))
     assert all(isinstance(e, InvariantViolation) for e in found), f"failed for another reason: {found}"
+    assert any(re.search(expected, str(e)) for e in found), f"caught, but by another invariant: {found}"

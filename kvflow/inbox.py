@@ -1,0 +1,197 @@
+"""How what a peer sends becomes input to the transfer core.
+
+Why separate: everything here is about untrusted input.  A registration, ready message, notice
+or WRITE notification is checked against the transfer it names (right peer? right epoch? a
+duplicate? sizes that fit?) and refined into a table input; anything unexpected is counted in
+the core's stats and dropped, so that no peer can make the core raise or change a transfer it
+does not take part in.  Pure code, like the core it feeds.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvflow.actions import Action, SendMessage
+from kvflow.errors import InvalidBatch, InvalidTransition, PeerProtocolError
+from kvflow.machine import Machine, check_block_ids, next_batch
+from kvflow.messages import Done, Message, Notice, Quiesced, Ready, Registration, TransferKey, decode_notification
+from kvflow.state import TERMINAL, Input, Mode, Outcome, Role, transition
+
+if TYPE_CHECKING:
+    from kvflow.core import TransferCore
+
+__all__ = ("PeerInbox",)
+
+_DECODE, _PREFILL = Role.DECODE, Role.PREFILL
+
+
+class PeerInbox:
+    """Refines one core's inbound peer events; holds no state of its own."""
+
+    def __init__(self, core: TransferCore) -> None:
+        self.core = core
+
+    def notification(self, peer: str, payload: bytes, now: float) -> list[Action]:
+        """A WRITE notification arrived from `peer` (push, on D)."""
+        try:
+            key, batch = decode_notification(payload)
+        except PeerProtocolError:
+            self.core.stats.malformed_notifications += 1
+            return []
+        m = self.lookup(key, _DECODE)
+        if m is None:
+            return []
+        if m.mode is not Mode.PUSH or m.peer != peer:
+            self.core.stats.foreign_peer += 1
+            return []
+        if batch >= m.expected_batches:
+            return self.remote(m, Input.INCOMPATIBLE, now, f"notification for batch {batch} of {m.expected_batches}")
+        if batch in m.landed:
+            return self.remote(m, Input.DUPLICATE, now)
+        last = len(m.landed) + 1 == m.expected_batches
+        input_ = Input.LAST_BATCH_LANDED if last else Input.BATCH_LANDED
+        try:
+            transition(m.mode, m.role, m.state, input_, str(key))
+        except InvalidTransition:
+            self.core.stats.protocol_violations += 1
+            return []
+        m.landed.add(batch)
+        return self.core._feed(m, input_, now)
+
+    def receive(self, peer: str, message: Message, now: float) -> list[Action]:
+        """A control message from `peer`.  Never raises for anything the peer sent."""
+        if isinstance(message, Registration):
+            return self._on_registration(peer, message, now)
+        if isinstance(message, Ready):
+            return self._on_ready(peer, message, now)
+        key = message.key
+        role = _PREFILL if isinstance(message, Done) else None
+        m = self._lookup_any(key, peer, role)
+        if isinstance(message, Notice):
+            input_ = Input.PEER_ABORTED if message.outcome == Outcome.ABORTED.value else Input.PEER_FAILED
+            reason = f"peer {message.outcome}: {message.reason}"
+            if m is None:
+                # The peer gave up before this side started: remember it, so that the transfer
+                # fails at once if it starts here later.  Nothing of it can be in flight here.
+                self._hold_unless_stale(peer, message, (_DECODE, _PREFILL), now)
+                return [SendMessage(peer, Quiesced(key))]
+            return self.remote(m, input_, now, reason)
+        if m is None:
+            return []
+        if isinstance(message, Quiesced):
+            return self.remote(m, Input.PEER_QUIESCED, now)
+        return self.remote(m, Input.PEER_DONE, now)
+
+    def _on_registration(self, peer: str, reg: Registration, now: float) -> list[Action]:
+        key = reg.key
+        m = self.core._machines.get((key, _PREFILL))
+        if m is None:
+            problem = self._registration_problem(reg)
+            newer = [e for e in self.core._epochs.get((key.transfer_id, _PREFILL), ()) if e > key.epoch]
+            if newer:
+                self.core.stats.stale_epoch += 1
+                problem = f"epoch {key.epoch} is older than {max(newer)}"
+            elif problem is None and self._unstarted() >= self.core.config.max_unstarted:
+                problem = "too many registrations for transfers not started here"
+            if problem is not None:
+                self.core.stats.rejected_registrations += 1
+                return [SendMessage(peer, Notice(key, Outcome.FAILED.value, problem)), SendMessage(peer, Quiesced(key))]
+            m = self.core._create(key, _PREFILL, Mode.PUSH, peer, now + min(reg.ttl, self.core.config.max_ttl), now)
+            m.started_locally = False
+        if m.mode is not Mode.PUSH or m.peer not in (None, peer):
+            self.core.stats.foreign_peer += 1
+            return []
+        if m.remote_blocks is not None:
+            return self.remote(m, Input.DUPLICATE, now)
+        try:
+            transition(m.mode, m.role, m.state, Input.REGISTRATION_RECEIVED, str(key))
+        except InvalidTransition:
+            self.core.stats.protocol_violations += 1
+            return []
+        m.peer = peer
+        problem = self._registration_problem(reg)
+        if problem is None:
+            m.remote_blocks, m.remote_expected = reg.block_ids, reg.expected_batches
+            self.core._set_deadline(m, min(m.deadline, now + min(reg.ttl, self.core.config.max_ttl)))
+            problem = m.push_mismatch(self.core.num_layers)
+        if problem is not None and m.state not in TERMINAL:
+            return self.remote(m, Input.INCOMPATIBLE, now, problem)
+        return self.core._feed(m, Input.REGISTRATION_RECEIVED, now, reason=m.reason or "transfer already ended")
+
+    def _registration_problem(self, reg: Registration) -> str | None:
+        try:
+            check_block_ids(reg.block_ids, "registration", unique=True)
+        except InvalidBatch as exc:
+            return str(exc)
+        if not 1 <= reg.expected_batches <= self.core.config.max_batches or not reg.ttl > 0:
+            return "registration has a bad batch count or time-to-live"
+        return None
+
+    def _on_ready(self, peer: str, ready: Ready, now: float) -> list[Action]:
+        m = self.core._machines.get((ready.key, _DECODE))
+        if m is None:  # P may be ready before D allocates: keep it until D does
+            self._hold_unless_stale(peer, ready, (_DECODE,), now)
+            return []
+        if m.mode is not Mode.PULL or m.peer != peer:
+            self.core.stats.foreign_peer += 1
+            return []
+        if m.remote_blocks is not None:
+            return self.remote(m, Input.DUPLICATE, now)
+        try:
+            blocks = check_block_ids(ready.block_ids, "ready", unique=False)
+        except InvalidBatch as exc:
+            return self.remote(m, Input.INCOMPATIBLE, now, str(exc))
+        if len(blocks) != len(m.block_ids):
+            return self.remote(
+                m, Input.INCOMPATIBLE, now, f"P is ready with {len(blocks)} blocks, D expects {len(m.block_ids)}"
+            )
+        try:
+            transition(m.mode, m.role, m.state, Input.READY_RECEIVED, str(m.key))
+        except InvalidTransition:
+            self.core.stats.protocol_violations += 1
+            return []
+        m.remote_blocks = blocks
+        m.batches.append(next_batch(m.key, (), 0, m.block_ids, (0, self.core.num_layers)))
+        return self.core._feed(m, Input.READY_RECEIVED, now)
+
+    def lookup(self, key: TransferKey, role: Role) -> Machine | None:
+        m = self.core._machines.get((key, role))
+        if m is None:
+            if (key.transfer_id, role) in self.core._epochs:
+                self.core.stats.stale_epoch += 1
+            else:
+                self.core.stats.unknown_transfer += 1
+        return m
+
+    def _lookup_any(self, key: TransferKey, peer: str, role: Role | None) -> Machine | None:
+        roles = (role,) if role is not None else (_DECODE, _PREFILL)
+        candidates = [self.core._machines[(key, r)] for r in roles if (key, r) in self.core._machines]
+        for m in candidates:
+            if m.peer == peer:
+                return m
+        if candidates:
+            self.core.stats.foreign_peer += 1
+        elif any((key.transfer_id, r) in self.core._epochs for r in roles):
+            self.core.stats.stale_epoch += 1
+        else:
+            self.core.stats.unknown_transfer += 1
+        return None
+
+    def remote(self, m: Machine, input_: Input, now: float, reason: str = "") -> list[Action]:
+        """Feed an input that a peer caused: a disallowed one is counted, never raised."""
+        try:
+            return self.core._feed(m, input_, now, reason=reason)
+        except InvalidTransition:
+            self.core.stats.protocol_violations += 1
+            return []
+
+    def _unstarted(self) -> int:
+        return sum(not m.started_locally for m in self.core.live())
+
+    def _hold_unless_stale(self, peer: str, message: Notice | Ready, roles: tuple[Role, ...], now: float) -> None:
+        seen = [e for role in roles for e in self.core._epochs.get((message.key.transfer_id, role), ())]
+        if seen and max(seen) > message.key.epoch:
+            self.core.stats.stale_epoch += 1
+            return
+        self.core.stats.early_messages += 1
+        self.core._hold_early(peer, message, now)
