@@ -1,0 +1,386 @@
+"""Loopback transport: real byte copies between endpoints of one process, with a link model and
+deterministic fault injection.
+
+Why it exists: tests and simulations need a data plane that behaves like RDMA where it matters
+(bytes land later than they are posted, a notification follows its bytes, a dead peer fails
+every op, a stalled WRITE can land long after its transfer was abandoned) without NIXL.
+
+Endpoints share a `LoopbackFabric`.  Each op copies with `memmove` between registered regions,
+after checking every range against the *registered* memory of both endpoints, so a bad layout
+raises `TransportError` instead of corrupting the process.  The fabric runs ops on its own
+thread, timed by a `LinkModel`; in manual mode nothing moves until the caller `step`s it, which
+makes engine tests deterministic.  `FaultPlan` faults are drawn from a seeded generator in op
+order, so a seed reproduces a run.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import heapq
+import random
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from kvflow.actions import OpKind
+from kvflow.errors import ConfigError, TransportError
+from kvflow.layout import DescriptorPlan, MemoryType, Region
+from kvflow.transport import Completion, Notification, TransportCapabilities
+
+__all__ = ("FaultPlan", "LinkModel", "LoopbackFabric", "LoopbackTransport")
+
+
+@dataclass(frozen=True, slots=True)
+class LinkModel:
+    """Per op: `latency` seconds plus size / `bandwidth` (bytes per second; 0: unlimited).
+    Ops between the same two endpoints are serialised, as on one link."""
+
+    latency: float = 0.0
+    bandwidth: float = 0.0
+
+    def transfer_time(self, nbytes: int) -> float:
+        return nbytes / self.bandwidth if self.bandwidth > 0 else 0.0
+
+
+@dataclass(slots=True)
+class FaultPlan:
+    """Faults, decided per op in submission order from `seed`.
+
+    `fail_ops` / `stall_ops` are 1-based op numbers on the fabric.  A failed op lands the first
+    half of its descriptors (a torn write) and reports an error.  A stalled op waits for
+    `LoopbackFabric.unstall` (or `stall_for` seconds when > 0).
+    """
+
+    seed: int = 0
+    fail_ops: set[int] = field(default_factory=set)
+    fail_rate: float = 0.0
+    stall_ops: set[int] = field(default_factory=set)
+    stall_rate: float = 0.0
+    stall_for: float = 0.0
+    drop_rate: float = 0.0
+    duplicate_rate: float = 0.0
+    reorder_rate: float = 0.0
+
+
+@dataclass(slots=True)
+class _Op:
+    number: int
+    op_id: int
+    initiator: LoopbackTransport
+    peer: str
+    kind: OpKind
+    copies: list[tuple[int, int, int]]  # (destination address, source address, length)
+    notification: bytes
+    ready_at: float
+    fail: bool
+    stalled: bool
+    cancelled: bool = False
+
+
+class LoopbackFabric:
+    """The in-process network joining `LoopbackTransport` endpoints."""
+
+    def __init__(self, link: LinkModel | None = None, faults: FaultPlan | None = None, *, manual: bool = False):
+        self.link = link or LinkModel()
+        self.faults = faults or FaultPlan()
+        self.manual = manual
+        self._rng = random.Random(self.faults.seed)
+        self._endpoints: dict[str, LoopbackTransport] = {}
+        self._dead: set[str] = set()
+        self._lock = threading.RLock()  # held while bytes move and while peers are torn down
+        self._wake = threading.Condition(self._lock)
+        self._queue: list[tuple[float, int, _Op]] = []
+        self._link_free: dict[tuple[str, str], float] = {}
+        self._ops = 0
+        self._held_note: tuple[LoopbackTransport, Notification] | None = None
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        if not manual:
+            self._thread = threading.Thread(target=self._run, name="kvflow-loopback-fabric", daemon=True)
+            self._thread.start()
+
+    # ------------------------------------------------------------------ endpoints and faults
+
+    def endpoint(self, name: str) -> LoopbackTransport:
+        return LoopbackTransport(name, fabric=self)
+
+    def _attach(self, endpoint: LoopbackTransport) -> None:
+        with self._lock:
+            if endpoint.name in self._endpoints:
+                raise ConfigError(f"loopback endpoint {endpoint.name!r} already exists on this fabric")
+            self._endpoints[endpoint.name] = endpoint
+
+    def kill(self, name: str) -> None:
+        """The endpoint dies: its in-flight ops fail, and every later op to or from it fails."""
+        with self._lock:
+            self._dead.add(name)
+            for _, _, op in self._queue:
+                if op.peer == name or op.initiator.name == name:
+                    op.cancelled = True
+            self._wake.notify_all()
+
+    def is_dead(self, name: str) -> bool:
+        return name in self._dead
+
+    def unstall(self) -> None:
+        """Let every stalled op proceed."""
+        with self._lock:
+            for _, _, op in self._queue:
+                op.stalled = False
+            self._wake.notify_all()
+
+    # ------------------------------------------------------------------ ops
+
+    def _post(self, op: _Op) -> None:
+        with self._lock:
+            heapq.heappush(self._queue, (op.ready_at, op.number, op))
+            self._wake.notify_all()
+
+    def _new_op_number(self) -> tuple[int, bool, bool]:
+        with self._lock:
+            self._ops += 1
+            n, f = self._ops, self.faults
+            fail = n in f.fail_ops or (f.fail_rate > 0 and self._rng.random() < f.fail_rate)
+            stall = n in f.stall_ops or (f.stall_rate > 0 and self._rng.random() < f.stall_rate)
+            return n, fail, stall
+
+    def _ready_time(self, initiator: str, peer: str, nbytes: int) -> float:
+        now = time.monotonic()
+        link = (initiator, peer)
+        start = max(now, self._link_free.get(link, now))
+        done = start + self.link.transfer_time(nbytes)
+        self._link_free[link] = done
+        return done + self.link.latency
+
+    def pending(self) -> int:
+        with self._lock:
+            return len(self._queue)
+
+    def step(self, index: int = 0) -> bool:
+        """Manual mode: run the `index`-th runnable (not stalled) op.  False if none is."""
+        with self._lock:
+            runnable = sorted(
+                (item for item in self._queue if not item[2].stalled or item[2].cancelled), key=lambda i: i[:2]
+            )
+            if not runnable:
+                return False
+            item = runnable[index % len(runnable)]
+            self._queue.remove(item)
+            heapq.heapify(self._queue)
+            self._execute(item[2])
+            return True
+
+    def run_until_idle(self) -> None:
+        """Manual mode: run every runnable op (stalled ones stay)."""
+        while self.step():
+            pass
+
+    def _run(self) -> None:
+        with self._lock:
+            while not self._closed:
+                now = time.monotonic()
+                runnable = [item for item in self._queue if not item[2].stalled or item[2].cancelled]
+                due = [item for item in runnable if item[0] <= now]
+                stall_deadlines = [
+                    item[0] + self.faults.stall_for
+                    for item in self._queue
+                    if item[2].stalled and self.faults.stall_for > 0
+                ]
+                if due:
+                    item = min(due, key=lambda i: i[:2])
+                    self._queue.remove(item)
+                    heapq.heapify(self._queue)
+                    self._execute(item[2])
+                    continue
+                for item in self._queue:
+                    if item[2].stalled and self.faults.stall_for > 0 and item[0] + self.faults.stall_for <= now:
+                        item[2].stalled = False
+                wake_at = min([item[0] for item in runnable] + stall_deadlines, default=None)
+                self._wake.wait(None if wake_at is None else max(wake_at - now, 0.0))
+
+    def _execute(self, op: _Op) -> None:
+        """Move the bytes (under the fabric lock) and report the outcome."""
+        initiator = op.initiator
+        target = self._endpoints.get(op.peer)
+        if op.cancelled or target is None or op.peer in self._dead or initiator.name in self._dead:
+            initiator._complete(Completion(op.op_id, f"peer {op.peer!r} unreachable"))
+            return
+        try:
+            for dst, src, length in op.copies:
+                target._check_range(dst if op.kind is OpKind.WRITE else src, length)
+        except TransportError as exc:
+            initiator._complete(Completion(op.op_id, str(exc)))
+            return
+        copies = op.copies[: len(op.copies) // 2] if op.fail else op.copies
+        for dst, src, length in copies:
+            ctypes.memmove(dst, src, length)
+        if op.fail:
+            initiator._complete(Completion(op.op_id, "injected op failure"))
+            return
+        initiator._complete(Completion(op.op_id))
+        if op.kind is OpKind.WRITE and op.notification:
+            self._notify(target, Notification(initiator.name, op.notification))
+
+    def _notify(self, target: LoopbackTransport, note: Notification) -> None:
+        f = self.faults
+        if f.drop_rate > 0 and self._rng.random() < f.drop_rate:
+            return
+        if f.reorder_rate > 0 and self._held_note is None and self._rng.random() < f.reorder_rate:
+            self._held_note = (target, note)  # delivered after the next notification
+            return
+        target._receive(note)
+        if f.duplicate_rate > 0 and self._rng.random() < f.duplicate_rate:
+            target._receive(note)
+        if self._held_note is not None:
+            held_target, held = self._held_note
+            self._held_note = None
+            held_target._receive(held)
+
+    def flush_held_notifications(self) -> None:
+        """Deliver a notification kept back for reordering (it would otherwise wait forever)."""
+        with self._lock:
+            if self._held_note is not None:
+                target, note = self._held_note
+                self._held_note = None
+                target._receive(note)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._wake.notify_all()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5.0)
+
+
+class LoopbackTransport:
+    """One endpoint on a `LoopbackFabric` (a private fabric if none is given)."""
+
+    def __init__(self, name: str, *, fabric: LoopbackFabric | None = None) -> None:
+        self.name = name
+        self.fabric = fabric if fabric is not None else LoopbackFabric()
+        self._regions: list[Region] = []
+        self._peers: dict[str, list[Region]] = {}
+        self._completions: deque[Completion] = deque()
+        self._notifications: deque[Notification] = deque()
+        self._listener: Callable[[], None] | None = None
+        self._closed = False
+        self.fabric._attach(self)
+
+    @property
+    def capabilities(self) -> TransportCapabilities:
+        return TransportCapabilities("loopback", frozenset({MemoryType.DRAM}), cross_process=False)
+
+    def register_regions(self, regions: Sequence[Region]) -> None:
+        self._alive()
+        for region in regions:
+            if region.memory is not MemoryType.DRAM:
+                raise TransportError(f"loopback moves host memory only, not {region.memory.value}")
+        self._regions.extend(regions)
+
+    def local_metadata(self) -> bytes:
+        return self.name.encode()
+
+    def add_peer(self, name: str, metadata: bytes, regions: Sequence[Region]) -> None:
+        self._alive()
+        if metadata != name.encode():
+            raise TransportError(f"metadata for {name!r} names another endpoint")
+        if name not in self.fabric._endpoints:
+            raise TransportError(f"no loopback endpoint {name!r} on this fabric")
+        self._peers[name] = list(regions)
+
+    def remove_peer(self, name: str) -> None:
+        """Both directions are fenced: this endpoint's ops to `name`, and `name`'s one-sided
+        ops into this endpoint's memory (a peer torn down must not land a stale WRITE here, nor
+        READ blocks that are about to be reused)."""
+        with self.fabric._lock:
+            self._peers.pop(name, None)
+            for _, _, op in self.fabric._queue:
+                if (op.initiator is self and op.peer == name) or (op.initiator.name == name and op.peer == self.name):
+                    op.cancelled = True
+            self.fabric._wake.notify_all()
+
+    def submit(self, op_id: int, kind: OpKind, peer: str, plan: DescriptorPlan, notification: bytes) -> None:
+        self._alive()
+        regions = self._peers.get(peer)
+        if regions is None:
+            raise TransportError(f"op {op_id}: unknown peer {peer!r}")
+        if self.fabric.is_dead(peer):
+            raise TransportError(f"op {op_id}: peer {peer!r} is dead")
+        copies: list[tuple[int, int, int]] = []
+        for d in plan:
+            local = self._address(self._regions, d.local_region, d.local_offset, d.length, "local")
+            remote = self._address(regions, d.remote_region, d.remote_offset, d.length, f"peer {peer!r}")
+            copies.append((remote, local, d.length) if kind is OpKind.WRITE else (local, remote, d.length))
+        number, fail, stall = self.fabric._new_op_number()
+        with self.fabric._lock:
+            ready = self.fabric._ready_time(self.name, peer, plan.total_bytes)
+        self.fabric._post(_Op(number, op_id, self, peer, kind, copies, notification, ready, fail, stall))
+
+    def poll(self) -> tuple[list[Completion], list[Notification]]:
+        completions, notifications = [], []
+        while self._completions:
+            completions.append(self._completions.popleft())
+        while self._notifications:
+            notifications.append(self._notifications.popleft())
+        return completions, notifications
+
+    def send_notification(self, peer: str, payload: bytes) -> None:
+        self._alive()
+        target = self.fabric._endpoints.get(peer)
+        if target is None or peer not in self._peers or self.fabric.is_dead(peer):
+            raise TransportError(f"cannot notify {peer!r}: unknown or dead")
+        with self.fabric._lock:
+            self.fabric._notify(target, Notification(self.name, payload))
+
+    def set_listener(self, callback: Callable[[], None] | None) -> None:
+        self._listener = callback
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with self.fabric._lock:
+            for _, _, op in self.fabric._queue:
+                if op.initiator is self or op.peer == self.name:
+                    op.cancelled = True
+            self._regions.clear()
+            self._peers.clear()
+
+    # ------------------------------------------------------------------ fabric side
+
+    def _alive(self) -> None:
+        if self._closed or self.fabric.is_dead(self.name):
+            raise TransportError(f"loopback endpoint {self.name!r} is closed or dead")
+
+    @staticmethod
+    def _address(regions: Sequence[Region], index: int, offset: int, length: int, side: str) -> int:
+        if not 0 <= index < len(regions):
+            raise TransportError(f"{side} region {index} is not registered")
+        region = regions[index]
+        if offset < 0 or length <= 0 or offset + length > region.length:
+            raise TransportError(f"{side} range {offset}+{length} lies outside region {index} ({region.length} bytes)")
+        return region.base + offset
+
+    def _check_range(self, address: int, length: int) -> None:
+        """The peer may have named addresses it never registered: refuse them."""
+        for region in self._regions:
+            if region.base <= address and address + length <= region.base + region.length:
+                return
+        raise TransportError(f"range {address:#x}+{length} is not registered by {self.name!r}")
+
+    def _complete(self, completion: Completion) -> None:
+        self._completions.append(completion)
+        self._signal()
+
+    def _receive(self, note: Notification) -> None:
+        if self._closed or self.name in self.fabric._dead:
+            return
+        self._notifications.append(note)
+        self._signal()
+
+    def _signal(self) -> None:
+        listener = self._listener
+        if listener is not None:
+            listener()
