@@ -39,6 +39,8 @@ __all__ = (
     "Region",
     "check_compatible",
     "fingerprint",
+    "layout_from_wire",
+    "layout_to_wire",
     "plan_transfer",
 )
 
@@ -348,3 +350,56 @@ def plan_transfer(
         merged_length,
         uncoalesced,
     )
+
+
+def layout_to_wire(layout: KVLayout) -> dict[str, Any]:
+    """A plain-data form of a layout for the handshake (msgpack-friendly, no objects)."""
+    spec = layout.spec
+    return {
+        "spec": [
+            spec.num_layers,
+            spec.block_size,
+            spec.num_kv_heads,
+            spec.head_dim,
+            spec.dtype,
+            spec.kv_layout,
+            spec.arrays_per_layer,
+        ],
+        "num_blocks": layout.num_blocks,
+        "regions": [[r.base, r.length, r.memory.value, r.device_id] for r in layout.regions],
+        "arrays": [[a.region, a.offset, a.stride, a.layer] for a in layout.arrays],
+    }
+
+
+def layout_from_wire(data: Mapping[str, Any]) -> KVLayout:
+    """Rebuild a peer's layout, checking every field.
+
+    :raises ConfigError: anything missing, mistyped or inconsistent.
+    """
+
+    def ints(values: Any, n: int, what: str) -> list[int]:
+        if not isinstance(values, list | tuple) or len(values) != n or any(type(v) is not int for v in values):
+            raise ConfigError(f"layout {what} must be {n} integers")
+        return list(values)
+
+    try:
+        num_layers, block_size, heads, head_dim, dtype, kv_layout, per_layer = data["spec"]
+        if not isinstance(dtype, str) or not isinstance(kv_layout, str):
+            raise ConfigError("layout spec dtype and kv_layout must be strings")
+        layers, size, n_heads, dim, per = ints([num_layers, block_size, heads, head_dim, per_layer], 5, "spec")
+        spec = KVSpec(layers, size, n_heads, dim, dtype, kv_layout, per)
+        regions = []
+        for raw in data["regions"]:
+            if not isinstance(raw, list | tuple) or len(raw) != 4 or not isinstance(raw[2], str):
+                raise ConfigError("layout region must be [base, length, memory, device]")
+            base, length = ints(raw[:2], 2, "region")
+            regions.append(Region(base, length, MemoryType(raw[2]), ints(raw[3:], 1, "region device")[0]))
+        arrays = tuple(BlockArray(*ints(raw, 4, "block array")) for raw in data["arrays"])
+        num_blocks = data["num_blocks"]
+        if type(num_blocks) is not int:
+            raise ConfigError("layout num_blocks must be an integer")
+        return KVLayout(spec, num_blocks, tuple(regions), arrays)
+    except ConfigError:
+        raise
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ConfigError(f"malformed layout: {type(exc).__name__}: {exc}") from exc

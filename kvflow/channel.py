@@ -1,0 +1,97 @@
+"""The control channel contract, and an in-process implementation joining engines by name.
+
+Why a separate contract: the engine only needs "send this message to that peer" and "call me
+when a message arrives".  The in-process hub here serves tests, examples and simulations with
+engines in one process (each possibly on its own thread and loop); the authenticated
+msgpack-over-ZeroMQ channel serves engines in different processes.
+
+Messages are delivered on the receiving engine's own event loop, in the order they were sent
+between each pair of engines, never re-entrantly inside `send`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+from typing import Protocol
+
+from kvflow.errors import EngineClosed, PeerUnknown
+from kvflow.messages import Hello, Message
+
+__all__ = ("ControlChannel", "LocalControl", "LocalControlHub", "MessageHandler")
+
+Envelope = Message | Hello
+MessageHandler = Callable[[str, Envelope], None]
+
+
+class ControlChannel(Protocol):
+    def start(self, loop: asyncio.AbstractEventLoop, handler: MessageHandler) -> None:
+        """Begin delivering messages to `handler(sender, message)` on `loop`."""
+
+    def send(self, peer: str, message: Envelope) -> None:
+        """Queue a message for `peer`; never blocks.
+
+        :raises PeerUnknown: no route to `peer`.
+        :raises EngineClosed: the channel was closed.
+        """
+
+    def close(self) -> None:
+        """Stop sending and delivering.  Idempotent."""
+
+
+class LocalControlHub:
+    """Routes messages between `LocalControl` endpoints in one process."""
+
+    def __init__(self) -> None:
+        self._routes: dict[str, tuple[asyncio.AbstractEventLoop, MessageHandler]] = {}
+        self._lock = threading.Lock()
+        self.delivered = 0
+
+    def channel(self, name: str) -> LocalControl:
+        return LocalControl(self, name)
+
+    def _register(self, name: str, loop: asyncio.AbstractEventLoop, handler: MessageHandler) -> None:
+        with self._lock:
+            self._routes[name] = (loop, handler)
+
+    def _unregister(self, name: str) -> None:
+        with self._lock:
+            self._routes.pop(name, None)
+
+    def _route(self, sender: str, peer: str, message: Envelope) -> None:
+        with self._lock:
+            route = self._routes.get(peer)
+        if route is None:
+            raise PeerUnknown(f"no engine named {peer!r} on this control hub")
+        loop, handler = route
+        try:
+            loop.call_soon_threadsafe(self._deliver, handler, peer, sender, message)
+        except RuntimeError as exc:  # the peer's loop is closed: it is gone
+            raise PeerUnknown(f"engine {peer!r} is no longer running") from exc
+
+    def _deliver(self, handler: MessageHandler, peer: str, sender: str, message: Envelope) -> None:
+        with self._lock:
+            live = peer in self._routes
+        if live:
+            self.delivered += 1
+            handler(sender, message)
+
+
+class LocalControl:
+    def __init__(self, hub: LocalControlHub, name: str) -> None:
+        self.hub = hub
+        self.name = name
+        self._closed = False
+
+    def start(self, loop: asyncio.AbstractEventLoop, handler: MessageHandler) -> None:
+        self.hub._register(self.name, loop, handler)
+
+    def send(self, peer: str, message: Envelope) -> None:
+        if self._closed:
+            raise EngineClosed(f"control channel of {self.name!r} is closed")
+        self.hub._route(self.name, peer, message)
+
+    def close(self) -> None:
+        self._closed = True
+        self.hub._unregister(self.name)

@@ -1,0 +1,565 @@
+"""The asyncio engine: a thin driver that feeds the pure core and executes what it decides.
+
+Why thin: every decision about states, blocks and deadlines lives in `TransferCore`.  This
+module only (as aioquic's `asyncio/protocol.py`) turns events into core calls with the loop's
+clock, executes the returned actions, and re-arms one timer for the core's next deadline:
+
+* control messages go out through a `ControlChannel`;
+* data-plane ops are planned and submitted on a dedicated writer thread (never on the loop, so
+  a slow `postXfer` cannot stall the loop or the host engine's main thread);
+* the transport's completions and notifications arrive through a listener that schedules one
+  drain on the loop;
+* released blocks go to `on_release` and to a queue any thread may poll.
+
+Every callback runs under a guard: an exception is recorded in `crashed`, logged, and surfaced
+by the next API call and by `aclose` as `EngineCrashed`; it never dies silently in a task.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from kvflow.actions import Action, DeclarePeerLost, ReleaseBlocks, Resolve, SendMessage, SubmitOp
+from kvflow.channel import ControlChannel, Envelope
+from kvflow.core import CoreConfig, TransferCore
+from kvflow.errors import (
+    ConfigError,
+    EngineClosed,
+    EngineCrashed,
+    KVFlowError,
+    PeerProtocolError,
+    TransferFailed,
+    TransferTimeout,
+)
+from kvflow.layout import KVLayout, check_compatible, fingerprint, layout_from_wire, layout_to_wire, plan_transfer
+from kvflow.ledger import LedgerError
+from kvflow.messages import Hello, TransferKey
+from kvflow.state import Mode, Outcome, Role
+from kvflow.transport import Transport
+from kvflow.writer import Submitter, WriterThread
+
+__all__ = ("Engine", "EngineConfig", "TransferHandle", "TransferResult")
+
+log = logging.getLogger("kvflow.engine")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    core: CoreConfig = field(default_factory=CoreConfig)
+    transfer_timeout: float = 30.0  # deadline of a transfer when the caller gives none
+    handshake_timeout: float = 10.0
+    drain_timeout: float = 30.0  # how long `aclose` lets transfers finish before aborting them
+    auto_deliver: bool = True  # D: hand blocks over as soon as a transfer succeeds
+
+    def __post_init__(self) -> None:
+        for name in ("transfer_timeout", "handshake_timeout", "drain_timeout"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"engine config {name} must be > 0")
+
+
+@dataclass(frozen=True, slots=True)
+class TransferResult:
+    key: TransferKey
+    role: Role
+    outcome: Outcome
+    reason: str
+
+    @property
+    def ok(self) -> bool:
+        return self.outcome is Outcome.SUCCEEDED
+
+    def raise_for_outcome(self) -> None:
+        """:raises TransferFailed: the transfer did not succeed."""
+        if not self.ok:
+            raise TransferFailed(str(self.key), self.outcome.value, self.reason)
+
+
+class TransferHandle:
+    """One side of one transfer; await it (or `wait`) for its `TransferResult`."""
+
+    def __init__(self, key: TransferKey, role: Role, future: asyncio.Future[TransferResult]) -> None:
+        self.key = key
+        self.role = role
+        self._future = future
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    async def wait(self, timeout: float | None = None) -> TransferResult:
+        """:raises TransferTimeout: no outcome within `timeout` seconds (the transfer goes on)."""
+        try:
+            return await asyncio.wait_for(asyncio.shield(self._future), timeout)
+        except TimeoutError:
+            raise TransferTimeout(f"{self.role.value} transfer {self.key} undecided after {timeout}s") from None
+
+    def __await__(self) -> Any:
+        return self.wait().__await__()
+
+
+class Engine:
+    def __init__(
+        self,
+        engine_id: str,
+        layout: KVLayout,
+        transport: Transport,
+        control: ControlChannel,
+        *,
+        config: EngineConfig | None = None,
+        submitter: Submitter | None = None,
+        clock: Callable[[], float] | None = None,
+        on_release: Callable[[ReleaseBlocks], None] | None = None,
+    ) -> None:
+        self.engine_id = engine_id
+        self.layout = layout
+        self.transport = transport
+        self.control = control
+        self.config = config or EngineConfig()
+        self.core = TransferCore(engine_id, layout.spec.num_layers, self.config.core)
+        self.crashed: list[BaseException] = []
+        self.released: deque[ReleaseBlocks] = deque()  # thread-safe to popleft from anywhere
+        self.finished: deque[TransferResult] = deque()
+        self.counters = {"messages_from_unknown_peers": 0, "sends_failed": 0, "notifications_from_unknown": 0}
+        self._submitter = submitter or WriterThread(f"kvflow-writer-{engine_id}", self._record_crash)
+        self._clock = clock
+        self._on_release = on_release
+        self._fingerprint = fingerprint(layout.spec)
+        self._peers: dict[str, KVLayout] = {}
+        self._hello_sent: set[str] = set()
+        self._hello_waiters: dict[str, asyncio.Future[None]] = {}
+        self._tearing_down: set[str] = set()
+        self._handles: dict[tuple[TransferKey, Role], asyncio.Future[TransferResult]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at: float | None = None
+        self._drain_scheduled = False
+        self._idle = asyncio.Event()
+        self._state = "new"
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        """Register memory with the transport and start receiving.
+
+        :raises TransportError: the transport refused the regions.
+        """
+        if self._state != "new":
+            raise EngineClosed(f"engine {self.engine_id!r} was already started")
+        self._loop = asyncio.get_running_loop()
+        self.transport.register_regions(self.layout.regions)
+        self.transport.set_listener(self._wake_from_transport)
+        self.control.start(self._loop, self._guarded_control)
+        self._state = "running"
+        self._idle.set()
+
+    async def __aenter__(self) -> Engine:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def connect(self, peer: str, timeout: float | None = None) -> None:
+        """Handshake with `peer`: exchange layouts and transport metadata.
+
+        :raises LayoutMismatch: the peer's KV layout differs (the message names the field).
+        :raises TransferTimeout: no answer within `timeout` (default: the config's).
+        :raises PeerUnknown: the control channel has no route to the peer.
+        """
+        self._check_open()
+        if peer in self._peers:
+            return
+        waiter = self._hello_waiters.get(peer)
+        if waiter is None or waiter.done():
+            waiter = self._hello_waiters[peer] = self._running_loop().create_future()
+        self._hello_sent.discard(peer)
+        self._send_hello(peer)
+        limit = timeout if timeout is not None else self.config.handshake_timeout
+        try:
+            await asyncio.wait_for(asyncio.shield(waiter), limit)
+        except TimeoutError:
+            raise TransferTimeout(f"handshake with {peer!r} got no answer within {limit}s") from None
+
+    def peers(self) -> list[str]:
+        return sorted(self._peers)
+
+    async def aclose(self, drain_timeout: float | None = None) -> None:
+        """Let transfers finish (up to `drain_timeout`), abort the rest, wait for their fences,
+        tear peers down if a fence never comes, release every block, close the transport.
+
+        :raises EngineCrashed: a background callback raised at some point in the engine's life.
+        """
+        if self._state in ("closing", "closed"):
+            return
+        if self._state == "new":
+            self._state = "closed"
+            return
+        self._state = "closing"
+        limit = drain_timeout if drain_timeout is not None else self.config.drain_timeout
+        await self._wait_idle(limit)
+        if self.core.live():
+            self._run(self.core.abort_all(self._now(), "engine closing"))
+            await self._wait_idle(self.config.core.fence_timeout)
+        if self.core.live():
+            # A fence never came: tear every peer these transfers wait on down, here and now.
+            waited_on = {m.peer for m in self.core.live() if m.peer is not None}
+            for peer in sorted(waited_on | set(self._peers) | self._tearing_down):
+                self._tear_down_now(peer, "engine closing: fence not confirmed")
+        self._cancel_timer()
+        self._submitter.close(timeout=5.0)
+        self.transport.set_listener(None)
+        self.transport.close()
+        self.control.close()
+        self._state = "closed"
+        if self.core.ledger.held_blocks or self.core.live():
+            self._record_crash(LedgerError(f"engine closed holding {self.core.ledger.held_blocks} blocks"))
+        for future in self._handles.values():
+            if not future.done():
+                future.set_exception(EngineClosed(f"engine {self.engine_id!r} closed"))
+        if self.crashed:
+            raise EngineCrashed(self.crashed)
+
+    # ------------------------------------------------------------------ transfers
+
+    async def expect(
+        self,
+        transfer_id: str,
+        epoch: int,
+        *,
+        peer: str,
+        block_ids: Sequence[int],
+        mode: Mode = Mode.PUSH,
+        expected_batches: int = 1,
+        timeout: float | None = None,
+    ) -> TransferHandle:
+        """D: receive transfer (`transfer_id`, `epoch`) from `peer` into `block_ids`.
+
+        In push mode the registration is sent as soon as the peer is connected.
+        :raises InvalidBatch, BlockConflict, StaleEpoch, ConfigError: see `TransferCore.expect`.
+        :raises EngineClosed, EngineCrashed: the engine is not running.
+        """
+        self._check_open()
+        key = TransferKey(transfer_id, epoch)
+        now = self._now()
+        deadline = now + (timeout if timeout is not None else self.config.transfer_timeout)
+        actions = self.core.expect(
+            key,
+            peer=peer,
+            mode=mode,
+            block_ids=block_ids,
+            deadline=deadline,
+            now=now,
+            expected_batches=expected_batches,
+        )
+        handle = self._handle(key, Role.DECODE)
+        self._run(actions)
+        return handle
+
+    async def kv_ready(
+        self,
+        transfer_id: str,
+        epoch: int,
+        *,
+        block_ids: Sequence[int],
+        final: bool = True,
+        first_position: int = 0,
+        layers: tuple[int, int] | None = None,
+        mode: Mode = Mode.PUSH,
+        peer: str | None = None,
+        timeout: float | None = None,
+    ) -> TransferHandle:
+        """P: KV for these positions (and layers) is ready in `block_ids`; `final` marks the last
+        batch.  Push: written as soon as D's registration is here.  Pull: `peer` is told.
+
+        :raises InvalidBatch, InvalidTransition, StaleEpoch, ConfigError: see `TransferCore.kv_ready`.
+        :raises EngineClosed, EngineCrashed: the engine is not running.
+        """
+        self._check_open()
+        key = TransferKey(transfer_id, epoch)
+        now = self._now()
+        deadline = now + (timeout if timeout is not None else self.config.transfer_timeout)
+        actions = self.core.kv_ready(
+            key,
+            block_ids=block_ids,
+            now=now,
+            final=final,
+            first_position=first_position,
+            layers=layers,
+            mode=mode,
+            peer=peer,
+            deadline=deadline,
+        )
+        handle = self._handle(key, Role.PREFILL)
+        self._run(actions)
+        return handle
+
+    async def abort(self, transfer_id: str, epoch: int, role: Role, reason: str = "aborted by caller") -> None:
+        """Give up on a transfer; its blocks come back once no op can touch them.
+
+        :raises UnknownTransfer: no such transfer here.
+        :raises EngineCrashed: the engine crashed.
+        """
+        self._check_crashed()
+        self._run(self.core.abort(TransferKey(transfer_id, epoch), role, self._now(), reason))
+
+    async def delivered(self, transfer_id: str, epoch: int) -> None:
+        """D (with `auto_deliver` off): the consumer took the blocks of a finished transfer.
+
+        :raises UnknownTransfer, InvalidTransition: not a finished D transfer here.
+        """
+        self._check_crashed()
+        self._run(self.core.delivered(TransferKey(transfer_id, epoch), self._now()))
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            **asdict(self.core.stats),
+            **self.counters,
+            "live_transfers": len(self.core.live()),
+            "held_blocks": self.core.ledger.held_blocks,
+            "quarantined_blocks": self.core.ledger.quarantined_blocks,
+            "crashed": len(self.crashed),
+        }
+
+    def poke(self) -> None:
+        """Run due deadlines now (tests driving an injected clock call this)."""
+        self._on_timer()
+
+    # ------------------------------------------------------------------ executing actions
+
+    def _run(self, actions: list[Action]) -> None:
+        queue = deque(actions)
+        while queue:
+            action = queue.popleft()
+            if isinstance(action, SendMessage):
+                self._send(action)
+            elif isinstance(action, SubmitOp):
+                self._submit(action)
+            elif isinstance(action, ReleaseBlocks):
+                self.released.append(action)
+                if self._on_release is not None:
+                    self._guard(self._on_release, action)
+            elif isinstance(action, Resolve):
+                queue.extend(self._resolve(action))
+            elif isinstance(action, DeclarePeerLost):
+                log.warning("%s: declaring peer %s lost: %s", self.engine_id, action.peer, action.reason)
+                self._tear_down(action.peer)
+        self._arm_timer()
+        if self.core.live():
+            self._idle.clear()
+        else:
+            self._idle.set()
+
+    def _resolve(self, action: Resolve) -> list[Action]:
+        result = TransferResult(action.key, action.role, action.outcome, action.reason)
+        self.finished.append(result)
+        future = self._handles.pop((action.key, action.role), None)
+        if future is not None and not future.done():
+            future.set_result(result)
+        if self.config.auto_deliver and action.role is Role.DECODE and result.ok:
+            return self.core.delivered(action.key, self._now())
+        return []
+
+    def _send(self, action: SendMessage) -> None:
+        try:
+            self.control.send(action.peer, action.message)
+        except KVFlowError as exc:
+            self.counters["sends_failed"] += 1
+            log.warning("%s: cannot send to %s: %s", self.engine_id, action.peer, exc)
+            if action.peer in self._peers:
+                self._tear_down(action.peer)
+
+    def _submit(self, op: SubmitOp) -> None:
+        remote = self._peers.get(op.peer)
+        if remote is None:
+            self._run(self.core.op_finished(op.op_id, self._now(), f"peer {op.peer!r} not connected"))
+            return
+        loop = self._running_loop()
+
+        def job() -> None:
+            error: str | None = None
+            try:
+                plan = plan_transfer(self.layout, remote, op.local_blocks, op.remote_blocks, op.layers)
+                self.transport.submit(op.op_id, op.kind, op.peer, plan, op.notification)
+            except KVFlowError as exc:
+                error = f"{type(exc).__name__}: {exc}"
+            loop.call_soon_threadsafe(self._guard, self._after_submit, op.op_id, error)
+
+        self._submitter.submit(job)
+
+    def _after_submit(self, op_id: int, error: str | None) -> None:
+        now = self._now()
+        if error is None:
+            self._run(self.core.op_submitted(op_id, now))
+        else:
+            self._run(self.core.op_finished(op_id, now, error))
+
+    def _tear_down(self, peer: str) -> None:
+        """Remove the peer from the transport off the loop (after every queued submission to it),
+        then tell the core nothing of it can land any more."""
+        if peer in self._tearing_down:
+            return
+        self._tearing_down.add(peer)
+        self._peers.pop(peer, None)
+        self._hello_sent.discard(peer)
+        loop = self._running_loop()
+
+        def job() -> None:
+            self.transport.remove_peer(peer)
+            loop.call_soon_threadsafe(self._guard, self._peer_gone, peer)
+
+        self._submitter.submit(job)
+
+    def _tear_down_now(self, peer: str, reason: str) -> None:
+        log.warning("%s: tearing down %s: %s", self.engine_id, peer, reason)
+        self._peers.pop(peer, None)
+        self._hello_sent.discard(peer)
+        self.transport.remove_peer(peer)
+        self._peer_gone(peer)
+
+    def _peer_gone(self, peer: str) -> None:
+        self._tearing_down.discard(peer)
+        if self._state != "closed":
+            self._run(self.core.peer_lost(peer, self._now()))
+
+    # ------------------------------------------------------------------ inbound events
+
+    def _guarded_control(self, sender: str, message: Envelope) -> None:
+        self._guard(self._on_control, sender, message)
+
+    def _on_control(self, sender: str, message: Envelope) -> None:
+        if self._state != "running" and self._state != "closing":
+            return
+        if isinstance(message, Hello):
+            self._on_hello(sender, message)
+        elif sender not in self._peers:
+            self.counters["messages_from_unknown_peers"] += 1
+        else:
+            self._run(self.core.receive(sender, message, self._now()))
+
+    def _on_hello(self, sender: str, hello: Hello) -> None:
+        waiter = self._hello_waiters.pop(sender, None)
+        try:
+            if hello.engine_id != sender:
+                raise PeerProtocolError(f"hello from {sender!r} claims to be {hello.engine_id!r}")
+            check_compatible(self._fingerprint, hello.fingerprint)
+            layout = layout_from_wire(hello.layout)
+            self.transport.add_peer(sender, hello.transport_metadata, layout.regions)
+        except KVFlowError as exc:
+            log.error("%s: refusing peer %s: %s", self.engine_id, sender, exc)
+            self._send_hello(sender)  # so that the peer sees the mismatch too and stops waiting
+            if waiter is not None and not waiter.done():
+                waiter.set_exception(exc)
+            return
+        self._peers[sender] = layout
+        self._send_hello(sender)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+        self._run(self.core.peer_connected(sender, self._now()))
+
+    def _send_hello(self, peer: str) -> None:
+        if peer in self._hello_sent:
+            return
+        self._hello_sent.add(peer)
+        role = "both"
+        hello = Hello(
+            self.engine_id, role, self._fingerprint, layout_to_wire(self.layout), self.transport.local_metadata()
+        )
+        try:
+            self.control.send(peer, hello)
+        except KVFlowError:
+            self._hello_sent.discard(peer)
+            raise
+
+    def _wake_from_transport(self) -> None:
+        """Called by the transport from any thread."""
+        if self._drain_scheduled or self._loop is None:
+            return
+        self._drain_scheduled = True
+        try:
+            self._loop.call_soon_threadsafe(self._guard, self._drain_transport)
+        except RuntimeError:
+            self._drain_scheduled = False  # the loop is closed; nothing to drain into
+
+    def _drain_transport(self) -> None:
+        self._drain_scheduled = False
+        completions, notifications = self.transport.poll()
+        now = self._now()
+        for completion in completions:
+            self._run(self.core.op_finished(completion.op_id, now, completion.error))
+        for note in notifications:
+            if note.peer in self._peers:
+                self._run(self.core.notification(note.peer, note.payload, now))
+            else:
+                self.counters["notifications_from_unknown"] += 1
+
+    # ------------------------------------------------------------------ time
+
+    def _now(self) -> float:
+        return self._clock() if self._clock is not None else self._running_loop().time()
+
+    def _arm_timer(self) -> None:
+        when = self.core.next_deadline()
+        if when == self._timer_at:
+            return
+        self._cancel_timer()
+        if when is None or self._loop is None:
+            return
+        self._timer_at = when
+        self._timer = self._loop.call_later(max(when - self._now(), 0.0), self._guard, self._on_timer)
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer, self._timer_at = None, None
+
+    def _on_timer(self) -> None:
+        self._timer, self._timer_at = None, None
+        self._run(self.core.timer(self._now()))
+
+    async def _wait_idle(self, limit: float) -> None:
+        if not self.core.live():
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), limit)
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _handle(self, key: TransferKey, role: Role) -> TransferHandle:
+        future = self._handles.get((key, role))
+        if future is None:
+            future = self._running_loop().create_future()
+            m = self.core.machine(key, role)
+            if m.outcome is not None:
+                future.set_result(TransferResult(key, role, m.outcome, m.reason))
+            else:
+                self._handles[(key, role)] = future
+        return TransferHandle(key, role, future)
+
+    def _guard(self, fn: Callable[..., Any], *args: Any) -> None:
+        try:
+            fn(*args)
+        except Exception as exc:
+            self._record_crash(exc)
+
+    def _record_crash(self, exc: BaseException) -> None:
+        log.error("%s: background failure: %r", self.engine_id, exc, exc_info=exc)
+        self.crashed.append(exc)
+
+    def _check_crashed(self) -> None:
+        if self.crashed:
+            raise EngineCrashed(self.crashed)
+
+    def _check_open(self) -> None:
+        self._check_crashed()
+        if self._state != "running":
+            raise EngineClosed(f"engine {self.engine_id!r} is {self._state}")
+
+    def _running_loop(self) -> asyncio.AbstractEventLoop:
+        if self._loop is None:
+            raise EngineClosed(f"engine {self.engine_id!r} was not started")
+        return self._loop

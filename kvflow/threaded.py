@@ -1,0 +1,165 @@
+"""Run an engine on its own thread and loop, for synchronous hosts such as vLLM's hooks.
+
+Why: an inference engine's scheduler and workers call their connector from plain threads and
+must never block on I/O.  `EngineThread` owns a dedicated thread running an event loop (uvloop
+when installed) with the engine on it.  Any thread may submit work: each call returns a
+`concurrent.futures.Future` at once, to be ignored or waited on with a deadline.  Outcomes and
+released blocks are queued and read with the non-blocking `poll_*` methods.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from typing import Any, TypeVar
+
+from kvflow.actions import ReleaseBlocks
+from kvflow.aio import new_event_loop
+from kvflow.engine import Engine, TransferResult
+from kvflow.errors import EngineClosed, TransferTimeout
+from kvflow.state import Mode, Role
+
+__all__ = ("EngineThread",)
+
+T = TypeVar("T")
+
+
+class EngineThread:
+    """`factory` builds the engine on the engine thread (so it binds to that loop)."""
+
+    def __init__(self, factory: Callable[[], Engine], *, name: str = "kvflow-engine", start_timeout: float = 30.0):
+        self._loop = new_event_loop()
+        self._ready: concurrent.futures.Future[Engine] = concurrent.futures.Future()
+        self._thread = threading.Thread(target=self._run, args=(factory,), name=name, daemon=True)
+        self._thread.start()
+        try:
+            self.engine = self._ready.result(timeout=start_timeout)
+        except concurrent.futures.TimeoutError:
+            raise TransferTimeout(f"engine thread {name!r} did not start within {start_timeout}s") from None
+
+    def _run(self, factory: Callable[[], Engine]) -> None:
+        asyncio.set_event_loop(self._loop)
+
+        async def boot() -> None:
+            engine = factory()
+            await engine.start()
+            self._ready.set_result(engine)
+
+        try:
+            self._loop.run_until_complete(boot())
+        except BaseException as exc:
+            self._ready.set_exception(exc)
+            self._loop.close()
+            return
+        self._loop.run_forever()
+        self._loop.run_until_complete(self._loop.shutdown_asyncgens())
+        self._loop.close()
+
+    # ------------------------------------------------------------------ submitting work
+
+    def call(self, fn: Callable[[Engine], Awaitable[T]]) -> concurrent.futures.Future[T]:
+        """Run `fn(engine)` on the engine's loop; returns at once.
+
+        :raises EngineClosed: the engine thread has stopped.
+        """
+        if not self._thread.is_alive() or self._loop.is_closed():
+            raise EngineClosed("engine thread is not running")
+
+        async def run() -> T:
+            return await fn(self.engine)
+
+        coro: Coroutine[Any, Any, T] = run()
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def connect(self, peer: str) -> concurrent.futures.Future[None]:
+        return self.call(lambda e: e.connect(peer))
+
+    def expect(
+        self,
+        transfer_id: str,
+        epoch: int,
+        *,
+        peer: str,
+        block_ids: Sequence[int],
+        mode: Mode = Mode.PUSH,
+        expected_batches: int = 1,
+        ttl: float | None = None,
+    ) -> concurrent.futures.Future[Any]:
+        ids = list(block_ids)
+        return self.call(
+            lambda e: e.expect(
+                transfer_id, epoch, peer=peer, block_ids=ids, mode=mode, expected_batches=expected_batches, timeout=ttl
+            )
+        )
+
+    def kv_ready(
+        self,
+        transfer_id: str,
+        epoch: int,
+        *,
+        block_ids: Sequence[int],
+        final: bool = True,
+        first_position: int = 0,
+        layers: tuple[int, int] | None = None,
+        mode: Mode = Mode.PUSH,
+        peer: str | None = None,
+        ttl: float | None = None,
+    ) -> concurrent.futures.Future[Any]:
+        ids = list(block_ids)
+        return self.call(
+            lambda e: e.kv_ready(
+                transfer_id,
+                epoch,
+                block_ids=ids,
+                final=final,
+                first_position=first_position,
+                layers=layers,
+                mode=mode,
+                peer=peer,
+                timeout=ttl,
+            )
+        )
+
+    def abort(
+        self, transfer_id: str, epoch: int, role: Role, reason: str = "aborted by caller"
+    ) -> concurrent.futures.Future[None]:
+        return self.call(lambda e: e.abort(transfer_id, epoch, role, reason))
+
+    # ------------------------------------------------------------------ reading results
+
+    def poll_finished(self) -> list[TransferResult]:
+        """Outcomes decided since the last call (never blocks)."""
+        return _drain(self.engine.finished)
+
+    def poll_released(self) -> list[ReleaseBlocks]:
+        """Blocks handed back since the last call (never blocks)."""
+        return _drain(self.engine.released)
+
+    def close(self, timeout: float = 60.0) -> None:
+        """Close the engine (draining it) and stop the thread; waits at most `timeout` seconds.
+
+        :raises EngineCrashed: the engine recorded a background failure.
+        :raises TransferTimeout: closing took longer than `timeout`.
+        """
+        if self._loop.is_closed():
+            return
+        future = self.call(lambda e: e.aclose())
+        try:
+            future.result(timeout=timeout)
+        except concurrent.futures.TimeoutError:
+            raise TransferTimeout(f"engine did not close within {timeout}s") from None
+        finally:
+            if not self._loop.is_closed():
+                self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=timeout)
+
+
+def _drain(queue: Any) -> list[Any]:
+    items = []
+    while True:
+        try:
+            items.append(queue.popleft())
+        except IndexError:
+            return items

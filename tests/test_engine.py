@@ -1,0 +1,276 @@
+"""The asyncio engine over the loopback transport: real bytes, real threads, injected faults."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+import pytest_asyncio
+
+from kvflow.core import CoreConfig
+from kvflow.engine import Engine, EngineConfig
+from kvflow.errors import (
+    BlockConflict,
+    EngineClosed,
+    EngineCrashed,
+    InvalidBatch,
+    InvalidTransition,
+    LayoutMismatch,
+    StaleEpoch,
+    TransferTimeout,
+)
+from kvflow.layout import KVSpec
+from kvflow.messages import TransferKey, encode_notification
+from kvflow.state import Mode, Outcome, Role
+from kvflow.testing import EnginePair, KVBuffers, same_kv
+from kvflow.transports.loopback import FaultPlan, LinkModel, LoopbackFabric
+
+FAST = EngineConfig(core=CoreConfig(fence_timeout=0.5, retention=5.0), transfer_timeout=5.0, drain_timeout=2.0)
+
+
+@pytest_asyncio.fixture
+async def pair() -> AsyncIterator[EnginePair]:
+    engines = await EnginePair(LoopbackFabric(LinkModel(latency=1e-4)), config=FAST).start()
+    yield engines
+    await engines.close()
+
+
+def ledgers_empty(pair: EnginePair) -> bool:
+    return pair.p.core.ledger.held_blocks == 0 and pair.d.core.ledger.held_blocks == 0
+
+
+async def settle(pair: EnginePair, until: float = 2.0) -> None:
+    """Wait until neither engine has a live transfer (acknowledgements and fences arrive)."""
+    for _ in range(int(until / 0.01)):
+        if not pair.p.core.live() and not pair.d.core.live():
+            return
+        await asyncio.sleep(0.01)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("registration_first", [True, False])
+async def test_push_moves_the_bytes_in_either_order(pair: EnginePair, registration_first: bool) -> None:
+    pair.p_kv.fill([5, 6, 7], seed=1)
+    if registration_first:
+        waiting = await pair.d.expect("r", 1, peer="P", block_ids=[1, 2, 3])
+        await asyncio.sleep(0.01)
+        sending = await pair.p.kv_ready("r", 1, block_ids=[5, 6, 7])
+    else:
+        sending = await pair.p.kv_ready("r", 1, block_ids=[5, 6, 7])
+        await asyncio.sleep(0.01)
+        waiting = await pair.d.expect("r", 1, peer="P", block_ids=[1, 2, 3])
+    assert (await waiting.wait(5)).ok
+    assert (await sending.wait(5)).ok
+    assert same_kv(pair.p_kv, [5, 6, 7], pair.d_kv, [1, 2, 3])
+    await settle(pair)
+    assert ledgers_empty(pair)
+    assert [r.block_ids for r in pair.d.released] == [(1, 2, 3)]
+    assert [r.block_ids for r in pair.p.released] == [(5, 6, 7)]
+
+
+@pytest.mark.asyncio
+async def test_pull_reads_the_bytes_and_releases_prefill_after_done(pair: EnginePair) -> None:
+    pair.p_kv.fill([8, 9], seed=2)
+    waiting = await pair.d.expect("r", 1, peer="P", block_ids=[0, 4], mode=Mode.PULL)
+    sending = await pair.p.kv_ready("r", 1, block_ids=[8, 9], mode=Mode.PULL, peer="D")
+    assert (await waiting.wait(5)).ok and (await sending.wait(5)).ok
+    assert same_kv(pair.p_kv, [8, 9], pair.d_kv, [0, 4])
+    await settle(pair)
+    assert ledgers_empty(pair)
+
+
+@pytest.mark.asyncio
+async def test_layer_by_layer_push_completes_after_the_last_layer(pair: EnginePair) -> None:
+    pair.p_kv.fill([3, 4], seed=3)
+    waiting = await pair.d.expect("r", 1, peer="P", block_ids=[10, 11], expected_batches=2)
+    await pair.p.kv_ready("r", 1, block_ids=[3, 4], layers=(0, 1), final=False)
+    await asyncio.sleep(0.05)
+    assert not waiting.done()  # one of two WRITEs landed
+    await pair.p.kv_ready("r", 1, block_ids=[3, 4], layers=(1, 2), final=True)
+    assert (await waiting.wait(5)).ok
+    assert same_kv(pair.p_kv, [3, 4], pair.d_kv, [10, 11])
+
+
+@pytest.mark.asyncio
+async def test_failed_write_reaches_decode_at_once() -> None:
+    faults = FaultPlan(fail_ops={1})
+    pair = await EnginePair(LoopbackFabric(faults=faults), config=FAST).start()
+    try:
+        waiting = await pair.d.expect("r", 1, peer="P", block_ids=[1, 2], timeout=30.0)
+        await pair.p.kv_ready("r", 1, block_ids=[3, 4])
+        result = await waiting.wait(2.0)  # long before the 30 s deadline
+        assert result.outcome is Outcome.FAILED and "injected" in result.reason
+        await settle(pair)
+        assert ledgers_empty(pair)
+    finally:
+        await pair.close()
+
+
+@pytest.mark.asyncio
+async def test_stalled_write_keeps_decode_blocks_quarantined_until_it_lands() -> None:
+    fabric = LoopbackFabric(faults=FaultPlan(stall_ops={1}))
+    pair = await EnginePair(fabric, config=FAST).start()
+    try:
+        pair.p_kv.fill([3], seed=4)
+        waiting = await pair.d.expect("old", 1, peer="P", block_ids=[7])
+        await pair.p.kv_ready("old", 1, block_ids=[3])
+        await asyncio.sleep(0.05)
+        await pair.d.abort("old", 1, Role.DECODE, "client went away")
+        assert (await waiting.wait(1)).outcome is Outcome.ABORTED
+        await asyncio.sleep(0.1)
+        # The WRITE is still in flight: block 7 must not go back, nor be handed to anyone.
+        assert pair.d.core.ledger.quarantined_blocks == 1
+        assert not [r for r in pair.d.released if 7 in r.block_ids]
+        with pytest.raises(BlockConflict, match="quarantined"):
+            await pair.d.expect("new", 1, peer="P", block_ids=[7])
+        fabric.unstall()
+        await settle(pair)
+        assert [r.block_ids for r in pair.d.released] == [(7,)]
+        # Only now may block 7 take new KV, and the stale bytes are overwritten by the new ones.
+        pair.p_kv.fill([5], seed=5)
+        waiting = await pair.d.expect("new", 1, peer="P", block_ids=[7])
+        await pair.p.kv_ready("new", 1, block_ids=[5])
+        assert (await waiting.wait(5)).ok
+        assert same_kv(pair.p_kv, [5], pair.d_kv, [7])
+    finally:
+        await pair.close()
+
+
+@pytest.mark.asyncio
+async def test_dead_prefill_fails_decode_by_its_deadline_and_frees_blocks_after_the_fence() -> None:
+    fabric = LoopbackFabric(faults=FaultPlan(stall_ops={1}))
+    pair = await EnginePair(fabric, config=FAST).start()
+    try:
+        waiting = await pair.d.expect("r", 1, peer="P", block_ids=[1, 2], timeout=0.3)
+        await pair.p.kv_ready("r", 1, block_ids=[3, 4])
+        await asyncio.sleep(0.02)
+        fabric.kill("P")  # the process is gone: its memory, its ops and its control channel
+        pair.p.control.close()
+        result = await waiting.wait(2)
+        assert result.outcome is Outcome.EXPIRED
+        for _ in range(300):  # the fence never comes; after fence_timeout P is declared lost
+            if pair.d.core.ledger.held_blocks == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert pair.d.core.ledger.held_blocks == 0
+        assert "P" not in pair.d.peers()
+    finally:
+        await pair.d.aclose()
+        await pair.p.aclose(drain_timeout=0.1)
+        fabric.close()
+
+
+@pytest.mark.asyncio
+async def test_expiry_without_prefill(pair: EnginePair) -> None:
+    waiting = await pair.d.expect("r", 1, peer="P", block_ids=[1], timeout=0.1)
+    result = await waiting.wait(2)
+    assert result.outcome is Outcome.EXPIRED
+    await settle(pair)
+    assert ledgers_empty(pair)
+
+
+@pytest.mark.asyncio
+async def test_new_epoch_supersedes_the_old_one_and_stale_notifications_complete_nothing(pair: EnginePair) -> None:
+    old = await pair.d.expect("r", 1, peer="P", block_ids=[1])
+    new = await pair.d.expect("r", 2, peer="P", block_ids=[2])
+    assert (await old.wait(1)).outcome is Outcome.ABORTED
+    with pytest.raises(StaleEpoch):
+        await pair.d.expect("r", 2, peer="P", block_ids=[3])
+    # A notification for the old epoch arrives: it is counted and completes nothing.
+    pair.p.transport.send_notification("D", encode_notification(TransferKey("r", 1), 0))
+    pair.p.transport.send_notification("D", encode_notification(TransferKey("zzz", 9), 0))
+    await asyncio.sleep(0.05)
+    assert not new.done()
+    stats = pair.d.stats()
+    assert stats["ignored"] + stats["stale_epoch"] >= 1 and stats["unknown_transfer"] >= 1
+    await pair.p.kv_ready("r", 2, block_ids=[9])
+    assert (await new.wait(5)).ok
+
+
+@pytest.mark.asyncio
+async def test_bad_input_is_refused_and_changes_nothing(pair: EnginePair) -> None:
+    await pair.d.expect("held", 1, peer="P", block_ids=[4, 5])
+    before = (pair.d.stats(), pair.d.core.ledger.held_blocks, len(pair.d.core.machines()))
+    with pytest.raises(InvalidBatch, match="twice"):
+        await pair.d.expect("x", 1, peer="P", block_ids=[1, 1])
+    with pytest.raises(InvalidBatch, match="empty"):
+        await pair.d.expect("x", 1, peer="P", block_ids=[])
+    with pytest.raises(BlockConflict, match="block 5 is held"):
+        await pair.d.expect("x", 1, peer="P", block_ids=[6, 5])
+    assert (pair.d.stats(), pair.d.core.ledger.held_blocks, len(pair.d.core.machines())) == before
+    await pair.p.kv_ready("p", 1, block_ids=[1], final=True)
+    with pytest.raises(InvalidTransition, match="PREFILL_FINISHED"):
+        await pair.p.kv_ready("p", 1, block_ids=[2], final=True, first_position=1)
+    with pytest.raises(InvalidBatch, match="overlaps"):
+        await pair.p.kv_ready("q", 1, block_ids=[1, 2], final=False)
+        await pair.p.kv_ready("q", 1, block_ids=[3], first_position=1, final=True)
+
+
+@pytest.mark.asyncio
+async def test_layout_mismatch_is_refused_naming_the_field() -> None:
+    fabric = LoopbackFabric()
+    pair = await EnginePair(fabric, config=FAST).start(connect=False)
+    other = KVBuffers(KVSpec(num_layers=2, block_size=4, num_kv_heads=1, head_dim=8, dtype="bfloat16"), 16)
+    odd = Engine("odd", other.layout, fabric.endpoint("odd"), pair.hub.channel("odd"), config=FAST)
+    await odd.start()
+    try:
+        with pytest.raises(LayoutMismatch, match="dtype"):
+            await odd.connect("P", timeout=2)
+        assert "odd" not in pair.p.peers()
+    finally:
+        await odd.aclose()
+        await pair.close()
+
+
+@pytest.mark.asyncio
+async def test_handshake_with_nobody_answering_times_out() -> None:
+    pair = await EnginePair(LoopbackFabric(), config=FAST).start(connect=False)
+    try:
+        pair.hub._unregister("P")
+        pair.hub._register("P", asyncio.get_running_loop(), lambda sender, message: None)  # a mute peer
+        with pytest.raises(TransferTimeout, match="handshake"):
+            await pair.d.connect("P", timeout=0.1)
+    finally:
+        pair.hub._unregister("P")
+        await pair.close()
+
+
+@pytest.mark.asyncio
+async def test_a_crashing_callback_is_recorded_and_surfaced() -> None:
+    fabric = LoopbackFabric()
+    pair = EnginePair(fabric, config=FAST)
+
+    def broken(release: object) -> None:
+        raise RuntimeError("callback bug")
+
+    pair.d._on_release = broken
+    await pair.start()
+    waiting = await pair.d.expect("r", 1, peer="P", block_ids=[1])
+    await pair.p.kv_ready("r", 1, block_ids=[2])
+    await waiting.wait(5)
+    assert [type(e) for e in pair.d.crashed] == [RuntimeError]
+    with pytest.raises(EngineCrashed, match="callback bug"):
+        await pair.d.expect("s", 1, peer="P", block_ids=[3])
+    await pair.p.aclose()
+    with pytest.raises(EngineCrashed):
+        await pair.d.aclose()
+    fabric.close()
+
+
+@pytest.mark.asyncio
+async def test_close_aborts_what_is_left_and_returns_every_block() -> None:
+    fabric = LoopbackFabric(faults=FaultPlan(stall_ops={1}))
+    pair = await EnginePair(fabric, config=FAST).start()
+    waiting = await pair.d.expect("r", 1, peer="P", block_ids=[1, 2])
+    await pair.p.kv_ready("r", 1, block_ids=[3, 4])  # its WRITE stalls forever
+    await pair.d.expect("s", 1, peer="P", block_ids=[5])  # P never produces this one
+    await pair.d.aclose(drain_timeout=0.1)
+    assert (await waiting.wait(1)).outcome is Outcome.ABORTED
+    assert pair.d.core.ledger.held_blocks == 0
+    assert sorted(b for r in pair.d.released for b in r.block_ids) == [1, 2, 5]
+    with pytest.raises(EngineClosed):
+        await pair.d.expect("t", 1, peer="P", block_ids=[6])
+    await pair.p.aclose(drain_timeout=0.1)
+    assert pair.p.core.ledger.held_blocks == 0
+    fabric.close()

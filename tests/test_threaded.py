@@ -1,0 +1,69 @@
+"""The thread facade: engines on their own threads, driven from plain (non-async) threads."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from kvflow.channel import LocalControlHub
+from kvflow.engine import Engine, EngineConfig, TransferResult
+from kvflow.errors import EngineClosed, InvalidBatch
+from kvflow.state import Mode, Role
+from kvflow.testing import SMALL_SPEC, KVBuffers, same_kv
+from kvflow.threaded import EngineThread
+from kvflow.transports.loopback import LoopbackFabric
+
+
+def poll_until(thread: EngineThread, count: int, timeout: float = 5.0) -> list[TransferResult]:
+    """What a host engine does every step: a non-blocking poll, until `count` outcomes came."""
+    results: list[TransferResult] = []
+    end = time.monotonic() + timeout
+    while len(results) < count and time.monotonic() < end:
+        results += thread.poll_finished()
+        time.sleep(0.001)
+    return results
+
+
+def test_engines_on_their_own_threads_serve_calls_from_many_threads() -> None:
+    fabric, hub = LoopbackFabric(), LocalControlHub()
+    p_kv, d_kv = KVBuffers(SMALL_SPEC, 64), KVBuffers(SMALL_SPEC, 64)
+    config = EngineConfig(transfer_timeout=10.0)
+    prefill = EngineThread(lambda: Engine("P", p_kv.layout, fabric.endpoint("P"), hub.channel("P"), config=config))
+    decode = EngineThread(lambda: Engine("D", d_kv.layout, fabric.endpoint("D"), hub.channel("D"), config=config))
+    try:
+        assert prefill.engine._loop is not None and decode.engine._loop is not prefill.engine._loop
+        decode.connect("P").result(timeout=5)
+        p_kv.fill(range(32), seed=7)
+
+        def scheduler(worker: int) -> None:  # several host threads, each moving 8 transfers
+            for i in range(8):
+                n = worker * 8 + i
+                decode.expect(f"r{n}", 1, peer="P", block_ids=[n], mode=Mode.PUSH if n % 2 else Mode.PULL)
+                prefill.kv_ready(f"r{n}", 1, block_ids=[n], mode=Mode.PUSH if n % 2 else Mode.PULL, peer="D")
+
+        threads = [threading.Thread(target=scheduler, args=(w,)) for w in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        results = poll_until(decode, 32)
+        assert sorted(r.key.transfer_id for r in results) == sorted(f"r{n}" for n in range(32))
+        assert all(r.ok and r.role is Role.DECODE for r in results)
+        assert same_kv(p_kv, range(32), d_kv, range(32))
+        released = []
+        end = time.monotonic() + 5
+        while len(released) < 32 and time.monotonic() < end:
+            released += [b for r in prefill.poll_released() for b in r.block_ids]
+            time.sleep(0.001)
+        assert sorted(released) == list(range(32))
+        # a bad call fails its future, not the caller's thread, and leaves the engine running
+        with pytest.raises(InvalidBatch):
+            decode.expect("bad", 1, peer="P", block_ids=[]).result(timeout=5)
+    finally:
+        decode.close()
+        prefill.close()
+        fabric.close()
+    with pytest.raises(EngineClosed):
+        decode.expect("late", 1, peer="P", block_ids=[1])
