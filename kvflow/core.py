@@ -109,7 +109,7 @@ class TransferCore:
         self._connected: set[str] = set()
         self._inbox = PeerInbox(self)
         # messages about transfers not started here yet (a peer's notice or ready came first)
-        self._early: dict[TransferKey, tuple[str, Message, float]] = {}
+        self._early: dict[TransferKey, list[tuple[str, Message, float]]] = {}
 
     # ------------------------------------------------------------------ introspection
 
@@ -230,6 +230,8 @@ class TransferCore:
         if m is None:
             actions = self._supersede(key, _PREFILL, now)
             m = self._create(key, _PREFILL, mode, peer, deadline or now, now)
+            actions += self._replay_early(m, now)  # D may have given up before P started
+            consumed = Act.RETURN_BATCH not in transition(mode, _PREFILL, m.state, input_).acts
         if not consumed:
             return actions + self._feed(m, input_, now, returned=ids)
         if m.peer is None:
@@ -242,8 +244,7 @@ class TransferCore:
         if mismatch is not None:
             batch.submitted = True  # never write a batch of a transfer that cannot complete
             return actions + self._feed(m, Input.INCOMPATIBLE, now, reason=mismatch)
-        actions += self._feed(m, input_, now)
-        return actions + self._replay_early(m, now)
+        return actions + self._feed(m, input_, now)
 
     def abort(self, key: TransferKey, role: Role, now: float, reason: str = "aborted by caller") -> list[Action]:
         """Give up on a transfer.  Idempotent once the transfer has ended.
@@ -283,7 +284,7 @@ class TransferCore:
         self._connected.discard(peer)
         # What the peer said about transfers not started here refers to blocks its teardown
         # has released: forget it.
-        self._early = {key: early for key, early in self._early.items() if early[0] != peer}
+        self._early = {key: held for key, held in self._early.items() if held[0][0] != peer}
         actions: list[Action] = []
         for m in list(self._machines.values()):
             if m.peer == peer and m.state not in TERMINAL:
@@ -370,19 +371,28 @@ class TransferCore:
     def _hold_early(self, peer: str, message: Message, now: float) -> None:
         """Keep, for `retention` seconds, a message about a transfer not started here yet: the
         peer may legitimately be ahead (pull: P is ready before D allocates; either side gave
-        up before the other started).  Bounded: the oldest go first."""
-        for old, (_, _, until) in list(self._early.items()):
-            if until > now and len(self._early) < self.config.max_unstarted:
+        up before the other started).  Bounded: the oldest transfers' messages go first."""
+        for old, held in list(self._early.items()):
+            if held[0][2] > now and len(self._early) < self.config.max_unstarted:
                 break
             del self._early[old]
-        self._early[message.key] = (peer, message, now + self.config.retention)
+        held = self._early.setdefault(message.key, [])
+        if isinstance(message, Notice):
+            # The peer withdrew: a ready message kept before it names blocks it may now reuse,
+            # and this side has answered (or will answer) that nothing of it is in flight.
+            held[:] = [entry for entry in held if not isinstance(entry[1], Ready)]
+        held.append((peer, message, now + self.config.retention))
+
+    def has_early(self, key: TransferKey) -> bool:
+        return key in self._early
 
     def _replay_early(self, m: Machine, now: float) -> list[Action]:
-        early = self._early.pop(m.key, None)
-        if early is None or early[2] <= now:
-            return []
-        peer, message, _ = early
-        return self._inbox.receive(peer, message, now)
+        """Feed what the peer said before this transfer started here, in the order it came."""
+        actions: list[Action] = []
+        for peer, message, until in self._early.pop(m.key, []):
+            if until > now:
+                actions += self._inbox.receive(peer, message, now)
+        return actions
 
     def _forget(self, m: Machine) -> None:
         del self._machines[m.owner]

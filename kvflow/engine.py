@@ -244,9 +244,8 @@ class Engine:
         :raises EngineClosed, EngineCrashed: the engine is not running.
         """
         self._check_open()
-        key = TransferKey(transfer_id, epoch)
-        now = self._now()
-        deadline = now + (timeout if timeout is not None else self.config.transfer_timeout)
+        key, now = TransferKey(transfer_id, epoch), self._now()
+        deadline = self._deadline(now, timeout)
         actions = self.core.expect(
             key,
             peer=peer,
@@ -280,9 +279,8 @@ class Engine:
         :raises EngineClosed, EngineCrashed: the engine is not running.
         """
         self._check_open()
-        key = TransferKey(transfer_id, epoch)
-        now = self._now()
-        deadline = now + (timeout if timeout is not None else self.config.transfer_timeout)
+        key, now = TransferKey(transfer_id, epoch), self._now()
+        deadline = self._deadline(now, timeout)
         actions = self.core.kv_ready(
             key,
             block_ids=block_ids,
@@ -499,6 +497,9 @@ class Engine:
 
     # ------------------------------------------------------------------ time
 
+    def _deadline(self, now: float, timeout: float | None) -> float:
+        return now + (timeout if timeout is not None else self.config.transfer_timeout)
+
     def _now(self) -> float:
         return self._clock() if self._clock is not None else self._running_loop().time()
 
@@ -541,6 +542,8 @@ class Engine:
         return TransferHandle(key, role, future)
 
     def _guard(self, fn: Callable[..., Any], *args: Any) -> None:
+        if self._state == "closed":
+            return  # a late callback (a completion, a message) after close: nothing to drive
         try:
             fn(*args)
         except Exception as exc:

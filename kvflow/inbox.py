@@ -77,6 +77,8 @@ class PeerInbox:
                 return [SendMessage(peer, Quiesced(key))]
             return self.remote(m, input_, now, reason)
         if m is None:
+            if isinstance(message, Quiesced) and self.core.has_early(key):
+                self.core._hold_early(peer, message, now)  # it follows a notice kept above
             return []
         if isinstance(message, Quiesced):
             return self.remote(m, Input.PEER_QUIESCED, now)
@@ -150,6 +152,8 @@ class PeerInbox:
         except InvalidTransition:
             self.core.stats.protocol_violations += 1
             return []
+        if m.state in TERMINAL:  # ended before P was ready: tell P, nothing will be read
+            return self.core._feed(m, Input.READY_RECEIVED, now)
         m.remote_blocks = blocks
         m.batches.append(next_batch(m.key, (), 0, m.block_ids, (0, self.core.num_layers)))
         return self.core._feed(m, Input.READY_RECEIVED, now)

@@ -518,7 +518,9 @@ PULL_DECODE: Table = _merge(
     _initiator_fencing(),
     _fencing_ignores((Input.PEER_ABORTED, Input.PEER_FAILED, Input.PEER_QUIESCED, Input.DUPLICATE, Input.INCOMPATIBLE)),
     _absorbing(TERMINAL, (Input.PEER_ABORTED, Input.PEER_FAILED), (SEND_QUIESCED,)),
-    _terminal_common((Input.PEER_QUIESCED, Input.DUPLICATE, Input.INCOMPATIBLE, Input.READY_RECEIVED)),
+    # P became ready after D had given up: tell P at once, so it need not wait for its lease.
+    _absorbing(_FAILED_STATES, [Input.READY_RECEIVED], (SEND_ABORT, SEND_QUIESCED)),
+    _terminal_common((Input.PEER_QUIESCED, Input.DUPLICATE, Input.INCOMPATIBLE)),
 )
 
 TABLES: Mapping[tuple[Mode, Role], Table] = {

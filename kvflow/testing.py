@@ -91,24 +91,21 @@ class EnginePair:
         self.hub = LocalControlHub()
         self.p_kv = KVBuffers(spec, num_blocks)
         self.d_kv = KVBuffers(spec, num_blocks)
-        self.p = Engine(
-            "P",
-            self.p_kv.layout,
-            fabric.endpoint("P"),
-            self.hub.channel("P"),
-            config=config,
-            submitter=submitter() if submitter else None,
-            clock=clock,
-        )
-        self.d = Engine(
-            "D",
-            self.d_kv.layout,
-            fabric.endpoint("D"),
-            self.hub.channel("D"),
-            config=config,
-            submitter=submitter() if submitter else None,
-            clock=clock,
-        )
+
+        def engine(name: str, kv: KVBuffers) -> Engine:
+            made = submitter() if submitter else None
+            return Engine(
+                name,
+                kv.layout,
+                fabric.endpoint(name),
+                self.hub.channel(name),
+                config=config,
+                submitter=made,
+                clock=clock,
+            )
+
+        self.p = engine("P", self.p_kv)
+        self.d = engine("D", self.d_kv)
 
     async def start(self, connect: bool = True) -> EnginePair:
         await self.p.start()

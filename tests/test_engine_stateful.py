@@ -130,6 +130,7 @@ class EngineProtocol(RuleBasedStateMachine):
         self.plans[key] = (mode, batches, sent + 1)
         layers = (sent, sent + 1) if batches > 1 else None
         final = sent + 1 == batches
+        self.deadline = max(self.deadline, self.clock.now + CONFIG.transfer_timeout)  # P's own
         try:
             self.loop.run_until_complete(
                 self.pair.p.kv_ready(

@@ -153,6 +153,9 @@ def test_removing_a_peer_also_fences_its_ops_into_this_endpoint() -> None:
     assert ends.b_mem[9] == 0 and ends.a_mem[0] == 0
     assert [c.error is not None for c in ends.a.poll()[0]] == [True, True]
     assert ends.b.poll()[1] == []
+    ends.a.submit(3, OpKind.WRITE, "b", plan([(0, 9, 0, 9, 1)]), b"later")  # a does not know yet
+    ends.fabric.run_until_idle()
+    assert ends.b_mem[9] == 0 and "does not accept" in (ends.a.poll()[0][0].error or "")
 
 
 def test_killed_peer_fails_in_flight_and_later_ops() -> None:

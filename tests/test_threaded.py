@@ -52,7 +52,7 @@ def test_engines_on_their_own_threads_serve_calls_from_many_threads() -> None:
         assert sorted(r.key.transfer_id for r in results) == sorted(f"r{n}" for n in range(32))
         assert all(r.ok and r.role is Role.DECODE for r in results)
         assert same_kv(p_kv, range(32), d_kv, range(32))
-        released = []
+        released: list[int] = []
         end = time.monotonic() + 5
         while len(released) < 32 and time.monotonic() < end:
             released += [b for r in prefill.poll_released() for b in r.block_ids]

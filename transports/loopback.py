@@ -207,6 +207,9 @@ class LoopbackFabric:
         if op.cancelled or target is None or op.peer in self._dead or initiator.name in self._dead:
             initiator._complete(Completion(op.op_id, f"peer {op.peer!r} unreachable"))
             return
+        if initiator.name not in target._peers:  # the target tore the initiator down
+            initiator._complete(Completion(op.op_id, f"peer {op.peer!r} does not accept ops from {initiator.name!r}"))
+            return
         try:
             for dst, src, length in op.copies:
                 target._check_range(dst if op.kind is OpKind.WRITE else src, length)
