@@ -130,9 +130,7 @@ class Engine:
         self._on_release = on_release
         self._fingerprint = fingerprint(layout.spec)
         self._peers: dict[str, KVLayout] = {}
-        self._hello_sent: set[str] = set()
         self._hello_waiters: dict[str, asyncio.Future[None]] = {}
-        self._tearing_down: set[str] = set()
         self._handles: dict[tuple[TransferKey, Role], asyncio.Future[TransferResult]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._timer: asyncio.TimerHandle | None = None
@@ -177,8 +175,7 @@ class Engine:
         waiter = self._hello_waiters.get(peer)
         if waiter is None or waiter.done():
             waiter = self._hello_waiters[peer] = self._running_loop().create_future()
-        self._hello_sent.discard(peer)
-        self._send_hello(peer)
+        self._send_hello(peer, reply=False)
         limit = timeout if timeout is not None else self.config.handshake_timeout
         try:
             await asyncio.wait_for(asyncio.shield(waiter), limit)
@@ -208,8 +205,8 @@ class Engine:
         if self.core.live():
             # A fence never came: tear every peer these transfers wait on down, here and now.
             waited_on = {m.peer for m in self.core.live() if m.peer is not None}
-            for peer in sorted(waited_on | set(self._peers) | self._tearing_down):
-                self._tear_down_now(peer, "engine closing: fence not confirmed")
+            for peer in sorted(waited_on | set(self._peers)):
+                self._tear_down(peer, "engine closing: fence not confirmed")
         self._cancel_timer()
         self._submitter.close(timeout=5.0)
         self.transport.set_listener(None)
@@ -344,8 +341,7 @@ class Engine:
             elif isinstance(action, Resolve):
                 queue.extend(self._resolve(action))
             elif isinstance(action, DeclarePeerLost):
-                log.warning("%s: declaring peer %s lost: %s", self.engine_id, action.peer, action.reason)
-                self._tear_down(action.peer)
+                self._tear_down(action.peer, action.reason)
         self._arm_timer()
         if self.core.live():
             self._idle.clear()
@@ -369,7 +365,7 @@ class Engine:
             self.counters["sends_failed"] += 1
             log.warning("%s: cannot send to %s: %s", self.engine_id, action.peer, exc)
             if action.peer in self._peers:
-                self._tear_down(action.peer)
+                self._tear_down(action.peer, f"cannot send to it: {exc}")
 
     def _submit(self, op: SubmitOp) -> None:
         remote = self._peers.get(op.peer)
@@ -396,31 +392,15 @@ class Engine:
         else:
             self._run(self.core.op_finished(op_id, now, error))
 
-    def _tear_down(self, peer: str) -> None:
-        """Remove the peer from the transport off the loop (after every queued submission to it),
-        then tell the core nothing of it can land any more."""
-        if peer in self._tearing_down:
-            return
-        self._tearing_down.add(peer)
+    def _tear_down(self, peer: str, reason: str) -> None:
+        """Remove the peer from the transport, then tell the core that nothing of it can land.
+
+        Done here, on the loop: by the transport contract a submission still queued on the
+        writer thread for this peer is refused once `remove_peer` has returned.
+        """
+        log.warning("%s: tearing down peer %s: %s", self.engine_id, peer, reason)
         self._peers.pop(peer, None)
-        self._hello_sent.discard(peer)
-        loop = self._running_loop()
-
-        def job() -> None:
-            self.transport.remove_peer(peer)
-            loop.call_soon_threadsafe(self._guard, self._peer_gone, peer)
-
-        self._submitter.submit(job)
-
-    def _tear_down_now(self, peer: str, reason: str) -> None:
-        log.warning("%s: tearing down %s: %s", self.engine_id, peer, reason)
-        self._peers.pop(peer, None)
-        self._hello_sent.discard(peer)
         self.transport.remove_peer(peer)
-        self._peer_gone(peer)
-
-    def _peer_gone(self, peer: str) -> None:
-        self._tearing_down.discard(peer)
         if self._state != "closed":
             self._run(self.core.peer_lost(peer, self._now()))
 
@@ -441,37 +421,35 @@ class Engine:
 
     def _on_hello(self, sender: str, hello: Hello) -> None:
         waiter = self._hello_waiters.pop(sender, None)
+        if hello.reply and sender in self._peers:
+            return  # the answer to a Hello of ours, after the peer's own Hello connected us
         try:
             if hello.engine_id != sender:
                 raise PeerProtocolError(f"hello from {sender!r} claims to be {hello.engine_id!r}")
             check_compatible(self._fingerprint, hello.fingerprint)
             layout = layout_from_wire(hello.layout)
-            self.transport.add_peer(sender, hello.transport_metadata, layout.regions)
         except KVFlowError as exc:
             log.error("%s: refusing peer %s: %s", self.engine_id, sender, exc)
-            self._send_hello(sender)  # so that the peer sees the mismatch too and stops waiting
+            if not hello.reply:
+                self._send_hello(sender, reply=True)  # so that the peer sees the mismatch too
             if waiter is not None and not waiter.done():
                 waiter.set_exception(exc)
             return
+        if sender in self._peers:
+            # The peer started over: nothing of the old association may survive it.
+            self._tear_down(sender, "peer started a new handshake")
+        self.transport.add_peer(sender, hello.transport_metadata, layout.regions)
         self._peers[sender] = layout
-        self._send_hello(sender)
+        if not hello.reply:
+            self._send_hello(sender, reply=True)
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
         self._run(self.core.peer_connected(sender, self._now()))
 
-    def _send_hello(self, peer: str) -> None:
-        if peer in self._hello_sent:
-            return
-        self._hello_sent.add(peer)
-        role = "both"
-        hello = Hello(
-            self.engine_id, role, self._fingerprint, layout_to_wire(self.layout), self.transport.local_metadata()
-        )
-        try:
-            self.control.send(peer, hello)
-        except KVFlowError:
-            self._hello_sent.discard(peer)
-            raise
+    def _send_hello(self, peer: str, *, reply: bool) -> None:
+        layout = layout_to_wire(self.layout)
+        hello = Hello(self.engine_id, "both", self._fingerprint, layout, self.transport.local_metadata(), reply)
+        self.control.send(peer, hello)
 
     def _wake_from_transport(self) -> None:
         """Called by the transport from any thread."""

@@ -48,13 +48,19 @@ class TransferKey:
 
 @dataclass(frozen=True, slots=True)
 class Hello:
-    """Handshake: who I am and what my KV cache looks like."""
+    """Handshake: who I am and what my KV cache looks like.
+
+    `reply` is False when a side starts an association (and expects a Hello back), True when it
+    answers one.  A new, non-reply Hello from a peer already associated means the peer started
+    over: everything of the old association is torn down first.
+    """
 
     engine_id: str
     role: str
     fingerprint: dict[str, int | str]
     layout: dict[str, Any]
     transport_metadata: bytes
+    reply: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,7 +12,8 @@ The contract, which the engine's safety depends on:
 * An op reported by `poll` as completed or failed will not touch memory any more, on either side.
 * A WRITE's notification is delivered to the peer only after the WRITE's bytes have landed there.
 * After `remove_peer(name)` returns, no op to or from that peer can touch memory any more; ops
-  still in flight are reported as failed.
+  still in flight are reported as failed, and a `submit` to it (even one racing with the removal
+  on another thread) is refused or fenced, never landed.
 * Only `TransportError` (and subclasses) escape; backend exceptions are mapped at the edge.
 """
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+from typing import Any
 
 import hypothesis.strategies as st
 from hypothesis import HealthCheck, settings
@@ -22,7 +23,7 @@ from kvflow.core import CoreConfig
 from kvflow.engine import EngineConfig
 from kvflow.errors import KVFlowError, UnknownTransfer
 from kvflow.state import Mode, Outcome, Role
-from kvflow.testing import EnginePair, ManualClock
+from kvflow.testing import EnginePair, KVBuffers, ManualClock
 from kvflow.transports.loopback import FaultPlan, LoopbackFabric
 from kvflow.writer import InlineSubmitter
 
@@ -55,6 +56,13 @@ class EngineProtocol(RuleBasedStateMachine):
             self.fabric, num_blocks=BLOCKS, config=CONFIG, submitter=InlineSubmitter, clock=self.clock
         )
         self.loop.run_until_complete(self.pair.start())
+        execute = self.fabric._execute
+
+        def checked(op: Any) -> None:  # every op is checked at the moment its bytes would move
+            self.check_landing(op)
+            execute(op)
+
+        self.fabric._execute = checked  # type: ignore[method-assign]
         self.free = {"P": set(range(BLOCKS)), "D": set(range(BLOCKS))}
         self.expected: dict[tuple[str, int], list[bytes]] = {}  # P's bytes per D transfer
         self.d_blocks: dict[tuple[str, int], list[int]] = {}
@@ -64,6 +72,30 @@ class EngineProtocol(RuleBasedStateMachine):
         self.deadline = 0.0
 
     # ------------------------------------------------------------------ helpers
+
+    def check_landing(self, op: Any) -> None:
+        """An op about to move bytes: its D blocks (destination) and P blocks (source) must
+        still be held by the transfer that issued it; otherwise a stale op lands in (or reads)
+        blocks that may already belong to someone else."""
+        fabric, target = self.fabric, self.fabric._endpoints.get(op.peer)
+        if op.cancelled or target is None or op.initiator.name not in target._peers:
+            return  # the fabric refuses it: nothing moves
+        if fabric.is_dead(op.peer) or fabric.is_dead(op.initiator.name):
+            return
+        issuer = self.pair.p if op.initiator.name == "P" else self.pair.d
+        owner = issuer.core._ops.get(op.op_id)
+        assert owner is not None, f"op {op.op_id} of {op.initiator.name} runs for no transfer"
+        key = owner[0]
+        d_ledger, p_ledger = self.pair.d.core.ledger, self.pair.p.core.ledger
+        p_owner = (key, Role.PREFILL)
+        for dst, src, length in op.copies:
+            for d_block in locate(self.pair.d_kv, dst, length):
+                holder = d_ledger.holder_of(d_block)
+                assert holder == (key, Role.DECODE), f"an op of {key} lands in D block {d_block}, held by {holder}"
+            for p_block in locate(self.pair.p_kv, src, length):
+                assert p_ledger.holds(p_owner) and p_block in p_ledger.blocks_of(p_owner), (
+                    f"an op of {key} reads P block {p_block}, which its transfer no longer holds"
+                )
 
     def spin(self) -> None:
         """Run every callback the engines scheduled (messages, drains), to a fixed point."""
@@ -215,6 +247,19 @@ class EngineProtocol(RuleBasedStateMachine):
         finally:
             self.fabric.close()
             self.loop.close()
+
+
+def locate(kv: KVBuffers, address: int, length: int) -> list[int]:
+    """The blocks of `kv` that the byte range [address, address+length) covers."""
+    span = kv.num_blocks * kv.spec.block_len  # one K or V array of a layer
+    for layer in kv.layers:
+        base = layer.ctypes.data
+        if base <= address < base + layer.nbytes:
+            assert address + length <= base + layer.nbytes, "a descriptor crosses layer buffers"
+            # a coalesced run may continue from the last K block into the first V block
+            start, step = address - base, kv.spec.block_len
+            return [(offset % span) // step for offset in range(start, start + length, step)]
+    raise AssertionError(f"address {address:#x} is in no KV buffer")
 
 
 EngineProtocol.TestCase.settings = settings(

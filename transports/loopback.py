@@ -317,9 +317,11 @@ class LoopbackTransport:
             remote = self._address(regions, d.remote_region, d.remote_offset, d.length, f"peer {peer!r}")
             copies.append((remote, local, d.length) if kind is OpKind.WRITE else (local, remote, d.length))
         number, fail, stall = self.fabric._new_op_number()
-        with self.fabric._lock:
+        with self.fabric._lock:  # atomic with remove_peer: a removed peer's op is never queued
+            if peer not in self._peers:
+                raise TransportError(f"op {op_id}: peer {peer!r} was removed")
             ready = self.fabric._ready_time(self.name, peer, plan.total_bytes)
-        self.fabric._post(_Op(number, op_id, self, peer, kind, copies, notification, ready, fail, stall))
+            self.fabric._post(_Op(number, op_id, self, peer, kind, copies, notification, ready, fail, stall))
 
     def poll(self) -> tuple[list[Completion], list[Notification]]:
         completions, notifications = [], []
