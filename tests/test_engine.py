@@ -274,3 +274,34 @@ async def test_close_aborts_what_is_left_and_returns_every_block() -> None:
     await pair.p.aclose(drain_timeout=0.1)
     assert pair.p.core.ledger.held_blocks == 0
     fabric.close()
+
+
+@pytest.mark.asyncio
+async def test_a_peer_that_starts_over_fails_the_old_association_and_serves_new_transfers() -> None:
+    fabric = LoopbackFabric(faults=FaultPlan(stall_ops={1}))
+    pair = await EnginePair(fabric, config=FAST).start()
+    try:
+        pair.p_kv.fill([3, 4], seed=6)
+        old_d = await pair.d.expect("old", 1, peer="P", block_ids=[1])
+        old_p = await pair.p.kv_ready("old", 1, block_ids=[3])  # its WRITE stalls
+        await asyncio.sleep(0.05)
+        await pair.d.abort("old", 1, Role.DECODE)
+        # P's WRITE never drains, so D's fence times out and D tears P down.
+        for _ in range(200):
+            if "P" not in pair.d.peers():
+                break
+            await asyncio.sleep(0.01)
+        assert (await old_d.wait(1)).outcome is Outcome.ABORTED
+        assert pair.d.core.ledger.held_blocks == 0
+        await pair.d.connect("P", timeout=2)  # a new association: P drops everything of the old one
+        assert (await old_p.wait(1)).outcome in (Outcome.ABORTED, Outcome.FAILED)
+        waiting = await pair.d.expect("new", 1, peer="P", block_ids=[1])
+        await pair.p.kv_ready("new", 1, block_ids=[4])
+        assert (await waiting.wait(5)).ok
+        assert same_kv(pair.p_kv, [4], pair.d_kv, [1])
+        fabric.unstall()  # the old WRITE finally runs: it was fenced and lands nowhere
+        await settle(pair)
+        assert same_kv(pair.p_kv, [4], pair.d_kv, [1])
+        assert ledgers_empty(pair)
+    finally:
+        await pair.close()
