@@ -99,6 +99,11 @@ async def main(args: argparse.Namespace) -> None:
     print(f"buffers: {buffers}, event loop: {loop_name(asyncio.get_running_loop())}")
     async with prefill, decode:
         await decode.connect("prefill-0")
+        for mode in (Mode.PUSH, Mode.PULL):  # warm up: first-use costs stay out of the table
+            warm = await decode.expect(f"warm-{mode.value}", 1, peer="prefill-0", block_ids=[0], mode=mode)
+            await prefill.kv_ready(f"warm-{mode.value}", 1, block_ids=[1], mode=mode, peer="decode-0")
+            await warm.wait(10)
+        await asyncio.sleep(0.01)
         print(f"\n{'case':<34} {'mode':<5} {'blocks':>6} {'MiB':>8} {'outcome':<10} {'ms':>9} bytes")
         n = args.blocks // 4
         per_block = spec.block_len * 2 * spec.num_layers
