@@ -12,24 +12,44 @@ between each pair of engines, never re-entrantly inside `send`.
 from __future__ import annotations
 
 import asyncio
+import secrets
 import threading
+import time
 from collections.abc import Callable
 from typing import Protocol
 
 from kvflow.errors import EngineClosed, PeerUnknown
-from kvflow.messages import Hello, Message
+from kvflow.messages import ControlMessage
 
-__all__ = ("ControlChannel", "LocalControl", "LocalControlHub", "MessageHandler")
+__all__ = ("ControlChannel", "LocalControl", "LocalControlHub", "MessageHandler", "new_incarnation")
 
-Envelope = Message | Hello
-MessageHandler = Callable[[str, Envelope], None]
+MessageHandler = Callable[[str, int, ControlMessage], None]  # (sender, its incarnation, message)
+
+
+def new_incarnation() -> int:
+    """An id for one run of an engine, larger than any earlier run's (clock) and unique (random)."""
+    return (time.time_ns() << 16) | secrets.randbits(16)
 
 
 class ControlChannel(Protocol):
-    def start(self, loop: asyncio.AbstractEventLoop, handler: MessageHandler) -> None:
-        """Begin delivering messages to `handler(sender, message)` on `loop`."""
+    @property
+    def address(self) -> str:
+        """Where peers reach this channel ("" when routes are implicit, as in-process)."""
 
-    def send(self, peer: str, message: Envelope) -> None:
+    @property
+    def incarnation(self) -> int:
+        """This run's incarnation, stamped on every message sent."""
+
+    def start(self, loop: asyncio.AbstractEventLoop, handler: MessageHandler) -> None:
+        """Begin delivering messages to `handler(sender, incarnation, message)` on `loop`."""
+
+    def add_route(self, peer: str, address: str) -> None:
+        """Tell the channel where `peer` listens (a no-op where routes are implicit).
+
+        :raises ConfigError: the address is unusable (for instance, unauthenticated off loopback).
+        """
+
+    def send(self, peer: str, message: ControlMessage) -> None:
         """Queue a message for `peer`; never blocks.
 
         :raises PeerUnknown: no route to `peer`.
@@ -59,38 +79,52 @@ class LocalControlHub:
         with self._lock:
             self._routes.pop(name, None)
 
-    def _route(self, sender: str, peer: str, message: Envelope) -> None:
+    def _route(self, sender: str, incarnation: int, peer: str, message: ControlMessage) -> None:
         with self._lock:
             route = self._routes.get(peer)
         if route is None:
             raise PeerUnknown(f"no engine named {peer!r} on this control hub")
         loop, handler = route
         try:
-            loop.call_soon_threadsafe(self._deliver, handler, peer, sender, message)
+            loop.call_soon_threadsafe(self._deliver, handler, peer, sender, incarnation, message)
         except RuntimeError as exc:  # the peer's loop is closed: it is gone
             raise PeerUnknown(f"engine {peer!r} is no longer running") from exc
 
-    def _deliver(self, handler: MessageHandler, peer: str, sender: str, message: Envelope) -> None:
+    def _deliver(
+        self, handler: MessageHandler, peer: str, sender: str, incarnation: int, message: ControlMessage
+    ) -> None:
         with self._lock:
             live = peer in self._routes
         if live:
             self.delivered += 1
-            handler(sender, message)
+            handler(sender, incarnation, message)
 
 
 class LocalControl:
     def __init__(self, hub: LocalControlHub, name: str) -> None:
         self.hub = hub
         self.name = name
+        self._incarnation = new_incarnation()
         self._closed = False
+
+    @property
+    def address(self) -> str:
+        return ""
+
+    @property
+    def incarnation(self) -> int:
+        return self._incarnation
+
+    def add_route(self, peer: str, address: str) -> None:
+        return None
 
     def start(self, loop: asyncio.AbstractEventLoop, handler: MessageHandler) -> None:
         self.hub._register(self.name, loop, handler)
 
-    def send(self, peer: str, message: Envelope) -> None:
+    def send(self, peer: str, message: ControlMessage) -> None:
         if self._closed:
             raise EngineClosed(f"control channel of {self.name!r} is closed")
-        self.hub._route(self.name, peer, message)
+        self.hub._route(self.name, self._incarnation, peer, message)
 
     def close(self) -> None:
         self._closed = True

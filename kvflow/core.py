@@ -291,6 +291,21 @@ class TransferCore:
                 actions += self._feed(m, Input.PEER_LOST, now, reason=f"peer {peer} lost")
         return actions
 
+    def renew(self, peer: str, keys: Sequence[TransferKey], now: float, lease: float) -> list[Action]:
+        """`peer` still waits on these transfers: as P, hold their blocks at least `lease` longer.
+        Keys of other peers' transfers, unknown ones and finished ones are ignored."""
+        for key in keys:
+            m = self._machines.get((key, _PREFILL))
+            if m is not None and m.peer == peer and m.state in ACTIVE:
+                self._set_deadline(m, max(m.deadline, now + lease))
+        return []
+
+    def waiting_on(self, peer: str) -> tuple[TransferKey, ...]:
+        """The transfers this side, as D, still waits on from `peer` (what a heartbeat renews)."""
+        return tuple(
+            m.key for m in self._machines.values() if m.role is _DECODE and m.peer == peer and m.state in ACTIVE
+        )
+
     def timer(self, now: float) -> list[Action]:
         """Feed DEADLINE to every machine whose timer has passed; forget old finished ones."""
         actions: list[Action] = []

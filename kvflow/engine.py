@@ -26,20 +26,20 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvflow.actions import Action, DeclarePeerLost, ReleaseBlocks, Resolve, SendMessage, SubmitOp
-from kvflow.channel import ControlChannel, Envelope
+from kvflow.association import Associations
+from kvflow.channel import ControlChannel
 from kvflow.core import CoreConfig, TransferCore
 from kvflow.errors import (
     ConfigError,
     EngineClosed,
     EngineCrashed,
     KVFlowError,
-    PeerProtocolError,
     TransferFailed,
     TransferTimeout,
 )
-from kvflow.layout import KVLayout, check_compatible, fingerprint, layout_from_wire, layout_to_wire, plan_transfer
+from kvflow.layout import KVLayout, fingerprint, plan_transfer
 from kvflow.ledger import LedgerError
-from kvflow.messages import Hello, TransferKey
+from kvflow.messages import ControlMessage, TransferKey
 from kvflow.state import Mode, Outcome, Role
 from kvflow.transport import Transport
 from kvflow.writer import Submitter, WriterThread
@@ -56,11 +56,15 @@ class EngineConfig:
     handshake_timeout: float = 10.0
     drain_timeout: float = 30.0  # how long `aclose` lets transfers finish before aborting them
     auto_deliver: bool = True  # D: hand blocks over as soon as a transfer succeeds
+    lease: float = 30.0  # a peer silent this long is lost; P's blocks are held this long unrenewed
+    heartbeat_interval: float | None = None  # default: lease / 6
 
     def __post_init__(self) -> None:
-        for name in ("transfer_timeout", "handshake_timeout", "drain_timeout"):
+        for name in ("transfer_timeout", "handshake_timeout", "drain_timeout", "lease"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"engine config {name} must be > 0")
+        if self.heartbeat_interval is not None and not 0 < self.heartbeat_interval < self.lease:
+            raise ConfigError("engine config heartbeat_interval must be in (0, lease)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,8 +133,7 @@ class Engine:
         self._clock = clock
         self._on_release = on_release
         self._fingerprint = fingerprint(layout.spec)
-        self._peers: dict[str, KVLayout] = {}
-        self._hello_waiters: dict[str, asyncio.Future[None]] = {}
+        self.assoc = Associations(self)
         self._handles: dict[tuple[TransferKey, Role], asyncio.Future[TransferResult]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._timer: asyncio.TimerHandle | None = None
@@ -162,28 +165,21 @@ class Engine:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
 
-    async def connect(self, peer: str, timeout: float | None = None) -> None:
-        """Handshake with `peer`: exchange layouts and transport metadata.
+    async def connect(self, peer: str, address: str = "", timeout: float | None = None) -> None:
+        """Handshake with `peer` (reached at `address` when the channel needs one): exchange
+        layouts and transport metadata, and start heartbeats.
 
         :raises LayoutMismatch: the peer's KV layout differs (the message names the field).
+        :raises PeerProtocolError: the peer refused us (for instance, another protocol version).
         :raises TransferTimeout: no answer within `timeout` (default: the config's).
         :raises PeerUnknown: the control channel has no route to the peer.
         """
         self._check_open()
-        if peer in self._peers:
-            return
-        waiter = self._hello_waiters.get(peer)
-        if waiter is None or waiter.done():
-            waiter = self._hello_waiters[peer] = self._running_loop().create_future()
-        self._send_hello(peer, reply=False)
         limit = timeout if timeout is not None else self.config.handshake_timeout
-        try:
-            await asyncio.wait_for(asyncio.shield(waiter), limit)
-        except TimeoutError:
-            raise TransferTimeout(f"handshake with {peer!r} got no answer within {limit}s") from None
+        await self.assoc.connect(peer, address, limit)
 
     def peers(self) -> list[str]:
-        return sorted(self._peers)
+        return sorted(self.assoc.layouts)
 
     async def aclose(self, drain_timeout: float | None = None) -> None:
         """Let transfers finish (up to `drain_timeout`), abort the rest, wait for their fences,
@@ -205,8 +201,10 @@ class Engine:
         if self.core.live():
             # A fence never came: tear every peer these transfers wait on down, here and now.
             waited_on = {m.peer for m in self.core.live() if m.peer is not None}
-            for peer in sorted(waited_on | set(self._peers)):
+            for peer in sorted(waited_on | set(self.assoc.layouts)):
                 self._tear_down(peer, "engine closing: fence not confirmed")
+        self.assoc.goodbye_all("engine closing")
+        self.assoc.close()
         self._cancel_timer()
         self._submitter.close(timeout=5.0)
         self.transport.set_listener(None)
@@ -364,11 +362,11 @@ class Engine:
         except KVFlowError as exc:
             self.counters["sends_failed"] += 1
             log.warning("%s: cannot send to %s: %s", self.engine_id, action.peer, exc)
-            if action.peer in self._peers:
+            if action.peer in self.assoc.layouts:
                 self._tear_down(action.peer, f"cannot send to it: {exc}")
 
     def _submit(self, op: SubmitOp) -> None:
-        remote = self._peers.get(op.peer)
+        remote = self.assoc.layouts.get(op.peer)
         if remote is None:
             self._run(self.core.op_finished(op.op_id, self._now(), f"peer {op.peer!r} not connected"))
             return
@@ -399,57 +397,22 @@ class Engine:
         writer thread for this peer is refused once `remove_peer` has returned.
         """
         log.warning("%s: tearing down peer %s: %s", self.engine_id, peer, reason)
-        self._peers.pop(peer, None)
+        self.assoc.dropped(peer)
         self.transport.remove_peer(peer)
         if self._state != "closed":
             self._run(self.core.peer_lost(peer, self._now()))
 
     # ------------------------------------------------------------------ inbound events
 
-    def _guarded_control(self, sender: str, message: Envelope) -> None:
-        self._guard(self._on_control, sender, message)
+    def _guarded_control(self, sender: str, incarnation: int, message: ControlMessage) -> None:
+        self._guard(self._on_control, sender, incarnation, message)
 
-    def _on_control(self, sender: str, message: Envelope) -> None:
+    def _on_control(self, sender: str, incarnation: int, message: ControlMessage) -> None:
         if self._state != "running" and self._state != "closing":
             return
-        if isinstance(message, Hello):
-            self._on_hello(sender, message)
-        elif sender not in self._peers:
-            self.counters["messages_from_unknown_peers"] += 1
-        else:
-            self._run(self.core.receive(sender, message, self._now()))
-
-    def _on_hello(self, sender: str, hello: Hello) -> None:
-        waiter = self._hello_waiters.pop(sender, None)
-        if hello.reply and sender in self._peers:
-            return  # the answer to a Hello of ours, after the peer's own Hello connected us
-        try:
-            if hello.engine_id != sender:
-                raise PeerProtocolError(f"hello from {sender!r} claims to be {hello.engine_id!r}")
-            check_compatible(self._fingerprint, hello.fingerprint)
-            layout = layout_from_wire(hello.layout)
-        except KVFlowError as exc:
-            log.error("%s: refusing peer %s: %s", self.engine_id, sender, exc)
-            if not hello.reply:
-                self._send_hello(sender, reply=True)  # so that the peer sees the mismatch too
-            if waiter is not None and not waiter.done():
-                waiter.set_exception(exc)
-            return
-        if sender in self._peers:
-            # The peer started over: nothing of the old association may survive it.
-            self._tear_down(sender, "peer started a new handshake")
-        self.transport.add_peer(sender, hello.transport_metadata, layout.regions)
-        self._peers[sender] = layout
-        if not hello.reply:
-            self._send_hello(sender, reply=True)
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-        self._run(self.core.peer_connected(sender, self._now()))
-
-    def _send_hello(self, peer: str, *, reply: bool) -> None:
-        layout = layout_to_wire(self.layout)
-        hello = Hello(self.engine_id, "both", self._fingerprint, layout, self.transport.local_metadata(), reply)
-        self.control.send(peer, hello)
+        transfer_message = self.assoc.receive(sender, incarnation, message)
+        if transfer_message is not None:
+            self._run(self.core.receive(sender, transfer_message, self._now()))
 
     def _wake_from_transport(self) -> None:
         """Called by the transport from any thread."""
@@ -468,7 +431,7 @@ class Engine:
         for completion in completions:
             self._run(self.core.op_finished(completion.op_id, now, completion.error))
         for note in notifications:
-            if note.peer in self._peers:
+            if note.peer in self.assoc.layouts:
                 self._run(self.core.notification(note.peer, note.payload, now))
             else:
                 self.counters["notifications_from_unknown"] += 1
@@ -482,7 +445,8 @@ class Engine:
         return self._clock() if self._clock is not None else self._running_loop().time()
 
     def _arm_timer(self) -> None:
-        when = self.core.next_deadline()
+        times = [t for t in (self.core.next_deadline(), self.assoc.liveness.next_deadline()) if t is not None]
+        when = min(times, default=None)
         if when == self._timer_at:
             return
         self._cancel_timer()
@@ -498,7 +462,9 @@ class Engine:
 
     def _on_timer(self) -> None:
         self._timer, self._timer_at = None, None
-        self._run(self.core.timer(self._now()))
+        now = self._now()
+        self.assoc.tick(now)
+        self._run(self.core.timer(now))
 
     async def _wait_idle(self, limit: float) -> None:
         if not self.core.live():

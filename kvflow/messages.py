@@ -19,13 +19,17 @@ import msgpack
 from kvflow.errors import PeerProtocolError
 
 __all__ = (
+    "ControlMessage",
     "Done",
+    "Goodbye",
+    "Heartbeat",
     "Hello",
     "Message",
     "Notice",
     "Quiesced",
     "Ready",
     "Registration",
+    "Reject",
     "TransferKey",
     "decode_notification",
     "encode_notification",
@@ -61,6 +65,29 @@ class Hello:
     layout: dict[str, Any]
     transport_metadata: bytes
     reply: bool = False
+    control_address: str = ""  # where the peer reaches this engine's control channel, if anywhere
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    """Liveness, and lease renewal: the transfers the sender still waits on from the receiver.
+    A prefill engine keeps holding the blocks of these while heartbeats keep coming."""
+
+    keys: tuple[TransferKey, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Goodbye:
+    """The sender is closing: tear the association down now instead of at the lease's end."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Reject:
+    """A handshake (or frame) refused, with the reason; decodable across protocol versions."""
+
+    reason: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,7 +131,8 @@ class Done:
     key: TransferKey
 
 
-Message = Registration | Ready | Notice | Quiesced | Done
+Message = Registration | Ready | Notice | Quiesced | Done  # about one transfer: the core's business
+ControlMessage = Message | Hello | Heartbeat | Goodbye | Reject  # everything a control channel carries
 
 
 def encode_notification(key: TransferKey, batch: int) -> bytes:

@@ -228,7 +228,7 @@ async def test_handshake_with_nobody_answering_times_out() -> None:
     pair = await EnginePair(LoopbackFabric(), config=FAST).start(connect=False)
     try:
         pair.hub._unregister("P")
-        pair.hub._register("P", asyncio.get_running_loop(), lambda sender, message: None)  # a mute peer
+        pair.hub._register("P", asyncio.get_running_loop(), lambda sender, incarnation, message: None)  # a mute peer
         with pytest.raises(TransferTimeout, match="handshake"):
             await pair.d.connect("P", timeout=0.1)
     finally:

@@ -1,0 +1,316 @@
+"""The control plane's wire format: msgpack envelopes with a strict, typed decoder.
+
+Why strict: the control socket is reachable by anything on its network, and the peers we learn
+from (vLLM, SGLang, Mooncake) deserialized arbitrary Python objects from ZeroMQ and paid in CVEs (CVE-2025-32444,
+CVE-2025-29783, CVE-2025-47277).  Here nothing but msgpack's plain types is ever decoded: no
+extension types, bounded sizes, and every field is checked for type and range before a message
+object exists.  Whatever bytes arrive, `decode` raises only `PeerProtocolError`.
+
+An envelope is one msgpack array:
+
+    [MAGIC, version, sender, incarnation, receiver, seq, type, body]
+
+`incarnation` identifies one run of the sending engine (a restarted engine gets a larger one),
+`seq` increases with every frame it sends, so a receiver can refuse replays.  The first two
+fields and the REJECT body never change across versions, so a peer speaking another version
+can still be told why it is refused.  Authentication (an HMAC over the envelope bytes) is the
+channel's job (`kvflow.auth`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from kvflow.errors import ConfigError, PeerProtocolError
+from kvflow.layout import layout_from_wire
+from kvflow.messages import (
+    ControlMessage,
+    Done,
+    Goodbye,
+    Heartbeat,
+    Hello,
+    Notice,
+    Quiesced,
+    Ready,
+    Registration,
+    Reject,
+    TransferKey,
+)
+
+__all__ = (
+    "MAGIC",
+    "MAX_FRAME_BYTES",
+    "VERSION",
+    "Envelope",
+    "UnsupportedVersion",
+    "decode",
+    "encode",
+)
+
+MAGIC = "kvflow"
+VERSION = 1
+MAX_FRAME_BYTES = 1 << 20
+MAX_ID = 256  # engine and transfer ids
+MAX_TEXT = 1024  # reasons, addresses
+MAX_BLOCKS = 1 << 17
+MAX_BATCHES = 1 << 16
+MAX_KEYS = 1 << 16
+MAX_METADATA = 1 << 19
+MAX_EPOCH = (1 << 63) - 1
+OUTCOMES = frozenset({"aborted", "failed", "expired"})
+ROLES = frozenset({"prefill", "decode", "both"})
+
+
+class UnsupportedVersion(PeerProtocolError):
+    """The envelope is well formed but speaks another protocol version."""
+
+    def __init__(self, version: object, sender: str) -> None:
+        self.version = version
+        self.sender = sender
+        super().__init__(f"{sender!r} speaks control protocol version {version!r}; this engine speaks {VERSION}")
+
+
+@dataclass(frozen=True, slots=True)
+class Envelope:
+    sender: str
+    incarnation: int
+    receiver: str
+    seq: int
+    message: ControlMessage
+
+
+# ---------------------------------------------------------------- field checks
+
+
+def _fail(what: str) -> PeerProtocolError:
+    return PeerProtocolError(f"malformed control message: {what}")
+
+
+def _text(value: Any, what: str, limit: int = MAX_TEXT, *, empty: bool = True) -> str:
+    if type(value) is not str or len(value) > limit or (not empty and not value):
+        raise _fail(f"{what} must be a string of at most {limit} characters")
+    return value
+
+
+def _int(value: Any, what: str, low: int, high: int) -> int:
+    if type(value) is not int or not low <= value <= high:
+        raise _fail(f"{what} must be an integer in {low}..{high}")
+    return value
+
+
+def _list(value: Any, what: str, limit: int) -> list[Any]:
+    if type(value) is not list or len(value) > limit:
+        raise _fail(f"{what} must be a list of at most {limit} items")
+    return value
+
+
+def _key(tid: Any, epoch: Any) -> TransferKey:
+    return TransferKey(_text(tid, "transfer id", MAX_ID, empty=False), _int(epoch, "epoch", 0, MAX_EPOCH))
+
+
+def _blocks(value: Any) -> tuple[int, ...]:
+    ids = _list(value, "block ids", MAX_BLOCKS)
+    if not ids:
+        raise _fail("block ids must not be empty")
+    return tuple(_int(b, "block id", 0, (1 << 31) - 1) for b in ids)
+
+
+def _body(value: Any, n: int, what: str) -> list[Any]:
+    if type(value) is not list or len(value) != n:
+        raise _fail(f"{what} body must have {n} fields")
+    return value
+
+
+def _fingerprint(value: Any) -> dict[str, int | str]:
+    if type(value) is not dict or len(value) > 64:
+        raise _fail("fingerprint must be a map of at most 64 fields")
+    out: dict[str, int | str] = {}
+    for k, v in value.items():
+        _text(k, "fingerprint field", 64)
+        if type(v) is int:
+            out[k] = v
+        else:
+            out[k] = _text(v, f"fingerprint {k}", 256)
+    return out
+
+
+def _layout(value: Any) -> dict[str, Any]:
+    if type(value) is not dict:
+        raise _fail("layout must be a map")
+    try:
+        layout_from_wire(value)
+    except ConfigError as exc:
+        raise _fail(f"layout: {exc}") from None
+    return value
+
+
+# ---------------------------------------------------------------- per type
+
+Decoder = Callable[[Any], ControlMessage]
+
+
+def _reject(body: Any) -> Reject:
+    (reason,) = _body(body, 1, "reject")
+    return Reject(_text(reason, "reason"))
+
+
+def _hello(body: Any) -> Hello:
+    engine_id, role, fp, layout, metadata, reply, address = _body(body, 7, "hello")
+    if type(metadata) is not bytes or len(metadata) > MAX_METADATA:
+        raise _fail(f"transport metadata must be at most {MAX_METADATA} bytes")
+    if type(reply) is not bool:
+        raise _fail("hello reply flag must be a boolean")
+    if role not in ROLES:
+        raise _fail(f"role must be one of {sorted(ROLES)}")
+    return Hello(
+        _text(engine_id, "engine id", MAX_ID, empty=False),
+        role,
+        _fingerprint(fp),
+        _layout(layout),
+        metadata,
+        reply,
+        _text(address, "control address"),
+    )
+
+
+def _registration(body: Any) -> Registration:
+    tid, epoch, blocks, batches, ttl = _body(body, 5, "registration")
+    if type(ttl) not in (int, float) or not math.isfinite(ttl) or not 0 < ttl <= 1e6:
+        raise _fail("ttl must be a finite number of seconds in (0, 1e6]")
+    return Registration(
+        _key(tid, epoch), _blocks(blocks), _int(batches, "expected batches", 1, MAX_BATCHES), float(ttl)
+    )
+
+
+def _ready(body: Any) -> Ready:
+    tid, epoch, blocks = _body(body, 3, "ready")
+    return Ready(_key(tid, epoch), _blocks(blocks))
+
+
+def _notice(body: Any) -> Notice:
+    tid, epoch, outcome, reason = _body(body, 4, "notice")
+    if outcome not in OUTCOMES:
+        raise _fail(f"notice outcome must be one of {sorted(OUTCOMES)}")
+    return Notice(_key(tid, epoch), outcome, _text(reason, "reason"))
+
+
+def _quiesced(body: Any) -> Quiesced:
+    tid, epoch = _body(body, 2, "quiesced")
+    return Quiesced(_key(tid, epoch))
+
+
+def _done(body: Any) -> Done:
+    tid, epoch = _body(body, 2, "done")
+    return Done(_key(tid, epoch))
+
+
+def _heartbeat(body: Any) -> Heartbeat:
+    (keys,) = _body(body, 1, "heartbeat")
+    pairs = _list(keys, "heartbeat keys", MAX_KEYS)
+    return Heartbeat(tuple(_key(*_body(pair, 2, "heartbeat key")) for pair in pairs))
+
+
+def _goodbye(body: Any) -> Goodbye:
+    (reason,) = _body(body, 1, "goodbye")
+    return Goodbye(_text(reason, "reason"))
+
+
+_DECODERS: dict[int, Decoder] = {
+    0: _reject,
+    1: _hello,
+    2: _registration,
+    3: _ready,
+    4: _notice,
+    5: _quiesced,
+    6: _done,
+    7: _heartbeat,
+    8: _goodbye,
+}
+
+
+def _encode_body(message: ControlMessage) -> tuple[int, list[Any]]:
+    if isinstance(message, Reject):
+        return 0, [message.reason]
+    if isinstance(message, Hello):
+        m = message
+        return 1, [m.engine_id, m.role, m.fingerprint, m.layout, m.transport_metadata, m.reply, m.control_address]
+    if isinstance(message, Registration):
+        k = message.key
+        return 2, [k.transfer_id, k.epoch, list(message.block_ids), message.expected_batches, message.ttl]
+    if isinstance(message, Ready):
+        return 3, [message.key.transfer_id, message.key.epoch, list(message.block_ids)]
+    if isinstance(message, Notice):
+        return 4, [message.key.transfer_id, message.key.epoch, message.outcome, message.reason]
+    if isinstance(message, Quiesced):
+        return 5, [message.key.transfer_id, message.key.epoch]
+    if isinstance(message, Done):
+        return 6, [message.key.transfer_id, message.key.epoch]
+    if isinstance(message, Heartbeat):
+        return 7, [[[k.transfer_id, k.epoch] for k in message.keys]]
+    return 8, [message.reason]
+
+
+# ---------------------------------------------------------------- envelopes
+
+
+def encode(envelope: Envelope) -> bytes:
+    """The frame for an envelope.
+
+    :raises PeerProtocolError: the result would exceed `MAX_FRAME_BYTES`.
+    """
+    code, body = _encode_body(envelope.message)
+    frame: bytes = msgpack.packb(
+        [MAGIC, VERSION, envelope.sender, envelope.incarnation, envelope.receiver, envelope.seq, code, body],
+        use_bin_type=True,
+    )
+    if len(frame) > MAX_FRAME_BYTES:
+        raise PeerProtocolError(f"control frame of {len(frame)} bytes exceeds {MAX_FRAME_BYTES}")
+    return frame
+
+
+def decode(frame: bytes) -> Envelope:
+    """Parse and check a frame.
+
+    :raises UnsupportedVersion: well formed, another protocol version (not a REJECT).
+    :raises PeerProtocolError: anything else that is not a valid envelope of this version.
+    """
+    if type(frame) is not bytes or len(frame) > MAX_FRAME_BYTES:
+        raise _fail(f"frame must be bytes of at most {MAX_FRAME_BYTES}")
+    try:
+        raw = msgpack.unpackb(
+            frame,
+            raw=False,
+            use_list=True,
+            strict_map_key=True,
+            max_ext_len=0,
+            max_str_len=MAX_METADATA,
+            max_bin_len=MAX_METADATA,
+            max_array_len=MAX_BLOCKS,
+            max_map_len=4096,
+        )
+    except Exception as exc:  # msgpack raises ExtraData, FormatError, ValueError, StackError, ...
+        raise _fail(f"not msgpack ({type(exc).__name__})") from None
+    if type(raw) is not list or len(raw) != 8 or raw[0] != MAGIC:
+        raise _fail("not a kvflow envelope")
+    _, version, sender, incarnation, receiver, seq, code, body = raw
+    sender = _text(sender, "sender", MAX_ID, empty=False)
+    incarnation = _int(incarnation, "incarnation", 0, MAX_EPOCH)
+    receiver = _text(receiver, "receiver", MAX_ID, empty=False)
+    seq = _int(seq, "sequence number", 0, MAX_EPOCH)
+    if version != VERSION and code != 0:
+        raise UnsupportedVersion(version, sender)
+    decoder = _DECODERS.get(code) if type(code) is int else None
+    if decoder is None:
+        raise _fail(f"unknown message type {code!r}")
+    try:
+        message = decoder(body)
+    except PeerProtocolError:
+        raise
+    except (TypeError, ValueError) as exc:  # wrong arity while unpacking a body, and the like
+        raise _fail(f"{type(exc).__name__} in message type {code}") from None
+    return Envelope(sender, incarnation, receiver, seq, message)

@@ -1,0 +1,101 @@
+"""Heartbeats, leases, goodbyes and restarts, over the in-process hub with real time."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from kvflow.association import Liveness
+from kvflow.channel import LocalControl
+from kvflow.core import CoreConfig
+from kvflow.engine import Engine, EngineConfig
+from kvflow.state import Mode, Outcome
+from kvflow.testing import EnginePair
+from kvflow.transports.loopback import LoopbackFabric
+
+LEASE = EngineConfig(
+    core=CoreConfig(fence_timeout=0.3, retention=5.0), transfer_timeout=0.4, lease=0.6, drain_timeout=0.5
+)
+
+
+def test_liveness_schedule() -> None:
+    live = Liveness(lease=6.0, interval=1.0)
+    live.add("p", 0.0)
+    assert live.due(0.5) == [] and live.due(1.0) == ["p"] and live.due(1.5) == []
+    assert live.next_deadline() == 2.0
+    live.heard("p", 3.0)
+    assert live.expired(8.9) == [] and live.expired(9.0) == ["p"]
+    live.remove("p")
+    assert live.next_deadline() is None
+
+
+@pytest.mark.asyncio
+async def test_decode_heartbeats_keep_a_pull_lease_alive_past_its_deadline() -> None:
+    pair = await EnginePair(LoopbackFabric(), config=LEASE).start()
+    try:
+        # P is ready at once, D waits 1.5 s (several P deadlines) before it reads: D's heartbeats,
+        # which list the transfer, keep P holding the blocks.
+        waiting = await pair.d.expect("r", 1, peer="P", block_ids=[1], mode=Mode.PULL, timeout=5)
+        pair.d.assoc.liveness.interval = 0.1
+        pair.p_kv.fill([2], seed=1)
+        sending = await pair.p.kv_ready("r", 1, block_ids=[2], mode=Mode.PULL, peer="D")
+        assert (await waiting.wait(3)).ok and (await sending.wait(3)).ok
+        # and without D listing it, P's lease runs out
+        pair.d.assoc.liveness.interval = 10.0
+        held = await pair.p.kv_ready("s", 1, block_ids=[3], mode=Mode.PULL, peer="D")
+        result = await held.wait(3)
+        assert result.outcome is Outcome.EXPIRED
+    finally:
+        await pair.close()
+
+
+@pytest.mark.asyncio
+async def test_a_silent_peer_is_lost_after_a_lease_and_its_transfers_fail() -> None:
+    pair = await EnginePair(LoopbackFabric(), config=LEASE).start()
+    try:
+        waiting = await pair.d.expect("r", 1, peer="P", block_ids=[1], timeout=30)
+        pair.p.assoc.liveness.interval = 100.0  # P stops sending anything
+        result = await waiting.wait(3)
+        assert result.outcome is Outcome.FAILED and "lost" in result.reason
+        assert pair.d.peers() == [] and pair.d.core.ledger.held_blocks == 0
+    finally:
+        await pair.close()
+
+
+@pytest.mark.asyncio
+async def test_goodbye_ends_the_association_at_once() -> None:
+    pair = await EnginePair(LoopbackFabric(), config=LEASE).start()
+    await pair.d.expect("r", 1, peer="P", block_ids=[1], timeout=30)
+    await pair.p.aclose()
+    for _ in range(100):
+        if not pair.d.peers():
+            break
+        await asyncio.sleep(0.01)
+    assert pair.d.peers() == [] and pair.d.core.ledger.held_blocks == 0
+    await pair.d.aclose()
+    pair.fabric.close()
+
+
+@pytest.mark.asyncio
+async def test_a_restarted_peer_fails_the_old_transfers_and_serves_new_ones() -> None:
+    pair = await EnginePair(LoopbackFabric(), config=EngineConfig(lease=30.0)).start()
+    try:
+        old = await pair.d.expect("old", 1, peer="P", block_ids=[1], timeout=30)
+        # P "restarts": same name, a new control channel (a new incarnation) and a new endpoint
+        pair.p.control.close()
+        pair.p.transport.close()
+        pair.fabric._endpoints.pop("P")
+        reborn = Engine("P", pair.p_kv.layout, pair.fabric.endpoint("P"), LocalControl(pair.hub, "P"))
+        await reborn.start()
+        await reborn.connect("D")
+        assert (await old.wait(2)).outcome is Outcome.FAILED
+        pair.p_kv.fill([5], seed=3)
+        new = await pair.d.expect("new", 1, peer="P", block_ids=[2])
+        await reborn.kv_ready("new", 1, block_ids=[5])
+        assert (await new.wait(3)).ok
+        await reborn.aclose()
+    finally:
+        await pair.p.aclose(drain_timeout=0.1)  # the old run, whose channel is already gone
+        await pair.d.aclose()
+        pair.fabric.close()

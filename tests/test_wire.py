@@ -1,0 +1,132 @@
+"""The control-plane codec: exact round trips, and only PeerProtocolError for anything else."""
+
+from __future__ import annotations
+
+import contextlib
+
+import hypothesis.strategies as st
+import msgpack
+import pytest
+from hypothesis import given, settings
+
+from kvflow import wire
+from kvflow.errors import PeerProtocolError
+from kvflow.layout import fingerprint, layout_to_wire
+from kvflow.messages import (
+    ControlMessage,
+    Done,
+    Goodbye,
+    Heartbeat,
+    Hello,
+    Notice,
+    Quiesced,
+    Ready,
+    Registration,
+    Reject,
+    TransferKey,
+)
+from kvflow.testing import SMALL_SPEC, KVBuffers
+
+LAYOUT = layout_to_wire(KVBuffers(SMALL_SPEC, 8).layout)
+ids = st.text(min_size=1, max_size=40)
+keys = st.builds(TransferKey, ids, st.integers(0, 2**63 - 1))
+blocks = st.lists(st.integers(0, 2**31 - 1), min_size=1, max_size=64).map(tuple)
+text = st.text(max_size=200)
+messages: st.SearchStrategy[ControlMessage] = st.one_of(
+    st.builds(Registration, keys, blocks, st.integers(1, 64), st.floats(0.001, 1e6)),
+    st.builds(Ready, keys, blocks),
+    st.builds(Notice, keys, st.sampled_from(sorted(wire.OUTCOMES)), text),
+    st.builds(Quiesced, keys),
+    st.builds(Done, keys),
+    st.builds(Heartbeat, st.lists(keys, max_size=20).map(tuple)),
+    st.builds(Goodbye, text),
+    st.builds(Reject, text),
+    st.builds(
+        Hello,
+        ids,
+        st.sampled_from(sorted(wire.ROLES)),
+        st.just(fingerprint(SMALL_SPEC)),
+        st.just(LAYOUT),
+        st.binary(max_size=600),
+        st.booleans(),
+        st.text(max_size=60),
+    ),
+)
+envelopes = st.builds(wire.Envelope, ids, st.integers(0, 2**63 - 1), ids, st.integers(0, 2**63 - 1), messages)
+
+
+@given(envelopes)
+def test_every_message_round_trips(envelope: wire.Envelope) -> None:
+    assert wire.decode(wire.encode(envelope)) == envelope
+
+
+@settings(max_examples=2000)
+@given(st.binary(max_size=300))
+def test_random_bytes_raise_only_the_protocol_error(data: bytes) -> None:
+    with pytest.raises(PeerProtocolError):
+        wire.decode(data)
+
+
+@settings(max_examples=1000)
+@given(envelopes, st.data())
+def test_mutated_frames_decode_to_a_valid_message_or_raise_the_protocol_error(
+    envelope: wire.Envelope, data: st.DataObject
+) -> None:
+    frame = bytearray(wire.encode(envelope))
+    for _ in range(data.draw(st.integers(1, 4))):
+        kind = data.draw(st.sampled_from(["flip", "cut", "insert"]))
+        at = data.draw(st.integers(0, max(len(frame) - 1, 0)))
+        if kind == "flip" and frame:
+            frame[at] ^= data.draw(st.integers(1, 255))
+        elif kind == "cut":
+            del frame[at:]
+        else:
+            frame[at:at] = data.draw(st.binary(min_size=1, max_size=8))
+    try:
+        decoded = wire.decode(bytes(frame))
+    except PeerProtocolError:
+        return
+    assert isinstance(decoded, wire.Envelope)  # a mutation that still spells a valid envelope
+
+
+@settings(max_examples=500)
+@given(
+    st.recursive(
+        st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text() | st.binary(),
+        lambda c: st.lists(c, max_size=5) | st.dictionaries(st.text(max_size=5), c, max_size=5),
+    )
+)
+def test_well_formed_msgpack_of_the_wrong_shape_is_refused(value: object) -> None:
+    for body in (value, [value], [value] * 5):
+        for code in range(9):
+            frame = msgpack.packb([wire.MAGIC, wire.VERSION, "a", 1, "b", 1, code, body], use_bin_type=True)
+            with contextlib.suppress(PeerProtocolError):
+                wire.decode(frame)
+
+
+def test_limits_and_versions() -> None:
+    big = wire.Envelope("a", 1, "b", 1, Goodbye("x" * wire.MAX_FRAME_BYTES))
+    with pytest.raises(PeerProtocolError, match="exceeds"):
+        wire.encode(big)
+    with pytest.raises(PeerProtocolError, match="bytes of at most"):
+        wire.decode(b"\x00" * (wire.MAX_FRAME_BYTES + 1))
+    future = msgpack.packb([wire.MAGIC, 2, "peer", 1, "me", 1, 2, []])
+    with pytest.raises(wire.UnsupportedVersion, match="'peer' speaks control protocol version 2; this engine speaks 1"):
+        wire.decode(future)
+    reject = msgpack.packb([wire.MAGIC, 2, "peer", 1, "me", 1, 0, ["too old"]])
+    assert wire.decode(reject).message == Reject("too old")  # readable across versions
+    bad_outcome = msgpack.packb([wire.MAGIC, 1, "a", 1, "b", 1, 4, ["t", 1, "exploded", ""]])
+    with pytest.raises(PeerProtocolError, match="outcome"):
+        wire.decode(bad_outcome)
+    nan_ttl = msgpack.packb([wire.MAGIC, 1, "a", 1, "b", 1, 2, ["t", 1, [1], 1, float("nan")]])
+    with pytest.raises(PeerProtocolError, match="ttl"):
+        wire.decode(nan_ttl)
+    ext = msgpack.packb([wire.MAGIC, 1, "a", 1, "b", 1, 5, [msgpack.ExtType(1, b"x"), 1]])
+    with pytest.raises(PeerProtocolError):
+        wire.decode(ext)
+    broken_layout = dict(LAYOUT, num_blocks=-1)
+    hello = msgpack.packb(
+        [wire.MAGIC, 1, "a", 1, "b", 1, 1, ["a", "both", {}, broken_layout, b"", False, ""]], use_bin_type=True
+    )
+    with pytest.raises(PeerProtocolError, match="layout"):
+        wire.decode(hello)
