@@ -28,7 +28,7 @@ MessageHandler = Callable[[str, int, ControlMessage], None]  # (sender, its inca
 
 def new_incarnation() -> int:
     """An id for one run of an engine, larger than any earlier run's (clock) and unique (random)."""
-    return (time.time_ns() << 16) | secrets.randbits(16)
+    return ((time.time_ns() // 1000) << 12) | secrets.randbits(12)  # < 2**63 until the year 2500
 
 
 class ControlChannel(Protocol):

@@ -1,0 +1,260 @@
+"""The control channel between engines in different processes: msgpack over ZeroMQ.
+
+Why ZeroMQ: peers (vLLM, SGLang) already speak it, it reconnects by itself, and it keeps
+message order per connection.  Each engine binds one ROUTER socket (loopback by default) and
+opens one DEALER per peer, whose identity is the engine id.  A frame is
+``[envelope, mac]``; the ROUTER adds the sender's identity in front.  This is the only module
+that imports zmq.
+
+Every frame is checked before any message object exists: size, HMAC (`kvflow.auth`), the strict
+codec (`kvflow.wire`), receiver and identity, and the replay guard.  A frame that fails any
+check is dropped and counted by reason, and logged once per peer and reason, not once per
+frame.  Without a secret the channel refuses to bind or connect anywhere but loopback, and
+says in a warning that frames are not authenticated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import logging
+from collections import Counter
+from collections.abc import Mapping
+from typing import Any
+from urllib.parse import urlsplit
+
+import zmq
+import zmq.asyncio
+
+from kvflow.auth import MAC_BYTES, ReplayGuard, Secret, secret_from_env
+from kvflow.channel import MessageHandler, new_incarnation
+from kvflow.errors import ConfigError, EngineClosed, PeerProtocolError, PeerUnknown
+from kvflow.messages import ControlMessage, Hello, Reject
+from kvflow.wire import MAX_FRAME_BYTES, Envelope, UnsupportedVersion, decode, encode
+
+__all__ = ("ENV_SECRET", "ZmqControl", "is_loopback")
+
+log = logging.getLogger("kvflow.control")
+
+ENV_SECRET: Any = object()  # "read the secret from the environment"
+SOCKET_LIMIT = 4 * MAX_FRAME_BYTES  # ZeroMQ drops a connection sending more; we count up to it
+MAX_LOGGED = 4096
+
+
+def is_loopback(address: str) -> bool:
+    """True for ipc:// and inproc:// endpoints and tcp:// on 127.0.0.0/8, ::1 or localhost."""
+    parts = urlsplit(address)
+    if parts.scheme in ("ipc", "inproc"):
+        return True
+    if parts.scheme != "tcp":
+        return False
+    host = (parts.hostname or "").strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class ZmqControl:
+    """A `ControlChannel` over ZeroMQ for engine `engine_id`, bound at `bind`."""
+
+    def __init__(
+        self,
+        engine_id: str,
+        bind: str = "tcp://127.0.0.1:0",
+        *,
+        secret: Secret | None | Any = ENV_SECRET,
+        routes: Mapping[str, str] | None = None,
+        send_queue: int = 10_000,
+    ) -> None:
+        self.engine_id = engine_id
+        self.secret: Secret | None = secret_from_env() if secret is ENV_SECRET else secret
+        if self.secret is None and not is_loopback(bind):
+            raise ConfigError(f"refusing an unauthenticated control plane on {bind}: set KVFLOW_SECRET")
+        self._bind = bind
+        self._address = ""
+        self._incarnation = new_incarnation()
+        self._routes: dict[str, str] = {}
+        self._send_queue = send_queue
+        self._seq = 0
+        self._guard = ReplayGuard()
+        self._dealers: dict[str, zmq.Socket[bytes]] = {}
+        self._ctx: zmq.asyncio.Context | None = None
+        self._sync_ctx: zmq.Context[zmq.Socket[bytes]] | None = None
+        self._router: zmq.asyncio.Socket | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._handler: MessageHandler | None = None
+        self._closed = False
+        self.counters: Counter[str] = Counter()
+        self._logged: set[tuple[bytes, str]] = set()
+        for peer, address in (routes or {}).items():
+            self.add_route(peer, address)
+
+    @property
+    def address(self) -> str:
+        return self._address
+
+    @property
+    def incarnation(self) -> int:
+        return self._incarnation
+
+    def add_route(self, peer: str, address: str) -> None:
+        if self.secret is None and not is_loopback(address):
+            raise ConfigError(f"refusing to send unauthenticated frames to {address}: set KVFLOW_SECRET")
+        if self._routes.get(peer) != address:
+            old = self._dealers.pop(peer, None)
+            if old is not None:
+                old.close(linger=0)
+            self._routes[peer] = address
+
+    def start(self, loop: asyncio.AbstractEventLoop, handler: MessageHandler) -> None:
+        """Bind the ROUTER and start receiving on `loop`.
+
+        :raises ConfigError: the bind address is unusable.
+        """
+        if self._ctx is not None:
+            raise ConfigError("control channel already started")
+        self._ctx = zmq.asyncio.Context()
+        self._sync_ctx = zmq.Context.shadow(self._ctx)
+        router = self._ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        router.setsockopt(zmq.MAXMSGSIZE, SOCKET_LIMIT)
+        router.setsockopt(zmq.RCVHWM, self._send_queue)
+        try:
+            router.bind(self._bind)
+        except zmq.ZMQError as exc:
+            router.close(linger=0)
+            raise ConfigError(f"cannot bind the control channel to {self._bind}: {exc}") from exc
+        self._router = router
+        self._address = router.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._handler = handler
+        self._task = loop.create_task(self._receive(), name=f"kvflow-control-{self.engine_id}")
+        if self.secret is None:
+            log.warning(
+                "%s: control plane on %s runs WITHOUT authentication (no KVFLOW_SECRET); allowed on loopback only",
+                self.engine_id,
+                self._address,
+            )
+
+    def send(self, peer: str, message: ControlMessage) -> None:
+        """:raises PeerUnknown: no route to `peer`, or its queue is full.
+        :raises EngineClosed: the channel is closed.
+        """
+        if self._closed or self._sync_ctx is None:
+            raise EngineClosed(f"control channel of {self.engine_id!r} is closed or not started")
+        address = self._routes.get(peer)
+        if address is None:
+            raise PeerUnknown(f"no control address known for {peer!r}")
+        dealer = self._dealers.get(peer)
+        if dealer is None:
+            dealer = self._sync_ctx.socket(zmq.DEALER)
+            dealer.setsockopt(zmq.IDENTITY, self.engine_id.encode())
+            dealer.setsockopt(zmq.LINGER, 0)
+            dealer.setsockopt(zmq.SNDHWM, self._send_queue)
+            dealer.connect(address)
+            self._dealers[peer] = dealer
+        self._seq += 1
+        frame = encode(Envelope(self.engine_id, self._incarnation, peer, self._seq, message))
+        mac = self.secret.sign(frame) if self.secret is not None else b""
+        try:
+            dealer.send_multipart([frame, mac], flags=zmq.NOBLOCK)
+        except zmq.Again:
+            self.counters["send_queue_full"] += 1
+            raise PeerUnknown(f"control queue to {peer!r} is full: the peer is not reading") from None
+        self.counters["frames_sent"] += 1
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._task is not None:
+            self._task.cancel()
+        for dealer in self._dealers.values():
+            dealer.close(linger=0)
+        self._dealers.clear()
+        if self._router is not None:
+            self._router.close(linger=0)
+        if self._ctx is not None:
+            self._ctx.term()
+
+    # ---------------------------------------------------------------- receiving
+
+    async def _receive(self) -> None:
+        router = self._router
+        assert router is not None  # set before the task starts
+        while True:
+            try:
+                frames = await router.recv_multipart(copy=True)
+            except zmq.ZMQError as exc:
+                if self._closed:
+                    return
+                log.error("%s: control socket error: %s", self.engine_id, exc)
+                await asyncio.sleep(0.01)
+                continue
+            self._on_frames(frames)
+
+    def _on_frames(self, frames: list[bytes]) -> None:
+        self.counters["frames_received"] += 1
+        if len(frames) != 3:
+            self._reject(frames[0] if frames else b"", "shape", f"{len(frames)} parts")
+            return
+        identity, frame, mac = frames
+        if len(frame) > MAX_FRAME_BYTES:
+            self._reject(identity, "oversized", f"{len(frame)} bytes")
+            return
+        if self.secret is not None:
+            if len(mac) != MAC_BYTES or not self.secret.verify(frame, mac):
+                self._reject(identity, "bad_mac", "authentication failed")
+                return
+        elif mac:
+            self._reject(identity, "unexpected_mac", "peer signs frames but this engine has no secret")
+            return
+        try:
+            envelope = decode(frame)
+        except UnsupportedVersion as exc:
+            self._reject(identity, "version", str(exc))
+            self._refuse(exc.sender, str(exc))
+            return
+        except PeerProtocolError as exc:
+            self._reject(identity, "malformed", str(exc))
+            return
+        if envelope.receiver != self.engine_id:
+            self._reject(identity, "misdirected", f"frame for {envelope.receiver!r}")
+            return
+        if envelope.sender.encode() != identity:
+            self._reject(identity, "identity", f"frame claims to come from {envelope.sender!r}")
+            return
+        if not self._guard.accept(envelope.sender, envelope.incarnation, envelope.seq):
+            self._reject(identity, "replayed", "old incarnation or sequence number")
+            return
+        message = envelope.message
+        if isinstance(message, Hello) and message.control_address:
+            try:
+                self.add_route(envelope.sender, message.control_address)
+            except ConfigError as exc:
+                self._reject(identity, "route", str(exc))
+                return
+        self.counters["messages_delivered"] += 1
+        if self._handler is not None:
+            self._handler(envelope.sender, envelope.incarnation, message)
+
+    def _reject(self, identity: bytes, reason: str, detail: str) -> None:
+        self.counters[f"rejected_{reason}"] += 1
+        self.counters["rejected"] += 1
+        if (identity, reason) not in self._logged and len(self._logged) < MAX_LOGGED:
+            self._logged.add((identity, reason))
+            log.warning(
+                "%s: dropping control frames from %r (%s): %s; further ones are only counted",
+                self.engine_id,
+                identity[:64],
+                reason,
+                detail,
+            )
+
+    def _refuse(self, peer: str, reason: str) -> None:
+        """Tell a peer of another protocol version why it gets no answer (if we can reach it)."""
+        with contextlib.suppress(PeerUnknown, EngineClosed, PeerProtocolError):
+            self.send(peer, Reject(reason))

@@ -1,0 +1,218 @@
+"""The ZeroMQ control channel: real sockets on 127.0.0.1, authentication, a live fuzz."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import msgpack
+import pytest
+import pytest_asyncio
+import zmq
+
+from kvflow import wire
+from kvflow.auth import Secret
+from kvflow.control import ZmqControl, is_loopback
+from kvflow.engine import Engine, EngineConfig
+from kvflow.errors import ConfigError, TransferTimeout
+from kvflow.messages import Heartbeat, Notice, Ready, Registration, TransferKey
+from kvflow.state import Mode
+from kvflow.testing import SMALL_SPEC, KVBuffers, same_kv
+from kvflow.transports.loopback import LoopbackFabric
+
+SECRET = Secret(b"a shared secret of some length")
+CONFIG = EngineConfig(transfer_timeout=10.0, drain_timeout=1.0)
+
+
+@dataclass
+class Pair:
+    p: Engine
+    d: Engine
+    p_kv: KVBuffers
+    d_kv: KVBuffers
+    fabric: LoopbackFabric
+
+
+async def make_pair(secret: Secret | None, d_secret: Secret | None = None, connect: bool = True) -> Pair:
+    fabric = LoopbackFabric()
+    p_kv, d_kv = KVBuffers(SMALL_SPEC, 16), KVBuffers(SMALL_SPEC, 16)
+    p = Engine("P", p_kv.layout, fabric.endpoint("P"), ZmqControl("P", secret=secret), config=CONFIG)
+    d_channel = ZmqControl("D", secret=d_secret if d_secret is not None else secret)
+    d = Engine("D", d_kv.layout, fabric.endpoint("D"), d_channel, config=CONFIG)
+    await p.start()
+    await d.start()
+    if connect:
+        await d.connect("P", p.control.address, timeout=5)
+    return Pair(p, d, p_kv, d_kv, fabric)
+
+
+async def close(pair: Pair) -> None:
+    await pair.d.aclose()
+    await pair.p.aclose()
+    pair.fabric.close()
+
+
+@pytest_asyncio.fixture
+async def pair() -> AsyncIterator[Pair]:
+    engines = await make_pair(SECRET)
+    yield engines
+    await close(engines)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("mode", list(Mode))
+async def test_transfers_over_authenticated_zeromq(pair: Pair, mode: Mode) -> None:
+    assert pair.p.control.address.startswith("tcp://127.0.0.1:")
+    pair.p_kv.fill([4, 5], seed=1)
+    waiting = await pair.d.expect("r", 1, peer="P", block_ids=[1, 2], mode=mode)
+    await pair.p.kv_ready("r", 1, block_ids=[4, 5], mode=mode, peer="D")
+    assert (await waiting.wait(5)).ok
+    assert same_kv(pair.p_kv, [4, 5], pair.d_kv, [1, 2])
+    assert isinstance(pair.p.control, ZmqControl) and pair.p.control.counters["rejected"] == 0
+
+
+@pytest.mark.asyncio
+async def test_without_a_secret_loopback_works_and_warns(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="kvflow.control"):
+        engines = await make_pair(None)
+    try:
+        assert "WITHOUT authentication" in caplog.text
+        waiting = await engines.d.expect("r", 1, peer="P", block_ids=[1])
+        await engines.p.kv_ready("r", 1, block_ids=[2])
+        assert (await waiting.wait(5)).ok
+    finally:
+        await close(engines)
+
+
+def test_unauthenticated_off_loopback_is_refused() -> None:
+    assert is_loopback("tcp://127.0.0.5:1") and is_loopback("tcp://[::1]:1") and is_loopback("ipc:///tmp/x")
+    assert not is_loopback("tcp://0.0.0.0:1") and not is_loopback("tcp://10.1.2.3:1")
+    with pytest.raises(ConfigError, match="KVFLOW_SECRET"):
+        ZmqControl("x", bind="tcp://0.0.0.0:0", secret=None)
+    with pytest.raises(ConfigError, match="KVFLOW_SECRET"):
+        ZmqControl("x", secret=None).add_route("y", "tcp://192.0.2.1:5000")
+    ZmqControl("x", bind="tcp://0.0.0.0:0", secret=SECRET)  # with a secret, any interface
+
+
+@pytest.mark.asyncio
+async def test_a_peer_with_another_secret_is_never_heard(caplog: pytest.LogCaptureFixture) -> None:
+    engines = await make_pair(SECRET, Secret(b"another secret, same length!!"), connect=False)
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvflow.control"), pytest.raises(TransferTimeout):
+            await engines.d.connect("P", engines.p.control.address, timeout=0.5)
+        assert isinstance(engines.p.control, ZmqControl)
+        assert engines.p.control.counters["rejected_bad_mac"] >= 1
+        assert engines.p.peers() == []
+        assert caplog.text.count("dropping control frames") == 1  # logged once, then counted
+        assert "another secret" not in caplog.text and "a shared secret" not in caplog.text
+    finally:
+        await close(engines)
+
+
+def fuzz_frames(valid: list[bytes], rng: random.Random, n: int) -> list[list[bytes]]:
+    """Random, mutated, truncated, oversized, replayed and badly signed multipart frames."""
+    out: list[list[bytes]] = []
+    for i in range(n):
+        kind = i % 7
+        base = rng.choice(valid)
+        if kind == 0:
+            frame = [rng.randbytes(rng.randint(0, 200)), rng.randbytes(32)]
+        elif kind == 1:
+            mutated = bytearray(base)
+            for _ in range(rng.randint(1, 4)):
+                mutated[rng.randrange(len(mutated))] ^= rng.randint(1, 255)
+            frame = [bytes(mutated), SECRET.sign(base)]
+        elif kind == 2:
+            frame = [base[: rng.randrange(len(base))], SECRET.sign(base)]
+        elif kind == 3 and i % 70 == 3:  # about 140 of these: each is over a MiB
+            frame = [rng.randbytes(wire.MAX_FRAME_BYTES + 1 + rng.randint(0, 1000)), b""]
+        elif kind == 3:
+            frame = [rng.randbytes(rng.randint(1, 64)), b""]  # short and unsigned
+        elif kind == 4:
+            frame = [base, SECRET.sign(base)]  # a replay: every one of these was sent before
+        elif kind == 5:
+            frame = [base, Secret(b"the attacker's own secret key").sign(base)]
+        else:
+            frame = [base] + [rng.randbytes(8)] * rng.choice([0, 2, 3])  # wrong number of parts
+        out.append(frame)
+    return out
+
+
+@pytest.mark.asyncio
+async def test_live_fuzz_of_a_running_engine(pair: Pair) -> None:
+    waiting = await pair.d.expect("held", 1, peer="P", block_ids=[3], timeout=60)
+    await asyncio.sleep(0.05)
+    before = [(m.key, m.role, m.state, m.deadline) for m in pair.p.core.machines() + pair.d.core.machines()]
+    stats_before = pair.p.stats()
+    assert isinstance(pair.p.control, ZmqControl)
+    control = pair.p.control
+    rejected_before = control.counters["rejected"]
+    # A sender that holds the secret but is not associated: its valid frames are accepted by the
+    # channel and dropped by the engine; replayed afterwards, the channel itself refuses them.
+    key = TransferKey("held", 1)
+    samples = [Registration(key, (0, 1), 1, 5.0), Ready(key, (1,)), Notice(key, "aborted", "x"), Heartbeat((key,))]
+    valid = [wire.encode(wire.Envelope("mallory", 1, "P", seq, msg)) for seq, msg in enumerate(samples, start=1)]
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, b"mallory")
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.connect(control.address)
+    for frame in valid:
+        sock.send_multipart([frame, SECRET.sign(frame)])
+    frames = fuzz_frames(valid, random.Random(7), 10_000)
+    for frame in frames:
+        sock.send_multipart(frame)
+    # wait until every frame was seen (oversized ones may also drop the connection)
+    for _ in range(500):
+        if control.counters["rejected"] - rejected_before >= len(frames):
+            break
+        await asyncio.sleep(0.02)
+    sock.close()
+    ctx.term()
+    assert control.counters["rejected"] - rejected_before == len(frames)
+    after = [(m.key, m.role, m.state, m.deadline) for m in pair.p.core.machines() + pair.d.core.machines()]
+    assert after == before and pair.p.crashed == [] and pair.d.crashed == []
+    stats_after = pair.p.stats()
+    assert stats_after.pop("messages_from_unknown_peers") == stats_before.pop("messages_from_unknown_peers") + 4
+    assert stats_after == stats_before
+    reasons = {k for k, v in control.counters.items() if k.startswith("rejected_") and v}
+    assert {"rejected_bad_mac", "rejected_oversized", "rejected_replayed", "rejected_shape"} <= reasons
+    # still alive: the transfer that was waiting completes
+    pair.p_kv.fill([9], seed=2)
+    await pair.p.kv_ready("held", 1, block_ids=[9])
+    assert (await waiting.wait(5)).ok
+
+
+@pytest.mark.asyncio
+async def test_another_protocol_version_is_refused_with_the_reason() -> None:
+    engines = await make_pair(SECRET, connect=False)
+    ctx = zmq.Context()
+    inbox = ctx.socket(zmq.ROUTER)
+    inbox.setsockopt(zmq.LINGER, 0)
+    port = inbox.bind_to_random_port("tcp://127.0.0.1")
+    sender = ctx.socket(zmq.DEALER)
+    sender.setsockopt(zmq.IDENTITY, b"future")
+    sender.setsockopt(zmq.LINGER, 0)
+    try:
+        assert isinstance(engines.p.control, ZmqControl)
+        engines.p.control.add_route("future", f"tcp://127.0.0.1:{port}")
+        sender.connect(engines.p.control.address)
+        frame = msgpack.packb([wire.MAGIC, 2, "future", 1, "P", 1, 1, ["whatever", "the", "future", "holds"]])
+        sender.send_multipart([frame, SECRET.sign(frame)])
+        for _ in range(200):
+            if inbox.poll(10):
+                break
+            await asyncio.sleep(0.01)
+        _, answer, mac = inbox.recv_multipart()
+        assert SECRET.verify(answer, mac)
+        reject = wire.decode(answer).message
+        assert "speaks control protocol version 2; this engine speaks 1" in getattr(reject, "reason", "")
+    finally:
+        sender.close()
+        inbox.close()
+        ctx.term()
+        await close(engines)
