@@ -18,7 +18,7 @@ from kvflow.auth import Secret
 from kvflow.control import ZmqControl, is_loopback
 from kvflow.engine import Engine, EngineConfig
 from kvflow.errors import ConfigError, TransferTimeout
-from kvflow.messages import Heartbeat, Notice, Ready, Registration, TransferKey
+from kvflow.messages import ControlMessage, Heartbeat, Notice, Ready, Registration, TransferKey
 from kvflow.state import Mode
 from kvflow.testing import SMALL_SPEC, KVBuffers, same_kv
 from kvflow.transports.loopback import LoopbackFabric
@@ -153,7 +153,12 @@ async def test_live_fuzz_of_a_running_engine(pair: Pair) -> None:
     # A sender that holds the secret but is not associated: its valid frames are accepted by the
     # channel and dropped by the engine; replayed afterwards, the channel itself refuses them.
     key = TransferKey("held", 1)
-    samples = [Registration(key, (0, 1), 1, 5.0), Ready(key, (1,)), Notice(key, "aborted", "x"), Heartbeat((key,))]
+    samples: list[ControlMessage] = [
+        Registration(key, (0, 1), 1, 5.0),
+        Ready(key, (1,)),
+        Notice(key, "aborted", "x"),
+        Heartbeat((key,)),
+    ]
     valid = [wire.encode(wire.Envelope("mallory", 1, "P", seq, msg)) for seq, msg in enumerate(samples, start=1)]
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
@@ -161,8 +166,8 @@ async def test_live_fuzz_of_a_running_engine(pair: Pair) -> None:
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.connect(control.address)
-    for frame in valid:
-        sock.send_multipart([frame, SECRET.sign(frame)])
+    for signed in valid:
+        sock.send_multipart([signed, SECRET.sign(signed)])
     frames = fuzz_frames(valid, random.Random(7), 10_000)
     for frame in frames:
         sock.send_multipart(frame)
