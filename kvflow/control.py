@@ -21,7 +21,7 @@ import ipaddress
 import logging
 from collections import Counter
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlsplit
 
 import zmq
@@ -81,11 +81,11 @@ class ZmqControl:
         self._send_queue = send_queue
         self._seq = 0
         self._guard = ReplayGuard()
-        self._dealers: dict[str, zmq.Socket[bytes]] = {}
+        self._dealers: dict[str, zmq.asyncio.Socket] = {}
         self._ctx: zmq.asyncio.Context | None = None
-        self._sync_ctx: zmq.Context[zmq.Socket[bytes]] | None = None
         self._router: zmq.asyncio.Socket | None = None
-        self._task: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
         self._handler: MessageHandler | None = None
         self._closed = False
         self.counters: Counter[str] = Counter()
@@ -107,7 +107,7 @@ class ZmqControl:
         if self._routes.get(peer) != address:
             old = self._dealers.pop(peer, None)
             if old is not None:
-                old.close(linger=0)
+                old.close(linger=0)  # its reader task ends on the closed socket
             self._routes[peer] = address
 
     def start(self, loop: asyncio.AbstractEventLoop, handler: MessageHandler) -> None:
@@ -118,7 +118,7 @@ class ZmqControl:
         if self._ctx is not None:
             raise ConfigError("control channel already started")
         self._ctx = zmq.asyncio.Context()
-        self._sync_ctx = zmq.Context.shadow(self._ctx)
+        self._loop = loop
         router = self._ctx.socket(zmq.ROUTER)
         router.setsockopt(zmq.LINGER, 0)
         router.setsockopt(zmq.MAXMSGSIZE, SOCKET_LIMIT)
@@ -131,7 +131,7 @@ class ZmqControl:
         self._router = router
         self._address = router.getsockopt_string(zmq.LAST_ENDPOINT)
         self._handler = handler
-        self._task = loop.create_task(self._receive(), name=f"kvflow-control-{self.engine_id}")
+        self._spawn(self._receive(router, None))
         if self.secret is None:
             log.warning(
                 "%s: control plane on %s runs WITHOUT authentication (no KVFLOW_SECRET); allowed on loopback only",
@@ -143,35 +143,39 @@ class ZmqControl:
         """:raises PeerUnknown: no route to `peer`, or its queue is full.
         :raises EngineClosed: the channel is closed.
         """
-        if self._closed or self._sync_ctx is None:
+        if self._closed or self._ctx is None:
             raise EngineClosed(f"control channel of {self.engine_id!r} is closed or not started")
         address = self._routes.get(peer)
         if address is None:
             raise PeerUnknown(f"no control address known for {peer!r}")
         dealer = self._dealers.get(peer)
         if dealer is None:
-            dealer = self._sync_ctx.socket(zmq.DEALER)
+            dealer = self._ctx.socket(zmq.DEALER)
             dealer.setsockopt(zmq.IDENTITY, self.engine_id.encode())
             dealer.setsockopt(zmq.LINGER, 0)
             dealer.setsockopt(zmq.SNDHWM, self._send_queue)
+            dealer.setsockopt(zmq.MAXMSGSIZE, SOCKET_LIMIT)
             dealer.connect(address)
             self._dealers[peer] = dealer
+            self._spawn(self._receive(dealer, peer.encode()))  # answers may come back this way
         self._seq += 1
         frame = encode(Envelope(self.engine_id, self._incarnation, peer, self._seq, message))
         mac = self.secret.sign(frame) if self.secret is not None else b""
-        try:
-            dealer.send_multipart([frame, mac], flags=zmq.NOBLOCK)
-        except zmq.Again:
+        sent = cast("asyncio.Future[Any]", dealer.send_multipart([frame, mac], flags=zmq.NOBLOCK))
+        failure = sent.exception() if sent.done() else None
+        if isinstance(failure, zmq.Again):
             self.counters["send_queue_full"] += 1
-            raise PeerUnknown(f"control queue to {peer!r} is full: the peer is not reading") from None
+            raise PeerUnknown(f"control queue to {peer!r} is full: the peer is not reading")
+        if failure is not None:
+            raise PeerUnknown(f"cannot send to {peer!r}: {failure}")
         self.counters["frames_sent"] += 1
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        if self._task is not None:
-            self._task.cancel()
+        for task in list(self._tasks):
+            task.cancel()
         for dealer in self._dealers.values():
             dealer.close(linger=0)
         self._dealers.clear()
@@ -182,19 +186,25 @@ class ZmqControl:
 
     # ---------------------------------------------------------------- receiving
 
-    async def _receive(self) -> None:
-        router = self._router
-        assert router is not None  # set before the task starts
-        while True:
+    def _spawn(self, coro: Any) -> None:
+        assert self._loop is not None  # started before any socket exists
+        task = self._loop.create_task(coro, name=f"kvflow-control-{self.engine_id}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _receive(self, sock: zmq.asyncio.Socket, peer: bytes | None) -> None:
+        """Read `sock` until it closes: the ROUTER (frames carry the sender's identity) or a
+        DEALER to `peer` (frames come from that peer only)."""
+        while not self._closed and not sock.closed:
             try:
-                frames = await router.recv_multipart(copy=True)
+                frames = await sock.recv_multipart(copy=True)
             except zmq.ZMQError as exc:
-                if self._closed:
+                if self._closed or sock.closed or exc.errno == zmq.ENOTSOCK:
                     return
                 log.error("%s: control socket error: %s", self.engine_id, exc)
                 await asyncio.sleep(0.01)
                 continue
-            self._on_frames(frames)
+            self._on_frames(frames if peer is None else [peer, *frames])
 
     def _on_frames(self, frames: list[bytes]) -> None:
         self.counters["frames_received"] += 1
@@ -216,7 +226,7 @@ class ZmqControl:
             envelope = decode(frame)
         except UnsupportedVersion as exc:
             self._reject(identity, "version", str(exc))
-            self._refuse(exc.sender, str(exc))
+            self._refuse(identity, exc.sender, str(exc))
             return
         except PeerProtocolError as exc:
             self._reject(identity, "malformed", str(exc))
@@ -254,7 +264,13 @@ class ZmqControl:
                 detail,
             )
 
-    def _refuse(self, peer: str, reason: str) -> None:
-        """Tell a peer of another protocol version why it gets no answer (if we can reach it)."""
-        with contextlib.suppress(PeerUnknown, EngineClosed, PeerProtocolError):
-            self.send(peer, Reject(reason))
+    def _refuse(self, identity: bytes, peer: str, reason: str) -> None:
+        """Tell a peer of another protocol version why it gets no answer, on the connection its
+        frame came in on (we may know no route to it: its Hello was unreadable)."""
+        if self._router is None or peer.encode() != identity:
+            return
+        self._seq += 1
+        frame = encode(Envelope(self.engine_id, self._incarnation, peer, self._seq, Reject(reason)))
+        mac = self.secret.sign(frame) if self.secret is not None else b""
+        with contextlib.suppress(zmq.ZMQError):
+            self._router.send_multipart([identity, frame, mac], flags=zmq.NOBLOCK)

@@ -116,6 +116,7 @@ class _Entry:
 
 BUILTIN_TRANSPORTS: dict[str, _Entry] = {
     "loopback": _Entry("kvflow.transports.loopback", "LoopbackTransport", ("numpy",), "pip install kvflow"),
+    "shm": _Entry("kvflow.transports.shm", "ShmTransport", ("numpy", "msgpack"), "pip install kvflow"),
 }
 
 _loaded: dict[str, Callable[..., Any]] = {}

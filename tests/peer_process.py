@@ -1,0 +1,173 @@
+"""One kvflow engine in its own process, driven by JSON lines on stdin, reporting on stdout.
+
+Why: the cross-process tests need real processes (so that SIGKILL is real) with real sockets and
+shared memory, and a driver that is plain text both ways.  Run as
+``python -m tests.peer_process --name P`` (see `--help`).  Commands, one JSON object per line:
+
+    {"cmd": "connect", "peer": "D", "address": "tcp://127.0.0.1:5555"}
+    {"cmd": "expect", "tid": "r", "epoch": 1, "peer": "P", "blocks": [1, 2], "mode": "push", "ttl": 5}
+    {"cmd": "kv_ready", "tid": "r", "epoch": 1, "blocks": [3, 4], "mode": "push", "peer": "D", "seed": 7}
+    {"cmd": "digest", "blocks": [1, 2]}          -> {"event": "digest", "sha256": ...}
+    {"cmd": "stats"}                             -> {"event": "stats", ...}
+    {"cmd": "close"}                             -> {"event": "closed"}, then the process exits
+
+Events: {"event": "ready", "address": ..., "pid": ...} once started, {"event": "result", ...} when
+a transfer's outcome is decided, {"event": "released", ...} when blocks come back,
+{"event": "error", ...} when a command fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hashlib
+import json
+import os
+import sys
+import threading
+from typing import Any
+
+import numpy as np
+
+import kvflow.wire
+from kvflow.actions import ReleaseBlocks
+from kvflow.aio import run
+from kvflow.buffers import region_of
+from kvflow.control import ZmqControl
+from kvflow.core import CoreConfig
+from kvflow.engine import Engine, EngineConfig
+from kvflow.errors import KVFlowError
+from kvflow.layout import KVLayout, KVSpec
+from kvflow.state import Mode
+from kvflow.transports.shm import ShmTransport
+
+
+def spec(dtype: str) -> KVSpec:
+    return KVSpec(num_layers=2, block_size=16, num_kv_heads=2, head_dim=32, dtype=dtype)
+
+
+def emit(event: str, **fields: Any) -> None:
+    sys.stdout.write(json.dumps({"event": event, **fields}) + "\n")
+    sys.stdout.flush()
+
+
+class Peer:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.spec = kv = spec(args.dtype)
+        self.transport = ShmTransport(args.name, prefix=args.prefix)
+        self.layers = [
+            self.transport.allocate(2 * args.blocks * kv.block_len).reshape(2, args.blocks, kv.block_len)
+            for _ in range(kv.num_layers)
+        ]
+        layout = KVLayout.per_layer_regions(kv, args.blocks, [region_of(a.reshape(-1)) for a in self.layers])
+        config = EngineConfig(
+            core=CoreConfig(fence_timeout=args.fence, retention=30.0),
+            transfer_timeout=args.ttl,
+            lease=args.lease,
+            drain_timeout=1.0,
+        )
+        self.engine = Engine(
+            args.name, layout, self.transport, ZmqControl(args.name), config=config, on_release=self.released
+        )
+
+    def released(self, release: ReleaseBlocks) -> None:
+        emit("released", tid=release.key.transfer_id, role=release.role.value, blocks=list(release.block_ids))
+
+    async def watch(self, handle: Any) -> None:
+        result = await handle.wait()
+        emit(
+            "result",
+            tid=result.key.transfer_id,
+            role=result.role.value,
+            outcome=result.outcome.value,
+            reason=result.reason,
+        )
+
+    def fill(self, blocks: list[int], seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        for layer in self.layers:
+            for block in blocks:
+                layer[:, block] = rng.integers(0, 256, (2, self.spec.block_len), dtype=np.uint8)
+
+    def digest(self, blocks: list[int]) -> str:
+        h = hashlib.sha256()
+        for layer in self.layers:
+            for block in blocks:
+                h.update(layer[:, block].tobytes())
+        return h.hexdigest()
+
+    async def handle(self, cmd: dict[str, Any]) -> None:
+        e = self.engine
+        kind = cmd["cmd"]
+        if kind == "connect":
+            await e.connect(cmd["peer"], cmd["address"], timeout=cmd.get("timeout", 5.0))
+            emit("connected", peer=cmd["peer"])
+        elif kind == "expect":
+            handle = await e.expect(
+                cmd["tid"],
+                cmd["epoch"],
+                peer=cmd["peer"],
+                block_ids=cmd["blocks"],
+                mode=Mode(cmd["mode"]),
+                timeout=cmd.get("ttl"),
+            )
+            asyncio.ensure_future(self.watch(handle))
+            emit("started", tid=cmd["tid"])
+        elif kind == "kv_ready":
+            self.fill(cmd["blocks"], cmd["seed"])
+            handle = await e.kv_ready(
+                cmd["tid"],
+                cmd["epoch"],
+                block_ids=cmd["blocks"],
+                mode=Mode(cmd["mode"]),
+                peer=cmd.get("peer"),
+                timeout=cmd.get("ttl"),
+            )
+            asyncio.ensure_future(self.watch(handle))
+            emit("started", tid=cmd["tid"])
+        elif kind == "digest":
+            emit("digest", sha256=self.digest(cmd["blocks"]))
+        elif kind == "stats":
+            assert isinstance(e.control, ZmqControl)
+            emit("stats", **e.stats(), peers=e.peers(), control=dict(e.control.counters))
+        elif kind == "close":
+            await e.aclose()
+            emit("closed")
+            raise SystemExit(0)
+
+    async def main(self) -> None:
+        await self.engine.start()
+        emit("ready", address=self.engine.control.address, pid=os.getpid())
+        loop = asyncio.get_running_loop()
+        lines: asyncio.Queue[str] = asyncio.Queue()
+
+        def read_stdin() -> None:
+            for line in sys.stdin:
+                loop.call_soon_threadsafe(lines.put_nowait, line)
+            loop.call_soon_threadsafe(lines.put_nowait, '{"cmd": "close"}')
+
+        threading.Thread(target=read_stdin, daemon=True).start()
+        while True:
+            cmd = json.loads(await lines.get())
+            try:
+                await self.handle(cmd)
+            except KVFlowError as exc:
+                emit("error", cmd=cmd["cmd"], error=f"{type(exc).__name__}: {exc}")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--name", required=True)
+    parser.add_argument("--prefix", default=None, help="shared-memory file prefix (unique per run)")
+    parser.add_argument("--blocks", type=int, default=16)
+    parser.add_argument("--ttl", type=float, default=10.0)
+    parser.add_argument("--lease", type=float, default=30.0)
+    parser.add_argument("--fence", type=float, default=2.0)
+    parser.add_argument("--wire-version", type=int, default=kvflow.wire.VERSION)
+    parser.add_argument("--dtype", default="float16")
+    arguments = parser.parse_args()
+    kvflow.wire.VERSION = arguments.wire_version  # lets a test play a peer of another version
+    with contextlib.suppress(SystemExit):  # the "close" command ends the process
+        run(Peer(arguments).main())

@@ -1,0 +1,215 @@
+"""P and D in separate processes: ZeroMQ control plane with a secret, shared-memory data plane.
+
+Real processes, real sockets on 127.0.0.1, real SIGKILL.  Bytes are compared by digest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SECRET = "cross-process test secret, 32 bytes!"
+Event = dict[str, Any]
+
+
+class PeerProcess:
+    def __init__(self, name: str, prefix: str, *extra: str, secret: str = SECRET) -> None:
+        env = dict(os.environ, KVFLOW_SECRET=secret, PYTHONPATH=str(ROOT))
+        self.name = name
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.peer_process", "--name", name, "--prefix", prefix, *extra],
+            cwd=ROOT,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        self.events: queue.Queue[Event] = queue.Queue()
+        self.seen: list[Event] = []
+        threading.Thread(target=self._read, daemon=True).start()
+        ready = self.wait(lambda e: e["event"] == "ready", 30)
+        self.address: str = ready["address"]
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.events.put(json.loads(line))
+
+    def send(self, **cmd: Any) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+
+    def wait(self, match: Callable[[Event], bool], timeout: float = 10.0) -> Event:
+        for event in self.seen:
+            if match(event):
+                self.seen.remove(event)
+                return event
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            try:
+                event = self.events.get(timeout=max(end - time.monotonic(), 0.01))
+            except queue.Empty:
+                break
+            if match(event):
+                return event
+            self.seen.append(event)
+        raise AssertionError(f"{self.name}: no matching event within {timeout}s; saw {self.seen}")
+
+    def ask(self, event: str, wait_s: float = 10.0, **cmd: Any) -> Event:
+        self.send(**cmd)
+        return self.wait(lambda e: e["event"] in (event, "error"), wait_s)
+
+    def result(self, tid: str, timeout: float = 10.0) -> Event:
+        return self.wait(lambda e: e["event"] == "result" and e["tid"] == tid, timeout)
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=10)
+        self._close_pipes()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.send(cmd="close")
+                self.proc.wait(timeout=15)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        self._close_pipes()
+
+    def _close_pipes(self) -> None:
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            if pipe is not None:
+                with contextlib.suppress(OSError):
+                    pipe.close()
+
+
+@pytest.fixture
+def prefix() -> Iterator[str]:
+    tag = f"kvflow-test-{uuid.uuid4().hex[:8]}"
+    yield tag
+    for leftover in Path("/dev/shm").glob(f"{tag}*"):  # what a SIGKILLed process left behind
+        if leftover.is_dir():
+            for item in leftover.iterdir():
+                item.unlink()
+            leftover.rmdir()
+        else:
+            leftover.unlink()
+
+
+def start_pair(prefix: str, *extra: str) -> tuple[PeerProcess, PeerProcess]:
+    p = PeerProcess("P", f"{prefix}-p", *extra)
+    d = PeerProcess("D", f"{prefix}-d", *extra)
+    assert d.ask("connected", cmd="connect", peer="P", address=p.address)["event"] == "connected"
+    return p, d
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_two_processes_move_kv_bytes(prefix: str, mode: str) -> None:
+    p, d = start_pair(prefix)
+    try:
+        d.ask("started", cmd="expect", tid="r", epoch=1, peer="P", blocks=[1, 2, 3], mode=mode)
+        p.ask("started", cmd="kv_ready", tid="r", epoch=1, blocks=[7, 8, 9], mode=mode, peer="D", seed=11)
+        assert d.result("r")["outcome"] == "succeeded"
+        assert p.result("r")["outcome"] == "succeeded"
+        src = p.ask("digest", cmd="digest", blocks=[7, 8, 9])["sha256"]
+        dst = d.ask("digest", cmd="digest", blocks=[1, 2, 3])["sha256"]
+        assert src == dst
+        for side in (p, d):
+            stats = side.ask("stats", cmd="stats")
+            assert stats["held_blocks"] == 0 and stats["crashed"] == 0 and stats["control"].get("rejected", 0) == 0
+    finally:
+        d.close()
+        p.close()
+
+
+def test_killed_prefill_fails_decode_transfers_and_a_restarted_prefill_serves(prefix: str) -> None:
+    p, d = start_pair(prefix, "--lease", "1.0", "--ttl", "30")
+    try:
+        d.ask("started", cmd="expect", tid="r", epoch=1, peer="P", blocks=[1, 2], mode="push")
+        time.sleep(0.2)  # the registration reaches P; P never produces the KV
+        p.kill()
+        started = time.monotonic()
+        result = d.result("r", timeout=10)
+        assert result["outcome"] == "failed" and "lost" in result["reason"]
+        assert time.monotonic() - started < 5  # within a few leases, long before the 30 s deadline
+        stats = d.ask("stats", cmd="stats")
+        assert stats["held_blocks"] == 0 and stats["quarantined_blocks"] == 0 and stats["peers"] == []
+        # a new P process under the same name: a new incarnation, a new association
+        p = PeerProcess("P", f"{prefix}-p2", "--lease", "1.0")
+        assert d.ask("connected", cmd="connect", peer="P", address=p.address)["event"] == "connected"
+        d.ask("started", cmd="expect", tid="s", epoch=1, peer="P", blocks=[1, 2], mode="push")
+        p.ask("started", cmd="kv_ready", tid="s", epoch=1, blocks=[5, 6], mode="push", peer="D", seed=3)
+        assert d.result("s")["outcome"] == "succeeded"
+        assert p.ask("digest", cmd="digest", blocks=[5, 6]) == d.ask("digest", cmd="digest", blocks=[1, 2])
+    finally:
+        d.close()
+        p.close()
+
+
+def test_killed_decode_lets_prefill_release_when_the_lease_runs_out(prefix: str) -> None:
+    p, d = start_pair(prefix, "--lease", "1.0", "--ttl", "30")
+    try:
+        d.ask("started", cmd="expect", tid="r", epoch=1, peer="P", blocks=[1], mode="pull")
+        time.sleep(0.1)
+        d.kill()
+        # P becomes ready after D died: it holds its blocks for D, which never reads or renews
+        p.ask("started", cmd="kv_ready", tid="r", epoch=1, blocks=[4, 5], mode="pull", peer="D", seed=1)
+        assert p.ask("stats", cmd="stats")["held_blocks"] == 2
+        started = time.monotonic()
+        released = p.wait(lambda e: e["event"] == "released" and e["tid"] == "r", timeout=10)
+        assert sorted(released["blocks"]) == [4, 5]
+        assert time.monotonic() - started < 5
+        stats = p.ask("stats", cmd="stats")
+        assert stats["held_blocks"] == 0 and stats["quarantined_blocks"] == 0
+    finally:
+        p.close()
+
+
+def test_layout_and_version_mismatch_are_refused_with_the_reason(prefix: str) -> None:
+    p = PeerProcess("P", f"{prefix}-p")
+    newer = PeerProcess("D", f"{prefix}-d", "--wire-version", "2")
+    try:
+        refused = newer.ask("connected", cmd="connect", peer="P", address=p.address, timeout=3)
+        assert refused["event"] == "error"
+        assert "speaks control protocol version 2; this engine speaks 1" in refused["error"]
+    finally:
+        newer.close()
+    other = PeerProcess("E", f"{prefix}-e", "--dtype", "bfloat16")
+    try:
+        refused = other.ask("connected", cmd="connect", peer="P", address=p.address, timeout=3)
+        assert refused["event"] == "error"
+        assert "LayoutMismatch: kv layout mismatch on dtype: local='bfloat16' remote='float16'" in refused["error"]
+        assert p.ask("stats", cmd="stats")["peers"] == []
+    finally:
+        other.close()
+        p.close()
+
+
+def test_a_peer_without_the_secret_gets_nothing_in(prefix: str) -> None:
+    p = PeerProcess("P", f"{prefix}-p")
+    intruder = PeerProcess("D", f"{prefix}-d", secret="not the secret, but long enough")
+    try:
+        refused = intruder.ask("connected", cmd="connect", peer="P", address=p.address, timeout=1)
+        assert refused["event"] == "error" and "no answer" in refused["error"]
+        stats = p.ask("stats", cmd="stats")
+        assert stats["peers"] == [] and stats["control"]["rejected_bad_mac"] >= 1
+    finally:
+        intruder.close()
+        p.close()
