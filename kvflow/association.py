@@ -127,7 +127,7 @@ class Associations:
             return None
         self.liveness.heard(sender, engine._now())
         if isinstance(message, Goodbye):
-            engine._tear_down(sender, f"peer said goodbye: {message.reason}")
+            engine._tear_down(sender, f"peer said goodbye: {message.reason}", expected=True)
             return None
         if isinstance(message, Heartbeat):
             engine._run(engine.core.renew(sender, message.keys, engine._now(), self.liveness.lease))

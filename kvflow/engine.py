@@ -390,13 +390,15 @@ class Engine:
         else:
             self._run(self.core.op_finished(op_id, now, error))
 
-    def _tear_down(self, peer: str, reason: str) -> None:
+    def _tear_down(self, peer: str, reason: str, *, expected: bool = False) -> None:
         """Remove the peer from the transport, then tell the core that nothing of it can land.
 
         Done here, on the loop: by the transport contract a submission still queued on the
         writer thread for this peer is refused once `remove_peer` has returned.
         """
-        log.warning("%s: tearing down peer %s: %s", self.engine_id, peer, reason)
+        log.log(
+            logging.INFO if expected else logging.WARNING, "%s: tearing down peer %s: %s", self.engine_id, peer, reason
+        )
         self.assoc.dropped(peer)
         self.transport.remove_peer(peer)
         if self._state != "closed":
