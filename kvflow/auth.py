@@ -68,19 +68,27 @@ def secret_from_env(environ: Mapping[str, str] | None = None) -> Secret | None:
 
 
 class ReplayGuard:
-    """Per sender: the newest incarnation seen and the last sequence number accepted in it."""
+    """Per sender: the newest incarnation seen and the last sequence number accepted in it.
 
-    def __init__(self) -> None:
+    At most `capacity` senders are remembered (the least recently heard is forgotten first), so
+    that a flood of made-up sender names cannot grow it without bound.
+    """
+
+    def __init__(self, capacity: int = 65_536) -> None:
         self._seen: dict[str, tuple[int, int]] = {}
+        self._capacity = capacity
 
     def accept(self, sender: str, incarnation: int, seq: int) -> bool:
         """True (and remembered) for a frame newer than anything seen from `sender`."""
-        current = self._seen.get(sender)
+        current = self._seen.pop(sender, None)
         if current is not None:
             known, last = current
             if incarnation < known or (incarnation == known and seq <= last):
+                self._seen[sender] = current
                 return False
-        self._seen[sender] = (incarnation, seq)
+        elif len(self._seen) >= self._capacity:
+            del self._seen[next(iter(self._seen))]
+        self._seen[sender] = (incarnation, seq)  # re-inserted: most recently heard last
         return True
 
     def incarnation(self, sender: str) -> int | None:

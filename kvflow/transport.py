@@ -26,7 +26,7 @@ from importlib import metadata
 from typing import Any, Protocol, cast, runtime_checkable
 
 from kvflow.actions import OpKind
-from kvflow.errors import TransportUnavailable, UnknownTransport
+from kvflow.errors import TransportError, TransportUnavailable, UnknownTransport
 from kvflow.layout import DescriptorPlan, MemoryType, Region
 
 __all__ = (
@@ -37,6 +37,7 @@ __all__ = (
     "TransportCapabilities",
     "available_transports",
     "load_transport",
+    "region_address",
 )
 
 
@@ -104,6 +105,20 @@ class Transport(Protocol):
 
     def close(self) -> None:
         """Release every registration and handle.  Idempotent."""
+
+
+def region_address(regions: Sequence[Region], index: int, offset: int, length: int, side: str) -> int:
+    """The address of `length` bytes at `offset` in `regions[index]`, for transports to check a
+    descriptor before touching memory.
+
+    :raises TransportError: the region is not registered, or the range leaves it.
+    """
+    if not 0 <= index < len(regions):
+        raise TransportError(f"{side} region {index} is not registered")
+    region = regions[index]
+    if offset < 0 or length <= 0 or offset + length > region.length:
+        raise TransportError(f"{side} range {offset}+{length} lies outside region {index} ({region.length} bytes)")
+    return region.base + offset
 
 
 @dataclass(frozen=True, slots=True)

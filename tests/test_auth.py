@@ -48,3 +48,10 @@ def test_replay_guard_accepts_only_newer_frames_per_sender() -> None:
     assert guard.accept("p", 200, 1)  # a restarted peer starts over
     assert not guard.accept("p", 100, 99)  # frames of its old run are replays now
     assert guard.incarnation("p") == 200
+
+
+def test_replay_guard_is_bounded() -> None:
+    guard = ReplayGuard(capacity=3)
+    for name in "abcd":
+        assert guard.accept(name, 1, 1)
+    assert guard.incarnation("a") is None and guard.incarnation("d") == 1

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from kvflow.actions import OpKind
 from kvflow.errors import ConfigError, TransportError
 from kvflow.layout import DescriptorPlan, MemoryType, Region
-from kvflow.transport import Completion, Notification, TransportCapabilities
+from kvflow.transport import Completion, Notification, TransportCapabilities, region_address
 
 __all__ = ("FaultPlan", "LinkModel", "LoopbackFabric", "LoopbackTransport")
 
@@ -313,8 +313,8 @@ class LoopbackTransport:
             raise TransportError(f"op {op_id}: peer {peer!r} is dead")
         copies: list[tuple[int, int, int]] = []
         for d in plan:
-            local = self._address(self._regions, d.local_region, d.local_offset, d.length, "local")
-            remote = self._address(regions, d.remote_region, d.remote_offset, d.length, f"peer {peer!r}")
+            local = region_address(self._regions, d.local_region, d.local_offset, d.length, "local")
+            remote = region_address(regions, d.remote_region, d.remote_offset, d.length, f"peer {peer!r}")
             copies.append((remote, local, d.length) if kind is OpKind.WRITE else (local, remote, d.length))
         number, fail, stall = self.fabric._new_op_number()
         with self.fabric._lock:  # atomic with remove_peer: a removed peer's op is never queued
@@ -358,15 +358,6 @@ class LoopbackTransport:
     def _alive(self) -> None:
         if self._closed or self.fabric.is_dead(self.name):
             raise TransportError(f"loopback endpoint {self.name!r} is closed or dead")
-
-    @staticmethod
-    def _address(regions: Sequence[Region], index: int, offset: int, length: int, side: str) -> int:
-        if not 0 <= index < len(regions):
-            raise TransportError(f"{side} region {index} is not registered")
-        region = regions[index]
-        if offset < 0 or length <= 0 or offset + length > region.length:
-            raise TransportError(f"{side} range {offset}+{length} lies outside region {index} ({region.length} bytes)")
-        return region.base + offset
 
     def _check_range(self, address: int, length: int) -> None:
         """The peer may have named addresses it never registered: refuse them."""

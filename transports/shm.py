@@ -40,7 +40,7 @@ import numpy.typing as npt
 from kvflow.actions import OpKind
 from kvflow.errors import TransportError
 from kvflow.layout import DescriptorPlan, MemoryType, Region
-from kvflow.transport import Completion, Notification, TransportCapabilities
+from kvflow.transport import Completion, Notification, TransportCapabilities, region_address
 
 __all__ = ("ShmTransport",)
 
@@ -212,7 +212,7 @@ class ShmTransport:
                 raise TransportError(f"op {op_id}: peer {peer!r} is not connected")
             copies = []
             for d in plan:
-                local = self._address(self._regions, d.local_region, d.local_offset, d.length, "local")
+                local = region_address(self._regions, d.local_region, d.local_offset, d.length, "local")
                 remote = self._translate(target, d.remote_region, d.remote_offset, d.length)
                 copies.append((remote, local, d.length) if kind is OpKind.WRITE else (local, remote, d.length))
             op = _Op(op_id, kind, target, copies, notification)
@@ -329,20 +329,11 @@ class ShmTransport:
                 fcntl.flock(lock, fcntl.LOCK_UN)
 
     def _translate(self, peer: _Peer, index: int, offset: int, length: int) -> int:
-        remote = self._address(peer.regions, index, offset, length, f"peer {peer.name!r}")
+        remote = region_address(peer.regions, index, offset, length, f"peer {peer.name!r}")
         for base, size, segment in peer.segments:
             if base <= remote and remote + length <= base + size:
                 return segment.base + (remote - base)
         raise TransportError(f"peer {peer.name!r} range {remote:#x}+{length} is outside its shared memory")
-
-    @staticmethod
-    def _address(regions: Sequence[Region], index: int, offset: int, length: int, side: str) -> int:
-        if not 0 <= index < len(regions):
-            raise TransportError(f"{side} region {index} is not registered")
-        region = regions[index]
-        if offset < 0 or length <= 0 or offset + length > region.length:
-            raise TransportError(f"{side} range {offset}+{length} lies outside region {index}")
-        return region.base + offset
 
     def _detach(self, peer: _Peer) -> None:
         with self._executing:
