@@ -87,6 +87,7 @@ class Associations:
         self.incarnations: dict[str, int] = {}
         self.liveness = Liveness(config.lease, config.heartbeat_interval or config.lease / 6)
         self._waiters: dict[str, asyncio.Future[None]] = {}
+        self.cooling: dict[str, float] = {}  # torn-down peers whose late ops may still land: until when
 
     async def connect(self, peer: str, address: str, timeout: float) -> None:
         """:raises LayoutMismatch, PeerProtocolError, TransferTimeout, PeerUnknown, ConfigError."""
@@ -141,6 +142,9 @@ class Associations:
             self._resolve_waiter(sender)
             return  # the answer to our Hello, after the peer's own Hello had connected us
         try:
+            if sender in self.cooling:
+                wait = self.cooling[sender] - engine._now()
+                raise PeerProtocolError(f"{engine.engine_id!r} tore {sender!r} down moments ago; retry in {wait:.1f}s")
             if hello.engine_id != sender:
                 raise PeerProtocolError(f"hello from {sender!r} claims to be {hello.engine_id!r}")
             check_compatible(engine._fingerprint, hello.fingerprint)

@@ -58,6 +58,9 @@ class EngineConfig:
     auto_deliver: bool = True  # D: hand blocks over as soon as a transfer succeeds
     lease: float = 30.0  # a peer silent this long is lost; P's blocks are held this long unrenewed
     heartbeat_interval: float | None = None  # default: lease / 6
+    # after tearing a peer down on a transport that cannot fence the peer's one-sided ops (RDMA),
+    # wait this long before its transfers' blocks count as safe to release
+    unfenced_grace: float = 5.0
 
     def __post_init__(self) -> None:
         for name in ("transfer_timeout", "handshake_timeout", "drain_timeout", "lease"):
@@ -401,8 +404,18 @@ class Engine:
         )
         self.assoc.dropped(peer)
         self.transport.remove_peer(peer)
-        if self._state != "closed":
+        grace = 0.0 if self.transport.capabilities.fences_inbound else self.config.unfenced_grace
+        if grace > 0 and self._state == "running" and self._loop is not None:
+            # The peer's own WRITEs (or READs) may still be in flight towards us: give them time
+            # to land before its transfers' blocks may go back.  No new association meanwhile.
+            self.assoc.cooling[peer] = self._now() + grace
+            self._loop.call_later(grace, self._guard, self._peer_gone, peer)
+        elif self._state != "closed":
             self._run(self.core.peer_lost(peer, self._now()))
+
+    def _peer_gone(self, peer: str) -> None:
+        self.assoc.cooling.pop(peer, None)
+        self._run(self.core.peer_lost(peer, self._now()))
 
     # ------------------------------------------------------------------ inbound events
 

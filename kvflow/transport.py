@@ -11,9 +11,10 @@ The contract, which the engine's safety depends on:
   it from its writer thread, never from the event loop.  `poll` never blocks.
 * An op reported by `poll` as completed or failed will not touch memory any more, on either side.
 * A WRITE's notification is delivered to the peer only after the WRITE's bytes have landed there.
-* After `remove_peer(name)` returns, no op to or from that peer can touch memory any more; ops
-  still in flight are reported as failed, and a `submit` to it (even one racing with the removal
-  on another thread) is refused or fenced, never landed.
+* After `remove_peer(name)` returns, no op of this endpoint to that peer can touch memory any
+  more; ops still in flight are reported as failed, and a `submit` to it (even one racing with
+  the removal on another thread) is refused or fenced, never landed.  If
+  `capabilities.fences_inbound`, the same holds for the peer's ops into this endpoint's memory.
 * Only `TransportError` (and subclasses) escape; backend exceptions are mapped at the edge.
 """
 
@@ -47,6 +48,9 @@ class TransportCapabilities:
     memory_types: frozenset[MemoryType]
     cross_process: bool  # can reach peers in other processes
     backends: tuple[str, ...] = ()
+    # remove_peer also stops the *peer's* one-sided ops into local memory (loopback, shm: yes;
+    # RDMA: no, a registration stays writable); without it the engine waits a grace period
+    fences_inbound: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +136,7 @@ class _Entry:
 BUILTIN_TRANSPORTS: dict[str, _Entry] = {
     "loopback": _Entry("kvflow.transports.loopback", "LoopbackTransport", ("numpy",), "pip install kvflow"),
     "shm": _Entry("kvflow.transports.shm", "ShmTransport", ("numpy", "msgpack"), "pip install kvflow"),
+    "nixl": _Entry("kvflow.transports.nixl", "NixlTransport", ("nixl",), "pip install 'kvflow[nixl]'"),
 }
 
 _loaded: dict[str, Callable[..., Any]] = {}
@@ -164,6 +169,9 @@ def load_transport(name: str) -> Callable[..., Any]:
                 f"transport {name!r} needs the {missing!r} package, which is not installed; "
                 f"install it with: {entry.install_hint}"
             ) from exc
+        require = getattr(module, "require", None)
+        if callable(require):
+            require()  # a backend whose library loads lazily says here if it is missing
         factory = cast(Callable[..., Any], getattr(module, entry.attribute))
     else:
         points = [ep for ep in metadata.entry_points(group="kvflow.transports") if ep.name == name]

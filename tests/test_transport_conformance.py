@@ -1,0 +1,168 @@
+"""One contract, every transport: loopback, shared memory and NIXL (UCX, host memory)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvflow.actions import OpKind
+from kvflow.buffers import region_of
+from kvflow.errors import TransportError
+from kvflow.layout import DescriptorPlan, KVLayout, KVSpec, plan_transfer
+from kvflow.transport import Completion, Transport
+from kvflow.transports.loopback import LoopbackFabric
+from kvflow.transports.nixl import NixlTransport
+from kvflow.transports.shm import ShmTransport
+
+SPEC = KVSpec(num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype="float16")  # 128-byte blocks
+BLOCKS = 64
+
+
+@dataclass
+class Ends:
+    a: Any
+    b: Any
+    a_mem: list[np.ndarray]
+    b_mem: list[np.ndarray]
+    a_layout: KVLayout
+    b_layout: KVLayout
+    closers: list[Callable[[], None]]
+
+
+def _buffers(alloc: Callable[[int], np.ndarray]) -> tuple[list[np.ndarray], KVLayout]:
+    mem = [alloc(2 * BLOCKS * SPEC.block_len) for _ in range(SPEC.num_layers)]
+    return mem, KVLayout.per_layer_regions(SPEC, BLOCKS, [region_of(m) for m in mem])
+
+
+def make_ends(kind: str) -> Ends:
+    tag = f"{kind}{time.monotonic_ns()}"
+    a: Any
+    b: Any
+    closers: list[Callable[[], None]] = []
+    alloc_a: Callable[[int], np.ndarray] = lambda n: np.zeros(n, np.uint8)  # noqa: E731
+    alloc_b = alloc_a
+    if kind == "loopback":
+        fabric = LoopbackFabric()
+        a, b = fabric.endpoint(f"a{tag}"), fabric.endpoint(f"b{tag}")
+        closers.append(fabric.close)
+    elif kind == "shm":
+        a, b = ShmTransport(f"a{tag}"), ShmTransport(f"b{tag}")
+        alloc_a, alloc_b = a.allocate, b.allocate
+    else:
+        mode = kind.split("-")[1]
+        a = NixlTransport(f"a{tag}", mode=mode, granule=SPEC.block_len)
+        b = NixlTransport(f"b{tag}", mode=mode, granule=SPEC.block_len)
+    a_mem, a_layout = _buffers(alloc_a)
+    b_mem, b_layout = _buffers(alloc_b)
+    a.register_regions(a_layout.regions)
+    b.register_regions(b_layout.regions)
+    a.add_peer(b.name, b.local_metadata(), b_layout.regions)
+    b.add_peer(a.name, a.local_metadata(), a_layout.regions)
+    return Ends(a, b, a_mem, b_mem, a_layout, b_layout, [a.close, b.close, *closers])
+
+
+KINDS = ["loopback", "shm", "nixl-direct", "nixl-prepped"]
+
+
+@pytest.fixture(params=KINDS)
+def ends(request: pytest.FixtureRequest) -> Iterator[Ends]:
+    made = make_ends(request.param)
+    yield made
+    for close in made.closers:
+        close()
+
+
+def wait(
+    endpoint: Any, completions: int = 1, notes: int = 0, timeout: float = 10.0
+) -> tuple[list[Completion], list[bytes]]:
+    got_c: list[Completion] = []
+    got_n: list[bytes] = []
+    end = time.monotonic() + timeout
+    while time.monotonic() < end and (len(got_c) < completions or len(got_n) < notes):
+        c, n = endpoint.poll()
+        got_c += c
+        got_n += [x.payload for x in n]
+        time.sleep(0.0002)
+    return got_c, got_n
+
+
+def kv_equal(ends: Ends, a_blocks: list[int], b_blocks: list[int]) -> bool:
+    return all(
+        np.array_equal(ends.a_mem[layer].reshape(2, BLOCKS, -1)[:, x], ends.b_mem[layer].reshape(2, BLOCKS, -1)[:, y])
+        for layer in range(SPEC.num_layers)
+        for x, y in zip(a_blocks, b_blocks, strict=True)
+    )
+
+
+def one_descriptor(
+    local_region: int, local_offset: int, remote_region: int, remote_offset: int, n: int
+) -> DescriptorPlan:
+    def col(v: int) -> np.ndarray:
+        return np.array([v], dtype=np.int64)
+
+    return DescriptorPlan(col(local_region), col(local_offset), col(remote_region), col(remote_offset), col(n), 1)
+
+
+def test_is_a_transport(ends: Ends) -> None:
+    assert isinstance(ends.a, Transport)
+
+
+@pytest.mark.parametrize("pattern", ["contiguous", "mostly", "scattered"])
+def test_write_random_block_patterns_byte_exact_with_notification_after(ends: Ends, pattern: str) -> None:
+    rng = np.random.default_rng(5)
+    for m in ends.a_mem:
+        m[:] = rng.integers(0, 256, m.size, dtype=np.uint8)
+    if pattern == "contiguous":
+        src, dst = list(range(10, 30)), list(range(30, 50))
+    elif pattern == "mostly":
+        src, dst = [*range(8), 20, *range(40, 50)], [*range(5, 13), 60, *range(14, 24)]
+    else:
+        src, dst = rng.permutation(BLOCKS)[:24].tolist(), rng.permutation(BLOCKS)[:24].tolist()
+    plan = plan_transfer(ends.a_layout, ends.b_layout, src, dst)
+    ends.a.submit(7, OpKind.WRITE, ends.b.name, plan, b"landed")
+    completions, _ = wait(ends.a)
+    assert completions == [Completion(7)]
+    _, notes = wait(ends.b, completions=0, notes=1)
+    assert notes == [b"landed"]
+    assert kv_equal(ends, src, dst)
+
+
+def test_read_pulls_the_peer_blocks(ends: Ends) -> None:
+    for m in ends.b_mem:
+        m[:] = np.random.default_rng(1).integers(0, 256, m.size, dtype=np.uint8)
+    plan = plan_transfer(ends.a_layout, ends.b_layout, [3, 4, 9], [50, 51, 2])
+    ends.a.submit(8, OpKind.READ, ends.b.name, plan, b"")
+    assert wait(ends.a)[0] == [Completion(8)]
+    assert kv_equal(ends, [3, 4, 9], [50, 51, 2])
+
+
+def test_standalone_notification(ends: Ends) -> None:
+    ends.b.send_notification(ends.a.name, b"ping")
+    assert wait(ends.a, completions=0, notes=1)[1] == [b"ping"]
+
+
+def test_unknown_peer_and_unregistered_memory_are_refused(ends: Ends) -> None:
+    plan = plan_transfer(ends.a_layout, ends.b_layout, [0], [0])
+    with pytest.raises(TransportError):
+        ends.a.submit(1, OpKind.WRITE, "nobody", plan, b"")
+    outside = one_descriptor(0, 0, 0, 10**9, 128)
+    with pytest.raises(TransportError, match="outside region"):
+        ends.a.submit(2, OpKind.WRITE, ends.b.name, outside, b"")
+    unregistered = one_descriptor(5, 0, 0, 0, 128)
+    with pytest.raises(TransportError, match="not registered"):
+        ends.a.submit(3, OpKind.WRITE, ends.b.name, unregistered, b"")
+
+
+def test_removed_peer_refuses_new_ops_and_close_is_idempotent(ends: Ends) -> None:
+    plan = plan_transfer(ends.a_layout, ends.b_layout, [0], [0])
+    ends.a.remove_peer(ends.b.name)
+    with pytest.raises(TransportError):
+        ends.a.submit(1, OpKind.WRITE, ends.b.name, plan, b"")
+    ends.a.remove_peer(ends.b.name)  # unknown now: ignored
+    ends.a.close()
+    ends.a.close()

@@ -1,0 +1,452 @@
+"""NIXL transport: the RDMA data plane (UCX here; LIBFABRIC for AWS EFA; GPUDirect VRAM).
+
+Why one thread owns the agent: NIXL's default thread-sync mode is NONE, and in RW mode a long
+synchronous post in one thread blocks notification polling in another.  Here a dedicated
+`kvflow-nixl-<name>` thread makes every agent call; other threads hand it jobs.  That thread
+posts WRITEs and READs (never the event loop, never the host engine's thread), polls
+`check_xfer_state` for every op in flight (which also drives UCX, so notifications leave
+promptly: UCX sends a WRITE's notification only when the initiator makes progress), polls
+`get_new_notifs`, and reports through the transport listener.  NIXL's own progress thread is
+off: the Python wrapper runs it with a zero delay, which spins a whole core per agent.
+
+Two ways to post an op:
+
+* ``direct`` (default): descriptor lists built from kvflow's coalesced plan for each op
+  (`initialize_xfer`), so a run of contiguous blocks is one descriptor;
+* ``prepped``: per-granule descriptor lists prepared once per region and per peer
+  (`prep_xfer_dlist`), ops by index (`make_prepped_xfer`); the plan's runs become index ranges.
+
+Memory: DRAM (numpy arrays, CPU tensors) and VRAM (CUDA tensors, GPUDirect RDMA) as the loaded
+backend reports.  Trainium: NIXL has no Neuron memory type; Neuron HBM is registered as VRAM
+through the LIBFABRIC backend when the Neuron runtime is present (the plugin then adds VRAM
+support and uses FI_HMEM_NEURON); UCX has no Neuron support.
+
+Fencing: `remove_peer` cancels and releases this endpoint's handles to the peer and forgets its
+metadata.  It cannot stop the *peer's* one-sided ops into local memory: RDMA (and UCX over CMA)
+writes land wherever the peer's registration allows.  `capabilities.fences_inbound` is
+therefore False, and the engine keeps a torn-down peer's target blocks quarantined for a grace
+period before releasing them.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import importlib
+import queue
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kvflow.actions import OpKind
+from kvflow.errors import ConfigError, TransportError, TransportUnavailable, map_exceptions
+from kvflow.layout import DescriptorPlan, MemoryType, Region
+from kvflow.transport import Completion, Notification, TransportCapabilities, region_address
+
+__all__ = ("INSTALL_HINT", "NixlTransport", "load_nixl", "require")
+
+INSTALL_HINT = (
+    "pip install 'kvflow[nixl]' (on a machine without CUDA, install the CPU torch first, "
+    "or use: pip install --no-deps nixl-cu13==1.5.1 numpy)"
+)
+_MEM_NAMES = {MemoryType.DRAM: "DRAM", MemoryType.VRAM: "VRAM"}
+_SEG_TYPES = {"DRAM_SEG": MemoryType.DRAM, "VRAM_SEG": MemoryType.VRAM}
+
+
+def load_nixl() -> Any:
+    """NIXL's Python API module (`nixl._api`, else a CUDA-specific build of it).
+
+    :raises TransportUnavailable: NIXL is not installed; the message says how to install it.
+    """
+    for name in ("nixl._api", "nixl_cu13._api", "nixl_cu12._api"):
+        try:
+            return importlib.import_module(name)
+        except ImportError:
+            continue
+    raise TransportUnavailable(f"the NIXL transport needs the 'nixl' package; install it with: {INSTALL_HINT}")
+
+
+def require() -> None:
+    """:raises TransportUnavailable: NIXL is not installed (used by `load_transport`)."""
+    load_nixl()
+
+
+def _nixl_errors(api: Any) -> dict[type[BaseException], type[TransportError]]:
+    bindings = importlib.import_module(api.__name__.rsplit(".", 1)[0] + "._bindings")
+    errors: dict[type[BaseException], type[TransportError]] = {
+        cls: TransportError
+        for cls in vars(bindings).values()
+        if isinstance(cls, type) and issubclass(cls, Exception) and cls.__name__.startswith("nixl")
+    }
+    # the wrapper raises these for bad names and shapes
+    errors.update({KeyError: TransportError, ValueError: TransportError, TypeError: TransportError})
+    errors[RuntimeError] = TransportError
+    return errors
+
+
+@dataclass
+class _Peer:
+    name: str
+    regions: list[Region]
+    prepped: Any = None  # remote per-granule dlist handle
+    starts: npt.NDArray[np.int64] | None = None  # first granule index of each region
+
+
+@dataclass
+class _InFlight:
+    op_id: int
+    peer: str
+    handle: Any
+
+
+class NixlTransport:
+    """A NIXL agent named `name` with `backends` (UCX by default).
+
+    `granule` (the KV block length in bytes) enables ``mode="prepped"``.  `idle_poll` is how
+    often the agent thread looks for notifications while no op of its own is in flight.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        backends: Sequence[str] = ("UCX",),
+        backend_params: dict[str, dict[str, str]] | None = None,
+        mode: str = "direct",
+        granule: int | None = None,
+        idle_poll: float = 0.0002,
+        call_timeout: float = 30.0,
+    ) -> None:
+        if mode not in ("direct", "prepped") or (mode == "prepped" and not granule):
+            raise ConfigError("mode must be 'direct', or 'prepped' with a granule (the block length)")
+        self.name = name
+        self.mode = mode
+        self.granule = granule
+        self._api = load_nixl()
+        self._errors = _nixl_errors(self._api)
+        self._backends = list(backends)
+        self._backend_params = backend_params or {}
+        self._idle_poll = idle_poll
+        self._call_timeout = call_timeout
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._completions: deque[Completion] = deque()
+        self._notifications: deque[Notification] = deque()
+        self._listener: Callable[[], None] | None = None
+        self._inflight: dict[int, _InFlight] = {}
+        self._regions: list[Region] = []
+        self._reg_handles: list[Any] = []
+        self._local_prepped: Any = None
+        self._local_starts: npt.NDArray[np.int64] | None = None
+        self._peers: dict[str, _Peer] = {}
+        self._peer_lock = threading.Lock()
+        self._closed = False
+        self._agent: Any = None
+        self._mem_types: frozenset[MemoryType] = frozenset()
+        started: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._thread = threading.Thread(target=self._run, args=(started,), name=f"kvflow-nixl-{name}", daemon=True)
+        self._thread.start()
+        started.result(timeout=call_timeout)
+
+    # ------------------------------------------------------------------ the agent thread
+
+    def _run(self, started: concurrent.futures.Future[None]) -> None:
+        try:
+            with self._nixl("creating the agent"):
+                config = self._api.nixl_agent_config(enable_prog_thread=False, backends=[])
+                self._agent = self._api.nixl_agent(self.name, config)
+                for backend in self._backends:
+                    self._agent.create_backend(backend, self._backend_params.get(backend, {}))
+                mems = {m for b in self._backends for m in self._agent.get_backend_mem_types(b)}
+                self._mem_types = frozenset(_SEG_TYPES[m] for m in mems if m in _SEG_TYPES)
+        except BaseException as exc:
+            started.set_exception(exc)
+            return
+        started.set_result(None)
+        while True:
+            try:
+                job = self._jobs.get(timeout=0 if self._inflight else self._idle_poll)
+            except queue.Empty:
+                job = None if self._closed else _noop
+            if job is None:
+                break
+            job()
+            self._progress()
+        self._teardown()
+
+    def _progress(self) -> None:
+        """Drive every op in flight and collect notifications (this is also what sends them)."""
+        done: list[Completion] = []
+        for op in list(self._inflight.values()):
+            try:
+                with self._nixl(f"op {op.op_id} to {op.peer!r}"):
+                    state = self._agent.check_xfer_state(op.handle)
+            except TransportError as exc:
+                state, error = "ERR", str(exc)
+            else:
+                error = f"NIXL reported the op to {op.peer!r} failed"
+            if state == "PROC":
+                continue
+            del self._inflight[op.op_id]
+            self._release(op.handle)
+            done.append(Completion(op.op_id, None if state == "DONE" else error))
+        try:
+            with self._nixl("polling notifications"):
+                notes = self._agent.get_new_notifs()
+        except TransportError:
+            notes = {}
+        for peer, payloads in notes.items():
+            self._notifications.extend(Notification(peer, payload) for payload in payloads)
+        self._completions.extend(done)
+        if done or notes:
+            self._signal()
+
+    def _call(self, what: str, fn: Callable[[], Any]) -> Any:
+        """Run `fn` on the agent thread and wait for its result.
+
+        :raises TransportError: the transport is closed, `fn` failed, or it took too long.
+        """
+        if self._closed:
+            raise TransportError(f"NIXL transport {self.name!r} is closed")
+        if threading.current_thread() is self._thread:
+            return fn()
+        result: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+        def job() -> None:
+            try:
+                result.set_result(fn())
+            except BaseException as exc:
+                result.set_exception(exc)
+
+        self._jobs.put(job)
+        try:
+            return result.result(timeout=self._call_timeout)
+        except concurrent.futures.TimeoutError:
+            raise TransportError(f"NIXL {what} took longer than {self._call_timeout}s") from None
+
+    def _nixl(self, what: str) -> Any:
+        return map_exceptions(self._errors, f"NIXL {what} on {self.name!r}")
+
+    # ------------------------------------------------------------------ the Transport protocol
+
+    @property
+    def capabilities(self) -> TransportCapabilities:
+        return TransportCapabilities(
+            "nixl", self._mem_types, cross_process=True, backends=tuple(self._backends), fences_inbound=False
+        )
+
+    def register_regions(self, regions: Sequence[Region]) -> None:
+        def register() -> None:
+            for region in regions:
+                if region.memory not in self._mem_types:
+                    raise TransportError(f"backends {self._backends} cannot move {region.memory.value} memory")
+                with self._nixl("registering memory"):
+                    entry = [(region.base, region.length, region.device_id, "")]
+                    self._reg_handles.append(self._agent.register_memory(entry, _MEM_NAMES[region.memory]))
+            self._regions.extend(regions)
+            if self.mode == "prepped":
+                self._local_prepped, self._local_starts = self._prep("NIXL_INIT_AGENT", self._regions)
+
+        self._call("memory registration", register)
+
+    def local_metadata(self) -> bytes:
+        return bytes(self._call("metadata", lambda: self._agent.get_agent_metadata()))
+
+    def add_peer(self, name: str, metadata: bytes, regions: Sequence[Region]) -> None:
+        def add() -> None:
+            with self._nixl(f"adding peer {name!r}"):
+                loaded = self._agent.add_remote_agent(metadata)
+            loaded = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+            if loaded != name:
+                with self._nixl("removing a misnamed peer"):
+                    self._agent.remove_remote_agent(loaded)
+                raise TransportError(f"metadata for {name!r} describes agent {loaded!r}")
+            peer = _Peer(name, list(regions))
+            if self.mode == "prepped":
+                peer.prepped, peer.starts = self._prep(name, peer.regions)
+            with self._peer_lock:
+                old = self._peers.pop(name, None)
+                self._peers[name] = peer
+            if old is not None and old.prepped is not None:
+                self._release(old.prepped)
+
+        self._call(f"adding peer {name!r}", add)
+
+    def remove_peer(self, name: str) -> None:
+        def remove() -> None:
+            with self._peer_lock:
+                peer = self._peers.pop(name, None)
+            for op in [op for op in self._inflight.values() if op.peer == name]:
+                del self._inflight[op.op_id]
+                self._release(op.handle)  # NIXL cancels an active transfer on release
+                self._completions.append(Completion(op.op_id, f"peer {name!r} removed"))
+            if peer is not None:
+                if peer.prepped is not None:
+                    self._release(peer.prepped)
+                try:
+                    with self._nixl(f"removing peer {name!r}"):
+                        self._agent.remove_remote_agent(name)
+                except TransportError:
+                    pass  # already gone (for instance after a disconnect)
+            self._signal()
+
+        if not self._closed:
+            self._call(f"removing peer {name!r}", remove)
+
+    def submit(self, op_id: int, kind: OpKind, peer: str, plan: DescriptorPlan, notification: bytes) -> None:
+        with self._peer_lock:
+            target = self._peers.get(peer)
+        if self._closed or target is None:
+            raise TransportError(f"op {op_id}: peer {peer!r} is not connected")
+        local = self._descs(self._regions, plan.local_region, plan.local_offset, plan.length, "local")
+        remote = self._descs(target.regions, plan.remote_region, plan.remote_offset, plan.length, f"peer {peer!r}")
+        local_type = self._regions[int(plan.local_region[0])].memory
+        remote_type = target.regions[int(plan.remote_region[0])].memory
+        indices = self._indices(plan, target) if self.mode == "prepped" else None
+
+        def post() -> None:
+            with self._peer_lock:
+                if self._peers.get(peer) is not target:
+                    self._completions.append(Completion(op_id, f"peer {peer!r} removed"))
+                    return
+            try:
+                with self._nixl(f"posting op {op_id} to {peer!r}"):
+                    if indices is not None:
+                        handle = self._agent.make_prepped_xfer(
+                            kind.value, self._local_prepped, indices[0], target.prepped, indices[1], notification
+                        )
+                    else:
+                        handle = self._agent.initialize_xfer(
+                            kind.value,
+                            self._agent.get_xfer_descs(local, _MEM_NAMES[local_type]),
+                            self._agent.get_xfer_descs(remote, _MEM_NAMES[remote_type]),
+                            peer,
+                            notification,
+                        )
+                    state = self._agent.transfer(handle)
+            except TransportError as exc:
+                self._completions.append(Completion(op_id, str(exc)))
+                self._signal()
+                return
+            if state == "ERR":
+                self._release(handle)
+                self._completions.append(Completion(op_id, f"NIXL refused to post op {op_id} to {peer!r}"))
+                self._signal()
+                return
+            self._inflight[op_id] = _InFlight(op_id, peer, handle)
+
+        self._jobs.put(post)
+
+    def poll(self) -> tuple[list[Completion], list[Notification]]:
+        completions, notes = [], []
+        while self._completions:
+            completions.append(self._completions.popleft())
+        while self._notifications:
+            notes.append(self._notifications.popleft())
+        return completions, notes
+
+    def send_notification(self, peer: str, payload: bytes) -> None:
+        def send() -> None:
+            with self._nixl(f"notifying {peer!r}"):
+                self._agent.send_notif(peer, payload)
+
+        self._call(f"notifying {peer!r}", send)
+
+    def set_listener(self, callback: Callable[[], None] | None) -> None:
+        self._listener = callback
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._jobs.put(None)
+        self._thread.join(timeout=self._call_timeout)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _teardown(self) -> None:
+        """On the agent thread, last: every handle, list and registration released."""
+        for op in list(self._inflight.values()):
+            self._release(op.handle)
+            self._completions.append(Completion(op.op_id, "transport closed"))
+        self._inflight.clear()
+        for peer in list(self._peers.values()):
+            if peer.prepped is not None:
+                self._release(peer.prepped)
+        if self._local_prepped is not None:
+            self._release(self._local_prepped)
+        for handle in self._reg_handles:
+            try:
+                with self._nixl("deregistering memory"):
+                    self._agent.deregister_memory(handle)
+            except TransportError:
+                pass
+        self._peers.clear()
+        self._reg_handles.clear()
+        self._agent = None
+
+    def _release(self, handle: Any) -> None:
+        try:
+            with self._nixl("releasing a handle"):
+                handle.release()
+        except TransportError:
+            pass  # NIXL could not cancel it: nothing more to do from here
+
+    def _descs(
+        self,
+        regions: Sequence[Region],
+        index: npt.NDArray[np.int64],
+        offset: npt.NDArray[np.int64],
+        length: npt.NDArray[np.int64],
+        side: str,
+    ) -> npt.NDArray[np.uint64]:
+        """Nx3 (address, length, device) rows, every range checked against its region."""
+        rows = np.empty((len(length), 3), dtype=np.uint64)
+        for i, (r, o, n) in enumerate(zip(index.tolist(), offset.tolist(), length.tolist(), strict=True)):
+            rows[i] = (region_address(regions, r, o, n, side), n, regions[r].device_id)
+        return rows
+
+    def _prep(self, agent: str, regions: Sequence[Region]) -> tuple[Any, npt.NDArray[np.int64]]:
+        granule = self.granule or 1
+        counts = [r.length // granule for r in regions]
+        rows = np.concatenate(
+            [
+                np.stack(
+                    [
+                        np.arange(c, dtype=np.uint64) * granule + r.base,
+                        np.full(c, granule, dtype=np.uint64),
+                        np.full(c, r.device_id, dtype=np.uint64),
+                    ],
+                    axis=1,
+                )
+                for r, c in zip(regions, counts, strict=True)
+            ]
+        )
+        mem = _MEM_NAMES[regions[0].memory]
+        with self._nixl(f"preparing descriptors for {agent!r}"):
+            handle = self._agent.prep_xfer_dlist(agent, rows, mem)
+        starts = np.concatenate(([0], np.cumsum(counts)[:-1])).astype(np.int64)
+        return handle, starts
+
+    def _indices(self, plan: DescriptorPlan, peer: _Peer) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int32]]:
+        granule = self.granule or 1
+        if (plan.local_offset % granule).any() or (plan.remote_offset % granule).any() or (plan.length % granule).any():
+            raise TransportError(f"descriptors are not aligned to the {granule}-byte granule")
+        assert self._local_starts is not None and peer.starts is not None  # prepped mode
+        counts = plan.length // granule
+        steps = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+        local = np.repeat(self._local_starts[plan.local_region] + plan.local_offset // granule, counts) + steps
+        remote = np.repeat(peer.starts[plan.remote_region] + plan.remote_offset // granule, counts) + steps
+        return local.astype(np.int32), remote.astype(np.int32)
+
+    def _signal(self) -> None:
+        listener = self._listener
+        if listener is not None:
+            listener()
+
+
+def _noop() -> None:
+    return None
