@@ -40,6 +40,8 @@ from kvflow.engine import Engine, EngineConfig
 from kvflow.errors import KVFlowError
 from kvflow.layout import KVLayout, KVSpec
 from kvflow.state import Mode
+from kvflow.transport import Transport
+from kvflow.transports.nixl import NixlTransport
 from kvflow.transports.shm import ShmTransport
 
 
@@ -56,17 +58,23 @@ class Peer:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.spec = kv = spec(args.dtype)
-        self.transport = ShmTransport(args.name, prefix=args.prefix)
-        self.layers = [
-            self.transport.allocate(2 * args.blocks * kv.block_len).reshape(2, args.blocks, kv.block_len)
-            for _ in range(kv.num_layers)
-        ]
+        self.transport: Transport
+        size = 2 * args.blocks * kv.block_len
+        if args.transport == "nixl":
+            self.transport = NixlTransport(args.name, mode=args.nixl_mode, granule=kv.block_len)
+            buffers = [np.zeros(size, np.uint8) for _ in range(kv.num_layers)]
+        else:
+            shm = ShmTransport(args.name, prefix=args.prefix)
+            self.transport = shm
+            buffers = [shm.allocate(size) for _ in range(kv.num_layers)]
+        self.layers = [b.reshape(2, args.blocks, kv.block_len) for b in buffers]
         layout = KVLayout.per_layer_regions(kv, args.blocks, [region_of(a.reshape(-1)) for a in self.layers])
         config = EngineConfig(
             core=CoreConfig(fence_timeout=args.fence, retention=30.0),
             transfer_timeout=args.ttl,
             lease=args.lease,
             drain_timeout=1.0,
+            unfenced_grace=args.grace,
         )
         self.engine = Engine(
             args.name, layout, self.transport, ZmqControl(args.name), config=config, on_release=self.released
@@ -167,6 +175,9 @@ if __name__ == "__main__":
     parser.add_argument("--fence", type=float, default=2.0)
     parser.add_argument("--wire-version", type=int, default=kvflow.wire.VERSION)
     parser.add_argument("--dtype", default="float16")
+    parser.add_argument("--transport", choices=["shm", "nixl"], default="shm")
+    parser.add_argument("--nixl-mode", choices=["direct", "prepped"], default="direct")
+    parser.add_argument("--grace", type=float, default=1.0, help="unfenced grace after a teardown (NIXL)")
     arguments = parser.parse_args()
     kvflow.wire.VERSION = arguments.wire_version  # lets a test play a peer of another version
     with contextlib.suppress(SystemExit):  # the "close" command ends the process

@@ -120,9 +120,17 @@ def start_pair(prefix: str, *extra: str) -> tuple[PeerProcess, PeerProcess]:
     return p, d
 
 
+TRANSPORTS = {
+    "shm": ("--transport", "shm"),
+    "nixl-direct": ("--transport", "nixl", "--nixl-mode", "direct"),
+    "nixl-prepped": ("--transport", "nixl", "--nixl-mode", "prepped"),
+}
+
+
+@pytest.mark.parametrize("transport", sorted(TRANSPORTS))
 @pytest.mark.parametrize("mode", ["push", "pull"])
-def test_two_processes_move_kv_bytes(prefix: str, mode: str) -> None:
-    p, d = start_pair(prefix)
+def test_two_processes_move_kv_bytes(prefix: str, mode: str, transport: str) -> None:
+    p, d = start_pair(prefix, *TRANSPORTS[transport])
     try:
         d.ask("started", cmd="expect", tid="r", epoch=1, peer="P", blocks=[1, 2, 3], mode=mode)
         p.ask("started", cmd="kv_ready", tid="r", epoch=1, blocks=[7, 8, 9], mode=mode, peer="D", seed=11)
@@ -139,8 +147,9 @@ def test_two_processes_move_kv_bytes(prefix: str, mode: str) -> None:
         p.close()
 
 
-def test_killed_prefill_fails_decode_transfers_and_a_restarted_prefill_serves(prefix: str) -> None:
-    p, d = start_pair(prefix, "--lease", "1.0", "--ttl", "30")
+@pytest.mark.parametrize("transport", ["shm", "nixl-direct"])
+def test_killed_prefill_fails_decode_transfers_and_a_restarted_prefill_serves(prefix: str, transport: str) -> None:
+    p, d = start_pair(prefix, "--lease", "1.0", "--ttl", "30", *TRANSPORTS[transport])
     try:
         d.ask("started", cmd="expect", tid="r", epoch=1, peer="P", blocks=[1, 2], mode="push")
         time.sleep(0.2)  # the registration reaches P; P never produces the KV
@@ -152,8 +161,14 @@ def test_killed_prefill_fails_decode_transfers_and_a_restarted_prefill_serves(pr
         stats = d.ask("stats", cmd="stats")
         assert stats["held_blocks"] == 0 and stats["quarantined_blocks"] == 0 and stats["peers"] == []
         # a new P process under the same name: a new incarnation, a new association
-        p = PeerProcess("P", f"{prefix}-p2", "--lease", "1.0")
-        assert d.ask("connected", cmd="connect", peer="P", address=p.address)["event"] == "connected"
+        p = PeerProcess("P", f"{prefix}-p2", "--lease", "1.0", *TRANSPORTS[transport])
+        connected: Event = {"event": "error"}
+        for _ in range(20):  # over NIXL, D refuses P's new association until its grace is over
+            connected = d.ask("connected", cmd="connect", peer="P", address=p.address)
+            if connected["event"] == "connected":
+                break
+            time.sleep(0.25)
+        assert connected["event"] == "connected", connected
         d.ask("started", cmd="expect", tid="s", epoch=1, peer="P", blocks=[1, 2], mode="push")
         p.ask("started", cmd="kv_ready", tid="s", epoch=1, blocks=[5, 6], mode="push", peer="D", seed=3)
         assert d.result("s")["outcome"] == "succeeded"
@@ -163,8 +178,9 @@ def test_killed_prefill_fails_decode_transfers_and_a_restarted_prefill_serves(pr
         p.close()
 
 
-def test_killed_decode_lets_prefill_release_when_the_lease_runs_out(prefix: str) -> None:
-    p, d = start_pair(prefix, "--lease", "1.0", "--ttl", "30")
+@pytest.mark.parametrize("transport", ["shm", "nixl-direct"])
+def test_killed_decode_lets_prefill_release_when_the_lease_runs_out(prefix: str, transport: str) -> None:
+    p, d = start_pair(prefix, "--lease", "1.0", "--ttl", "30", *TRANSPORTS[transport])
     try:
         d.ask("started", cmd="expect", tid="r", epoch=1, peer="P", blocks=[1], mode="pull")
         time.sleep(0.1)
@@ -212,4 +228,21 @@ def test_a_peer_without_the_secret_gets_nothing_in(prefix: str) -> None:
         assert stats["peers"] == [] and stats["control"]["rejected_bad_mac"] >= 1
     finally:
         intruder.close()
+        p.close()
+
+
+def test_writing_to_a_killed_decode_process_fails_at_once_over_nixl(prefix: str) -> None:
+    p, d = start_pair(prefix, "--lease", "30", "--ttl", "30", *TRANSPORTS["nixl-direct"])
+    try:
+        d.ask("started", cmd="expect", tid="r", epoch=1, peer="P", blocks=[1, 2], mode="push")
+        time.sleep(0.3)  # P has D's registration
+        d.kill()
+        started = time.monotonic()
+        p.ask("started", cmd="kv_ready", tid="r", epoch=1, blocks=[3, 4], mode="push", peer="D", seed=2)
+        result = p.result("r", timeout=10)
+        assert result["outcome"] == "failed"
+        assert time.monotonic() - started < 5  # the WRITE fails: no wait for the 30 s lease
+        released = p.wait(lambda e: e["event"] == "released" and e["tid"] == "r", timeout=10)
+        assert sorted(released["blocks"]) == [3, 4]
+    finally:
         p.close()
