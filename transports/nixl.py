@@ -34,6 +34,7 @@ import concurrent.futures
 import importlib
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -107,7 +108,8 @@ class NixlTransport:
     """A NIXL agent named `name` with `backends` (UCX by default).
 
     `granule` (the KV block length in bytes) enables ``mode="prepped"``.  `idle_poll` is how
-    often the agent thread looks for notifications while no op of its own is in flight.
+    often the agent thread looks for notifications while no op of its own is in flight;
+    `inline_poll` how long `submit` polls a posted op before leaving it to the agent thread.
     """
 
     def __init__(
@@ -118,7 +120,8 @@ class NixlTransport:
         backend_params: dict[str, dict[str, str]] | None = None,
         mode: str = "direct",
         granule: int | None = None,
-        idle_poll: float = 0.0002,
+        idle_poll: float = 0.0005,
+        inline_poll: float = 0.0001,
         call_timeout: float = 30.0,
     ) -> None:
         if mode not in ("direct", "prepped") or (mode == "prepped" and not granule):
@@ -128,9 +131,11 @@ class NixlTransport:
         self.granule = granule
         self._api = load_nixl()
         self._errors = _nixl_errors(self._api)
+        self._failures = tuple(self._errors)  # caught on the hot path without a context manager
         self._backends = list(backends)
         self._backend_params = backend_params or {}
         self._idle_poll = idle_poll
+        self._inline_poll = inline_poll
         self._call_timeout = call_timeout
         self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._completions: deque[Completion] = deque()
@@ -156,7 +161,8 @@ class NixlTransport:
     def _run(self, started: concurrent.futures.Future[None]) -> None:
         try:
             with self._nixl("creating the agent"):
-                config = self._api.nixl_agent_config(enable_prog_thread=False, backends=[])
+                strict = self._api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT  # writers post from their thread
+                config = self._api.nixl_agent_config(enable_prog_thread=False, backends=[], sync_mode=strict)
                 self._agent = self._api.nixl_agent(self.name, config)
                 for backend in self._backends:
                     self._agent.create_backend(backend, self._backend_params.get(backend, {}))
@@ -168,7 +174,7 @@ class NixlTransport:
         started.set_result(None)
         while True:
             try:
-                job = self._jobs.get(timeout=0 if self._inflight else self._idle_poll)
+                job = self._jobs.get(timeout=0 if self._busy() else self._idle_poll)
             except queue.Empty:
                 job = None if self._closed else _noop
             if job is None:
@@ -180,19 +186,20 @@ class NixlTransport:
     def _progress(self) -> None:
         """Drive every op in flight and collect notifications (this is also what sends them)."""
         done: list[Completion] = []
-        for op in list(self._inflight.values()):
-            try:
-                with self._nixl(f"op {op.op_id} to {op.peer!r}"):
-                    state = self._agent.check_xfer_state(op.handle)
-            except TransportError as exc:
-                state, error = "ERR", str(exc)
-            else:
-                error = f"NIXL reported the op to {op.peer!r} failed"
-            if state == "PROC":
-                continue
-            del self._inflight[op.op_id]
-            self._release(op.handle)
-            done.append(Completion(op.op_id, None if state == "DONE" else error))
+        with self._peer_lock:
+            for op in list(self._inflight.values()):
+                try:
+                    with self._nixl(f"op {op.op_id} to {op.peer!r}"):
+                        state = self._agent.check_xfer_state(op.handle)
+                except TransportError as exc:
+                    state, error = "ERR", str(exc)
+                else:
+                    error = f"NIXL reported the op to {op.peer!r} failed"
+                if state == "PROC":
+                    continue
+                del self._inflight[op.op_id]
+                self._release(op.handle)
+                done.append(Completion(op.op_id, None if state == "DONE" else error))
         try:
             with self._nixl("polling notifications"):
                 notes = self._agent.get_new_notifs()
@@ -277,12 +284,12 @@ class NixlTransport:
 
     def remove_peer(self, name: str) -> None:
         def remove() -> None:
-            with self._peer_lock:
+            with self._peer_lock:  # no op to the peer is being posted meanwhile, nor afterwards
                 peer = self._peers.pop(name, None)
-            for op in [op for op in self._inflight.values() if op.peer == name]:
-                del self._inflight[op.op_id]
-                self._release(op.handle)  # NIXL cancels an active transfer on release
-                self._completions.append(Completion(op.op_id, f"peer {name!r} removed"))
+                for op in [op for op in self._inflight.values() if op.peer == name]:
+                    del self._inflight[op.op_id]
+                    self._release(op.handle)  # NIXL cancels an active transfer on release
+                    self._completions.append(Completion(op.op_id, f"peer {name!r} removed"))
             if peer is not None:
                 if peer.prepped is not None:
                     self._release(peer.prepped)
@@ -297,48 +304,51 @@ class NixlTransport:
             self._call(f"removing peer {name!r}", remove)
 
     def submit(self, op_id: int, kind: OpKind, peer: str, plan: DescriptorPlan, notification: bytes) -> None:
-        with self._peer_lock:
-            target = self._peers.get(peer)
+        target = self._peers.get(peer)
         if self._closed or target is None:
             raise TransportError(f"op {op_id}: peer {peer!r} is not connected")
         local = self._descs(self._regions, plan.local_region, plan.local_offset, plan.length, "local")
         remote = self._descs(target.regions, plan.remote_region, plan.remote_offset, plan.length, f"peer {peer!r}")
-        local_type = self._regions[int(plan.local_region[0])].memory
-        remote_type = target.regions[int(plan.remote_region[0])].memory
+        local_type = _MEM_NAMES[self._regions[int(plan.local_region[0])].memory]
+        remote_type = _MEM_NAMES[target.regions[int(plan.remote_region[0])].memory]
         indices = self._indices(plan, target) if self.mode == "prepped" else None
-
-        def post() -> None:
-            with self._peer_lock:
-                if self._peers.get(peer) is not target:
-                    self._completions.append(Completion(op_id, f"peer {peer!r} removed"))
-                    return
+        agent, failures = self._agent, self._failures
+        # Posted here, on the caller's (writer) thread: NIXL runs in STRICT sync mode, and the
+        # lock orders this with remove_peer, so nothing is posted to a peer once it is removed.
+        with self._peer_lock:
+            if self._peers.get(peer) is not target:
+                raise TransportError(f"op {op_id}: peer {peer!r} was removed")
+            handle = None
             try:
-                with self._nixl(f"posting op {op_id} to {peer!r}"):
-                    if indices is not None:
-                        handle = self._agent.make_prepped_xfer(
-                            kind.value, self._local_prepped, indices[0], target.prepped, indices[1], notification
-                        )
-                    else:
-                        handle = self._agent.initialize_xfer(
-                            kind.value,
-                            self._agent.get_xfer_descs(local, _MEM_NAMES[local_type]),
-                            self._agent.get_xfer_descs(remote, _MEM_NAMES[remote_type]),
-                            peer,
-                            notification,
-                        )
-                    state = self._agent.transfer(handle)
-            except TransportError as exc:
-                self._completions.append(Completion(op_id, str(exc)))
-                self._signal()
-                return
-            if state == "ERR":
+                if indices is not None:
+                    handle = agent.make_prepped_xfer(
+                        kind.value, self._local_prepped, indices[0], target.prepped, indices[1], notification
+                    )
+                else:
+                    local_descs = agent.get_xfer_descs(local, local_type)
+                    remote_descs = agent.get_xfer_descs(remote, remote_type)
+                    handle = agent.initialize_xfer(kind.value, local_descs, remote_descs, peer, notification)
+                state = agent.transfer(handle)
+                # Over shared memory (CMA) most ops are done by now, or within a poll or two (the
+                # notification's send): finishing here saves two thread hops per op.
+                if state == "PROC":
+                    give_up = time.perf_counter() + self._inline_poll
+                    while state == "PROC" and time.perf_counter() < give_up:
+                        state = agent.check_xfer_state(handle)
+            except failures as exc:
+                if handle is not None:
+                    self._release(handle)
+                raise TransportError(f"NIXL posting op {op_id} to {peer!r} on {self.name!r}: {exc!r}") from exc
+            if state == "PROC":
+                self._inflight[op_id] = _InFlight(op_id, peer, handle)
+            else:
                 self._release(handle)
-                self._completions.append(Completion(op_id, f"NIXL refused to post op {op_id} to {peer!r}"))
-                self._signal()
-                return
-            self._inflight[op_id] = _InFlight(op_id, peer, handle)
-
-        self._jobs.put(post)
+                error = None if state == "DONE" else f"NIXL refused or failed op {op_id} to {peer!r}"
+                self._completions.append(Completion(op_id, error))
+        if state == "PROC":
+            self._jobs.put(_noop)  # wake the agent thread: it drives the op to completion
+        else:
+            self._signal()
 
     def poll(self) -> tuple[list[Completion], list[Notification]]:
         completions, notes = [], []
@@ -402,12 +412,22 @@ class NixlTransport:
         offset: npt.NDArray[np.int64],
         length: npt.NDArray[np.int64],
         side: str,
-    ) -> npt.NDArray[np.uint64]:
-        """Nx3 (address, length, device) rows, every range checked against its region."""
-        rows = np.empty((len(length), 3), dtype=np.uint64)
-        for i, (r, o, n) in enumerate(zip(index.tolist(), offset.tolist(), length.tolist(), strict=True)):
-            rows[i] = (region_address(regions, r, o, n, side), n, regions[r].device_id)
-        return rows
+    ) -> npt.NDArray[np.uint64] | list[tuple[int, int, int]]:
+        """(address, length, device) rows, every range checked against its region: a list for a
+        few rows (cheapest for NIXL's wrapper), an Nx3 array for many (vectorised checks)."""
+        if len(length) <= 8:
+            return [
+                (region_address(regions, r, o, n, side), n, regions[r].device_id)
+                for r, o, n in zip(index.tolist(), offset.tolist(), length.tolist(), strict=True)
+            ]
+        bases = np.array([r.base for r in regions], dtype=np.int64)
+        sizes = np.array([r.length for r in regions], dtype=np.int64)
+        devices = np.array([r.device_id for r in regions], dtype=np.int64)
+        if index.min() < 0 or index.max() >= len(regions):
+            raise TransportError(f"{side} region {int(index.max())} is not registered")
+        if (offset < 0).any() or (length <= 0).any() or (offset + length > sizes[index]).any():
+            raise TransportError(f"{side} range lies outside region {int(index[0])}")
+        return np.stack([bases[index] + offset, length, devices[index]], axis=1).astype(np.uint64)
 
     def _prep(self, agent: str, regions: Sequence[Region]) -> tuple[Any, npt.NDArray[np.int64]]:
         granule = self.granule or 1
@@ -441,6 +461,9 @@ class NixlTransport:
         local = np.repeat(self._local_starts[plan.local_region] + plan.local_offset // granule, counts) + steps
         remote = np.repeat(peer.starts[plan.remote_region] + plan.remote_offset // granule, counts) + steps
         return local.astype(np.int32), remote.astype(np.int32)
+
+    def _busy(self) -> bool:
+        return bool(self._inflight)
 
     def _signal(self) -> None:
         listener = self._listener

@@ -1,0 +1,41 @@
+"""`kvflow doctor` and `kvflow bench nixl` run, and say what they should (no timing asserted)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvflow.cli import main
+from kvflow.doctor import diagnose, render
+
+
+def test_doctor_finds_ucx_moving_host_memory() -> None:
+    report = diagnose()
+    ucx = next(b for b in report.backends if b.name == "UCX")
+    assert ucx.loads and "DRAM" in ucx.memory_types and ucx.dram.startswith("ok")
+    libfabric = next(b for b in report.backends if b.name == "LIBFABRIC")
+    if not libfabric.loads:
+        assert "libfabric" in libfabric.note
+    text = render(report)
+    assert "UCX" in text and "Neuron" in text and "CUDA GPUs" in text
+
+
+def test_bench_nixl_quick_runs_and_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "bench.json"
+    assert main(["bench", "nixl", "--quick", "--repeats", "2", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "raw NIXL, new handle" in printed and "kvflow NIXL" in printed and "numpy memcpy" in printed
+    assert "coalescing" in printed
+    rows = json.loads(out.read_text())
+    assert {r["variant"] for r in rows} >= {"numpy memcpy", "raw NIXL, new handle", "kvflow NIXL", "kvflow, coalesced"}
+    assert all(r["gbps"] > 0 for r in rows)
+
+
+def test_console_script_is_installed() -> None:
+    kvflow = Path(sys.executable).parent / "kvflow"
+    result = subprocess.run([str(kvflow), "doctor"], capture_output=True, text=True, timeout=120, check=True)
+    assert "UCX" in result.stdout
