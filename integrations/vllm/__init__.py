@@ -1,5 +1,21 @@
-"""vLLM integration: a push KV connector on vLLM's KV-connector V1 API (vLLM 0.33.x).
+"""vLLM integration: `KVFlowConnector`, a push (or pull) KV connector on vLLM's KV-connector V1
+API, for vLLM 0.33.x.
 
-Loaded by vLLM with ``kv_connector_module_path="kvflow.integrations.vllm"``.  The connector
-itself is not part of this release yet; the package exists so that the import path is stable.
+vLLM loads it with ``kv_connector_module_path="kvflow.integrations.vllm"`` and
+``kv_connector="KVFlowConnector"``.  The connector (which imports vLLM) is loaded on first
+access, so `kvflow.integrations.vllm.mapping` stays importable without vLLM.
 """
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ("KVFlowConnector",)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "KVFlowConnector":
+        from kvflow.integrations.vllm.connector import KVFlowConnector
+
+        return KVFlowConnector
+    raise AttributeError(name)

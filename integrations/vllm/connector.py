@@ -1,0 +1,190 @@
+"""`KVFlowConnector`: kvflow behind vLLM's KV-connector V1 API (vLLM 0.33.x).
+
+Why a thin facade: vLLM builds one instance per role.  The scheduler-role instance keeps the
+pure `SchedulerBook` (mapping.py) and ships its per-step orders to the workers as connector
+metadata; each worker-role instance runs one kvflow engine for its rank (worker.py).  Load it
+with::
+
+    --kv-transfer-config '{"kv_connector": "KVFlowConnector",
+                           "kv_connector_module_path": "kvflow.integrations.vllm",
+                           "kv_role": "kv_producer" | "kv_consumer",
+                           "kv_connector_extra_config": {"port": 5700}}'
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+from vllm.v1.request import RequestStatus
+
+from kvflow.integrations.vllm.mapping import Orders, SchedulerBook
+from kvflow.integrations.vllm.worker import Settings, WorkerSide, layout_from_kv_caches
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+__all__ = ("SUPPORTED_VLLM", "KVFlowConnector", "KVFlowMetadata")
+
+SUPPORTED_VLLM = ">=0.33,<0.34"
+
+
+class KVFlowMetadata(KVConnectorMetadata):
+    def __init__(self, orders: Orders) -> None:
+        self.orders = orders
+
+
+class KVFlowConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
+        super().__init__(vllm_config, role, kv_cache_config)
+        transfer = vllm_config.kv_transfer_config
+        assert transfer is not None  # checked by the base class
+        self.settings = Settings.from_extra(transfer.kv_connector_extra_config)
+        self.engine_id = str(transfer.engine_id)
+        self._block_size = vllm_config.cache_config.block_size
+        self._book: SchedulerBook | None = None
+        self._worker: WorkerSide | None = None
+        if role is KVConnectorRole.SCHEDULER:
+            self._book = SchedulerBook(self._block_size)
+        else:
+            rank = vllm_config.parallel_config.rank
+            self._worker = WorkerSide(self.engine_id, rank, self.settings)
+        self._attention = _attention_spec(kv_cache_config)
+
+    # ================================================================ scheduler side
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._scheduler().matched_tokens(
+            request.request_id, request.kv_transfer_params, len(request.prompt_token_ids or ()), num_computed_tokens
+        )
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        self._scheduler().allocated(
+            request.request_id,
+            request.kv_transfer_params,
+            len(request.prompt_token_ids or ()),
+            blocks.get_block_ids()[0],
+            num_external_tokens,
+        )
+
+    def on_new_request(self, request: Request) -> None:
+        self._scheduler().new_request(
+            request.request_id, request.kv_transfer_params, len(request.prompt_token_ids or ())
+        )
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        book = self._scheduler()
+        manager = getattr(self, "_kv_cache_manager", None)
+        if manager is not None:
+            steps = [(r.req_id, r.num_computed_tokens) for r in scheduler_output.scheduled_new_reqs]
+            cached = scheduler_output.scheduled_cached_reqs
+            steps += list(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+            for request_id, computed in steps:
+                scheduled = scheduler_output.num_scheduled_tokens.get(request_id, 0)
+                book.scheduled(request_id, computed, scheduled, _group0(manager, request_id))
+        return KVFlowMetadata(book.take_orders())
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler().finished(request.request_id, aborted=request.status == RequestStatus.FINISHED_ABORTED)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self._scheduler().output(
+            set(connector_output.finished_sending or ()),
+            set(connector_output.finished_recving or ()),
+            set(connector_output.failed_recving or ()),
+        )
+
+    def has_pending_push_work(self) -> bool:
+        return self._scheduler().pending_work()
+
+    # ================================================================ worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        heads, head_dim = self._attention
+        layout = layout_from_kv_caches(kv_caches, self._block_size, heads, head_dim)
+        self._worker_side().register(layout)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        self._worker_side().start_load(self._orders())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # loads complete before the request is scheduled (asynchronous loading)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return None  # a request's KV moves once its prefill step is over (wait_for_save)
+
+    def wait_for_save(self) -> None:
+        orders = self._orders()
+        if orders.ready:
+            _settle_device_work()
+            self._worker_side().save(orders)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        sending, recving, failed = self._worker_side().results(finished_req_ids)
+        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving, failed_recving=failed)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        result = self.get_transfer_results(finished_req_ids)
+        return result.finished_sending, result.finished_recving
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker_side().load_errors()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+
+    @property
+    def control_address(self) -> str:
+        """Where this rank's kvflow engine listens (the router passes it to the peer)."""
+        return self._worker.address if self._worker is not None else ""
+
+    # ================================================================ plumbing
+
+    def _orders(self) -> Orders:
+        meta = self._get_connector_metadata()
+        return meta.orders if isinstance(meta, KVFlowMetadata) else Orders()
+
+    def _scheduler(self) -> SchedulerBook:
+        if self._book is None:
+            raise RuntimeError("scheduler-side hook called on a worker-role KVFlowConnector")
+        return self._book
+
+    def _worker_side(self) -> WorkerSide:
+        if self._worker is None:
+            raise RuntimeError("worker-side hook called on a scheduler-role KVFlowConnector")
+        return self._worker
+
+
+def _group0(manager: Any, request_id: str) -> list[int]:
+    try:
+        return list(manager.get_block_ids(request_id)[0])
+    except (KeyError, IndexError):
+        return []
+
+
+def _attention_spec(kv_cache_config: KVCacheConfig | None) -> tuple[int, int]:
+    if kv_cache_config is None or not kv_cache_config.kv_cache_groups:
+        return 1, 1
+    spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+    return int(getattr(spec, "num_kv_heads", 1)), int(getattr(spec, "head_size", 1))
+
+
+def _settle_device_work() -> None:
+    """On a GPU the forward's kernels may still be running: wait for them before KV moves."""
+    import torch
+
+    if torch.cuda.is_available():  # a CUDA worker has its context already
+        torch.cuda.current_stream().synchronize()

@@ -1,0 +1,247 @@
+"""vLLM scheduler events mapped to kvflow transfer orders: pure code, no vLLM import.
+
+Why pure: vLLM's connector API is experimental and its call order subtle (hooks called twice,
+side-effect-free lookups, delayed frees).  Keeping the decisions here, away from vLLM types,
+lets them be tested exhaustively without vLLM and survive its API churn.
+
+The router sets, in each request's ``kv_transfer_params``, a ``kvflow`` entry:
+
+    {"transfer_id": str, "epoch": int, "mode": "push" | "pull",
+     "prefill": {"engine": str, "address": "tcp://host:port"},
+     "decode":  {"engine": str, "address": "tcp://host:port"}}
+
+plus vLLM's own flags: ``do_remote_decode`` on the prefill request, ``do_remote_prefill`` on the
+decode request.  Transfers are matched by ``transfer_id``, never by request ids.
+
+`SchedulerBook` turns scheduler events into per-step `Orders` for the workers:
+
+* decode (D): `update_state_after_alloc` -> an expect order (register these blocks);
+  the request finished or aborted while its KV was still coming -> an abort order, and its
+  blocks are freed late (vLLM's ``delay_free``) once the workers report them released;
+* prefill (P): the step in which a request's prefill completes -> a ready order, carried out by
+  the workers right after that step's forward (``wait_for_save``); ``request_finished`` ->
+  ``delay_free`` until the workers report the blocks released (``finished_sending``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvflow.errors import ConfigError
+
+__all__ = ("Order", "Orders", "PeerRef", "SchedulerBook", "TransferParams", "rank_peer")
+
+MODES = ("push", "pull")
+
+
+@dataclass(frozen=True, slots=True)
+class PeerRef:
+    engine: str
+    address: str
+
+
+@dataclass(frozen=True, slots=True)
+class TransferParams:
+    transfer_id: str
+    epoch: int
+    mode: str
+    prefill: PeerRef
+    decode: PeerRef
+
+    @classmethod
+    def parse(cls, params: Mapping[str, Any] | None) -> TransferParams | None:
+        """The kvflow part of a request's ``kv_transfer_params``, or None when it has none.
+
+        :raises ConfigError: the entry exists but is malformed (named field).
+        """
+        raw = (params or {}).get("kvflow")
+        if raw is None:
+            return None
+        if not isinstance(raw, Mapping):
+            raise ConfigError("kv_transfer_params.kvflow must be a mapping")
+        tid, epoch, mode = raw.get("transfer_id"), raw.get("epoch", 1), raw.get("mode", "push")
+        if not isinstance(tid, str) or not tid:
+            raise ConfigError("kv_transfer_params.kvflow.transfer_id must be a non-empty string")
+        if type(epoch) is not int or epoch < 0:
+            raise ConfigError("kv_transfer_params.kvflow.epoch must be a non-negative integer")
+        if mode not in MODES:
+            raise ConfigError(f"kv_transfer_params.kvflow.mode must be one of {MODES}")
+        return cls(tid, epoch, mode, _peer(raw, "prefill"), _peer(raw, "decode"))
+
+    def to_params(self) -> dict[str, Any]:
+        return {
+            "transfer_id": self.transfer_id,
+            "epoch": self.epoch,
+            "mode": self.mode,
+            "prefill": {"engine": self.prefill.engine, "address": self.prefill.address},
+            "decode": {"engine": self.decode.engine, "address": self.decode.address},
+        }
+
+
+def _peer(raw: Mapping[str, Any], side: str) -> PeerRef:
+    entry = raw.get(side)
+    if not isinstance(entry, Mapping) or not isinstance(entry.get("engine"), str) or not entry["engine"]:
+        raise ConfigError(f"kv_transfer_params.kvflow.{side}.engine must be a non-empty string")
+    address = entry.get("address", "")
+    if not isinstance(address, str):
+        raise ConfigError(f"kv_transfer_params.kvflow.{side}.address must be a string")
+    return PeerRef(entry["engine"], address)
+
+
+def rank_peer(peer: PeerRef, rank: int) -> PeerRef:
+    """The peer's engine for tensor-parallel rank `rank`: ids and ports are per rank."""
+    address = peer.address
+    if address.startswith("tcp://") and address.rsplit(":", 1)[-1].isdigit():
+        host, port = address.rsplit(":", 1)
+        address = f"{host}:{int(port) + rank}"
+    return PeerRef(f"{peer.engine}-tp{rank}", address)
+
+
+@dataclass(frozen=True, slots=True)
+class Order:
+    """One thing the workers do for one request: expect, ready (produce) or abort."""
+
+    request_id: str
+    params: TransferParams
+    block_ids: tuple[int, ...] = ()
+    reason: str = ""
+
+
+@dataclass(slots=True)
+class Orders:
+    """What one scheduler step asks the workers to do (vLLM carries it as connector metadata)."""
+
+    expect: list[Order] = field(default_factory=list)
+    ready: list[Order] = field(default_factory=list)
+    abort: list[Order] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.expect or self.ready or self.abort)
+
+
+@dataclass(slots=True)
+class _Tracked:
+    params: TransferParams
+    prompt_len: int
+    producer: bool  # this engine produces the KV (P) for the request
+    ordered: bool = False  # the expect or ready order went out
+    landed: bool = False  # D: the KV arrived (finished_recving)
+    delayed_free: bool = False  # vLLM holds the blocks until finished_sending
+
+
+class SchedulerBook:
+    """The scheduler side's state, one per vLLM engine (scheduler process)."""
+
+    def __init__(self, block_size: int) -> None:
+        if block_size <= 0:
+            raise ConfigError("block_size must be positive")
+        self.block_size = block_size
+        self._tracked: dict[str, _Tracked] = {}
+        self._pending = Orders()
+
+    # ---------------------------------------------------------------- decode side
+
+    def matched_tokens(
+        self, request_id: str, params: Mapping[str, Any] | None, prompt_len: int, computed: int
+    ) -> tuple[int, bool]:
+        """`get_num_new_matched_tokens`: side-effect free.  A remote-prefill request loads every
+        prompt token it has not computed, asynchronously."""
+        if not (params or {}).get("do_remote_prefill") or TransferParams.parse(params) is None:
+            return 0, False
+        count = prompt_len - computed
+        return (count, True) if count > 0 else (0, False)
+
+    def allocated(
+        self,
+        request_id: str,
+        params: Mapping[str, Any] | None,
+        prompt_len: int,
+        block_ids: Sequence[int],
+        external: int,
+    ) -> None:
+        """`update_state_after_alloc`: the first call with external tokens registers the blocks."""
+        parsed = TransferParams.parse(params)
+        if parsed is None or not (params or {}).get("do_remote_prefill") or external <= 0:
+            return
+        if request_id in self._tracked:
+            return  # called again after the load: nothing new to register
+        needed = -(-prompt_len // self.block_size)
+        blocks = tuple(block_ids)[:needed]
+        self._tracked[request_id] = _Tracked(parsed, prompt_len, producer=False, ordered=True)
+        self._pending.expect.append(Order(request_id, parsed, blocks))
+
+    # ---------------------------------------------------------------- prefill side
+
+    def new_request(self, request_id: str, params: Mapping[str, Any] | None, prompt_len: int) -> None:
+        """`on_new_request`: remember prefill requests whose KV goes to a remote decoder."""
+        parsed = TransferParams.parse(params)
+        if parsed is not None and (params or {}).get("do_remote_decode"):
+            self._tracked[request_id] = _Tracked(parsed, prompt_len, producer=True)
+
+    def scheduled(self, request_id: str, computed: int, scheduled: int, block_ids: Sequence[int]) -> None:
+        """A step schedules `scheduled` tokens after `computed`: if that completes a tracked
+        prefill, its KV is ready after this step's forward."""
+        tracked = self._tracked.get(request_id)
+        if tracked is None or not tracked.producer or tracked.ordered:
+            return
+        if computed + scheduled >= tracked.prompt_len:
+            tracked.ordered = True
+            needed = -(-tracked.prompt_len // self.block_size)
+            self._pending.ready.append(Order(request_id, tracked.params, tuple(block_ids)[:needed]))
+
+    # ---------------------------------------------------------------- both sides
+
+    def finished(self, request_id: str, aborted: bool) -> tuple[bool, dict[str, Any] | None]:
+        """`request_finished`: returns vLLM's (delay_free, kv_transfer_params).
+
+        Blocks a transfer may still touch are freed only once the workers report them released.
+        """
+        tracked = self._tracked.get(request_id)
+        if tracked is None:
+            return False, None
+        if tracked.producer:
+            if not tracked.ordered:
+                # Finished (or aborted) before its prefill completed: tell the peer, hold nothing.
+                self._tracked.pop(request_id)
+                self._pending.abort.append(Order(request_id, tracked.params, reason="prefill request ended early"))
+                return False, None
+            if aborted:
+                self._pending.abort.append(Order(request_id, tracked.params, reason="prefill request aborted"))
+            tracked.delayed_free = True
+            return True, {"kvflow": tracked.params.to_params(), "kvflow_prefill_finished": True}
+        if tracked.landed:
+            self._tracked.pop(request_id)
+            return False, None
+        tracked.delayed_free = True
+        reason = "decode request aborted" if aborted else "decode request ended before its KV arrived"
+        self._pending.abort.append(Order(request_id, tracked.params, reason=reason))
+        return True, None
+
+    def output(self, finished_sending: set[str], finished_recving: set[str], failed_recving: set[str]) -> None:
+        """`update_connector_output`: what the workers reported this step."""
+        for request_id in finished_recving:
+            tracked = self._tracked.get(request_id)
+            if tracked is not None and not tracked.producer:
+                tracked.landed = request_id not in failed_recving
+                if request_id in failed_recving:
+                    self._tracked.pop(request_id)
+        for request_id in finished_sending:
+            tracked = self._tracked.get(request_id)
+            if tracked is not None and tracked.delayed_free:
+                self._tracked.pop(request_id)
+
+    def take_orders(self) -> Orders:
+        """`build_connector_meta`: this step's orders (and a fresh list for the next step)."""
+        orders, self._pending = self._pending, Orders()
+        return orders
+
+    def pending_work(self) -> bool:
+        """`has_pending_push_work`: transfers whose end the workers have not reported yet."""
+        return bool(self._pending) or any(
+            t.delayed_free or (t.ordered and not t.producer and not t.landed) for t in self._tracked.values()
+        )
+
+    def tracked(self) -> int:
+        return len(self._tracked)

@@ -1,0 +1,281 @@
+"""The worker side of the vLLM connector: one kvflow engine per tensor-parallel rank.
+
+Why a thread: vLLM calls its worker hooks from the model runner's thread and they must never
+block on I/O.  Each rank runs a kvflow `Engine` on its own thread and loop (`EngineThread`); the
+hooks only hand it orders and read its queues.
+
+What vLLM learns, and when: a request's blocks belong to kvflow from its order until kvflow
+*releases* them, which happens only when no op of the transfer can touch them any more (after
+the peer's fence for a failed or aborted transfer).  So D reports ``finished_recving`` (and, on
+failure, ``failed_recving`` plus the request's block ids as load errors) on release, and both
+sides report a late-freed request in ``finished_sending`` on release too, once vLLM has told the
+worker that request finished (vLLM's rule for delayed frees).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvflow.actions import ReleaseBlocks
+from kvflow.channel import ControlChannel
+from kvflow.control import ZmqControl
+from kvflow.core import CoreConfig
+from kvflow.engine import Engine, EngineConfig
+from kvflow.errors import ConfigError, KVFlowError, UnknownTransfer
+from kvflow.integrations.vllm.mapping import Order, Orders, PeerRef, rank_peer
+from kvflow.layout import BlockArray, KVLayout, KVSpec, MemoryType, Region
+from kvflow.messages import TransferKey
+from kvflow.state import Mode, Outcome, Role
+from kvflow.threaded import EngineThread
+from kvflow.transport import Transport
+
+__all__ = ("Settings", "WorkerSide", "layout_from_kv_caches")
+
+log = logging.getLogger("kvflow.vllm")
+
+_LOOPBACK_FABRICS: dict[str, Any] = {}  # in-process fabrics by name, for tests and simulation
+
+
+@dataclass(frozen=True)
+class Settings:
+    """`kv_connector_extra_config` keys (all optional)."""
+
+    transport: str = "nixl"  # "nixl" | "loopback" (one process, for tests)
+    host: str = "127.0.0.1"  # where this rank's control channel binds
+    port: int = 5700  # rank r binds port + r; 0: any free port
+    transfer_timeout: float = 60.0
+    lease: float = 30.0
+    fence_timeout: float = 10.0
+    nixl_backends: tuple[str, ...] = ("UCX",)
+    fabric: str = "default"  # loopback only
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, Any] | None) -> Settings:
+        """:raises ConfigError: an unknown key or a value of the wrong type."""
+        extra = dict(extra or {})
+        fields = cls.__dataclass_fields__
+        unknown = sorted(set(extra) - set(fields))
+        if unknown:
+            raise ConfigError(f"unknown kvflow settings in kv_connector_extra_config: {unknown}")
+        if "nixl_backends" in extra:
+            extra["nixl_backends"] = tuple(extra["nixl_backends"])
+        settings = cls(**extra)
+        if settings.transport not in ("nixl", "loopback"):
+            raise ConfigError(f"kvflow transport must be 'nixl' or 'loopback', not {settings.transport!r}")
+        return settings
+
+
+def layout_from_kv_caches(kv_caches: Mapping[str, Any], block_size: int, num_kv_heads: int, head_dim: int) -> KVLayout:
+    """A kvflow layout for vLLM's per-layer KV tensors, whose first dimension is the block.
+
+    Each layer is one region with one array of joint K/V pages (``arrays_per_layer=1``).
+    :raises ConfigError: a tensor is not block-major and contiguous within a block, or the pages
+        do not match the attention spec.
+    """
+    import torch
+
+    tensors = list(kv_caches.values())
+    if not tensors:
+        raise ConfigError("no KV caches to register")
+    first = tensors[0]
+    dtype = str(first.dtype).removeprefix("torch.")
+    num_blocks = int(first.shape[0])
+    spec = KVSpec(len(tensors), block_size, num_kv_heads, head_dim, dtype, "vllm", arrays_per_layer=1)
+    regions, arrays = [], []
+    for layer, tensor in enumerate(tensors):
+        if not isinstance(tensor, torch.Tensor) or int(tensor.shape[0]) != num_blocks:
+            raise ConfigError(f"KV cache of layer {layer} is not a tensor with {num_blocks} blocks first")
+        item = tensor.element_size()
+        page = tensor[0].numel() * item
+        stride = int(tensor.stride(0)) * item
+        if page != spec.block_len or not tensor[0].is_contiguous():
+            raise ConfigError(f"layer {layer}: a {page}-byte page, kvflow expects {spec.block_len} contiguous bytes")
+        memory = MemoryType.VRAM if tensor.device.type == "cuda" else MemoryType.DRAM
+        device = int(tensor.device.index or 0) if memory is MemoryType.VRAM else 0
+        regions.append(Region(int(tensor.data_ptr()), (num_blocks - 1) * stride + page, memory, device))
+        arrays.append(BlockArray(layer, 0, stride, layer))
+    return KVLayout(spec, num_blocks, tuple(regions), tuple(arrays))
+
+
+class WorkerSide:
+    def __init__(self, engine_id: str, rank: int, settings: Settings) -> None:
+        self.engine_id = f"{engine_id}-tp{rank}"
+        self.rank = rank
+        self.settings = settings
+        self.thread: EngineThread | None = None
+        self._requests: dict[tuple[TransferKey, Role], str] = {}
+        self._aborted: set[str] = set()
+        self._finished_ids: set[str] = set()
+        self._late_frees: set[str] = set()  # released, waiting for vLLM to say the request finished
+        self._load_errors: set[int] = set()
+        self._failed_starts: list[tuple[concurrent.futures.Future[Any], str, tuple[int, ...]]] = []
+        self._ready_starts: list[tuple[concurrent.futures.Future[Any], str]] = []
+        self._connected: dict[str, concurrent.futures.Future[None]] = {}
+
+    # ---------------------------------------------------------------- setup
+
+    def register(self, layout: KVLayout) -> None:
+        """Start this rank's engine on its KV memory."""
+        settings = self.settings
+        config = EngineConfig(
+            core=CoreConfig(fence_timeout=settings.fence_timeout),
+            transfer_timeout=settings.transfer_timeout,
+            lease=settings.lease,
+        )
+
+        def factory() -> Engine:
+            transport: Transport
+            if settings.transport == "loopback":
+                from kvflow.transports.loopback import LoopbackFabric
+
+                fabric = _LOOPBACK_FABRICS.setdefault(settings.fabric, LoopbackFabric())
+                transport = fabric.endpoint(self.engine_id)
+            else:
+                from kvflow.transports.nixl import NixlTransport
+
+                transport = NixlTransport(self.engine_id, backends=settings.nixl_backends, granule=layout.block_len)
+            port = settings.port + self.rank if settings.port else 0
+            control: ControlChannel = ZmqControl(self.engine_id, bind=f"tcp://{settings.host}:{port}")
+            return Engine(self.engine_id, layout, transport, control, config=config)
+
+        self.thread = EngineThread(factory, name=f"kvflow-{self.engine_id}")
+        log.info("kvflow engine %s up at %s (pid %d)", self.engine_id, self.address, os.getpid())
+
+    @property
+    def address(self) -> str:
+        return self.thread.engine.control.address if self.thread is not None else ""
+
+    # ---------------------------------------------------------------- orders
+
+    def start_load(self, orders: Orders) -> None:
+        """Expect and abort orders: handed to the engine thread, never waited on."""
+        for order in orders.abort:
+            self._abort(order)
+        for order in orders.expect:
+            params = order.params
+            peer = rank_peer(params.prefill, self.rank)
+            key = TransferKey(params.transfer_id, params.epoch)
+            self._requests[(key, Role.DECODE)] = order.request_id
+            mode = Mode(params.mode)
+            future = self._call_connected(
+                peer,
+                lambda e, p=peer, o=order, m=mode: e.expect(
+                    o.params.transfer_id, o.params.epoch, peer=p.engine, block_ids=o.block_ids, mode=m
+                ),
+            )
+            self._failed_starts.append((future, order.request_id, order.block_ids))
+
+    def save(self, orders: Orders) -> None:
+        """Ready orders, right after the forward that computed their KV."""
+        for order in orders.ready:
+            params = order.params
+            key = TransferKey(params.transfer_id, params.epoch)
+            self._requests[(key, Role.PREFILL)] = order.request_id
+            mode = Mode(params.mode)
+            peer = rank_peer(params.decode, self.rank)
+
+            def ready(e: Engine, o: Order = order, m: Mode = mode, p: PeerRef = peer) -> Any:
+                return e.kv_ready(
+                    o.params.transfer_id,
+                    o.params.epoch,
+                    block_ids=o.block_ids,
+                    mode=m,
+                    peer=p.engine if m is Mode.PULL else None,
+                )
+
+            future = self._call_connected(peer, ready) if mode is Mode.PULL else self._thread().call(ready)
+            self._ready_starts.append((future, order.request_id))
+
+    def _abort(self, order: Order) -> None:
+        key = TransferKey(order.params.transfer_id, order.params.epoch)
+        self._aborted.add(order.request_id)
+        role = Role.DECODE if (key, Role.DECODE) in self._requests else Role.PREFILL
+
+        async def abort(e: Engine) -> None:
+            with contextlib.suppress(UnknownTransfer):  # never started here: nothing to abort
+                await e.abort(key.transfer_id, key.epoch, role, order.reason)
+
+        self._thread().call(abort)
+
+    def _call_connected(self, peer: PeerRef, fn: Any) -> concurrent.futures.Future[Any]:
+        """Run `fn(engine)` after this rank's engine is associated with `peer`."""
+
+        async def run(e: Engine) -> Any:
+            if peer.engine not in e.peers():
+                await e.connect(peer.engine, peer.address)
+            return await fn(e)
+
+        return self._thread().call(run)
+
+    # ---------------------------------------------------------------- results
+
+    def results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
+        """(finished_sending, finished_recving, failed_recving) since the last call."""
+        self._finished_ids |= finished_req_ids
+        sending: set[str] = set()
+        recving: set[str] = set()
+        failed: set[str] = set()
+        for future, request_id, blocks in list(self._failed_starts):
+            if not future.done():
+                continue
+            self._failed_starts.remove((future, request_id, blocks))
+            if future.exception() is not None:  # never registered: no block is held by kvflow
+                log.error("%s: could not start receiving %s: %s", self.engine_id, request_id, future.exception())
+                recving.add(request_id)
+                failed.add(request_id)
+                self._load_errors.update(blocks)
+        for future, request_id in list(self._ready_starts):
+            if future.done():
+                self._ready_starts.remove((future, request_id))
+                if future.exception() is not None:  # kvflow never took the blocks: vLLM frees them
+                    log.error(
+                        "%s: could not hand over the KV of %s: %s", self.engine_id, request_id, future.exception()
+                    )
+                    self._late_frees.add(request_id)
+        for release in self._thread().poll_released() if self.thread else []:
+            self._on_release(release, recving, failed)
+        for request_id in list(self._late_frees):
+            if request_id in self._finished_ids:
+                self._late_frees.discard(request_id)
+                self._finished_ids.discard(request_id)
+                sending.add(request_id)
+        if self.thread is not None:
+            self.thread.poll_finished()  # outcomes are read from releases; keep the queue short
+        return sending, recving, failed
+
+    def _on_release(self, release: ReleaseBlocks, recving: set[str], failed: set[str]) -> None:
+        request_id = self._requests.pop((release.key, release.role), None)
+        if request_id is None:
+            return
+        if release.role is Role.PREFILL or request_id in self._aborted:
+            self._aborted.discard(request_id)
+            self._late_frees.add(request_id)
+        elif release.outcome is Outcome.SUCCEEDED:
+            recving.add(request_id)
+        else:
+            recving.add(request_id)
+            failed.add(request_id)
+            self._load_errors.update(release.block_ids)
+
+    def load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def close(self) -> None:
+        if self.thread is not None:
+            try:
+                self.thread.close(timeout=30)
+            except KVFlowError as exc:
+                log.error("%s: engine closed with errors: %s", self.engine_id, exc)
+            self.thread = None
+
+    def _thread(self) -> EngineThread:
+        if self.thread is None:
+            raise ConfigError("kvflow worker used before register_kv_caches")
+        return self.thread

@@ -1,0 +1,209 @@
+"""vLLM's real Scheduler with a KV connector, and a stand-in for the model runner.
+
+Why: the connector's contract is with vLLM's scheduler and worker hooks, in vLLM's call order.
+`VllmEngine` builds a real `Scheduler` (which loads the scheduler-role connector itself, by
+``kv_connector_module_path``), a worker-role connector, and KV caches as CPU tensors registered
+through the worker connector.  `step()` plays one model-runner step the way vLLM's
+`_get_kv_connector_output` does: bind metadata, ``start_load_kv``, a "forward" (which writes a
+known pattern into the KV of every prefill token it computes), ``wait_for_save``,
+``get_transfer_results``, ``get_block_ids_with_load_errors``, clear metadata, then
+``update_from_output`` with the sampled tokens and the connector output.
+
+The model is a config.json only (no weights, nothing fetched): vLLM needs a model config, not a
+model, to schedule.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+import torch
+from vllm import SamplingParams
+from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request, RequestStatus
+from vllm.v1.structured_output import StructuredOutputManager
+
+BLOCK_SIZE = 32
+HEADS, HEAD_DIM = 4, 64
+LAYERS = ["model.decoder.layers.0.self_attn.attn", "model.decoder.layers.1.self_attn.attn"]
+TOKEN = 7  # what the stand-in model always samples (never EOS)
+_MODEL_DIR: str | None = None
+
+
+def model_dir() -> str:
+    """A directory holding only a tiny OPT config.json."""
+    global _MODEL_DIR
+    if _MODEL_DIR is None:
+        _MODEL_DIR = tempfile.mkdtemp(prefix="kvflow-opt-")
+        config = {
+            "architectures": ["OPTForCausalLM"],
+            "model_type": "opt",
+            "hidden_size": HEADS * HEAD_DIM,
+            "num_attention_heads": HEADS,
+            "num_hidden_layers": len(LAYERS),
+            "ffn_dim": 512,
+            "vocab_size": 1000,
+            "max_position_embeddings": 4096,
+            "word_embed_proj_dim": HEADS * HEAD_DIM,
+            "torch_dtype": "float16",
+            "do_layer_norm_before": True,
+            "eos_token_id": 2,
+        }
+        with open(os.path.join(_MODEL_DIR, "config.json"), "w") as f:
+            json.dump(config, f)
+    return _MODEL_DIR
+
+
+def page_elements() -> int:
+    return 2 * BLOCK_SIZE * HEADS * HEAD_DIM
+
+
+def pattern(transfer: str, position: int, layer: int) -> torch.Tensor:
+    """The KV bytes prefill writes for one block: recognisable per transfer, position, layer."""
+    seed = (hash((transfer, position, layer)) & 0xFFFF) + 1
+    return (torch.arange(page_elements(), dtype=torch.int32) * seed % 997).to(torch.float16)
+
+
+@dataclass
+class VllmEngine:
+    name: str
+    scheduler: Scheduler
+    worker: KVConnectorBase_V1
+    kv: dict[str, torch.Tensor]
+    transfers: dict[str, str] = field(default_factory=dict)  # request id -> transfer id (P: patterns)
+    steps: int = 0
+
+    @property
+    def connector(self) -> Any:
+        return self.scheduler.connector
+
+    def add(self, request_id: str, prompt_len: int, max_tokens: int, params: dict[str, Any]) -> Request:
+        sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        sampling.extra_args = {"kv_transfer_params": params}
+        request = Request(request_id, list(range(3, 3 + prompt_len)), sampling, None)
+        self.scheduler.add_request(request)
+        return request
+
+    def step(self) -> ModelRunnerOutput:
+        so = self.scheduler.schedule()
+        self.steps += 1
+        worker = self.worker
+        assert so.kv_connector_metadata is not None  # a connector is configured
+        worker.bind_connector_metadata(so.kv_connector_metadata)
+        worker.start_load_kv(None)  # type: ignore[arg-type]  # the forward context is unused here
+        req_ids, sampled = self._forward(so)
+        worker.wait_for_save()  # type: ignore[no-untyped-call]
+        results = worker.get_transfer_results(so.finished_req_ids)
+        errors = worker.get_block_ids_with_load_errors()
+        worker.clear_connector_metadata()
+        output = ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+            kv_connector_output=KVConnectorOutput(
+                finished_sending=results.finished_sending,
+                finished_recving=results.finished_recving,
+                failed_recving=results.failed_recving,
+                invalid_block_ids=errors,
+            ),
+        )
+        self.scheduler.update_from_output(so, output)
+        return output
+
+    def _forward(self, so: Any) -> tuple[list[str], list[list[int]]]:
+        """Write the pattern into the KV of every prompt token computed this step; sample a
+        token for every request that reaches the end of its prompt."""
+        req_ids, sampled = [], []
+        for req_id, count in so.num_scheduled_tokens.items():
+            request = self.scheduler.requests[req_id]
+            computed = request.num_computed_tokens - count  # schedule() has already advanced it
+            block_ids = self.scheduler.kv_cache_manager.get_block_ids(req_id)[0]
+            transfer = self.transfers.get(req_id)
+            if transfer is not None:
+                first, last = computed // BLOCK_SIZE, (computed + count - 1) // BLOCK_SIZE
+                for position in range(first, min(last + 1, len(block_ids))):
+                    for layer, name in enumerate(LAYERS):
+                        self.kv[name][block_ids[position]] = pattern(transfer, position, layer)
+            req_ids.append(req_id)
+            sampled.append([TOKEN] if computed + count >= request.num_prompt_tokens else [])
+        return req_ids, sampled
+
+    def blocks_hold(self, request_id: str, transfer: str, num_blocks: int) -> bool:
+        block_ids = self.scheduler.kv_cache_manager.get_block_ids(request_id)[0]
+        return all(
+            torch.equal(self.kv[name][block_ids[position]], pattern(transfer, position, layer))
+            for position in range(num_blocks)
+            for layer, name in enumerate(LAYERS)
+        )
+
+    def idle(self) -> bool:
+        return not self.scheduler.has_requests()
+
+    def close(self) -> None:
+        self.worker.shutdown()  # type: ignore[no-untyped-call]
+
+
+def make_engine(
+    name: str,
+    role: str,
+    extra: dict[str, Any],
+    *,
+    num_blocks: int = 64,
+    failure_policy: str = "fail",
+    connector: str = "KVFlowConnector",
+    module_path: str | None = "kvflow.integrations.vllm",
+) -> VllmEngine:
+    """A vLLM scheduler plus worker connector, as a P ("kv_producer") or D ("kv_consumer")."""
+    model = ModelConfig(model=model_dir(), skip_tokenizer_init=True, dtype="float16", max_model_len=4096, seed=0)
+    scheduler_config = SchedulerConfig(
+        max_num_seqs=16, max_num_batched_tokens=4096, max_model_len=4096, is_encoder_decoder=False
+    )
+    cache = CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=False)
+    transfer = KVTransferConfig(
+        kv_connector=connector,
+        kv_connector_module_path=module_path,
+        kv_role=role,  # type: ignore[arg-type]
+        engine_id=name,
+        kv_connector_extra_config=extra,
+        kv_load_failure_policy=failure_policy,  # type: ignore[arg-type]
+    )
+    config = VllmConfig(
+        model_config=model,
+        scheduler_config=scheduler_config,
+        cache_config=cache,
+        kv_transfer_config=transfer,
+        device_config=DeviceConfig("cpu"),
+    )
+    config.cache_config.num_gpu_blocks = num_blocks
+    spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=HEADS, head_size=HEAD_DIM, dtype=torch.float16)
+    page = spec.page_size_bytes
+    tensors = [KVCacheTensor(size=page * num_blocks, layers=[n], layer_stride=0, block_stride=page) for n in LAYERS]
+    kv_cache_config = KVCacheConfig(
+        num_blocks=num_blocks, kv_cache_tensors=tensors, kv_cache_groups=[KVCacheGroupSpec(LAYERS, spec)]
+    )
+    scheduler = Scheduler(
+        vllm_config=config,
+        kv_cache_config=kv_cache_config,
+        structured_output_manager=StructuredOutputManager(config),
+        block_size=BLOCK_SIZE,
+    )
+    worker = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kv_cache_config)
+    kv = {n: torch.zeros((num_blocks, page_elements()), dtype=torch.float16) for n in LAYERS}
+    worker.register_kv_caches(kv)
+    return VllmEngine(name, scheduler, worker, kv)
+
+
+def is_finished(request: Request) -> bool:
+    return request.status >= RequestStatus.FINISHED_STOPPED
