@@ -249,10 +249,21 @@ class TransferCore:
     def abort(self, key: TransferKey, role: Role, now: float, reason: str = "aborted by caller") -> list[Action]:
         """Give up on a transfer.  Idempotent once the transfer has ended.
 
-        :raises UnknownTransfer: no such transfer.
-        :raises InvalidTransition: never in practice: every state accepts ABORT.
+        P may abort a transfer it has not seen yet (its request ended before D's registration
+        arrived): the transfer is then remembered as aborted, and a registration for it, if one
+        comes within `retention`, is answered with the abort and the fence at once.
+
+        :raises UnknownTransfer: D has no such transfer.
+        :raises StaleEpoch: P: a newer epoch of the transfer id exists.
         """
-        return self._feed(self.machine(key, role), Input.ABORT, now, reason=reason)
+        m = self._machines.get((key, role))
+        if m is None:
+            if role is _DECODE:
+                raise UnknownTransfer(f"no {role.value} transfer {key}")
+            self._check_epoch(key, role)
+            m = self._create(key, role, Mode.PUSH, None, now + self.config.retention, now)
+            m.started_locally = True
+        return self._feed(m, Input.ABORT, now, reason=reason)
 
     def delivered(self, key: TransferKey, now: float) -> list[Action]:
         """D: the consumer has taken the blocks of a NOTIFIED transfer.

@@ -297,7 +297,10 @@ class Engine:
     async def abort(self, transfer_id: str, epoch: int, role: Role, reason: str = "aborted by caller") -> None:
         """Give up on a transfer; its blocks come back once no op can touch them.
 
-        :raises UnknownTransfer: no such transfer here.
+        P may abort a transfer D has not registered yet: a later registration is refused at once.
+
+        :raises UnknownTransfer: D has no such transfer.
+        :raises StaleEpoch: P: a newer epoch of the transfer id exists.
         :raises EngineCrashed: the engine crashed.
         """
         self._check_crashed()

@@ -19,6 +19,7 @@ from kvflow.errors import (
     LayoutMismatch,
     StaleEpoch,
     TransferTimeout,
+    UnknownTransfer,
 )
 from kvflow.layout import KVSpec
 from kvflow.messages import TransferKey, encode_notification
@@ -159,6 +160,19 @@ async def test_dead_prefill_fails_decode_by_its_deadline_and_frees_blocks_after_
         await pair.d.aclose()
         await pair.p.aclose(drain_timeout=0.1)
         fabric.close()
+
+
+@pytest.mark.asyncio
+async def test_prefill_abort_before_registration_refuses_the_later_registration_at_once(pair: EnginePair) -> None:
+    await pair.p.abort("gone", 1, Role.PREFILL, reason="client went away")
+    waiting = await pair.d.expect("gone", 1, peer="P", block_ids=[1, 2], timeout=30.0)
+    result = await waiting.wait(2.0)  # long before the 30 s deadline
+    assert result.outcome is Outcome.ABORTED
+    await settle(pair)
+    assert ledgers_empty(pair)
+    assert [r.block_ids for r in pair.d.released] == [(1, 2)]
+    with pytest.raises(UnknownTransfer):
+        await pair.d.abort("never", 1, Role.DECODE)
 
 
 @pytest.mark.asyncio

@@ -14,11 +14,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-
-pytest.importorskip("vllm", reason="vLLM is installed by scripts/setup")
-
 from vllm.v1.request import RequestStatus
 
+from kvflow.integrations.vllm import worker as worker_side
 from kvflow.integrations.vllm.connector import KVFlowConnector
 from tests.vllm_harness import BLOCK_SIZE, VllmEngine, is_finished, make_engine
 
@@ -98,3 +96,105 @@ def test_connector_loaded_by_module_path(engines: tuple[VllmEngine, VllmEngine])
     p, _ = engines
     assert type(p.connector).__name__ == "KVFlowConnector"
     assert type(p.connector).__module__ == "kvflow.integrations.vllm.connector"
+
+
+def crash(engine: VllmEngine) -> None:
+    """The engine's process dies: no goodbye, its memory and control socket gone."""
+    assert isinstance(engine.worker, KVFlowConnector)
+    side = engine.worker._worker
+    assert side is not None and side.thread is not None
+    fabric = worker_side._LOOPBACK_FABRICS[engine.worker.settings.fabric]
+    kvflow_engine = side.thread.engine
+    fabric.kill(kvflow_engine.engine_id)
+    side.thread.call(_silence).result(timeout=5)
+
+
+async def _silence(engine: Any) -> None:
+    engine.control.close()  # nothing more goes out or comes in
+    engine._state = "closed"  # and the engine stops reacting, as a dead process would
+
+
+def settle(engines: tuple[VllmEngine, ...], requests: list[Any], limit: float = 20.0) -> None:
+    run(engines, lambda: all(is_finished(r) for r in requests) and all(e.idle() for e in engines), limit)
+    for engine in engines:
+        assert not engine.connector.has_pending_push_work(), engine.name
+        assert engine.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == 63, engine.name
+
+
+def test_decode_abort_while_waiting_frees_its_blocks_after_the_fence(engines: tuple[VllmEngine, VllmEngine]) -> None:
+    p, d = engines
+    kv = params(p, d, "t2")
+    d_req = d.add("d-t2", 2 * BLOCK_SIZE, max_tokens=4, params={"do_remote_prefill": True, "kvflow": kv})
+    run((d,), lambda: d_req.status == RequestStatus.WAITING_FOR_REMOTE_KVS and d.steps >= 3)
+    d.scheduler.finish_requests(d_req.request_id, RequestStatus.FINISHED_ABORTED)
+    assert d.connector.has_pending_push_work()  # its blocks wait for kvflow's release
+    settle((p, d), [d_req])
+    # the prefill engine learns of it: a late prefill for that transfer is refused at once
+    p.transfers["p-t2"] = "t2"
+    p_req = p.add("p-t2", 2 * BLOCK_SIZE, max_tokens=1, params={"do_remote_decode": True, "kvflow": kv})
+    settle((p, d), [p_req])
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_prefill_abort_fails_the_decode_request_by_its_policy(policy: str) -> None:
+    p, d = pair(failure_policy=policy)
+    try:
+        kv = params(p, d, "t3")
+        d_req = d.add("d-t3", 2 * BLOCK_SIZE, max_tokens=4, params={"do_remote_prefill": True, "kvflow": kv})
+        p_req = p.add("p-t3", 2 * BLOCK_SIZE, max_tokens=1, params={"do_remote_decode": True, "kvflow": kv})
+        p.scheduler.finish_requests(p_req.request_id, RequestStatus.FINISHED_ABORTED)  # before its prefill
+        settle((p, d), [p_req, d_req])
+        if policy == "fail":
+            assert d_req.status == RequestStatus.FINISHED_ERROR
+        else:  # recomputed locally, then decoded
+            assert d_req.status == RequestStatus.FINISHED_LENGTH_CAPPED and len(d_req.output_token_ids) == 4
+    finally:
+        d.close()
+        p.close()
+
+
+def test_prefill_death_fails_the_waiting_decode_request() -> None:
+    p, d = pair(lease=1.0, fence_timeout=1.0)
+    try:
+        kv = params(p, d, "t4")
+        d_req = d.add("d-t4", 2 * BLOCK_SIZE, max_tokens=4, params={"do_remote_prefill": True, "kvflow": kv})
+        run((d,), lambda: d.steps >= 5)
+        crash(p)
+        started = time.monotonic()
+        settle((d,), [d_req])
+        assert d_req.status == RequestStatus.FINISHED_ERROR
+        assert time.monotonic() - started < 10  # a few leases, not a 480 s watchdog
+    finally:
+        d.close()
+
+
+def test_decode_death_lets_prefill_free_its_blocks() -> None:
+    p, d = pair(lease=1.0, fence_timeout=1.0)
+    try:
+        kv = params(p, d, "t5")
+        d.add("d-t5", 2 * BLOCK_SIZE, max_tokens=4, params={"do_remote_prefill": True, "kvflow": kv})
+        run((d,), lambda: d.steps >= 3)  # D's registration is on its way
+        crash(d)
+        p.transfers["p-t5"] = "t5"
+        p_req = p.add("p-t5", 2 * BLOCK_SIZE, max_tokens=1, params={"do_remote_decode": True, "kvflow": kv})
+        settle((p,), [p_req])
+    finally:
+        p.close()
+
+
+def test_push_over_nixl_moves_the_bytes() -> None:
+    p, d = pair(transport="nixl")
+    try:
+        p_req, d_req = dispatch(p, d, "t6", 2 * BLOCK_SIZE + 1)
+        checked: list[bool] = []
+
+        def landed() -> bool:
+            if d_req.status == RequestStatus.RUNNING and not checked:
+                checked.append(d.blocks_hold(d_req.request_id, "t6", 3))
+            return is_finished(d_req) and is_finished(p_req) and p.idle() and d.idle()
+
+        run((p, d), landed)
+        assert checked == [True]
+    finally:
+        d.close()
+        p.close()

@@ -139,6 +139,7 @@ class SchedulerBook:
             raise ConfigError("block_size must be positive")
         self.block_size = block_size
         self._tracked: dict[str, _Tracked] = {}
+        self._loaded: set[str] = set()  # D requests whose one remote load was ordered
         self._pending = Orders()
 
     # ---------------------------------------------------------------- decode side
@@ -150,6 +151,8 @@ class SchedulerBook:
         prompt token it has not computed, asynchronously."""
         if not (params or {}).get("do_remote_prefill") or TransferParams.parse(params) is None:
             return 0, False
+        if request_id in self._loaded:
+            return 0, False  # its remote load happened (and failed): vLLM recomputes it locally
         count = prompt_len - computed
         return (count, True) if count > 0 else (0, False)
 
@@ -169,6 +172,7 @@ class SchedulerBook:
             return  # called again after the load: nothing new to register
         needed = -(-prompt_len // self.block_size)
         blocks = tuple(block_ids)[:needed]
+        self._loaded.add(request_id)
         self._tracked[request_id] = _Tracked(parsed, prompt_len, producer=False, ordered=True)
         self._pending.expect.append(Order(request_id, parsed, blocks))
 
@@ -198,6 +202,7 @@ class SchedulerBook:
 
         Blocks a transfer may still touch are freed only once the workers report them released.
         """
+        self._loaded.discard(request_id)
         tracked = self._tracked.get(request_id)
         if tracked is None:
             return False, None
