@@ -23,6 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.request import RequestStatus
 
+from kvflow.errors import ConfigError
 from kvflow.integrations.vllm.mapping import Orders, SchedulerBook
 from kvflow.integrations.vllm.worker import Settings, WorkerSide, layout_from_kv_caches
 
@@ -159,12 +160,12 @@ class KVFlowConnector(KVConnectorBase_V1):
 
     def _scheduler(self) -> SchedulerBook:
         if self._book is None:
-            raise RuntimeError("scheduler-side hook called on a worker-role KVFlowConnector")
+            raise ConfigError("scheduler-side hook called on a worker-role KVFlowConnector")
         return self._book
 
     def _worker_side(self) -> WorkerSide:
         if self._worker is None:
-            raise RuntimeError("worker-side hook called on a scheduler-role KVFlowConnector")
+            raise ConfigError("worker-side hook called on a scheduler-role KVFlowConnector")
         return self._worker
 
 
