@@ -1,0 +1,556 @@
+"""The 1P1D router example (examples/vllm_1p1d/router.py) against stand-in OpenAI servers.
+
+Everything runs as real processes over real HTTP on 127.0.0.1: two `tests.fake_openai_server`
+processes stand in for P and D, and the router runs as its own script.  Concurrency is shown by
+holding P's answer until D's request has arrived, never by timing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import queue
+import re
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import pytest_asyncio
+
+from examples.vllm_1p1d import router
+from kvflow.integrations.vllm.mapping import TransferParams
+
+ROOT = Path(__file__).resolve().parent.parent
+ROUTER = ROOT / "examples" / "vllm_1p1d" / "router.py"
+WAIT = 20.0  # the most any one wait in these tests may take
+BAD_OUTPUT = ("Traceback", "ResourceWarning", "Unclosed", "never retrieved", "Error handling request")
+
+
+class Process:
+    """A child process; a thread collects its output lines (stdout and stderr together)."""
+
+    def __init__(self, *args: str) -> None:
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.popen = subprocess.Popen(
+            [sys.executable, "-W", "default::ResourceWarning", *args],
+            cwd=ROOT,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        self.output: list[str] = []
+        self._lines: queue.Queue[str] = queue.Queue()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.popen.stdout is not None
+        for line in self.popen.stdout:
+            self.output.append(line)
+            self._lines.put(line)
+
+    def wait_for(self, pattern: str) -> re.Match[str]:
+        while True:
+            try:
+                line = self._lines.get(timeout=WAIT)
+            except queue.Empty:
+                raise AssertionError(f"no line matching {pattern!r}; output: {''.join(self.output)}") from None
+            if match := re.search(pattern, line):
+                return match
+
+    def stop(self) -> str:
+        """Terminate, wait (then kill), and return everything it wrote."""
+        self.popen.terminate()
+        try:
+            self.popen.wait(timeout=WAIT)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            self.popen.wait(timeout=WAIT)
+        self._reader.join(timeout=WAIT)
+        assert self.popen.stdout is not None
+        self.popen.stdout.close()
+        return "".join(self.output)
+
+
+def start_fake(name: str) -> tuple[Process, str]:
+    process = Process("-m", "tests.fake_openai_server", "--name", name)
+    port = process.wait_for(r'"port": (\d+)').group(1)
+    return process, f"http://127.0.0.1:{port}"
+
+
+def start_router(prefill: str, decode: str, *extra: str) -> tuple[Process, str]:
+    process = Process(
+        str(ROUTER),
+        "--port",
+        "0",
+        "--prefill",
+        prefill,
+        "--prefill-engine",
+        "prefill-0",
+        "--prefill-kvflow",
+        "tcp://127.0.0.1:5700",
+        "--decode",
+        decode,
+        "--decode-engine",
+        "decode-0",
+        "--decode-kvflow",
+        "tcp://127.0.0.1:5800",
+        *extra,
+    )
+    return process, process.wait_for(r"router listening on (http://\S+)").group(1)
+
+
+def stop_clean(process: Process) -> None:
+    output = process.stop()
+    for marker in BAD_OUTPUT:
+        assert marker not in output, output
+
+
+@dataclass
+class Stack:
+    p: str
+    d: str
+    router: str
+
+
+@pytest.fixture(scope="module")
+def stack() -> Iterator[Stack]:
+    fakes: list[Process] = []
+    try:
+        p_proc, p_url = start_fake("P")
+        fakes.append(p_proc)
+        d_proc, d_url = start_fake("D")
+        fakes.append(d_proc)
+        router_proc, router_url = start_router(p_url, d_url)
+        try:
+            yield Stack(p_url, d_url, router_url)
+        finally:
+            stop_clean(router_proc)
+    finally:
+        for fake in fakes:
+            stop_clean(fake)
+
+
+@dataclass
+class Live:
+    stack: Stack
+    http: aiohttp.ClientSession
+
+    async def records(self, server: str) -> list[dict[str, Any]]:
+        async with self.http.get(server + "/requests") as response:
+            records: list[dict[str, Any]] = await response.json()
+            return records
+
+    async def wait_record(self, server: str, what: str, check: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
+        """The newest request recorded by `server` that passes `check`, polled for at most WAIT s."""
+        try:
+            async with asyncio.timeout(WAIT):
+                while True:
+                    matching = [r for r in await self.records(server) if check(r)]
+                    if matching:
+                        return matching[-1]
+                    await asyncio.sleep(0.02)
+        except TimeoutError:
+            raise AssertionError(f"{server}: no request {what}; saw {await self.records(server)}") from None
+
+    async def wait_all_ended(self, server: str) -> list[str]:
+        """The outcomes of every request `server` has seen, once none is still open."""
+        try:
+            async with asyncio.timeout(WAIT):
+                while True:
+                    outcomes = [r["outcome"] for r in await self.records(server)]
+                    if None not in outcomes:
+                        return outcomes
+                    await asyncio.sleep(0.02)
+        except TimeoutError:
+            raise AssertionError(f"{server}: requests still open: {await self.records(server)}") from None
+
+    async def release(self, server: str) -> None:
+        async with self.http.post(server + "/release") as response:
+            assert response.status == 200
+
+
+@pytest_asyncio.fixture
+async def live(stack: Stack) -> AsyncIterator[Live]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=WAIT)) as http:
+        for server in (stack.p, stack.d):
+            async with http.post(server + "/reset") as response:
+                assert response.status == 200
+        yield Live(stack, http)
+
+
+def held(record: dict[str, Any]) -> bool:
+    return bool(record["held"])
+
+
+def cancelled(record: dict[str, Any]) -> bool:
+    return bool(record["outcome"] == "cancelled")
+
+
+def events(*texts: str) -> str:
+    lines = [f"data: {json.dumps(sse_data(text))}\n\n" for text in texts]
+    return "".join(lines) + "data: [DONE]\n\n"
+
+
+def sse_data(text: str) -> dict[str, Any]:
+    return {"id": "cmpl-fake", "object": "text_completion", "choices": [{"index": 0, "text": text}]}
+
+
+def expected_params(transfer_id: str, mode: str = "push") -> dict[str, Any]:
+    return {
+        "transfer_id": transfer_id,
+        "epoch": 1,
+        "mode": mode,
+        "prefill": {"engine": "prefill-0", "address": "tcp://127.0.0.1:5700"},
+        "decode": {"engine": "decode-0", "address": "tcp://127.0.0.1:5800"},
+    }
+
+
+# ---------------------------------------------------------------- with processes
+
+
+@pytest.mark.asyncio
+async def test_health(live: Live) -> None:
+    async with live.http.get(live.stack.router + "/health") as response:
+        assert response.status == 200
+        assert await response.json() == {"status": "ok"}
+
+
+@pytest.mark.asyncio
+async def test_decode_is_sent_while_prefill_runs_with_the_same_transfer(live: Live) -> None:
+    stack = live.stack
+    body = {
+        "model": "m",
+        "prompt": "hello",
+        "max_tokens": 50,
+        "min_tokens": 2,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "fake": {"P": {"hold": True}, "D": {"chunks": 4}},
+    }
+    call = asyncio.create_task(live.http.post(stack.router + "/v1/completions", json=body))
+    try:
+        await live.wait_record(stack.p, "held", held)
+        d_request = await live.wait_record(stack.d, "at all", lambda r: True)
+        (p_request,) = await live.records(stack.p)
+        assert p_request["held"] and p_request["ended"] is None  # D's request came while P's was open
+        await live.release(stack.p)
+        async with asyncio.timeout(WAIT):
+            async with await call as response:
+                assert response.status == 200
+                assert response.content_type == "text/event-stream"
+                assert await response.text() == events("tok0", "tok1", "tok2", "tok3")
+    finally:
+        call.cancel()
+    (p_request,) = await live.records(stack.p)
+    assert d_request["arrived"] < p_request["ended"]
+
+    params = d_request["body"]["kv_transfer_params"]["kvflow"]
+    transfer_id = params["transfer_id"]
+    assert re.fullmatch(r"[0-9a-f]{32}", transfer_id)
+    assert params == expected_params(transfer_id)
+    assert p_request["headers"]["x-request-id"] == d_request["headers"]["x-request-id"] == f"kvflow-{transfer_id}"
+
+    prefill = dict(body, max_tokens=1, stream=False)
+    del prefill["stream_options"], prefill["min_tokens"]
+    prefill["kv_transfer_params"] = {"do_remote_decode": True, "kvflow": expected_params(transfer_id)}
+    assert p_request["body"] == prefill
+    decode = dict(body, kv_transfer_params={"do_remote_prefill": True, "kvflow": expected_params(transfer_id)})
+    assert d_request["body"] == decode
+
+
+@pytest.mark.asyncio
+async def test_events_reach_the_client_as_decode_sends_them(live: Live) -> None:
+    stack = live.stack
+    body = {"prompt": "hi", "stream": True, "fake": {"D": {"chunks": 3, "hold_after": 1}}}
+    async with asyncio.timeout(WAIT):
+        async with live.http.post(stack.router + "/v1/completions", json=body) as response:
+            assert response.status == 200
+            first = await response.content.readuntil(b"\n\n")
+            assert first.decode() == f"data: {json.dumps(sse_data('tok0'))}\n\n"
+            await live.wait_record(stack.d, "holding its answer", held)  # the rest is not sent yet
+            await live.release(stack.d)
+            rest = (await response.read()).decode()
+    assert first.decode() + rest == events("tok0", "tok1", "tok2")
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_a_whole_answer_passes_through(live: Live, path: str) -> None:
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 9, "max_tokens": 9}
+    async with live.http.post(live.stack.router + path, json=body) as response:
+        assert response.status == 200
+        answer = await response.json()
+    assert answer["choices"][0]["text"] == "D-answer"
+    (p_request,) = await live.records(live.stack.p)
+    (d_request,) = await live.records(live.stack.d)
+    assert p_request["path"] == d_request["path"] == path
+    assert p_request["body"]["max_completion_tokens"] == p_request["body"]["max_tokens"] == 1
+    assert d_request["body"]["max_completion_tokens"] == d_request["body"]["max_tokens"] == 9
+
+
+@pytest.mark.asyncio
+async def test_a_failed_prefill_cancels_decode(live: Live) -> None:
+    stack = live.stack
+    body = {"prompt": "x", "stream": True, "fake": {"P": {"hold": True, "status": 500}, "D": {"hold": True}}}
+    call = asyncio.create_task(live.http.post(stack.router + "/v1/completions", json=body))
+    try:
+        await live.wait_record(stack.p, "held", held)
+        await live.wait_record(stack.d, "held", held)
+        await live.release(stack.p)
+        async with asyncio.timeout(WAIT):
+            async with await call as response:
+                assert response.status == 502
+                error = (await response.json())["error"]
+    finally:
+        call.cancel()
+    assert error["leg"] == "prefill"
+    assert "prefill leg failed" in error["message"] and "HTTP 500" in error["message"]
+    await live.wait_record(stack.d, "cancelled", cancelled)
+
+
+@pytest.mark.asyncio
+async def test_a_failed_decode_cancels_prefill(live: Live) -> None:
+    stack = live.stack
+    body = {"prompt": "x", "fake": {"P": {"hold": True}, "D": {"hold": True, "status": 503}}}
+    call = asyncio.create_task(live.http.post(stack.router + "/v1/completions", json=body))
+    try:
+        await live.wait_record(stack.p, "held", held)
+        await live.wait_record(stack.d, "held", held)
+        await live.release(stack.d)
+        async with asyncio.timeout(WAIT):
+            async with await call as response:
+                assert response.status == 502
+                error = (await response.json())["error"]
+    finally:
+        call.cancel()
+    assert error["leg"] == "decode"
+    assert "decode leg failed" in error["message"] and "HTTP 503" in error["message"]
+    await live.wait_record(stack.p, "cancelled", cancelled)
+
+
+@pytest.mark.asyncio
+async def test_a_client_going_away_cancels_both_legs(live: Live) -> None:
+    stack = live.stack
+    body = {"prompt": "x", "stream": True, "fake": {"P": {"hold": True}, "D": {"hold": True}}}
+    call = asyncio.create_task(live.http.post(stack.router + "/v1/completions", json=body))
+    try:
+        await live.wait_record(stack.p, "held", held)
+        await live.wait_record(stack.d, "held", held)
+    finally:
+        call.cancel()  # closes the client's connection
+        await asyncio.wait({call})
+    await live.wait_record(stack.p, "cancelled", cancelled)
+    await live.wait_record(stack.d, "cancelled", cancelled)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(("data", "message"), [(b"{not json", "not valid JSON"), (b"[1, 2]", "a JSON object")])
+async def test_bad_input_is_refused_and_not_dispatched(live: Live, data: bytes, message: str) -> None:
+    url = live.stack.router + "/v1/completions"
+    async with live.http.post(url, data=data, headers={"Content-Type": "application/json"}) as response:
+        assert response.status == 400
+        error = (await response.json())["error"]
+    assert message in error["message"]
+    async with live.http.post(url, json={"prompt": "after"}) as response:  # the legs of this one only
+        assert response.status == 200
+    for server in (live.stack.p, live.stack.d):
+        assert [r["body"]["prompt"] for r in await live.records(server)] == ["after"]
+
+
+@pytest.mark.asyncio
+async def test_prefill_without_an_answer_in_time(live: Live) -> None:
+    stack = live.stack
+    process, url = start_router(stack.p, stack.d, "--timeout", "1")
+    try:
+        body = {"prompt": "x", "fake": {"P": {"hold": True}, "D": {"hold": True}}}
+        async with live.http.post(url + "/v1/completions", json=body) as response:
+            assert response.status == 502
+            error = (await response.json())["error"]
+        assert error["leg"] == "prefill" and "within 1 s" in error["message"]
+        # D's request was cancelled, or never reached D when the deadline came first
+        assert set(await live.wait_all_ended(stack.d)) <= {"cancelled"}
+    finally:
+        stop_clean(process)
+
+
+@pytest.mark.asyncio
+async def test_prefill_unreachable(live: Live) -> None:
+    with socket.socket() as probe:  # a port nothing listens on (closed again before use)
+        probe.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{probe.getsockname()[1]}"
+    process, url = start_router(closed, live.stack.d)
+    try:
+        body = {"prompt": "x", "fake": {"D": {"hold": True}}}
+        async with live.http.post(url + "/v1/completions", json=body) as response:
+            assert response.status == 502
+            error = (await response.json())["error"]
+        assert error["leg"] == "prefill" and closed in error["message"]
+        assert set(await live.wait_all_ended(live.stack.d)) <= {"cancelled"}
+    finally:
+        stop_clean(process)
+
+
+# ---------------------------------------------------------------- the pure parts
+
+
+def config(mode: str = "push") -> router.RouterConfig:
+    return router.RouterConfig(
+        router.Backend("http://p:8100", "prefill-0", "tcp://127.0.0.1:5700"),
+        router.Backend("http://d:8200", "decode-0", "tcp://127.0.0.1:5800"),
+        mode,
+    )
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_kvflow_params_are_what_the_connector_parses(mode: str) -> None:
+    params = router.kvflow_params(config(mode), "abc")
+    assert params == expected_params("abc", mode)
+    parsed = TransferParams.parse({"kvflow": params})
+    assert parsed is not None and parsed.to_params() == params
+
+
+def test_prefill_body_asks_one_token_without_streaming() -> None:
+    body = {"prompt": "p", "max_tokens": 7, "min_tokens": 3, "stream": True, "stream_options": {}, "n": 1}
+    params = router.kvflow_params(config(), "t")
+    out = router.prefill_body(body, params)
+    assert out == {
+        "prompt": "p",
+        "max_tokens": 1,
+        "stream": False,
+        "n": 1,
+        "kv_transfer_params": {"do_remote_decode": True, "kvflow": params},
+    }
+    assert body["max_tokens"] == 7 and "stream_options" in body  # the client's body is left alone
+    assert "max_completion_tokens" not in out
+    assert router.prefill_body({"max_completion_tokens": 5}, params)["max_completion_tokens"] == 1
+
+
+def test_decode_body_is_the_client_body_with_params() -> None:
+    params = router.kvflow_params(config(), "t")
+    body = {"prompt": "p", "stream": True, "kv_transfer_params": {"other": 1}}
+    assert router.decode_body(body, params) == {
+        "prompt": "p",
+        "stream": True,
+        "kv_transfer_params": {"do_remote_prefill": True, "kvflow": params},
+    }
+
+
+def test_leg_headers() -> None:
+    assert router.leg_headers("t", None) == {"X-Request-Id": "kvflow-t"}
+    assert router.leg_headers("t", "Bearer k") == {"X-Request-Id": "kvflow-t", "Authorization": "Bearer k"}
+
+
+def test_command_line() -> None:
+    args = router.parse_args([])
+    assert (args.host, args.port, args.mode, args.timeout) == ("127.0.0.1", 8000, "push", 600.0)
+    assert (args.prefill, args.prefill_engine, args.prefill_kvflow) == (
+        "http://127.0.0.1:8100",
+        "prefill-0",
+        "tcp://127.0.0.1:5700",
+    )
+    assert (args.decode, args.decode_engine, args.decode_kvflow) == (
+        "http://127.0.0.1:8200",
+        "decode-0",
+        "tcp://127.0.0.1:5800",
+    )
+    for bad in (
+        ["--prefill-kvflow", "127.0.0.1:5700"],
+        ["--decode", "localhost:8200"],
+        ["--mode", "x"],
+        ["--timeout", "0"],
+    ):
+        with pytest.raises(SystemExit):
+            router.parse_args(bad)
+
+
+# ---------------------------------------------------------------- the launch scripts
+
+
+def run_script(tmp_path: Path, script: str, env: dict[str, str], *args: str) -> tuple[int, str, list[str]]:
+    """Run a launch script with stand-ins for `vllm` and the router's Python that record their
+    arguments; returns (exit status, stderr, the arguments the stand-in got)."""
+    recorded = tmp_path / "args"
+    for name in ("vllm", "python-stub"):
+        stub = tmp_path / name
+        stub.write_text(f'#!/usr/bin/env bash\nprintf "%s\\n" "$@" > {recorded}\n')
+        stub.chmod(0o755)
+    clean = {key: value for key, value in os.environ.items() if not key.startswith("KVFLOW_SECRET")}
+    full_env = clean | {"PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}", "PYTHON": str(tmp_path / "python-stub")}
+    done = subprocess.run(
+        ["bash", str(ROUTER.parent / script), *args],
+        env=full_env | env,
+        capture_output=True,
+        text=True,
+        timeout=WAIT,
+        check=False,
+    )
+    got = recorded.read_text().splitlines() if recorded.exists() else []
+    return done.returncode, done.stderr, got
+
+
+def option(args: list[str], name: str) -> str:
+    return args[args.index(name) + 1]
+
+
+@pytest.mark.parametrize(
+    ("script", "role", "engine", "http", "kvflow"),
+    [
+        ("serve_prefill.sh", "kv_producer", "prefill-0", "8100", 5700),
+        ("serve_decode.sh", "kv_consumer", "decode-0", "8200", 5800),
+    ],
+)
+def test_serve_scripts(tmp_path: Path, script: str, role: str, engine: str, http: str, kvflow: int) -> None:
+    status, stderr, args = run_script(tmp_path, script, {"KVFLOW_SECRET": "s" * 32}, "--tensor-parallel-size", "2")
+    assert status == 0, stderr
+    assert args[:2] == ["serve", "Qwen/Qwen2.5-0.5B-Instruct"]
+    assert option(args, "--port") == http and option(args, "--host") == "127.0.0.1"
+    assert "--no-enable-prefix-caching" in args and "--block-size" not in args
+    assert args[-2:] == ["--tensor-parallel-size", "2"]
+    config = json.loads(option(args, "--kv-transfer-config"))
+    expected = {
+        "kv_connector": "KVFlowConnector",
+        "kv_connector_module_path": "kvflow.integrations.vllm",
+        "kv_role": role,
+        "engine_id": engine,
+        "kv_connector_extra_config": {"host": "127.0.0.1", "port": kvflow},
+    }
+    if role == "kv_consumer":
+        expected["kv_load_failure_policy"] = "fail"
+    assert config == expected
+
+    env = {"KVFLOW_SECRET_FILE": "/dev/null", "KVFLOW_HOST": "10.0.0.2", "KVFLOW_PORT": "6000", "MODEL": "m"}
+    status, stderr, args = run_script(tmp_path, script, env)
+    assert status == 0, stderr
+    assert args[1] == "m"
+    assert json.loads(option(args, "--kv-transfer-config"))["kv_connector_extra_config"] == {
+        "host": "10.0.0.2",
+        "port": 6000,
+    }
+
+
+@pytest.mark.parametrize("script", ["serve_prefill.sh", "serve_decode.sh"])
+def test_serve_scripts_refuse_to_start_without_a_secret(tmp_path: Path, script: str) -> None:
+    status, stderr, args = run_script(tmp_path, script, {})
+    assert status != 0 and "KVFLOW_SECRET" in stderr and args == []
+    status, stderr, args = run_script(tmp_path, script, {"KVFLOW_SECRET": "s" * 32, "KVFLOW_SECRET_FILE": "/x"})
+    assert status != 0 and "not both" in stderr and args == []
+
+
+def test_run_router_script(tmp_path: Path) -> None:
+    status, stderr, args = run_script(tmp_path, "run_router.sh", {"MODE": "pull"}, "--max-body", "1024")
+    assert status == 0, stderr
+    assert args[0] == str(ROUTER)
+    parsed = router.parse_args(args[1:])
+    assert (parsed.port, parsed.mode, parsed.max_body) == (8000, "pull", 1024)
+    assert (parsed.prefill, parsed.decode) == ("http://127.0.0.1:8100", "http://127.0.0.1:8200")
