@@ -1,4 +1,4 @@
-"""The `kvflow` command: `kvflow doctor`, `kvflow bench nixl`.
+"""The `kvflow` command: `kvflow doctor`, `kvflow bench nixl`, `kvflow bench vllm`.
 
 Why one entry point: operators ask "does NIXL work here, with which backends and memory?" and
 "how fast is it here?" before anything else; both answers are one command away.
@@ -23,6 +23,21 @@ def main(argv: list[str] | None = None) -> int:
     nixl.add_argument("--quick", action="store_true", help="stop at 16 MiB")
     nixl.add_argument("--repeats", type=int, default=None, help="samples per cell (default: by size)")
     nixl.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    vllm = targets.add_parser(
+        "vllm", help="P->D latency inside vLLM's Scheduler: kvflow vs vLLM's NixlPushConnector and NixlConnector"
+    )
+    vllm.add_argument("--connectors", type=_names, default=["kvflow", "vllm-push", "vllm-pull"])
+    vllm.add_argument("--tokens", type=_ints, default=[512, 4096], help="prompt lengths (comma-separated)")
+    vllm.add_argument("--concurrency", type=_ints, default=[1, 4], help="requests in flight (comma-separated)")
+    vllm.add_argument("--step-ms", type=_floats, default=[0.0, 5.0], help="step pacing, 0 = as fast as possible")
+    vllm.add_argument("--requests", type=int, default=20, help="measured requests per cell")
+    vllm.add_argument("--repeats", type=int, default=2, help="runs of the whole matrix; medians are reported")
+    vllm.add_argument("--warmup", type=int, default=2, help="unmeasured requests before each cell")
+    vllm.add_argument("--keep-vllm-affinity", action="store_true", help="keep the CPU pin vLLM's NIXL worker sets")
+    vllm.add_argument(
+        "--nixl-progress-delay-us", type=int, default=None, help="NIXL progress-thread delay (stock: busy poll)"
+    )
+    vllm.add_argument("--json", default=None, help="also write every sample to this JSON file")
     args = parser.parse_args(argv)
     os.environ.setdefault("NIXL_LOG_LEVEL", "ERROR")
     if args.command == "doctor":
@@ -30,10 +45,27 @@ def main(argv: list[str] | None = None) -> int:
 
         sys.stdout.write(render(diagnose()) + "\n")
         return 0
+    if args.target == "vllm":
+        from kvflow.integrations.vllm.bench import main as bench_vllm
+
+        options = {k: v for k, v in vars(args).items() if k not in ("command", "target")}
+        return bench_vllm(options)
     from kvflow.bench_nixl import main as bench_main
 
     bench_main(quick=args.quick, json_path=args.json, repeats=args.repeats)
     return 0
+
+
+def _names(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def _ints(text: str) -> list[int]:
+    return [int(part) for part in _names(text)]
+
+
+def _floats(text: str) -> list[float]:
+    return [float(part) for part in _names(text)]
 
 
 if __name__ == "__main__":

@@ -1,0 +1,511 @@
+"""`kvflow bench vllm`: kvflow's connector against vLLM's NixlPushConnector and NixlConnector.
+
+Why this shape: the number that matters in P/D disaggregation is how long D waits for the KV
+once P has it.  Each connector runs inside vLLM's real Scheduler and worker hooks (`runner`), P
+and D as two processes, over the same transport (NIXL with UCX, DRAM KV caches), on the same
+workload, in the same run.  This module plays the router: for the push connectors it dispatches
+P and D at once, as their proxies do; for vLLM's pull connector it hands P's returned
+``kv_transfer_params`` to D, as vLLM's pull proxy does.
+
+Measured per request (clocks are CLOCK_MONOTONIC, shared by the processes):
+
+* ``fin→recv``: from P's scheduler calling ``request_finished`` to D's worker reporting the
+  request in ``finished_recving`` (vLLM then schedules it for decode);
+* ``kv→recv``: from the end of P's forward that computed the last prompt token (the moment
+  the KV exists) to the same point; connectors that start sending before ``request_finished``
+  are not flattered by this one;
+* D's engine steps from P's ``request_finished`` to ``finished_recving``, P's time to free its
+  blocks (``finished_sending``), and every page D received, checked byte for byte.
+
+Timings are printed and written as JSON, never asserted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import secrets
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvflow.errors import ConfigError, KVFlowError
+from kvflow.integrations.vllm.runner import EngineSpec, spec_line
+
+__all__ = ("CONNECTORS", "BenchError", "Cell", "main", "run")
+
+CONNECTORS: dict[str, tuple[str, str | None]] = {  # name -> (vLLM class, module path)
+    "kvflow": ("KVFlowConnector", "kvflow.integrations.vllm"),
+    "kvflow-pull": ("KVFlowConnector", "kvflow.integrations.vllm"),
+    "vllm-push": ("NixlPushConnector", None),
+    "vllm-pull": ("NixlConnector", None),
+}
+DECODE_TOKENS = 4
+START_TIMEOUT = 300.0
+FLIGHT_TIMEOUT = 120.0
+
+
+class BenchError(KVFlowError):
+    """An engine process died, or a request did not complete in time."""
+
+
+@dataclass
+class Flight:
+    """One request's journey through P and D."""
+
+    request_id: str
+    dispatched: float
+    finished: float | None = None  # P: request_finished
+    computed: float | None = None  # P: the forward that completed the prompt ended
+    recving: float | None = None  # D: finished_recving
+    recv_failed: bool = False
+    d_steps: int = 0
+    sent: float | None = None  # P: finished_sending
+    pages: int = 0
+    bad_pages: int = 0
+    page_bytes: int = 0
+    p_gone: bool = False
+    d_gone: bool = False
+    d_dispatched: bool = False
+
+    @property
+    def done(self) -> bool:
+        return self.p_gone and self.d_gone
+
+
+@dataclass
+class Cell:
+    connector: str
+    tokens: int
+    concurrency: int
+    step_ms: float
+    repeat: int
+    requests: int
+    fin_to_recv_ms: list[float] = field(default_factory=list)
+    kv_to_recv_ms: list[float] = field(default_factory=list)
+    d_steps: list[int] = field(default_factory=list)
+    fin_to_sent_ms: list[float] = field(default_factory=list)
+    bytes_verified: int = 0
+    bad_pages: int = 0
+    failed: int = 0
+
+
+class EngineProcess:
+    """A runner process: commands in on stdin, events out on stdout, logs in a file."""
+
+    def __init__(self, spec: EngineSpec, env: dict[str, str], events: queue.Queue[tuple[str, dict[str, Any]]]):
+        self.name = spec.name
+        self.log_path = Path(tempfile.mkstemp(prefix=f"kvflow-bench-{spec.name}-", suffix=".log")[1])
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "kvflow.integrations.vllm.runner"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+                env=env,
+            )
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self._stdin = self.proc.stdin
+        self._send_line(spec_line(spec))
+        self._reader = threading.Thread(target=self._read, args=(self.proc.stdout, events), daemon=True)
+        self._reader.start()
+
+    def _read(self, stdout: Any, events: queue.Queue[tuple[str, dict[str, Any]]]) -> None:
+        with stdout:
+            for line in stdout:
+                events.put((self.name, json.loads(line)))
+        events.put((self.name, {"ev": "exit"}))
+
+    def _send_line(self, line: str) -> None:
+        self._stdin.write(line + "\n")
+        self._stdin.flush()
+
+    def send(self, **command: Any) -> None:
+        self._send_line(json.dumps(command))
+
+    def log_tail(self, lines: int = 30) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def close(self, keep_log: bool = False) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            self.send(op="stop")
+            self._stdin.close()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        self._reader.join(timeout=10)
+        if not keep_log:
+            self.log_path.unlink(missing_ok=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Pair:
+    """P and D engine processes running one connector, and the router between them."""
+
+    def __init__(self, connector: str, tokens: int, concurrency: int, options: dict[str, Any]) -> None:
+        if connector not in CONNECTORS:
+            raise ConfigError(f"unknown connector {connector!r}; choose from {sorted(CONNECTORS)}")
+        self.connector = connector
+        cls, module_path = CONNECTORS[connector]
+        self.events: queue.Queue[tuple[str, dict[str, Any]]] = queue.Queue()
+        secret = secrets.token_hex(32)
+        blocks = concurrency * (-(-tokens // 32) + 2) + 64
+        self.side_ports = {"P": _free_port(), "D": _free_port()}
+        extra: dict[str, Any] = {}
+        if connector.startswith("kvflow"):
+            extra = {"transport": "nixl", "port": 0, "host": "127.0.0.1"}
+        self.engines: dict[str, EngineProcess] = {}
+        self.failed = False
+        try:
+            for name, role in (("P", "kv_producer"), ("D", "kv_consumer")):
+                spec = EngineSpec(
+                    name=name,
+                    role=role,
+                    connector=cls,
+                    module_path=module_path,
+                    engine_id="prefill" if name == "P" else "decode",
+                    extra=extra,
+                    num_blocks=blocks,
+                    max_model_len=max(8192, tokens + 64),
+                    dist_port=_free_port(),
+                    keep_vllm_affinity=options.get("keep_vllm_affinity", False),
+                    nixl_progress_delay_us=options.get("nixl_progress_delay_us"),
+                )
+                env = dict(os.environ)
+                env.update(
+                    KVFLOW_SECRET=secret,
+                    HF_HUB_OFFLINE="1",
+                    VLLM_TARGET_DEVICE="cpu",
+                    VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1",
+                    VLLM_NIXL_SIDE_CHANNEL_PORT=str(self.side_ports[name]),
+                    VLLM_LOGGING_LEVEL=env.get("VLLM_LOGGING_LEVEL", "WARNING"),
+                    NIXL_LOG_LEVEL=env.get("NIXL_LOG_LEVEL", "WARN"),
+                    UCX_NET_DEVICES=env.get("UCX_NET_DEVICES", "lo"),
+                )
+                self.engines[name] = EngineProcess(spec, env, self.events)
+            self.ready: dict[str, dict[str, Any]] = {}
+            deadline = time.monotonic() + START_TIMEOUT
+            while len(self.ready) < 2:
+                name, event = self._next(deadline, "engines to start")
+                if event["ev"] == "ready":
+                    self.ready[name] = event
+        except BaseException:
+            self.close()
+            raise
+
+    def _next(self, deadline: float, waiting_for: str) -> tuple[str, dict[str, Any]]:
+        try:
+            name, event = self.events.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            self.failed = True
+            logs = ", ".join(str(e.log_path) for e in self.engines.values())
+            raise BenchError(f"{self.connector}: timed out waiting for {waiting_for} (logs: {logs})") from None
+        if event["ev"] == "exit":
+            self.failed = True
+            engine = self.engines[name]
+            raise BenchError(
+                f"{self.connector}: engine {name} exited while waiting for {waiting_for} "
+                f"(log: {engine.log_path}):\n{engine.log_tail()}"
+            )
+        return name, event
+
+    def close(self) -> None:
+        for engine in self.engines.values():
+            engine.close(keep_log=self.failed)
+
+    # ---------------------------------------------------------------- routing
+
+    def dispatch(self, flight: Flight, tokens: int) -> None:
+        rid, p, d = flight.request_id, self.engines["P"], self.engines["D"]
+        tag = rid
+        if self.connector.startswith("kvflow"):
+            kv = {
+                "transfer_id": rid,
+                "epoch": 1,
+                "mode": "pull" if self.connector == "kvflow-pull" else "push",
+                "prefill": {"engine": "prefill", "address": self.ready["P"]["control_address"]},
+                "decode": {"engine": "decode", "address": self.ready["D"]["control_address"]},
+            }
+            p.send(
+                op="add",
+                id=rid,
+                prompt_len=tokens,
+                max_tokens=1,
+                tag=tag,
+                params={"do_remote_decode": True, "kvflow": kv},
+            )
+            d_kv = {"do_remote_prefill": True, "kvflow": kv}
+            d.send(op="add", id=rid, prompt_len=tokens, max_tokens=DECODE_TOKENS, tag=tag, params=d_kv)
+            flight.d_dispatched = True
+            return
+        p_params: dict[str, Any] = {
+            "do_remote_decode": True,
+            "do_remote_prefill": False,
+            "remote_engine_id": None,
+            "remote_block_ids": None,
+            "remote_host": None,
+            "remote_port": None,
+        }
+        if self.connector == "vllm-push":  # as vLLM's push proxy: D learns P's coordinates up front
+            p_params["transfer_id"] = rid
+            d_params = {
+                "do_remote_decode": False,
+                "do_remote_prefill": True,
+                "remote_engine_id": "prefill",
+                "remote_host": "127.0.0.1",
+                "remote_port": self.side_ports["P"],
+                "tp_size": 1,
+                "pp_size": 1,
+                "remote_request_id": rid,
+                "transfer_id": rid,
+            }
+            p.send(op="add", id=rid, prompt_len=tokens, max_tokens=1, tag=tag, params=p_params)
+            d.send(op="add", id=rid, prompt_len=tokens, max_tokens=DECODE_TOKENS, tag=tag, params=d_params)
+            flight.d_dispatched = True
+        else:  # pull: D gets the request once P answers with its kv_transfer_params
+            p.send(op="add", id=rid, prompt_len=tokens, max_tokens=1, tag=tag, params=p_params)
+
+    def on_event(self, name: str, event: dict[str, Any], flight: Flight, tokens: int) -> None:
+        kind = event["ev"]
+        if name == "P":
+            if kind == "request_finished" and flight.finished is None:
+                flight.finished = event["t"]
+            elif kind == "computed":
+                flight.computed = event["t"]
+            elif kind == "sending":
+                flight.sent = event["t"]
+            elif kind == "gone":
+                flight.p_gone = True
+            elif kind == "params" and not flight.d_dispatched and event.get("params"):
+                flight.d_dispatched = True
+                self.engines["D"].send(
+                    op="add", id=flight.request_id, prompt_len=tokens, max_tokens=DECODE_TOKENS,
+                    tag=flight.request_id, params=event["params"],
+                )  # fmt: skip
+            elif kind == "params" and not flight.d_dispatched:  # P ended without handing over KV
+                flight.d_dispatched = flight.d_gone = True
+        elif kind == "recving":
+            flight.recving = event["t"]
+            flight.recv_failed = bool(event["failed"])
+            if flight.finished is not None:
+                flight.d_steps = sum(1 for s in event["step_starts"] if s >= flight.finished)
+        elif kind == "checked":
+            flight.pages, flight.bad_pages, flight.page_bytes = event["pages"], event["bad"], event["page_bytes"]
+        elif kind == "gone":
+            flight.d_gone = True
+
+    def run_cell(self, cell: Cell, warmup: int) -> None:
+        """`warmup` requests one by one, then `cell.requests` with `cell.concurrency` in flight."""
+        for engine in self.engines.values():
+            engine.send(op="pace", step_ms=cell.step_ms)
+        self._run_flights(warmup, 1, cell.tokens)
+        for flight in self._run_flights(cell.requests, cell.concurrency, cell.tokens):
+            _record(cell, flight)
+
+    def _run_flights(self, count: int, concurrency: int, tokens: int) -> list[Flight]:
+        flights: dict[str, Flight] = {}
+        finished: list[Flight] = []
+        started = 0
+        while len(finished) < count:
+            while started < count and len(flights) < concurrency:
+                flight = Flight(f"r{uuid.uuid4().hex[:12]}", time.perf_counter())
+                flights[flight.request_id] = flight
+                self.dispatch(flight, tokens)
+                started += 1
+            oldest = min(f.dispatched for f in flights.values())
+            deadline = time.monotonic() + max(0.0, oldest + FLIGHT_TIMEOUT - time.perf_counter())
+            name, event = self._next(deadline, f"{len(flights)} requests in flight to complete")
+            flight_for = flights.get(event.get("id", ""))
+            if flight_for is None:
+                continue
+            self.on_event(name, event, flight_for, tokens)
+            if flight_for.done:
+                finished.append(flights.pop(flight_for.request_id))
+        return finished
+
+
+def _record(cell: Cell, flight: Flight) -> None:
+    landed = flight.recving is not None and not flight.recv_failed
+    if not landed or flight.bad_pages or not flight.pages:
+        cell.failed += 1
+    if flight.recving is not None and flight.finished is not None:
+        cell.fin_to_recv_ms.append((flight.recving - flight.finished) * 1e3)
+        cell.d_steps.append(flight.d_steps)
+    if flight.recving is not None and flight.computed is not None:
+        cell.kv_to_recv_ms.append((flight.recving - flight.computed) * 1e3)
+    if flight.sent is not None and flight.finished is not None:
+        cell.fin_to_sent_ms.append((flight.sent - flight.finished) * 1e3)
+    cell.bad_pages += flight.bad_pages
+    if landed and not flight.bad_pages:
+        cell.bytes_verified += flight.pages * flight.page_bytes
+
+
+def _quantile(values: list[float] | list[int], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return float(ordered[min(len(ordered) - 1, int(q * len(ordered)))])
+
+
+def run(
+    connectors: list[str],
+    tokens: list[int],
+    concurrency: list[int],
+    step_ms: list[float],
+    requests: int = 20,
+    repeats: int = 2,
+    warmup: int = 2,
+    options: dict[str, Any] | None = None,
+    progress: Any = None,
+) -> list[Cell]:
+    """Every connector on every (tokens, concurrency, pacing) cell, `repeats` times.
+
+    Connectors take turns within each repeat (fresh engine processes for each), so slow drift
+    of the machine falls on all of them alike.
+    :raises ConfigError: an unknown connector or a bad count.
+    :raises BenchError: an engine died or a request stalled.
+    """
+    unknown = [c for c in connectors if c not in CONNECTORS]
+    if unknown:
+        raise ConfigError(f"unknown connectors {unknown}; choose from {sorted(CONNECTORS)}")
+    if requests < 1 or repeats < 1 or warmup < 0 or min(tokens) < 1 or min(concurrency) < 1:
+        raise ConfigError("requests, repeats, tokens and concurrency must be positive; warmup non-negative")
+    cells: list[Cell] = []
+    for repeat in range(repeats):
+        for connector in connectors:
+            pair = Pair(connector, max(tokens), max(concurrency), options or {})
+            try:
+                for n_tokens in tokens:
+                    for conc in concurrency:
+                        for pace in step_ms:
+                            cell = Cell(connector, n_tokens, conc, pace, repeat, requests)
+                            pair.run_cell(cell, warmup)
+                            cells.append(cell)
+                            if progress is not None:
+                                progress(cell)
+            finally:
+                pair.close()
+    return cells
+
+
+def summarize(cells: list[Cell]) -> list[dict[str, Any]]:
+    """One row per (connector, tokens, concurrency, pacing): medians over repeats of each
+    repeat's p50 and p90, and totals."""
+    groups: dict[tuple[str, int, int, float], list[Cell]] = {}
+    for cell in cells:
+        groups.setdefault((cell.connector, cell.tokens, cell.concurrency, cell.step_ms), []).append(cell)
+    rows = []
+    for (connector, n_tokens, conc, pace), group in groups.items():
+
+        def med(metric: str, q: float, group: list[Cell] = group) -> float:
+            return round(statistics.median(_quantile(getattr(c, metric), q) for c in group), 2)
+
+        rows.append(
+            {
+                "connector": connector,
+                "tokens": n_tokens,
+                "concurrency": conc,
+                "step_ms": pace,
+                "fin_to_recv_p50_ms": med("fin_to_recv_ms", 0.5),
+                "fin_to_recv_p90_ms": med("fin_to_recv_ms", 0.9),
+                "kv_to_recv_p50_ms": med("kv_to_recv_ms", 0.5),
+                "d_steps_p50": med("d_steps", 0.5),
+                "d_steps_p90": med("d_steps", 0.9),
+                "fin_to_sent_p50_ms": med("fin_to_sent_ms", 0.5),
+                "requests": sum(c.requests for c in group),
+                "bytes_verified": sum(c.bytes_verified for c in group),
+                "bad_pages": sum(c.bad_pages for c in group),
+                "failed": sum(c.failed for c in group),
+            }
+        )
+    return rows
+
+
+def render(rows: list[dict[str, Any]]) -> str:
+    header = (
+        f"{'connector':<12} {'tokens':>6} {'conc':>4} {'step':>5} | {'fin→recv p50':>12} {'p90':>7} "
+        f"{'kv→recv p50':>11} | {'D steps p50':>11} {'p90':>5} | {'P free p50':>10} | "
+        f"{'verified':>9} {'bad':>4} {'failed':>6}"
+    )
+    lines = [header, "-" * len(header)]
+    for r in sorted(rows, key=lambda r: (r["tokens"], r["concurrency"], r["step_ms"], r["connector"])):
+        pace = f"{r['step_ms']:g}ms" if r["step_ms"] else "fast"
+        lines.append(
+            f"{r['connector']:<12} {r['tokens']:>6} {r['concurrency']:>4} {pace:>5} | "
+            f"{r['fin_to_recv_p50_ms']:>12.1f} {r['fin_to_recv_p90_ms']:>7.1f} {r['kv_to_recv_p50_ms']:>11.1f} | "
+            f"{r['d_steps_p50']:>11.0f} {r['d_steps_p90']:>5.0f} | {r['fin_to_sent_p50_ms']:>10.1f} | "
+            f"{r['bytes_verified'] / 2**20:>7.0f}Mi {r['bad_pages']:>4} {r['failed']:>6}"
+        )
+    return "\n".join(lines)
+
+
+def verdict(rows: list[dict[str, Any]], ours: str = "kvflow") -> list[str]:
+    """Per cell: our p50 against the better of vLLM's two connectors."""
+    out = []
+    keyed = {(r["connector"], r["tokens"], r["concurrency"], r["step_ms"]): r for r in rows}
+    for (connector, n_tokens, conc, pace), row in sorted(keyed.items(), key=lambda kv: kv[0][1:]):
+        if connector != ours:
+            continue
+        cells = [(c, n_tokens, conc, pace) for c in ("vllm-push", "vllm-pull")]
+        theirs = [keyed[cell] for cell in cells if cell in keyed]
+        if not theirs:
+            continue
+        best = min(theirs, key=lambda r: r["fin_to_recv_p50_ms"])
+        ratio = row["fin_to_recv_p50_ms"] / best["fin_to_recv_p50_ms"] if best["fin_to_recv_p50_ms"] else float("nan")
+        pace_name = f"{pace:g} ms steps" if pace else "fast steps"
+        out.append(
+            f"{n_tokens} tokens, {conc} in flight, {pace_name}: {ours} p50 {row['fin_to_recv_p50_ms']:.1f} ms vs "
+            f"{best['connector']} {best['fin_to_recv_p50_ms']:.1f} ms ({ratio:.2f}x)"
+        )
+    return out
+
+
+def main(argv_options: dict[str, Any]) -> int:
+    """Run, print the table and the per-cell verdict, and write JSON when asked."""
+    o = argv_options
+
+    def progress(cell: Cell) -> None:
+        p50 = _quantile(cell.fin_to_recv_ms, 0.5)
+        pace = f"{cell.step_ms:g}ms" if cell.step_ms else "fast"
+        sys.stderr.write(
+            f"  {cell.connector:<11} {cell.tokens:>5} tok  c{cell.concurrency}  {pace:>5}  repeat {cell.repeat}: "
+            f"fin→recv p50 {p50:.1f} ms, failed {cell.failed}\n"
+        )
+
+    cells = run(
+        o["connectors"],
+        o["tokens"],
+        o["concurrency"],
+        o["step_ms"],
+        requests=o["requests"],
+        repeats=o["repeats"],
+        warmup=o["warmup"],
+        options={"keep_vllm_affinity": o["keep_vllm_affinity"], "nixl_progress_delay_us": o["nixl_progress_delay_us"]},
+        progress=progress,
+    )
+    rows = summarize(cells)
+    sys.stdout.write(render(rows) + "\n\n" + "\n".join(verdict(rows)) + "\n")
+    if o.get("json"):
+        Path(o["json"]).write_text(
+            json.dumps({"options": o, "summary": rows, "cells": [asdict(c) for c in cells]}, indent=1)
+        )
+        sys.stdout.write(f"\nwrote {o['json']}\n")
+    return 1 if any(r["failed"] for r in rows) else 0
