@@ -176,7 +176,7 @@ async def proxy(request: web.Request) -> web.StreamResponse:
         pending: set[asyncio.Task[Any]] = {p_task, d_task}
         while p_task in pending:  # D's head may come first; its body waits (in TCP buffers) until P is done
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
+            for task in sorted(done, key=lambda task: task is not p_task):  # P's failure first: its cause
                 task.result()
         upstream = await d_task
         legs_ok = True
