@@ -7,6 +7,7 @@ Why one entry point: operators ask "does NIXL work here, with which backends and
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -37,6 +38,15 @@ def main(argv: list[str] | None = None) -> int:
     vllm.add_argument(
         "--nixl-progress-delay-us", type=int, default=None, help="NIXL progress-thread delay (stock: busy poll)"
     )
+    vllm.add_argument(
+        "--kvflow-setting",
+        dest="kvflow_settings",
+        type=_setting,
+        action="append",
+        default=[],
+        metavar="KEY=JSON",
+        help="a kv_connector_extra_config entry for kvflow's connector, e.g. push_layer_groups=8",
+    )
     vllm.add_argument("--json", default=None, help="also write every sample to this JSON file")
     args = parser.parse_args(argv)
     os.environ.setdefault("NIXL_LOG_LEVEL", "ERROR")
@@ -54,6 +64,16 @@ def main(argv: list[str] | None = None) -> int:
 
     bench_main(quick=args.quick, json_path=args.json, repeats=args.repeats)
     return 0
+
+
+def _setting(text: str) -> tuple[str, object]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=JSON, got {text!r}")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value  # a bare string
 
 
 def _names(text: str) -> list[str]:

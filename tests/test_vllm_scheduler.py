@@ -71,22 +71,31 @@ def dispatch(p: VllmEngine, d: VllmEngine, tid: str, prompt_len: int, mode: str 
     return p_req, d_req
 
 
+def run_and_check_landed(
+    p: VllmEngine, d: VllmEngine, tid: str, prompt_len: int, mode: str = "push"
+) -> tuple[Any, Any]:
+    """Dispatch one request and run both engines until both end; D's blocks are checked when it starts decoding."""
+    p_req, d_req = dispatch(p, d, tid, prompt_len, mode)
+    blocks = -(-prompt_len // BLOCK_SIZE)
+    checked: list[bool] = []
+
+    def landed() -> bool:
+        if d_req.status == RequestStatus.RUNNING and not checked:
+            checked.append(d.blocks_hold(d_req.request_id, tid, blocks))
+        return is_finished(d_req) and is_finished(p_req) and p.idle() and d.idle()
+
+    run((p, d), landed)
+    assert checked == [True], "D's blocks did not hold P's KV when decoding started"
+    return p_req, d_req
+
+
 @pytest.mark.parametrize("mode", ["push", "pull"])
 def test_kv_moves_from_prefill_to_decode_and_both_schedulers_end_empty(
     engines: tuple[VllmEngine, VllmEngine], mode: str
 ) -> None:
     p, d = engines
     prompt = 3 * BLOCK_SIZE + 5
-    p_req, d_req = dispatch(p, d, "t1", prompt, mode)
-    checked: list[bool] = []
-
-    def landed() -> bool:
-        if d_req.status == RequestStatus.RUNNING and not checked:
-            checked.append(d.blocks_hold(d_req.request_id, "t1", 4))
-        return is_finished(d_req) and is_finished(p_req) and p.idle() and d.idle()
-
-    run((p, d), landed)
-    assert checked == [True], "D's blocks did not hold P's KV when decoding started"
+    p_req, d_req = run_and_check_landed(p, d, "t1", prompt, mode)
     assert d_req.status == RequestStatus.FINISHED_LENGTH_CAPPED and len(d_req.output_token_ids) == 4
     for engine in (p, d):
         assert not engine.connector.has_pending_push_work()
@@ -201,19 +210,35 @@ def test_a_failed_write_reaches_decode_at_once(policy: str) -> None:
         p.close()
 
 
+def test_push_without_layer_saves_posts_every_layer_group_after_the_forward() -> None:
+    """A model runner that never calls save_kv_layer still pushes: wait_for_save posts all groups."""
+    p, d = pair()
+    p.layerwise = False
+    try:
+        run_and_check_landed(p, d, "t8", 2 * BLOCK_SIZE + 3)
+    finally:
+        d.close()
+        p.close()
+
+
+def test_prefill_and_decode_disagreeing_on_layer_groups_fail_the_transfer_at_once() -> None:
+    fabric = f"f{next(_fabrics)}"
+    common = {"transport": "loopback", "port": 0, "fabric": fabric, "transfer_timeout": 600.0}
+    p = make_engine("prefill", "kv_producer", {**common, "push_layer_groups": 1})
+    d = make_engine("decode", "kv_consumer", {**common, "push_layer_groups": 2})
+    try:
+        p_req, d_req = dispatch(p, d, "t9", 2 * BLOCK_SIZE)
+        settle((p, d), [p_req, d_req], limit=30.0)  # long before the 600 s transfer deadline
+        assert d_req.status == RequestStatus.FINISHED_ERROR
+    finally:
+        d.close()
+        p.close()
+
+
 def test_push_over_nixl_moves_the_bytes() -> None:
     p, d = pair(transport="nixl")
     try:
-        p_req, d_req = dispatch(p, d, "t6", 2 * BLOCK_SIZE + 1)
-        checked: list[bool] = []
-
-        def landed() -> bool:
-            if d_req.status == RequestStatus.RUNNING and not checked:
-                checked.append(d.blocks_hold(d_req.request_id, "t6", 3))
-            return is_finished(d_req) and is_finished(p_req) and p.idle() and d.idle()
-
-        run((p, d), landed)
-        assert checked == [True]
+        run_and_check_landed(p, d, "t6", 2 * BLOCK_SIZE + 1)
     finally:
         d.close()
         p.close()

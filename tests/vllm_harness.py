@@ -84,6 +84,7 @@ class VllmEngine:
     kv: dict[str, torch.Tensor]
     transfers: dict[str, str] = field(default_factory=dict)  # request id -> transfer id (P: patterns)
     steps: int = 0
+    layerwise: bool = True  # the forward calls save_kv_layer after each layer
 
     @property
     def connector(self) -> Any:
@@ -102,8 +103,8 @@ class VllmEngine:
         worker = self.worker
         assert so.kv_connector_metadata is not None  # a connector is configured
         worker.bind_connector_metadata(so.kv_connector_metadata)
-        worker.start_load_kv(None)  # type: ignore[arg-type]  # the forward context is unused here
         req_ids, sampled = self._forward(so)
+        worker.start_load_kv(None)  # type: ignore[arg-type]  # the forward context is unused here
         worker.wait_for_save()  # type: ignore[no-untyped-call]
         results = worker.get_transfer_results(so.finished_req_ids)
         errors = worker.get_block_ids_with_load_errors()
@@ -123,9 +124,11 @@ class VllmEngine:
         return output
 
     def _forward(self, so: Any) -> tuple[list[str], list[list[int]]]:
-        """Write the pattern into the KV of every prompt token computed this step; sample a
-        token for every request that reaches the end of its prompt."""
+        """Layer by layer, as attention layers do (``wait_for_layer_load``, compute, and, when
+        `layerwise`, ``save_kv_layer``): write the pattern into the KV of every prompt token
+        computed this step; sample a token for every request that reaches the end of its prompt."""
         req_ids, sampled = [], []
+        writes: list[tuple[str, list[int], list[int]]] = []
         for req_id, count in so.num_scheduled_tokens.items():
             request = self.scheduler.requests[req_id]
             computed = request.num_computed_tokens - count  # schedule() has already advanced it
@@ -133,11 +136,17 @@ class VllmEngine:
             transfer = self.transfers.get(req_id)
             if transfer is not None:
                 first, last = computed // BLOCK_SIZE, (computed + count - 1) // BLOCK_SIZE
-                for position in range(first, min(last + 1, len(block_ids))):
-                    for layer, name in enumerate(LAYERS):
-                        self.kv[name][block_ids[position]] = pattern(transfer, position, layer)
+                positions = list(range(first, min(last + 1, len(block_ids))))
+                writes.append((transfer, positions, [block_ids[p] for p in positions]))
             req_ids.append(req_id)
             sampled.append([TOKEN] if computed + count >= request.num_prompt_tokens else [])
+        for layer, name in enumerate(LAYERS):
+            self.worker.wait_for_layer_load(name)
+            for transfer, positions, blocks in writes:
+                for position, block in zip(positions, blocks, strict=True):
+                    self.kv[name][block] = pattern(transfer, position, layer)
+            if self.layerwise:
+                self.worker.save_kv_layer(name, self.kv[name], None)  # type: ignore[arg-type]  # no attention
         return req_ids, sampled
 
     def blocks_hold(self, request_id: str, transfer: str, num_blocks: int) -> bool:

@@ -171,7 +171,7 @@ class Pair:
         self.side_ports = {"P": _free_port(), "D": _free_port()}
         extra: dict[str, Any] = {}
         if connector.startswith("kvflow"):
-            extra = {"transport": "nixl", "port": 0, "host": "127.0.0.1"}
+            extra = {"transport": "nixl", "port": 0, "host": "127.0.0.1", **options.get("kvflow_settings", {})}
         self.engines: dict[str, EngineProcess] = {}
         self.failed = False
         try:
@@ -498,7 +498,11 @@ def main(argv_options: dict[str, Any]) -> int:
         requests=o["requests"],
         repeats=o["repeats"],
         warmup=o["warmup"],
-        options={"keep_vllm_affinity": o["keep_vllm_affinity"], "nixl_progress_delay_us": o["nixl_progress_delay_us"]},
+        options={
+            "keep_vllm_affinity": o["keep_vllm_affinity"],
+            "nixl_progress_delay_us": o["nixl_progress_delay_us"],
+            "kvflow_settings": dict(o.get("kvflow_settings") or {}),
+        },
         progress=progress,
     )
     rows = summarize(cells)

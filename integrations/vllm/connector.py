@@ -63,6 +63,7 @@ class KVFlowConnector(KVConnectorBase_V1):
             rank = vllm_config.parallel_config.rank
             self._worker = WorkerSide(self.engine_id, rank, self.settings)
         self._attention = _attention_spec(kv_cache_config)
+        self._layer_index: dict[str, int] = {}
 
     # ================================================================ scheduler side
 
@@ -115,16 +116,37 @@ class KVFlowConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         heads, head_dim = self._attention
         layout = layout_from_kv_caches(kv_caches, self._block_size, heads, head_dim)
+        self._layer_index = {name: index for index, name in enumerate(kv_caches)}
         self._worker_side().register(layout)
 
-    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """The step's orders arrive: D's registrations (and aborts) go out now, before the
+        forward, so that P can write while this step runs."""
+        super().bind_connector_metadata(connector_metadata)
         self._worker_side().start_load(self._orders())
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        return None  # the step's registrations went out when its orders were bound
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # loads complete before the request is scheduled (asynchronous loading)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        return None  # a request's KV moves once its prefill step is over (wait_for_save)
+        """Push: once the last layer of a layer group is saved, its WRITE is posted (on a GPU,
+        once the device has run this layer: a CUDA event gates it), while the forward goes on."""
+        orders = self._orders()
+        layer = self._layer_index.get(layer_name)
+        worker = self._worker_side()
+        if not orders.ready or layer is None or worker.closes_group(layer) is None:
+            return
+        gate = None
+        if kv_layer.is_cuda:
+            import torch
+
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record()
+            gate = event.query
+        worker.save_layer(orders, layer, gate)
 
     def wait_for_save(self) -> None:
         orders = self._orders()

@@ -25,11 +25,14 @@ decode request.  Transfers are matched by ``transfer_id``, never by request ids.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvflow.errors import ConfigError
+
+log = logging.getLogger("kvflow.vllm")
 
 __all__ = ("Order", "Orders", "PeerRef", "SchedulerBook", "TransferParams", "rank_peer")
 
@@ -141,6 +144,7 @@ class SchedulerBook:
         self._tracked: dict[str, _Tracked] = {}
         self._loaded: set[str] = set()  # D requests whose one remote load was ordered
         self._pending = Orders()
+        self.refused: dict[str, str] = {}  # request id -> why its kvflow params were refused
 
     # ---------------------------------------------------------------- decode side
 
@@ -149,7 +153,7 @@ class SchedulerBook:
     ) -> tuple[int, bool]:
         """`get_num_new_matched_tokens`: side-effect free.  A remote-prefill request loads every
         prompt token it has not computed, asynchronously."""
-        if not (params or {}).get("do_remote_prefill") or TransferParams.parse(params) is None:
+        if not (params or {}).get("do_remote_prefill") or self._parse(request_id, params) is None:
             return 0, False
         if request_id in self._loaded:
             return 0, False  # its remote load happened (and failed): vLLM recomputes it locally
@@ -165,7 +169,7 @@ class SchedulerBook:
         external: int,
     ) -> None:
         """`update_state_after_alloc`: the first call with external tokens registers the blocks."""
-        parsed = TransferParams.parse(params)
+        parsed = self._parse(request_id, params)
         if parsed is None or not (params or {}).get("do_remote_prefill") or external <= 0:
             return
         if request_id in self._tracked:
@@ -180,7 +184,7 @@ class SchedulerBook:
 
     def new_request(self, request_id: str, params: Mapping[str, Any] | None, prompt_len: int) -> None:
         """`on_new_request`: remember prefill requests whose KV goes to a remote decoder."""
-        parsed = TransferParams.parse(params)
+        parsed = self._parse(request_id, params)
         if parsed is not None and (params or {}).get("do_remote_decode"):
             self._tracked[request_id] = _Tracked(parsed, prompt_len, producer=True)
 
@@ -203,6 +207,7 @@ class SchedulerBook:
         Blocks a transfer may still touch are freed only once the workers report them released.
         """
         self._loaded.discard(request_id)
+        self.refused.pop(request_id, None)
         tracked = self._tracked.get(request_id)
         if tracked is None:
             return False, None
@@ -250,3 +255,14 @@ class SchedulerBook:
 
     def tracked(self) -> int:
         return len(self._tracked)
+
+    def _parse(self, request_id: str, params: Mapping[str, Any] | None) -> TransferParams | None:
+        """The request's kvflow params; malformed ones are refused (logged once per request) and
+        the request runs as if it had none: computed locally, never a crash of the scheduler."""
+        try:
+            return TransferParams.parse(params)
+        except ConfigError as exc:
+            if request_id not in self.refused:
+                self.refused[request_id] = str(exc)
+                log.error("request %s: %s; it is computed locally", request_id, exc)
+            return None

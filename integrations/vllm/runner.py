@@ -94,11 +94,14 @@ class PatternKV:
         keys = np.array([(code << 32) ^ (p << 8) ^ layer ^ 0x9E3779B97F4A7C15 for p in positions], dtype=np.uint64)
         return header, keys[:, None]
 
-    def write(self, tag: str, positions: list[int], block_ids: list[int]) -> None:
-        for layer, pages in enumerate(self.pages):
-            header, keys = self._header_and_keys(tag, positions, layer)
+    def write(self, tag: str, positions: list[int], block_ids: list[int], layer: int | None = None) -> None:
+        """Write the pattern of these positions into these blocks, in one layer or all."""
+        for index, pages in enumerate(self.pages):
+            if layer is not None and index != layer:
+                continue
+            header, keys = self._header_and_keys(tag, positions, index)
             pages[block_ids, : self.HEADER_WORDS] = header
-            pages[block_ids, self.HEADER_WORDS :] = self._base[layer][None, :] ^ keys
+            pages[block_ids, self.HEADER_WORDS :] = self._base[index][None, :] ^ keys
 
     def count_bad(self, tag: str, positions: list[int], block_ids: list[int]) -> int:
         """How many of these pages differ from the pattern (in any byte)."""
@@ -259,6 +262,8 @@ class Engine:
         kv_caches = allocate_kv_cache(kv_cache_config, torch.device("cpu"), KVCacheLayout.LBHNC)
         self.worker.register_kv_caches(kv_caches)
         self.kv = PatternKV(kv_caches, spec.num_blocks)
+        self.kv_caches = kv_caches
+        self.layer_names = list(kv_caches)
         handshake = self.worker.get_handshake_metadata()
         connector = self.scheduler.connector
         assert connector is not None  # a kv_transfer_config was given
@@ -324,7 +329,7 @@ class Engine:
             worker.bind_connector_metadata(meta)
             if so.has_sync_kv_loads:
                 worker.start_load_kv(get_forward_context())
-            req_ids, sampled = self._forward(so)
+            req_ids, sampled = self._forward(so, started)
             if not so.has_sync_kv_loads:
                 worker.start_load_kv(get_forward_context())
             worker.wait_for_save()  # type: ignore[no-untyped-call]
@@ -365,36 +370,52 @@ class Engine:
         for request_id in [r for r in self.live if r not in self.scheduler.requests]:
             self.live.discard(request_id)
             self.emit(ev="gone", id=request_id, t=time.perf_counter())
-        if self.step_ms > 0:
-            time.sleep(max(0.0, started + self.step_ms / 1000 - time.perf_counter()))
 
-    def _forward(self, so: Any) -> tuple[list[str], list[list[int]]]:
-        """P writes the pattern into the KV of the prompt tokens it computes; D checks the pages
-        of a loaded request the first time it runs; a request reaching its prompt's end samples."""
+    def _forward(self, so: Any, started: float) -> tuple[list[str], list[list[int]]]:
+        """Layer by layer, as a model's attention layers do (``wait_for_layer_load``, compute,
+        ``save_kv_layer``), each layer taking its share of the step's pacing (a step of
+        `step_ms` ends no sooner than `step_ms` after it started, its outputs with it).
+        P writes the pattern into the KV of the prompt tokens it computes.
+        D checks the pages of a loaded request the first time it runs.  A request reaching the
+        end of its prompt samples a token."""
         req_ids: list[str] = []
         sampled: list[list[int]] = []
+        writes: list[tuple[str, list[int], list[int]]] = []
+        checks: list[tuple[str, str, list[int], list[int]]] = []
+        completed: list[str] = []
         size = self.spec.block_size
         for request_id, count in so.num_scheduled_tokens.items():
             request = self.scheduler.requests[request_id]
             computed = request.num_computed_tokens - count  # schedule() has already advanced it
             block_ids = list(self.scheduler.kv_cache_manager.get_block_ids(request_id)[0])
             tag = self.tags.get(request_id, request_id)
-            prompt_blocks = -(-request.num_prompt_tokens // size)
             if self.producer and computed < request.num_prompt_tokens:
-                first = computed // size
                 last = min(computed + count, request.num_prompt_tokens) - 1
-                positions = list(range(first, last // size + 1))
-                self.kv.write(tag, positions, [block_ids[p] for p in positions])
+                positions = list(range(computed // size, last // size + 1))
+                writes.append((tag, positions, [block_ids[p] for p in positions]))
+                if request.num_prompt_tokens <= computed + count:
+                    completed.append(request_id)
             elif not self.producer and request_id not in self.checked and computed > 0:
                 self.checked.add(request_id)
-                positions = list(range(prompt_blocks))
-                bad = self.kv.count_bad(tag, positions, [block_ids[p] for p in positions])
-                pages = len(positions) * len(self.kv.pages)
-                self.emit(ev="checked", id=request_id, pages=pages, bad=bad, page_bytes=self.kv.page_bytes)
-            if self.producer and computed < request.num_prompt_tokens <= computed + count:
-                self.emit(ev="computed", id=request_id, t=time.perf_counter())
+                positions = list(range(-(-request.num_prompt_tokens // size)))
+                checks.append((request_id, tag, positions, [block_ids[p] for p in positions]))
             req_ids.append(request_id)
             sampled.append([7] if computed + count >= request.num_prompt_tokens else [])
+        for layer, name in enumerate(self.layer_names):
+            self.worker.wait_for_layer_load(name)
+            for tag, positions, blocks in writes:
+                self.kv.write(tag, positions, blocks, layer)
+            if self.step_ms > 0:
+                layer_end = started + self.step_ms / 1000 * (layer + 1) / len(self.layer_names)
+                time.sleep(max(0.0, layer_end - time.perf_counter()))
+            self.worker.save_kv_layer(name, self.kv_caches[name], None)  # type: ignore[arg-type]  # no attention here
+        now = time.perf_counter()
+        for request_id in completed:
+            self.emit(ev="computed", id=request_id, t=now)
+        for request_id, tag, positions, blocks in checks:
+            bad = self.kv.count_bad(tag, positions, blocks)
+            pages = len(positions) * len(self.kv.pages)
+            self.emit(ev="checked", id=request_id, pages=pages, bad=bad, page_bytes=self.kv.page_bytes)
         return req_ids, sampled
 
     def close(self) -> None:

@@ -24,12 +24,13 @@ to 2-4 ms at the median, and from 930 ms to 4-6 ms at p90.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import contextlib
 import logging
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,7 +39,7 @@ from kvflow.channel import ControlChannel
 from kvflow.control import ZmqControl
 from kvflow.core import CoreConfig
 from kvflow.engine import Engine, EngineConfig
-from kvflow.errors import ConfigError, KVFlowError, UnknownTransfer
+from kvflow.errors import ConfigError, KVFlowError, TransferTimeout, UnknownTransfer
 from kvflow.integrations.vllm.mapping import Order, Orders, PeerRef, rank_peer
 from kvflow.layout import BlockArray, KVLayout, KVSpec, MemoryType, Region
 from kvflow.messages import TransferKey
@@ -52,6 +53,29 @@ log = logging.getLogger("kvflow.vllm")
 
 _LOOPBACK_FABRICS: dict[str, Any] = {}  # in-process fabrics by name, for tests and simulation
 HAND_OVER_WAIT = 0.002  # seconds a hook waits, at most, for the engine thread to take its orders
+GATE_POLL = 0.0001  # seconds between checks that the device has written a layer group
+
+
+async def _device_done(gate: Callable[[], bool] | None, timeout: float) -> None:
+    """Wait until `gate()` says the device has written the KV (a CUDA event cannot wake an
+    event loop: it is polled).
+
+    :raises TransferTimeout: not within `timeout` seconds.
+    """
+    if gate is None:
+        return
+    deadline = time.monotonic() + timeout
+    while not gate():
+        if time.monotonic() > deadline:
+            raise TransferTimeout(f"the device did not finish writing the KV within {timeout}s")
+        await asyncio.sleep(GATE_POLL)
+
+
+def layer_groups(num_layers: int, groups: int) -> list[tuple[int, int]]:
+    """`groups` contiguous layer ranges covering the model, as even as possible."""
+    groups = max(1, min(groups, num_layers))
+    bounds = [round(i * num_layers / groups) for i in range(groups + 1)]
+    return [(bounds[i], bounds[i + 1]) for i in range(groups)]
 
 
 def _hand_over(futures: list[concurrent.futures.Future[Any]]) -> None:
@@ -72,6 +96,7 @@ class Settings:
     fence_timeout: float = 10.0
     nixl_backends: tuple[str, ...] = ("UCX",)
     fabric: str = "default"  # loopback only
+    push_layer_groups: int = 4  # push: WRITEs per transfer, each posted once its layers are saved
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> Settings:
@@ -86,6 +111,8 @@ class Settings:
         settings = cls(**extra)
         if settings.transport not in ("nixl", "loopback"):
             raise ConfigError(f"kvflow transport must be 'nixl' or 'loopback', not {settings.transport!r}")
+        if type(settings.push_layer_groups) is not int or settings.push_layer_groups < 1:
+            raise ConfigError("kvflow push_layer_groups must be a positive integer")
         return settings
 
 
@@ -135,12 +162,19 @@ class WorkerSide:
         self._failed_starts: list[tuple[concurrent.futures.Future[Any], str, tuple[int, ...]]] = []
         self._ready_starts: list[tuple[concurrent.futures.Future[Any], str]] = []
         self._connected: dict[str, concurrent.futures.Future[None]] = {}
+        self.layer_groups: list[tuple[int, int]] = [(0, 1)]
+        self._groups_sent: dict[str, int] = {}  # push request -> layer groups handed to the engine
+        # touched on the engine thread only: each push transfer's last posted group, and the
+        # transfers whose posting failed part-way (their later groups are skipped)
+        self._chains: dict[TransferKey, asyncio.Future[None]] = {}
+        self._broken: set[TransferKey] = set()
 
     # ---------------------------------------------------------------- setup
 
     def register(self, layout: KVLayout) -> None:
         """Start this rank's engine on its KV memory."""
         settings = self.settings
+        self.layer_groups = layer_groups(layout.spec.num_layers, settings.push_layer_groups)
         config = EngineConfig(
             core=CoreConfig(fence_timeout=settings.fence_timeout),
             transfer_timeout=settings.transfer_timeout,
@@ -172,9 +206,12 @@ class WorkerSide:
     # ---------------------------------------------------------------- orders
 
     def start_load(self, orders: Orders) -> None:
-        """Expect and abort orders: handed to the engine thread, never waited on."""
+        """Expect and abort orders: handed to the engine thread, never waited on (beyond the
+        bounded hand-over)."""
         for order in orders.abort:
             self._abort(order)
+        taken = []
+        batches = len(self.layer_groups)
         for order in orders.expect:
             params = order.params
             peer = rank_peer(params.prefill, self.rank)
@@ -184,33 +221,116 @@ class WorkerSide:
             future = self._call_connected(
                 peer,
                 lambda e, p=peer, o=order, m=mode: e.expect(
-                    o.params.transfer_id, o.params.epoch, peer=p.engine, block_ids=o.block_ids, mode=m
+                    o.params.transfer_id,
+                    o.params.epoch,
+                    peer=p.engine,
+                    block_ids=o.block_ids,
+                    mode=m,
+                    expected_batches=batches if m is Mode.PUSH else 1,
                 ),
             )
             self._failed_starts.append((future, order.request_id, order.block_ids))
-        _hand_over([future for future, _, _ in self._failed_starts])
+            taken.append(future)
+        _hand_over(taken)
+
+    def closes_group(self, layer: int) -> int | None:
+        """The layer group that layer `layer` completes, if any."""
+        return next((g for g, (_, stop) in enumerate(self.layer_groups) if stop == layer + 1), None)
+
+    def save_layer(self, orders: Orders, layer: int, gate: Callable[[], bool] | None) -> None:
+        """Push: layer `layer` of this step's forward is saved; post the layer group it closes.
+        `gate` tells whether the device has finished writing it (None: it has)."""
+        group = self.closes_group(layer)
+        if group is None:
+            return
+        posted = [
+            future
+            for order in orders.ready
+            if order.params.mode == "push"
+            for future in self._post_groups(order, group + 1, gate)
+        ]
+        if gate is None:
+            _hand_over(posted)
 
     def save(self, orders: Orders) -> None:
-        """Ready orders, right after the forward that computed their KV."""
+        """Ready orders, right after the forward that computed their KV (its device work done):
+        pull readiness, and every push layer group not posted yet."""
+        taken = []
         for order in orders.ready:
+            if order.params.mode == "push":
+                taken += self._post_groups(order, len(self.layer_groups), None)
+                self._groups_sent.pop(order.request_id, None)
+                continue
             params = order.params
             key = TransferKey(params.transfer_id, params.epoch)
             self._requests[(key, Role.PREFILL)] = order.request_id
-            mode = Mode(params.mode)
             peer = rank_peer(params.decode, self.rank)
 
-            def ready(e: Engine, o: Order = order, m: Mode = mode, p: PeerRef = peer) -> Any:
+            def ready(e: Engine, o: Order = order, p: PeerRef = peer) -> Any:
                 return e.kv_ready(
-                    o.params.transfer_id,
-                    o.params.epoch,
-                    block_ids=o.block_ids,
-                    mode=m,
-                    peer=p.engine if m is Mode.PULL else None,
+                    o.params.transfer_id, o.params.epoch, block_ids=o.block_ids, mode=Mode.PULL, peer=p.engine
                 )
 
-            future = self._call_connected(peer, ready) if mode is Mode.PULL else self._thread().call(ready)
+            future = self._call_connected(peer, ready)
             self._ready_starts.append((future, order.request_id))
-        _hand_over([future for future, _ in self._ready_starts])
+            taken.append(future)
+        _hand_over(taken)
+
+    def _post_groups(
+        self, order: Order, upto: int, gate: Callable[[], bool] | None
+    ) -> list[concurrent.futures.Future[Any]]:
+        """Hand the engine layer groups ``[sent, upto)`` of a push order, in order."""
+        first = self._groups_sent.get(order.request_id, 0)
+        if first >= upto:
+            return []
+        self._groups_sent[order.request_id] = upto
+        key = TransferKey(order.params.transfer_id, order.params.epoch)
+        self._requests[(key, Role.PREFILL)] = order.request_id
+        futures: list[concurrent.futures.Future[Any]] = []
+        for group in range(first, upto):
+
+            def post(engine: Engine, group: int = group) -> Awaitable[None]:
+                return self._post_group(engine, key, order, group, gate)
+
+            future = self._thread().call(post)
+            futures.append(future)
+            if group == 0:
+                self._ready_starts.append((future, order.request_id))
+        return futures
+
+    async def _post_group(
+        self, engine: Engine, key: TransferKey, order: Order, group: int, gate: Callable[[], bool] | None
+    ) -> None:
+        """On the engine thread: post one layer group after the ones before it.  A failure of the
+        first group leaves kvflow holding nothing (vLLM frees the blocks); a later failure aborts
+        the transfer, whose blocks then come back through the engine's release."""
+        previous = self._chains.get(key)
+        mine: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._chains[key] = mine
+        final = group == len(self.layer_groups) - 1
+        try:
+            if previous is not None:
+                await previous
+            if key in self._broken:
+                return
+            try:
+                await _device_done(gate, self.settings.transfer_timeout)
+                await engine.kv_ready(
+                    key.transfer_id, key.epoch, block_ids=order.block_ids, layers=self.layer_groups[group], final=final
+                )
+            except KVFlowError as exc:
+                self._broken.add(key)
+                if group == 0:
+                    raise
+                log.error("%s: layer group %d of %s refused: %s", self.engine_id, group, order.request_id, exc)
+                with contextlib.suppress(KVFlowError):
+                    await engine.abort(key.transfer_id, key.epoch, Role.PREFILL, f"layer group {group}: {exc}")
+        finally:
+            mine.set_result(None)
+            if self._chains.get(key) is mine:
+                del self._chains[key]
+            if final:
+                self._broken.discard(key)
 
     def _abort(self, order: Order) -> None:
         key = TransferKey(order.params.transfer_id, order.params.epoch)
