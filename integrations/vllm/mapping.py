@@ -19,13 +19,15 @@ decode request.  Transfers are matched by ``transfer_id``, never by request ids.
   the request finished or aborted while its KV was still coming -> an abort order, and its
   blocks are freed late (vLLM's ``delay_free``) once the workers report them released;
 * prefill (P): the step in which a request's prefill completes -> a ready order, carried out by
-  the workers right after that step's forward (``wait_for_save``); ``request_finished`` ->
+  the workers during that step's forward (push: one WRITE per layer group as its last layer is
+  saved; the rest, and pull's ready, at ``wait_for_save``); ``request_finished`` ->
   ``delay_free`` until the workers report the blocks released (``finished_sending``).
 """
 
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -88,17 +90,35 @@ def _peer(raw: Mapping[str, Any], side: str) -> PeerRef:
     if not isinstance(entry, Mapping) or not isinstance(entry.get("engine"), str) or not entry["engine"]:
         raise ConfigError(f"kv_transfer_params.kvflow.{side}.engine must be a non-empty string")
     address = entry.get("address", "")
-    if not isinstance(address, str):
-        raise ConfigError(f"kv_transfer_params.kvflow.{side}.address must be a string")
+    if not isinstance(address, str) or (address and not _port_of(address)):
+        raise ConfigError(
+            f"kv_transfer_params.kvflow.{side}.address must be 'tcp://host:port' (port 1..65535), not {address!r:.80}"
+        )
     return PeerRef(entry["engine"], address)
 
 
+_TCP_ADDRESS = re.compile(r"tcp://[^\s/]+:([0-9]{1,5})", re.ASCII)
+
+
+def _port_of(address: str) -> int:
+    """The port of a ``tcp://host:port`` address; 0 for anything else or a port out of range."""
+    match = _TCP_ADDRESS.fullmatch(address)
+    port = int(match.group(1)) if match else 0
+    return port if port <= 65535 else 0
+
+
 def rank_peer(peer: PeerRef, rank: int) -> PeerRef:
-    """The peer's engine for tensor-parallel rank `rank`: ids and ports are per rank."""
+    """The peer's engine for tensor-parallel rank `rank`: rank r of an engine is named
+    ``<engine>-tp<r>`` and binds the rank-0 port + r.
+
+    :raises ConfigError: that port would be past 65535.
+    """
     address = peer.address
-    if address.startswith("tcp://") and address.rsplit(":", 1)[-1].isdigit():
-        host, port = address.rsplit(":", 1)
-        address = f"{host}:{int(port) + rank}"
+    port = _port_of(address)
+    if port:
+        if port + rank > 65535:
+            raise ConfigError(f"peer {peer.engine!r} at {address}: rank {rank} would need port {port + rank}")
+        address = f"{address.rsplit(':', 1)[0]}:{port + rank}"
     return PeerRef(f"{peer.engine}-tp{rank}", address)
 
 
@@ -110,6 +130,7 @@ class Order:
     params: TransferParams
     block_ids: tuple[int, ...] = ()
     reason: str = ""
+    producer: bool = False  # the order is for the side that produces the KV (P)
 
 
 @dataclass(slots=True)
@@ -197,7 +218,7 @@ class SchedulerBook:
         if computed + scheduled >= tracked.prompt_len:
             tracked.ordered = True
             needed = -(-tracked.prompt_len // self.block_size)
-            self._pending.ready.append(Order(request_id, tracked.params, tuple(block_ids)[:needed]))
+            self._pending.ready.append(Order(request_id, tracked.params, tuple(block_ids)[:needed], producer=True))
 
     # ---------------------------------------------------------------- both sides
 
@@ -215,10 +236,14 @@ class SchedulerBook:
             if not tracked.ordered:
                 # Finished (or aborted) before its prefill completed: tell the peer, hold nothing.
                 self._tracked.pop(request_id)
-                self._pending.abort.append(Order(request_id, tracked.params, reason="prefill request ended early"))
+                self._pending.abort.append(
+                    Order(request_id, tracked.params, reason="prefill request ended early", producer=True)
+                )
                 return False, None
             if aborted:
-                self._pending.abort.append(Order(request_id, tracked.params, reason="prefill request aborted"))
+                self._pending.abort.append(
+                    Order(request_id, tracked.params, reason="prefill request aborted", producer=True)
+                )
             tracked.delayed_free = True
             return True, {"kvflow": tracked.params.to_params(), "kvflow_prefill_finished": True}
         if tracked.landed:
@@ -235,7 +260,9 @@ class SchedulerBook:
             tracked = self._tracked.get(request_id)
             if tracked is not None and not tracked.producer:
                 tracked.landed = request_id not in failed_recving
-                if request_id in failed_recving:
+                if request_id in failed_recving or tracked.delayed_free:
+                    # vLLM frees a finished request's blocks on finished_recving too: the KV
+                    # landed (or failed) just as the request ended, before its abort took effect
                     self._tracked.pop(request_id)
         for request_id in finished_sending:
             tracked = self._tracked.get(request_id)

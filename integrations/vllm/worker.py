@@ -78,6 +78,12 @@ def layer_groups(num_layers: int, groups: int) -> list[tuple[int, int]]:
     return [(bounds[i], bounds[i + 1]) for i in range(groups)]
 
 
+def _failed(exc: BaseException) -> concurrent.futures.Future[Any]:
+    future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+    future.set_exception(exc)
+    return future
+
+
 def _hand_over(futures: list[concurrent.futures.Future[Any]]) -> None:
     """Give the engine thread the GIL until it has taken these orders (bounded: never I/O)."""
     if futures:
@@ -106,14 +112,39 @@ class Settings:
         unknown = sorted(set(extra) - set(fields))
         if unknown:
             raise ConfigError(f"unknown kvflow settings in kv_connector_extra_config: {unknown}")
-        if "nixl_backends" in extra:
-            extra["nixl_backends"] = tuple(extra["nixl_backends"])
+        for key, value in extra.items():
+            extra[key] = _setting_value(key, value, fields[key].default)
         settings = cls(**extra)
         if settings.transport not in ("nixl", "loopback"):
             raise ConfigError(f"kvflow transport must be 'nixl' or 'loopback', not {settings.transport!r}")
-        if type(settings.push_layer_groups) is not int or settings.push_layer_groups < 1:
-            raise ConfigError("kvflow push_layer_groups must be a positive integer")
+        if settings.host in ("", "*", "0.0.0.0", "::", "[::]"):
+            raise ConfigError(
+                f"kvflow host must be an address the peer can reach, not the wildcard {settings.host!r}: "
+                "it is announced to the peer"
+            )
+        if not 0 <= settings.port <= 65535:
+            raise ConfigError(f"kvflow port must be 0..65535, not {settings.port}")
+        for key in ("transfer_timeout", "lease", "fence_timeout", "push_layer_groups"):
+            if getattr(settings, key) <= 0:
+                raise ConfigError(f"kvflow {key} must be positive, not {getattr(settings, key)!r}")
         return settings
+
+
+def _setting_value(key: str, value: Any, default: Any) -> Any:
+    """`value` in the type of the setting's default (JSON gives ints for floats, lists for tuples).
+
+    :raises ConfigError: a value of another type, naming the key.
+    """
+    if isinstance(default, tuple):
+        if isinstance(value, list | tuple) and all(isinstance(item, str) for item in value):
+            return tuple(value)
+        raise ConfigError(f"kvflow {key} must be a list of strings, not {value!r}")
+    if isinstance(default, float) and type(value) in (int, float):
+        return float(value)
+    if type(value) is not type(default):
+        kind = {int: "an integer", float: "a number", str: "a string"}.get(type(default), type(default).__name__)
+        raise ConfigError(f"kvflow {key} must be {kind}, not {value!r}")
+    return value
 
 
 def layout_from_kv_caches(kv_caches: Mapping[str, Any], block_size: int, num_kv_heads: int, head_dim: int) -> KVLayout:
@@ -208,13 +239,15 @@ class WorkerSide:
     def start_load(self, orders: Orders) -> None:
         """Expect and abort orders: handed to the engine thread, never waited on (beyond the
         bounded hand-over)."""
-        for order in orders.abort:
-            self._abort(order)
         taken = []
         batches = len(self.layer_groups)
         for order in orders.expect:
             params = order.params
-            peer = rank_peer(params.prefill, self.rank)
+            try:
+                peer = rank_peer(params.prefill, self.rank)
+            except ConfigError as exc:  # reported as a failed load by the next results()
+                self._failed_starts.append((_failed(exc), order.request_id, order.block_ids))
+                continue
             key = TransferKey(params.transfer_id, params.epoch)
             self._requests[(key, Role.DECODE)] = order.request_id
             mode = Mode(params.mode)
@@ -231,6 +264,8 @@ class WorkerSide:
             )
             self._failed_starts.append((future, order.request_id, order.block_ids))
             taken.append(future)
+        for order in orders.abort:  # after the expects: a request may end in the step it was allocated
+            self._abort(order)
         _hand_over(taken)
 
     def closes_group(self, layer: int) -> int | None:
@@ -262,9 +297,13 @@ class WorkerSide:
                 self._groups_sent.pop(order.request_id, None)
                 continue
             params = order.params
+            try:
+                peer = rank_peer(params.decode, self.rank)
+            except ConfigError as exc:  # kvflow never takes the blocks: vLLM frees them
+                self._ready_starts.append((_failed(exc), order.request_id))
+                continue
             key = TransferKey(params.transfer_id, params.epoch)
             self._requests[(key, Role.PREFILL)] = order.request_id
-            peer = rank_peer(params.decode, self.rank)
 
             def ready(e: Engine, o: Order = order, p: PeerRef = peer) -> Any:
                 return e.kv_ready(
@@ -334,8 +373,11 @@ class WorkerSide:
 
     def _abort(self, order: Order) -> None:
         key = TransferKey(order.params.transfer_id, order.params.epoch)
-        self._aborted.add(order.request_id)
-        role = Role.DECODE if (key, Role.DECODE) in self._requests else Role.PREFILL
+        role = Role.PREFILL if order.producer else Role.DECODE
+        if role is Role.DECODE:
+            if (key, role) not in self._requests:
+                return  # released already (reported as received), or it never started
+            self._aborted.add(order.request_id)  # its release is then a late free (finished_sending)
 
         async def abort(e: Engine) -> None:
             with contextlib.suppress(UnknownTransfer):  # never started here: nothing to abort

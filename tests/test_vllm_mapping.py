@@ -1,0 +1,506 @@
+"""Unit tests of the vLLM connector's pure decisions: request params, scheduler book and settings.
+
+Why without vLLM's Scheduler: `SchedulerBook` and `Settings` are plain code, so every event order
+vLLM may produce (including malformed requests) can be driven here in milliseconds, and a wrong
+decision shows up as a named field or a broken invariant rather than a stuck engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any
+
+import hypothesis.strategies as st
+import pytest
+from hypothesis import given
+
+from kvflow.errors import ConfigError
+from kvflow.integrations.vllm.mapping import Order, Orders, PeerRef, SchedulerBook, TransferParams, rank_peer
+
+BLOCK_SIZE = 4
+MISSING: Any = object()  # an `entry` field given this is left out
+
+
+def entry(transfer_id: Any = "t1", **fields: Any) -> dict[str, Any]:
+    """A well-formed ``kvflow`` entry, with `fields` replacing (or, given `MISSING`, removing) keys."""
+    base: dict[str, Any] = {
+        "transfer_id": transfer_id,
+        "epoch": 3,
+        "mode": "push",
+        "prefill": {"engine": "prefill", "address": "tcp://10.0.0.1:5700"},
+        "decode": {"engine": "decode", "address": "tcp://10.0.0.2:5800"},
+    }
+    for key, value in fields.items():
+        if value is MISSING:
+            base.pop(key, None)
+        else:
+            base[key] = value
+    return base
+
+
+def d_params(kv: Any) -> dict[str, Any]:
+    return {"do_remote_prefill": True, "kvflow": kv}
+
+
+def p_params(kv: Any) -> dict[str, Any]:
+    return {"do_remote_decode": True, "kvflow": kv}
+
+
+def must_parse(params: dict[str, Any]) -> TransferParams:
+    result = TransferParams.parse(params)
+    assert result is not None
+    return result
+
+
+def is_valid(params: dict[str, Any]) -> bool:
+    try:
+        TransferParams.parse(params)
+    except ConfigError:
+        return False
+    return True
+
+
+def needed(prompt_len: int, block_size: int = BLOCK_SIZE) -> int:
+    return -(-prompt_len // block_size)
+
+
+# ==================================================================== TransferParams.parse
+
+
+@pytest.mark.parametrize(
+    "params",
+    [None, {}, {"do_remote_prefill": True}, {"do_remote_decode": True, "other": 1}, {"kvflow": None}],
+)
+def test_params_without_a_kvflow_entry_parse_to_none(params: dict[str, Any] | None) -> None:
+    assert TransferParams.parse(params) is None
+
+
+def test_parse_reads_every_field() -> None:
+    parsed = TransferParams.parse({"kvflow": entry("abc", mode="pull")})
+    assert parsed == TransferParams(
+        "abc", 3, "pull", PeerRef("prefill", "tcp://10.0.0.1:5700"), PeerRef("decode", "tcp://10.0.0.2:5800")
+    )
+
+
+def test_parse_defaults_epoch_mode_and_addresses() -> None:
+    raw = {"transfer_id": "t", "prefill": {"engine": "p"}, "decode": {"engine": "d"}}
+    parsed = TransferParams.parse({"kvflow": raw})
+    assert parsed == TransferParams("t", 1, "push", PeerRef("p", ""), PeerRef("d", ""))
+
+
+names = st.text(min_size=1, max_size=12)
+addresses = st.just("") | st.builds(
+    "tcp://{}:{}".format, st.from_regex(r"[a-z0-9.\-]{1,20}|\[::1\]", fullmatch=True), st.integers(1, 65535)
+)
+valid_entries = st.fixed_dictionaries(
+    {
+        "transfer_id": names,
+        "epoch": st.integers(0, 2**40),
+        "mode": st.sampled_from(["push", "pull"]),
+        "prefill": st.fixed_dictionaries({"engine": names, "address": addresses}),
+        "decode": st.fixed_dictionaries({"engine": names, "address": addresses}),
+    }
+)
+
+
+@given(raw=valid_entries)
+def test_valid_params_round_trip_through_to_params(raw: dict[str, Any]) -> None:
+    parsed = TransferParams.parse({"kvflow": raw, "do_remote_prefill": True})
+    assert parsed is not None
+    assert parsed.to_params() == raw
+    assert TransferParams.parse({"kvflow": parsed.to_params()}) == parsed
+
+
+@pytest.mark.parametrize(
+    ("kv", "field"),
+    [
+        ("not a mapping", "kvflow must be a mapping"),
+        (["transfer_id", "t"], "kvflow must be a mapping"),
+        (entry(transfer_id=MISSING), "kvflow.transfer_id"),
+        (entry(""), "kvflow.transfer_id"),
+        (entry(transfer_id=7), "kvflow.transfer_id"),
+        (entry(transfer_id=None), "kvflow.transfer_id"),
+        (entry(epoch=-1), "kvflow.epoch"),
+        (entry(epoch="1"), "kvflow.epoch"),
+        (entry(epoch=1.0), "kvflow.epoch"),
+        (entry(epoch=True), "kvflow.epoch"),
+        (entry(epoch=None), "kvflow.epoch"),
+        (entry(mode="PUSH"), "kvflow.mode"),
+        (entry(mode=""), "kvflow.mode"),
+        (entry(mode=None), "kvflow.mode"),
+        (entry(mode=["push"]), "kvflow.mode"),
+        (entry(prefill=MISSING), "kvflow.prefill.engine"),
+        (entry(prefill="prefill"), "kvflow.prefill.engine"),
+        (entry(prefill={"address": "tcp://a:1"}), "kvflow.prefill.engine"),
+        (entry(prefill={"engine": ""}), "kvflow.prefill.engine"),
+        (entry(prefill={"engine": 3}), "kvflow.prefill.engine"),
+        (entry(prefill={"engine": "p", "address": 5700}), "kvflow.prefill.address"),
+        (entry(decode=MISSING), "kvflow.decode.engine"),
+        (entry(decode=["decode"]), "kvflow.decode.engine"),
+        (entry(decode={"engine": None}), "kvflow.decode.engine"),
+        (entry(decode={"engine": "d", "address": None}), "kvflow.decode.address"),
+        (entry(decode={"engine": "d", "address": ["tcp://a:1"]}), "kvflow.decode.address"),
+        (entry(decode={"engine": "d", "address": "10.0.0.2:5800"}), "kvflow.decode.address"),
+        (entry(decode={"engine": "d", "address": "ipc:///tmp/kvflow"}), "kvflow.decode.address"),
+        (entry(decode={"engine": "d", "address": "tcp://h:0"}), "kvflow.decode.address"),
+        (entry(decode={"engine": "d", "address": "tcp://h:65536"}), "kvflow.decode.address"),
+        (entry(decode={"engine": "d", "address": "tcp://h:\u00b2"}), "kvflow.decode.address"),  # superscript two
+        (entry(prefill={"engine": "p", "address": "tcp://h:\u0663"}), "kvflow.prefill.address"),  # Arabic three
+        (entry(prefill={"engine": "p", "address": "tcp://h :1"}), "kvflow.prefill.address"),
+    ],
+)
+def test_malformed_params_raise_config_error_naming_the_field(kv: Any, field: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(f"kv_transfer_params.{field}")):
+        TransferParams.parse(d_params(kv))
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+    max_leaves=8,
+)
+entry_keys = st.sampled_from(["transfer_id", "epoch", "mode", "prefill", "decode", "engine", "address"])
+
+
+@given(
+    base=valid_entries,
+    changes=st.dictionaries(entry_keys, json_values, max_size=3),
+    dropped=st.sets(entry_keys, max_size=2),
+)
+def test_parse_of_any_json_entry_returns_params_or_raises_config_error(
+    base: dict[str, Any], changes: dict[str, Any], dropped: set[str]
+) -> None:
+    raw = {k: v for k, v in {**base, **changes}.items() if k not in dropped}
+    try:
+        parsed = TransferParams.parse({"kvflow": raw})
+    except ConfigError:
+        return
+    assert parsed is not None
+    assert parsed.transfer_id == raw["transfer_id"] and parsed.mode in ("push", "pull")
+
+
+@given(kv=json_values)
+def test_a_non_entry_kvflow_value_is_refused_or_none(kv: Any) -> None:
+    if kv is None:
+        assert TransferParams.parse({"kvflow": kv}) is None
+    else:
+        with pytest.raises(ConfigError):
+            TransferParams.parse({"kvflow": kv})
+
+
+# ==================================================================== rank_peer
+
+
+@pytest.mark.parametrize(
+    ("address", "rank", "expected"),
+    [
+        ("tcp://10.0.0.1:5700", 0, "tcp://10.0.0.1:5700"),
+        ("tcp://10.0.0.1:5700", 3, "tcp://10.0.0.1:5703"),
+        ("tcp://[::1]:5700", 1, "tcp://[::1]:5701"),
+        ("tcp://host.example:0", 2, "tcp://host.example:0"),  # port 0 is no address: left alone
+        ("tcp://host:\u00b2", 1, "tcp://host:\u00b2"),  # not ASCII digits: left alone, never raises
+        ("tcp://host:\u0663", 1, "tcp://host:\u0663"),
+        ("tcp://host:65535", 0, "tcp://host:65535"),
+        ("tcp://host", 2, "tcp://host"),  # no port: nothing to shift
+        ("tcp://host:", 2, "tcp://host:"),
+        ("tcp://host:http", 2, "tcp://host:http"),
+        ("ipc:///tmp/kvflow:5700", 2, "ipc:///tmp/kvflow:5700"),  # only tcp ports are per rank
+        ("", 1, ""),
+    ],
+)
+def test_rank_peer_shifts_tcp_ports_and_names_the_rank(address: str, rank: int, expected: str) -> None:
+    assert rank_peer(PeerRef("eng", address), rank) == PeerRef(f"eng-tp{rank}", expected)
+
+
+@given(
+    host=st.from_regex(r"[a-z0-9.\-]{1,20}", fullmatch=True),
+    port=st.integers(1, 60000),
+    ranks=st.lists(st.integers(0, 64), min_size=1, max_size=8, unique=True),
+)
+def test_rank_peer_gives_each_rank_its_own_engine_and_port(host: str, port: int, ranks: list[int]) -> None:
+    peers = [rank_peer(PeerRef("prefill", f"tcp://{host}:{port}"), rank) for rank in ranks]
+    assert [p.address for p in peers] == [f"tcp://{host}:{port + rank}" for rank in ranks]
+    assert len({p.engine for p in peers}) == len(ranks)
+    assert all(p.engine.startswith("prefill-tp") for p in peers)
+
+
+def test_rank_peer_refuses_a_port_past_65535() -> None:
+    with pytest.raises(ConfigError, match="rank 2 would need port 65536"):
+        rank_peer(PeerRef("eng", "tcp://host:65534"), 2)
+
+
+# ==================================================================== Orders
+
+
+def test_orders_are_truthy_only_with_an_order() -> None:
+    params = must_parse({"kvflow": entry()})
+    assert not Orders()
+    assert Orders(expect=[Order("r", params)])
+    assert Orders(ready=[Order("r", params)])
+    assert Orders(abort=[Order("r", params, reason="x")])
+
+
+# ==================================================================== SchedulerBook: decode side
+
+
+@pytest.mark.parametrize("block_size", [0, -4])
+def test_book_refuses_a_non_positive_block_size(block_size: int) -> None:
+    with pytest.raises(ConfigError, match="block_size"):
+        SchedulerBook(block_size)
+
+
+def expect_one(orders: Orders, kind: str) -> Order:
+    lists = {"expect": orders.expect, "ready": orders.ready, "abort": orders.abort}
+    assert len(lists[kind]) == 1, orders
+    assert all(not v for k, v in lists.items() if k != kind), orders
+    return lists[kind][0]
+
+
+def waiting_decode(book: SchedulerBook, rid: str = "d1", prompt_len: int = 10) -> dict[str, Any]:
+    """A D request whose expect order went out: it waits for its KV."""
+    params = d_params(entry())
+    assert book.matched_tokens(rid, params, prompt_len, 0) == (prompt_len, True)
+    book.allocated(rid, params, prompt_len, [7, 8, 9, 10, 11], prompt_len)
+    order = expect_one(book.take_orders(), "expect")
+    assert order.request_id == rid and order.block_ids == (7, 8, 9, 10, 11)[: needed(prompt_len)]
+    return params
+
+
+def test_decode_request_lifecycle_when_the_kv_lands() -> None:
+    book = SchedulerBook(BLOCK_SIZE)
+    params = d_params(entry())
+    assert book.matched_tokens("d1", params, 10, 2) == (8, True)
+    assert book.matched_tokens("d1", params, 10, 2) == (8, True)  # side-effect free
+    assert book.tracked() == 0 and not book.pending_work() and not book.take_orders()
+
+    book.allocated("d1", params, 10, [5, 6, 7, 8], 8)
+    assert book.tracked() == 1 and book.pending_work()
+    order = expect_one(book.take_orders(), "expect")
+    assert order == Order("d1", must_parse(params), (5, 6, 7))  # ceil(10 / 4) blocks
+    assert book.pending_work(), "the expect order is out: the KV has not arrived yet"
+
+    book.allocated("d1", params, 10, [5, 6, 7, 8], 8)  # vLLM calls it again: nothing new
+    assert not book.take_orders() and book.tracked() == 1
+    assert book.matched_tokens("d1", params, 10, 2) == (0, False)  # its one load was ordered
+
+    book.output(set(), {"d1"}, set())
+    assert book.tracked() == 1 and not book.pending_work()
+    assert book.finished("d1", aborted=False) == (False, None)
+    assert book.tracked() == 0 and not book.pending_work() and not book.take_orders()
+
+
+@pytest.mark.parametrize(
+    ("params", "prompt_len", "computed"),
+    [
+        ({"kvflow": entry()}, 10, 0),  # no do_remote_prefill
+        ({"do_remote_prefill": False, "kvflow": entry()}, 10, 0),
+        ({"do_remote_prefill": True}, 10, 0),  # no kvflow entry
+        (d_params(entry()), 10, 10),  # every token computed already
+        (d_params(entry()), 8, 9),
+    ],
+)
+def test_decode_requests_with_nothing_to_load_match_no_tokens(
+    params: dict[str, Any], prompt_len: int, computed: int
+) -> None:
+    book = SchedulerBook(BLOCK_SIZE)
+    assert book.matched_tokens("d1", params, prompt_len, computed) == (0, False)
+    book.allocated("d1", params, prompt_len, [1, 2, 3], 0)
+    assert book.tracked() == 0 and not book.take_orders() and not book.pending_work()
+
+
+def test_allocation_without_external_tokens_or_flag_orders_nothing() -> None:
+    book = SchedulerBook(BLOCK_SIZE)
+    book.allocated("d1", d_params(entry()), 10, [1, 2, 3], 0)
+    book.allocated("d2", {"kvflow": entry()}, 10, [1, 2, 3], 10)
+    assert book.tracked() == 0 and not book.take_orders() and not book.pending_work()
+
+
+@pytest.mark.parametrize(
+    ("aborted", "reason"), [(True, "decode request aborted"), (False, "decode request ended before its KV arrived")]
+)
+def test_decode_request_ended_while_waiting_is_aborted_and_freed_late(aborted: bool, reason: str) -> None:
+    book = SchedulerBook(BLOCK_SIZE)
+    params = waiting_decode(book)
+    assert book.finished("d1", aborted=aborted) == (True, None)  # delay_free: kvflow may still write
+    assert book.pending_work() and book.tracked() == 1
+    order = expect_one(book.take_orders(), "abort")
+    assert order.request_id == "d1" and order.params == must_parse(params) and order.reason == reason
+    assert book.pending_work(), "its blocks are held until the workers release them"
+    book.output({"d1"}, set(), set())
+    assert book.tracked() == 0 and not book.pending_work() and not book.take_orders()
+
+
+def test_decode_request_ended_while_waiting_is_untracked_by_a_failed_release() -> None:
+    book = SchedulerBook(BLOCK_SIZE)
+    waiting_decode(book)
+    book.finished("d1", aborted=True)
+    book.take_orders()
+    book.output(set(), {"d1"}, {"d1"})  # the registration never started: reported as a failed load
+    assert book.tracked() == 0 and not book.pending_work()
+
+
+def test_decode_request_ended_while_its_kv_lands_is_untracked_by_finished_recving() -> None:
+    """vLLM frees a finished request's blocks on finished_recving: the book must let go too."""
+    book = SchedulerBook(BLOCK_SIZE)
+    waiting_decode(book)
+    assert book.finished("d1", aborted=True) == (True, None)
+    book.take_orders()
+    book.output(set(), {"d1"}, set())  # the KV landed before the worker saw the abort
+    assert book.tracked() == 0 and not book.pending_work()
+
+
+def test_failed_load_untracks_the_request_and_it_is_recomputed_locally() -> None:
+    book = SchedulerBook(BLOCK_SIZE)
+    params = waiting_decode(book)
+    book.output(set(), {"d1"}, {"d1"})
+    assert book.tracked() == 0 and not book.pending_work()
+    assert book.matched_tokens("d1", params, 10, 0) == (0, False), "a second remote load was offered"
+    book.allocated("d1", params, 10, [1, 2, 3], 0)
+    assert not book.take_orders()
+    assert book.finished("d1", aborted=False) == (False, None)
+    assert not book.take_orders() and not book.pending_work()
+    # the id is free again: a new request under it loads remotely
+    assert book.matched_tokens("d1", params, 10, 0) == (10, True)
+
+
+def test_reports_for_unknown_or_other_side_requests_change_nothing() -> None:
+    book = SchedulerBook(BLOCK_SIZE)
+    book.new_request("p1", p_params(entry("tp")), 8)
+    waiting_decode(book, "d1")
+    book.output({"x", "d1", "p1"}, {"x", "p1"}, {"x", "p1"})  # d1 is not late-freed; p1 produces
+    assert book.tracked() == 2 and book.pending_work()
+    book.output(set(), {"d1"}, set())
+    assert book.tracked() == 2 and not book.pending_work()
+
+
+# ==================================================================== SchedulerBook: prefill side
+
+
+def test_prefill_request_lifecycle() -> None:
+    book = SchedulerBook(BLOCK_SIZE)
+    kv = entry("tp", mode="pull")
+    book.new_request("p1", p_params(kv), 10)
+    assert book.tracked() == 1 and not book.pending_work() and not book.take_orders()
+
+    book.scheduled("p1", 0, 6, [3, 4])  # a first chunk: the prefill is not done
+    assert not book.take_orders() and not book.pending_work()
+    book.scheduled("p1", 6, 4, [3, 4, 5, 6])
+    assert book.pending_work()
+    order = expect_one(book.take_orders(), "ready")
+    assert order == Order("p1", must_parse({"kvflow": kv}), (3, 4, 5), producer=True)
+    book.scheduled("p1", 10, 1, [3, 4, 5, 6])  # decode steps after it: no second order
+    assert not book.take_orders()
+
+    delay, out = book.finished("p1", aborted=False)
+    assert delay is True
+    assert out == {"kvflow": kv, "kvflow_prefill_finished": True}
+    assert book.pending_work() and not book.take_orders()
+    book.output({"p1"}, set(), set())
+    assert book.tracked() == 0 and not book.pending_work()
+
+
+def test_prefill_aborted_after_its_kv_was_ready_aborts_and_frees_late() -> None:
+    book = SchedulerBook(BLOCK_SIZE)
+    book.new_request("p1", p_params(entry("tp")), 5)
+    book.scheduled("p1", 0, 5, [1, 2])
+    book.take_orders()
+    delay, out = book.finished("p1", aborted=True)
+    assert delay is True and out is not None and out["kvflow"]["transfer_id"] == "tp"
+    order = expect_one(book.take_orders(), "abort")
+    assert order.request_id == "p1" and order.reason == "prefill request aborted"
+    assert book.pending_work()
+    book.output({"p1"}, set(), set())
+    assert book.tracked() == 0 and not book.pending_work()
+
+
+@pytest.mark.parametrize("aborted", [True, False])
+def test_prefill_ended_before_its_kv_was_ready_tells_the_peer_and_holds_nothing(aborted: bool) -> None:
+    book = SchedulerBook(BLOCK_SIZE)
+    book.new_request("p1", p_params(entry("tp")), 10)
+    book.scheduled("p1", 0, 4, [1])
+    assert book.finished("p1", aborted=aborted) == (False, None)
+    assert book.tracked() == 0 and book.pending_work()  # the abort order is still to go out
+    order = expect_one(book.take_orders(), "abort")
+    assert order.request_id == "p1" and order.reason == "prefill request ended early"
+    assert not book.pending_work()
+    book.scheduled("p1", 4, 6, [1, 2, 3])  # a stray late step finds nothing to order
+    assert not book.take_orders()
+
+
+def test_prefill_sending_reported_before_it_finished_does_not_untrack_it() -> None:
+    book = SchedulerBook(BLOCK_SIZE)
+    book.new_request("p1", p_params(entry("tp")), 4)
+    book.scheduled("p1", 0, 4, [1])
+    book.take_orders()
+    book.output({"p1"}, set(), set())
+    assert book.tracked() == 1
+    assert book.finished("p1", aborted=False)[0] is True
+
+
+@pytest.mark.parametrize("params", [{"kvflow": entry()}, {"do_remote_decode": False, "kvflow": entry()}, None])
+def test_prefill_without_remote_decode_is_not_tracked(params: dict[str, Any] | None) -> None:
+    book = SchedulerBook(BLOCK_SIZE)
+    book.new_request("p1", params, 8)
+    book.scheduled("p1", 0, 8, [1, 2])
+    assert book.tracked() == 0 and not book.take_orders()
+    assert book.finished("p1", aborted=False) == (False, None)
+
+
+# ==================================================================== SchedulerBook: refused params
+
+
+@pytest.mark.parametrize(
+    ("kv", "field"),
+    [
+        ("junk", "kvflow must be a mapping"),
+        (entry(epoch=-2), "kvflow.epoch"),
+        (entry(mode="sideways"), "kvflow.mode"),
+        (entry(decode={"engine": ""}), "kvflow.decode.engine"),
+    ],
+)
+def test_malformed_params_are_refused_once_and_the_request_runs_locally(
+    kv: Any, field: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    book = SchedulerBook(BLOCK_SIZE)
+    with caplog.at_level(logging.ERROR, logger="kvflow.vllm"):
+        assert book.matched_tokens("d1", d_params(kv), 10, 0) == (0, False)
+        assert book.matched_tokens("d1", d_params(kv), 10, 0) == (0, False)
+        book.allocated("d1", d_params(kv), 10, [1, 2, 3], 10)
+        book.new_request("p1", p_params(kv), 10)
+        book.scheduled("p1", 0, 10, [1, 2, 3])
+    assert book.tracked() == 0 and not book.take_orders() and not book.pending_work()
+    assert set(book.refused) == {"d1", "p1"}
+    assert all(f"kv_transfer_params.{field}" in why for why in book.refused.values())
+    records = [r for r in caplog.records if r.name == "kvflow.vllm"]
+    assert len(records) == 2, "each refused request is logged exactly once"
+    assert {r.levelno for r in records} == {logging.ERROR}
+    assert "d1" in records[0].getMessage() and field in records[0].getMessage()
+
+    assert book.finished("d1", aborted=False) == (False, None)
+    assert set(book.refused) == {"p1"}
+    assert book.finished("p1", aborted=True) == (False, None)
+    assert book.refused == {} and not book.take_orders() and not book.pending_work()
+
+
+def test_a_refused_request_does_not_disturb_a_valid_one() -> None:
+    book = SchedulerBook(BLOCK_SIZE)
+    book.matched_tokens("bad", d_params(entry(transfer_id=5)), 10, 0)
+    waiting_decode(book, "good")
+    book.output(set(), {"good"}, set())
+    assert book.tracked() == 1 and set(book.refused) == {"bad"}
+    assert book.finished("good", aborted=False) == (False, None)
+    assert set(book.refused) == {"bad"}
+
+
+@given(kv=json_values | valid_entries.map(lambda e: {**e, "epoch": -1}))
+def test_the_book_never_raises_on_any_kvflow_payload(kv: Any) -> None:
+    book = SchedulerBook(BLOCK_SIZE)
+    book.matched_tokens("d1", d_params(kv), 10, 0)
+    book.allocated("d1", d_params(kv), 10, [1, 2, 3], 10)
+    book.new_request("p1", p_params(kv), 10)
+    book.scheduled("p1", 0, 10, [1, 2, 3])
+    assert bool(book.refused) is not is_valid(d_params(kv))
+    book.finished("d1", aborted=True)
+    book.finished("p1", aborted=True)
+    assert book.refused == {}

@@ -1,0 +1,97 @@
+"""Unit tests of the vLLM connector's settings (``kv_connector_extra_config``) and layer groups.
+
+Why here: a bad setting must stop vLLM at start-up with an error naming the key, never fail later
+inside a worker, and layer groups decide which WRITEs D expects, so P and D must compute the same.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import hypothesis.strategies as st
+import pytest
+from hypothesis import given
+
+from kvflow.errors import ConfigError
+from kvflow.integrations.vllm.worker import Settings, layer_groups
+
+
+def test_settings_default_without_extra_config() -> None:
+    assert Settings.from_extra(None) == Settings() == Settings.from_extra({})
+
+
+def test_settings_read_known_keys() -> None:
+    settings = Settings.from_extra(
+        {"transport": "loopback", "port": 0, "push_layer_groups": 2, "nixl_backends": ["UCX", "GDS"]}
+    )
+    assert settings.transport == "loopback" and settings.port == 0 and settings.push_layer_groups == 2
+    assert settings.nixl_backends == ("UCX", "GDS")
+
+
+def test_settings_refuse_unknown_keys_by_name() -> None:
+    with pytest.raises(ConfigError, match=r"\['bogus', 'prot'\]"):
+        Settings.from_extra({"prot": 5700, "bogus": 1, "port": 1})
+
+
+@pytest.mark.parametrize("value", [0, -1, "4", 2.0, True, None])
+def test_settings_refuse_a_bad_push_layer_groups(value: Any) -> None:
+    with pytest.raises(ConfigError, match="push_layer_groups"):
+        Settings.from_extra({"push_layer_groups": value})
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("port", "5700"),
+        ("port", 5700.0),
+        ("port", True),
+        ("port", 70000),
+        ("port", -1),
+        ("host", 127),
+        ("host", "0.0.0.0"),  # announced to the peer: a wildcard is no address
+        ("host", "*"),
+        ("host", ""),
+        ("transfer_timeout", "60"),
+        ("transfer_timeout", 0),
+        ("lease", None),
+        ("lease", -1.0),
+        ("fence_timeout", True),
+        ("fence_timeout", 0.0),
+        ("nixl_backends", "UCX"),  # not a list: never read as ("U", "C", "X")
+        ("nixl_backends", 5),
+        ("nixl_backends", ["UCX", 1]),
+        ("fabric", 1),
+        ("transport", None),
+    ],
+)
+def test_settings_refuse_a_bad_value_naming_its_key(key: str, value: Any) -> None:
+    with pytest.raises(ConfigError, match=key):
+        Settings.from_extra({key: value})
+
+
+def test_settings_take_json_integers_for_seconds() -> None:
+    settings = Settings.from_extra({"transfer_timeout": 5, "lease": 2, "fence_timeout": 1.5})
+    assert (settings.transfer_timeout, settings.lease, settings.fence_timeout) == (5.0, 2.0, 1.5)
+    assert isinstance(settings.transfer_timeout, float)
+
+
+@pytest.mark.parametrize("value", ["tcp", "NIXL", ""])
+def test_settings_refuse_an_unknown_transport(value: str) -> None:
+    with pytest.raises(ConfigError, match="transport"):
+        Settings.from_extra({"transport": value})
+
+
+@given(num_layers=st.integers(1, 200), requested=st.integers(1, 300))
+def test_layer_groups_partition_the_layers_in_order(num_layers: int, requested: int) -> None:
+    groups = layer_groups(num_layers, requested)
+    assert len(groups) == min(requested, num_layers)
+    assert groups[0][0] == 0 and groups[-1][1] == num_layers
+    assert all(start < stop for start, stop in groups), "an empty layer group"
+    assert all(a[1] == b[0] for a, b in zip(groups, groups[1:], strict=False)), "a gap or an overlap"
+    sizes = [stop - start for start, stop in groups]
+    assert max(sizes) - min(sizes) <= 1, f"uneven groups {sizes}"
+
+
+@pytest.mark.parametrize("requested", [0, -3])
+def test_layer_groups_of_a_non_positive_count_is_one_group(requested: int) -> None:
+    assert layer_groups(12, requested) == [(0, 12)]
