@@ -9,6 +9,7 @@ model runner.
 from __future__ import annotations
 
 import itertools
+import socket
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -221,18 +222,23 @@ def test_push_without_layer_saves_posts_every_layer_group_after_the_forward() ->
         p.close()
 
 
+def decode_fails_long_before_its_deadline(p: VllmEngine, d: VllmEngine, tid: str) -> None:
+    """One request whose transfer (with a 600 s deadline) must fail at once; then both close."""
+    try:
+        p_req, d_req = dispatch(p, d, tid, 2 * BLOCK_SIZE)
+        settle((p, d), [p_req, d_req], limit=30.0)
+        assert d_req.status == RequestStatus.FINISHED_ERROR
+    finally:
+        d.close()
+        p.close()
+
+
 def test_prefill_and_decode_disagreeing_on_layer_groups_fail_the_transfer_at_once() -> None:
     fabric = f"f{next(_fabrics)}"
     common = {"transport": "loopback", "port": 0, "fabric": fabric, "transfer_timeout": 600.0}
     p = make_engine("prefill", "kv_producer", {**common, "push_layer_groups": 1})
     d = make_engine("decode", "kv_consumer", {**common, "push_layer_groups": 2})
-    try:
-        p_req, d_req = dispatch(p, d, "t9", 2 * BLOCK_SIZE)
-        settle((p, d), [p_req, d_req], limit=30.0)  # long before the 600 s transfer deadline
-        assert d_req.status == RequestStatus.FINISHED_ERROR
-    finally:
-        d.close()
-        p.close()
+    decode_fails_long_before_its_deadline(p, d, "t9")
 
 
 def test_push_over_nixl_moves_the_bytes() -> None:
@@ -242,3 +248,55 @@ def test_push_over_nixl_moves_the_bytes() -> None:
     finally:
         d.close()
         p.close()
+
+
+def consecutive_free_ports(count: int) -> int:
+    """A base port such that base .. base + count - 1 are free on 127.0.0.1 right now."""
+    for _ in range(100):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            base = int(probe.getsockname()[1])
+        if base + count > 65535:
+            continue
+        sockets = []
+        try:
+            for port in range(base, base + count):
+                sock = socket.socket()
+                sockets.append(sock)
+                sock.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in sockets:
+                sock.close()
+    raise AssertionError("no run of free ports")
+
+
+def tensor_parallel_pair(ranks: int, **extra: Any) -> tuple[VllmEngine, VllmEngine]:
+    """P and D with `ranks` workers each; rank r binds the base port + r, as in a deployment."""
+    common = {"transport": "loopback", "fabric": f"f{next(_fabrics)}", **extra}
+    p_port, d_port = consecutive_free_ports(ranks), consecutive_free_ports(ranks)
+    p = make_engine("prefill", "kv_producer", {**common, "port": p_port}, tensor_parallel=ranks)
+    d = make_engine("decode", "kv_consumer", {**common, "port": d_port}, tensor_parallel=ranks, failure_policy="fail")
+    return p, d
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_tensor_parallel_ranks_each_move_their_shard_to_the_same_rank(mode: str) -> None:
+    """The router names only rank 0; rank r of D finds rank r of P, and vLLM's aggregator hears
+    of the request once every rank has reported it."""
+    p, d = tensor_parallel_pair(2)
+    try:
+        run_and_check_landed(p, d, "t10", 3 * BLOCK_SIZE + 2, mode)  # checks both ranks' shards
+        settle((p, d), [])
+    finally:
+        d.close()
+        p.close()
+
+
+def test_a_write_failing_on_one_rank_fails_the_request_on_every_rank() -> None:
+    fabric = f"f{next(_fabrics)}"
+    worker_side._LOOPBACK_FABRICS[fabric] = LoopbackFabric(faults=FaultPlan(fail_ops={1}))
+    p, d = tensor_parallel_pair(2, fabric=fabric, transfer_timeout=600.0)
+    decode_fails_long_before_its_deadline(p, d, "t11")

@@ -3,11 +3,13 @@
 Why: the connector's contract is with vLLM's scheduler and worker hooks, in vLLM's call order.
 `VllmEngine` builds a real `Scheduler` (which loads the scheduler-role connector itself, by
 ``kv_connector_module_path``), a worker-role connector, and KV caches as CPU tensors registered
-through the worker connector.  `step()` plays one model-runner step the way vLLM's
-`_get_kv_connector_output` does: bind metadata, ``start_load_kv``, a "forward" (which writes a
-known pattern into the KV of every prefill token it computes), ``wait_for_save``,
-``get_transfer_results``, ``get_block_ids_with_load_errors``, clear metadata, then
-``update_from_output`` with the sampled tokens and the connector output.
+through the worker connector, one per tensor-parallel rank.  `step()` plays one model-runner
+step on every rank the way vLLM's `_get_kv_connector_output` does: bind metadata, a per-layer
+"forward" (which writes a known pattern, per rank, into the KV of every prefill token it
+computes, calling ``save_kv_layer``), ``start_load_kv``, ``wait_for_save``,
+``get_transfer_results``, ``get_block_ids_with_load_errors``, clear metadata; the ranks' outputs
+are combined by vLLM's own `KVOutputAggregator`, as its executors do, and passed to
+``update_from_output`` with the sampled tokens.
 
 The model is a config.json only (no weights, nothing fetched): vLLM needs a model config, not a
 model, to schedule.
@@ -28,6 +30,7 @@ import torch
 from vllm import SamplingParams
 from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
@@ -70,25 +73,45 @@ def page_elements() -> int:
     return 2 * BLOCK_SIZE * HEADS * HEAD_DIM
 
 
-def pattern(transfer: str, position: int, layer: int) -> torch.Tensor:
-    """The KV bytes prefill writes for one block: recognisable per transfer, position, layer."""
-    seed = (hash((transfer, position, layer)) & 0xFFFF) + 1
+def pattern(transfer: str, position: int, layer: int, rank: int = 0) -> torch.Tensor:
+    """The KV bytes prefill writes for one block: recognisable per transfer, position, layer and
+    tensor-parallel rank (each rank holds its own shard of the heads)."""
+    seed = (hash((transfer, position, layer, rank)) & 0xFFFF) + 1
     return (torch.arange(page_elements(), dtype=torch.int32) * seed % 997).to(torch.float16)
+
+
+@dataclass
+class Rank:
+    """One tensor-parallel worker: its connector and its KV caches."""
+
+    worker: KVConnectorBase_V1
+    kv: dict[str, torch.Tensor]
 
 
 @dataclass
 class VllmEngine:
     name: str
     scheduler: Scheduler
-    worker: KVConnectorBase_V1
-    kv: dict[str, torch.Tensor]
+    ranks: list[Rank]
     transfers: dict[str, str] = field(default_factory=dict)  # request id -> transfer id (P: patterns)
     steps: int = 0
     layerwise: bool = True  # the forward calls save_kv_layer after each layer
 
+    def __post_init__(self) -> None:
+        self.aggregator = KVOutputAggregator(expected_finished_count=len(self.ranks))
+
     @property
     def connector(self) -> Any:
         return self.scheduler.connector
+
+    @property
+    def worker(self) -> KVConnectorBase_V1:
+        """Rank 0's worker connector."""
+        return self.ranks[0].worker
+
+    @property
+    def kv(self) -> dict[str, torch.Tensor]:
+        return self.ranks[0].kv
 
     def add(self, request_id: str, prompt_len: int, max_tokens: int, params: dict[str, Any]) -> Request:
         sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
@@ -100,30 +123,36 @@ class VllmEngine:
     def step(self) -> ModelRunnerOutput:
         so = self.scheduler.schedule()
         self.steps += 1
-        worker = self.worker
         assert so.kv_connector_metadata is not None  # a connector is configured
-        worker.bind_connector_metadata(so.kv_connector_metadata)
-        req_ids, sampled = self._forward(so)
-        worker.start_load_kv(None)  # type: ignore[arg-type]  # the forward context is unused here
-        worker.wait_for_save()  # type: ignore[no-untyped-call]
-        results = worker.get_transfer_results(so.finished_req_ids)
-        errors = worker.get_block_ids_with_load_errors()
-        worker.clear_connector_metadata()
-        output = ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=sampled,
-            kv_connector_output=KVConnectorOutput(
-                finished_sending=results.finished_sending,
-                finished_recving=results.finished_recving,
-                failed_recving=results.failed_recving,
-                invalid_block_ids=errors,
-            ),
-        )
+        outputs: list[ModelRunnerOutput | None] = []
+        for rank, shard in enumerate(self.ranks):  # one after the other here; in parallel in vLLM
+            worker = shard.worker
+            worker.bind_connector_metadata(so.kv_connector_metadata)
+            req_ids, sampled = self._forward(so, rank)
+            worker.start_load_kv(None)  # type: ignore[arg-type]  # the forward context is unused here
+            worker.wait_for_save()  # type: ignore[no-untyped-call]
+            results = worker.get_transfer_results(so.finished_req_ids)
+            errors = worker.get_block_ids_with_load_errors()
+            worker.clear_connector_metadata()
+            outputs.append(
+                ModelRunnerOutput(
+                    req_ids=req_ids,
+                    req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                    sampled_token_ids=sampled,
+                    kv_connector_output=KVConnectorOutput(
+                        finished_sending=results.finished_sending,
+                        finished_recving=results.finished_recving,
+                        failed_recving=results.failed_recving,
+                        invalid_block_ids=errors,
+                    ),
+                )
+            )
+        output = self.aggregator.aggregate(outputs)
+        assert output is not None
         self.scheduler.update_from_output(so, output)
         return output
 
-    def _forward(self, so: Any) -> tuple[list[str], list[list[int]]]:
+    def _forward(self, so: Any, rank: int) -> tuple[list[str], list[list[int]]]:
         """Layer by layer, as attention layers do (``wait_for_layer_load``, compute, and, when
         `layerwise`, ``save_kv_layer``): write the pattern into the KV of every prompt token
         computed this step; sample a token for every request that reaches the end of its prompt."""
@@ -140,19 +169,22 @@ class VllmEngine:
                 writes.append((transfer, positions, [block_ids[p] for p in positions]))
             req_ids.append(req_id)
             sampled.append([TOKEN] if computed + count >= request.num_prompt_tokens else [])
+        worker, kv = self.ranks[rank].worker, self.ranks[rank].kv
         for layer, name in enumerate(LAYERS):
-            self.worker.wait_for_layer_load(name)
+            worker.wait_for_layer_load(name)
             for transfer, positions, blocks in writes:
                 for position, block in zip(positions, blocks, strict=True):
-                    self.kv[name][block] = pattern(transfer, position, layer)
+                    kv[name][block] = pattern(transfer, position, layer, rank)
             if self.layerwise:
-                self.worker.save_kv_layer(name, self.kv[name], None)  # type: ignore[arg-type]  # no attention
+                worker.save_kv_layer(name, kv[name], None)  # type: ignore[arg-type]  # no attention
         return req_ids, sampled
 
     def blocks_hold(self, request_id: str, transfer: str, num_blocks: int) -> bool:
+        """Every rank's blocks of the request hold that rank's pattern."""
         block_ids = self.scheduler.kv_cache_manager.get_block_ids(request_id)[0]
         return all(
-            torch.equal(self.kv[name][block_ids[position]], pattern(transfer, position, layer))
+            torch.equal(shard.kv[name][block_ids[position]], pattern(transfer, position, layer, rank))
+            for rank, shard in enumerate(self.ranks)
             for position in range(num_blocks)
             for layer, name in enumerate(LAYERS)
         )
@@ -161,7 +193,8 @@ class VllmEngine:
         return not self.scheduler.has_requests()
 
     def close(self) -> None:
-        self.worker.shutdown()  # type: ignore[no-untyped-call]
+        for shard in self.ranks:
+            shard.worker.shutdown()  # type: ignore[no-untyped-call]
 
 
 def make_engine(
@@ -173,8 +206,10 @@ def make_engine(
     failure_policy: str = "fail",
     connector: str = "KVFlowConnector",
     module_path: str | None = "kvflow.integrations.vllm",
+    tensor_parallel: int = 1,
 ) -> VllmEngine:
-    """A vLLM scheduler plus worker connector, as a P ("kv_producer") or D ("kv_consumer")."""
+    """A vLLM scheduler plus one worker connector per tensor-parallel rank, as a P
+    ("kv_producer") or D ("kv_consumer")."""
     model = ModelConfig(model=model_dir(), skip_tokenizer_init=True, dtype="float16", max_model_len=4096, seed=0)
     scheduler_config = SchedulerConfig(
         max_num_seqs=16, max_num_batched_tokens=4096, max_model_len=4096, is_encoder_decoder=False
@@ -208,10 +243,15 @@ def make_engine(
         structured_output_manager=StructuredOutputManager(config),
         block_size=BLOCK_SIZE,
     )
-    worker = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kv_cache_config)
-    kv = {n: torch.zeros((num_blocks, page_elements()), dtype=torch.float16) for n in LAYERS}
-    worker.register_kv_caches(kv)
-    return VllmEngine(name, scheduler, worker, kv)
+    ranks = []
+    for rank in range(tensor_parallel):
+        config.parallel_config.rank = rank  # what a worker process of that rank has
+        worker = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kv_cache_config)
+        kv = {n: torch.zeros((num_blocks, page_elements()), dtype=torch.float16) for n in LAYERS}
+        worker.register_kv_caches(kv)
+        ranks.append(Rank(worker, kv))
+    config.parallel_config.rank = 0
+    return VllmEngine(name, scheduler, ranks)
 
 
 def is_finished(request: Request) -> bool:
