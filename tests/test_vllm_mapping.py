@@ -493,6 +493,18 @@ def test_a_refused_request_does_not_disturb_a_valid_one() -> None:
     assert set(book.refused) == {"bad"}
 
 
+def test_with_prefix_caching_kv_to_receive_is_refused_and_kv_to_send_is_not() -> None:
+    book = SchedulerBook(BLOCK_SIZE, prefix_caching=True)
+    params = d_params(entry("td"))
+    assert book.matched_tokens("d1", params, 10, 0) == (0, False)
+    book.allocated("d1", params, 10, [1, 2, 3], 10)
+    assert "prefix caching" in book.refused["d1"] and book.tracked() == 0
+    book.new_request("p1", p_params(entry("tp")), 10)
+    book.scheduled("p1", 0, 10, [4, 5, 6])
+    assert expect_one(book.take_orders(), "ready").block_ids == (4, 5, 6)
+    assert set(book.refused) == {"d1"}
+
+
 @given(kv=json_values | valid_entries.map(lambda e: {**e, "epoch": -1}))
 def test_the_book_never_raises_on_any_kvflow_payload(kv: Any) -> None:
     book = SchedulerBook(BLOCK_SIZE)

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from vllm.v1.request import RequestStatus
 
+from kvflow.errors import ConfigError
 from kvflow.integrations.vllm import worker as worker_side
 from kvflow.integrations.vllm.connector import KVFlowConnector
 from kvflow.transports.loopback import FaultPlan, LoopbackFabric
@@ -107,6 +108,34 @@ def test_connector_loaded_by_module_path(engines: tuple[VllmEngine, VllmEngine])
     p, _ = engines
     assert type(p.connector).__name__ == "KVFlowConnector"
     assert type(p.connector).__module__ == "kvflow.integrations.vllm.connector"
+
+
+def test_a_decode_engine_with_prefix_caching_refuses_to_start() -> None:
+    """Received KV is written into the request's blocks; prefix caching would share them."""
+    with pytest.raises(ConfigError, match="no-enable-prefix-caching"):
+        make_engine("decode", "kv_consumer", {"transport": "loopback", "port": 0}, prefix_caching=True)
+
+
+def test_a_prefill_engine_with_prefix_caching_computes_remote_prefill_requests_locally() -> None:
+    """A producer may cache prefixes, but then it must not receive KV: such a request is refused
+    (logged, computed locally), not written into blocks other requests share."""
+    fabric = f"f{next(_fabrics)}"
+    p = make_engine("prefill", "kv_producer", {"transport": "loopback", "port": 0, "fabric": fabric})
+    d = make_engine(
+        "decode", "kv_producer", {"transport": "loopback", "port": 0, "fabric": fabric}, prefix_caching=True
+    )
+    try:
+        d_req = d.add(
+            "d-t12", 2 * BLOCK_SIZE, max_tokens=4, params={"do_remote_prefill": True, "kvflow": params(p, d, "t12")}
+        )
+        d.step()
+        assert "prefix caching" in d.connector._book.refused["d-t12"]
+        assert d_req.status == RequestStatus.RUNNING  # computing its prompt, not waiting for KV
+        settle((d,), [d_req])
+        assert d_req.status == RequestStatus.FINISHED_LENGTH_CAPPED and len(d_req.output_token_ids) == 4
+    finally:
+        d.close()
+        p.close()
 
 
 def crash(engine: VllmEngine) -> None:

@@ -207,6 +207,7 @@ def make_engine(
     connector: str = "KVFlowConnector",
     module_path: str | None = "kvflow.integrations.vllm",
     tensor_parallel: int = 1,
+    prefix_caching: bool = False,
 ) -> VllmEngine:
     """A vLLM scheduler plus one worker connector per tensor-parallel rank, as a P
     ("kv_producer") or D ("kv_consumer")."""
@@ -214,7 +215,7 @@ def make_engine(
     scheduler_config = SchedulerConfig(
         max_num_seqs=16, max_num_batched_tokens=4096, max_model_len=4096, is_encoder_decoder=False
     )
-    cache = CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=False)
+    cache = CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=prefix_caching)
     transfer = KVTransferConfig(
         kv_connector=connector,
         kv_connector_module_path=module_path,

@@ -57,8 +57,14 @@ class KVFlowConnector(KVConnectorBase_V1):
         self._block_size = vllm_config.cache_config.block_size
         self._book: SchedulerBook | None = None
         self._worker: WorkerSide | None = None
+        prefix_caching = bool(vllm_config.cache_config.enable_prefix_caching)
+        if transfer.is_kv_consumer and prefix_caching:
+            raise ConfigError(
+                "kvflow: a KV consumer must run with prefix caching off (--no-enable-prefix-caching): "
+                "received KV is written into the request's blocks, which prefix caching shares"
+            )
         if role is KVConnectorRole.SCHEDULER:
-            self._book = SchedulerBook(self._block_size)
+            self._book = SchedulerBook(self._block_size, prefix_caching)
         else:
             rank = vllm_config.parallel_config.rank
             self._worker = WorkerSide(self.engine_id, rank, self.settings)

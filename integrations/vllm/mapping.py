@@ -158,10 +158,17 @@ class _Tracked:
 class SchedulerBook:
     """The scheduler side's state, one per vLLM engine (scheduler process)."""
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, prefix_caching: bool = False) -> None:
+        """`prefix_caching`: this engine shares cached blocks between requests, so it must not
+        receive KV (a WRITE into a shared block would change other requests' KV); requests
+        asking for a remote prefill are then refused and computed locally.
+
+        :raises ConfigError: a block size that is not positive.
+        """
         if block_size <= 0:
             raise ConfigError("block_size must be positive")
         self.block_size = block_size
+        self.prefix_caching = prefix_caching
         self._tracked: dict[str, _Tracked] = {}
         self._loaded: set[str] = set()  # D requests whose one remote load was ordered
         self._pending = Orders()
@@ -174,7 +181,7 @@ class SchedulerBook:
     ) -> tuple[int, bool]:
         """`get_num_new_matched_tokens`: side-effect free.  A remote-prefill request loads every
         prompt token it has not computed, asynchronously."""
-        if not (params or {}).get("do_remote_prefill") or self._parse(request_id, params) is None:
+        if not (params or {}).get("do_remote_prefill") or self._parse(request_id, params, receiving=True) is None:
             return 0, False
         if request_id in self._loaded:
             return 0, False  # its remote load happened (and failed): vLLM recomputes it locally
@@ -190,8 +197,10 @@ class SchedulerBook:
         external: int,
     ) -> None:
         """`update_state_after_alloc`: the first call with external tokens registers the blocks."""
-        parsed = self._parse(request_id, params)
-        if parsed is None or not (params or {}).get("do_remote_prefill") or external <= 0:
+        if not (params or {}).get("do_remote_prefill") or external <= 0:
+            return
+        parsed = self._parse(request_id, params, receiving=True)
+        if parsed is None:
             return
         if request_id in self._tracked:
             return  # called again after the load: nothing new to register
@@ -205,8 +214,10 @@ class SchedulerBook:
 
     def new_request(self, request_id: str, params: Mapping[str, Any] | None, prompt_len: int) -> None:
         """`on_new_request`: remember prefill requests whose KV goes to a remote decoder."""
+        if not (params or {}).get("do_remote_decode"):
+            return
         parsed = self._parse(request_id, params)
-        if parsed is not None and (params or {}).get("do_remote_decode"):
+        if parsed is not None:
             self._tracked[request_id] = _Tracked(parsed, prompt_len, producer=True)
 
     def scheduled(self, request_id: str, computed: int, scheduled: int, block_ids: Sequence[int]) -> None:
@@ -283,11 +294,19 @@ class SchedulerBook:
     def tracked(self) -> int:
         return len(self._tracked)
 
-    def _parse(self, request_id: str, params: Mapping[str, Any] | None) -> TransferParams | None:
-        """The request's kvflow params; malformed ones are refused (logged once per request) and
-        the request runs as if it had none: computed locally, never a crash of the scheduler."""
+    def _parse(
+        self, request_id: str, params: Mapping[str, Any] | None, receiving: bool = False
+    ) -> TransferParams | None:
+        """The request's kvflow params; malformed ones, and KV to receive on an engine with
+        prefix caching, are refused (logged once per request) and the request runs as if it had
+        none: computed locally, never a crash of the scheduler."""
         try:
-            return TransferParams.parse(params)
+            parsed = TransferParams.parse(params)
+            if parsed is not None and receiving and self.prefix_caching:
+                raise ConfigError(
+                    "this engine has prefix caching on and cannot receive KV (--no-enable-prefix-caching)"
+                )
+            return parsed
         except ConfigError as exc:
             if request_id not in self.refused:
                 self.refused[request_id] = str(exc)
