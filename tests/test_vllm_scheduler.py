@@ -26,10 +26,12 @@ from tests.vllm_harness import BLOCK_SIZE, VllmEngine, is_finished, make_engine
 _fabrics = itertools.count()
 
 
-def pair(transport: str = "loopback", failure_policy: str = "fail", **extra: Any) -> tuple[VllmEngine, VllmEngine]:
+def pair(
+    transport: str = "loopback", failure_policy: str = "fail", async_scheduling: bool = False, **extra: Any
+) -> tuple[VllmEngine, VllmEngine]:
     common = {"transport": transport, "port": 0, "fabric": f"f{next(_fabrics)}", **extra}
-    p = make_engine("prefill", "kv_producer", common)
-    d = make_engine("decode", "kv_consumer", common, failure_policy=failure_policy)
+    p = make_engine("prefill", "kv_producer", common, async_scheduling=async_scheduling)
+    d = make_engine("decode", "kv_consumer", common, failure_policy=failure_policy, async_scheduling=async_scheduling)
     return p, d
 
 
@@ -51,14 +53,15 @@ def run(engines: tuple[VllmEngine, ...], until: Any, limit: float = 20.0) -> Non
         if time.monotonic() > deadline:
             raise AssertionError("the engines did not get there in time")
         for engine in engines:
-            if engine.scheduler.has_requests():
+            if engine.busy():
                 engine.step()
         time.sleep(0.001)
 
 
-@pytest.fixture
-def engines() -> Iterator[tuple[VllmEngine, VllmEngine]]:
-    p, d = pair()
+@pytest.fixture(params=["sync", "async"])
+def engines(request: pytest.FixtureRequest) -> Iterator[tuple[VllmEngine, VllmEngine]]:
+    """P and D, stepping as vLLM does without and with async scheduling (vLLM 0.33's default)."""
+    p, d = pair(async_scheduling=request.param == "async")
     yield p, d
     d.close()
     p.close()
@@ -100,6 +103,7 @@ def test_kv_moves_from_prefill_to_decode_and_both_schedulers_end_empty(
     p_req, d_req = run_and_check_landed(p, d, "t1", prompt, mode)
     assert d_req.status == RequestStatus.FINISHED_LENGTH_CAPPED and len(d_req.output_token_ids) == 4
     for engine in (p, d):
+        assert engine.most_in_flight == (2 if engine.async_scheduling else 0)
         assert not engine.connector.has_pending_push_work()
         assert engine.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == 63  # one null block
 
@@ -130,7 +134,7 @@ def test_a_prefill_engine_with_prefix_caching_computes_remote_prefill_requests_l
         )
         d.step()
         assert "prefix caching" in d.connector._book.refused["d-t12"]
-        assert d_req.status == RequestStatus.RUNNING  # computing its prompt, not waiting for KV
+        assert d_req.status != RequestStatus.WAITING_FOR_REMOTE_KVS and d.connector._book.tracked() == 0
         settle((d,), [d_req])
         assert d_req.status == RequestStatus.FINISHED_LENGTH_CAPPED and len(d_req.output_token_ids) == 4
     finally:
@@ -220,13 +224,14 @@ def test_decode_death_lets_prefill_free_its_blocks() -> None:
         p.close()
 
 
+@pytest.mark.parametrize("scheduling", ["sync", "async"])
 @pytest.mark.parametrize("policy", ["fail", "recompute"])
-def test_a_failed_write_reaches_decode_at_once(policy: str) -> None:
+def test_a_failed_write_reaches_decode_at_once(policy: str, scheduling: str) -> None:
     """vLLM's own push connector only logs a failed WRITE and leaves D waiting for its 480 s
     watchdog; here D learns of it from P's failure notice and applies its load-failure policy."""
     fabric = f"f{next(_fabrics)}"
     worker_side._LOOPBACK_FABRICS[fabric] = LoopbackFabric(faults=FaultPlan(fail_ops={1}))
-    p, d = pair(failure_policy=policy, fabric=fabric, transfer_timeout=600.0)
+    p, d = pair(failure_policy=policy, fabric=fabric, transfer_timeout=600.0, async_scheduling=scheduling == "async")
     try:
         p_req, d_req = dispatch(p, d, "t7", 2 * BLOCK_SIZE)
         settle((p, d), [p_req, d_req], limit=30.0)  # long before the 600 s transfer deadline

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +33,7 @@ from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
@@ -96,9 +98,12 @@ class VllmEngine:
     transfers: dict[str, str] = field(default_factory=dict)  # request id -> transfer id (P: patterns)
     steps: int = 0
     layerwise: bool = True  # the forward calls save_kv_layer after each layer
+    async_scheduling: bool = False  # vLLM 0.33's default: step N+1 is scheduled before N's output is read
+    most_in_flight: int = 0  # batches scheduled and not yet read back, at most
 
     def __post_init__(self) -> None:
         self.aggregator = KVOutputAggregator(expected_finished_count=len(self.ranks))
+        self._in_flight: deque[tuple[Any, ModelRunnerOutput]] = deque()
 
     @property
     def connector(self) -> Any:
@@ -120,8 +125,30 @@ class VllmEngine:
         self.scheduler.add_request(request)
         return request
 
-    def step(self) -> ModelRunnerOutput:
-        so = self.scheduler.schedule()
+    def step(self) -> None:
+        """One engine-core step.  With async scheduling, as vLLM's `step_with_batch_queue` with
+        two batches: schedule and run the next batch, and read the older batch's output only
+        once two are in flight (or nothing more can be scheduled)."""
+        if not self.async_scheduling:
+            so = self.scheduler.schedule()
+            self.scheduler.update_from_output(so, self._execute(so))
+            return
+        if self.scheduler.has_requests():
+            so = self.scheduler.schedule()
+            self._in_flight.appendleft((so, self._execute(so)))
+            self.most_in_flight = max(self.most_in_flight, len(self._in_flight))
+            if len(self._in_flight) < 2:
+                return
+        if self._in_flight:
+            so, output = self._in_flight.pop()
+            self.scheduler.update_from_output(so, output)
+
+    def busy(self) -> bool:
+        """EngineCore keeps stepping while it has requests or outputs to read."""
+        return self.scheduler.has_requests() or bool(self._in_flight)
+
+    def _execute(self, so: Any) -> ModelRunnerOutput:
+        """Every rank runs the batch; vLLM's aggregator combines their connector outputs."""
         self.steps += 1
         assert so.kv_connector_metadata is not None  # a connector is configured
         outputs: list[ModelRunnerOutput | None] = []
@@ -149,7 +176,6 @@ class VllmEngine:
             )
         output = self.aggregator.aggregate(outputs)
         assert output is not None
-        self.scheduler.update_from_output(so, output)
         return output
 
     def _forward(self, so: Any, rank: int) -> tuple[list[str], list[list[int]]]:
@@ -190,7 +216,7 @@ class VllmEngine:
         )
 
     def idle(self) -> bool:
-        return not self.scheduler.has_requests()
+        return not self.busy()
 
     def close(self) -> None:
         for shard in self.ranks:
@@ -208,12 +234,17 @@ def make_engine(
     module_path: str | None = "kvflow.integrations.vllm",
     tensor_parallel: int = 1,
     prefix_caching: bool = False,
+    async_scheduling: bool = False,
 ) -> VllmEngine:
     """A vLLM scheduler plus one worker connector per tensor-parallel rank, as a P
     ("kv_producer") or D ("kv_consumer")."""
     model = ModelConfig(model=model_dir(), skip_tokenizer_init=True, dtype="float16", max_model_len=4096, seed=0)
     scheduler_config = SchedulerConfig(
-        max_num_seqs=16, max_num_batched_tokens=4096, max_model_len=4096, is_encoder_decoder=False
+        max_num_seqs=16,
+        max_num_batched_tokens=4096,
+        max_model_len=4096,
+        is_encoder_decoder=False,
+        async_scheduling=async_scheduling,
     )
     cache = CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=prefix_caching)
     transfer = KVTransferConfig(
@@ -238,7 +269,7 @@ def make_engine(
     kv_cache_config = KVCacheConfig(
         num_blocks=num_blocks, kv_cache_tensors=tensors, kv_cache_groups=[KVCacheGroupSpec(LAYERS, spec)]
     )
-    scheduler = Scheduler(
+    scheduler = (AsyncScheduler if async_scheduling else Scheduler)(
         vllm_config=config,
         kv_cache_config=kv_cache_config,
         structured_output_manager=StructuredOutputManager(config),
@@ -252,7 +283,7 @@ def make_engine(
         worker.register_kv_caches(kv)
         ranks.append(Rank(worker, kv))
     config.parallel_config.rank = 0
-    return VllmEngine(name, scheduler, ranks)
+    return VllmEngine(name, scheduler, ranks, async_scheduling=async_scheduling)
 
 
 def is_finished(request: Request) -> bool:
