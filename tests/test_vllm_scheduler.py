@@ -330,7 +330,11 @@ def test_tensor_parallel_ranks_each_move_their_shard_to_the_same_rank(mode: str)
 
 
 def test_a_write_failing_on_one_rank_fails_the_request_on_every_rank() -> None:
+    """One WRITE per rank: the first fails, the other lands half a second later.  vLLM fails
+    the request on the failing rank's report, the other rank aborts its transfer, and the blocks
+    come back once both ranks have reported."""
     fabric = f"f{next(_fabrics)}"
-    worker_side._LOOPBACK_FABRICS[fabric] = LoopbackFabric(faults=FaultPlan(fail_ops={1}))
-    p, d = tensor_parallel_pair(2, fabric=fabric, transfer_timeout=600.0)
+    faults = FaultPlan(fail_ops={1}, stall_ops={2}, stall_for=0.5)
+    worker_side._LOOPBACK_FABRICS[fabric] = LoopbackFabric(faults=faults)
+    p, d = tensor_parallel_pair(2, fabric=fabric, transfer_timeout=600.0, push_layer_groups=1)
     decode_fails_long_before_its_deadline(p, d, "t11")

@@ -6,10 +6,12 @@ hooks only hand it orders and read its queues.
 
 What vLLM learns, and when: a request's blocks belong to kvflow from its order until kvflow
 *releases* them, which happens only when no op of the transfer can touch them any more (after
-the peer's fence for a failed or aborted transfer).  So D reports ``finished_recving`` (and, on
-failure, ``failed_recving`` plus the request's block ids as load errors) on release, and both
-sides report a late-freed request in ``finished_sending`` on release too, once vLLM has told the
-worker that request finished (vLLM's rule for delayed frees).
+the peer's fence for a failed or aborted transfer).  So each rank of D reports the request once
+in ``finished_recving`` on release (on failure also in ``failed_recving``, with its block ids
+as load errors), also when the request was aborted meanwhile: vLLM counts every rank's report
+per set before it acts, and frees a finished request's blocks then.  P reports a request in
+``finished_sending`` on release, once vLLM has told the worker that request finished (vLLM's
+rule for delayed frees).
 
 Why the hooks yield the GIL: the engine's threads (event loop, writer, NIXL progress) need the
 GIL for a moment at each hand-off of a transfer.  A model-runner thread that keeps it (Python
@@ -186,11 +188,12 @@ class WorkerSide:
         self.settings = settings
         self.thread: EngineThread | None = None
         self._requests: dict[tuple[TransferKey, Role], str] = {}
-        self._aborted: set[str] = set()
+        self._aborted: set[str] = set()  # D requests aborted while their KV was coming
         self._finished_ids: set[str] = set()
         self._late_frees: set[str] = set()  # released, waiting for vLLM to say the request finished
         self._load_errors: set[int] = set()
-        self._failed_starts: list[tuple[concurrent.futures.Future[Any], str, tuple[int, ...]]] = []
+        # D registrations handed to the engine: (future, request id, block ids, key)
+        self._failed_starts: list[tuple[concurrent.futures.Future[Any], str, tuple[int, ...], TransferKey | None]] = []
         self._ready_starts: list[tuple[concurrent.futures.Future[Any], str]] = []
         self._connected: dict[str, concurrent.futures.Future[None]] = {}
         self.layer_groups: list[tuple[int, int]] = [(0, 1)]
@@ -246,7 +249,7 @@ class WorkerSide:
             try:
                 peer = rank_peer(params.prefill, self.rank)
             except ConfigError as exc:  # reported as a failed load by the next results()
-                self._failed_starts.append((_failed(exc), order.request_id, order.block_ids))
+                self._failed_starts.append((_failed(exc), order.request_id, order.block_ids, None))
                 continue
             key = TransferKey(params.transfer_id, params.epoch)
             self._requests[(key, Role.DECODE)] = order.request_id
@@ -262,7 +265,7 @@ class WorkerSide:
                     expected_batches=batches if m is Mode.PUSH else 1,
                 ),
             )
-            self._failed_starts.append((future, order.request_id, order.block_ids))
+            self._failed_starts.append((future, order.request_id, order.block_ids, key))
             taken.append(future)
         for order in orders.abort:  # after the expects: a request may end in the step it was allocated
             self._abort(order)
@@ -377,7 +380,7 @@ class WorkerSide:
         if role is Role.DECODE:
             if (key, role) not in self._requests:
                 return  # released already (reported as received), or it never started
-            self._aborted.add(order.request_id)  # its release is then a late free (finished_sending)
+            self._aborted.add(order.request_id)  # its release is then no load failure
 
         async def abort(e: Engine) -> None:
             with contextlib.suppress(UnknownTransfer):  # never started here: nothing to abort
@@ -405,11 +408,15 @@ class WorkerSide:
         sending: set[str] = set()
         recving: set[str] = set()
         failed: set[str] = set()
-        for future, request_id, blocks in list(self._failed_starts):
+        for start in list(self._failed_starts):
+            future, request_id, blocks, key = start
             if not future.done():
                 continue
-            self._failed_starts.remove((future, request_id, blocks))
+            self._failed_starts.remove(start)
             if future.exception() is not None:  # never registered: no block is held by kvflow
+                if key is not None:
+                    self._requests.pop((key, Role.DECODE), None)
+                self._aborted.discard(request_id)
                 log.error("%s: could not start receiving %s: %s", self.engine_id, request_id, future.exception())
                 recving.add(request_id)
                 failed.add(request_id)
@@ -437,13 +444,18 @@ class WorkerSide:
         request_id = self._requests.pop((release.key, release.role), None)
         if request_id is None:
             return
-        if release.role is Role.PREFILL or request_id in self._aborted:
-            self._aborted.discard(request_id)
+        if release.role is Role.PREFILL:
             self._late_frees.add(request_id)
-        elif release.outcome is Outcome.SUCCEEDED:
-            recving.add(request_id)
-        else:
-            recving.add(request_id)
+            return
+        # D: every rank reports the request once, in finished_recving, whether its KV landed or
+        # failed or the request ended meanwhile: vLLM's aggregator counts the ranks per set, and
+        # frees a finished request's blocks on finished_recving.  (With load failures reported as
+        # invalid blocks, vLLM may fail the request when the first rank fails; the others then
+        # abort, and report here too.)
+        recving.add(request_id)
+        aborted = request_id in self._aborted
+        self._aborted.discard(request_id)
+        if release.outcome is not Outcome.SUCCEEDED and not aborted:
             failed.add(request_id)
             self._load_errors.update(release.block_ids)
 
