@@ -8,6 +8,7 @@ model runner.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import socket
 import time
@@ -51,7 +52,7 @@ def run(engines: tuple[VllmEngine, ...], until: Any, limit: float = 20.0) -> Non
     deadline = time.monotonic() + limit
     while not until():
         if time.monotonic() > deadline:
-            raise AssertionError("the engines did not get there in time")
+            raise AssertionError("the engines did not get there in time\n" + "\n".join(e.describe() for e in engines))
         for engine in engines:
             if engine.busy():
                 engine.step()
@@ -142,14 +143,21 @@ def test_a_prefill_engine_with_prefix_caching_computes_remote_prefill_requests_l
         p.close()
 
 
-def crash(engine: VllmEngine) -> None:
-    """The engine's process dies: no goodbye, its memory and control socket gone."""
+def kvflow_engine(engine: VllmEngine) -> Any:
+    """Rank 0's kvflow engine inside the worker connector."""
     assert isinstance(engine.worker, KVFlowConnector)
     side = engine.worker._worker
     assert side is not None and side.thread is not None
+    return side.thread.engine
+
+
+def crash(engine: VllmEngine) -> None:
+    """The engine's process dies: no goodbye, its memory and control socket gone."""
+    assert isinstance(engine.worker, KVFlowConnector)
     fabric = worker_side._LOOPBACK_FABRICS[engine.worker.settings.fabric]
-    kvflow_engine = side.thread.engine
-    fabric.kill(kvflow_engine.engine_id)
+    fabric.kill(kvflow_engine(engine).engine_id)
+    side = engine.worker._worker
+    assert side is not None and side.thread is not None
     side.thread.call(_silence).result(timeout=5)
 
 
@@ -177,6 +185,30 @@ def test_decode_abort_while_waiting_frees_its_blocks_after_the_fence(engines: tu
     p.transfers["p-t2"] = "t2"
     p_req = p.add("p-t2", 2 * BLOCK_SIZE, max_tokens=1, params={"do_remote_decode": True, "kvflow": kv})
     settle((p, d), [p_req])
+
+
+def test_decode_abort_during_the_handshake_still_reaches_prefill() -> None:
+    """D's registration waits for its handshake with P; an abort ordered meanwhile must wait for
+    it too, or it finds no transfer and the registration then holds the blocks until its deadline."""
+    p, d = pair(transfer_timeout=600.0)
+    try:
+        engine = kvflow_engine(d)
+        handshake = engine.connect
+
+        async def slow_handshake(peer: str, address: str = "", timeout: float | None = None) -> None:
+            await asyncio.sleep(0.5)
+            await handshake(peer, address, timeout)
+
+        engine.connect = slow_handshake
+        kv = params(p, d, "t13")
+        d_req = d.add("d-t13", 2 * BLOCK_SIZE, max_tokens=4, params={"do_remote_prefill": True, "kvflow": kv})
+        run((d,), lambda: d_req.status == RequestStatus.WAITING_FOR_REMOTE_KVS)
+        assert engine.peers() == []  # the handshake is still on
+        d.scheduler.finish_requests(d_req.request_id, RequestStatus.FINISHED_ABORTED)
+        settle((p, d), [d_req], limit=30.0)  # long before the 600 s transfer deadline
+    finally:
+        d.close()
+        p.close()
 
 
 @pytest.mark.parametrize("policy", ["fail", "recompute"])

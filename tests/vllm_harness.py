@@ -215,6 +215,21 @@ class VllmEngine:
             for layer, name in enumerate(LAYERS)
         )
 
+    def describe(self) -> str:
+        """What this engine is waiting on, for a test that timed out."""
+        lines = [f"{self.name}: requests {[(r, q.status.name) for r, q in self.scheduler.requests.items()]}"]
+        lines.append(f"  pending push work {self.connector.has_pending_push_work()}, in flight {len(self._in_flight)}")
+        for rank, shard in enumerate(self.ranks):
+            side = getattr(shard.worker, "_worker", None)
+            thread = getattr(side, "thread", None)
+            if thread is None:
+                continue
+            engine = thread.engine
+            live = [(m.key.transfer_id, m.role.value, m.state.name) for m in engine.core.live()]
+            stats = {k: v for k, v in engine.stats().items() if v}
+            lines.append(f"  rank {rank}: live {live}, stats {stats}, crashed {engine.crashed}")
+        return "\n".join(lines)
+
     def idle(self) -> bool:
         return not self.busy()
 

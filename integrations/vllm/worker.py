@@ -189,6 +189,9 @@ class WorkerSide:
         self.thread: EngineThread | None = None
         self._requests: dict[tuple[TransferKey, Role], str] = {}
         self._aborted: set[str] = set()  # D requests aborted while their KV was coming
+        # D: each transfer's registration as handed to the engine (it may still be waiting for
+        # the handshake with P); an abort waits for it, or it would find no transfer to abort
+        self._registrations: dict[TransferKey, concurrent.futures.Future[Any]] = {}
         self._finished_ids: set[str] = set()
         self._late_frees: set[str] = set()  # released, waiting for vLLM to say the request finished
         self._load_errors: set[int] = set()
@@ -266,6 +269,7 @@ class WorkerSide:
                 ),
             )
             self._failed_starts.append((future, order.request_id, order.block_ids, key))
+            self._registrations[key] = future
             taken.append(future)
         for order in orders.abort:  # after the expects: a request may end in the step it was allocated
             self._abort(order)
@@ -381,8 +385,11 @@ class WorkerSide:
             if (key, role) not in self._requests:
                 return  # released already (reported as received), or it never started
             self._aborted.add(order.request_id)  # its release is then no load failure
+        registration = self._registrations.get(key) if role is Role.DECODE else None
 
         async def abort(e: Engine) -> None:
+            if registration is not None:  # bounded: the handshake has its own timeout
+                await asyncio.wait([asyncio.wrap_future(registration)])
             with contextlib.suppress(UnknownTransfer):  # never started here: nothing to abort
                 await e.abort(key.transfer_id, key.epoch, role, order.reason)
 
@@ -416,6 +423,7 @@ class WorkerSide:
             if future.exception() is not None:  # never registered: no block is held by kvflow
                 if key is not None:
                     self._requests.pop((key, Role.DECODE), None)
+                    self._registrations.pop(key, None)
                 self._aborted.discard(request_id)
                 log.error("%s: could not start receiving %s: %s", self.engine_id, request_id, future.exception())
                 recving.add(request_id)
@@ -442,6 +450,8 @@ class WorkerSide:
 
     def _on_release(self, release: ReleaseBlocks, recving: set[str], failed: set[str]) -> None:
         request_id = self._requests.pop((release.key, release.role), None)
+        if release.role is Role.DECODE:
+            self._registrations.pop(release.key, None)
         if request_id is None:
             return
         if release.role is Role.PREFILL:
