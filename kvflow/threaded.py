@@ -20,6 +20,7 @@ from kvflow.aio import new_event_loop
 from kvflow.engine import Engine, TransferResult
 from kvflow.errors import EngineClosed, TransferTimeout
 from kvflow.state import Mode, Role
+from kvflow.transport import drain
 
 __all__ = ("EngineThread",)
 
@@ -131,11 +132,11 @@ class EngineThread:
 
     def poll_finished(self) -> list[TransferResult]:
         """Outcomes decided since the last call (never blocks)."""
-        return _drain(self.engine.finished)
+        return drain(self.engine.finished)
 
     def poll_released(self) -> list[ReleaseBlocks]:
         """Blocks handed back since the last call (never blocks)."""
-        return _drain(self.engine.released)
+        return drain(self.engine.released)
 
     def close(self, timeout: float = 60.0) -> None:
         """Close the engine (draining it) and stop the thread; waits at most `timeout` seconds.
@@ -154,12 +155,3 @@ class EngineThread:
             if not self._loop.is_closed():
                 self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=timeout)
-
-
-def _drain(queue: Any) -> list[Any]:
-    items = []
-    while True:
-        try:
-            items.append(queue.popleft())
-        except IndexError:
-            return items

@@ -21,10 +21,11 @@ The contract, which the engine's safety depends on:
 from __future__ import annotations
 
 import importlib
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib import metadata
-from typing import Any, Protocol, cast, runtime_checkable
+from typing import Any, Protocol, TypeVar, cast, runtime_checkable
 
 from kvflow.actions import OpKind
 from kvflow.errors import TransportError, TransportUnavailable, UnknownTransport
@@ -37,6 +38,7 @@ __all__ = (
     "Transport",
     "TransportCapabilities",
     "available_transports",
+    "drain",
     "load_transport",
     "region_address",
 )
@@ -109,6 +111,20 @@ class Transport(Protocol):
 
     def close(self) -> None:
         """Release every registration and handle.  Idempotent."""
+
+
+_T = TypeVar("_T")
+
+
+def drain(queue: deque[_T]) -> list[_T]:
+    """Every item `queue` holds now, oldest first, for its one consumer; other threads may
+    append meanwhile (deque's append and popleft are atomic)."""
+    items = []
+    while True:
+        try:
+            items.append(queue.popleft())
+        except IndexError:
+            return items
 
 
 def region_address(regions: Sequence[Region], index: int, offset: int, length: int, side: str) -> int:

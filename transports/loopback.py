@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from kvflow.actions import OpKind
 from kvflow.errors import ConfigError, TransportError
 from kvflow.layout import DescriptorPlan, MemoryType, Region
-from kvflow.transport import Completion, Notification, TransportCapabilities, region_address
+from kvflow.transport import Completion, Notification, TransportCapabilities, drain, region_address
 
 __all__ = ("FaultPlan", "LinkModel", "LoopbackFabric", "LoopbackTransport")
 
@@ -324,12 +324,7 @@ class LoopbackTransport:
             self.fabric._post(_Op(number, op_id, self, peer, kind, copies, notification, ready, fail, stall))
 
     def poll(self) -> tuple[list[Completion], list[Notification]]:
-        completions, notifications = [], []
-        while self._completions:
-            completions.append(self._completions.popleft())
-        while self._notifications:
-            notifications.append(self._notifications.popleft())
-        return completions, notifications
+        return drain(self._completions), drain(self._notifications)
 
     def send_notification(self, peer: str, payload: bytes) -> None:
         self._alive()

@@ -46,7 +46,7 @@ import numpy.typing as npt
 from kvflow.actions import OpKind
 from kvflow.errors import ConfigError, TransportError, TransportUnavailable, map_exceptions
 from kvflow.layout import DescriptorPlan, MemoryType, Region
-from kvflow.transport import Completion, Notification, TransportCapabilities, region_address
+from kvflow.transport import Completion, Notification, TransportCapabilities, drain, region_address
 
 __all__ = ("INSTALL_HINT", "NixlTransport", "load_nixl", "require")
 
@@ -351,12 +351,7 @@ class NixlTransport:
             self._signal()
 
     def poll(self) -> tuple[list[Completion], list[Notification]]:
-        completions, notes = [], []
-        while self._completions:
-            completions.append(self._completions.popleft())
-        while self._notifications:
-            notes.append(self._notifications.popleft())
-        return completions, notes
+        return drain(self._completions), drain(self._notifications)
 
     def send_notification(self, peer: str, payload: bytes) -> None:
         def send() -> None:

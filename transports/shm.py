@@ -40,7 +40,7 @@ import numpy.typing as npt
 from kvflow.actions import OpKind
 from kvflow.errors import TransportError
 from kvflow.layout import DescriptorPlan, MemoryType, Region
-from kvflow.transport import Completion, Notification, TransportCapabilities, region_address
+from kvflow.transport import Completion, Notification, TransportCapabilities, drain, region_address
 
 __all__ = ("ShmTransport",)
 
@@ -220,12 +220,7 @@ class ShmTransport:
         self._jobs.put(op)
 
     def poll(self) -> tuple[list[Completion], list[Notification]]:
-        completions, notes = [], []
-        while self._completions:
-            completions.append(self._completions.popleft())
-        while self._notifications:
-            notes.append(self._notifications.popleft())
-        return completions, notes
+        return drain(self._completions), drain(self._notifications)
 
     def send_notification(self, peer: str, payload: bytes) -> None:
         target = self._peers.get(peer)
