@@ -300,43 +300,31 @@ async def test_a_whole_answer_passes_through(live: Live, path: str) -> None:
 
 
 @pytest.mark.asyncio
-async def test_a_failed_prefill_cancels_decode(live: Live) -> None:
+@pytest.mark.parametrize(
+    ("failing", "status", "stream"), [("prefill", 500, True), ("decode", 503, False)], ids=["prefill", "decode"]
+)
+async def test_a_failed_leg_cancels_the_other(live: Live, failing: str, status: int, stream: bool) -> None:
     stack = live.stack
-    body = {"prompt": "x", "stream": True, "fake": {"P": {"hold": True, "status": 500}, "D": {"hold": True}}}
+    failed, other = (stack.p, stack.d) if failing == "prefill" else (stack.d, stack.p)
+    fake: dict[str, dict[str, Any]] = {"P": {"hold": True}, "D": {"hold": True}}
+    fake["P" if failing == "prefill" else "D"]["status"] = status
+    body: dict[str, Any] = {"prompt": "x", "fake": fake}
+    if stream:
+        body["stream"] = True
     call = asyncio.create_task(live.http.post(stack.router + "/v1/completions", json=body))
     try:
         await live.wait_record(stack.p, "held", held)
         await live.wait_record(stack.d, "held", held)
-        await live.release(stack.p)
+        await live.release(failed)
         async with asyncio.timeout(WAIT):
             async with await call as response:
                 assert response.status == 502
                 error = (await response.json())["error"]
     finally:
         call.cancel()
-    assert error["leg"] == "prefill"
-    assert "prefill leg failed" in error["message"] and "HTTP 500" in error["message"]
-    await live.wait_record(stack.d, "cancelled", cancelled)
-
-
-@pytest.mark.asyncio
-async def test_a_failed_decode_cancels_prefill(live: Live) -> None:
-    stack = live.stack
-    body = {"prompt": "x", "fake": {"P": {"hold": True}, "D": {"hold": True, "status": 503}}}
-    call = asyncio.create_task(live.http.post(stack.router + "/v1/completions", json=body))
-    try:
-        await live.wait_record(stack.p, "held", held)
-        await live.wait_record(stack.d, "held", held)
-        await live.release(stack.d)
-        async with asyncio.timeout(WAIT):
-            async with await call as response:
-                assert response.status == 502
-                error = (await response.json())["error"]
-    finally:
-        call.cancel()
-    assert error["leg"] == "decode"
-    assert "decode leg failed" in error["message"] and "HTTP 503" in error["message"]
-    await live.wait_record(stack.p, "cancelled", cancelled)
+    assert error["leg"] == failing
+    assert f"{failing} leg failed" in error["message"] and f"HTTP {status}" in error["message"]
+    await live.wait_record(other, "cancelled", cancelled)
 
 
 @pytest.mark.asyncio
