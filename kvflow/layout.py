@@ -44,7 +44,8 @@ __all__ = (
     "plan_transfer",
 )
 
-LAYOUT_FORMAT = 1
+LAYOUT_FORMAT = 2
+MAX_SPEC_TEXT = 256  # characters of a spec's text fields (a model's name or path)
 
 DTYPE_SIZES: Mapping[str, int] = {
     "float32": 4,
@@ -88,58 +89,84 @@ class BlockArray:
 
 @dataclass(frozen=True, slots=True)
 class KVSpec:
-    """The model-level shape of a KV cache; both peers must agree on it."""
+    """What one block of one layer holds, and who may exchange it; both peers must agree on it.
+
+    A layer's page for one block holds ``block_size`` tokens of ``num_kv_heads`` heads (those of
+    this rank), each a K vector of ``head_dim`` values and a V vector of ``head_dim_v`` values (0
+    for MLA's single latent vector).  ``page_bytes`` is derived from those unless given (packed
+    or quantized caches).  The page is split into ``arrays_per_layer`` equal block arrays (2: K
+    and V kept apart; 1: one run of bytes per page; H: one run per head, when a layout keeps
+    heads outside blocks).
+    """
 
     num_layers: int
     block_size: int  # tokens per block
-    num_kv_heads: int
+    num_kv_heads: int  # heads this rank holds
     head_dim: int
-    dtype: str = "bfloat16"
-    kv_layout: str = "NHD"
-    arrays_per_layer: int = 2  # 2: K and V kept apart (FlashAttention); 1: joint K/V blocks
+    dtype: str = "bfloat16"  # the storage type of the cache
+    kv_layout: str = "NHD"  # the order of the bytes inside a page (vLLM: its KVCacheLayout name)
+    arrays_per_layer: int = 2
+    head_dim_v: int | None = None  # None: head_dim; 0: no V (MLA's latent cache)
+    page_bytes: int = 0  # 0: derived from the fields above
+    model: str = ""  # the model's identity: the same weights on both sides
+    cache_dtype: str = ""  # how values are encoded when dtype does not tell (vLLM keeps fp8 caches as uint8)
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "block_size", "num_kv_heads", "head_dim"):
+        for name in ("num_layers", "block_size", "num_kv_heads", "head_dim", "arrays_per_layer"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"kv spec field {name} must be > 0, got {getattr(self, name)}")
         if self.dtype not in DTYPE_SIZES:
             raise ConfigError(f"kv spec dtype {self.dtype!r} is not one of {sorted(DTYPE_SIZES)}")
-        if self.arrays_per_layer not in (1, 2):
-            raise ConfigError(f"kv spec arrays_per_layer must be 1 or 2, got {self.arrays_per_layer}")
+        if self.head_dim_v is None:
+            object.__setattr__(self, "head_dim_v", self.head_dim)
+        if self.value_dim < 0 or self.page_bytes < 0:
+            raise ConfigError(f"kv spec head_dim_v and page_bytes must be >= 0, got {self}")
+        if self.page_bytes == 0:
+            per_token = self.num_kv_heads * (self.head_dim + self.value_dim) * DTYPE_SIZES[self.dtype]
+            object.__setattr__(self, "page_bytes", self.block_size * per_token)
+        if self.page_bytes % self.arrays_per_layer:
+            raise ConfigError(
+                f"kv spec page of {self.page_bytes} bytes does not split into {self.arrays_per_layer} equal arrays"
+            )
+
+    @property
+    def value_dim(self) -> int:
+        """V's head size (``head_dim_v`` once resolved)."""
+        return self.head_dim if self.head_dim_v is None else self.head_dim_v
 
     @property
     def block_len(self) -> int:
         """Bytes of one block in one array."""
-        per_token = self.num_kv_heads * self.head_dim * DTYPE_SIZES[self.dtype]
-        return self.block_size * per_token * (2 // self.arrays_per_layer)
+        return self.page_bytes // self.arrays_per_layer
 
 
 FINGERPRINT_FIELDS = (
     "format",
+    "model",
     "num_layers",
-    "block_size",
     "num_kv_heads",
     "head_dim",
+    "head_dim_v",
     "dtype",
+    "cache_dtype",
+    "block_size",
     "kv_layout",
+    "page_bytes",
     "arrays_per_layer",
     "block_len",
 )
 
 
 def fingerprint(spec: KVSpec) -> dict[str, int | str]:
-    """What two peers compare before transferring: every field that must be equal."""
-    return {
-        "format": LAYOUT_FORMAT,
-        "num_layers": spec.num_layers,
-        "block_size": spec.block_size,
-        "num_kv_heads": spec.num_kv_heads,
-        "head_dim": spec.head_dim,
-        "dtype": spec.dtype,
-        "kv_layout": spec.kv_layout,
-        "arrays_per_layer": spec.arrays_per_layer,
-        "block_len": spec.block_len,
-    }
+    """What two peers compare before transferring: every field that must be equal for a byte
+    copy of pages to mean the same KV on both sides."""
+    fields: dict[str, int | str] = {"format": LAYOUT_FORMAT, "head_dim_v": spec.value_dim}
+    for name in FINGERPRINT_FIELDS:
+        if name not in fields:
+            value = getattr(spec, name)
+            assert isinstance(value, int | str)
+            fields[name] = value
+    return {name: fields[name] for name in FINGERPRINT_FIELDS}
 
 
 def check_compatible(local: Mapping[str, Any], remote: Mapping[str, Any]) -> None:
@@ -364,6 +391,10 @@ def layout_to_wire(layout: KVLayout) -> dict[str, Any]:
             spec.dtype,
             spec.kv_layout,
             spec.arrays_per_layer,
+            spec.value_dim,
+            spec.page_bytes,
+            spec.model,
+            spec.cache_dtype,
         ],
         "num_blocks": layout.num_blocks,
         "regions": [[r.base, r.length, r.memory.value, r.device_id] for r in layout.regions],
@@ -383,11 +414,18 @@ def layout_from_wire(data: Mapping[str, Any]) -> KVLayout:
         return list(values)
 
     try:
-        num_layers, block_size, heads, head_dim, dtype, kv_layout, per_layer = data["spec"]
-        if not isinstance(dtype, str) or not isinstance(kv_layout, str):
-            raise ConfigError("layout spec dtype and kv_layout must be strings")
-        layers, size, n_heads, dim, per = ints([num_layers, block_size, heads, head_dim, per_layer], 5, "spec")
-        spec = KVSpec(layers, size, n_heads, dim, dtype, kv_layout, per)
+        raw_spec = data["spec"]
+        if not isinstance(raw_spec, list | tuple) or len(raw_spec) != 11:
+            raise ConfigError("layout spec must have 11 fields")
+        texts = [raw_spec[i] for i in (4, 5, 9, 10)]
+        if any(not isinstance(text, str) or len(text) > MAX_SPEC_TEXT for text in texts):
+            raise ConfigError(
+                f"layout spec dtype, kv_layout, model and cache_dtype must be strings of at most {MAX_SPEC_TEXT} "
+                "characters"
+            )
+        dtype, kv_layout, model, cache_dtype = texts
+        layers, size, n_heads, dim, per, dim_v, page = ints([raw_spec[i] for i in (0, 1, 2, 3, 6, 7, 8)], 7, "spec")
+        spec = KVSpec(layers, size, n_heads, dim, dtype, kv_layout, per, dim_v, page, model, cache_dtype)
         regions = []
         for raw in data["regions"]:
             if not isinstance(raw, list | tuple) or len(raw) != 4 or not isinstance(raw[2], str):

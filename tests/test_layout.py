@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import hypothesis.strategies as st
 import numpy as np
 import pytest
@@ -17,6 +19,8 @@ from kvflow.layout import (
     Region,
     check_compatible,
     fingerprint,
+    layout_from_wire,
+    layout_to_wire,
     plan_transfer,
 )
 
@@ -141,6 +145,37 @@ def test_fingerprint_names_the_first_field_that_differs() -> None:
         check_compatible(a, c)
     with pytest.raises(LayoutMismatch, match="kv_layout"):
         check_compatible(a, {k: v for k, v in a.items() if k != "kv_layout"})
+
+
+def test_the_fingerprint_names_what_a_byte_copy_needs_model_first() -> None:
+    """Two engines serving other models, or encoding fp8 differently in the same uint8 pages,
+    must not exchange KV even when every size agrees."""
+    base = {"num_layers": 2, "block_size": 16, "num_kv_heads": 1, "head_dim": 576, "dtype": "uint8"}
+    mla = KVSpec(**base, head_dim_v=0, kv_layout="LBNHC", arrays_per_layer=1, model="m", cache_dtype="fp8_e4m3")
+    assert mla.page_bytes == 16 * 576 and mla.block_len == mla.page_bytes  # MLA: no V
+    for field, other in [
+        ("model", replace(mla, model="n")),
+        ("cache_dtype", replace(mla, cache_dtype="fp8_e5m2")),
+        ("kv_layout", replace(mla, kv_layout="LBHNC")),
+        ("head_dim_v", KVSpec(**base, kv_layout="LBNHC", arrays_per_layer=2, model="m", cache_dtype="fp8_e4m3")),
+    ]:
+        with pytest.raises(LayoutMismatch) as caught:
+            check_compatible(fingerprint(mla), fingerprint(other))
+        assert caught.value.field == field
+    different = replace(mla, model="n", num_layers=3)
+    with pytest.raises(LayoutMismatch, match="model"):
+        check_compatible(fingerprint(mla), fingerprint(different))
+
+
+def test_a_page_splits_into_any_number_of_equal_arrays_and_round_trips_the_wire() -> None:
+    spec = KVSpec(num_layers=2, block_size=4, num_kv_heads=4, head_dim=8, dtype="float16", arrays_per_layer=4)
+    assert spec.page_bytes == 4 * 4 * 16 * 2 and spec.block_len == spec.page_bytes // 4
+    layout = KVLayout.per_layer_regions(spec, 3, [Region(4096, 4 * 3 * spec.block_len), Region(8192, 4096)])
+    assert layout_from_wire(layout_to_wire(layout)) == layout
+    with pytest.raises(ConfigError, match="equal arrays"):
+        KVSpec(num_layers=1, block_size=4, num_kv_heads=1, head_dim=3, dtype="int8", arrays_per_layer=5)
+    with pytest.raises(ConfigError, match="at most"):
+        layout_from_wire({**layout_to_wire(layout), "spec": [*layout_to_wire(layout)["spec"][:9], "m" * 300, ""]})
 
 
 def test_invalid_layouts_are_refused_with_the_reason() -> None:
