@@ -61,6 +61,8 @@ class EngineConfig:
     # after tearing a peer down on a transport that cannot fence the peer's one-sided ops (RDMA),
     # wait this long before its transfers' blocks count as safe to release
     unfenced_grace: float = 5.0
+    # runs first on every thread the engine starts (its writer): a GPU host binds it to its device
+    thread_setup: Callable[[], None] | None = None
 
     def __post_init__(self) -> None:
         for name in ("transfer_timeout", "handshake_timeout", "drain_timeout", "lease"):
@@ -132,7 +134,9 @@ class Engine:
         self.released: deque[ReleaseBlocks] = deque()  # thread-safe to popleft from anywhere
         self.finished: deque[TransferResult] = deque()
         self.counters = {"messages_from_unknown_peers": 0, "sends_failed": 0, "notifications_from_unknown": 0}
-        self._submitter = submitter or WriterThread(f"kvflow-writer-{engine_id}", self._record_crash)
+        self._submitter = submitter or WriterThread(
+            f"kvflow-writer-{engine_id}", self._record_crash, thread_setup=self.config.thread_setup
+        )
         self._clock = clock
         self._on_release = on_release
         self._fingerprint = fingerprint(layout.spec)

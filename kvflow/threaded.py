@@ -28,22 +28,32 @@ T = TypeVar("T")
 
 
 class EngineThread:
-    """`factory` builds the engine on the engine thread (so it binds to that loop)."""
+    """`factory` builds the engine on the engine thread (so it binds to that loop), after
+    `thread_setup` has run there (a GPU host binds the thread to its device)."""
 
-    def __init__(self, factory: Callable[[], Engine], *, name: str = "kvflow-engine", start_timeout: float = 30.0):
+    def __init__(
+        self,
+        factory: Callable[[], Engine],
+        *,
+        name: str = "kvflow-engine",
+        start_timeout: float = 30.0,
+        thread_setup: Callable[[], None] | None = None,
+    ):
         self._loop = new_event_loop()
         self._ready: concurrent.futures.Future[Engine] = concurrent.futures.Future()
-        self._thread = threading.Thread(target=self._run, args=(factory,), name=name, daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(factory, thread_setup), name=name, daemon=True)
         self._thread.start()
         try:
             self.engine = self._ready.result(timeout=start_timeout)
         except concurrent.futures.TimeoutError:
             raise TransferTimeout(f"engine thread {name!r} did not start within {start_timeout}s") from None
 
-    def _run(self, factory: Callable[[], Engine]) -> None:
+    def _run(self, factory: Callable[[], Engine], thread_setup: Callable[[], None] | None) -> None:
         asyncio.set_event_loop(self._loop)
 
         async def boot() -> None:
+            if thread_setup is not None:
+                thread_setup()
             engine = factory()
             await engine.start()
             self._ready.set_result(engine)

@@ -29,11 +29,15 @@ class Submitter(Protocol):
 
 
 class WriterThread:
-    """One daemon thread running jobs in order; a job's exception goes to `on_error`."""
+    """One daemon thread running jobs in order; a job's exception goes to `on_error`.
+    `thread_setup` runs first on the thread (a GPU host binds it to its device there)."""
 
-    def __init__(self, name: str, on_error: Callable[[BaseException], None]) -> None:
+    def __init__(
+        self, name: str, on_error: Callable[[BaseException], None], *, thread_setup: Callable[[], None] | None = None
+    ) -> None:
         self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._on_error = on_error
+        self._thread_setup = thread_setup
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -52,6 +56,11 @@ class WriterThread:
             self._thread.join(timeout)
 
     def _run(self) -> None:
+        if self._thread_setup is not None:
+            try:
+                self._thread_setup()
+            except Exception as exc:
+                self._on_error(exc)
         while (job := self._jobs.get()) is not None:
             try:
                 job()

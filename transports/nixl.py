@@ -110,6 +110,8 @@ class NixlTransport:
     `granule` (the KV block length in bytes) enables ``mode="prepped"``.  `idle_poll` is how
     often the agent thread looks for notifications while no op of its own is in flight;
     `inline_poll` how long `submit` polls a posted op before leaving it to the agent thread.
+    `thread_setup` runs first on the agent thread (a GPU host binds it to its device: UCX
+    disables CUDA IPC on a thread with no CUDA device set).
     """
 
     def __init__(
@@ -123,6 +125,7 @@ class NixlTransport:
         idle_poll: float = 0.0005,
         inline_poll: float = 0.0001,
         call_timeout: float = 30.0,
+        thread_setup: Callable[[], None] | None = None,
     ) -> None:
         if mode not in ("direct", "prepped") or (mode == "prepped" and not granule):
             raise ConfigError("mode must be 'direct', or 'prepped' with a granule (the block length)")
@@ -137,6 +140,7 @@ class NixlTransport:
         self._idle_poll = idle_poll
         self._inline_poll = inline_poll
         self._call_timeout = call_timeout
+        self._thread_setup = thread_setup
         self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._completions: deque[Completion] = deque()
         self._notifications: deque[Notification] = deque()
@@ -160,6 +164,8 @@ class NixlTransport:
 
     def _run(self, started: concurrent.futures.Future[None]) -> None:
         try:
+            if self._thread_setup is not None:
+                self._thread_setup()
             with self._nixl("creating the agent"):
                 strict = self._api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT  # writers post from their thread
                 config = self._api.nixl_agent_config(enable_prog_thread=False, backends=[], sync_mode=strict)
