@@ -24,8 +24,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.request import RequestStatus
 
 from kvflow.errors import ConfigError
+from kvflow.integrations.vllm.device import device_for
+from kvflow.integrations.vllm.kv_caches import check_supported, describe_kv_caches
 from kvflow.integrations.vllm.mapping import Orders, SchedulerBook
-from kvflow.integrations.vllm.worker import Settings, WorkerSide, layout_from_kv_caches
+from kvflow.integrations.vllm.worker import Settings, WorkerSide
 
 if TYPE_CHECKING:
     import torch
@@ -37,9 +39,24 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-__all__ = ("SUPPORTED_VLLM", "KVFlowConnector", "KVFlowMetadata")
+__all__ = ("SUPPORTED_VLLM", "KVFlowConnector", "KVFlowMetadata", "check_vllm_version")
 
 SUPPORTED_VLLM = ">=0.33,<0.34"
+
+
+def check_vllm_version(version: str) -> None:
+    """kvflow reads what vLLM hands a connector (layouts, hook order) as vLLM 0.33 does.
+
+    :raises ConfigError: another vLLM release.
+    """
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        supported = Version(version).release[:2] == (0, 33)  # pre-releases and dev builds of 0.33 too
+    except InvalidVersion:
+        supported = False
+    if not supported:
+        raise ConfigError(f"kvflow's connector supports vLLM {SUPPORTED_VLLM}, not vLLM {version}")
 
 
 class KVFlowMetadata(KVConnectorMetadata):
@@ -49,11 +66,19 @@ class KVFlowMetadata(KVConnectorMetadata):
 
 class KVFlowConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
+        from vllm import __version__ as vllm_version
+
+        check_vllm_version(vllm_version)
         super().__init__(vllm_config, role, kv_cache_config)
         transfer = vllm_config.kv_transfer_config
         assert transfer is not None  # checked by the base class
         self.settings = Settings.from_extra(transfer.kv_connector_extra_config)
         self.engine_id = str(transfer.engine_id)
+        check_supported(vllm_config, kv_cache_config)
+        self._kv_cache_config = kv_cache_config
+        self._model = self.settings.model_id or str(vllm_config.model_config.model)
+        self._cache_dtype = str(vllm_config.cache_config.cache_dtype)
+        self._layout_name = vllm_config.cache_config.kv_cache_layout
         self._block_size = vllm_config.cache_config.block_size
         self._book: SchedulerBook | None = None
         self._worker: WorkerSide | None = None
@@ -68,8 +93,14 @@ class KVFlowConnector(KVConnectorBase_V1):
         else:
             rank = vllm_config.parallel_config.rank
             self._worker = WorkerSide(self.engine_id, rank, self.settings)
-        self._attention = _attention_spec(kv_cache_config)
-        self._layer_index: dict[str, int] = {}
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        """The layout named by the ``kv_cache_layout`` setting, if any: kvflow moves every
+        layout, so by default it leaves the choice to the attention backend."""
+        transfer = vllm_config.kv_transfer_config
+        extra = transfer.kv_connector_extra_config if transfer is not None else None
+        return Settings.from_extra(extra).kv_cache_layout or None
 
     # ================================================================ scheduler side
 
@@ -120,10 +151,21 @@ class KVFlowConnector(KVConnectorBase_V1):
     # ================================================================ worker side
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        heads, head_dim = self._attention
-        layout = layout_from_kv_caches(kv_caches, self._block_size, heads, head_dim)
-        self._layer_index = {name: index for index, name in enumerate(kv_caches)}
-        self._worker_side().register(layout)
+        """Start this rank's engine on vLLM's KV views, whatever their layout.
+
+        :raises ConfigError: the views are not what vLLM's KV cache config says.
+        """
+        worker = self._worker_side()
+        if self._kv_cache_config is None:
+            raise ConfigError("kvflow needs vLLM's KV cache config to register KV caches")
+        caches = describe_kv_caches(
+            kv_caches,
+            self._kv_cache_config,
+            model=self._model,
+            cache_dtype=self._cache_dtype,
+            layout_name=self._kv_cache_config.kv_cache_layout or self._layout_name,
+        )
+        worker.register(caches, device_for(next(iter(kv_caches.values()))))
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         """The step's orders arrive: D's registrations (and aborts) go out now, before the
@@ -138,27 +180,16 @@ class KVFlowConnector(KVConnectorBase_V1):
         return None  # loads complete before the request is scheduled (asynchronous loading)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        """Push: once the last layer of a layer group is saved, its WRITE is posted (on a GPU,
-        once the device has run this layer: a CUDA event gates it), while the forward goes on."""
-        orders = self._orders()
-        layer = self._layer_index.get(layer_name)
-        worker = self._worker_side()
-        if not orders.ready or layer is None or worker.closes_group(layer) is None:
-            return
-        gate = None
-        if kv_layer.is_cuda:
-            import torch
-
-            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            event.record()
-            gate = event.query
-        worker.save_layer(orders, layer, gate)
-
-    def wait_for_save(self) -> None:
+        """Push: once every layer of a layer group is saved, its WRITE is posted (on a GPU it
+        waits for an event recorded now), while the forward goes on."""
         orders = self._orders()
         if orders.ready:
-            _settle_device_work()
-            self._worker_side().save(orders)
+            self._worker_side().save_layer(orders, layer_name)
+
+    def wait_for_save(self) -> None:
+        """The rest of this step's KV goes out once the device has run the forward; this
+        thread does not wait for the device."""
+        self._worker_side().save(self._orders())
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         sending, recving, failed = self._worker_side().results(finished_req_ids)
@@ -202,18 +233,3 @@ def _group0(manager: Any, request_id: str) -> list[int]:
         return list(manager.get_block_ids(request_id)[0])
     except (KeyError, IndexError):
         return []
-
-
-def _attention_spec(kv_cache_config: KVCacheConfig | None) -> tuple[int, int]:
-    if kv_cache_config is None or not kv_cache_config.kv_cache_groups:
-        return 1, 1
-    spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
-    return int(getattr(spec, "num_kv_heads", 1)), int(getattr(spec, "head_size", 1))
-
-
-def _settle_device_work() -> None:
-    """On a GPU the forward's kernels may still be running: wait for them before KV moves."""
-    import torch
-
-    if torch.cuda.is_available():  # a CUDA worker has its context already
-        torch.cuda.current_stream().synchronize()

@@ -32,7 +32,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,36 +41,23 @@ from kvflow.channel import ControlChannel
 from kvflow.control import ZmqControl
 from kvflow.core import CoreConfig
 from kvflow.engine import Engine, EngineConfig
-from kvflow.errors import ConfigError, KVFlowError, TransferTimeout, UnknownTransfer
+from kvflow.errors import ConfigError, KVFlowError, UnknownTransfer
+from kvflow.integrations.vllm.device import Device, Gate, GateWaiter, HostDevice
+from kvflow.integrations.vllm.kv_caches import CacheDescription
 from kvflow.integrations.vllm.mapping import Order, Orders, PeerRef, rank_peer
-from kvflow.layout import BlockArray, KVLayout, KVSpec, MemoryType, Region
+from kvflow.layout import MAX_SPEC_TEXT
 from kvflow.messages import TransferKey
 from kvflow.state import Mode, Outcome, Role
 from kvflow.threaded import EngineThread
 from kvflow.transport import Transport
 
-__all__ = ("Settings", "WorkerSide", "layout_from_kv_caches")
+__all__ = ("Settings", "WorkerSide", "layer_groups")
 
 log = logging.getLogger("kvflow.vllm")
 
 _LOOPBACK_FABRICS: dict[str, Any] = {}  # in-process fabrics by name, for tests and simulation
+KV_CACHE_LAYOUTS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")  # vLLM 0.33's KVCacheLayout
 HAND_OVER_WAIT = 0.002  # seconds a hook waits, at most, for the engine thread to take its orders
-GATE_POLL = 0.0001  # seconds between checks that the device has written a layer group
-
-
-async def _device_done(gate: Callable[[], bool] | None, timeout: float) -> None:
-    """Wait until `gate()` says the device has written the KV (a CUDA event cannot wake an
-    event loop: it is polled).
-
-    :raises TransferTimeout: not within `timeout` seconds.
-    """
-    if gate is None:
-        return
-    deadline = time.monotonic() + timeout
-    while not gate():
-        if time.monotonic() > deadline:
-            raise TransferTimeout(f"the device did not finish writing the KV within {timeout}s")
-        await asyncio.sleep(GATE_POLL)
 
 
 def layer_groups(num_layers: int, groups: int) -> list[tuple[int, int]]:
@@ -105,6 +92,8 @@ class Settings:
     nixl_backends: tuple[str, ...] = ("UCX",)
     fabric: str = "default"  # loopback only
     push_layer_groups: int = 4  # push: WRITEs per transfer, each posted once its layers are saved
+    kv_cache_layout: str = ""  # a vLLM KVCacheLayout for kvflow to request; "": the backend's choice
+    model_id: str = ""  # the model's identity in the handshake; "": vLLM's model name or path
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> Settings:
@@ -129,6 +118,13 @@ class Settings:
         for key in ("transfer_timeout", "lease", "fence_timeout", "push_layer_groups"):
             if getattr(settings, key) <= 0:
                 raise ConfigError(f"kvflow {key} must be positive, not {getattr(settings, key)!r}")
+        if settings.kv_cache_layout and settings.kv_cache_layout not in KV_CACHE_LAYOUTS:
+            raise ConfigError(
+                f"kvflow kv_cache_layout must be one of {list(KV_CACHE_LAYOUTS)} or empty, "
+                f"not {settings.kv_cache_layout!r}"
+            )
+        if len(settings.model_id) > MAX_SPEC_TEXT:
+            raise ConfigError(f"kvflow model_id must be at most {MAX_SPEC_TEXT} characters")
         return settings
 
 
@@ -147,38 +143,6 @@ def _setting_value(key: str, value: Any, default: Any) -> Any:
         kind = {int: "an integer", float: "a number", str: "a string"}.get(type(default), type(default).__name__)
         raise ConfigError(f"kvflow {key} must be {kind}, not {value!r}")
     return value
-
-
-def layout_from_kv_caches(kv_caches: Mapping[str, Any], block_size: int, num_kv_heads: int, head_dim: int) -> KVLayout:
-    """A kvflow layout for vLLM's per-layer KV tensors, whose first dimension is the block.
-
-    Each layer is one region with one array of joint K/V pages (``arrays_per_layer=1``).
-    :raises ConfigError: a tensor is not block-major and contiguous within a block, or the pages
-        do not match the attention spec.
-    """
-    import torch
-
-    tensors = list(kv_caches.values())
-    if not tensors:
-        raise ConfigError("no KV caches to register")
-    first = tensors[0]
-    dtype = str(first.dtype).removeprefix("torch.")
-    num_blocks = int(first.shape[0])
-    spec = KVSpec(len(tensors), block_size, num_kv_heads, head_dim, dtype, "vllm", arrays_per_layer=1)
-    regions, arrays = [], []
-    for layer, tensor in enumerate(tensors):
-        if not isinstance(tensor, torch.Tensor) or int(tensor.shape[0]) != num_blocks:
-            raise ConfigError(f"KV cache of layer {layer} is not a tensor with {num_blocks} blocks first")
-        item = tensor.element_size()
-        page = tensor[0].numel() * item
-        stride = int(tensor.stride(0)) * item
-        if page != spec.block_len or not tensor[0].is_contiguous():
-            raise ConfigError(f"layer {layer}: a {page}-byte page, kvflow expects {spec.block_len} contiguous bytes")
-        memory = MemoryType.VRAM if tensor.device.type == "cuda" else MemoryType.DRAM
-        device = int(tensor.device.index or 0) if memory is MemoryType.VRAM else 0
-        regions.append(Region(int(tensor.data_ptr()), (num_blocks - 1) * stride + page, memory, device))
-        arrays.append(BlockArray(layer, 0, stride, layer))
-    return KVLayout(spec, num_blocks, tuple(regions), tuple(arrays))
 
 
 class WorkerSide:
@@ -200,6 +164,10 @@ class WorkerSide:
         self._ready_starts: list[tuple[concurrent.futures.Future[Any], str]] = []
         self._connected: dict[str, concurrent.futures.Future[None]] = {}
         self.layer_groups: list[tuple[int, int]] = [(0, 1)]
+        self.layer_of: dict[str, int] = {}  # vLLM layer name -> kvflow layer (execution order)
+        self.device: Device = HostDevice()
+        self._waiter: GateWaiter | None = None
+        self._saved: set[int] = set()  # kvflow layers saved in this step's forward
         self._groups_sent: dict[str, int] = {}  # push request -> layer groups handed to the engine
         # touched on the engine thread only: each push transfer's last posted group, and the
         # transfers whose posting failed part-way (their later groups are skipped)
@@ -208,14 +176,18 @@ class WorkerSide:
 
     # ---------------------------------------------------------------- setup
 
-    def register(self, layout: KVLayout) -> None:
-        """Start this rank's engine on its KV memory."""
+    def register(self, caches: CacheDescription, device: Device) -> None:
+        """Start this rank's engine on its KV memory; every thread it starts uses `device`."""
         settings = self.settings
+        layout = caches.layout
         self.layer_groups = layer_groups(layout.spec.num_layers, settings.push_layer_groups)
+        self.layer_of = dict(caches.layer_of)
+        self.device = device
         config = EngineConfig(
             core=CoreConfig(fence_timeout=settings.fence_timeout),
             transfer_timeout=settings.transfer_timeout,
             lease=settings.lease,
+            thread_setup=device.bind_thread,
         )
 
         def factory() -> Engine:
@@ -228,12 +200,17 @@ class WorkerSide:
             else:
                 from kvflow.transports.nixl import NixlTransport
 
-                transport = NixlTransport(self.engine_id, backends=settings.nixl_backends, granule=layout.block_len)
+                transport = NixlTransport(
+                    self.engine_id,
+                    backends=settings.nixl_backends,
+                    granule=layout.block_len,
+                    thread_setup=device.bind_thread,
+                )
             port = settings.port + self.rank if settings.port else 0
             control: ControlChannel = ZmqControl(self.engine_id, bind=f"tcp://{settings.host}:{port}")
             return Engine(self.engine_id, layout, transport, control, config=config)
 
-        self.thread = EngineThread(factory, name=f"kvflow-{self.engine_id}")
+        self.thread = EngineThread(factory, name=f"kvflow-{self.engine_id}", thread_setup=device.bind_thread)
         log.info("kvflow engine %s up at %s (pid %d)", self.engine_id, self.address, os.getpid())
 
     @property
@@ -245,6 +222,7 @@ class WorkerSide:
     def start_load(self, orders: Orders) -> None:
         """Expect and abort orders: handed to the engine thread, never waited on (beyond the
         bounded hand-over)."""
+        self._saved.clear()  # a new step: its forward has saved no layer yet
         taken = []
         batches = len(self.layer_groups)
         for order in orders.expect:
@@ -275,32 +253,37 @@ class WorkerSide:
             self._abort(order)
         _hand_over(taken)
 
-    def closes_group(self, layer: int) -> int | None:
-        """The layer group that layer `layer` completes, if any."""
-        return next((g for g, (_, stop) in enumerate(self.layer_groups) if stop == layer + 1), None)
-
-    def save_layer(self, orders: Orders, layer: int, gate: Callable[[], bool] | None) -> None:
-        """Push: layer `layer` of this step's forward is saved; post the layer group it closes.
-        `gate` tells whether the device has finished writing it (None: it has)."""
-        group = self.closes_group(layer)
-        if group is None:
+    def save_layer(self, orders: Orders, layer_name: str) -> None:
+        """Push: a layer of this step's forward is saved.  Once every layer of a group (and of
+        the groups before it) is saved, those groups are posted, each WRITE waiting for the
+        device to have run the kernels enqueued so far.  A layer whose KV is another's, or that
+        kvflow does not know, completes nothing."""
+        layer = self.layer_of.get(layer_name)
+        if layer is None or not orders.ready:
             return
-        posted = [
-            future
-            for order in orders.ready
-            if order.params.mode == "push"
-            for future in self._post_groups(order, group + 1, gate)
-        ]
+        self._saved.add(layer)
+        complete = 0
+        while complete < len(self.layer_groups) and self._saved.issuperset(range(*self.layer_groups[complete])):
+            complete += 1
+        pushes = [order for order in orders.ready if order.params.mode == "push"]
+        if not complete or all(self._groups_sent.get(o.request_id, 0) >= complete for o in pushes):
+            return
+        gate = self.device.record()
+        posted = [future for order in pushes for future in self._post_groups(order, complete, gate)]
         if gate is None:
             _hand_over(posted)
 
     def save(self, orders: Orders) -> None:
-        """Ready orders, right after the forward that computed their KV (its device work done):
-        pull readiness, and every push layer group not posted yet."""
+        """Ready orders, once the forward that computed their KV is enqueued: pull readiness,
+        and every push layer group not posted yet, each waiting for the device (never this
+        thread) to have run the forward."""
+        if not orders.ready:
+            return
+        gate = self.device.record()
         taken = []
         for order in orders.ready:
             if order.params.mode == "push":
-                taken += self._post_groups(order, len(self.layer_groups), None)
+                taken += self._post_groups(order, len(self.layer_groups), gate)
                 self._groups_sent.pop(order.request_id, None)
                 continue
             params = order.params
@@ -312,19 +295,31 @@ class WorkerSide:
             key = TransferKey(params.transfer_id, params.epoch)
             self._requests[(key, Role.PREFILL)] = order.request_id
 
-            def ready(e: Engine, o: Order = order, p: PeerRef = peer) -> Any:
-                return e.kv_ready(
+            async def ready(e: Engine, o: Order = order, p: PeerRef = peer) -> Any:
+                await self._wait_for_device(gate)
+                return await e.kv_ready(
                     o.params.transfer_id, o.params.epoch, block_ids=o.block_ids, mode=Mode.PULL, peer=p.engine
                 )
 
             future = self._call_connected(peer, ready)
             self._ready_starts.append((future, order.request_id))
             taken.append(future)
-        _hand_over(taken)
+        if gate is None:
+            _hand_over(taken)
 
-    def _post_groups(
-        self, order: Order, upto: int, gate: Callable[[], bool] | None
-    ) -> list[concurrent.futures.Future[Any]]:
+    async def _wait_for_device(self, gate: Gate | None) -> None:
+        """On the engine thread: until the device has run the work before `gate`.
+
+        :raises TransferTimeout: not within the transfer timeout.
+        :raises TransportError: the device reported an error.
+        """
+        if gate is None:
+            return
+        if self._waiter is None:
+            self._waiter = GateWaiter(self.device, f"kvflow-gates-{self.engine_id}")
+        await self._waiter.wait(gate, self.settings.transfer_timeout)
+
+    def _post_groups(self, order: Order, upto: int, gate: Gate | None) -> list[concurrent.futures.Future[Any]]:
         """Hand the engine layer groups ``[sent, upto)`` of a push order, in order."""
         first = self._groups_sent.get(order.request_id, 0)
         if first >= upto:
@@ -344,9 +339,7 @@ class WorkerSide:
                 self._ready_starts.append((future, order.request_id))
         return futures
 
-    async def _post_group(
-        self, engine: Engine, key: TransferKey, order: Order, group: int, gate: Callable[[], bool] | None
-    ) -> None:
+    async def _post_group(self, engine: Engine, key: TransferKey, order: Order, group: int, gate: Gate | None) -> None:
         """On the engine thread: post one layer group after the ones before it.  A failure of the
         first group leaves kvflow holding nothing (vLLM frees the blocks); a later failure aborts
         the transfer, whose blocks then come back through the engine's release."""
@@ -360,7 +353,7 @@ class WorkerSide:
             if key in self._broken:
                 return
             try:
-                await _device_done(gate, self.settings.transfer_timeout)
+                await self._wait_for_device(gate)
                 await engine.kv_ready(
                     key.transfer_id, key.epoch, block_ids=order.block_ids, layers=self.layer_groups[group], final=final
                 )
@@ -480,6 +473,9 @@ class WorkerSide:
             except KVFlowError as exc:
                 log.error("%s: engine closed with errors: %s", self.engine_id, exc)
             self.thread = None
+        if self._waiter is not None:
+            self._waiter.close()
+            self._waiter = None
 
     def _thread(self) -> EngineThread:
         if self.thread is None:

@@ -1,0 +1,220 @@
+"""vLLM's KV caches as kvflow sees them: what vLLM allocates, and what kvflow refuses.
+
+Why this module: vLLM 0.33 allocates one int8 buffer per `KVCacheTensor` and hands the connector
+a strided view per layer (``[blocks, heads, tokens, K+V]`` in the layout the engine core
+resolved), several layers possibly sharing a buffer, KV-sharing layers aliasing another layer's
+view, and with some backends blocks split into kernel blocks.  `describe_kv_caches` reads the
+views' strides and turns each layer into kvflow block arrays over the buffers, whatever the
+layout, and names the layers in execution order (by the index in their names, not the order of
+vLLM's dict).
+
+What kvflow cannot move is refused at start-up, in the connector's constructor, with an error
+naming the feature (`check_supported`): several KV cache groups (vLLM's hybrid KV cache manager),
+caches that free or compress blocks (sliding window under that manager, chunked local attention,
+Mamba state), pipeline and context parallelism.  Sliding-window models run with the hybrid
+manager off, which vLLM does for a connector that does not declare ``SupportsHMA``: every
+layer keeps, and kvflow moves, the KV of every token (logged once at start-up).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvflow.errors import ConfigError
+from kvflow.layout import BlockArray, KVLayout, KVSpec, MemoryType, Region
+from kvflow.pages import StridedPages, page_runs
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheConfig
+
+__all__ = ("CacheDescription", "check_supported", "describe_kv_caches", "layer_index")
+
+log = logging.getLogger("kvflow.vllm")
+
+_INTEGER = re.compile(r"^[0-9]+$")
+
+
+def layer_index(name: str) -> int:
+    """The decoder layer a vLLM layer name belongs to: its one integer part
+    (``model.layers.7.self_attn.attn`` -> 7), as vLLM reads it.
+
+    :raises ConfigError: the name has no integer part, or several.
+    """
+    numbers = [int(part) for part in name.split(".") if _INTEGER.match(part)]
+    if len(numbers) != 1:
+        raise ConfigError(f"cannot tell which layer KV cache {name!r} belongs to: it needs one integer part")
+    return numbers[0]
+
+
+def _kind(spec: Any) -> str:
+    """The model feature a KV cache spec stands for, in words."""
+    from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
+        FullAttentionSpec,
+        MambaSpec,
+        MLAAttentionSpec,
+        SlidingWindowSpec,
+    )
+
+    kinds: list[tuple[type[Any], str]] = [
+        (MLAAttentionSpec, "MLA attention"),
+        (SlidingWindowSpec, "sliding-window attention"),
+        (ChunkedLocalAttentionSpec, "chunked local attention"),
+        (MambaSpec, "Mamba/linear-attention state"),
+        (FullAttentionSpec, "full attention"),
+    ]
+    return next((words for cls, words in kinds if isinstance(spec, cls)), type(spec).__name__)
+
+
+def _layer_specs(kv_cache_config: KVCacheConfig) -> dict[str, AttentionSpec]:
+    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
+
+    specs: dict[str, Any] = {}
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        for name in group.layer_names:
+            specs[name] = spec.kv_cache_specs.get(name, spec) if isinstance(spec, UniformTypeKVCacheSpecs) else spec
+    return specs
+
+
+def check_supported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> None:
+    """Refuse, at start-up, what kvflow cannot move byte for byte; warn of what it moves in full.
+
+    :raises ConfigError: naming the model feature or parallelism kvflow does not support.
+    """
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+
+    parallel = vllm_config.parallel_config
+    for field, words in (
+        ("pipeline_parallel_size", "pipeline parallelism"),
+        ("decode_context_parallel_size", "decode context parallelism"),
+        ("prefill_context_parallel_size", "prefill context parallelism"),
+    ):
+        if int(getattr(parallel, field, 1)) > 1:
+            raise ConfigError(f"kvflow does not support {words} ({field}={getattr(parallel, field)})")
+    if kv_cache_config is None or not kv_cache_config.kv_cache_groups:
+        return
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) > 1:
+        kinds = ", ".join(f"{_kind(g.kv_cache_spec)}: {len(g.layer_names)} layers" for g in groups)
+        raise ConfigError(
+            f"kvflow moves one KV cache group, and this model has {len(groups)} ({kinds}): vLLM's hybrid KV "
+            "cache manager is on. Sliding-window models run with --disable-hybrid-kv-cache-manager; models "
+            "with Mamba or linear-attention state cannot use kvflow"
+        )
+    specs = _layer_specs(kv_cache_config)
+    for name, spec in specs.items():
+        if type(spec) not in (FullAttentionSpec, MLAAttentionSpec):
+            raise ConfigError(
+                f"kvflow cannot move {_kind(spec)} KV caches (layer {name}: {type(spec).__name__}): "
+                "their blocks are freed, compressed or recurrent, not one page per block of tokens"
+            )
+        if spec.tokens_per_state != 1:
+            raise ConfigError(f"kvflow cannot move compressed KV caches (layer {name}: {spec.tokens_per_state} tokens)")
+    shapes = {(s.page_size_bytes, s.num_heads, s.head_size, s.head_size_v, s.dtype) for s in specs.values()}
+    if len(shapes) > 1:
+        raise ConfigError(f"kvflow needs one KV page shape for every layer; this model's layers have {len(shapes)}")
+    windowed = sorted(n for n, s in specs.items() if getattr(s, "sliding_window", None) is not None)
+    if windowed:
+        log.warning(
+            "kvflow: %d sliding-window layers keep (and kvflow moves) the KV of every token: vLLM's hybrid KV "
+            "cache manager is off, since kvflow does not support it (first: %s)",
+            len(windowed),
+            windowed[0],
+        )
+
+
+@dataclass(frozen=True)
+class CacheDescription:
+    """A rank's KV caches in kvflow's terms."""
+
+    layout: KVLayout
+    layer_of: dict[str, int]  # layer name -> kvflow layer, for the layers that own their KV
+    device: torch.device
+
+
+def describe_kv_caches(
+    kv_caches: Mapping[str, torch.Tensor],
+    kv_cache_config: KVCacheConfig,
+    *,
+    model: str,
+    cache_dtype: str,
+    layout_name: str | None,
+) -> CacheDescription:
+    """kvflow's layout for the per-layer views vLLM registers.
+
+    Layers are numbered in execution order (by `layer_index`); a layer whose KV is another's
+    (KV sharing) is left out, as vLLM's allocation leaves it out of every `KVCacheTensor`.
+
+    :raises ConfigError: a view does not match vLLM's spec for its layer, two views overlap, or
+        layers disagree on their page's shape.
+    """
+    import torch
+
+    specs = _layer_specs(kv_cache_config)
+    owners = {name for tensor in kv_cache_config.kv_cache_tensors for name in tensor.layers}
+    names = sorted((n for n in kv_caches if n in owners), key=lambda n: (layer_index(n), n))
+    if not names:
+        raise ConfigError("no KV caches to register")
+    num_blocks = kv_cache_config.num_blocks
+    regions: dict[int, Region] = {}
+    arrays: list[BlockArray] = []
+    runs_seen = set()
+    starts: dict[int, str] = {}
+    for layer, name in enumerate(names):
+        tensor = kv_caches[name]
+        if isinstance(tensor, torch.Tensor) and starts.setdefault(int(tensor.data_ptr()), name) != name:
+            raise ConfigError(f"layers {starts[int(tensor.data_ptr())]} and {name} share one KV cache")
+        if not isinstance(tensor, torch.Tensor) or tensor.dim() < 2 or int(tensor.shape[0]) % num_blocks:
+            raise ConfigError(f"KV cache of {name} is not a tensor with a multiple of {num_blocks} blocks first")
+        storage = tensor.untyped_storage()
+        base = int(storage.data_ptr())
+        memory = MemoryType.VRAM if tensor.device.type == "cuda" else MemoryType.DRAM
+        device = int(tensor.device.index or 0) if memory is MemoryType.VRAM else 0
+        regions.setdefault(base, Region(base, int(storage.nbytes()), memory, device))
+        split = int(tensor.shape[0]) // num_blocks  # kernel blocks per block (vLLM may split blocks)
+        shape = [split, *(int(n) for n in tensor.shape[1:])]
+        strides = [int(s) for s in tensor.stride()]
+        runs = page_runs(shape, strides, tensor.element_size())
+        expected = specs[name].real_page_size_bytes
+        if runs.page_bytes != expected:
+            raise ConfigError(f"{name}: a {runs.page_bytes}-byte page, vLLM's spec says {expected} bytes")
+        pages = StridedPages(
+            list(regions).index(base), int(tensor.data_ptr()) - base, strides[0] * split * tensor.element_size(), runs
+        )
+        arrays += pages.block_arrays(layer, num_blocks)
+        runs_seen.add((runs.run_bytes, len(runs.offsets)))
+    if len(runs_seen) > 1:
+        raise ConfigError(f"layers split their pages differently: {sorted(runs_seen)}")
+    spec = specs[names[0]]
+    (run_bytes, count) = runs_seen.pop()
+    first = kv_caches[names[0]]
+    kv_spec = KVSpec(
+        num_layers=len(names),
+        block_size=spec.block_size,
+        num_kv_heads=spec.num_heads,
+        head_dim=spec.head_size,
+        dtype=str(first.dtype).removeprefix("torch."),
+        kv_layout=layout_name or _inner_order(first),
+        arrays_per_layer=count,
+        head_dim_v=spec.head_size_v,
+        page_bytes=run_bytes * count,
+        model=model,
+        cache_dtype=cache_dtype,
+    )
+    layout = KVLayout(kv_spec, num_blocks, tuple(regions.values()), tuple(arrays))
+    return CacheDescription(layout, {name: layer for layer, name in enumerate(names)}, first.device)
+
+
+def _inner_order(view: torch.Tensor) -> str:
+    """A page's inner order read from a ``[blocks, heads, tokens, content]`` view's strides,
+    for caches registered without a vLLM layout name."""
+    if view.dim() != 4:
+        return f"strided-{view.dim()}d"
+    return "HNC" if view.stride(1) >= view.stride(2) else "NHC"
