@@ -11,20 +11,38 @@ import torch
 from kvflow.cli import main as cli_main
 from kvflow.errors import ConfigError
 from kvflow.integrations.vllm.bench import render, run, summarize
-from kvflow.integrations.vllm.runner import PatternKV
+from kvflow.integrations.vllm.standin import PagedKV
 
 
-def test_pattern_check_catches_stale_torn_and_misplaced_pages() -> None:
-    kv = {f"layer{i}": torch.zeros(16, 4, 32, 128, dtype=torch.float16) for i in range(2)}
-    pages = PatternKV(kv, 16)
+@pytest.mark.parametrize("layout", ["LBNHC", "LHBNC"])
+def test_pattern_check_catches_stale_torn_and_misplaced_pages(layout: str) -> None:
+    """Views over one int8 buffer, made by vLLM's own `create_kv_cache_views` in a layout where
+    a page is one run of bytes and in one where it is one run per head."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheTensor, compute_layout_strides
+    from vllm.v1.kv_cache_interface import create_kv_cache_views as views_of
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    spec = FullAttentionSpec(block_size=32, num_kv_heads=4, head_size=64, dtype=torch.float16)
+    names, blocks_total = ["l0", "l1"], 16
+    kind = KVCacheLayout[layout]
+    layer_stride, block_stride, *_ = compute_layout_strides(spec, blocks_total, len(names), kind)
+    size = spec.page_size_bytes * blocks_total * len(names)
+    raw = torch.zeros(size, dtype=torch.int8)
+    tensor = KVCacheTensor(size=size, layers=names, layer_stride=layer_stride, block_stride=block_stride)
+    views = views_of(raw, spec, blocks_total, kind, tensor)
+    pages = PagedKV(views, blocks_total, 32, shard=0)
     positions, blocks = [0, 1, 2], [5, 9, 3]
-    assert pages.count_bad("t1", positions, blocks) == 6  # zeroed pages never match
-    pages.write("t1", positions, blocks)
-    assert pages.count_bad("t1", positions, blocks) == 0
-    assert pages.count_bad("t2", positions, blocks) == 6  # another transfer's pages
-    assert pages.count_bad("t1", [0, 2, 1], blocks) == 4  # blocks in the wrong order
-    kv["layer1"][9, 3, 31, 127] = 3.0  # one torn element
-    assert pages.count_bad("t1", positions, blocks) == 1
+    assert pages.count_bad("t1", positions, blocks, 96) == 6  # zeroed pages never match
+    for layer in range(2):
+        pages.write_blocks(layer, "t1", positions[:2], blocks[:2])
+        pages.write(layer, "t1", 2, 3, 0, 20)  # the last block: 20 of its 32 tokens
+    assert pages.count_bad("t1", positions, blocks, 84) == 0
+    assert pages.count_bad("t1", positions, blocks, 85) == 2  # a token prefill never wrote
+    assert pages.count_bad("t2", positions, blocks, 84) == 6  # another transfer's pages
+    assert pages.count_bad("t1", [0, 2, 1], blocks, 84) == 4  # blocks in the wrong order
+    assert PagedKV(views, blocks_total, 32, shard=1).count_bad("t1", positions, blocks, 84) == 6  # another shard
+    views[1][9, 3, 31, 127] = 3.0  # one torn element
+    assert pages.count_bad("t1", positions, blocks, 84) == 1
 
 
 def test_every_connector_moves_and_verifies_real_bytes() -> None:

@@ -41,6 +41,7 @@ from typing import Any
 
 from kvflow.errors import ConfigError, KVFlowError
 from kvflow.integrations.vllm.runner import EngineSpec, spec_line
+from kvflow.integrations.vllm.standin.model import EngineOptions, ModelShape
 
 __all__ = ("CONNECTORS", "BenchError", "Cell", "main", "run")
 
@@ -51,6 +52,8 @@ CONNECTORS: dict[str, tuple[str, str | None]] = {  # name -> (vLLM class, module
     "vllm-pull": ("NixlConnector", None),
 }
 DECODE_TOKENS = 4
+# 8 layers of 4 KV heads x 64, fp16, 32-token blocks: 32 KiB per layer and block, 8 KiB per token
+BENCH_MODEL = ModelShape(family="opt", layers=8, kv_heads=4, head_dim=64, dtype="float16")
 START_TIMEOUT = 300.0
 FLIGHT_TIMEOUT = 120.0
 
@@ -104,8 +107,8 @@ class EngineProcess:
     """A runner process: commands in on stdin, events out on stdout, logs in a file."""
 
     def __init__(self, spec: EngineSpec, env: dict[str, str], events: queue.Queue[tuple[str, dict[str, Any]]]):
-        self.name = spec.name
-        self.log_path = Path(tempfile.mkstemp(prefix=f"kvflow-bench-{spec.name}-", suffix=".log")[1])
+        self.name = spec.options.name
+        self.log_path = Path(tempfile.mkstemp(prefix=f"kvflow-bench-{spec.options.name}-", suffix=".log")[1])
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "kvflow.integrations.vllm.runner"],
@@ -167,7 +170,9 @@ class Pair:
         cls, module_path = CONNECTORS[connector]
         self.events: queue.Queue[tuple[str, dict[str, Any]]] = queue.Queue()
         secret = secrets.token_hex(32)
-        blocks = concurrency * (-(-tokens // 32) + 2) + 64
+        max_model_len = max(8192, tokens + 64)
+        # enough for the requests in flight, and (vLLM checks it) for one request of max_model_len
+        blocks = max(concurrency * (-(-tokens // 32) + 2) + 64, -(-max_model_len // 32) + 1)
         self.side_ports = {"P": _free_port(), "D": _free_port()}
         extra: dict[str, Any] = {}
         if connector.startswith("kvflow"):
@@ -176,19 +181,23 @@ class Pair:
         self.failed = False
         try:
             for name, role in (("P", "kv_producer"), ("D", "kv_consumer")):
-                spec = EngineSpec(
+                engine_options = EngineOptions(
                     name=name,
                     role=role,
                     connector=cls,
                     module_path=module_path,
                     engine_id="prefill" if name == "P" else "decode",
                     extra=extra,
+                    model=BENCH_MODEL,
                     num_blocks=blocks,
-                    max_model_len=max(8192, tokens + 64),
+                    max_model_len=max_model_len,
+                    max_num_batched_tokens=max_model_len,
+                    distributed=True,
                     dist_port=_free_port(),
                     keep_vllm_affinity=options.get("keep_vllm_affinity", False),
-                    nixl_progress_delay_us=options.get("nixl_progress_delay_us"),
+                    kv_buffer_device="cpu",
                 )
+                spec = EngineSpec(engine_options, options.get("nixl_progress_delay_us"))
                 env = dict(os.environ)
                 env.update(
                     KVFLOW_SECRET=secret,

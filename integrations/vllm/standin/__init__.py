@@ -1,0 +1,19 @@
+"""A stand-in for vLLM's engine core and model runner, around vLLM's own scheduler, KV cache
+planning and allocation, and connector hooks: what the vLLM tests and `kvflow bench vllm` run.
+See `engine` for what is vLLM's and what is stood in for."""
+
+from kvflow.integrations.vllm.standin.engine import SAMPLED, Rank, StandInEngine
+from kvflow.integrations.vllm.standin.kv import LaggingDevice, PagedKV
+from kvflow.integrations.vllm.standin.model import BACKENDS, FAMILIES, EngineOptions, ModelShape
+
+__all__ = (
+    "BACKENDS",
+    "FAMILIES",
+    "SAMPLED",
+    "EngineOptions",
+    "LaggingDevice",
+    "ModelShape",
+    "PagedKV",
+    "Rank",
+    "StandInEngine",
+)

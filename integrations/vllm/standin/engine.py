@@ -1,0 +1,566 @@
+"""A stand-in for vLLM's engine core and model runner, around vLLM's own scheduler, KV cache
+planning, allocation and connector hooks.
+
+Why: a KV connector's contract is with what vLLM hands it, so everything but the model's
+arithmetic is vLLM's own code.  `StandInEngine` builds a model config (a config.json, no
+weights), the per-layer KV cache specs the model's attention layers would declare (GQA, MLA,
+sliding window, fp8), the layout the engine core resolves for the attention backend in use
+(and the connector's request, if any), the KV cache config vLLM plans, the caches vLLM
+allocates (views over one int8 buffer, possibly split into kernel blocks, KV-sharing layers
+appended last), vLLM's `Scheduler` (synchronous or async), one worker connector per
+tensor-parallel rank, and vLLM's `KVOutputAggregator` over the ranks.
+
+`step()` plays one engine-core step in the hook order of the model runner chosen
+(`hook_order`): vLLM's V1 runner, or Model Runner V2 (vLLM 0.33's default on GPU: preemptions
+handed over first, ``finish_forward`` after the forward, the post-forward hooks only after
+sampling); with draft layers (speculative decoding) the results are read before
+``wait_for_save``, which runs after the drafter, as both runners do.  The forward runs layer by
+layer in execution order (``wait_for_layer_load``, the layer's KV writes, ``save_kv_layer``
+unless a full CUDA graph replays the forward).  On a `LaggingDevice` the KV writes are only
+enqueued, and run later on a device thread, as kernels on a GPU do.
+
+The bytes: P writes, token by token as prefill computes them, a pattern unique to (transfer,
+block position, layer, KV shard) through vLLM's own per-layer views; D checks every page of a
+loaded request, byte for byte, the first time it runs.  Used by the tests and by
+`kvflow bench vllm` (through `runner`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+import torch
+
+from kvflow.integrations.vllm.device import Device, set_device_resolver
+from kvflow.integrations.vllm.standin.kv import LaggingDevice, PagedKV
+from kvflow.integrations.vllm.standin.model import BACKENDS, EngineOptions
+
+__all__ = ("SAMPLED", "Rank", "StandInEngine")
+
+SAMPLED = 7  # the token the stand-in model always samples (never EOS)
+
+
+@dataclass
+class Rank:
+    """One tensor-parallel worker: its connector, its KV caches and its pages."""
+
+    worker: Any
+    kv_caches: dict[str, torch.Tensor]
+    pages: PagedKV
+    device: LaggingDevice | None
+
+
+def _backend(name: str) -> Any:
+    if name not in BACKENDS:
+        raise ValueError(f"attention backend must be one of {sorted(BACKENDS)}, not {name!r}")
+    module, cls = BACKENDS[name]
+    return getattr(importlib.import_module(module), cls)
+
+
+_DEVICES: dict[int, LaggingDevice] = {}  # KV buffer address -> the lagging device that owns it
+
+
+def _lagging_device_of(tensor: torch.Tensor) -> Device | None:
+    return _DEVICES.get(int(tensor.untyped_storage().data_ptr()))
+
+
+@dataclass
+class _Work:
+    """What one step's forward does, the same on every rank."""
+
+    req_ids: list[str] = field(default_factory=list)
+    sampled: list[list[int]] = field(default_factory=list)
+    writes: list[tuple[str, int, int, int, int]] = field(default_factory=list)  # tag, position, block, first, stop
+    completed: list[str] = field(default_factory=list)  # P requests whose prompt this step finished
+
+
+class StandInEngine:
+    """vLLM's Scheduler and one worker connector per tensor-parallel rank, stepped like
+    vLLM's engine core.  `emit` receives timestamped events (for the benchmark)."""
+
+    def __init__(self, options: EngineOptions, emit: Callable[..., None] | None = None) -> None:
+        from vllm.config import set_current_vllm_config
+
+        self.options = options
+        self.shape = options.model
+        self.emit = emit or (lambda **_: None)
+        self.config = self._vllm_config()
+        self.steps = 0
+        self.step_ms = 0.0
+        self.step_starts: deque[float] = deque(maxlen=200_000)
+        self.most_in_flight = 0
+        self.tags: dict[str, str] = {}  # request id -> transfer tag (P writes it, D checks it)
+        self.added: dict[str, float] = {}
+        self.checked: dict[str, int] = {}  # D request id -> bad pages found at its first forward
+        self.live: set[str] = set()
+        self._in_flight: deque[tuple[Any, Any]] = deque()
+        self.ranks: list[Rank] = []
+        with set_current_vllm_config(self.config):
+            self._build()
+
+    # ---------------------------------------------------------------- building
+
+    def _vllm_config(self) -> Any:
+        from vllm.config import (
+            CacheConfig,
+            DeviceConfig,
+            KVTransferConfig,
+            ModelConfig,
+            ParallelConfig,
+            SchedulerConfig,
+            VllmConfig,
+        )
+
+        o = self.options
+        model = ModelConfig(
+            model=self.shape.model_dir(o.max_model_len),
+            skip_tokenizer_init=True,
+            dtype=self.shape.dtype,  # type: ignore[arg-type]
+            max_model_len=o.max_model_len,
+            seed=0,
+        )
+        transfer = KVTransferConfig(
+            kv_connector=o.connector,
+            kv_connector_module_path=o.module_path,
+            kv_role=o.role,  # type: ignore[arg-type]
+            engine_id=o.engine_id or o.name,
+            kv_connector_extra_config=o.extra,
+            kv_load_failure_policy=o.failure_policy,  # type: ignore[arg-type]
+            kv_buffer_device=o.kv_buffer_device,
+        )
+        config = VllmConfig(
+            model_config=model,
+            scheduler_config=SchedulerConfig(
+                max_num_seqs=64,
+                max_num_batched_tokens=o.max_num_batched_tokens,
+                max_model_len=o.max_model_len,
+                is_encoder_decoder=False,
+                async_scheduling=o.async_scheduling,
+            ),
+            cache_config=CacheConfig(
+                block_size=o.block_size, enable_prefix_caching=o.prefix_caching, cache_dtype=o.cache_dtype
+            ),
+            parallel_config=ParallelConfig(tensor_parallel_size=o.tensor_parallel),
+            kv_transfer_config=transfer,
+            device_config=DeviceConfig("cpu"),
+        )
+        config.cache_config.block_size = o.block_size  # as on a GPU (the CPU platform forces 16 for MLA)
+        config.cache_config.num_gpu_blocks_override = o.num_blocks
+        config.cache_config.num_gpu_blocks = o.num_blocks
+        if o.kv_cache_layout is not None:  # the user's choice wins outright, as in vLLM
+            config.cache_config.kv_cache_layout = o.kv_cache_layout
+        if o.hybrid_kv_cache_manager:  # what a GPU platform does for a model with several attention kinds
+            config.scheduler_config.disable_hybrid_kv_cache_manager = False
+        return config
+
+    def layer_names(self) -> list[str]:
+        """Every attention layer, in execution order (draft layers last)."""
+        return [self.shape.layer_name(i) for i in range(self.shape.layers + self.shape.draft_layers)]
+
+    def _specs(self) -> dict[str, Any]:
+        """The KV cache spec each attention layer declares (what vLLM's Attention and
+        MLAAttention layers build from the model config), KV-sharing layers excepted."""
+        from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
+        from vllm.v1.kv_cache_interface import (
+            FullAttentionSpec,
+            MLAAttentionSpec,
+            SlidingWindowSpec,
+            get_kv_quant_mode,
+        )
+
+        model, parallel = self.config.model_config, self.config.parallel_config
+        cache_dtype = self.options.cache_dtype
+        common: dict[str, Any] = {
+            "block_size": self.config.cache_config.block_size,
+            "dtype": kv_cache_dtype_str_to_dtype(cache_dtype, model),
+            "kv_quant_mode": get_kv_quant_mode(cache_dtype),
+            "head_size": model.get_head_size(),
+        }
+        layer_types = getattr(model.hf_config, "layer_types", None) or []
+        shared = dict(self.shape.shared)
+        specs: dict[str, Any] = {}
+        for layer, name in enumerate(self.layer_names()):
+            if layer in shared:
+                continue
+            if model.use_mla:
+                specs[name] = MLAAttentionSpec(num_kv_heads=1, max_tp_shards=1, cache_dtype_str=cache_dtype, **common)
+            elif layer < len(layer_types) and layer_types[layer] == "sliding_attention":
+                window = model.get_sliding_window()
+                specs[name] = SlidingWindowSpec(
+                    num_kv_heads=model.get_num_kv_heads(parallel), sliding_window=window, **common
+                )
+            else:
+                specs[name] = FullAttentionSpec(num_kv_heads=model.get_num_kv_heads(parallel), **common)
+        return specs
+
+    def _build(self) -> None:
+        from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+        from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts, resolve_kv_cache_layout
+        from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
+        from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config
+        from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.structured_output import StructuredOutputManager
+
+        o = self.options
+        specs = self._specs()
+        self.backend = _backend(o.backend)
+        supported = [layout.name for layout in get_supported_kv_cache_layouts([self.backend])]
+        self.layout = resolve_kv_cache_layout(self.config, [supported], specs.values())
+        groups = get_global_kv_cache_groups(self.config, [specs])
+        [kv_cache_config] = get_kv_cache_configs(self.config, [specs], [1 << 40], groups)
+        kv_cache_config.kv_cache_layout = self.layout.name
+        self.kv_cache_config = kv_cache_config
+        scheduler_class = AsyncScheduler if o.async_scheduling else Scheduler
+        self.scheduler = scheduler_class(
+            vllm_config=self.config,
+            kv_cache_config=generate_scheduler_kv_cache_config([kv_cache_config]),
+            structured_output_manager=StructuredOutputManager(self.config),
+            block_size=self.config.cache_config.block_size,
+        )
+        self.owners = [n for n in self.layer_names() if n in specs]  # layers with KV of their own
+        try:
+            for rank in range(o.tensor_parallel):
+                self.ranks.append(self._rank(rank))
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            self.config.parallel_config.rank = 0
+        self.aggregator = KVOutputAggregator(expected_finished_count=o.tensor_parallel)
+        self._watch_request_finished()
+
+    def _rank(self, rank: int) -> Rank:
+        """One worker: its connector, made as vLLM's worker makes it, and KV caches allocated
+        and registered as vLLM's GPU model runner does."""
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+        from vllm.v1.worker.utils import allocate_kv_cache, prepare_kernel_block_sizes
+
+        o, config, kv_cache_config = self.options, self.config, self.kv_cache_config
+        config.parallel_config.rank = rank  # what a worker process of that rank has
+        if o.distributed:
+            worker = self._distributed_worker()
+        else:
+            worker = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kv_cache_config)
+        attention_groups = [
+            [SimpleNamespace(backend=self.backend, kv_cache_spec=group.kv_cache_spec)]
+            for group in kv_cache_config.kv_cache_groups
+        ]
+        kernel_block_sizes = prepare_kernel_block_sizes(kv_cache_config, attention_groups)  # type: ignore[arg-type]
+        place = torch.device("cpu")
+        if o.kv_device == "cuda":
+            place = torch.device("cuda", rank % torch.cuda.device_count())
+        kv_caches = allocate_kv_cache(kv_cache_config, place, self.layout, kernel_block_sizes)
+        for layer, target in self.shape.shared:  # appended last, as vLLM's init_kv_cache does
+            kv_caches[self.shape.layer_name(layer)] = kv_caches[self.shape.layer_name(target)]
+        device = None
+        if o.device_lag is not None:
+            device = LaggingDevice(o.device_lag)
+            for tensor in kv_caches.values():
+                _DEVICES[int(tensor.untyped_storage().data_ptr())] = device
+            set_device_resolver(_lagging_device_of)
+        worker.register_kv_caches(kv_caches)
+        if o.distributed:
+            handshake = worker.get_handshake_metadata()
+            if handshake is not None:
+                assert self.scheduler.connector is not None
+                self.scheduler.connector.set_xfer_handshake_metadata_pp_aware({(0, 0): handshake})
+        shard = rank // max(1, kv_cache_config.kv_tp_replicas)  # MLA: every rank holds the same latent cache
+        group_spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+        pages = PagedKV([kv_caches[n] for n in self.owners], kv_cache_config.num_blocks, group_spec.block_size, shard)
+        return Rank(worker, kv_caches, pages, device)
+
+    def _distributed_worker(self) -> Any:
+        """vLLM's own worker set-up: a one-rank gloo group, then the connector made by
+        ``ensure_kv_transfer_initialized``."""
+        from vllm.distributed.kv_transfer.kv_transfer_state import (
+            ensure_kv_transfer_initialized,
+            get_kv_transfer_group,
+        )
+        from vllm.distributed.parallel_state import ensure_model_parallel_initialized, init_distributed_environment
+
+        if self.options.tensor_parallel != 1:
+            raise ValueError("a distributed stand-in engine runs one rank per process")
+        init_distributed_environment(
+            world_size=1,
+            rank=0,
+            distributed_init_method=f"tcp://127.0.0.1:{self.options.dist_port}",
+            local_rank=0,
+            backend="gloo",
+        )
+        ensure_model_parallel_initialized(1, 1)
+        affinity = os.sched_getaffinity(0)
+        ensure_kv_transfer_initialized(self.config, self.kv_cache_config)
+        if not self.options.keep_vllm_affinity:
+            os.sched_setaffinity(0, affinity)
+        return get_kv_transfer_group()
+
+    def _watch_request_finished(self) -> None:
+        """Timestamp the scheduler connector's request_finished (behaviour unchanged)."""
+        connector = self.scheduler.connector
+        for name in ("request_finished", "request_finished_all_groups"):
+            original = getattr(connector, name, None)
+            if original is None:
+                continue
+
+            def timed(request: Any, *args: Any, _original: Any = original) -> Any:
+                self.emit(ev="request_finished", id=request.request_id, t=time.perf_counter())
+                return _original(request, *args)
+
+            setattr(connector, name, timed)
+
+    # ---------------------------------------------------------------- requests
+
+    @property
+    def connector(self) -> Any:
+        """The scheduler-role connector vLLM's Scheduler made."""
+        return self.scheduler.connector
+
+    @property
+    def worker(self) -> Any:
+        """Rank 0's worker connector."""
+        return self.ranks[0].worker
+
+    def add(self, request_id: str, prompt_len: int, max_tokens: int, params: dict[str, Any], tag: str = "") -> Any:
+        from vllm import SamplingParams
+        from vllm.v1.request import Request
+
+        sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        sampling.extra_args = {"kv_transfer_params": params}
+        request = Request(request_id, list(range(3, 3 + prompt_len)), sampling, None)
+        self.scheduler.add_request(request)
+        self.tags[request_id] = tag or request_id
+        self.added[request_id] = time.perf_counter()
+        self.live.add(request_id)
+        return request
+
+    def busy(self) -> bool:
+        """The engine core keeps stepping while it has requests or outputs to read."""
+        return bool(self.scheduler.has_requests() or self._in_flight)
+
+    def idle(self) -> bool:
+        return not self.busy()
+
+    def free_blocks(self) -> int:
+        return int(self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks())
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return list(self.scheduler.kv_cache_manager.get_block_ids(request_id)[0])
+
+    def count_bad(self, request_id: str, tag: str, tokens: int) -> int:
+        """Pages of this request, on every rank, that do not hold P's pattern for `tag`."""
+        blocks = self.block_ids(request_id)[: -(-tokens // self.ranks[0].pages.block_size)]
+        positions = list(range(len(blocks)))
+        return sum(rank.pages.count_bad(tag, positions, blocks, tokens) for rank in self.ranks)
+
+    # ---------------------------------------------------------------- stepping
+
+    def step(self) -> None:
+        """One engine-core step.  With async scheduling, as vLLM's ``step_with_batch_queue``
+        with two batches: schedule and run the next batch, and read the older batch's output
+        only once two are in flight (or nothing more can be scheduled)."""
+        if not self.options.async_scheduling:
+            so = self.scheduler.schedule()
+            self._update(so, self._execute(so))
+            return
+        if self.scheduler.has_requests():
+            so = self.scheduler.schedule()
+            self._in_flight.appendleft((so, self._execute(so)))
+            self.most_in_flight = max(self.most_in_flight, len(self._in_flight))
+            if len(self._in_flight) < 2:
+                return
+        if self._in_flight:
+            so, output = self._in_flight.pop()
+            self._update(so, output)
+
+    def _update(self, so: Any, output: Any) -> None:
+        for outputs in self.scheduler.update_from_output(so, output).values():
+            for out in outputs.outputs:
+                if out.finish_reason is not None:
+                    self.emit(ev="params", id=out.request_id, params=out.kv_transfer_params)
+        for request_id in [r for r in self.live if r not in self.scheduler.requests]:
+            self.live.discard(request_id)
+            self.emit(ev="gone", id=request_id, t=time.perf_counter())
+
+    def _execute(self, so: Any) -> Any:
+        """Every rank runs the batch; vLLM's aggregator combines their connector outputs."""
+        from vllm.v1.outputs import ModelRunnerOutput
+
+        started = time.perf_counter()
+        self.steps += 1
+        self.step_starts.append(started)
+        work = self._plan(so)
+        outputs = []
+        for rank in self.ranks:  # one after the other here; in parallel in vLLM
+            connector_output = self._run_hooks(rank, so, work, started)
+            outputs.append(
+                ModelRunnerOutput(
+                    req_ids=work.req_ids,
+                    req_id_to_index={r: i for i, r in enumerate(work.req_ids)},
+                    sampled_token_ids=work.sampled,
+                    kv_connector_output=connector_output,
+                )
+            )
+        output = self.aggregator.aggregate(outputs)  # type: ignore[arg-type]
+        assert output is not None
+        now = time.perf_counter()
+        for request_id in work.completed:
+            self.emit(ev="computed", id=request_id, t=now)
+        kv = output.kv_connector_output
+        if kv is not None:
+            for request_id in kv.finished_recving or ():
+                since = self.added.get(request_id, started)
+                failed = request_id in (kv.failed_recving or ())
+                starts = [s for s in self.step_starts if s >= since]
+                self.emit(ev="recving", id=request_id, t=now, failed=failed, step_starts=starts)
+            for request_id in kv.finished_sending or ():
+                self.emit(ev="sending", id=request_id, t=now)
+        return output
+
+    def _plan(self, so: Any) -> _Work:
+        """The step's prompt tokens P computes (and so writes), the loaded requests D reads for
+        the first time (checked now, before the step's hooks), the tokens sampled."""
+        work = _Work()
+        size = self.ranks[0].pages.block_size
+        producer = self.options.role == "kv_producer"
+        for request_id, count in so.num_scheduled_tokens.items():
+            request = self.scheduler.requests[request_id]
+            computed = request.num_computed_tokens - count  # schedule() has already advanced it
+            prompt = request.num_prompt_tokens
+            tag = self.tags.get(request_id, request_id)
+            if producer and computed < prompt:
+                blocks = self.block_ids(request_id)
+                stop = min(computed + count, prompt)
+                for position in range(computed // size, (stop - 1) // size + 1):
+                    first = max(computed, position * size) - position * size
+                    last = min(stop, (position + 1) * size) - position * size
+                    work.writes.append((tag, position, blocks[position], first, last))
+                if stop == prompt:
+                    work.completed.append(request_id)
+            elif not producer and request_id not in self.checked and computed > 0:
+                bad = self.count_bad(request_id, tag, prompt)
+                self.checked[request_id] = bad
+                pages = -(-prompt // size) * len(self.owners) * len(self.ranks)
+                self.emit(ev="checked", id=request_id, pages=pages, bad=bad, page_bytes=self.ranks[0].pages.page_bytes)
+            work.req_ids.append(request_id)
+            work.sampled.append([SAMPLED] if computed + count >= prompt else [])
+        return work
+
+    def _run_hooks(self, rank: Rank, so: Any, work: _Work, started: float) -> Any:
+        """The connector hooks of one step on one rank, in the model runner's order."""
+        from vllm.forward_context import get_forward_context, set_forward_context
+        from vllm.v1.outputs import KVConnectorOutput
+
+        worker, meta, v2 = rank.worker, so.kv_connector_metadata, self.options.hook_order == "v2"
+        assert meta is not None  # a connector is configured
+        speculative = self.shape.draft_layers > 0
+        if rank.device is not None:
+            rank.device.host_threads.add(threading.get_ident())
+        with set_forward_context(None, self.config):
+            if v2:
+                worker.handle_preemptions(meta)
+            worker.bind_connector_metadata(meta)
+            if so.has_sync_kv_loads:
+                worker.start_load_kv(get_forward_context())
+            self._forward(rank, work, range(self.shape.layers), started)
+            if v2:
+                worker.finish_forward()  # then Model Runner V2 samples, before the post-forward hooks
+            if not so.has_sync_kv_loads:
+                worker.start_load_kv(get_forward_context())
+            if not speculative:
+                worker.wait_for_save()
+            results = worker.get_transfer_results(so.finished_req_ids)
+            output = KVConnectorOutput(
+                finished_sending=results.finished_sending or None,
+                finished_recving=results.finished_recving or None,
+                failed_recving=results.failed_recving,
+                invalid_block_ids=worker.get_block_ids_with_load_errors(),
+                kv_connector_stats=worker.get_kv_connector_stats(),
+                kv_cache_events=worker.get_kv_connector_kv_cache_events(),
+                kv_connector_worker_meta=worker.build_connector_worker_meta(),
+            )
+            if speculative:  # the drafter runs, then the deferred finalize
+                self._forward(rank, work, range(self.shape.layers, len(self.layer_names())), started)
+                worker.wait_for_save()
+            worker.clear_connector_metadata()
+        return output
+
+    def _forward(self, rank: Rank, work: _Work, layers: range, started: float) -> None:
+        """Layer by layer, as attention layers do: ``wait_for_layer_load``, the layer's KV
+        writes (enqueued on a lagging device), ``save_kv_layer`` (not under a full CUDA graph).
+        A step of `step_ms` ends no sooner than `step_ms` after it started."""
+        names, shared = self.layer_names(), dict(self.shape.shared)
+        total = len(names)
+        for layer in layers:
+            name = names[layer]
+            rank.worker.wait_for_layer_load(name)
+            if layer not in shared and work.writes:
+                kernel = self._kernel(rank.pages, self.owners.index(name), work.writes)
+                if rank.device is not None:
+                    rank.device.launch(kernel)
+                else:
+                    kernel()
+            if self.step_ms > 0:
+                layer_end = started + self.step_ms / 1000 * (layer + 1) / total
+                time.sleep(max(0.0, layer_end - time.perf_counter()))
+            if not self.options.full_cudagraph:
+                rank.worker.save_kv_layer(name, rank.kv_caches[name], None)
+
+    @staticmethod
+    def _kernel(pages: PagedKV, layer: int, writes: list[tuple[str, int, int, int, int]]) -> Callable[[], None]:
+        size = pages.block_size
+
+        def run() -> None:
+            whole: dict[str, tuple[list[int], list[int]]] = {}
+            for tag, position, block, first, stop in writes:
+                if first == 0 and stop == size:
+                    positions, blocks = whole.setdefault(tag, ([], []))
+                    positions.append(position)
+                    blocks.append(block)
+                else:
+                    pages.write(layer, tag, position, block, first, stop)
+            for tag, (positions, blocks) in whole.items():
+                pages.write_blocks(layer, tag, positions, blocks)
+
+        return run
+
+    # ---------------------------------------------------------------- inspection
+
+    def kvflow_engines(self) -> Iterator[Any]:
+        """The kvflow engine of every rank (kvflow's connector only)."""
+        for rank in self.ranks:
+            side = getattr(rank.worker, "_worker", None)
+            thread = getattr(side, "thread", None)
+            if thread is not None:
+                yield thread.engine
+
+    def describe(self) -> str:
+        """What this engine is waiting on, for a test that timed out."""
+        requests = [(r, q.status.name) for r, q in self.scheduler.requests.items()]
+        lines = [f"{self.options.name}: requests {requests}, in flight {len(self._in_flight)}"]
+        lines.append(f"  pending push work {self.connector.has_pending_push_work()}")
+        for rank, engine in enumerate(self.kvflow_engines()):
+            live = [(m.key.transfer_id, m.role.value, m.state.name) for m in engine.core.live()]
+            stats = {k: v for k, v in engine.stats().items() if v}
+            lines.append(f"  rank {rank}: live {live}, stats {stats}, crashed {engine.crashed}")
+        return "\n".join(lines)
+
+    def close(self) -> None:
+        for rank in self.ranks:
+            rank.worker.shutdown()
+            if rank.device is not None:
+                for tensor in rank.kv_caches.values():
+                    _DEVICES.pop(int(tensor.untyped_storage().data_ptr()), None)
+                rank.device.close()

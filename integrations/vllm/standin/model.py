@@ -1,0 +1,157 @@
+"""The stand-in's models and engine options: what a P or D engine is made of.
+
+Why here: a test case or a benchmark cell is a model geometry (written out as the config.json of
+its family: vLLM needs a model config, not weights), an attention backend (whose supported KV
+cache layouts and kernel block sizes vLLM reads), and the engine's vLLM settings.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import threading
+import zlib
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ("BACKENDS", "FAMILIES", "EngineOptions", "ModelShape")
+
+BACKENDS = {  # attention backend -> where vLLM keeps its class
+    "FLASH_ATTN": ("vllm.v1.attention.backends.flash_attn", "FlashAttentionBackend"),
+    "TRITON_ATTN": ("vllm.v1.attention.backends.triton_attn", "TritonAttentionBackend"),
+    "CPU_ATTN": ("vllm.v1.attention.backends.cpu_attn", "CPUAttentionBackend"),
+    "FLASHMLA": ("vllm.v1.attention.backends.mla.flashmla", "FlashMLABackend"),
+    "TRITON_MLA": ("vllm.v1.attention.backends.mla.triton_mla", "TritonMLABackend"),
+}
+FAMILIES = ("qwen3", "deepseek_v3", "gemma2", "opt")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A model geometry, written out as the config.json of its family.
+
+    qwen3: GQA; deepseek_v3: MLA (one 576-wide latent per token); gemma2: sliding-window and
+    full-attention layers in turn; opt: multi-head attention.  `draft_layers` adds EAGLE-style
+    draft layers after the model's (speculative decoding); `shared` lists (layer, target) pairs
+    of layers that attend over another layer's KV (KV sharing).
+    """
+
+    family: str = "qwen3"
+    layers: int = 4
+    kv_heads: int = 4  # all ranks together
+    head_dim: int = 64
+    dtype: str = "bfloat16"
+    draft_layers: int = 0
+    shared: tuple[tuple[int, int], ...] = ()
+
+    def config(self, max_model_len: int) -> dict[str, Any]:
+        if self.family not in FAMILIES:
+            raise ValueError(f"model family must be one of {FAMILIES}, not {self.family!r}")
+        heads = max(8, self.kv_heads)
+        common = {
+            "hidden_size": heads * self.head_dim,
+            "num_attention_heads": heads,
+            "num_key_value_heads": self.kv_heads,
+            "head_dim": self.head_dim,
+            "num_hidden_layers": self.layers,
+            "intermediate_size": 1024,
+            "vocab_size": 1000,
+            "max_position_embeddings": max_model_len,
+            "torch_dtype": self.dtype,
+            "eos_token_id": 2,
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 10000.0,
+        }
+        if self.family == "qwen3":
+            return {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", **common}
+        if self.family == "gemma2":
+            return {
+                "architectures": ["Gemma2ForCausalLM"],
+                "model_type": "gemma2",
+                "sliding_window": 64,
+                "query_pre_attn_scalar": self.head_dim,
+                **common,
+            }
+        if self.family == "opt":
+            hidden = self.kv_heads * self.head_dim
+            return {
+                "architectures": ["OPTForCausalLM"],
+                "model_type": "opt",
+                "hidden_size": hidden,
+                "num_attention_heads": self.kv_heads,
+                "num_hidden_layers": self.layers,
+                "ffn_dim": 4 * hidden,
+                "vocab_size": 1000,
+                "max_position_embeddings": max_model_len,
+                "word_embed_proj_dim": hidden,
+                "torch_dtype": self.dtype,
+                "do_layer_norm_before": True,
+                "eos_token_id": 2,
+            }
+        return {  # deepseek_v3: the latent is kv_lora_rank + qk_rope_head_dim = 576 wide
+            "architectures": ["DeepseekV3ForCausalLM"],
+            "model_type": "deepseek_v3",
+            **common,
+            "num_key_value_heads": heads,
+            "kv_lora_rank": 512,
+            "q_lora_rank": 256,
+            "qk_nope_head_dim": 128,
+            "qk_rope_head_dim": 64,
+            "v_head_dim": 128,
+            "moe_intermediate_size": 256,
+            "n_routed_experts": 8,
+            "n_shared_experts": 1,
+            "num_experts_per_tok": 2,
+            "first_k_dense_replace": 1,
+            "moe_layer_freq": 1,
+        }
+
+    def layer_name(self, layer: int) -> str:
+        decoder = "model.decoder.layers" if self.family == "opt" else "model.layers"
+        return f"{decoder}.{layer}.self_attn.attn"
+
+    def model_dir(self, max_model_len: int) -> str:
+        """A directory holding only this config.json; its path depends only on the config, so
+        P and D name the same model."""
+        text = json.dumps(self.config(max_model_len), sort_keys=True)
+        path = os.path.join(tempfile.gettempdir(), f"kvflow-model-{zlib.crc32(text.encode()):08x}")
+        os.makedirs(path, exist_ok=True)
+        staged = os.path.join(path, f".config.{os.getpid()}.{threading.get_ident()}")
+        with open(staged, "w") as f:
+            f.write(text)
+        os.replace(staged, os.path.join(path, "config.json"))
+        return path
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """One engine: a P ("kv_producer") or D ("kv_consumer") with its connector and model."""
+
+    name: str
+    role: str
+    extra: dict[str, Any] = field(default_factory=dict)  # kv_connector_extra_config
+    connector: str = "KVFlowConnector"
+    module_path: str | None = "kvflow.integrations.vllm"
+    engine_id: str = ""
+    model: ModelShape = field(default_factory=ModelShape)
+    backend: str = "FLASH_ATTN"
+    kv_cache_layout: str | None = None  # as a user's VLLM_KV_CACHE_LAYOUT; None: resolved by vLLM
+    cache_dtype: str = "auto"  # vLLM's --kv-cache-dtype
+    block_size: int = 32
+    num_blocks: int = 64
+    max_model_len: int = 1024
+    max_num_batched_tokens: int = 1024
+    tensor_parallel: int = 1
+    prefix_caching: bool = False
+    async_scheduling: bool = False
+    failure_policy: str = "fail"
+    hook_order: str = "v1"  # "v1": vLLM's V1 model runner; "v2": Model Runner V2
+    full_cudagraph: bool = False  # the forward replays a full CUDA graph: no save_kv_layer calls
+    device_lag: float | None = None  # seconds a LaggingDevice runs kernels after their launch
+    kv_device: str = "cpu"  # "cuda": rank r's KV caches on CUDA device r (modulo the devices present)
+    hybrid_kv_cache_manager: bool = False  # plan as vLLM's hybrid KV cache manager would (GPU)
+    distributed: bool = False  # a gloo group and vLLM's own worker set-up (one rank per process)
+    dist_port: int = 0
+    keep_vllm_affinity: bool = False  # keep the CPU pinning vLLM's NIXL worker applies on CPU
+    kv_buffer_device: str = "cuda"  # vLLM's default; the CPU KV caches of the benchmark's NIXL connectors need "cpu"
