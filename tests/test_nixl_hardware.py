@@ -1,4 +1,5 @@
-"""NIXL on hardware this CI machine does not have: GPUDirect (CUDA VRAM), AWS EFA, Trainium.
+"""NIXL on hardware this CI machine does not have: GPUDirect (CUDA VRAM), AWS EFA, Trainium, and
+kvflow's vLLM connector on GPU KV caches.
 
 Each test runs where its hardware is present and is skipped, naming the missing hardware,
 elsewhere.  `kvflow doctor` reports what this machine offers.
@@ -70,6 +71,31 @@ def test_gpudirect_vram_write_over_ucx() -> None:
     if not cuda_devices():
         pytest.skip("needs a CUDA GPU (GPUDirect VRAM transfers)")
     move_and_compare(("UCX",), "cuda")
+
+
+@pytest.mark.parametrize("step", ["full CUDA graph", "speculative decoding"])
+def test_two_gpu_ranks_push_byte_exact_kv_in_vram_from_vllms_hooks(step: str) -> None:
+    """vLLM's KV caches allocated in VRAM on two tensor-parallel ranks, KV written by real CUDA
+    kernels (the stand-in's writes run on the current stream, after the hooks return), pushed
+    over NIXL (GPUDirect) once each layer group's CUDA event completes, every page checked on
+    D: after a step replayed as a full CUDA graph (no save_kv_layer), and after a speculative
+    step (results read before wait_for_save, the draft layer saved after them)."""
+    if not cuda_devices():
+        pytest.skip("needs a CUDA GPU (two ranks' KV caches in VRAM, pushed over NIXL)")
+    from kvflow.integrations.vllm.standin import ModelShape
+    from tests.vllm_pairs import BLOCK_SIZE, make_pair, move_and_check
+
+    options: dict[str, Any] = {"full_cudagraph": True} if step == "full CUDA graph" else {}
+    if step == "speculative decoding":
+        options["model"] = ModelShape(draft_layers=1)
+    p, d = make_pair("nixl", tensor_parallel=2, kv_device="cuda", hook_order="v2", **options)
+    try:
+        started = time.perf_counter()
+        move_and_check(p, d, "gpu", 64 * BLOCK_SIZE + 5, limit=60.0)
+        print(f"{step}: 2 ranks x {64 * BLOCK_SIZE + 5} tokens in {time.perf_counter() - started:.3f}s")  # noqa: T201
+    finally:
+        d.close()
+        p.close()
 
 
 def test_efa_write_over_libfabric() -> None:

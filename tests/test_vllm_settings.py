@@ -13,7 +13,8 @@ import pytest
 from hypothesis import given
 
 from kvflow.errors import ConfigError
-from kvflow.integrations.vllm.worker import Settings, layer_groups
+from kvflow.integrations.vllm.kv_caches import describe_kv_caches, layer_index
+from kvflow.integrations.vllm.worker import KV_CACHE_LAYOUTS, Settings, layer_groups
 
 
 def test_settings_default_without_extra_config() -> None:
@@ -95,3 +96,54 @@ def test_layer_groups_partition_the_layers_in_order(num_layers: int, requested: 
 @pytest.mark.parametrize("requested", [0, -3])
 def test_layer_groups_of_a_non_positive_count_is_one_group(requested: int) -> None:
     assert layer_groups(12, requested) == [(0, 12)]
+
+
+def test_the_layouts_kvflow_may_request_are_vllms() -> None:
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    assert sorted(KV_CACHE_LAYOUTS) == sorted(layout.name for layout in KVCacheLayout)
+    assert Settings.from_extra({"kv_cache_layout": "BHLNC"}).kv_cache_layout == "BHLNC"
+    for bad in ("HND", "lbhnc", "NHD"):
+        with pytest.raises(ConfigError, match="kv_cache_layout"):
+            Settings.from_extra({"kv_cache_layout": bad})
+    with pytest.raises(ConfigError, match="model_id"):
+        Settings.from_extra({"model_id": "m" * 300})
+
+
+@pytest.mark.parametrize(
+    ("name", "index"),
+    [("model.layers.7.self_attn.attn", 7), ("model.decoder.layers.0.self_attn.attn", 0), ("layers.61.mtp.attn", 61)],
+)
+def test_a_layer_is_known_by_the_index_in_its_name(name: str, index: int) -> None:
+    assert layer_index(name) == index
+
+
+@pytest.mark.parametrize("name", ["lm_head.attn", "model.layers.1.experts.3.attn", "model.layers.x.attn", "model.²"])
+def test_a_layer_name_without_one_index_is_refused(name: str) -> None:
+    with pytest.raises(ConfigError, match="which layer"):
+        layer_index(name)
+
+
+def test_views_that_are_not_what_vllms_config_says_are_refused() -> None:
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.float16)
+    names = ["model.layers.0.attn", "model.layers.1.attn"]
+    page = spec.page_size_bytes
+    tensors = [KVCacheTensor(size=page * 4, layers=[name], layer_stride=0, block_stride=page) for name in names]
+    config = KVCacheConfig(num_blocks=4, kv_cache_tensors=tensors, kv_cache_groups=[KVCacheGroupSpec(names, spec)])
+    good = torch.zeros(4, 2, 16, 16, dtype=torch.float16)
+
+    def describe(views: dict[str, torch.Tensor]) -> None:
+        describe_kv_caches(views, config, model="m", cache_dtype="auto", layout_name=None)
+
+    describe({names[0]: good, names[1]: torch.zeros_like(good)})
+    with pytest.raises(ConfigError, match="share one KV cache"):
+        describe({names[0]: good, names[1]: good})
+    with pytest.raises(ConfigError, match="vLLM's spec says 1024 bytes"):
+        describe({names[0]: good, names[1]: torch.zeros(4, 2, 16, 8, dtype=torch.float16)})
+    with pytest.raises(ConfigError, match="multiple of 4 blocks"):
+        describe({names[0]: good, names[1]: torch.zeros(3, 2, 16, 16, dtype=torch.float16)})
+    with pytest.raises(ConfigError, match="no KV caches"):
+        describe({"model.layers.9.attn": good})

@@ -1,0 +1,391 @@
+"""The compatibility matrix (docs/vllm-compatibility.md), row by row, against the code.
+
+Each row of the document's table names an outcome; the scenario of the same id below builds
+that case with vLLM's own scheduler, KV cache planning and allocation (the stand-in), and
+asserts the outcome: the request's KV arrives byte for byte on every rank ("moves"), the engine
+refuses to start with the quoted message, or the first transfer fails at once on D with the
+quoted field named.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from vllm.config import ParallelConfig
+from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MambaSpec, SlidingWindowSpec
+from vllm.v1.request import RequestStatus
+
+from kvflow.errors import ConfigError
+from kvflow.integrations.vllm.connector import check_vllm_version
+from kvflow.integrations.vllm.kv_caches import check_supported
+from kvflow.integrations.vllm.standin import EngineOptions, ModelShape, StandInEngine
+from tests.vllm_pairs import BLOCK_SIZE, dispatch, kvflow_engine, make_pair, move_and_check, settle
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "vllm-compatibility.md"
+OUTCOMES = {"moves", "refused at start-up", "refused at the handshake"}
+
+
+def rows() -> dict[str, tuple[str, str]]:
+    """id -> (outcome, the first quoted text of the last column)."""
+    found = {}
+    for line in DOC.read_text().splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if line.startswith("| `") and len(cells) == 5:
+            quoted = re.findall(r"`([^`]+)`", cells[4])
+            found[cells[0].strip("`")] = (cells[3], quoted[0] if quoted else "")
+    return found
+
+
+Scenario = Callable[[str, pytest.LogCaptureFixture], None]
+SCENARIOS: dict[str, Scenario] = {}
+
+
+def scenario(*ids: str) -> Callable[[Scenario], Scenario]:
+    def register(fn: Scenario) -> Scenario:
+        for row_id in ids:
+            SCENARIOS[row_id] = fn
+        return fn
+
+    return register
+
+
+Inspect = Callable[[StandInEngine, StandInEngine], object]
+
+
+def moves(tid: str, prompt: int = 3 * BLOCK_SIZE + 7, inspect: Inspect | None = None, **options: Any) -> None:
+    """P and D made with `options`; one request's KV moves and is checked; both engines end
+    empty; then `inspect(p, d)` asserts more, before the engines close."""
+    p, d = make_pair(**options)
+    try:
+        move_and_check(p, d, tid, prompt)
+        if inspect is not None:
+            inspect(p, d)
+    finally:
+        d.close()
+        p.close()
+
+
+def refused_at_handshake(fragment: str, caplog: pytest.LogCaptureFixture, **options: Any) -> None:
+    """D's request fails at once, naming `fragment`; P, which never hears from D, frees its
+    blocks at its transfer deadline (3 s here)."""
+    options["extra"] = {"transfer_timeout": 3.0, **options.get("extra", {})}
+    p, d = make_pair(**options)
+    try:
+        with caplog.at_level(logging.ERROR, logger="kvflow.vllm"):
+            p_req, d_req = dispatch(p, d, "refused", 2 * BLOCK_SIZE)
+            settle((p, d), [p_req, d_req], limit=30.0)
+        assert d_req.status == RequestStatus.FINISHED_ERROR
+        assert fragment in caplog.text, caplog.text
+    finally:
+        d.close()
+        p.close()
+
+
+# ---------------------------------------------------------------- vLLM
+
+
+@scenario("vllm-0.33")
+def _vllm_033(fragment: str, caplog: pytest.LogCaptureFixture) -> None:
+    import vllm
+
+    check_vllm_version(vllm.__version__)
+    for version in ("0.33.0", "0.33.2", "0.33.1rc1", "0.33.1.dev7+g1234abc"):
+        check_vllm_version(version)
+
+
+@scenario("vllm-other")
+def _vllm_other(fragment: str, caplog: pytest.LogCaptureFixture) -> None:
+    for version in ("0.32.4", "0.34.0", "1.0.0", "not-a-version"):
+        with pytest.raises(ConfigError, match=re.escape(fragment)):
+            check_vllm_version(version)
+
+
+# ---------------------------------------------------------------- layouts
+
+
+def bound(fn: Callable[..., None], **arguments: Any) -> Scenario:
+    """A scenario that runs `fn(**arguments)`."""
+
+    def run(fragment: str, caplog: pytest.LogCaptureFixture) -> None:
+        fn(**arguments)
+
+    return run
+
+
+def _in_layout(name: str) -> None:
+    def inspect(p: StandInEngine, d: StandInEngine) -> None:
+        spec = kvflow_engine(p).layout.spec
+        assert p.layout.name == spec.kv_layout == name
+        assert spec.arrays_per_layer == (4 if name in ("LHBNC", "BHLNC") else 1)  # 4 KV heads
+
+    moves(f"t-{name}", inspect=inspect, kv_cache_layout=name)  # as a user's VLLM_KV_CACHE_LAYOUT
+
+
+for _name in ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC"):
+    SCENARIOS[f"layout-{_name}"] = bound(_in_layout, name=_name)
+
+
+@scenario("layout-default")
+def _layout_default(fragment: str, caplog: pytest.LogCaptureFixture) -> None:
+    def inspect(p: StandInEngine, d: StandInEngine) -> None:
+        assert p.layout.name == "LBNHC"  # FLASH_ATTN declares no preference: vLLM's default order
+        assert type(p.connector).get_required_kvcache_layout(p.config) is None
+
+    moves("t-default", inspect=inspect)
+
+
+@scenario("layout-requested")
+def _layout_requested(fragment: str, caplog: pytest.LogCaptureFixture) -> None:
+    def inspect(p: StandInEngine, d: StandInEngine) -> None:
+        assert p.layout.name == "BHLNC"
+        assert type(p.connector).get_required_kvcache_layout(p.config) == "BHLNC"
+
+    moves("t-requested", inspect=inspect, extra={"kv_cache_layout": "BHLNC"})
+
+
+@scenario("layout-mismatch")
+def _layout_mismatch(fragment: str, caplog: pytest.LogCaptureFixture) -> None:
+    refused_at_handshake(
+        fragment, caplog, p_options={"kv_cache_layout": "LBHNC"}, d_options={"kv_cache_layout": "LBNHC"}
+    )
+
+
+@scenario("kernel-blocks")
+def _kernel_blocks(fragment: str, caplog: pytest.LogCaptureFixture) -> None:
+    def inspect(p: StandInEngine, d: StandInEngine) -> None:
+        view = next(iter(p.ranks[0].kv_caches.values()))
+        assert view.shape[0] == 2 * p.kv_cache_config.num_blocks  # FlashMLA runs 64-token kernel blocks
+
+    mla = ModelShape(family="deepseek_v3")
+    moves("t-kernel", 300, inspect, model=mla, backend="FLASHMLA", block_size=128, num_blocks=16)
+
+
+# ---------------------------------------------------------------- attention
+
+
+@scenario("gqa-tp1")
+def _gqa_tp1(fragment: str, caplog: pytest.LogCaptureFixture) -> None:
+    def inspect(p: StandInEngine, d: StandInEngine) -> None:
+        assert kvflow_engine(p).layout.spec.num_kv_heads == 4
+
+    moves("t-gqa", inspect=inspect)
+
+
+@scenario("gqa-tp2")
+def _gqa_tp2(fragment: str, caplog: pytest.LogCaptureFixture) -> None:
+    def inspect(p: StandInEngine, d: StandInEngine) -> None:
+        assert [kvflow_engine(d, r).layout.spec.num_kv_heads for r in (0, 1)] == [2, 2]
+        assert [p.ranks[r].pages.shard for r in (0, 1)] == [0, 1]  # each rank its own heads
+
+    moves("t-gqa2", inspect=inspect, tensor_parallel=2)
+
+
+@scenario("tp-unequal")
+def _tp_unequal(fragment: str, caplog: pytest.LogCaptureFixture) -> None:
+    refused_at_handshake(fragment, caplog, p_options={"tensor_parallel": 2})
+
+
+@scenario("mla")
+def _mla(fragment: str, caplog: pytest.LogCaptureFixture) -> None:
+    def inspect(p: StandInEngine, d: StandInEngine) -> None:
+        spec = kvflow_engine(p).layout.spec
+        assert (spec.num_kv_heads, spec.head_dim, spec.value_dim, spec.page_bytes) == (1, 576, 0, 576 * 2 * BLOCK_SIZE)
+
+    moves("t-mla", inspect=inspect, model=ModelShape(family="deepseek_v3"), backend="TRITON_MLA")
+
+
+@scenario("mla-tp2")
+def _mla_tp2(fragment: str, caplog: pytest.LogCaptureFixture) -> None:
+    def inspect(p: StandInEngine, d: StandInEngine) -> None:
+        assert p.kv_cache_config.kv_tp_replicas == 2 and [r.pages.shard for r in d.ranks] == [0, 0]  # one cache
+        for rank in (0, 1):  # each D rank from the P rank of its index
+            assert kvflow_engine(d, rank).peers() == [f"prefill-tp{rank}"]
+
+    mla = ModelShape(family="deepseek_v3")
+    moves("t-mla2", inspect=inspect, model=mla, backend="TRITON_MLA", tensor_parallel=2)
+
+
+# ---------------------------------------------------------------- hybrid models
+
+
+@scenario("hybrid-hma-off")
+def _hybrid_off(fragment: str, caplog: pytest.LogCaptureFixture) -> None:
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    def inspect(p: StandInEngine, d: StandInEngine) -> None:
+        assert not KVConnectorFactory.supports_hma_config(p.config.kv_transfer_config)
+        assert p.config.scheduler_config.disable_hybrid_kv_cache_manager
+        [group] = p.kv_cache_config.kv_cache_groups
+        assert getattr(group.kv_cache_spec, "sliding_window", None) == 64 and len(group.layer_names) == 4
+
+    with caplog.at_level(logging.WARNING, logger="kvflow.vllm"):  # a prompt longer than the 64-token window
+        moves("t-gemma", 5 * BLOCK_SIZE, inspect, model=ModelShape(family="gemma2"))
+    assert fragment in caplog.text
+
+
+@scenario("hybrid-hma-on")
+def _hybrid_on(fragment: str, caplog: pytest.LogCaptureFixture) -> None:
+    options = EngineOptions(
+        "prefill",
+        "kv_producer",
+        {"transport": "loopback", "port": 0},
+        model=ModelShape(family="gemma2"),
+        hybrid_kv_cache_manager=True,
+        num_blocks=256,
+    )
+    with pytest.raises(ValueError, match=re.escape(fragment)):
+        StandInEngine(options)
+
+
+def _two_groups() -> tuple[Any, KVCacheConfig]:
+    """A config and the KV cache config vLLM plans for a Gemma-2-like model with its hybrid
+    KV cache manager on: one group of full-attention layers, one of sliding-window layers."""
+    from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
+
+    p, d = make_pair(model=ModelShape(family="gemma2"), num_blocks=256)
+    d.close()
+    p.close()
+    config = p.config
+    config.scheduler_config.disable_hybrid_kv_cache_manager = False
+    specs = p._specs()
+    [kv_cache_config] = get_kv_cache_configs(config, [specs], [1 << 40], get_global_kv_cache_groups(config, [specs]))
+    return config, kv_cache_config
+
+
+@scenario("kv-cache-groups")
+def _groups(fragment: str, caplog: pytest.LogCaptureFixture) -> None:
+    config, kv_cache_config = _two_groups()
+    assert len(kv_cache_config.kv_cache_groups) == 2
+    with pytest.raises(ConfigError, match=re.escape(fragment)) as refused:
+        check_supported(config, kv_cache_config)
+    assert "sliding-window attention: 2 layers" in str(refused.value)
+
+
+@scenario("sliding-window-group", "mamba")
+def _unmovable(fragment: str, caplog: pytest.LogCaptureFixture) -> None:
+    config, _ = _two_groups()
+    window = SlidingWindowSpec(block_size=32, num_kv_heads=4, head_size=64, dtype=torch.bfloat16, sliding_window=64)
+    mamba = MambaSpec(block_size=32, shapes=((4, 64),), dtypes=(torch.bfloat16,))
+    spec = window if "sliding" in fragment else mamba
+    kv_cache_config = KVCacheConfig(16, [], [KVCacheGroupSpec(["model.layers.0.mixer"], spec)])
+    with pytest.raises(ConfigError, match=re.escape(fragment)):
+        check_supported(config, kv_cache_config)
+
+
+# ---------------------------------------------------------------- dtypes and identity
+
+
+def _moves_in(model_dtype: str, cache_dtype: str, stored: str) -> None:
+    def inspect(p: StandInEngine, d: StandInEngine) -> None:
+        spec = kvflow_engine(p).layout.spec
+        assert (spec.dtype, spec.cache_dtype) == (stored, cache_dtype)
+
+    moves(f"t-{cache_dtype}", inspect=inspect, model=ModelShape(dtype=model_dtype), cache_dtype=cache_dtype)
+
+
+SCENARIOS["dtype-bf16"] = bound(_moves_in, model_dtype="bfloat16", cache_dtype="auto", stored="bfloat16")
+SCENARIOS["dtype-fp16"] = bound(_moves_in, model_dtype="float16", cache_dtype="auto", stored="float16")
+for _dtype, _stored in (("fp8_e4m3", "uint8"), ("fp8_e5m2", "uint8"), ("fp8_inc", "float8_e4m3fn")):
+    SCENARIOS[f"dtype-{_dtype}"] = bound(_moves_in, model_dtype="bfloat16", cache_dtype=_dtype, stored=_stored)
+
+
+@scenario("fp8-mismatch")
+def _fp8_mismatch(fragment: str, caplog: pytest.LogCaptureFixture) -> None:
+    refused_at_handshake(fragment, caplog, p_options={"cache_dtype": "fp8_e4m3"}, d_options={"cache_dtype": "fp8_e5m2"})
+
+
+@scenario("model-mismatch")
+def _model_mismatch(fragment: str, caplog: pytest.LogCaptureFixture) -> None:
+    refused_at_handshake(fragment, caplog, p_extra={"model_id": "org/model-a"}, d_extra={"model_id": "org/model-b"})
+
+
+# ---------------------------------------------------------------- model runners
+
+
+def _speculative(order: str) -> None:
+    def inspect(p: StandInEngine, d: StandInEngine) -> None:
+        assert kvflow_engine(p).layout.spec.num_layers == 5  # the draft layer's KV moves too
+
+    moves(f"t-spec-{order}", inspect=inspect, hook_order=order, model=ModelShape(draft_layers=1))
+
+
+for _order in ("v1", "v2"):
+    SCENARIOS[f"runner-{_order}"] = bound(moves, tid=f"t-{_order}", hook_order=_order)
+    SCENARIOS[f"speculative-{_order}"] = bound(_speculative, order=_order)
+
+
+@scenario("full-cudagraph")
+def _full_cudagraph(fragment: str, caplog: pytest.LogCaptureFixture) -> None:
+    moves("t-graph", full_cudagraph=True, hook_order="v2")
+
+
+@scenario("kv-sharing")
+def _kv_sharing(fragment: str, caplog: pytest.LogCaptureFixture) -> None:
+    def inspect(p: StandInEngine, d: StandInEngine) -> None:
+        assert list(p.ranks[0].kv_caches)[-1] == "model.layers.2.self_attn.attn"  # appended last, as vLLM does
+        layer_of = p.ranks[0].worker._worker.layer_of
+        assert layer_of == {f"model.layers.{i}.self_attn.attn": k for k, i in enumerate((0, 1, 3, 4))}
+
+    model = ModelShape(layers=5, shared=((2, 1),))
+    moves("t-sharing", inspect=inspect, model=model, extra={"push_layer_groups": 2})
+
+
+@scenario("async-scheduling")
+def _async(fragment: str, caplog: pytest.LogCaptureFixture) -> None:
+    def inspect(p: StandInEngine, d: StandInEngine) -> None:
+        assert p.most_in_flight == d.most_in_flight == 2
+
+    moves("t-async", inspect=inspect, async_scheduling=True, hook_order="v2")
+
+
+@scenario("lagging-device")
+def _lagging(fragment: str, caplog: pytest.LogCaptureFixture) -> None:
+    def inspect(p: StandInEngine, d: StandInEngine) -> None:
+        assert p.ranks[0].device is not None and p.ranks[0].device.launched > 0  # KV written by "kernels"
+
+    moves("t-lag", inspect=inspect, device_lag=0.05, hook_order="v2")
+
+
+# ---------------------------------------------------------------- parallelism and prefix caching
+
+
+@scenario("pipeline-parallel", "decode-context-parallel")
+def _parallelism(fragment: str, caplog: pytest.LogCaptureFixture) -> None:
+    if "pipeline" in fragment:
+        parallel = ParallelConfig(pipeline_parallel_size=2)
+    else:
+        parallel = ParallelConfig(tensor_parallel_size=2, decode_context_parallel_size=2)
+    with pytest.raises(ConfigError, match=re.escape(fragment)):
+        check_supported(SimpleNamespace(parallel_config=parallel), None)  # type: ignore[arg-type]
+
+
+@scenario("prefix-caching-decode")
+def _prefix_caching(fragment: str, caplog: pytest.LogCaptureFixture) -> None:
+    options = EngineOptions("decode", "kv_consumer", {"transport": "loopback", "port": 0}, prefix_caching=True)
+    with pytest.raises(ConfigError, match=re.escape(fragment)):
+        StandInEngine(options)
+
+
+# ---------------------------------------------------------------- the matrix
+
+
+def test_every_row_has_a_scenario_and_every_scenario_a_row() -> None:
+    table = rows()
+    assert len(table) >= 40
+    assert sorted(table) == sorted(SCENARIOS)
+    assert {outcome for outcome, _ in table.values()} == OUTCOMES
+    for row_id, (outcome, fragment) in table.items():
+        assert outcome == "moves" or fragment, f"row {row_id} is a refusal that quotes no message"
+
+
+@pytest.mark.parametrize("row_id", sorted(rows()))
+def test_the_row_holds(row_id: str, caplog: pytest.LogCaptureFixture) -> None:
+    outcome, fragment = rows()[row_id]
+    SCENARIOS[row_id](fragment, caplog)
