@@ -150,14 +150,13 @@ def test_fingerprint_names_the_first_field_that_differs() -> None:
 def test_the_fingerprint_names_what_a_byte_copy_needs_model_first() -> None:
     """Two engines serving other models, or encoding fp8 differently in the same uint8 pages,
     must not exchange KV even when every size agrees."""
-    base = {"num_layers": 2, "block_size": 16, "num_kv_heads": 1, "head_dim": 576, "dtype": "uint8"}
-    mla = KVSpec(**base, head_dim_v=0, kv_layout="LBNHC", arrays_per_layer=1, model="m", cache_dtype="fp8_e4m3")
+    mla = KVSpec(2, 16, 1, 576, "uint8", "LBNHC", arrays_per_layer=1, head_dim_v=0, model="m", cache_dtype="fp8_e4m3")
     assert mla.page_bytes == 16 * 576 and mla.block_len == mla.page_bytes  # MLA: no V
     for field, other in [
         ("model", replace(mla, model="n")),
         ("cache_dtype", replace(mla, cache_dtype="fp8_e5m2")),
         ("kv_layout", replace(mla, kv_layout="LBHNC")),
-        ("head_dim_v", KVSpec(**base, kv_layout="LBNHC", arrays_per_layer=2, model="m", cache_dtype="fp8_e4m3")),
+        ("head_dim_v", replace(mla, head_dim_v=None, arrays_per_layer=2, page_bytes=0)),
     ]:
         with pytest.raises(LayoutMismatch) as caught:
             check_compatible(fingerprint(mla), fingerprint(other))
