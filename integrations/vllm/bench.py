@@ -17,6 +17,10 @@ Measured per request (clocks are CLOCK_MONOTONIC, shared by the processes):
 * D's engine steps from P's ``request_finished`` to ``finished_recving``, P's time to free its
   blocks (``finished_sending``), and every page D received, checked byte for byte.
 
+Measured per engine step: the time the model runner spends inside the connector's hooks on P
+and on D (every hook call of the step summed: what the connector adds to each step of the
+batch, whatever the transfer does in the background).
+
 Timings are printed and written as JSON, never asserted.
 """
 
@@ -98,6 +102,8 @@ class Cell:
     kv_to_recv_ms: list[float] = field(default_factory=list)
     d_steps: list[int] = field(default_factory=list)
     fin_to_sent_ms: list[float] = field(default_factory=list)
+    p_hooks_us: list[float] = field(default_factory=list)  # per P step: time inside connector hooks
+    d_hooks_us: list[float] = field(default_factory=list)
     bytes_verified: int = 0
     bad_pages: int = 0
     failed: int = 0
@@ -178,6 +184,7 @@ class Pair:
         if connector.startswith("kvflow"):
             extra = {"transport": "nixl", "port": 0, "host": "127.0.0.1", **options.get("kvflow_settings", {})}
         self.engines: dict[str, EngineProcess] = {}
+        self.hooks: dict[str, list[float]] = {"P": [], "D": []}  # µs per step inside connector hooks
         self.failed = False
         try:
             for name, role in (("P", "kv_producer"), ("D", "kv_consumer")):
@@ -326,8 +333,10 @@ class Pair:
         for engine in self.engines.values():
             engine.send(op="pace", step_ms=cell.step_ms)
         self._run_flights(warmup, 1, cell.tokens)
+        self.hooks = {"P": [], "D": []}
         for flight in self._run_flights(cell.requests, cell.concurrency, cell.tokens):
             _record(cell, flight)
+        cell.p_hooks_us, cell.d_hooks_us = self.hooks["P"], self.hooks["D"]
 
     def _run_flights(self, count: int, concurrency: int, tokens: int) -> list[Flight]:
         flights: dict[str, Flight] = {}
@@ -342,6 +351,8 @@ class Pair:
             oldest = min(f.dispatched for f in flights.values())
             deadline = time.monotonic() + max(0.0, oldest + FLIGHT_TIMEOUT - time.perf_counter())
             name, event = self._next(deadline, f"{len(flights)} requests in flight to complete")
+            if event["ev"] == "hooks":
+                self.hooks[name].append(event["s"] * 1e6)
             flight_for = flights.get(event.get("id", ""))
             if flight_for is None:
                 continue
@@ -439,6 +450,10 @@ def summarize(cells: list[Cell]) -> list[dict[str, Any]]:
                 "d_steps_p50": med("d_steps", 0.5),
                 "d_steps_p90": med("d_steps", 0.9),
                 "fin_to_sent_p50_ms": med("fin_to_sent_ms", 0.5),
+                "p_hooks_p50_us": med("p_hooks_us", 0.5),
+                "p_hooks_p99_us": med("p_hooks_us", 0.99),
+                "d_hooks_p50_us": med("d_hooks_us", 0.5),
+                "d_hooks_p99_us": med("d_hooks_us", 0.99),
                 "requests": sum(c.requests for c in group),
                 "bytes_verified": sum(c.bytes_verified for c in group),
                 "bad_pages": sum(c.bad_pages for c in group),
@@ -452,7 +467,7 @@ def render(rows: list[dict[str, Any]]) -> str:
     header = (
         f"{'connector':<12} {'tokens':>6} {'conc':>4} {'step':>5} | {'fin→recv p50':>12} {'p90':>7} "
         f"{'kv→recv p50':>11} | {'D steps p50':>11} {'p90':>5} | {'P free p50':>10} | "
-        f"{'verified':>9} {'bad':>4} {'failed':>6}"
+        f"{'P hooks µs p50':>14} {'p99':>6} {'D p50':>6} {'p99':>6} | {'verified':>9} {'bad':>4} {'failed':>6}"
     )
     lines = [header, "-" * len(header)]
     for r in sorted(rows, key=lambda r: (r["tokens"], r["concurrency"], r["step_ms"], r["connector"])):
@@ -461,7 +476,8 @@ def render(rows: list[dict[str, Any]]) -> str:
             f"{r['connector']:<12} {r['tokens']:>6} {r['concurrency']:>4} {pace:>5} | "
             f"{r['fin_to_recv_p50_ms']:>12.1f} {r['fin_to_recv_p90_ms']:>7.1f} {r['kv_to_recv_p50_ms']:>11.1f} | "
             f"{r['d_steps_p50']:>11.0f} {r['d_steps_p90']:>5.0f} | {r['fin_to_sent_p50_ms']:>10.1f} | "
-            f"{r['bytes_verified'] / 2**20:>7.0f}Mi {r['bad_pages']:>4} {r['failed']:>6}"
+            f"{r['p_hooks_p50_us']:>14.0f} {r['p_hooks_p99_us']:>6.0f} {r['d_hooks_p50_us']:>6.0f} "
+            f"{r['d_hooks_p99_us']:>6.0f} | {r['bytes_verified'] / 2**20:>7.0f}Mi {r['bad_pages']:>4} {r['failed']:>6}"
         )
     return "\n".join(lines)
 

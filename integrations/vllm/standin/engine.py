@@ -51,6 +51,31 @@ __all__ = ("SAMPLED", "Rank", "StandInEngine")
 SAMPLED = 7  # the token the stand-in model always samples (never EOS)
 
 
+class HookClock:
+    """A worker connector as the model runner calls it: every call timed, the time summed."""
+
+    def __init__(self, worker: Any) -> None:
+        self._worker = worker
+        self.seconds = 0.0
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        method = getattr(self._worker, name)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - started
+
+        return timed
+
+    def take(self) -> float:
+        """The time spent in hooks since the last call."""
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
+
+
 @dataclass
 class Rank:
     """One tensor-parallel worker: its connector, its KV caches and its pages."""
@@ -59,6 +84,9 @@ class Rank:
     kv_caches: dict[str, torch.Tensor]
     pages: PagedKV
     device: LaggingDevice | None
+
+    def __post_init__(self) -> None:
+        self.hooks = HookClock(self.worker)  # how the model runner calls the connector
 
 
 def _backend(name: str) -> Any:
@@ -416,6 +444,7 @@ class StandInEngine:
         output = self.aggregator.aggregate(outputs)  # type: ignore[arg-type]
         assert output is not None
         now = time.perf_counter()
+        self.emit(ev="hooks", s=self.ranks[0].hooks.take())  # rank 0's time inside connector hooks
         for request_id in work.completed:
             self.emit(ev="computed", id=request_id, t=now)
         kv = output.kv_connector_output
@@ -463,7 +492,7 @@ class StandInEngine:
         from vllm.forward_context import get_forward_context, set_forward_context
         from vllm.v1.outputs import KVConnectorOutput
 
-        worker, meta, v2 = rank.worker, so.kv_connector_metadata, self.options.hook_order == "v2"
+        worker, meta, v2 = rank.hooks, so.kv_connector_metadata, self.options.hook_order == "v2"
         assert meta is not None  # a connector is configured
         speculative = self.shape.draft_layers > 0
         if rank.device is not None:
@@ -505,7 +534,7 @@ class StandInEngine:
         total = len(names)
         for layer in layers:
             name = names[layer]
-            rank.worker.wait_for_layer_load(name)
+            rank.hooks.wait_for_layer_load(name)
             if layer not in shared and work.writes:
                 kernel = self._kernel(rank.pages, self.owners.index(name), work.writes)
                 if rank.device is not None:
@@ -516,7 +545,7 @@ class StandInEngine:
                 layer_end = started + self.step_ms / 1000 * (layer + 1) / total
                 time.sleep(max(0.0, layer_end - time.perf_counter()))
             if not self.options.full_cudagraph:
-                rank.worker.save_kv_layer(name, rank.kv_caches[name], None)
+                rank.hooks.save_kv_layer(name, rank.kv_caches[name], None)
 
     @staticmethod
     def _kernel(pages: PagedKV, layer: int, writes: list[tuple[str, int, int, int, int]]) -> Callable[[], None]:
