@@ -83,11 +83,11 @@ class StridedPages:
         :raises ConfigError: a run of one block overlaps a run of another.
         """
         stride, run = self.block_stride, self.runs.run_bytes
-        if stride < run:
+        if stride < run and num_blocks > 1:
             raise ConfigError(f"layer {layer}: blocks {stride} bytes apart overlap their {run}-byte runs")
         for a, b in itertools.combinations(self.runs.offsets, 2):
             distance = b - a  # block k's run a against block 0's run b: |distance - k * stride| >= run
-            for k in {distance // stride, -(-distance // stride)}:
+            for k in {0, distance // stride, -(-distance // stride)}:
                 if 0 <= k < num_blocks and abs(distance - k * stride) < run:
                     raise ConfigError(f"layer {layer}: a run of block {k} overlaps another run of block 0")
         return [BlockArray(self.region, self.offset + run, self.block_stride, layer) for run in self.runs.offsets]
