@@ -26,6 +26,7 @@ from kvflow.errors import ConfigError
 from kvflow.integrations.vllm.connector import check_vllm_version
 from kvflow.integrations.vllm.kv_caches import check_supported
 from kvflow.integrations.vllm.standin import EngineOptions, ModelShape, StandInEngine
+from kvflow.integrations.vllm.standin.build import layer_specs
 from tests.vllm_pairs import BLOCK_SIZE, dispatch, kvflow_engine, make_pair, move_and_check, settle
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "vllm-compatibility.md"
@@ -254,7 +255,7 @@ def _two_groups() -> tuple[Any, KVCacheConfig]:
     p.close()
     config = p.config
     config.scheduler_config.disable_hybrid_kv_cache_manager = False
-    specs = p._specs()
+    specs = layer_specs(config, p.options)
     [kv_cache_config] = get_kv_cache_configs(config, [specs], [1 << 40], get_global_kv_cache_groups(config, [specs]))
     return config, kv_cache_config
 

@@ -27,7 +27,6 @@ loaded request, byte for byte, the first time it runs.  Used by the tests and by
 
 from __future__ import annotations
 
-import importlib
 import os
 import threading
 import time
@@ -43,8 +42,9 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 import torch
 
 from kvflow.integrations.vllm.device import Device, set_device_resolver
+from kvflow.integrations.vllm.standin.build import backend_class, layer_specs, vllm_config
 from kvflow.integrations.vllm.standin.kv import LaggingDevice, PagedKV
-from kvflow.integrations.vllm.standin.model import BACKENDS, EngineOptions
+from kvflow.integrations.vllm.standin.model import EngineOptions
 
 __all__ = ("SAMPLED", "Rank", "StandInEngine")
 
@@ -89,13 +89,6 @@ class Rank:
         self.hooks = HookClock(self.worker)  # how the model runner calls the connector
 
 
-def _backend(name: str) -> Any:
-    if name not in BACKENDS:
-        raise ValueError(f"attention backend must be one of {sorted(BACKENDS)}, not {name!r}")
-    module, cls = BACKENDS[name]
-    return getattr(importlib.import_module(module), cls)
-
-
 _DEVICES: dict[int, LaggingDevice] = {}  # KV buffer address -> the lagging device that owns it
 
 
@@ -123,7 +116,7 @@ class StandInEngine:
         self.options = options
         self.shape = options.model
         self.emit = emit or (lambda **_: None)
-        self.config = self._vllm_config()
+        self.config = vllm_config(options)
         self.steps = 0
         self.step_ms = 0.0
         self.step_starts: deque[float] = deque(maxlen=200_000)
@@ -139,98 +132,9 @@ class StandInEngine:
 
     # ---------------------------------------------------------------- building
 
-    def _vllm_config(self) -> Any:
-        from vllm.config import (
-            CacheConfig,
-            DeviceConfig,
-            KVTransferConfig,
-            ModelConfig,
-            ParallelConfig,
-            SchedulerConfig,
-            VllmConfig,
-        )
-
-        o = self.options
-        model = ModelConfig(
-            model=self.shape.model_dir(o.max_model_len),
-            skip_tokenizer_init=True,
-            dtype=self.shape.dtype,  # type: ignore[arg-type]
-            max_model_len=o.max_model_len,
-            seed=0,
-        )
-        transfer = KVTransferConfig(
-            kv_connector=o.connector,
-            kv_connector_module_path=o.module_path,
-            kv_role=o.role,  # type: ignore[arg-type]
-            engine_id=o.engine_id or o.name,
-            kv_connector_extra_config=o.extra,
-            kv_load_failure_policy=o.failure_policy,  # type: ignore[arg-type]
-            kv_buffer_device=o.kv_buffer_device,
-        )
-        config = VllmConfig(
-            model_config=model,
-            scheduler_config=SchedulerConfig(
-                max_num_seqs=64,
-                max_num_batched_tokens=o.max_num_batched_tokens,
-                max_model_len=o.max_model_len,
-                is_encoder_decoder=False,
-                async_scheduling=o.async_scheduling,
-            ),
-            cache_config=CacheConfig(
-                block_size=o.block_size, enable_prefix_caching=o.prefix_caching, cache_dtype=o.cache_dtype
-            ),
-            parallel_config=ParallelConfig(tensor_parallel_size=o.tensor_parallel),
-            kv_transfer_config=transfer,
-            device_config=DeviceConfig("cpu"),
-        )
-        config.cache_config.block_size = o.block_size  # as on a GPU (the CPU platform forces 16 for MLA)
-        config.cache_config.num_gpu_blocks_override = o.num_blocks
-        config.cache_config.num_gpu_blocks = o.num_blocks
-        if o.kv_cache_layout is not None:  # the user's choice wins outright, as in vLLM
-            config.cache_config.kv_cache_layout = o.kv_cache_layout
-        if o.hybrid_kv_cache_manager:  # what a GPU platform does for a model with several attention kinds
-            config.scheduler_config.disable_hybrid_kv_cache_manager = False
-        return config
-
     def layer_names(self) -> list[str]:
         """Every attention layer, in execution order (draft layers last)."""
-        return [self.shape.layer_name(i) for i in range(self.shape.layers + self.shape.draft_layers)]
-
-    def _specs(self) -> dict[str, Any]:
-        """The KV cache spec each attention layer declares (what vLLM's Attention and
-        MLAAttention layers build from the model config), KV-sharing layers excepted."""
-        from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
-        from vllm.v1.kv_cache_interface import (
-            FullAttentionSpec,
-            MLAAttentionSpec,
-            SlidingWindowSpec,
-            get_kv_quant_mode,
-        )
-
-        model, parallel = self.config.model_config, self.config.parallel_config
-        cache_dtype = self.options.cache_dtype
-        common: dict[str, Any] = {
-            "block_size": self.config.cache_config.block_size,
-            "dtype": kv_cache_dtype_str_to_dtype(cache_dtype, model),
-            "kv_quant_mode": get_kv_quant_mode(cache_dtype),
-            "head_size": model.get_head_size(),
-        }
-        layer_types = getattr(model.hf_config, "layer_types", None) or []
-        shared = dict(self.shape.shared)
-        specs: dict[str, Any] = {}
-        for layer, name in enumerate(self.layer_names()):
-            if layer in shared:
-                continue
-            if model.use_mla:
-                specs[name] = MLAAttentionSpec(num_kv_heads=1, max_tp_shards=1, cache_dtype_str=cache_dtype, **common)
-            elif layer < len(layer_types) and layer_types[layer] == "sliding_attention":
-                window = model.get_sliding_window()
-                specs[name] = SlidingWindowSpec(
-                    num_kv_heads=model.get_num_kv_heads(parallel), sliding_window=window, **common
-                )
-            else:
-                specs[name] = FullAttentionSpec(num_kv_heads=model.get_num_kv_heads(parallel), **common)
-        return specs
+        return self.shape.layer_names()
 
     def _build(self) -> None:
         from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
@@ -242,8 +146,8 @@ class StandInEngine:
         from vllm.v1.structured_output import StructuredOutputManager
 
         o = self.options
-        specs = self._specs()
-        self.backend = _backend(o.backend)
+        specs = layer_specs(self.config, o)
+        self.backend = backend_class(o.backend)
         supported = [layout.name for layout in get_supported_kv_cache_layouts([self.backend])]
         self.layout = resolve_kv_cache_layout(self.config, [supported], specs.values())
         groups = get_global_kv_cache_groups(self.config, [specs])

@@ -111,6 +111,10 @@ class ModelShape:
         decoder = "model.decoder.layers" if self.family == "opt" else "model.layers"
         return f"{decoder}.{layer}.self_attn.attn"
 
+    def layer_names(self) -> list[str]:
+        """Every attention layer, in execution order (draft layers last)."""
+        return [self.layer_name(i) for i in range(self.layers + self.draft_layers)]
+
     def model_dir(self, max_model_len: int) -> str:
         """A directory holding only this config.json; its path depends only on the config, so
         P and D name the same model."""

@@ -1,0 +1,114 @@
+"""How the stand-in builds an engine's vLLM configuration and its layers' KV cache specs.
+
+Why apart: this is where the stand-in stands in for vLLM's engine start-up (the config a GPU
+host would have) and for the model's attention layers (the KV cache spec each declares); the
+engine module then uses vLLM's own layout resolution, planning and allocation on them.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from kvflow.integrations.vllm.standin.model import BACKENDS, EngineOptions
+
+__all__ = ("backend_class", "layer_specs", "vllm_config")
+
+
+def backend_class(name: str) -> Any:
+    """vLLM's attention backend class of that name."""
+    if name not in BACKENDS:
+        raise ValueError(f"attention backend must be one of {sorted(BACKENDS)}, not {name!r}")
+    module, cls = BACKENDS[name]
+    return getattr(importlib.import_module(module), cls)
+
+
+def vllm_config(o: EngineOptions) -> Any:
+    """The VllmConfig of one engine, as a GPU host would have it."""
+    from vllm.config import (
+        CacheConfig,
+        DeviceConfig,
+        KVTransferConfig,
+        ModelConfig,
+        ParallelConfig,
+        SchedulerConfig,
+        VllmConfig,
+    )
+
+    model = ModelConfig(
+        model=o.model.model_dir(o.max_model_len),
+        skip_tokenizer_init=True,
+        dtype=o.model.dtype,  # type: ignore[arg-type]
+        max_model_len=o.max_model_len,
+        seed=0,
+    )
+    transfer = KVTransferConfig(
+        kv_connector=o.connector,
+        kv_connector_module_path=o.module_path,
+        kv_role=o.role,  # type: ignore[arg-type]
+        engine_id=o.engine_id or o.name,
+        kv_connector_extra_config=o.extra,
+        kv_load_failure_policy=o.failure_policy,  # type: ignore[arg-type]
+        kv_buffer_device=o.kv_buffer_device,
+    )
+    config = VllmConfig(
+        model_config=model,
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=64,
+            max_num_batched_tokens=o.max_num_batched_tokens,
+            max_model_len=o.max_model_len,
+            is_encoder_decoder=False,
+            async_scheduling=o.async_scheduling,
+        ),
+        cache_config=CacheConfig(
+            block_size=o.block_size, enable_prefix_caching=o.prefix_caching, cache_dtype=o.cache_dtype
+        ),
+        parallel_config=ParallelConfig(tensor_parallel_size=o.tensor_parallel),
+        kv_transfer_config=transfer,
+        device_config=DeviceConfig("cpu"),
+    )
+    config.cache_config.block_size = o.block_size  # as on a GPU (the CPU platform forces 16 for MLA)
+    config.cache_config.num_gpu_blocks_override = o.num_blocks
+    config.cache_config.num_gpu_blocks = o.num_blocks
+    if o.kv_cache_layout is not None:  # the user's choice wins outright, as in vLLM
+        config.cache_config.kv_cache_layout = o.kv_cache_layout
+    if o.hybrid_kv_cache_manager:  # what a GPU platform does for a model with several attention kinds
+        config.scheduler_config.disable_hybrid_kv_cache_manager = False
+    return config
+
+
+def layer_specs(config: Any, o: EngineOptions) -> dict[str, Any]:
+    """The KV cache spec each attention layer declares (what vLLM's Attention and
+    MLAAttention layers build from the model config), KV-sharing layers excepted."""
+    from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        MLAAttentionSpec,
+        SlidingWindowSpec,
+        get_kv_quant_mode,
+    )
+
+    model, parallel = config.model_config, config.parallel_config
+    cache_dtype = o.cache_dtype
+    common: dict[str, Any] = {
+        "block_size": config.cache_config.block_size,
+        "dtype": kv_cache_dtype_str_to_dtype(cache_dtype, model),
+        "kv_quant_mode": get_kv_quant_mode(cache_dtype),
+        "head_size": model.get_head_size(),
+    }
+    layer_types = getattr(model.hf_config, "layer_types", None) or []
+    shared = dict(o.model.shared)
+    specs: dict[str, Any] = {}
+    for layer, name in enumerate(o.model.layer_names()):
+        if layer in shared:
+            continue
+        if model.use_mla:
+            specs[name] = MLAAttentionSpec(num_kv_heads=1, max_tp_shards=1, cache_dtype_str=cache_dtype, **common)
+        elif layer < len(layer_types) and layer_types[layer] == "sliding_attention":
+            window = model.get_sliding_window()
+            specs[name] = SlidingWindowSpec(
+                num_kv_heads=model.get_num_kv_heads(parallel), sliding_window=window, **common
+            )
+        else:
+            specs[name] = FullAttentionSpec(num_kv_heads=model.get_num_kv_heads(parallel), **common)
+    return specs
