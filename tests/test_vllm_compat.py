@@ -26,7 +26,7 @@ from kvflow.errors import ConfigError
 from kvflow.integrations.vllm.connector import check_vllm_version
 from kvflow.integrations.vllm.kv_caches import check_supported
 from kvflow.integrations.vllm.standin import EngineOptions, ModelShape, StandInEngine
-from kvflow.integrations.vllm.standin.build import layer_specs
+from kvflow.integrations.vllm.standin.build import layer_specs, vllm_config
 from tests.vllm_pairs import BLOCK_SIZE, dispatch, kvflow_engine, make_pair, move_and_check, settle
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "vllm-compatibility.md"
@@ -250,12 +250,11 @@ def _two_groups() -> tuple[Any, KVCacheConfig]:
     KV cache manager on: one group of full-attention layers, one of sliding-window layers."""
     from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
 
-    p, d = make_pair(model=ModelShape(family="gemma2"), num_blocks=256)
-    d.close()
-    p.close()
-    config = p.config
+    gemma = ModelShape(family="gemma2")
+    options = EngineOptions("prefill", "kv_producer", model=gemma, num_blocks=256, kv_cache_layout="LBNHC")
+    config = vllm_config(options)
     config.scheduler_config.disable_hybrid_kv_cache_manager = False
-    specs = layer_specs(config, p.options)
+    specs = layer_specs(config, options)
     [kv_cache_config] = get_kv_cache_configs(config, [specs], [1 << 40], get_global_kv_cache_groups(config, [specs]))
     return config, kv_cache_config
 
@@ -271,7 +270,7 @@ def _groups(fragment: str, caplog: pytest.LogCaptureFixture) -> None:
 
 @scenario("sliding-window-group", "mamba")
 def _unmovable(fragment: str, caplog: pytest.LogCaptureFixture) -> None:
-    config, _ = _two_groups()
+    config = vllm_config(EngineOptions("prefill", "kv_producer"))
     window = SlidingWindowSpec(block_size=32, num_kv_heads=4, head_size=64, dtype=torch.bfloat16, sliding_window=64)
     mamba = MambaSpec(block_size=32, shapes=((4, 64),), dtypes=(torch.bfloat16,))
     spec = window if "sliding" in fragment else mamba

@@ -75,10 +75,6 @@ class KVFlowConnector(KVConnectorBase_V1):
         self.settings = Settings.from_extra(transfer.kv_connector_extra_config)
         self.engine_id = str(transfer.engine_id)
         check_supported(vllm_config, kv_cache_config)
-        self._kv_cache_config = kv_cache_config
-        self._model = self.settings.model_id or str(vllm_config.model_config.model)
-        self._cache_dtype = str(vllm_config.cache_config.cache_dtype)
-        self._layout_name = vllm_config.cache_config.kv_cache_layout
         self._block_size = vllm_config.cache_config.block_size
         self._book: SchedulerBook | None = None
         self._worker: WorkerSide | None = None
@@ -156,14 +152,15 @@ class KVFlowConnector(KVConnectorBase_V1):
         :raises ConfigError: the views are not what vLLM's KV cache config says.
         """
         worker = self._worker_side()
-        if self._kv_cache_config is None:
+        kv_cache_config, config = self._kv_cache_config, self._vllm_config
+        if kv_cache_config is None:
             raise ConfigError("kvflow needs vLLM's KV cache config to register KV caches")
         caches = describe_kv_caches(
             kv_caches,
-            self._kv_cache_config,
-            model=self._model,
-            cache_dtype=self._cache_dtype,
-            layout_name=self._kv_cache_config.kv_cache_layout or self._layout_name,
+            kv_cache_config,
+            model=self.settings.model_id or str(config.model_config.model),
+            cache_dtype=str(config.cache_config.cache_dtype),
+            layout_name=kv_cache_config.kv_cache_layout or config.cache_config.kv_cache_layout,
         )
         worker.register(caches, device_for(next(iter(kv_caches.values()))))
 

@@ -136,7 +136,6 @@ class CacheDescription:
 
     layout: KVLayout
     layer_of: dict[str, int]  # layer name -> kvflow layer, for the layers that own their KV
-    device: torch.device
 
 
 def describe_kv_caches(
@@ -152,8 +151,8 @@ def describe_kv_caches(
     Layers are numbered in execution order (by `layer_index`); a layer whose KV is another's
     (KV sharing) is left out, as vLLM's allocation leaves it out of every `KVCacheTensor`.
 
-    :raises ConfigError: a view does not match vLLM's spec for its layer, two views overlap, or
-        layers disagree on their page's shape.
+    :raises ConfigError: a view does not match vLLM's spec for its layer, two layers start at the
+        same address, a layer's pages overlap, or layers split their pages differently.
     """
     import torch
 
@@ -209,7 +208,7 @@ def describe_kv_caches(
         cache_dtype=cache_dtype,
     )
     layout = KVLayout(kv_spec, num_blocks, tuple(regions.values()), tuple(arrays))
-    return CacheDescription(layout, {name: layer for layer, name in enumerate(names)}, first.device)
+    return CacheDescription(layout, {name: layer for layer, name in enumerate(names)})
 
 
 def _inner_order(view: torch.Tensor) -> str:
