@@ -147,3 +147,23 @@ def test_views_that_are_not_what_vllms_config_says_are_refused() -> None:
         describe({names[0]: good, names[1]: torch.zeros(3, 2, 16, 16, dtype=torch.float16)})
     with pytest.raises(ConfigError, match="no KV caches"):
         describe({"model.layers.9.attn": good})
+
+
+def test_layers_are_numbered_by_the_index_in_their_names_not_by_dict_order() -> None:
+    """vLLM builds its kv_caches dict tensor by tensor (KV-sharing layers appended last), so its
+    order need not be execution order; kvflow's layer numbers, and so its layer groups, follow
+    the names."""
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.float16)
+    names = [f"model.layers.{i}.attn" for i in (2, 0, 10, 1)]
+    page = spec.page_size_bytes
+    tensors = [KVCacheTensor(size=page * 4, layers=[name], layer_stride=0, block_stride=page) for name in names]
+    config = KVCacheConfig(num_blocks=4, kv_cache_tensors=tensors, kv_cache_groups=[KVCacheGroupSpec(names, spec)])
+    views = {name: torch.zeros(4, 2, 16, 16, dtype=torch.float16) for name in names}
+    caches = describe_kv_caches(views, config, model="m", cache_dtype="auto", layout_name=None)
+    assert caches.layer_of == {"model.layers.0.attn": 0, "model.layers.1.attn": 1, "model.layers.2.attn": 2,
+                               "model.layers.10.attn": 3}  # fmt: skip
+    starts = [caches.layout.regions[caches.layout.layer_arrays(k)[0].region].base for k in range(4)]
+    assert starts == [int(views[f"model.layers.{i}.attn"].data_ptr()) for i in (0, 1, 2, 10)]
