@@ -23,12 +23,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvflow.aio import loop_name, run
-from kvflow.buffers import region_of
-from kvflow.channel import LocalControlHub
-from kvflow.engine import Engine, EngineConfig
+from kvflow.control.channel import LocalControlHub
 from kvflow.layout import KVLayout, KVSpec
-from kvflow.state import Mode, Role
+from kvflow.layout.buffers import region_of
+from kvflow.protocol.state import Mode, Role
+from kvflow.runtime.engine import Engine, EngineConfig
+from kvflow.runtime.loop import loop_name, run
 from kvflow.transports.loopback import FaultPlan, LinkModel, LoopbackFabric
 
 try:

@@ -25,12 +25,12 @@ import time
 
 import numpy as np
 
-from kvflow.aio import run
-from kvflow.buffers import region_of
-from kvflow.control import ZmqControl
-from kvflow.engine import Engine, EngineConfig
+from kvflow.control.zeromq import ZmqControl
 from kvflow.layout import KVLayout, KVSpec
-from kvflow.state import Mode
+from kvflow.layout.buffers import region_of
+from kvflow.protocol.state import Mode
+from kvflow.runtime.engine import Engine, EngineConfig
+from kvflow.runtime.loop import run
 from kvflow.transports.shm import ShmTransport
 
 SPEC = KVSpec(num_layers=8, block_size=16, num_kv_heads=8, head_dim=128, dtype="bfloat16")

@@ -1,7 +1,7 @@
 """kvflow: a push-based KV-cache transfer engine for prefill/decode disaggregated inference.
 
-The pure core (`kvflow.state`, `kvflow.core`, `kvflow.ledger`, `kvflow.layout`) decides; the
-asyncio engine (`kvflow.engine`) executes through a transport (`kvflow.transports`) and a
+The pure core (`kvflow.protocol.state`, `kvflow.protocol.core`, `kvflow.protocol.ledger`, `kvflow.layout`) decides; the
+asyncio engine (`kvflow.runtime.engine`) executes through a transport (`kvflow.transports`) and a
 control channel.  See README.md for the design and the figures.
 """
 
@@ -27,8 +27,8 @@ from kvflow.errors import (
     UnknownTransport,
 )
 from kvflow.layout import KVLayout, KVSpec, MemoryType, Region
-from kvflow.messages import TransferKey
-from kvflow.state import Mode, Outcome, Role, State
+from kvflow.protocol.messages import TransferKey
+from kvflow.protocol.state import Mode, Outcome, Role, State
 
 __version__ = "0.1.0"
 

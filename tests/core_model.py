@@ -14,11 +14,11 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from kvflow.actions import Action, DeclarePeerLost, OpKind, ReleaseBlocks, Resolve, SendMessage, SubmitOp
-from kvflow.core import CoreConfig, TransferCore
 from kvflow.errors import KVFlowError
-from kvflow.messages import Message, TransferKey
-from kvflow.state import TERMINAL, Mode, Outcome, Role
+from kvflow.protocol.actions import Action, DeclarePeerLost, OpKind, ReleaseBlocks, Resolve, SendMessage, SubmitOp
+from kvflow.protocol.core import CoreConfig, TransferCore
+from kvflow.protocol.messages import Message, TransferKey
+from kvflow.protocol.state import TERMINAL, Mode, Outcome, Role
 
 NUM_LAYERS = 2
 P_BLOCKS = 12

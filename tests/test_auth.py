@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kvflow.auth import ReplayGuard, Secret, secret_from_env
+from kvflow.control.auth import ReplayGuard, Secret, secret_from_env
 from kvflow.errors import ConfigError
 
 

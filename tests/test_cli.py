@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from kvflow.cli import main
-from kvflow.doctor import diagnose, render
+from kvflow.tools.cli import main
+from kvflow.tools.doctor import diagnose, render
 
 
 def test_doctor_finds_ucx_moving_host_memory() -> None:

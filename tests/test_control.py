@@ -13,13 +13,13 @@ import pytest
 import pytest_asyncio
 import zmq
 
-from kvflow import wire
-from kvflow.auth import Secret
-from kvflow.control import ZmqControl, is_loopback
-from kvflow.engine import Engine, EngineConfig
+from kvflow.control import wire
+from kvflow.control.auth import Secret
+from kvflow.control.zeromq import ZmqControl, is_loopback
 from kvflow.errors import ConfigError, TransferTimeout
-from kvflow.messages import ControlMessage, Heartbeat, Notice, Ready, Registration, TransferKey
-from kvflow.state import Mode
+from kvflow.protocol.messages import ControlMessage, Heartbeat, Notice, Ready, Registration, TransferKey
+from kvflow.protocol.state import Mode
+from kvflow.runtime.engine import Engine, EngineConfig
 from kvflow.testing import SMALL_SPEC, KVBuffers, same_kv
 from kvflow.transports.loopback import LoopbackFabric
 
@@ -76,7 +76,7 @@ async def test_transfers_over_authenticated_zeromq(pair: Pair, mode: Mode) -> No
 
 @pytest.mark.asyncio
 async def test_without_a_secret_loopback_works_and_warns(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="kvflow.control"):
+    with caplog.at_level(logging.WARNING, logger="kvflow.control.zeromq"):
         engines = await make_pair(None)
     try:
         assert "WITHOUT authentication" in caplog.text
@@ -101,7 +101,7 @@ def test_unauthenticated_off_loopback_is_refused() -> None:
 async def test_a_peer_with_another_secret_is_never_heard(caplog: pytest.LogCaptureFixture) -> None:
     engines = await make_pair(SECRET, Secret(b"another secret, same length!!"), connect=False)
     try:
-        with caplog.at_level(logging.WARNING, logger="kvflow.control"), pytest.raises(TransferTimeout):
+        with caplog.at_level(logging.WARNING, logger="kvflow.control.zeromq"), pytest.raises(TransferTimeout):
             await engines.d.connect("P", engines.p.control.address, timeout=0.5)
         assert isinstance(engines.p.control, ZmqControl)
         assert engines.p.control.counters["rejected_bad_mac"] >= 1

@@ -13,8 +13,8 @@ import hypothesis.strategies as st
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvflow.messages import TransferKey
-from kvflow.state import Mode, Role
+from kvflow.protocol.messages import TransferKey
+from kvflow.protocol.state import Mode, Role
 from tests.core_model import NUM_LAYERS, CorePair, Plan
 
 EXAMPLES = int(os.environ.get("KVFLOW_STATEFUL_EXAMPLES", "300"))

@@ -31,7 +31,7 @@ class PeerProcess:
         env = dict(os.environ, KVFLOW_SECRET=secret, PYTHONPATH=str(ROOT))
         self.name = name
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.peer_process", "--name", name, "--prefix", prefix, *extra],
+            [sys.executable, "-m", "kvflow.testing.peer_process", "--name", name, "--prefix", prefix, *extra],
             cwd=ROOT,
             env=env,
             stdin=subprocess.PIPE,

@@ -8,8 +8,6 @@ from collections.abc import AsyncIterator
 import pytest
 import pytest_asyncio
 
-from kvflow.core import CoreConfig
-from kvflow.engine import Engine, EngineConfig
 from kvflow.errors import (
     BlockConflict,
     EngineClosed,
@@ -22,8 +20,10 @@ from kvflow.errors import (
     UnknownTransfer,
 )
 from kvflow.layout import KVSpec
-from kvflow.messages import TransferKey, encode_notification
-from kvflow.state import Mode, Outcome, Role
+from kvflow.protocol.core import CoreConfig
+from kvflow.protocol.messages import TransferKey, encode_notification
+from kvflow.protocol.state import Mode, Outcome, Role
+from kvflow.runtime.engine import Engine, EngineConfig
 from kvflow.testing import EnginePair, KVBuffers, same_kv
 from kvflow.transports.loopback import FaultPlan, LinkModel, LoopbackFabric
 

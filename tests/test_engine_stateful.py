@@ -19,13 +19,13 @@ import hypothesis.strategies as st
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvflow.core import CoreConfig
-from kvflow.engine import EngineConfig
 from kvflow.errors import KVFlowError, UnknownTransfer
-from kvflow.state import Mode, Outcome, Role
+from kvflow.protocol.core import CoreConfig
+from kvflow.protocol.state import Mode, Outcome, Role
+from kvflow.runtime.engine import EngineConfig
+from kvflow.runtime.writer import InlineSubmitter
 from kvflow.testing import EnginePair, KVBuffers, ManualClock
 from kvflow.transports.loopback import FaultPlan, LoopbackFabric
-from kvflow.writer import InlineSubmitter
 
 EXAMPLES = int(os.environ.get("KVFLOW_STATEFUL_EXAMPLES", "300"))
 CONFIG = EngineConfig(core=CoreConfig(fence_timeout=2.0, retention=30.0), transfer_timeout=10.0, drain_timeout=0.01)

@@ -6,11 +6,11 @@ import asyncio
 
 import pytest
 
-from kvflow.association import Liveness
-from kvflow.channel import LocalControl
-from kvflow.core import CoreConfig
-from kvflow.engine import Engine, EngineConfig
-from kvflow.state import Mode, Outcome
+from kvflow.control.channel import LocalControl
+from kvflow.protocol.core import CoreConfig
+from kvflow.protocol.state import Mode, Outcome
+from kvflow.runtime.association import Liveness
+from kvflow.runtime.engine import Engine, EngineConfig
 from kvflow.testing import EnginePair
 from kvflow.transports.loopback import LoopbackFabric
 

@@ -8,11 +8,11 @@ import time
 import numpy as np
 import pytest
 
-from kvflow.actions import OpKind
-from kvflow.buffers import region_of
 from kvflow.errors import ConfigError, TransportError
 from kvflow.layout import DescriptorPlan, MemoryType, Region
-from kvflow.transport import Completion, Transport
+from kvflow.layout.buffers import region_of
+from kvflow.protocol.actions import OpKind
+from kvflow.transports.base import Completion, Transport
 from kvflow.transports.loopback import FaultPlan, LinkModel, LoopbackFabric, LoopbackTransport
 
 

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import RuleBasedStateMachine, run_state_machine_as_test
 
-from kvflow.state import TABLES, Act, Input, Mode, Role, State, Transition
+from kvflow.protocol.state import TABLES, Act, Input, Mode, Role, State, Transition
 from tests.core_model import InvariantViolation
 from tests.test_core_stateful import EXAMPLES, STEPS, CoreProtocol
 from tests.test_engine_stateful import EngineProtocol

@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 
-from kvflow.actions import OpKind
-from kvflow.buffers import region_of
 from kvflow.layout import KVLayout, KVSpec, MemoryType, plan_transfer
-from kvflow.transport import Completion, Notification
+from kvflow.layout.buffers import region_of
+from kvflow.protocol.actions import OpKind
+from kvflow.transports.base import Completion, Notification
 from kvflow.transports.nixl import NixlTransport
 
 SPEC = KVSpec(num_layers=2, block_size=16, num_kv_heads=8, head_dim=128, dtype="bfloat16")

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 
 from kvflow.errors import ConfigError
-from kvflow.pages import PageRuns, StridedPages, page_runs
+from kvflow.layout.pages import PageRuns, StridedPages, page_runs
 
 
 def element_bytes(shape: list[int], strides: list[int], itemsize: int) -> list[int]:

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from kvflow import transport as registry
 from kvflow.errors import KVFlowError, TransportError, TransportUnavailable, UnknownTransport, map_exceptions
+from kvflow.transports import registry
 from kvflow.transports.loopback import LoopbackTransport
 
 

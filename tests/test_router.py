@@ -1,4 +1,4 @@
-"""The 1P1D router example (examples/vllm_1p1d/router.py) against stand-in OpenAI servers.
+"""The 1P1D router example (integrations/vllm/router.py) against stand-in OpenAI servers.
 
 Everything runs as real processes over real HTTP on 127.0.0.1: two `tests.fake_openai_server`
 processes stand in for P and D, and the router runs as its own script.  Concurrency is shown by
@@ -25,11 +25,12 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
-from examples.vllm_1p1d import router
+from kvflow.integrations.vllm import router
 from kvflow.integrations.vllm.mapping import TransferParams
 
 ROOT = Path(__file__).resolve().parent.parent
-ROUTER = ROOT / "examples" / "vllm_1p1d" / "router.py"
+SCRIPTS = ROOT / "examples" / "vllm_1p1d"
+ROUTER_MODULE = "kvflow.integrations.vllm.router"
 WAIT = 20.0  # the most any one wait in these tests may take
 BAD_OUTPUT = ("Traceback", "ResourceWarning", "Unclosed", "never retrieved", "Error handling request")
 
@@ -90,7 +91,8 @@ def start_fake(name: str) -> tuple[Process, str]:
 
 def start_router(prefill: str, decode: str, *extra: str) -> tuple[Process, str]:
     process = Process(
-        str(ROUTER),
+        "-m",
+        ROUTER_MODULE,
         "--port",
         "0",
         "--prefill",
@@ -476,7 +478,7 @@ def run_script(tmp_path: Path, script: str, env: dict[str, str], *args: str) -> 
     clean = {key: value for key, value in os.environ.items() if not key.startswith("KVFLOW_SECRET")}
     full_env = clean | {"PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}", "PYTHON": str(tmp_path / "python-stub")}
     done = subprocess.run(
-        ["bash", str(ROUTER.parent / script), *args],
+        ["bash", str(SCRIPTS / script), *args],
         env=full_env | env,
         capture_output=True,
         text=True,
@@ -538,7 +540,7 @@ def test_serve_scripts_refuse_to_start_without_a_secret(tmp_path: Path, script: 
 def test_run_router_script(tmp_path: Path) -> None:
     status, stderr, args = run_script(tmp_path, "run_router.sh", {"MODE": "pull"}, "--max-body", "1024")
     assert status == 0, stderr
-    assert args[0] == str(ROUTER)
-    parsed = router.parse_args(args[1:])
+    assert args[:2] == ["-m", ROUTER_MODULE]
+    parsed = router.parse_args(args[2:])
     assert (parsed.port, parsed.mode, parsed.max_body) == (8000, "pull", 1024)
     assert (parsed.prefill, parsed.decode) == ("http://127.0.0.1:8100", "http://127.0.0.1:8200")

@@ -12,10 +12,10 @@ import hypothesis.strategies as st
 import pytest
 from hypothesis import given
 
-from kvflow.core import TransferCore
 from kvflow.errors import InvalidTransition
-from kvflow.messages import TransferKey
-from kvflow.state import (
+from kvflow.protocol.core import TransferCore
+from kvflow.protocol.messages import TransferKey
+from kvflow.protocol.state import (
     ACTIVE,
     FENCING,
     FENCING_DONE,

@@ -7,12 +7,12 @@ import time
 
 import pytest
 
-from kvflow.channel import LocalControlHub
-from kvflow.engine import Engine, EngineConfig, TransferResult
+from kvflow.control.channel import LocalControlHub
 from kvflow.errors import EngineClosed, InvalidBatch
-from kvflow.state import Mode, Role
+from kvflow.protocol.state import Mode, Role
+from kvflow.runtime.engine import Engine, EngineConfig, TransferResult
+from kvflow.runtime.threaded import EngineThread
 from kvflow.testing import SMALL_SPEC, KVBuffers, same_kv
-from kvflow.threaded import EngineThread
 from kvflow.transports.loopback import LoopbackFabric
 
 

@@ -10,11 +10,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvflow.actions import OpKind
-from kvflow.buffers import region_of
 from kvflow.errors import TransportError
 from kvflow.layout import DescriptorPlan, KVLayout, KVSpec, plan_transfer
-from kvflow.transport import Completion, Transport
+from kvflow.layout.buffers import region_of
+from kvflow.protocol.actions import OpKind
+from kvflow.transports.base import Completion, Transport
 from kvflow.transports.loopback import LoopbackFabric
 from kvflow.transports.nixl import NixlTransport
 from kvflow.transports.shm import ShmTransport

@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvflow.cli import main as cli_main
 from kvflow.errors import ConfigError
 from kvflow.integrations.vllm.bench import render, run, summarize
 from kvflow.integrations.vllm.standin import PagedKV
+from kvflow.tools.cli import main as cli_main
 
 
 @pytest.mark.parametrize("layout", ["LBNHC", "LHBNC"])

@@ -9,10 +9,10 @@ import msgpack
 import pytest
 from hypothesis import given, settings
 
-from kvflow import wire
+from kvflow.control import wire
 from kvflow.errors import PeerProtocolError
 from kvflow.layout import fingerprint, layout_to_wire
-from kvflow.messages import (
+from kvflow.protocol.messages import (
     ControlMessage,
     Done,
     Goodbye,

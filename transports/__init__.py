@@ -1,5 +1,8 @@
-"""Data-plane transports, importable as `kvflow.transports.<name>`.
+"""Data-plane transports: the contract (`base`), the registry (`registry`) and the implementations.
 
-Load one by name with `kvflow.transport.load_transport`; backends whose library is missing fail
-with an install hint instead of an ImportError.
+Importable as `kvflow.transports.<name>` (the directory is linked into the package; see
+docs/design.md).  Implementations: `loopback` (in-process, fault injection), `shm` (shared memory
+between processes on one host), `nixl` (NIXL over UCX or LIBFABRIC, DRAM or GPU memory).  Look
+one up by name with `kvflow.transports.registry.load_transport`; a backend whose library is
+missing fails with an install hint instead of an ImportError.
 """

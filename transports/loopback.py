@@ -24,10 +24,10 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from kvflow.actions import OpKind
 from kvflow.errors import ConfigError, TransportError
 from kvflow.layout import DescriptorPlan, MemoryType, Region
-from kvflow.transport import Completion, Notification, TransportCapabilities, drain, region_address
+from kvflow.protocol.actions import OpKind
+from kvflow.transports.base import Completion, Notification, TransportCapabilities, drain, region_address
 
 __all__ = ("FaultPlan", "LinkModel", "LoopbackFabric", "LoopbackTransport")
 

@@ -43,10 +43,10 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvflow.actions import OpKind
 from kvflow.errors import ConfigError, TransportError, TransportUnavailable, map_exceptions
 from kvflow.layout import DescriptorPlan, MemoryType, Region
-from kvflow.transport import Completion, Notification, TransportCapabilities, drain, region_address
+from kvflow.protocol.actions import OpKind
+from kvflow.transports.base import Completion, Notification, TransportCapabilities, drain, region_address
 
 __all__ = ("INSTALL_HINT", "NixlTransport", "load_nixl", "require")
 

@@ -37,10 +37,10 @@ import msgpack
 import numpy as np
 import numpy.typing as npt
 
-from kvflow.actions import OpKind
 from kvflow.errors import TransportError
 from kvflow.layout import DescriptorPlan, MemoryType, Region
-from kvflow.transport import Completion, Notification, TransportCapabilities, drain, region_address
+from kvflow.protocol.actions import OpKind
+from kvflow.transports.base import Completion, Notification, TransportCapabilities, drain, region_address
 
 __all__ = ("ShmTransport",)
 

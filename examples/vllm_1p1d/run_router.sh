@@ -6,12 +6,11 @@
 # PREFILL_ENGINE (prefill-0), PREFILL_KVFLOW (tcp://127.0.0.1:5700); DECODE_URL
 # (http://127.0.0.1:8200), DECODE_ENGINE (decode-0), DECODE_KVFLOW (tcp://127.0.0.1:5800);
 # MODE (push, or pull); TIMEOUT (600 s, the bound on any one wait).
-# Further arguments go to router.py.
+# Further arguments go to the router (python -m kvflow.integrations.vllm.router --help).
 set -euo pipefail
 
-here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 
-exec "${PYTHON:-python3}" "$here/router.py" \
+exec "${PYTHON:-python3}" -m kvflow.integrations.vllm.router \
     --host "${ROUTER_HOST:-127.0.0.1}" --port "${ROUTER_PORT:-8000}" \
     --prefill "${PREFILL_URL:-http://127.0.0.1:8100}" \
     --prefill-engine "${PREFILL_ENGINE:-prefill-0}" \

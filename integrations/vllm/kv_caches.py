@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvflow.errors import ConfigError
 from kvflow.layout import BlockArray, KVLayout, KVSpec, MemoryType, Region
-from kvflow.pages import StridedPages, page_runs
+from kvflow.layout.pages import StridedPages, page_runs
 
 if TYPE_CHECKING:
     import torch

@@ -36,20 +36,20 @@ from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvflow.actions import ReleaseBlocks
-from kvflow.channel import ControlChannel
-from kvflow.control import ZmqControl
-from kvflow.core import CoreConfig
-from kvflow.engine import Engine, EngineConfig
+from kvflow.control.channel import ControlChannel
+from kvflow.control.zeromq import ZmqControl
 from kvflow.errors import ConfigError, KVFlowError, UnknownTransfer
 from kvflow.integrations.vllm.device import Device, Gate, GateWaiter, HostDevice
 from kvflow.integrations.vllm.kv_caches import CacheDescription
 from kvflow.integrations.vllm.mapping import Order, Orders, PeerRef, rank_peer
 from kvflow.layout import MAX_SPEC_TEXT
-from kvflow.messages import TransferKey
-from kvflow.state import Mode, Outcome, Role
-from kvflow.threaded import EngineThread
-from kvflow.transport import Transport
+from kvflow.protocol.actions import ReleaseBlocks
+from kvflow.protocol.core import CoreConfig
+from kvflow.protocol.messages import TransferKey
+from kvflow.protocol.state import Mode, Outcome, Role
+from kvflow.runtime.engine import Engine, EngineConfig
+from kvflow.runtime.threaded import EngineThread
+from kvflow.transports.base import Transport
 
 __all__ = ("Settings", "WorkerSide", "layer_groups")
 

@@ -1,38 +1,29 @@
-"""KV-cache layout: where each logical block's bytes live, and how to move a set of blocks.
+"""KV-cache layout: where each logical block's bytes live.
 
 Why this module: the transfer engine moves *logical block ids*; transports move *byte ranges*.
-This is the pure mapping between the two.  A layout is a set of registered memory regions and,
-per layer, one or more block arrays (for example vLLM's FlashAttention cache keeps K and V as two
-arrays per layer).  Block `b` of an array occupies `[offset + b * stride, + block_len)` of its
-region.
-
-`plan_transfer` turns (local blocks, remote blocks, layers) into descriptors and **coalesces**
-runs that are contiguous on both sides into one descriptor: with vLLM's block size of 16 a long
-prompt otherwise becomes tens of thousands of small RDMA ops.  It is vectorised with numpy
-because it runs on the writer thread for every batch.
+A layout is a set of registered memory regions and, per layer, one or more block arrays (for
+example vLLM's FlashAttention cache keeps K and V as two arrays per layer).  Block `b` of an array
+occupies `[offset + b * stride, + block_len)` of its region.  `kvflow.layout.plan` turns block ids
+into byte ranges.
 
 `fingerprint` / `check_compatible` let two peers compare the model-level shape of their caches
-and name the first field that differs, before any byte moves.
+and name the first field that differs, before any byte moves; `layout_to_wire` /
+`layout_from_wire` carry a layout through the handshake.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-import numpy.typing as npt
-
-from kvflow.errors import ConfigError, InvalidBatch, LayoutMismatch
+from kvflow.errors import ConfigError, LayoutMismatch
 
 __all__ = (
     "DTYPE_SIZES",
     "FINGERPRINT_FIELDS",
     "BlockArray",
-    "Descriptor",
-    "DescriptorPlan",
     "KVLayout",
     "KVSpec",
     "MemoryType",
@@ -41,7 +32,6 @@ __all__ = (
     "fingerprint",
     "layout_from_wire",
     "layout_to_wire",
-    "plan_transfer",
 )
 
 LAYOUT_FORMAT = 2
@@ -263,120 +253,6 @@ class KVLayout:
         """Smallest length region `region` may have for this layout."""
         ends = [a.offset + (self.num_blocks - 1) * a.stride + self.block_len for a in self.arrays if a.region == region]
         return max(ends, default=0)
-
-
-@dataclass(frozen=True, slots=True)
-class Descriptor:
-    local_region: int
-    local_offset: int
-    remote_region: int
-    remote_offset: int
-    length: int
-
-
-@dataclass(frozen=True)
-class DescriptorPlan:
-    """Byte ranges to move, one row per descriptor, as parallel int64 arrays."""
-
-    local_region: npt.NDArray[np.int64]
-    local_offset: npt.NDArray[np.int64]
-    remote_region: npt.NDArray[np.int64]
-    remote_offset: npt.NDArray[np.int64]
-    length: npt.NDArray[np.int64]
-    uncoalesced: int  # how many descriptors there were before coalescing
-
-    def __len__(self) -> int:
-        return int(self.length.shape[0])
-
-    @property
-    def total_bytes(self) -> int:
-        return int(self.length.sum())
-
-    def __iter__(self) -> Iterator[Descriptor]:
-        for row in zip(
-            self.local_region.tolist(),
-            self.local_offset.tolist(),
-            self.remote_region.tolist(),
-            self.remote_offset.tolist(),
-            self.length.tolist(),
-            strict=True,
-        ):
-            yield Descriptor(*row)
-
-
-def _as_block_ids(
-    blocks: Sequence[int] | npt.NDArray[np.integer[Any]], num_blocks: int, side: str
-) -> npt.NDArray[np.int64]:
-    ids = np.asarray(blocks, dtype=np.int64).reshape(-1)
-    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
-        raise InvalidBatch(f"{side} block id out of range 0..{num_blocks - 1}")
-    return ids
-
-
-def plan_transfer(
-    local: KVLayout,
-    remote: KVLayout,
-    local_blocks: Sequence[int] | npt.NDArray[np.integer[Any]],
-    remote_blocks: Sequence[int] | npt.NDArray[np.integer[Any]],
-    layers: tuple[int, int] | None = None,
-    *,
-    coalesce: bool = True,
-) -> DescriptorPlan:
-    """Descriptors that move local block ``local_blocks[i]`` to/from remote block
-    ``remote_blocks[i]`` in every array of every layer in ``range(*layers)`` (all layers when
-    None).  With `coalesce`, runs contiguous on both sides become one descriptor.
-
-    :raises InvalidBatch: the block lists differ in length, are empty, or name a block outside
-        its layout; or `layers` is outside the model.
-    :raises LayoutMismatch: the two layouts' block lengths or array counts differ.
-    """
-    if local.block_len != remote.block_len:
-        raise LayoutMismatch("block_len", local.block_len, remote.block_len)
-    if local.spec.arrays_per_layer != remote.spec.arrays_per_layer:
-        raise LayoutMismatch("arrays_per_layer", local.spec.arrays_per_layer, remote.spec.arrays_per_layer)
-    lids = _as_block_ids(local_blocks, local.num_blocks, "local")
-    rids = _as_block_ids(remote_blocks, remote.num_blocks, "remote")
-    if lids.size != rids.size or lids.size == 0:
-        raise InvalidBatch(f"need equal, non-empty block lists, got {lids.size} local and {rids.size} remote")
-    first, stop = layers if layers is not None else (0, local.spec.num_layers)
-    if not 0 <= first < stop <= min(local.spec.num_layers, remote.spec.num_layers):
-        raise InvalidBatch(f"layers {first}..{stop} outside the model's {local.spec.num_layers} layers")
-
-    pairs = [
-        (la, ra)
-        for layer in range(first, stop)
-        for la, ra in zip(local.layer_arrays(layer), remote.layer_arrays(layer), strict=True)
-    ]
-    n = lids.size
-    local_region = np.repeat(np.array([la.region for la, _ in pairs], dtype=np.int64), n)
-    remote_region = np.repeat(np.array([ra.region for _, ra in pairs], dtype=np.int64), n)
-    local_offset = np.concatenate([la.offset + lids * la.stride for la, _ in pairs])
-    remote_offset = np.concatenate([ra.offset + rids * ra.stride for _, ra in pairs])
-    length = np.full(local_offset.shape, local.block_len, dtype=np.int64)
-    uncoalesced = int(length.size)
-    if not coalesce or uncoalesced == 1:
-        return DescriptorPlan(local_region, local_offset, remote_region, remote_offset, length, uncoalesced)
-
-    order = np.lexsort((local_offset, local_region))
-    local_region, local_offset = local_region[order], local_offset[order]
-    remote_region, remote_offset = remote_region[order], remote_offset[order]
-    block = local.block_len
-    continues = (
-        (local_region[1:] == local_region[:-1])
-        & (remote_region[1:] == remote_region[:-1])
-        & (local_offset[1:] == local_offset[:-1] + block)
-        & (remote_offset[1:] == remote_offset[:-1] + block)
-    )
-    starts = np.concatenate(([0], np.flatnonzero(~continues) + 1))
-    merged_length = np.diff(np.concatenate((starts, [uncoalesced]))).astype(np.int64) * block
-    return DescriptorPlan(
-        local_region[starts],
-        local_offset[starts],
-        remote_region[starts],
-        remote_offset[starts],
-        merged_length,
-        uncoalesced,
-    )
 
 
 def layout_to_wire(layout: KVLayout) -> dict[str, Any]:

@@ -9,7 +9,7 @@ would put a round trip and D's block allocation back on the critical path.
 If either leg fails, the other is cancelled (closing its connection makes vLLM abort the request,
 and kvflow the transfer) and the client gets 502 naming the leg.
 
-    python examples/vllm_1p1d/router.py --prefill http://127.0.0.1:8100 --prefill-engine prefill-0 \\
+    python -m kvflow.integrations.vllm.router --prefill http://127.0.0.1:8100 --prefill-engine prefill-0 \\
         --prefill-kvflow tcp://127.0.0.1:5700 --decode http://127.0.0.1:8200 --decode-engine decode-0 \\
         --decode-kvflow tcp://127.0.0.1:5800
 """

@@ -9,7 +9,7 @@ yields a tuple of `Act`s: what the driver must do (send a message, submit a WRIT
 blocks, ...).  Nothing here does I/O or reads a clock.
 
 Rule 1: everything that decides *which* state follows *which* input lives in `TABLES`.  The core
-(`kvflow.core`) only refines raw events into inputs (is this the last outstanding op?  is this
+(`kvflow.protocol.core`) only refines raw events into inputs (is this the last outstanding op?  is this
 notification a duplicate?) and turns `Act`s into concrete actions with payloads.
 
 Rule 2: an input that the table does not list raises `InvalidTransition` and changes nothing.

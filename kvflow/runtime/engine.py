@@ -25,10 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kvflow.actions import Action, DeclarePeerLost, ReleaseBlocks, Resolve, SendMessage, SubmitOp
-from kvflow.association import Associations
-from kvflow.channel import ControlChannel
-from kvflow.core import CoreConfig, TransferCore
+from kvflow.control.channel import ControlChannel
 from kvflow.errors import (
     ConfigError,
     EngineClosed,
@@ -38,15 +35,18 @@ from kvflow.errors import (
     TransferTimeout,
 )
 from kvflow.layout import KVLayout, fingerprint, plan_transfer
-from kvflow.ledger import LedgerError
-from kvflow.messages import ControlMessage, TransferKey
-from kvflow.state import Mode, Outcome, Role
-from kvflow.transport import Transport
-from kvflow.writer import Submitter, WriterThread
+from kvflow.protocol.actions import Action, DeclarePeerLost, ReleaseBlocks, Resolve, SendMessage, SubmitOp
+from kvflow.protocol.core import CoreConfig, TransferCore
+from kvflow.protocol.ledger import LedgerError
+from kvflow.protocol.messages import ControlMessage, TransferKey
+from kvflow.protocol.state import Mode, Outcome, Role
+from kvflow.runtime.association import Associations
+from kvflow.runtime.writer import Submitter, WriterThread
+from kvflow.transports.base import Transport
 
 __all__ = ("Engine", "EngineConfig", "TransferHandle", "TransferResult")
 
-log = logging.getLogger("kvflow.engine")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,8 +10,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from kvflow.messages import Message, TransferKey
-from kvflow.state import Outcome, Role
+from kvflow.protocol.messages import Message, TransferKey
+from kvflow.protocol.state import Outcome, Role
 
 __all__ = (
     "Action",

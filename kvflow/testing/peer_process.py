@@ -2,7 +2,7 @@
 
 Why: the cross-process tests need real processes (so that SIGKILL is real) with real sockets and
 shared memory, and a driver that is plain text both ways.  Run as
-``python -m tests.peer_process --name P`` (see `--help`).  Commands, one JSON object per line:
+``python -m kvflow.testing.peer_process --name P`` (see `--help`).  Commands, one JSON object per line:
 
     {"cmd": "connect", "peer": "D", "address": "tcp://127.0.0.1:5555"}
     {"cmd": "expect", "tid": "r", "epoch": 1, "peer": "P", "blocks": [1, 2], "mode": "push", "ttl": 5}
@@ -30,17 +30,17 @@ from typing import Any
 
 import numpy as np
 
-import kvflow.wire
-from kvflow.actions import ReleaseBlocks
-from kvflow.aio import run
-from kvflow.buffers import region_of
-from kvflow.control import ZmqControl
-from kvflow.core import CoreConfig
-from kvflow.engine import Engine, EngineConfig
+import kvflow.control.wire
+from kvflow.control.zeromq import ZmqControl
 from kvflow.errors import KVFlowError
 from kvflow.layout import KVLayout, KVSpec
-from kvflow.state import Mode
-from kvflow.transport import Transport
+from kvflow.layout.buffers import region_of
+from kvflow.protocol.actions import ReleaseBlocks
+from kvflow.protocol.core import CoreConfig
+from kvflow.protocol.state import Mode
+from kvflow.runtime.engine import Engine, EngineConfig
+from kvflow.runtime.loop import run
+from kvflow.transports.base import Transport
 from kvflow.transports.nixl import NixlTransport
 from kvflow.transports.shm import ShmTransport
 
@@ -173,12 +173,12 @@ if __name__ == "__main__":
     parser.add_argument("--ttl", type=float, default=10.0)
     parser.add_argument("--lease", type=float, default=30.0)
     parser.add_argument("--fence", type=float, default=2.0)
-    parser.add_argument("--wire-version", type=int, default=kvflow.wire.VERSION)
+    parser.add_argument("--wire-version", type=int, default=kvflow.control.wire.VERSION)
     parser.add_argument("--dtype", default="float16")
     parser.add_argument("--transport", choices=["shm", "nixl"], default="shm")
     parser.add_argument("--nixl-mode", choices=["direct", "prepped"], default="direct")
     parser.add_argument("--grace", type=float, default=1.0, help="unfenced grace after a teardown (NIXL)")
     arguments = parser.parse_args()
-    kvflow.wire.VERSION = arguments.wire_version  # lets a test play a peer of another version
+    kvflow.control.wire.VERSION = arguments.wire_version  # lets a test play a peer of another version
     with contextlib.suppress(SystemExit):  # the "close" command ends the process
         run(Peer(arguments).main())

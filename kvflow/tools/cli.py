@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     os.environ.setdefault("NIXL_LOG_LEVEL", "ERROR")
     if args.command == "doctor":
-        from kvflow.doctor import diagnose, render
+        from kvflow.tools.doctor import diagnose, render
 
         sys.stdout.write(render(diagnose()) + "\n")
         return 0
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
 
         options = {k: v for k, v in vars(args).items() if k not in ("command", "target")}
         return bench_vllm(options)
-    from kvflow.bench_nixl import main as bench_main
+    from kvflow.tools.bench_nixl import main as bench_main
 
     bench_main(quick=args.quick, json_path=args.json, repeats=args.repeats)
     return 0

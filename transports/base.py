@@ -1,9 +1,8 @@
-"""The data-plane contract every transport meets, and the registry that loads them by name.
+"""The data-plane contract every transport meets.
 
 Why a Protocol: transports (loopback, NIXL over UCX or LIBFABRIC, ...) share no code, only a
-contract, and mypy checks it structurally.  The engine never imports a backend library; it asks
-`load_transport(name)`, which imports the backend lazily and, when its library is missing,
-raises `TransportUnavailable` with the command that installs it (anyio's backend loading).
+contract, and mypy checks it structurally.  The engine never imports a backend library; it gets
+a transport object from its embedder, who may look one up by name in `kvflow.transports.registry`.
 
 The contract, which the engine's safety depends on:
 
@@ -20,26 +19,21 @@ The contract, which the engine's safety depends on:
 
 from __future__ import annotations
 
-import importlib
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from importlib import metadata
-from typing import Any, Protocol, TypeVar, cast, runtime_checkable
+from typing import Protocol, TypeVar, runtime_checkable
 
-from kvflow.actions import OpKind
-from kvflow.errors import TransportError, TransportUnavailable, UnknownTransport
+from kvflow.errors import TransportError
 from kvflow.layout import DescriptorPlan, MemoryType, Region
+from kvflow.protocol.actions import OpKind
 
 __all__ = (
-    "BUILTIN_TRANSPORTS",
     "Completion",
     "Notification",
     "Transport",
     "TransportCapabilities",
-    "available_transports",
     "drain",
-    "load_transport",
     "region_address",
 )
 
@@ -139,65 +133,3 @@ def region_address(regions: Sequence[Region], index: int, offset: int, length: i
     if offset < 0 or length <= 0 or offset + length > region.length:
         raise TransportError(f"{side} range {offset}+{length} lies outside region {index} ({region.length} bytes)")
     return region.base + offset
-
-
-@dataclass(frozen=True, slots=True)
-class _Entry:
-    module: str
-    attribute: str
-    requires: tuple[str, ...]
-    install_hint: str
-
-
-BUILTIN_TRANSPORTS: dict[str, _Entry] = {
-    "loopback": _Entry("kvflow.transports.loopback", "LoopbackTransport", ("numpy",), "pip install kvflow"),
-    "shm": _Entry("kvflow.transports.shm", "ShmTransport", ("numpy", "msgpack"), "pip install kvflow"),
-    "nixl": _Entry("kvflow.transports.nixl", "NixlTransport", ("nixl",), "pip install 'kvflow[nixl]'"),
-}
-
-_loaded: dict[str, Callable[..., Any]] = {}
-
-
-def available_transports() -> list[str]:
-    """Names `load_transport` knows: built-ins plus the `kvflow.transports` entry-point group."""
-    names = set(BUILTIN_TRANSPORTS)
-    names.update(ep.name for ep in metadata.entry_points(group="kvflow.transports"))
-    return sorted(names)
-
-
-def load_transport(name: str) -> Callable[..., Any]:
-    """The transport class (or factory) registered under `name`, imported on first use.
-
-    :raises UnknownTransport: no transport has that name; the message lists those that exist.
-    :raises TransportUnavailable: its library is not installed; the message says how to get it.
-    """
-    if name in _loaded:
-        return _loaded[name]
-    entry = BUILTIN_TRANSPORTS.get(name)
-    if entry is not None:
-        try:
-            module = importlib.import_module(entry.module)
-        except ModuleNotFoundError as exc:
-            missing = exc.name or "?"
-            if missing == "kvflow" or missing.startswith("kvflow."):
-                raise
-            raise TransportUnavailable(
-                f"transport {name!r} needs the {missing!r} package, which is not installed; "
-                f"install it with: {entry.install_hint}"
-            ) from exc
-        require = getattr(module, "require", None)
-        if callable(require):
-            require()  # a backend whose library loads lazily says here if it is missing
-        factory = cast(Callable[..., Any], getattr(module, entry.attribute))
-    else:
-        points = [ep for ep in metadata.entry_points(group="kvflow.transports") if ep.name == name]
-        if not points:
-            raise UnknownTransport(f"no transport named {name!r}; known: {', '.join(available_transports())}")
-        try:
-            factory = points[0].load()
-        except ModuleNotFoundError as exc:
-            raise TransportUnavailable(
-                f"transport {name!r} from {points[0].value} cannot be imported: the {exc.name!r} package is missing"
-            ) from exc
-    _loaded[name] = factory
-    return factory

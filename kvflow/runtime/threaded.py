@@ -15,12 +15,12 @@ import threading
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
-from kvflow.actions import ReleaseBlocks
-from kvflow.aio import new_event_loop
-from kvflow.engine import Engine, TransferResult
 from kvflow.errors import EngineClosed, TransferTimeout
-from kvflow.state import Mode, Role
-from kvflow.transport import drain
+from kvflow.protocol.actions import ReleaseBlocks
+from kvflow.protocol.state import Mode, Role
+from kvflow.runtime.engine import Engine, TransferResult
+from kvflow.runtime.loop import new_event_loop
+from kvflow.transports.base import drain
 
 __all__ = ("EngineThread",)
 

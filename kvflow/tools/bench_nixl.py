@@ -29,9 +29,9 @@ from typing import Any
 
 import numpy as np
 
-from kvflow.actions import OpKind
-from kvflow.buffers import region_of
 from kvflow.layout import DescriptorPlan, KVLayout, KVSpec, plan_transfer
+from kvflow.layout.buffers import region_of
+from kvflow.protocol.actions import OpKind
 from kvflow.transports.nixl import NixlTransport, load_nixl
 
 __all__ = ("Row", "main", "run")

@@ -12,12 +12,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvflow.buffers import region_of
-from kvflow.channel import LocalControlHub
-from kvflow.engine import Engine, EngineConfig
+from kvflow.control.channel import LocalControlHub
 from kvflow.layout import KVLayout, KVSpec
+from kvflow.layout.buffers import region_of
+from kvflow.runtime.engine import Engine, EngineConfig
+from kvflow.runtime.writer import Submitter
 from kvflow.transports.loopback import LoopbackFabric
-from kvflow.writer import Submitter
 
 __all__ = ("SMALL_SPEC", "EnginePair", "KVBuffers", "ManualClock", "same_kv")
 

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from kvflow.errors import ConfigError
-from kvflow.layout import MemoryType, Region
+from kvflow.layout.spec import MemoryType, Region
 
 __all__ = ("region_of",)
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from kvflow.errors import KVFlowError, LayoutMismatch, PeerProtocolError, TransferTimeout
 from kvflow.layout import KVLayout, check_compatible, layout_from_wire, layout_to_wire
-from kvflow.messages import (
+from kvflow.protocol.messages import (
     ControlMessage,
     Done,
     Goodbye,
@@ -34,11 +34,11 @@ from kvflow.messages import (
 )
 
 if TYPE_CHECKING:
-    from kvflow.engine import Engine
+    from kvflow.runtime.engine import Engine
 
 __all__ = ("Associations", "Liveness")
 
-log = logging.getLogger("kvflow.engine")
+log = logging.getLogger(__name__)
 
 
 class Liveness:

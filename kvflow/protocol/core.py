@@ -9,7 +9,7 @@ and reads no clock.  It is driven by three kinds of sources, as in aioquic:
    `op_finished`, `peer_connected`, `peer_lost`),
 3. time: `timer(now)` when `next_deadline()` has passed.
 
-Each call takes `now` and returns a list of actions (`kvflow.actions`).  Local misuse raises a
+Each call takes `now` and returns a list of actions (`kvflow.protocol.actions`).  Local misuse raises a
 `KVFlowError` and changes nothing.  Whatever a peer sends never raises: an unexpected message is
 counted in `stats` and ignored, because a peer's bug must not crash this engine.
 """
@@ -20,17 +20,17 @@ import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
-from kvflow.actions import Action, DeclarePeerLost, OpKind, ReleaseBlocks, Resolve, SendMessage, SubmitOp
 from kvflow.errors import (
     ConfigError,
     InvalidBatch,
     StaleEpoch,
     UnknownTransfer,
 )
-from kvflow.inbox import PeerInbox
-from kvflow.ledger import BlockLedger
-from kvflow.machine import Machine, check_block_ids, next_batch
-from kvflow.messages import (
+from kvflow.protocol.actions import Action, DeclarePeerLost, OpKind, ReleaseBlocks, Resolve, SendMessage, SubmitOp
+from kvflow.protocol.inbox import PeerInbox
+from kvflow.protocol.ledger import BlockLedger
+from kvflow.protocol.machine import Machine, check_block_ids, next_batch
+from kvflow.protocol.messages import (
     Done,
     Message,
     Notice,
@@ -40,7 +40,7 @@ from kvflow.messages import (
     TransferKey,
     encode_notification,
 )
-from kvflow.state import (
+from kvflow.protocol.state import (
     ACTIVE,
     FENCING,
     TERMINAL,

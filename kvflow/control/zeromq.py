@@ -6,8 +6,8 @@ opens one DEALER per peer, whose identity is the engine id.  A frame is
 ``[envelope, mac]``; the ROUTER adds the sender's identity in front.  This is the only module
 that imports zmq.
 
-Every frame is checked before any message object exists: size, HMAC (`kvflow.auth`), the strict
-codec (`kvflow.wire`), receiver and identity, and the replay guard.  A frame that fails any
+Every frame is checked before any message object exists: size, HMAC (`kvflow.control.auth`), the strict
+codec (`kvflow.control.wire`), receiver and identity, and the replay guard.  A frame that fails any
 check is dropped and counted by reason, and logged once per peer and reason, not once per
 frame.  Without a secret the channel refuses to bind or connect anywhere but loopback, and
 says in a warning that frames are not authenticated.
@@ -27,15 +27,15 @@ from urllib.parse import urlsplit
 import zmq
 import zmq.asyncio
 
-from kvflow.auth import MAC_BYTES, ReplayGuard, Secret, secret_from_env
-from kvflow.channel import MessageHandler, new_incarnation
+from kvflow.control.auth import MAC_BYTES, ReplayGuard, Secret, secret_from_env
+from kvflow.control.channel import MessageHandler, new_incarnation
+from kvflow.control.wire import MAX_FRAME_BYTES, Envelope, UnsupportedVersion, decode, encode
 from kvflow.errors import ConfigError, EngineClosed, PeerProtocolError, PeerUnknown
-from kvflow.messages import ControlMessage, Hello, Reject
-from kvflow.wire import MAX_FRAME_BYTES, Envelope, UnsupportedVersion, decode, encode
+from kvflow.protocol.messages import ControlMessage, Hello, Reject
 
 __all__ = ("ENV_SECRET", "ZmqControl", "is_loopback")
 
-log = logging.getLogger("kvflow.control")
+log = logging.getLogger(__name__)
 
 ENV_SECRET: Any = object()  # "read the secret from the environment"
 SOCKET_LIMIT = 4 * MAX_FRAME_BYTES  # ZeroMQ drops a connection sending more; we count up to it

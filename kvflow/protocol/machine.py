@@ -12,8 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvflow.errors import InvalidBatch
-from kvflow.messages import TransferKey
-from kvflow.state import Mode, Outcome, Role, State, initial_state
+from kvflow.protocol.messages import TransferKey
+from kvflow.protocol.state import Mode, Outcome, Role, State, initial_state
 
 __all__ = ("Batch", "Machine", "check_block_ids", "next_batch")
 

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from kvflow.errors import EngineClosed, PeerUnknown
-from kvflow.messages import ControlMessage
+from kvflow.protocol.messages import ControlMessage
 
 __all__ = ("ControlChannel", "LocalControl", "LocalControlHub", "MessageHandler", "new_incarnation")
 

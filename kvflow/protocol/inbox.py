@@ -11,14 +11,23 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvflow.actions import Action, SendMessage
 from kvflow.errors import InvalidBatch, InvalidTransition, PeerProtocolError
-from kvflow.machine import Machine, check_block_ids, next_batch
-from kvflow.messages import Done, Message, Notice, Quiesced, Ready, Registration, TransferKey, decode_notification
-from kvflow.state import TERMINAL, Input, Mode, Outcome, Role, transition
+from kvflow.protocol.actions import Action, SendMessage
+from kvflow.protocol.machine import Machine, check_block_ids, next_batch
+from kvflow.protocol.messages import (
+    Done,
+    Message,
+    Notice,
+    Quiesced,
+    Ready,
+    Registration,
+    TransferKey,
+    decode_notification,
+)
+from kvflow.protocol.state import TERMINAL, Input, Mode, Outcome, Role, transition
 
 if TYPE_CHECKING:
-    from kvflow.core import TransferCore
+    from kvflow.protocol.core import TransferCore
 
 __all__ = ("PeerInbox",)
 

@@ -14,7 +14,7 @@ An envelope is one msgpack array:
 `seq` increases with every frame it sends, so a receiver can refuse replays.  The first two
 fields and the REJECT body never change across versions, so a peer speaking another version
 can still be told why it is refused.  Authentication (an HMAC over the envelope bytes) is the
-channel's job (`kvflow.auth`).
+channel's job (`kvflow.control.auth`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import msgpack
 
 from kvflow.errors import ConfigError, PeerProtocolError
 from kvflow.layout import layout_from_wire
-from kvflow.messages import (
+from kvflow.protocol.messages import (
     ControlMessage,
     Done,
     Goodbye,

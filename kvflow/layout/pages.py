@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvflow.errors import ConfigError
-from kvflow.layout import BlockArray
+from kvflow.layout.spec import BlockArray
 
 __all__ = ("PageRuns", "StridedPages", "page_runs")
 

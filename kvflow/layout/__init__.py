@@ -1,0 +1,44 @@
+"""KV-cache layouts: the pure mapping from logical block ids to registered byte ranges.
+
+`spec` describes a cache (`KVSpec`, `KVLayout`, the fingerprint two peers compare), `plan` turns
+block ids into coalesced descriptors, `pages` reads strided pages from a view's strides, and
+`buffers` turns numpy arrays and torch tensors into `Region`s.  No I/O, no clock.
+"""
+
+from __future__ import annotations
+
+from kvflow.layout.buffers import region_of
+from kvflow.layout.plan import Descriptor, DescriptorPlan, plan_transfer
+from kvflow.layout.spec import (
+    DTYPE_SIZES,
+    FINGERPRINT_FIELDS,
+    MAX_SPEC_TEXT,
+    BlockArray,
+    KVLayout,
+    KVSpec,
+    MemoryType,
+    Region,
+    check_compatible,
+    fingerprint,
+    layout_from_wire,
+    layout_to_wire,
+)
+
+__all__ = (
+    "DTYPE_SIZES",
+    "FINGERPRINT_FIELDS",
+    "MAX_SPEC_TEXT",
+    "BlockArray",
+    "Descriptor",
+    "DescriptorPlan",
+    "KVLayout",
+    "KVSpec",
+    "MemoryType",
+    "Region",
+    "check_compatible",
+    "fingerprint",
+    "layout_from_wire",
+    "layout_to_wire",
+    "plan_transfer",
+    "region_of",
+)

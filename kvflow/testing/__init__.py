@@ -1,0 +1,12 @@
+"""Helpers for tests and simulations, public so embedders can test their own integration.
+
+`EnginePair` joins a P and a D engine over loopback with real KV buffers, `ManualClock` drives
+time by hand, and `peer_process` runs one engine in a child process driven by JSON lines (used by
+the cross-process tests and usable from any language).
+"""
+
+from __future__ import annotations
+
+from kvflow.testing.pair import SMALL_SPEC, EnginePair, KVBuffers, ManualClock, same_kv
+
+__all__ = ("SMALL_SPEC", "EnginePair", "KVBuffers", "ManualClock", "same_kv")

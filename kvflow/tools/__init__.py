@@ -1,0 +1,1 @@
+"""Command-line tools: `kvflow` (cli), the environment check (doctor) and the NIXL benchmark."""
