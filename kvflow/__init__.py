@@ -7,6 +7,8 @@ control channel.  See README.md for the design and the figures.
 
 from __future__ import annotations
 
+from kvflow.control.channel import ControlChannel, LocalControlHub
+from kvflow.control.zeromq import ZmqControl
 from kvflow.errors import (
     BlockConflict,
     ConfigError,
@@ -26,23 +28,35 @@ from kvflow.errors import (
     UnknownTransfer,
     UnknownTransport,
 )
-from kvflow.layout import KVLayout, KVSpec, MemoryType, Region
+from kvflow.layout import KVLayout, KVSpec, MemoryType, Region, region_of
+from kvflow.protocol.core import CoreConfig
 from kvflow.protocol.messages import TransferKey
 from kvflow.protocol.state import Mode, Outcome, Role, State
+from kvflow.runtime.engine import Engine, EngineConfig, TransferHandle, TransferResult
+from kvflow.runtime.loop import new_event_loop, run
+from kvflow.runtime.threaded import EngineThread
+from kvflow.transports.base import Transport
+from kvflow.transports.registry import available_transports, load_transport
 
 __version__ = "0.1.0"
 
 __all__ = (
     "BlockConflict",
     "ConfigError",
+    "ControlChannel",
+    "CoreConfig",
+    "Engine",
     "EngineClosed",
+    "EngineConfig",
     "EngineCrashed",
+    "EngineThread",
     "InvalidBatch",
     "InvalidTransition",
     "KVFlowError",
     "KVLayout",
     "KVSpec",
     "LayoutMismatch",
+    "LocalControlHub",
     "MemoryType",
     "Mode",
     "Outcome",
@@ -53,11 +67,20 @@ __all__ = (
     "StaleEpoch",
     "State",
     "TransferFailed",
+    "TransferHandle",
     "TransferKey",
+    "TransferResult",
     "TransferTimeout",
+    "Transport",
     "TransportError",
     "TransportUnavailable",
     "UnknownTransfer",
     "UnknownTransport",
+    "ZmqControl",
     "__version__",
+    "available_transports",
+    "load_transport",
+    "new_event_loop",
+    "region_of",
+    "run",
 )
