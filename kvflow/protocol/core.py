@@ -51,8 +51,8 @@ from kvflow.protocol.state import (
     Role,
     State,
     initial_state,
-    is_initiator,
     outcome_of,
+    state_triggered,
     transition,
 )
 
@@ -387,7 +387,7 @@ class TransferCore:
     def _create(
         self, key: TransferKey, role: Role, mode: Mode, peer: str | None, deadline: float, now: float
     ) -> Machine:
-        m = Machine(key, role, mode, peer, deadline, now)
+        m = Machine(key, role, mode, peer, deadline)
         self._machines[m.owner] = m
         self._epochs.setdefault((key.transfer_id, role), set()).add(key.epoch)
         self.ledger.open(m.owner, exclusive=role is _DECODE)
@@ -453,8 +453,9 @@ class TransferCore:
             self._act(m, act, now, reason, returned, actions)
         if step.target is not old or input_ is Input.DEADLINE:
             self._retime(m, old, input_, now)
-        if step.target in FENCING and old not in FENCING and is_initiator(m.mode, m.role) and not m.inflight:
-            actions += self._feed(m, Input.OPS_DRAINED, now)
+        triggered = state_triggered(m.mode, m.role, m.state, m.holds)
+        if triggered is not None:
+            actions += self._feed(m, triggered, now)  # which looks again: until no hop applies
         return actions
 
     def _retime(self, m: Machine, old: State, input_: Input, now: float) -> None:

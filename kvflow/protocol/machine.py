@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import assert_never
 
 from kvflow.errors import InvalidBatch
 from kvflow.protocol.messages import TransferKey
-from kvflow.protocol.state import Mode, Outcome, Role, State, initial_state
+from kvflow.protocol.state import Condition, Mode, Outcome, Role, State, initial_state
 
 __all__ = ("Batch", "Machine", "check_block_ids", "next_batch")
 
@@ -85,7 +86,6 @@ class Machine:
     mode: Mode
     peer: str | None
     deadline: float  # the transfer's own deadline
-    created_at: float
     state: State = field(init=False)
     # decode side: own destination blocks and how many WRITE notifications complete them
     block_ids: tuple[int, ...] = ()
@@ -114,9 +114,11 @@ class Machine:
         """The ledger key of this machine's blocks."""
         return (self.key, self.role)
 
-    def source_positions(self) -> int:
-        """How many block positions P's batches cover (max stop), 0 without batches."""
-        return max((b.stop for b in self.batches), default=0)
+    def holds(self, condition: Condition) -> bool:
+        """Whether `condition` of a state-triggered hop is true of this machine now."""
+        if condition is Condition.NOTHING_IN_FLIGHT:
+            return not self.inflight
+        assert_never(condition)
 
     def push_mismatch(self, num_layers: int, extra: Batch | None = None, *, final: bool = False) -> str | None:
         """Why P's batches cannot fill D's registration, or None if they can (so far).
