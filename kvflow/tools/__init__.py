@@ -1,1 +1,2 @@
-"""Command-line tools: `kvflow` (cli), the environment check (doctor) and the NIXL benchmark."""
+"""Command-line tools: `kvflow` (cli), the environment check (doctor), the NIXL benchmark and
+the state diagrams drawn from the transition tables (diagrams)."""

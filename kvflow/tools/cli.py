@@ -1,4 +1,4 @@
-"""The `kvflow` command: `kvflow doctor`, `kvflow bench nixl`, `kvflow bench vllm`.
+"""The `kvflow` command: `kvflow doctor`, `kvflow bench nixl`, `kvflow bench vllm`, `kvflow diagrams`.
 
 Why one entry point: operators ask "does NIXL work here, with which backends and memory?" and
 "how fast is it here?" before anything else; both answers are one command away.
@@ -18,6 +18,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvflow", description="kvflow KV-cache transfer engine")
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("doctor", help="which NIXL backends and memory types work on this machine")
+    diagrams = commands.add_parser("diagrams", help="draw the transfer state diagrams from the transition tables")
+    diagrams.add_argument("--check", action="store_true", help="fail if docs/state-diagrams.md is out of date")
     bench = commands.add_parser("bench", help="benchmarks")
     targets = bench.add_subparsers(dest="target", required=True)
     nixl = targets.add_parser("nixl", help="NIXL WRITE bandwidth and latency: raw agent, kvflow, memcpy")
@@ -49,6 +51,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     vllm.add_argument("--json", default=None, help="also write every sample to this JSON file")
     args = parser.parse_args(argv)
+    if args.command == "diagrams":
+        from kvflow.tools.diagrams import main as diagrams_main
+
+        return diagrams_main(["--check"] if args.check else [])
     os.environ.setdefault("NIXL_LOG_LEVEL", "ERROR")
     if args.command == "doctor":
         from kvflow.tools.doctor import diagnose, render

@@ -1,0 +1,131 @@
+"""State diagrams drawn from the transition tables: ``python -m kvflow.tools.diagrams [--check]``.
+
+Why generated: the tables in `kvflow.protocol.state` are the protocol's documentation, but a few
+hundred rows are hard to see whole.  This draws one Mermaid ``stateDiagram-v2`` per mode and
+role from the same data the core runs on, so the picture cannot drift from the code; a test
+regenerates it and fails when the committed file is out of date (``--check`` does the same).
+
+What is drawn: every row that changes state or does something; rows with the same source,
+target and acts share one edge, labelled ``INPUTS / ACTS``.  A row the core feeds by itself
+(`STATE_TRIGGERED`) gets its own edge, marked with its condition.  ``[*]`` marks the initial
+state and, as a target, the terminal ones.  Rows that only swallow an input (no acts, or only
+IGNORE) are listed under each diagram instead of drawn as loops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+from kvflow.protocol.state import (
+    STATE_TRIGGERED,
+    TABLES,
+    TERMINAL,
+    Act,
+    Input,
+    Mode,
+    Role,
+    State,
+    initial_state,
+    is_initiator,
+)
+
+__all__ = ("DEFAULT_OUTPUT", "main", "render")
+
+DEFAULT_OUTPUT = Path(__file__).resolve().parents[2] / "docs" / "state-diagrams.md"
+REGENERATE = "python -m kvflow.tools.diagrams"
+_SIDES = [(mode, role) for mode in Mode for role in Role]
+_STATE_ORDER = {state: index for index, state in enumerate(State)}
+_INPUT_ORDER = {input_: index for index, input_ in enumerate(Input)}
+
+_HEADER = f"""\
+# Transfer state diagrams
+
+Generated from the transition tables in `kvflow/protocol/state.py` by `{REGENERATE}`;
+do not edit by hand (a test fails when this file is out of date).
+
+How to read them:
+
+- an edge is labelled `INPUTS / ACTS`: any of the inputs moves the machine along it, and the
+  machine then does the acts in order;
+- an edge marked `(state-triggered if CONDITION)` is taken without an outside event: the core
+  feeds that input itself as soon as the machine is in the state and the condition holds;
+- `[*] -->` marks the state a machine starts in, `--> [*]` the terminal states;
+- inputs a state swallows without doing anything (late, repeated or stray ones) are listed
+  under each diagram rather than drawn.
+"""
+
+
+def render() -> str:
+    """The whole Markdown document, the same text for the same tables."""
+    parts = [_HEADER]
+    for mode, role in _SIDES:
+        parts.append(_render_side(mode, role))
+    return "\n".join(parts)
+
+
+def _render_side(mode: Mode, role: Role) -> str:
+    table, triggers = TABLES[(mode, role)], STATE_TRIGGERED[(mode, role)]
+    triggered = {(state, input_): condition for (state, condition), input_ in triggers.items()}
+    edges: dict[tuple[State, State, tuple[Act, ...], str], list[Input]] = defaultdict(list)
+    swallowed: dict[State, list[Input]] = defaultdict(list)
+    for (source, input_), (target, acts) in table.items():
+        condition = triggered.get((source, input_))
+        if condition is None and target is source and acts in ((), (Act.IGNORE,)):
+            swallowed[source].append(input_)
+            continue
+        mark = f" (state-triggered if {condition.name})" if condition is not None else ""
+        edges[(source, target, acts, mark)].append(input_)
+    side = "initiator" if is_initiator(mode, role) else "target"
+    lines = [
+        f"## {mode.value} mode, {role.value} side ({side})",
+        "",
+        "```mermaid",
+        "stateDiagram-v2",
+        f"    [*] --> {initial_state(role).name}",
+    ]
+    for source, target, acts, mark in sorted(edges, key=_edge_order):
+        inputs = ", ".join(i.name for i in sorted(edges[(source, target, acts, mark)], key=_INPUT_ORDER.__getitem__))
+        label = inputs + (" / " + ", ".join(a.name for a in acts) if acts else "") + mark
+        lines.append(f"    {source.name} --> {target.name} : {label}")
+    states = {state for state, _ in table} | {step.target for step in table.values()}
+    for state in sorted(states & TERMINAL, key=_STATE_ORDER.__getitem__):
+        lines.append(f"    {state.name} --> [*]")
+    lines += ["```", "", "Swallowed without effect:", ""]
+    for state in sorted(swallowed, key=_STATE_ORDER.__getitem__):
+        inputs = ", ".join(i.name for i in sorted(swallowed[state], key=_INPUT_ORDER.__getitem__))
+        lines.append(f"- {state.name}: {inputs}")
+    lines.append("")
+    return "\n".join(lines)
+
+
+def _edge_order(edge: tuple[State, State, tuple[Act, ...], str]) -> tuple[int, int, list[str], str]:
+    source, target, acts, mark = edge
+    return _STATE_ORDER[source], _STATE_ORDER[target], [a.name for a in acts], mark
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Write the diagrams (exit 0), or with ``--check`` compare them (exit 1 when stale).
+
+    :raises OSError: the output file cannot be read or written.
+    """
+    parser = argparse.ArgumentParser(prog="kvflow diagrams", description="state diagrams from the tables")
+    parser.add_argument("--check", action="store_true", help="fail if the file is out of date, write nothing")
+    parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help="default: docs/state-diagrams.md")
+    args = parser.parse_args(argv)
+    text = render()
+    output: Path = args.output
+    if args.check:
+        if not output.exists() or output.read_text(encoding="utf-8") != text:
+            sys.stderr.write(f"{output} is out of date with the transition tables; run: {REGENERATE}\n")
+            return 1
+        return 0
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(text, encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,43 @@
+"""The committed state diagrams are the ones the transition tables draw today."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvflow.protocol.state import STATE_TRIGGERED, TABLES, Input, Mode, Role, State
+from kvflow.tools.cli import main as cli_main
+from kvflow.tools.diagrams import DEFAULT_OUTPUT, REGENERATE, main, render
+
+
+def test_committed_diagrams_are_up_to_date() -> None:
+    committed = DEFAULT_OUTPUT.read_text(encoding="utf-8") if DEFAULT_OUTPUT.exists() else ""
+    assert committed == render(), f"docs/state-diagrams.md is out of date with the tables; run: {REGENERATE}"
+
+
+def test_check_fails_on_a_stale_file_and_write_fixes_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    output = tmp_path / "diagrams.md"
+    output.write_text("stale\n", encoding="utf-8")
+    assert main(["--check", "--output", str(output)]) == 1
+    assert REGENERATE in capsys.readouterr().err
+    assert main(["--output", str(output)]) == 0
+    assert main(["--check", "--output", str(output)]) == 0
+    assert cli_main(["diagrams", "--check"]) == 0  # the committed file, through `kvflow diagrams`
+
+
+def test_a_changed_row_changes_the_drawing(monkeypatch: pytest.MonkeyPatch) -> None:
+    before = render()
+    assert (
+        "ABORTING --> ABORTED : OPS_DRAINED / RELEASE, SEND_QUIESCED (state-triggered if NOTHING_IN_FLIGHT)" in before
+    )
+    assert "    DONE --> [*]" in before and "    [*] --> ALLOCATED" in before
+    push_prefill = (Mode.PUSH, Role.PREFILL)
+    for row in list(STATE_TRIGGERED[push_prefill]):
+        monkeypatch.delitem(STATE_TRIGGERED[push_prefill], row)
+    monkeypatch.setitem(
+        TABLES[push_prefill], (State.WRITING, Input.ABORT), TABLES[push_prefill][(State.WRITING, Input.DEADLINE)]
+    )
+    after = render()
+    assert after != before and after.count("state-triggered") == before.count("state-triggered") - 3
+    assert "WRITING --> EXPIRING : ABORT, DEADLINE / RESOLVE, SEND_ABORT" in after
