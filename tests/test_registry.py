@@ -25,7 +25,7 @@ def test_unknown_name_lists_what_exists() -> None:
 def test_missing_library_gives_an_install_hint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "kvflow_fake_backend.py").write_text("import absent_library_xyz\nFake = object\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    entry = registry._Entry("kvflow_fake_backend", "Fake", ("absent_library_xyz",), "pip install kvflow[fake]")
+    entry = registry._Entry("kvflow_fake_backend", "Fake", "pip install kvflow[fake]")
     monkeypatch.setitem(registry.BUILTIN_TRANSPORTS, "fake", entry)
     with pytest.raises(TransportUnavailable, match=r"'absent_library_xyz'.*pip install kvflow\[fake\]"):
         registry.load_transport("fake")

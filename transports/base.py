@@ -42,7 +42,6 @@ __all__ = (
 class TransportCapabilities:
     name: str
     memory_types: frozenset[MemoryType]
-    cross_process: bool  # can reach peers in other processes
     backends: tuple[str, ...] = ()
     # remove_peer also stops the *peer's* one-sided ops into local memory (loopback, shm: yes;
     # RDMA: no, a registration stays writable); without it the engine waits a grace period

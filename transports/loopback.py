@@ -85,7 +85,6 @@ class LoopbackFabric:
     def __init__(self, link: LinkModel | None = None, faults: FaultPlan | None = None, *, manual: bool = False):
         self.link = link or LinkModel()
         self.faults = faults or FaultPlan()
-        self.manual = manual
         self._rng = random.Random(self.faults.seed)
         self._endpoints: dict[str, LoopbackTransport] = {}
         self._dead: set[str] = set()
@@ -273,7 +272,7 @@ class LoopbackTransport:
 
     @property
     def capabilities(self) -> TransportCapabilities:
-        return TransportCapabilities("loopback", frozenset({MemoryType.DRAM}), cross_process=False)
+        return TransportCapabilities("loopback", frozenset({MemoryType.DRAM}))
 
     def register_regions(self, regions: Sequence[Region]) -> None:
         self._alive()

@@ -247,9 +247,7 @@ class NixlTransport:
 
     @property
     def capabilities(self) -> TransportCapabilities:
-        return TransportCapabilities(
-            "nixl", self._mem_types, cross_process=True, backends=tuple(self._backends), fences_inbound=False
-        )
+        return TransportCapabilities("nixl", self._mem_types, backends=tuple(self._backends), fences_inbound=False)
 
     def register_regions(self, regions: Sequence[Region]) -> None:
         def register() -> None:

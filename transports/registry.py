@@ -23,14 +23,13 @@ __all__ = ("BUILTIN_TRANSPORTS", "available_transports", "load_transport")
 class _Entry:
     module: str
     attribute: str
-    requires: tuple[str, ...]
     install_hint: str
 
 
 BUILTIN_TRANSPORTS: dict[str, _Entry] = {
-    "loopback": _Entry("kvflow.transports.loopback", "LoopbackTransport", ("numpy",), "pip install kvflow"),
-    "shm": _Entry("kvflow.transports.shm", "ShmTransport", ("numpy", "msgpack"), "pip install kvflow"),
-    "nixl": _Entry("kvflow.transports.nixl", "NixlTransport", ("nixl",), "pip install 'kvflow[nixl]'"),
+    "loopback": _Entry("kvflow.transports.loopback", "LoopbackTransport", "pip install kvflow"),
+    "shm": _Entry("kvflow.transports.shm", "ShmTransport", "pip install kvflow"),
+    "nixl": _Entry("kvflow.transports.nixl", "NixlTransport", "pip install 'kvflow[nixl]'"),
 }
 
 _loaded: dict[str, Callable[..., Any]] = {}

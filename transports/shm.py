@@ -144,7 +144,7 @@ class ShmTransport:
 
     @property
     def capabilities(self) -> TransportCapabilities:
-        return TransportCapabilities("shm", frozenset({MemoryType.DRAM}), cross_process=True)
+        return TransportCapabilities("shm", frozenset({MemoryType.DRAM}))
 
     def register_regions(self, regions: Sequence[Region]) -> None:
         for region in regions:

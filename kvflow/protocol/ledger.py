@@ -39,7 +39,6 @@ class BlockLedger:
     def __init__(self) -> None:
         self._holds: dict[Hashable, _Hold] = {}
         self._exclusive_owner: dict[int, Hashable] = {}
-        self.released_blocks = 0
 
     def open(self, owner: Hashable, *, exclusive: bool) -> None:
         """Start an (empty) hold for `owner`.
@@ -92,7 +91,6 @@ class BlockLedger:
         if hold.exclusive:
             for block in hold.blocks:
                 del self._exclusive_owner[block]
-        self.released_blocks += len(hold.blocks)
         return tuple(hold.blocks)
 
     def holds(self, owner: Hashable) -> bool:
@@ -104,9 +102,6 @@ class BlockLedger:
     def holder_of(self, block: int) -> Hashable | None:
         """The exclusive holder of a destination block, if any."""
         return self._exclusive_owner.get(block)
-
-    def is_quarantined(self, owner: Hashable) -> bool:
-        return self._hold(owner).quarantined
 
     @property
     def held_blocks(self) -> int:
