@@ -2,12 +2,17 @@
 
 Why one thread owns the agent: NIXL's default thread-sync mode is NONE, and in RW mode a long
 synchronous post in one thread blocks notification polling in another.  Here a dedicated
-`kvflow-nixl-<name>` thread makes every agent call; other threads hand it jobs.  That thread
-posts WRITEs and READs (never the event loop, never the host engine's thread), polls
-`check_xfer_state` for every op in flight (which also drives UCX, so notifications leave
-promptly: UCX sends a WRITE's notification only when the initiator makes progress), polls
-`get_new_notifs`, and reports through the transport listener.  NIXL's own progress thread is
-off: the Python wrapper runs it with a zero delay, which spins a whole core per agent.
+`kvflow-nixl-<name>` thread creates the agent and makes every agent call but one; other threads
+hand it jobs and wait.  It registers memory, exchanges metadata, adds and removes peers, sends
+standalone notifications and tears down; it polls `check_xfer_state` for every op in flight
+(which also drives UCX, so notifications leave promptly: UCX sends a WRITE's notification only
+when the initiator makes progress), polls `get_new_notifs`, and reports through the transport
+listener.  The exception is posting: `submit` builds and posts a WRITE or READ on the caller's
+thread (the engine's writer thread, never the event loop nor the host engine's thread), polls
+it briefly, and leaves it to the agent thread if it is not done.  The agent runs in STRICT
+sync mode so that those posts may come from another thread, and a lock orders them with
+`remove_peer`.  NIXL's own progress thread is off: the Python wrapper runs it with a zero
+delay, which spins a whole core per agent.
 
 Two ways to post an op:
 

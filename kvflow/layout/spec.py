@@ -23,6 +23,7 @@ from kvflow.errors import ConfigError, LayoutMismatch
 __all__ = (
     "DTYPE_SIZES",
     "FINGERPRINT_FIELDS",
+    "MAX_SPEC_TEXT",
     "BlockArray",
     "KVLayout",
     "KVSpec",
@@ -69,7 +70,8 @@ class Region:
 
 @dataclass(frozen=True, slots=True)
 class BlockArray:
-    """`num_blocks` equally sized blocks of one layer inside one region."""
+    """One layer's blocks inside one region: the layout's `num_blocks` blocks of `block_len`
+    bytes, block `b` at ``offset + b * stride``."""
 
     region: int
     offset: int
