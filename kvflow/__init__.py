@@ -2,7 +2,7 @@
 
 The pure core (`kvflow.protocol.state`, `kvflow.protocol.core`, `kvflow.protocol.ledger`, `kvflow.layout`) decides; the
 asyncio engine (`kvflow.runtime.engine`) executes through a transport (`kvflow.transports`) and a
-control channel.  See README.md for the design and the figures.
+control channel.  See docs/design.md for the design and docs/benchmarks.md for the figures.
 """
 
 from __future__ import annotations
