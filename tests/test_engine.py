@@ -240,8 +240,8 @@ async def test_layout_mismatch_is_refused_naming_the_field() -> None:
 async def pair_with_a_mute_prefill() -> EnginePair:
     """An unconnected pair whose P receives every message and answers none."""
     pair = await EnginePair(LoopbackFabric(), config=FAST).start(connect=False)
-    pair.hub._unregister("P")
-    pair.hub._register("P", asyncio.get_running_loop(), lambda sender, incarnation, message: None)
+    pair.hub.unregister("P")
+    pair.hub.register("P", asyncio.get_running_loop(), lambda sender, incarnation, message: None)
     return pair
 
 
@@ -252,7 +252,7 @@ async def test_handshake_with_nobody_answering_times_out() -> None:
         with pytest.raises(TransferTimeout, match="handshake"):
             await pair.d.connect("P", timeout=0.1)
     finally:
-        pair.hub._unregister("P")
+        pair.hub.unregister("P")
         await pair.close()
 
 
@@ -266,7 +266,7 @@ async def test_closing_the_engine_during_a_handshake_fails_it_as_closed() -> Non
         with pytest.raises(EngineClosed, match="during the handshake"):
             await connecting
     finally:
-        pair.hub._unregister("P")
+        pair.hub.unregister("P")
         await pair.close()
 
 
