@@ -27,8 +27,9 @@ MessageHandler = Callable[[str, int, ControlMessage], None]  # (sender, its inca
 
 
 def new_incarnation() -> int:
-    """An id for one run of an engine, larger than any earlier run's (clock) and unique (random)."""
-    return ((time.time_ns() // 1000) << 12) | secrets.randbits(12)  # < 2**63 until the year 2500
+    """An id for one run of an engine, larger than any earlier run's (clock, in microseconds) and
+    unique (random low bits); below 2**63, the wire's limit, until the year 3100."""
+    return ((time.time_ns() // 1000) << 8) | secrets.randbits(8)
 
 
 class ControlChannel(Protocol):

@@ -129,6 +129,7 @@ class Engine:
         """Register memory with the transport and start receiving.
 
         :raises TransportError: the transport refused the regions.
+        :raises EngineClosed: the engine was already started.
         """
         if self._state != "new":
             raise EngineClosed(f"engine {self.engine_id!r} was already started")
@@ -154,6 +155,9 @@ class Engine:
         :raises PeerProtocolError: the peer refused us (for instance, another protocol version).
         :raises TransferTimeout: no answer within `timeout` (default: the config's).
         :raises PeerUnknown: the control channel has no route to the peer.
+        :raises ConfigError: the control channel refuses `address`.
+        :raises EngineClosed: the engine is not running, or closed during the handshake.
+        :raises EngineCrashed: the engine crashed.
         """
         self._check_open()
         limit = timeout if timeout is not None else self.config.handshake_timeout
@@ -187,7 +191,8 @@ class Engine:
             self._run(self.core.abort_all(self._now(), "engine closing"))
             await self._wait_idle(self.config.core.fence_timeout)
         if self.core.live():
-            # A fence never came: tear every peer these transfers wait on down, here and now.
+            # A fence never came: tear down every peer, those these transfers wait on and every
+            # associated one, here and now (so none of them gets a goodbye below).
             waited_on = {m.peer for m in self.core.live() if m.peer is not None}
             for peer in sorted(waited_on | set(self.assoc.layouts)):
                 self._tear_down(peer, "engine closing: fence not confirmed")
@@ -300,6 +305,7 @@ class Engine:
         """D (with `auto_deliver` off): the consumer took the blocks of a finished transfer.
 
         :raises UnknownTransfer, InvalidTransition: not a finished D transfer here.
+        :raises EngineCrashed: the engine crashed.
         """
         self._check_crashed()
         self._run(self.core.delivered(TransferKey(transfer_id, epoch), self._now()))
