@@ -197,12 +197,9 @@ class Engine:
             for peer in sorted(waited_on | set(self.assoc.layouts)):
                 self._tear_down(peer, "engine closing: fence not confirmed")
         self._associate(self.assoc.goodbye_all("engine closing"))
-        for peer, waiter in self._handshakes.items():
-            if not waiter.done():
-                waiter.set_exception(
-                    EngineClosed(f"engine {self.engine_id!r} closed during the handshake with {peer!r}")
-                )
-        self._handshakes.clear()
+        for peer in list(self._handshakes):
+            closed = EngineClosed(f"engine {self.engine_id!r} closed during the handshake with {peer!r}")
+            self._settle_handshake(peer, closed)
         self._cancel_timer()
         self._submitter.close(timeout=5.0)
         self.transport.set_listener(None)
