@@ -147,7 +147,7 @@ async def main(args: argparse.Namespace) -> None:
         report("pull", "pull", n, n * per_block, result.outcome.value, ms, "equal" if ok else "DIFFERENT")
 
         # 4. the next WRITE fails: D hears of it at once, not at its deadline
-        faults.fail_ops.add(fabric._ops + 1)
+        faults.fail_ops.add(fabric.op_count + 1)
         d_blocks, p_blocks = list(range(3 * n, 4 * n)), list(range(n))
         t0 = time.perf_counter()
         waiting = await decode.expect("req-fail", 1, peer="prefill-0", block_ids=d_blocks)

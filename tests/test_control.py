@@ -15,6 +15,7 @@ import zmq
 
 from kvflow.control import wire
 from kvflow.control.auth import Secret
+from kvflow.control.channel import new_incarnation
 from kvflow.control.zeromq import ZmqControl, is_loopback
 from kvflow.errors import ConfigError, TransferTimeout
 from kvflow.protocol.messages import ControlMessage, Heartbeat, Notice, Ready, Registration, TransferKey
@@ -85,6 +86,15 @@ async def test_without_a_secret_loopback_works_and_warns(caplog: pytest.LogCaptu
         assert (await waiting.wait(5)).ok
     finally:
         await close(engines)
+
+
+def test_incarnations_grow_and_fit_the_wire_for_centuries(monkeypatch: pytest.MonkeyPatch) -> None:
+    year = 365.25 * 86400 * 10**9
+    ids = []
+    for at in (56 * year, 56 * year + 1000, 71.5 * year, 1100 * year):  # 2026, a microsecond on, 2041, 3070
+        monkeypatch.setattr("time.time_ns", lambda at=at: int(at))
+        ids.append(new_incarnation())
+    assert ids == sorted(set(ids)) and ids[-1] <= wire.MAX_EPOCH
 
 
 def test_unauthenticated_off_loopback_is_refused() -> None:

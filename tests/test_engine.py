@@ -237,16 +237,36 @@ async def test_layout_mismatch_is_refused_naming_the_field() -> None:
         await pair.close()
 
 
+async def pair_with_a_mute_prefill() -> EnginePair:
+    """An unconnected pair whose P receives every message and answers none."""
+    pair = await EnginePair(LoopbackFabric(), config=FAST).start(connect=False)
+    pair.hub.unregister("P")
+    pair.hub.register("P", asyncio.get_running_loop(), lambda sender, incarnation, message: None)
+    return pair
+
+
 @pytest.mark.asyncio
 async def test_handshake_with_nobody_answering_times_out() -> None:
-    pair = await EnginePair(LoopbackFabric(), config=FAST).start(connect=False)
+    pair = await pair_with_a_mute_prefill()
     try:
-        pair.hub._unregister("P")
-        pair.hub._register("P", asyncio.get_running_loop(), lambda sender, incarnation, message: None)  # a mute peer
         with pytest.raises(TransferTimeout, match="handshake"):
             await pair.d.connect("P", timeout=0.1)
     finally:
-        pair.hub._unregister("P")
+        pair.hub.unregister("P")
+        await pair.close()
+
+
+@pytest.mark.asyncio
+async def test_closing_the_engine_during_a_handshake_fails_it_as_closed() -> None:
+    pair = await pair_with_a_mute_prefill()
+    try:
+        connecting = asyncio.ensure_future(pair.d.connect("P", timeout=5))
+        await asyncio.sleep(0.05)
+        await pair.d.aclose()
+        with pytest.raises(EngineClosed, match="during the handshake"):
+            await connecting
+    finally:
+        pair.hub.unregister("P")
         await pair.close()
 
 

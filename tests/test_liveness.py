@@ -1,4 +1,5 @@
-"""Heartbeats, leases, goodbyes and restarts, over the in-process hub with real time."""
+"""Heartbeats, leases, goodbyes and restarts: the pure associations, then over the in-process
+hub with real time."""
 
 from __future__ import annotations
 
@@ -7,11 +8,27 @@ import asyncio
 import pytest
 
 from kvflow.control.channel import LocalControl
+from kvflow.errors import ConfigError
+from kvflow.layout import fingerprint, layout_to_wire
+from kvflow.protocol.association import (
+    AddRoute,
+    AddTransportPeer,
+    Associations,
+    HandshakeSettled,
+    Liveness,
+    PeerConnected,
+    Refused,
+    SendControl,
+    SendHeartbeat,
+    SendHello,
+    TearDown,
+    UnknownSender,
+)
 from kvflow.protocol.core import CoreConfig
+from kvflow.protocol.messages import Heartbeat, Hello, Reject
 from kvflow.protocol.state import Mode, Outcome
-from kvflow.runtime.association import Liveness
 from kvflow.runtime.engine import Engine, EngineConfig
-from kvflow.testing import EnginePair
+from kvflow.testing import SMALL_SPEC, EnginePair, KVBuffers
 from kvflow.transports.loopback import LoopbackFabric
 
 LEASE = EngineConfig(
@@ -28,6 +45,51 @@ def test_liveness_schedule() -> None:
     assert live.expired(8.9) == [] and live.expired(9.0) == ["p"]
     live.remove("p")
     assert live.next_deadline() is None
+
+
+def hello(sender: str, *, reply: bool = False, address: str = "") -> Hello:
+    layout = layout_to_wire(KVBuffers(SMALL_SPEC, 8).layout)
+    return Hello(sender, fingerprint(SMALL_SPEC), layout, b"meta", reply, address)
+
+
+def associations() -> Associations:
+    return Associations("D", fingerprint(SMALL_SPEC), lease=6.0, interval=1.0)
+
+
+def test_a_peer_starting_over_is_torn_down_before_it_is_added_again() -> None:
+    peers = associations()
+    assert [type(a) for a in peers.receive("P", 1, hello("P"), 0.0)] == [
+        AddTransportPeer,
+        SendHello,
+        HandshakeSettled,
+        PeerConnected,
+    ]
+    again = peers.receive("P", 2, hello("P"), 1.0)
+    assert [type(a) for a in again] == [TearDown, AddTransportPeer, SendHello, HandshakeSettled, PeerConnected]
+    assert peers.incarnations == {"P": 2} and peers.peers() == ["P"]
+    assert peers.receive("P", 1, Heartbeat(), 2.0) == [UnknownSender("P")]  # the old run is unknown now
+    assert peers.receive("P", 2, hello("P", reply=True), 2.0) == [HandshakeSettled("P")]
+
+
+def test_a_silent_peer_is_torn_down_and_gets_no_heartbeat() -> None:
+    peers = associations()
+    peers.receive("P", 1, hello("P"), 0.0)
+    peers.receive("Q", 1, hello("Q"), 3.0)
+    assert peers.tick(6.0) == [TearDown("P", "no message for 6.0s"), SendHeartbeat("Q")]
+    assert peers.peers() == ["Q"]
+
+
+def test_a_refused_route_refuses_the_peer() -> None:
+    peers = associations()
+    (route,) = peers.receive("P", 1, hello("P", address="tcp://10.0.0.1:1"), 0.0)
+    assert isinstance(route, AddRoute) and route.pending is not None
+    error = ConfigError("unauthenticated")
+    assert peers.route_refused("P", route.pending, error) == [
+        Refused("P", error),
+        SendControl("P", Reject("unauthenticated")),
+        HandshakeSettled("P", error),
+    ]
+    assert peers.peers() == []
 
 
 @pytest.mark.asyncio

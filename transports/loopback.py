@@ -105,11 +105,25 @@ class LoopbackFabric:
     def endpoint(self, name: str) -> LoopbackTransport:
         return LoopbackTransport(name, fabric=self)
 
-    def _attach(self, endpoint: LoopbackTransport) -> None:
+    def attach(self, endpoint: LoopbackTransport) -> None:
+        """:raises ConfigError: an endpoint of that name is already on the fabric."""
         with self._lock:
             if endpoint.name in self._endpoints:
                 raise ConfigError(f"loopback endpoint {endpoint.name!r} already exists on this fabric")
             self._endpoints[endpoint.name] = endpoint
+
+    def attached(self, name: str) -> LoopbackTransport | None:
+        return self._endpoints.get(name)
+
+    @property
+    def lock(self) -> threading.RLock:
+        """Held while bytes move: an endpoint holds it to change its peers atomically with ops."""
+        return self._lock
+
+    @property
+    def op_count(self) -> int:
+        """How many op numbers were handed out: the next op is number `op_count + 1`."""
+        return self._ops
 
     def kill(self, name: str) -> None:
         """The endpoint dies: its in-flight ops fail, and every later op to or from it fails."""
@@ -132,12 +146,13 @@ class LoopbackFabric:
 
     # ------------------------------------------------------------------ ops
 
-    def _post(self, op: _Op) -> None:
+    def post(self, op: _Op) -> None:
         with self._lock:
             heapq.heappush(self._queue, (op.ready_at, op.number, op))
             self._wake.notify_all()
 
-    def _new_op_number(self) -> tuple[int, bool, bool]:
+    def new_op_number(self) -> tuple[int, bool, bool]:
+        """The next op's number, and whether the fault plan fails or stalls it."""
         with self._lock:
             self._ops += 1
             n, f = self._ops, self.faults
@@ -145,13 +160,22 @@ class LoopbackFabric:
             stall = n in f.stall_ops or (f.stall_rate > 0 and self._rng.random() < f.stall_rate)
             return n, fail, stall
 
-    def _ready_time(self, initiator: str, peer: str, nbytes: int) -> float:
+    def ready_time(self, initiator: str, peer: str, nbytes: int) -> float:
+        """When an op of `nbytes` posted now lands, on the link model (call with `lock` held)."""
         now = time.monotonic()
         link = (initiator, peer)
         start = max(now, self._link_free.get(link, now))
         done = start + self.link.transfer_time(nbytes)
         self._link_free[link] = done
         return done + self.link.latency
+
+    def cancel(self, match: Callable[[_Op], bool]) -> None:
+        """Cancel every queued op `match` selects: it will fail instead of moving bytes."""
+        with self._lock:
+            for _, _, op in self._queue:
+                if match(op):
+                    op.cancelled = True
+            self._wake.notify_all()
 
     def pending(self) -> int:
         with self._lock:
@@ -204,41 +228,44 @@ class LoopbackFabric:
         initiator = op.initiator
         target = self._endpoints.get(op.peer)
         if op.cancelled or target is None or op.peer in self._dead or initiator.name in self._dead:
-            initiator._complete(Completion(op.op_id, f"peer {op.peer!r} unreachable"))
+            initiator.complete(Completion(op.op_id, f"peer {op.peer!r} unreachable"))
             return
-        if initiator.name not in target._peers:  # the target tore the initiator down
-            initiator._complete(Completion(op.op_id, f"peer {op.peer!r} does not accept ops from {initiator.name!r}"))
+        if not target.accepts_ops_from(initiator.name):  # the target tore the initiator down
+            initiator.complete(Completion(op.op_id, f"peer {op.peer!r} does not accept ops from {initiator.name!r}"))
             return
         try:
             for dst, src, length in op.copies:
-                target._check_range(dst if op.kind is OpKind.WRITE else src, length)
+                target.check_range(dst if op.kind is OpKind.WRITE else src, length)
         except TransportError as exc:
-            initiator._complete(Completion(op.op_id, str(exc)))
+            initiator.complete(Completion(op.op_id, str(exc)))
             return
         copies = op.copies[: len(op.copies) // 2] if op.fail else op.copies
         for dst, src, length in copies:
             ctypes.memmove(dst, src, length)
         if op.fail:
-            initiator._complete(Completion(op.op_id, "injected op failure"))
+            initiator.complete(Completion(op.op_id, "injected op failure"))
             return
-        initiator._complete(Completion(op.op_id))
+        initiator.complete(Completion(op.op_id))
         if op.kind is OpKind.WRITE and op.notification:
-            self._notify(target, Notification(initiator.name, op.notification))
+            self.notify(target, Notification(initiator.name, op.notification))
 
-    def _notify(self, target: LoopbackTransport, note: Notification) -> None:
-        f = self.faults
-        if f.drop_rate > 0 and self._rng.random() < f.drop_rate:
-            return
-        if f.reorder_rate > 0 and self._held_note is None and self._rng.random() < f.reorder_rate:
-            self._held_note = (target, note)  # delivered after the next notification
-            return
-        target._receive(note)
-        if f.duplicate_rate > 0 and self._rng.random() < f.duplicate_rate:
-            target._receive(note)
-        if self._held_note is not None:
-            held_target, held = self._held_note
-            self._held_note = None
-            held_target._receive(held)
+    def notify(self, target: LoopbackTransport, note: Notification) -> None:
+        """Deliver a notification to `target`, subject to the fault plan's drops, duplicates
+        and reordering."""
+        with self._lock:
+            f = self.faults
+            if f.drop_rate > 0 and self._rng.random() < f.drop_rate:
+                return
+            if f.reorder_rate > 0 and self._held_note is None and self._rng.random() < f.reorder_rate:
+                self._held_note = (target, note)  # delivered after the next notification
+                return
+            target.deliver(note)
+            if f.duplicate_rate > 0 and self._rng.random() < f.duplicate_rate:
+                target.deliver(note)
+            if self._held_note is not None:
+                held_target, held = self._held_note
+                self._held_note = None
+                held_target.deliver(held)
 
     def flush_held_notifications(self) -> None:
         """Deliver a notification kept back for reordering (it would otherwise wait forever)."""
@@ -246,7 +273,7 @@ class LoopbackFabric:
             if self._held_note is not None:
                 target, note = self._held_note
                 self._held_note = None
-                target._receive(note)
+                target.deliver(note)
 
     def close(self) -> None:
         with self._lock:
@@ -268,7 +295,7 @@ class LoopbackTransport:
         self._notifications: deque[Notification] = deque()
         self._listener: Callable[[], None] | None = None
         self._closed = False
-        self.fabric._attach(self)
+        self.fabric.attach(self)
 
     @property
     def capabilities(self) -> TransportCapabilities:
@@ -288,7 +315,7 @@ class LoopbackTransport:
         self._alive()
         if metadata != name.encode():
             raise TransportError(f"metadata for {name!r} names another endpoint")
-        if name not in self.fabric._endpoints:
+        if self.fabric.attached(name) is None:
             raise TransportError(f"no loopback endpoint {name!r} on this fabric")
         self._peers[name] = list(regions)
 
@@ -296,12 +323,13 @@ class LoopbackTransport:
         """Both directions are fenced: this endpoint's ops to `name`, and `name`'s one-sided
         ops into this endpoint's memory (a peer torn down must not land a stale WRITE here, nor
         READ blocks that are about to be reused)."""
-        with self.fabric._lock:
+        with self.fabric.lock:
             self._peers.pop(name, None)
-            for _, _, op in self.fabric._queue:
-                if (op.initiator is self and op.peer == name) or (op.initiator.name == name and op.peer == self.name):
-                    op.cancelled = True
-            self.fabric._wake.notify_all()
+            self.fabric.cancel(
+                lambda op: (
+                    (op.initiator is self and op.peer == name) or (op.initiator.name == name and op.peer == self.name)
+                )
+            )
 
     def submit(self, op_id: int, kind: OpKind, peer: str, plan: DescriptorPlan, notification: bytes) -> None:
         self._alive()
@@ -315,23 +343,22 @@ class LoopbackTransport:
             local = region_address(self._regions, d.local_region, d.local_offset, d.length, "local")
             remote = region_address(regions, d.remote_region, d.remote_offset, d.length, f"peer {peer!r}")
             copies.append((remote, local, d.length) if kind is OpKind.WRITE else (local, remote, d.length))
-        number, fail, stall = self.fabric._new_op_number()
-        with self.fabric._lock:  # atomic with remove_peer: a removed peer's op is never queued
+        number, fail, stall = self.fabric.new_op_number()
+        with self.fabric.lock:  # atomic with remove_peer: a removed peer's op is never queued
             if peer not in self._peers:
                 raise TransportError(f"op {op_id}: peer {peer!r} was removed")
-            ready = self.fabric._ready_time(self.name, peer, plan.total_bytes)
-            self.fabric._post(_Op(number, op_id, self, peer, kind, copies, notification, ready, fail, stall))
+            ready = self.fabric.ready_time(self.name, peer, plan.total_bytes)
+            self.fabric.post(_Op(number, op_id, self, peer, kind, copies, notification, ready, fail, stall))
 
     def poll(self) -> tuple[list[Completion], list[Notification]]:
         return drain(self._completions), drain(self._notifications)
 
     def send_notification(self, peer: str, payload: bytes) -> None:
         self._alive()
-        target = self.fabric._endpoints.get(peer)
+        target = self.fabric.attached(peer)
         if target is None or peer not in self._peers or self.fabric.is_dead(peer):
             raise TransportError(f"cannot notify {peer!r}: unknown or dead")
-        with self.fabric._lock:
-            self.fabric._notify(target, Notification(self.name, payload))
+        self.fabric.notify(target, Notification(self.name, payload))
 
     def set_listener(self, callback: Callable[[], None] | None) -> None:
         self._listener = callback
@@ -340,10 +367,8 @@ class LoopbackTransport:
         if self._closed:
             return
         self._closed = True
-        with self.fabric._lock:
-            for _, _, op in self.fabric._queue:
-                if op.initiator is self or op.peer == self.name:
-                    op.cancelled = True
+        with self.fabric.lock:
+            self.fabric.cancel(lambda op: op.initiator is self or op.peer == self.name)
             self._regions.clear()
             self._peers.clear()
 
@@ -353,19 +378,26 @@ class LoopbackTransport:
         if self._closed or self.fabric.is_dead(self.name):
             raise TransportError(f"loopback endpoint {self.name!r} is closed or dead")
 
-    def _check_range(self, address: int, length: int) -> None:
-        """The peer may have named addresses it never registered: refuse them."""
+    def accepts_ops_from(self, name: str) -> bool:
+        """Whether `name` is a peer here (one torn down may no longer touch this memory)."""
+        return name in self._peers
+
+    def check_range(self, address: int, length: int) -> None:
+        """The peer may have named addresses it never registered: refuse them.
+
+        :raises TransportError: the range is not inside one registered region.
+        """
         for region in self._regions:
             if region.base <= address and address + length <= region.base + region.length:
                 return
         raise TransportError(f"range {address:#x}+{length} is not registered by {self.name!r}")
 
-    def _complete(self, completion: Completion) -> None:
+    def complete(self, completion: Completion) -> None:
         self._completions.append(completion)
         self._signal()
 
-    def _receive(self, note: Notification) -> None:
-        if self._closed or self.name in self.fabric._dead:
+    def deliver(self, note: Notification) -> None:
+        if self._closed or self.fabric.is_dead(self.name):
             return
         self._notifications.append(note)
         self._signal()

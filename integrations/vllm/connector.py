@@ -28,6 +28,7 @@ from kvflow.integrations.vllm.device import device_for
 from kvflow.integrations.vllm.kv_caches import check_supported, describe_kv_caches
 from kvflow.integrations.vllm.mapping import Orders, SchedulerBook
 from kvflow.integrations.vllm.worker import Settings, WorkerSide
+from kvflow.runtime.engine import Engine
 
 if TYPE_CHECKING:
     import torch
@@ -207,6 +208,13 @@ class KVFlowConnector(KVConnectorBase_V1):
     def control_address(self) -> str:
         """Where this rank's kvflow engine listens (the router passes it to the peer)."""
         return self._worker.address if self._worker is not None else ""
+
+    @property
+    def kvflow_engine(self) -> Engine | None:
+        """This rank's kvflow engine, for inspection (None on the scheduler side or before the
+        KV caches are registered)."""
+        thread = self._worker.thread if self._worker is not None else None
+        return thread.engine if thread is not None else None
 
     # ================================================================ plumbing
 

@@ -27,8 +27,9 @@ MessageHandler = Callable[[str, int, ControlMessage], None]  # (sender, its inca
 
 
 def new_incarnation() -> int:
-    """An id for one run of an engine, larger than any earlier run's (clock) and unique (random)."""
-    return ((time.time_ns() // 1000) << 12) | secrets.randbits(12)  # < 2**63 until the year 2500
+    """An id for one run of an engine, larger than any earlier run's (clock, in microseconds) and
+    unique (random low bits); below 2**63, the wire's limit, until the year 3100."""
+    return ((time.time_ns() // 1000) << 8) | secrets.randbits(8)
 
 
 class ControlChannel(Protocol):
@@ -71,15 +72,17 @@ class LocalControlHub:
     def channel(self, name: str) -> LocalControl:
         return LocalControl(self, name)
 
-    def _register(self, name: str, loop: asyncio.AbstractEventLoop, handler: MessageHandler) -> None:
+    def register(self, name: str, loop: asyncio.AbstractEventLoop, handler: MessageHandler) -> None:
+        """Deliver messages for `name` to `handler`, on `loop` (replacing any earlier handler)."""
         with self._lock:
             self._routes[name] = (loop, handler)
 
-    def _unregister(self, name: str) -> None:
+    def unregister(self, name: str) -> None:
         with self._lock:
             self._routes.pop(name, None)
 
-    def _route(self, sender: str, incarnation: int, peer: str, message: ControlMessage) -> None:
+    def route(self, sender: str, incarnation: int, peer: str, message: ControlMessage) -> None:
+        """Hand `message` to `peer`'s loop.  :raises PeerUnknown: `peer` is not registered or gone."""
         with self._lock:
             route = self._routes.get(peer)
         if route is None:
@@ -119,13 +122,13 @@ class LocalControl:
         return None
 
     def start(self, loop: asyncio.AbstractEventLoop, handler: MessageHandler) -> None:
-        self.hub._register(self.name, loop, handler)
+        self.hub.register(self.name, loop, handler)
 
     def send(self, peer: str, message: ControlMessage) -> None:
         if self._closed:
             raise EngineClosed(f"control channel of {self.name!r} is closed")
-        self.hub._route(self.name, self._incarnation, peer, message)
+        self.hub.route(self.name, self._incarnation, peer, message)
 
     def close(self) -> None:
         self._closed = True
-        self.hub._unregister(self.name)
+        self.hub.unregister(self.name)

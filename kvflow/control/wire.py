@@ -63,7 +63,6 @@ MAX_KEYS = 1 << 16
 MAX_METADATA = 1 << 19
 MAX_EPOCH = (1 << 63) - 1
 OUTCOMES = frozenset({"aborted", "failed", "expired"})
-ROLES = frozenset({"prefill", "decode", "both"})
 
 
 class UnsupportedVersion(PeerProtocolError):
@@ -160,16 +159,13 @@ def _reject(body: Any) -> Reject:
 
 
 def _hello(body: Any) -> Hello:
-    engine_id, role, fp, layout, metadata, reply, address = _body(body, 7, "hello")
+    engine_id, fp, layout, metadata, reply, address = _body(body, 6, "hello")
     if type(metadata) is not bytes or len(metadata) > MAX_METADATA:
         raise _fail(f"transport metadata must be at most {MAX_METADATA} bytes")
     if type(reply) is not bool:
         raise _fail("hello reply flag must be a boolean")
-    if role not in ROLES:
-        raise _fail(f"role must be one of {sorted(ROLES)}")
     return Hello(
         _text(engine_id, "engine id", MAX_ID, empty=False),
-        role,
         _fingerprint(fp),
         _layout(layout),
         metadata,
@@ -238,7 +234,7 @@ def _encode_body(message: ControlMessage) -> tuple[int, list[Any]]:
         return 0, [message.reason]
     if isinstance(message, Hello):
         m = message
-        return 1, [m.engine_id, m.role, m.fingerprint, m.layout, m.transport_metadata, m.reply, m.control_address]
+        return 1, [m.engine_id, m.fingerprint, m.layout, m.transport_metadata, m.reply, m.control_address]
     if isinstance(message, Registration):
         k = message.key
         return 2, [k.transfer_id, k.epoch, list(message.block_ids), message.expected_batches, message.ttl]

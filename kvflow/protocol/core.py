@@ -12,23 +12,19 @@ and reads no clock.  It is driven by three kinds of sources, as in aioquic:
 Each call takes `now` and returns a list of actions (`kvflow.protocol.actions`).  Local misuse raises a
 `KVFlowError` and changes nothing.  Whatever a peer sends never raises: an unexpected message is
 counted in `stats` and ignored, because a peer's bug must not crash this engine.
+
+The records themselves (machines, epochs, the deadline heap, early messages, block accounts)
+live in a `TransferStore`; peers' messages are refined by a `PeerInbox`, which reaches the core
+only through that store and `feed`.
 """
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
 
-from kvflow.errors import (
-    ConfigError,
-    InvalidBatch,
-    StaleEpoch,
-    UnknownTransfer,
-)
+from kvflow.errors import ConfigError, InvalidBatch, StaleEpoch, UnknownTransfer
 from kvflow.protocol.actions import Action, DeclarePeerLost, OpKind, ReleaseBlocks, Resolve, SendMessage, SubmitOp
 from kvflow.protocol.inbox import PeerInbox
-from kvflow.protocol.ledger import BlockLedger
 from kvflow.protocol.machine import Machine, check_block_ids, next_batch
 from kvflow.protocol.messages import (
     Done,
@@ -55,40 +51,12 @@ from kvflow.protocol.state import (
     state_triggered,
     transition,
 )
+from kvflow.protocol.transfers import GC, CoreConfig, CoreStats, Owner, TransferStore
 
 __all__ = ("CoreConfig", "CoreStats", "TransferCore")
 
 
-@dataclass(frozen=True, slots=True)
-class CoreConfig:
-    fence_timeout: float = 10.0  # wait for a peer's fence (or D's ack) before declaring it lost
-    retention: float = 60.0  # keep finished machines this long to absorb late messages
-    max_unstarted: int = 4096  # P: registrations for transfers it has not started itself
-    max_ttl: float = 3600.0  # cap on a peer-supplied time-to-live
-    max_batches: int = 4096
-
-    def __post_init__(self) -> None:
-        for f in fields(self):
-            if getattr(self, f.name) <= 0:
-                raise ConfigError(f"core config {f.name} must be > 0, got {getattr(self, f.name)}")
-
-
-@dataclass(slots=True)
-class CoreStats:
-    ignored: int = 0  # late or duplicate messages absorbed by a state
-    unknown_transfer: int = 0  # messages or notifications for no known transfer
-    stale_epoch: int = 0  # for a transfer id known here, but another epoch
-    malformed_notifications: int = 0
-    foreign_peer: int = 0  # about a transfer, but from a peer that is not its peer
-    protocol_violations: int = 0  # an input the table does not allow, from a peer
-    rejected_registrations: int = 0
-    early_messages: int = 0  # about transfers not started here yet, kept until they start
-    completed: int = 0
-    failed: int = 0
-
-
 _DECODE, _PREFILL = Role.DECODE, Role.PREFILL
-Owner = tuple[TransferKey, Role]
 
 
 class TransferCore:
@@ -98,43 +66,29 @@ class TransferCore:
         self.engine_id = engine_id
         self.num_layers = num_layers
         self.config = config or CoreConfig()
-        self.ledger = BlockLedger()
+        self.store = TransferStore(self.config)
+        self.ledger = self.store.ledger
         self.stats = CoreStats()
-        self._machines: dict[Owner, Machine] = {}
-        self._epochs: dict[tuple[str, Role], set[int]] = {}
         self._ops: dict[int, Owner] = {}
         self._next_op = 1
-        self._timers: list[tuple[float, int, Owner, int]] = []  # (when, seq, owner, gen); gen -1: gc
-        self._seq = 0
         self._connected: set[str] = set()
-        self._inbox = PeerInbox(self)
-        # messages about transfers not started here yet (a peer's notice or ready came first)
-        self._early: dict[TransferKey, list[tuple[str, Message, float]]] = {}
+        self._inbox = PeerInbox(self.store, self.stats, num_layers, self.feed)
 
     # ------------------------------------------------------------------ introspection
 
     def machine(self, key: TransferKey, role: Role) -> Machine:
         """:raises UnknownTransfer: no such machine (or it was already forgotten)."""
-        try:
-            return self._machines[(key, role)]
-        except KeyError:
-            raise UnknownTransfer(f"no {role.value} transfer {key}") from None
+        return self.store.machine(key, role)
 
     def machines(self) -> list[Machine]:
-        return list(self._machines.values())
+        return self.store.machines()
 
     def live(self) -> list[Machine]:
         """Machines not yet terminal (including D's NOTIFIED awaiting delivery)."""
-        return [m for m in self._machines.values() if m.state not in TERMINAL]
+        return self.store.live()
 
     def next_deadline(self) -> float | None:
-        while self._timers:
-            when, _, owner, gen = self._timers[0]
-            m = self._machines.get(owner)
-            if gen == -1 or (m is not None and m.timer_gen == gen and m.timer_at == when):
-                return when
-            heapq.heappop(self._timers)
-        return None
+        return self.store.next_deadline()
 
     # ------------------------------------------------------------------ local API
 
@@ -166,7 +120,7 @@ class TransferCore:
         self._check_epoch(key, _DECODE)
         self.ledger.check_free(ids)
         actions = self._supersede(key, _DECODE, now)
-        m = self._create(key, _DECODE, mode, peer, deadline, now)
+        m = self.store.create(key, _DECODE, mode, peer, deadline)
         m.block_ids, m.expected_batches = ids, expected_batches
         self.ledger.add(m.owner, ids)
         actions += self._replay_early(m, now)
@@ -202,7 +156,7 @@ class TransferCore:
             raise InvalidBatch(f"kv_ready {key}: layers {span} or position {first_position} out of range")
         if mode is Mode.PULL and span != (0, self.num_layers):
             raise InvalidBatch(f"kv_ready {key}: pull mode moves whole layers")
-        m = self._machines.get((key, _PREFILL))
+        m = self.store.get(key, _PREFILL)
         if m is None:
             if deadline is None or deadline <= now:
                 raise ConfigError(f"kv_ready {key}: a new transfer needs a deadline after now")
@@ -229,7 +183,7 @@ class TransferCore:
         actions: list[Action] = []
         if m is None:
             actions = self._supersede(key, _PREFILL, now)
-            m = self._create(key, _PREFILL, mode, peer, deadline or now, now)
+            m = self.store.create(key, _PREFILL, mode, peer, deadline or now)
             actions += self._replay_early(m, now)  # D may have given up before P started
             consumed = Act.RETURN_BATCH not in transition(mode, _PREFILL, m.state, input_).acts
         if not consumed:
@@ -256,12 +210,12 @@ class TransferCore:
         :raises UnknownTransfer: D has no such transfer.
         :raises StaleEpoch: P: a newer epoch of the transfer id exists.
         """
-        m = self._machines.get((key, role))
+        m = self.store.get(key, role)
         if m is None:
             if role is _DECODE:
                 raise UnknownTransfer(f"no {role.value} transfer {key}")
             self._check_epoch(key, role)
-            m = self._create(key, role, Mode.PUSH, None, now + self.config.retention, now)
+            m = self.store.create(key, role, Mode.PUSH, None, now + self.config.retention)
             m.started_locally = True
         return self._feed(m, Input.ABORT, now, reason=reason)
 
@@ -285,7 +239,7 @@ class TransferCore:
         """The control channel to `peer` is up: send registrations that were waiting for it."""
         self._connected.add(peer)
         actions: list[Action] = []
-        for m in list(self._machines.values()):
+        for m in self.store.machines():
             if m.peer == peer and m.state is State.ALLOCATED and m.mode is Mode.PUSH:
                 actions += self._feed(m, Input.REGISTER, now)
         return actions
@@ -295,9 +249,9 @@ class TransferCore:
         self._connected.discard(peer)
         # What the peer said about transfers not started here refers to blocks its teardown
         # has released: forget it.
-        self._early = {key: held for key, held in self._early.items() if held[0][0] != peer}
+        self.store.drop_early_from(peer)
         actions: list[Action] = []
-        for m in list(self._machines.values()):
+        for m in self.store.machines():
             if m.peer == peer and m.state not in TERMINAL:
                 actions += self._feed(m, Input.PEER_LOST, now, reason=f"peer {peer} lost")
         return actions
@@ -306,26 +260,23 @@ class TransferCore:
         """`peer` still waits on these transfers: as P, hold their blocks at least `lease` longer.
         Keys of other peers' transfers, unknown ones and finished ones are ignored."""
         for key in keys:
-            m = self._machines.get((key, _PREFILL))
+            m = self.store.get(key, _PREFILL)
             if m is not None and m.peer == peer and m.state in ACTIVE:
-                self._set_deadline(m, max(m.deadline, now + lease))
+                self.store.set_deadline(m, max(m.deadline, now + lease))
         return []
 
     def waiting_on(self, peer: str) -> tuple[TransferKey, ...]:
         """The transfers this side, as D, still waits on from `peer` (what a heartbeat renews)."""
-        return tuple(
-            m.key for m in self._machines.values() if m.role is _DECODE and m.peer == peer and m.state in ACTIVE
-        )
+        return tuple(m.key for m in self.store.machines() if m.role is _DECODE and m.peer == peer and m.state in ACTIVE)
 
     def timer(self, now: float) -> list[Action]:
         """Feed DEADLINE to every machine whose timer has passed; forget old finished ones."""
         actions: list[Action] = []
-        while self._timers and self._timers[0][0] <= now:
-            when, _, owner, gen = heapq.heappop(self._timers)
-            m = self._machines.get(owner)
+        while (due := self.store.pop_due(now)) is not None:
+            when, m, gen = due
             if m is None:
                 continue
-            if gen == -1:
+            if gen == GC:
                 if m.state in TERMINAL and m.finished_at is not None:
                     self._forget(m)
                 continue
@@ -339,7 +290,7 @@ class TransferCore:
 
     def op_submitted(self, op_id: int, now: float) -> list[Action]:
         owner = self._ops.get(op_id)
-        m = self._machines.get(owner) if owner is not None else None
+        m = self.store.get_owner(owner) if owner is not None else None
         if m is None or op_id not in m.inflight:
             return []
         return self._feed(m, Input.OP_SUBMITTED, now)
@@ -348,7 +299,7 @@ class TransferCore:
         """An op this engine submitted completed (`error` None) or failed.  Per the transport
         contract, either way it will not touch memory any more."""
         owner = self._ops.pop(op_id, None)
-        m = self._machines.get(owner) if owner is not None else None
+        m = self.store.get_owner(owner) if owner is not None else None
         if m is None or op_id not in m.inflight:
             return []
         m.inflight.discard(op_id)
@@ -372,76 +323,37 @@ class TransferCore:
     # ------------------------------------------------------------------ machinery
 
     def _check_epoch(self, key: TransferKey, role: Role) -> None:
-        seen = self._epochs.get((key.transfer_id, role), set())
+        seen = self.store.epochs(key.transfer_id, role)
         if seen and max(seen) >= key.epoch:
             raise StaleEpoch(f"{role.value} transfer {key.transfer_id!r} already has epoch {max(seen)}")
 
     def _supersede(self, key: TransferKey, role: Role, now: float) -> list[Action]:
         actions: list[Action] = []
-        for epoch in sorted(self._epochs.get((key.transfer_id, role), ())):
-            old = self._machines[(TransferKey(key.transfer_id, epoch), role)]
+        for epoch in sorted(self.store.epochs(key.transfer_id, role)):
+            old = self.store.machine(TransferKey(key.transfer_id, epoch), role)
             if old.state in ACTIVE:
                 actions += self._feed(old, Input.ABORT, now, reason=f"superseded by epoch {key.epoch}")
         return actions
 
-    def _create(
-        self, key: TransferKey, role: Role, mode: Mode, peer: str | None, deadline: float, now: float
-    ) -> Machine:
-        m = Machine(key, role, mode, peer, deadline)
-        self._machines[m.owner] = m
-        self._epochs.setdefault((key.transfer_id, role), set()).add(key.epoch)
-        self.ledger.open(m.owner, exclusive=role is _DECODE)
-        self._set_timer(m, deadline)
-        return m
-
-    def _hold_early(self, peer: str, message: Message, now: float) -> None:
-        """Keep, for `retention` seconds, a message about a transfer not started here yet: the
-        peer may legitimately be ahead (pull: P is ready before D allocates; either side gave
-        up before the other started).  Bounded: the oldest transfers' messages go first."""
-        for old, held in list(self._early.items()):
-            if held[0][2] > now and len(self._early) < self.config.max_unstarted:
-                break
-            del self._early[old]
-        held = self._early.setdefault(message.key, [])
-        if isinstance(message, Notice):
-            # The peer withdrew: a ready message kept before it names blocks it may now reuse,
-            # and this side has answered (or will answer) that nothing of it is in flight.
-            held[:] = [entry for entry in held if not isinstance(entry[1], Ready)]
-        held.append((peer, message, now + self.config.retention))
-
-    def has_early(self, key: TransferKey) -> bool:
-        return key in self._early
-
     def _replay_early(self, m: Machine, now: float) -> list[Action]:
         """Feed what the peer said before this transfer started here, in the order it came."""
         actions: list[Action] = []
-        for peer, message, until in self._early.pop(m.key, []):
-            if until > now:
-                actions += self._inbox.receive(peer, message, now)
+        for peer, message in self.store.pop_early(m.key, now):
+            actions += self._inbox.receive(peer, message, now)
         return actions
 
     def _forget(self, m: Machine) -> None:
-        del self._machines[m.owner]
-        epochs = self._epochs[(m.key.transfer_id, m.role)]
-        epochs.discard(m.key.epoch)
-        if not epochs:
-            del self._epochs[(m.key.transfer_id, m.role)]
+        self.store.forget(m)
         for op in m.inflight:
             self._ops.pop(op, None)
 
-    def _set_deadline(self, m: Machine, deadline: float) -> None:
-        m.deadline = deadline
-        if m.state in ACTIVE:
-            self._set_timer(m, deadline)
+    def feed(self, m: Machine, input_: Input, now: float, *, reason: str = "") -> list[Action]:
+        """Feed one input to a machine of this core and return what it decides: the single way
+        in for inputs decided outside the core's own methods (a peer's message, refined).
 
-    def _set_timer(self, m: Machine, when: float | None) -> None:
-        if when is not None and when == m.timer_at:
-            return
-        m.timer_gen += 1
-        m.timer_at = when
-        if when is not None:
-            self._seq += 1
-            heapq.heappush(self._timers, (when, self._seq, m.owner, m.timer_gen))
+        :raises InvalidTransition: the machine's table does not allow `input_` in its state.
+        """
+        return self._feed(m, input_, now, reason=reason)
 
     def _feed(
         self, m: Machine, input_: Input, now: float, *, reason: str = "", returned: tuple[int, ...] = ()
@@ -461,21 +373,20 @@ class TransferCore:
     def _retime(self, m: Machine, old: State, input_: Input, now: float) -> None:
         target = m.state
         if target in ACTIVE:
-            self._set_timer(m, m.deadline)
+            self.store.set_timer(m, m.deadline)
         elif target in FENCING and (old not in FENCING or input_ is Input.DEADLINE):
-            self._set_timer(m, now + self.config.fence_timeout)
+            self.store.set_timer(m, now + self.config.fence_timeout)
         elif target is State.NOTIFIED and m.role is _PREFILL:
-            self._set_timer(m, now + self.config.fence_timeout)  # wait for D's acknowledgement
+            self.store.set_timer(m, now + self.config.fence_timeout)  # wait for D's acknowledgement
         elif target not in FENCING:
-            self._set_timer(m, None)
+            self.store.set_timer(m, None)
         if target in TERMINAL and old not in TERMINAL:
             m.finished_at = now
             if m.outcome is Outcome.SUCCEEDED or (m.outcome is None and target is State.DONE):
                 self.stats.completed += 1
             else:
                 self.stats.failed += 1
-            self._seq += 1
-            heapq.heappush(self._timers, (now + self.config.retention, self._seq, m.owner, -1))
+            self.store.forget_at(m, now + self.config.retention)
 
     def _act(self, m: Machine, act: Act, now: float, reason: str, returned: tuple[int, ...], out: list[Action]) -> None:
         key = m.key

@@ -5,11 +5,15 @@ or WRITE notification is checked against the transfer it names (right peer? righ
 duplicate? sizes that fit?) and refined into a table input; anything unexpected is counted in
 the core's stats and dropped, so that no peer can make the core raise or change a transfer it
 does not take part in.  Pure code, like the core it feeds.
+
+The inbox sees the core only through two narrow doors: the `TransferStore` both of them keep
+transfers in (find, open, re-time, hold early messages) and a `Feed`, the core's one public
+entry point for an input to a machine.  It does not know the core's class.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from kvflow.errors import InvalidBatch, InvalidTransition, PeerProtocolError
 from kvflow.protocol.actions import Action, SendMessage
@@ -25,33 +29,41 @@ from kvflow.protocol.messages import (
     decode_notification,
 )
 from kvflow.protocol.state import TERMINAL, Input, Mode, Outcome, Role, transition
+from kvflow.protocol.transfers import CoreStats, TransferStore
 
-if TYPE_CHECKING:
-    from kvflow.protocol.core import TransferCore
-
-__all__ = ("PeerInbox",)
+__all__ = ("Feed", "PeerInbox")
 
 _DECODE, _PREFILL = Role.DECODE, Role.PREFILL
+
+
+class Feed(Protocol):
+    """Feed one input to a machine; returns the actions decided.  :raises InvalidTransition."""
+
+    def __call__(self, m: Machine, input_: Input, now: float, *, reason: str = "") -> list[Action]: ...
 
 
 class PeerInbox:
     """Refines one core's inbound peer events; holds no state of its own."""
 
-    def __init__(self, core: TransferCore) -> None:
-        self.core = core
+    def __init__(self, store: TransferStore, stats: CoreStats, num_layers: int, feed: Feed) -> None:
+        self.store = store
+        self.stats = stats
+        self.config = store.config
+        self.num_layers = num_layers
+        self.feed = feed
 
     def notification(self, peer: str, payload: bytes, now: float) -> list[Action]:
         """A WRITE notification arrived from `peer` (push, on D)."""
         try:
             key, batch = decode_notification(payload)
         except PeerProtocolError:
-            self.core.stats.malformed_notifications += 1
+            self.stats.malformed_notifications += 1
             return []
         m = self.lookup(key, _DECODE)
         if m is None:
             return []
         if m.mode is not Mode.PUSH or m.peer != peer:
-            self.core.stats.foreign_peer += 1
+            self.stats.foreign_peer += 1
             return []
         if batch >= m.expected_batches:
             return self.remote(m, Input.INCOMPATIBLE, now, f"notification for batch {batch} of {m.expected_batches}")
@@ -62,10 +74,10 @@ class PeerInbox:
         try:
             transition(m.mode, m.role, m.state, input_, str(key))
         except InvalidTransition:
-            self.core.stats.protocol_violations += 1
+            self.stats.protocol_violations += 1
             return []
         m.landed.add(batch)
-        return self.core._feed(m, input_, now)
+        return self.feed(m, input_, now)
 
     def receive(self, peer: str, message: Message, now: float) -> list[Action]:
         """A control message from `peer`.  Never raises for anything the peer sent."""
@@ -86,8 +98,8 @@ class PeerInbox:
                 return [SendMessage(peer, Quiesced(key))]
             return self.remote(m, input_, now, reason)
         if m is None:
-            if isinstance(message, Quiesced) and self.core.has_early(key):
-                self.core._hold_early(peer, message, now)  # it follows a notice kept above
+            if isinstance(message, Quiesced) and self.store.has_early(key):
+                self.store.hold_early(peer, message, now)  # it follows a notice kept above
             return []
         if isinstance(message, Quiesced):
             return self.remote(m, Input.PEER_QUIESCED, now)
@@ -95,56 +107,56 @@ class PeerInbox:
 
     def _on_registration(self, peer: str, reg: Registration, now: float) -> list[Action]:
         key = reg.key
-        m = self.core._machines.get((key, _PREFILL))
+        m = self.store.get(key, _PREFILL)
         if m is None:
             problem = self._registration_problem(reg)
-            newer = [e for e in self.core._epochs.get((key.transfer_id, _PREFILL), ()) if e > key.epoch]
+            newer = [e for e in self.store.epochs(key.transfer_id, _PREFILL) if e > key.epoch]
             if newer:
-                self.core.stats.stale_epoch += 1
+                self.stats.stale_epoch += 1
                 problem = f"epoch {key.epoch} is older than {max(newer)}"
-            elif problem is None and self._unstarted() >= self.core.config.max_unstarted:
+            elif problem is None and self._unstarted() >= self.config.max_unstarted:
                 problem = "too many registrations for transfers not started here"
             if problem is not None:
-                self.core.stats.rejected_registrations += 1
+                self.stats.rejected_registrations += 1
                 return [SendMessage(peer, Notice(key, Outcome.FAILED.value, problem)), SendMessage(peer, Quiesced(key))]
-            m = self.core._create(key, _PREFILL, Mode.PUSH, peer, now + min(reg.ttl, self.core.config.max_ttl), now)
+            m = self.store.create(key, _PREFILL, Mode.PUSH, peer, now + min(reg.ttl, self.config.max_ttl))
             m.started_locally = False
         if m.mode is not Mode.PUSH or m.peer not in (None, peer):
-            self.core.stats.foreign_peer += 1
+            self.stats.foreign_peer += 1
             return []
         if m.remote_blocks is not None:
             return self.remote(m, Input.DUPLICATE, now)
         try:
             transition(m.mode, m.role, m.state, Input.REGISTRATION_RECEIVED, str(key))
         except InvalidTransition:
-            self.core.stats.protocol_violations += 1
+            self.stats.protocol_violations += 1
             return []
         m.peer = peer
         problem = self._registration_problem(reg)
         if problem is None:
             m.remote_blocks, m.remote_expected = reg.block_ids, reg.expected_batches
-            self.core._set_deadline(m, min(m.deadline, now + min(reg.ttl, self.core.config.max_ttl)))
-            problem = m.push_mismatch(self.core.num_layers)
+            self.store.set_deadline(m, min(m.deadline, now + min(reg.ttl, self.config.max_ttl)))
+            problem = m.push_mismatch(self.num_layers)
         if problem is not None and m.state not in TERMINAL:
             return self.remote(m, Input.INCOMPATIBLE, now, problem)
-        return self.core._feed(m, Input.REGISTRATION_RECEIVED, now, reason=m.reason or "transfer already ended")
+        return self.feed(m, Input.REGISTRATION_RECEIVED, now, reason=m.reason or "transfer already ended")
 
     def _registration_problem(self, reg: Registration) -> str | None:
         try:
             check_block_ids(reg.block_ids, "registration", unique=True)
         except InvalidBatch as exc:
             return str(exc)
-        if not 1 <= reg.expected_batches <= self.core.config.max_batches or not reg.ttl > 0:
+        if not 1 <= reg.expected_batches <= self.config.max_batches or not reg.ttl > 0:
             return "registration has a bad batch count or time-to-live"
         return None
 
     def _on_ready(self, peer: str, ready: Ready, now: float) -> list[Action]:
-        m = self.core._machines.get((ready.key, _DECODE))
+        m = self.store.get(ready.key, _DECODE)
         if m is None:  # P may be ready before D allocates: keep it until D does
             self._hold_unless_stale(peer, ready, (_DECODE,), now)
             return []
         if m.mode is not Mode.PULL or m.peer != peer:
-            self.core.stats.foreign_peer += 1
+            self.stats.foreign_peer += 1
             return []
         if m.remote_blocks is not None:
             return self.remote(m, Input.DUPLICATE, now)
@@ -159,52 +171,52 @@ class PeerInbox:
         try:
             transition(m.mode, m.role, m.state, Input.READY_RECEIVED, str(m.key))
         except InvalidTransition:
-            self.core.stats.protocol_violations += 1
+            self.stats.protocol_violations += 1
             return []
         if m.state in TERMINAL:  # ended before P was ready: tell P, nothing will be read
-            return self.core._feed(m, Input.READY_RECEIVED, now)
+            return self.feed(m, Input.READY_RECEIVED, now)
         m.remote_blocks = blocks
-        m.batches.append(next_batch(m.key, (), 0, m.block_ids, (0, self.core.num_layers)))
-        return self.core._feed(m, Input.READY_RECEIVED, now)
+        m.batches.append(next_batch(m.key, (), 0, m.block_ids, (0, self.num_layers)))
+        return self.feed(m, Input.READY_RECEIVED, now)
 
     def lookup(self, key: TransferKey, role: Role) -> Machine | None:
-        m = self.core._machines.get((key, role))
+        m = self.store.get(key, role)
         if m is None:
-            if (key.transfer_id, role) in self.core._epochs:
-                self.core.stats.stale_epoch += 1
+            if self.store.epochs(key.transfer_id, role):
+                self.stats.stale_epoch += 1
             else:
-                self.core.stats.unknown_transfer += 1
+                self.stats.unknown_transfer += 1
         return m
 
     def _lookup_any(self, key: TransferKey, peer: str, role: Role | None) -> Machine | None:
         roles = (role,) if role is not None else (_DECODE, _PREFILL)
-        candidates = [self.core._machines[(key, r)] for r in roles if (key, r) in self.core._machines]
+        candidates = [m for r in roles if (m := self.store.get(key, r)) is not None]
         for m in candidates:
             if m.peer == peer:
                 return m
         if candidates:
-            self.core.stats.foreign_peer += 1
-        elif any((key.transfer_id, r) in self.core._epochs for r in roles):
-            self.core.stats.stale_epoch += 1
+            self.stats.foreign_peer += 1
+        elif any(self.store.epochs(key.transfer_id, r) for r in roles):
+            self.stats.stale_epoch += 1
         else:
-            self.core.stats.unknown_transfer += 1
+            self.stats.unknown_transfer += 1
         return None
 
     def remote(self, m: Machine, input_: Input, now: float, reason: str = "") -> list[Action]:
         """Feed an input that a peer caused: a disallowed one is counted, never raised."""
         try:
-            return self.core._feed(m, input_, now, reason=reason)
+            return self.feed(m, input_, now, reason=reason)
         except InvalidTransition:
-            self.core.stats.protocol_violations += 1
+            self.stats.protocol_violations += 1
             return []
 
     def _unstarted(self) -> int:
-        return sum(not m.started_locally for m in self.core.live())
+        return sum(not m.started_locally for m in self.store.live())
 
     def _hold_unless_stale(self, peer: str, message: Notice | Ready, roles: tuple[Role, ...], now: float) -> None:
-        seen = [e for role in roles for e in self.core._epochs.get((message.key.transfer_id, role), ())]
+        seen = [e for role in roles for e in self.store.epochs(message.key.transfer_id, role)]
         if seen and max(seen) > message.key.epoch:
-            self.core.stats.stale_epoch += 1
+            self.stats.stale_epoch += 1
             return
-        self.core.stats.early_messages += 1
-        self.core._hold_early(peer, message, now)
+        self.stats.early_messages += 1
+        self.store.hold_early(peer, message, now)

@@ -60,7 +60,6 @@ class Hello:
     """
 
     engine_id: str
-    role: str
     fingerprint: dict[str, int | str]
     layout: dict[str, Any]
     transport_metadata: bytes

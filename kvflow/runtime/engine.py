@@ -9,7 +9,9 @@ clock, executes the returned actions, and re-arms one timer for the core's next 
   a slow `postXfer` cannot stall the loop or the host engine's main thread);
 * the transport's completions and notifications arrive through a listener that schedules one
   drain on the loop;
-* released blocks go to `on_release` and to a queue any thread may poll.
+* released blocks go to `on_release` and to a queue any thread may poll;
+* peers (handshakes, heartbeats, leases) are decided by the pure `Associations`; this module
+  executes its actions in order and keeps what needs the loop: the futures a `connect` awaits.
 
 Every callback runs under a guard: an exception is recorded in `crashed`, logged, and surfaced
 by the next API call and by `aclose` as `EngineCrashed`; it never dies silently in a task.
@@ -26,21 +28,31 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvflow.control.channel import ControlChannel
-from kvflow.errors import (
-    ConfigError,
-    EngineClosed,
-    EngineCrashed,
-    KVFlowError,
-    TransferFailed,
-    TransferTimeout,
-)
-from kvflow.layout import KVLayout, fingerprint, plan_transfer
+from kvflow.errors import ConfigError, EngineClosed, EngineCrashed, KVFlowError, TransferTimeout
+from kvflow.layout import KVLayout, fingerprint, layout_to_wire, plan_transfer
 from kvflow.protocol.actions import Action, DeclarePeerLost, ReleaseBlocks, Resolve, SendMessage, SubmitOp
+from kvflow.protocol.association import (
+    AddRoute,
+    AddTransportPeer,
+    AssociationAction,
+    Associations,
+    AwaitHandshake,
+    Deliver,
+    HandshakeSettled,
+    PeerConnected,
+    Refused,
+    RenewLeases,
+    SendControl,
+    SendHeartbeat,
+    SendHello,
+    TearDown,
+    UnknownSender,
+)
 from kvflow.protocol.core import CoreConfig, TransferCore
 from kvflow.protocol.ledger import LedgerError
-from kvflow.protocol.messages import ControlMessage, TransferKey
-from kvflow.protocol.state import Mode, Outcome, Role
-from kvflow.runtime.association import Associations
+from kvflow.protocol.messages import ControlMessage, Heartbeat, Hello, TransferKey
+from kvflow.protocol.state import Mode, Role
+from kvflow.runtime.results import TransferHandle, TransferResult
 from kvflow.runtime.writer import Submitter, WriterThread
 from kvflow.transports.base import Transport
 
@@ -72,45 +84,6 @@ class EngineConfig:
             raise ConfigError("engine config heartbeat_interval must be in (0, lease)")
 
 
-@dataclass(frozen=True, slots=True)
-class TransferResult:
-    key: TransferKey
-    role: Role
-    outcome: Outcome
-    reason: str
-
-    @property
-    def ok(self) -> bool:
-        return self.outcome is Outcome.SUCCEEDED
-
-    def raise_for_outcome(self) -> None:
-        """:raises TransferFailed: the transfer did not succeed."""
-        if not self.ok:
-            raise TransferFailed(str(self.key), self.outcome.value, self.reason)
-
-
-class TransferHandle:
-    """One side of one transfer; await it (or `wait`) for its `TransferResult`."""
-
-    def __init__(self, key: TransferKey, role: Role, future: asyncio.Future[TransferResult]) -> None:
-        self.key = key
-        self.role = role
-        self._future = future
-
-    def done(self) -> bool:
-        return self._future.done()
-
-    async def wait(self, timeout: float | None = None) -> TransferResult:
-        """:raises TransferTimeout: no outcome within `timeout` seconds (the transfer goes on)."""
-        try:
-            return await asyncio.wait_for(asyncio.shield(self._future), timeout)
-        except TimeoutError:
-            raise TransferTimeout(f"{self.role.value} transfer {self.key} undecided after {timeout}s") from None
-
-    def __await__(self) -> Any:
-        return self.wait().__await__()
-
-
 class Engine:
     def __init__(
         self,
@@ -139,8 +112,9 @@ class Engine:
         )
         self._clock = clock
         self._on_release = on_release
-        self._fingerprint = fingerprint(layout.spec)
-        self.assoc = Associations(self)
+        interval = self.config.heartbeat_interval or self.config.lease / 6
+        self.assoc = Associations(engine_id, fingerprint(layout.spec), self.config.lease, interval)
+        self._handshakes: dict[str, asyncio.Future[None]] = {}  # a local connect waits on these
         self._handles: dict[tuple[TransferKey, Role], asyncio.Future[TransferResult]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._timer: asyncio.TimerHandle | None = None
@@ -155,6 +129,7 @@ class Engine:
         """Register memory with the transport and start receiving.
 
         :raises TransportError: the transport refused the regions.
+        :raises EngineClosed: the engine was already started.
         """
         if self._state != "new":
             raise EngineClosed(f"engine {self.engine_id!r} was already started")
@@ -180,13 +155,23 @@ class Engine:
         :raises PeerProtocolError: the peer refused us (for instance, another protocol version).
         :raises TransferTimeout: no answer within `timeout` (default: the config's).
         :raises PeerUnknown: the control channel has no route to the peer.
+        :raises ConfigError: the control channel refuses `address`.
+        :raises EngineClosed: the engine is not running, or closed during the handshake.
+        :raises EngineCrashed: the engine crashed.
         """
         self._check_open()
         limit = timeout if timeout is not None else self.config.handshake_timeout
-        await self.assoc.connect(peer, address, limit)
+        self._associate(self.assoc.connect(peer, address))
+        waiter = self._handshakes.get(peer)
+        if waiter is None:
+            return  # already associated
+        try:
+            await asyncio.wait_for(asyncio.shield(waiter), limit)
+        except TimeoutError:
+            raise TransferTimeout(f"handshake with {peer!r} got no answer within {limit}s") from None
 
     def peers(self) -> list[str]:
-        return sorted(self.assoc.layouts)
+        return self.assoc.peers()
 
     async def aclose(self, drain_timeout: float | None = None) -> None:
         """Let transfers finish (up to `drain_timeout`), abort the rest, wait for their fences,
@@ -206,12 +191,15 @@ class Engine:
             self._run(self.core.abort_all(self._now(), "engine closing"))
             await self._wait_idle(self.config.core.fence_timeout)
         if self.core.live():
-            # A fence never came: tear every peer these transfers wait on down, here and now.
+            # A fence never came: tear down every peer, those these transfers wait on and every
+            # associated one, here and now (so none of them gets a goodbye below).
             waited_on = {m.peer for m in self.core.live() if m.peer is not None}
             for peer in sorted(waited_on | set(self.assoc.layouts)):
                 self._tear_down(peer, "engine closing: fence not confirmed")
-        self.assoc.goodbye_all("engine closing")
-        self.assoc.close()
+        self._associate(self.assoc.goodbye_all("engine closing"))
+        for peer in list(self._handshakes):
+            closed = EngineClosed(f"engine {self.engine_id!r} closed during the handshake with {peer!r}")
+            self._settle_handshake(peer, closed)
         self._cancel_timer()
         self._submitter.close(timeout=5.0)
         self.transport.set_listener(None)
@@ -314,6 +302,7 @@ class Engine:
         """D (with `auto_deliver` off): the consumer took the blocks of a finished transfer.
 
         :raises UnknownTransfer, InvalidTransition: not a finished D transfer here.
+        :raises EngineCrashed: the engine crashed.
         """
         self._check_crashed()
         self._run(self.core.delivered(TransferKey(transfer_id, epoch), self._now()))
@@ -367,13 +356,19 @@ class Engine:
         return []
 
     def _send(self, action: SendMessage) -> None:
+        error = self._try_send(action.peer, action.message)
+        if error is not None and action.peer in self.assoc.layouts:
+            self._tear_down(action.peer, f"cannot send to it: {error}")
+
+    def _try_send(self, peer: str, message: ControlMessage) -> KVFlowError | None:
+        """Send; a failure is counted, logged and returned, never raised."""
         try:
-            self.control.send(action.peer, action.message)
+            self.control.send(peer, message)
         except KVFlowError as exc:
             self.counters["sends_failed"] += 1
-            log.warning("%s: cannot send to %s: %s", self.engine_id, action.peer, exc)
-            if action.peer in self.assoc.layouts:
-                self._tear_down(action.peer, f"cannot send to it: {exc}")
+            log.warning("%s: cannot send to %s: %s", self.engine_id, peer, exc)
+            return exc
+        return None
 
     def _submit(self, op: SubmitOp) -> None:
         remote = self.assoc.layouts.get(op.peer)
@@ -400,7 +395,12 @@ class Engine:
         else:
             self._run(self.core.op_finished(op_id, now, error))
 
-    def _tear_down(self, peer: str, reason: str, *, expected: bool = False) -> None:
+    def _tear_down(self, peer: str, reason: str) -> None:
+        """End the association with `peer`, then remove it (see `_remove_peer`)."""
+        self.assoc.dropped(peer)
+        self._remove_peer(peer, reason, expected=False)
+
+    def _remove_peer(self, peer: str, reason: str, *, expected: bool) -> None:
         """Remove the peer from the transport, then tell the core that nothing of it can land.
 
         Done here, on the loop: by the transport contract a submission still queued on the
@@ -409,20 +409,86 @@ class Engine:
         log.log(
             logging.INFO if expected else logging.WARNING, "%s: tearing down peer %s: %s", self.engine_id, peer, reason
         )
-        self.assoc.dropped(peer)
         self.transport.remove_peer(peer)
         grace = 0.0 if self.transport.capabilities.fences_inbound else self.config.unfenced_grace
         if grace > 0 and self._state == "running" and self._loop is not None:
             # The peer's own WRITEs (or READs) may still be in flight towards us: give them time
             # to land before its transfers' blocks may go back.  No new association meanwhile.
-            self.assoc.cooling[peer] = self._now() + grace
+            self.assoc.start_cooling(peer, self._now() + grace)
             self._loop.call_later(grace, self._guard, self._peer_gone, peer)
         elif self._state != "closed":
             self._run(self.core.peer_lost(peer, self._now()))
 
     def _peer_gone(self, peer: str) -> None:
-        self.assoc.cooling.pop(peer, None)
+        self.assoc.stop_cooling(peer)
         self._run(self.core.peer_lost(peer, self._now()))
+
+    # ------------------------------------------------------------------ associations
+
+    def _associate(self, actions: list[AssociationAction]) -> None:
+        """Execute, in order, what `Associations` decided."""
+        queue = deque(actions)
+        while queue:
+            action = queue.popleft()
+            if isinstance(action, Deliver):
+                self._run(self.core.receive(action.peer, action.message, self._now()))
+            elif isinstance(action, SendHeartbeat):
+                self._try_send(action.peer, Heartbeat(self.core.waiting_on(action.peer)))
+            elif isinstance(action, SendControl):
+                self._try_send(action.peer, action.message)
+            elif isinstance(action, SendHello):
+                self._send_hello(action)
+            elif isinstance(action, RenewLeases):
+                self._run(self.core.renew(action.peer, action.keys, action.now, action.lease))
+            elif isinstance(action, TearDown):
+                self._remove_peer(action.peer, action.reason, expected=action.expected)
+            elif isinstance(action, AddTransportPeer):
+                self.transport.add_peer(action.peer, action.metadata, action.layout.regions)
+            elif isinstance(action, PeerConnected):
+                self._run(self.core.peer_connected(action.peer, action.now))
+            elif isinstance(action, AddRoute):
+                queue.extendleft(reversed(self._add_route(action)))
+            elif isinstance(action, AwaitHandshake):
+                waiter = self._handshakes.get(action.peer)
+                if waiter is None or waiter.done():
+                    self._handshakes[action.peer] = self._running_loop().create_future()
+            elif isinstance(action, HandshakeSettled):
+                self._settle_handshake(action.peer, action.error)
+            elif isinstance(action, Refused):
+                log.error("%s: refusing peer %s: %s", self.engine_id, action.peer, action.error)
+            elif isinstance(action, UnknownSender):
+                self.counters["messages_from_unknown_peers"] += 1
+
+    def _add_route(self, action: AddRoute) -> list[AssociationAction]:
+        """:raises ConfigError: the channel refused the address of a local connect."""
+        try:
+            self.control.add_route(action.peer, action.address)
+        except KVFlowError as exc:
+            if action.pending is None:
+                raise
+            return self.assoc.route_refused(action.peer, action.pending, exc)
+        return [] if action.pending is None else self.assoc.route_added(action.peer, action.pending, self._now())
+
+    def _send_hello(self, action: SendHello) -> None:
+        """:raises PeerUnknown, EngineClosed: the send failed (unless `best_effort`)."""
+        try:
+            wire_layout, metadata = layout_to_wire(self.layout), self.transport.local_metadata()
+            hello = Hello(
+                self.engine_id, self.assoc.fingerprint, wire_layout, metadata, action.reply, self.control.address
+            )
+            self.control.send(action.peer, hello)
+        except KVFlowError as exc:
+            if not action.best_effort:
+                raise
+            log.warning("%s: cannot answer %s: %s", self.engine_id, action.peer, exc)
+
+    def _settle_handshake(self, peer: str, error: KVFlowError | None) -> None:
+        waiter = self._handshakes.pop(peer, None)
+        if waiter is not None and not waiter.done():
+            if error is None:
+                waiter.set_result(None)
+            else:
+                waiter.set_exception(error)
 
     # ------------------------------------------------------------------ inbound events
 
@@ -432,9 +498,7 @@ class Engine:
     def _on_control(self, sender: str, incarnation: int, message: ControlMessage) -> None:
         if self._state != "running" and self._state != "closing":
             return
-        transfer_message = self.assoc.receive(sender, incarnation, message)
-        if transfer_message is not None:
-            self._run(self.core.receive(sender, transfer_message, self._now()))
+        self._associate(self.assoc.receive(sender, incarnation, message, self._now()))
 
     def _wake_from_transport(self) -> None:
         """Called by the transport from any thread."""
@@ -485,7 +549,7 @@ class Engine:
     def _on_timer(self) -> None:
         self._timer, self._timer_at = None, None
         now = self._now()
-        self.assoc.tick(now)
+        self._associate(self.assoc.tick(now))
         self._run(self.core.timer(now))
 
     async def _wait_idle(self, limit: float) -> None:

@@ -18,8 +18,9 @@ from typing import Any, TypeVar
 from kvflow.errors import EngineClosed, TransferTimeout
 from kvflow.protocol.actions import ReleaseBlocks
 from kvflow.protocol.state import Mode, Role
-from kvflow.runtime.engine import Engine, TransferResult
+from kvflow.runtime.engine import Engine
 from kvflow.runtime.loop import new_event_loop
+from kvflow.runtime.results import TransferResult
 from kvflow.transports.base import drain
 
 __all__ = ("EngineThread",)

@@ -474,10 +474,9 @@ class StandInEngine:
     def kvflow_engines(self) -> Iterator[Any]:
         """The kvflow engine of every rank (kvflow's connector only)."""
         for rank in self.ranks:
-            side = getattr(rank.worker, "_worker", None)
-            thread = getattr(side, "thread", None)
-            if thread is not None:
-                yield thread.engine
+            engine = getattr(rank.worker, "kvflow_engine", None)  # another connector has none
+            if engine is not None:
+                yield engine
 
     def describe(self) -> str:
         """What this engine is waiting on, for a test that timed out."""

@@ -1,0 +1,336 @@
+"""Peer associations, decided without I/O: handshake, incarnations, heartbeats and leases.
+
+Why separate from the transfer core: this is about *peers*, not transfers.  An association
+starts with a Hello each way (KV layouts compared field by field, transport metadata exchanged)
+and lasts for one incarnation of each side.  While it lasts, each side sends a Heartbeat every
+`heartbeat_interval`; D's heartbeats list the transfers it still waits on, which renews P's lease
+on their blocks.  A peer silent for a whole `lease`, a Goodbye, or a Hello from a new
+incarnation ends the association, and the engine tears the peer down so that nothing of it can
+land afterwards.
+
+Why pure, like the core: who may associate, when a peer is lost and in which order the effects
+happen are decisions worth testing without sockets or a loop.  `Associations` takes inputs
+(a connect request, a received message with its sender and incarnation, `tick(now)`, a peer
+dropped) and returns the effects as frozen dataclasses, in the order the runtime must execute
+them.  Time is always an argument; nothing here logs, reads a clock or touches asyncio.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvflow.errors import KVFlowError, LayoutMismatch, PeerProtocolError
+from kvflow.layout import KVLayout, check_compatible, layout_from_wire
+from kvflow.protocol.messages import ControlMessage, Goodbye, Heartbeat, Hello, Message, Reject, TransferKey
+
+__all__ = (
+    "AddRoute",
+    "AddTransportPeer",
+    "AssociationAction",
+    "Associations",
+    "AwaitHandshake",
+    "Deliver",
+    "HandshakeSettled",
+    "Liveness",
+    "PeerConnected",
+    "PendingHello",
+    "Refused",
+    "RenewLeases",
+    "SendControl",
+    "SendHeartbeat",
+    "SendHello",
+    "TearDown",
+    "UnknownSender",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class PendingHello:
+    """A Hello that passed every check; it associates its sender once the route is added."""
+
+    incarnation: int
+    hello: Hello
+    layout: KVLayout
+
+
+@dataclass(frozen=True, slots=True)
+class AddRoute:
+    """Tell the control channel where `peer` listens.  With `pending`, the outcome is an input:
+    `route_added` on success, `route_refused` when the channel refuses the address."""
+
+    peer: str
+    address: str
+    pending: PendingHello | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class AwaitHandshake:
+    """A local connect waits for the handshake with `peer` to settle."""
+
+    peer: str
+
+
+@dataclass(frozen=True, slots=True)
+class SendHello:
+    """Send this engine's Hello.  A failure propagates, unless `best_effort` (then it is logged)."""
+
+    peer: str
+    reply: bool
+    best_effort: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class SendControl:
+    """Send a Reject or Goodbye, best effort: a failure is counted and logged."""
+
+    peer: str
+    message: Reject | Goodbye
+
+
+@dataclass(frozen=True, slots=True)
+class SendHeartbeat:
+    """Send a Heartbeat listing the transfers this side still waits on from `peer` at that
+    moment; best effort, like `SendControl`."""
+
+    peer: str
+
+
+@dataclass(frozen=True, slots=True)
+class AddTransportPeer:
+    peer: str
+    metadata: bytes
+    layout: KVLayout
+
+
+@dataclass(frozen=True, slots=True)
+class TearDown:
+    """Remove `peer` from the transport and tell the transfer core it is lost.  The association
+    itself is already forgotten here."""
+
+    peer: str
+    reason: str
+    expected: bool = False  # a goodbye: not worth a warning
+
+
+@dataclass(frozen=True, slots=True)
+class RenewLeases:
+    """`peer` still waits on these transfers: hold their blocks at least `lease` past `now`."""
+
+    peer: str
+    keys: tuple[TransferKey, ...]
+    now: float
+    lease: float
+
+
+@dataclass(frozen=True, slots=True)
+class HandshakeSettled:
+    """The handshake with `peer` ended: associated (`error` None) or refused."""
+
+    peer: str
+    error: KVFlowError | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PeerConnected:
+    """A new association: transfers waiting for `peer` may start."""
+
+    peer: str
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """A Hello from `peer` was refused, for the log."""
+
+    peer: str
+    error: KVFlowError
+
+
+@dataclass(frozen=True, slots=True)
+class UnknownSender:
+    """A message from a peer not associated (or from an old incarnation of it), dropped."""
+
+    peer: str
+
+
+@dataclass(frozen=True, slots=True)
+class Deliver:
+    """A transfer message from an associated peer, for the transfer core."""
+
+    peer: str
+    message: Message
+
+
+AssociationAction = (
+    AddRoute
+    | AwaitHandshake
+    | SendHello
+    | SendControl
+    | SendHeartbeat
+    | AddTransportPeer
+    | TearDown
+    | RenewLeases
+    | HandshakeSettled
+    | PeerConnected
+    | Refused
+    | UnknownSender
+    | Deliver
+)
+
+
+class Liveness:
+    """When each peer is due a heartbeat, and when a silent one counts as lost."""
+
+    def __init__(self, lease: float, interval: float) -> None:
+        self.lease = lease
+        self.interval = interval
+        self._heard: dict[str, float] = {}
+        self._next_beat: dict[str, float] = {}
+
+    def add(self, peer: str, now: float) -> None:
+        self._heard[peer] = now
+        self._next_beat[peer] = now + self.interval
+
+    def remove(self, peer: str) -> None:
+        self._heard.pop(peer, None)
+        self._next_beat.pop(peer, None)
+
+    def heard(self, peer: str, now: float) -> None:
+        if peer in self._heard:
+            self._heard[peer] = max(self._heard[peer], now)
+
+    def due(self, now: float) -> list[str]:
+        """Peers to send a heartbeat to now (each is then scheduled one interval later)."""
+        peers = [p for p, at in self._next_beat.items() if at <= now]
+        for peer in peers:
+            self._next_beat[peer] = now + self.interval
+        return sorted(peers)
+
+    def expired(self, now: float) -> list[str]:
+        return sorted(p for p, at in self._heard.items() if at + self.lease <= now)
+
+    def next_deadline(self) -> float | None:
+        times = list(self._next_beat.values()) + [at + self.lease for at in self._heard.values()]
+        return min(times, default=None)
+
+
+class Associations:
+    """One engine's peers: live associations, their incarnations and liveness, and the peers
+    it tore down moments ago and will not associate with yet."""
+
+    def __init__(self, engine_id: str, fingerprint: dict[str, int | str], lease: float, interval: float) -> None:
+        self.engine_id = engine_id
+        self.fingerprint = fingerprint
+        self.layouts: dict[str, KVLayout] = {}
+        self.incarnations: dict[str, int] = {}
+        self.liveness = Liveness(lease, interval)
+        self.cooling: dict[str, float] = {}  # torn-down peers whose late ops may still land: until when
+
+    def peers(self) -> list[str]:
+        return sorted(self.layouts)
+
+    # ---------------------------------------------------------------- local inputs
+
+    def connect(self, peer: str, address: str) -> list[AssociationAction]:
+        """Start a handshake with `peer` (nothing to do when already associated)."""
+        if peer in self.layouts:
+            return []
+        route: list[AssociationAction] = [AddRoute(peer, address)] if address else []
+        return [*route, AwaitHandshake(peer), SendHello(peer, reply=False)]
+
+    def dropped(self, peer: str) -> None:
+        """`peer` is being torn down: forget the association."""
+        self.layouts.pop(peer, None)
+        self.incarnations.pop(peer, None)
+        self.liveness.remove(peer)
+
+    def start_cooling(self, peer: str, until: float) -> None:
+        """Refuse new associations with `peer` until `stop_cooling` (its late ops may land)."""
+        self.cooling[peer] = until
+
+    def stop_cooling(self, peer: str) -> None:
+        self.cooling.pop(peer, None)
+
+    def goodbye_all(self, reason: str) -> list[AssociationAction]:
+        return [SendControl(peer, Goodbye(reason)) for peer in sorted(self.layouts)]
+
+    def tick(self, now: float) -> list[AssociationAction]:
+        """End associations whose peer stayed silent for a lease; send due heartbeats."""
+        actions: list[AssociationAction] = []
+        for peer in self.liveness.expired(now):
+            self.dropped(peer)
+            actions.append(TearDown(peer, f"no message for {self.liveness.lease}s"))
+        actions += [SendHeartbeat(peer) for peer in self.liveness.due(now)]
+        return actions
+
+    # ---------------------------------------------------------------- inbound
+
+    def receive(self, sender: str, incarnation: int, message: ControlMessage, now: float) -> list[AssociationAction]:
+        """A control message from `sender` (in its run `incarnation`).  Never raises."""
+        if isinstance(message, Hello):
+            return self._on_hello(sender, incarnation, message, now)
+        if isinstance(message, Reject):
+            return [HandshakeSettled(sender, PeerProtocolError(f"{sender!r} refused the handshake: {message.reason}"))]
+        known = self.incarnations.get(sender)
+        if known is None or known != incarnation:
+            return [UnknownSender(sender)]  # not associated, or an old run
+        self.liveness.heard(sender, now)
+        if isinstance(message, Goodbye):
+            self.dropped(sender)
+            return [TearDown(sender, f"peer said goodbye: {message.reason}", expected=True)]
+        if isinstance(message, Heartbeat):
+            return [RenewLeases(sender, message.keys, now, self.liveness.lease)]
+        return [Deliver(sender, message)]  # about one transfer: the core's business
+
+    def route_added(self, peer: str, pending: PendingHello, now: float) -> list[AssociationAction]:
+        """The route from a Hello's `AddRoute` is in place: associate."""
+        return self._associate(peer, pending, now)
+
+    def route_refused(self, peer: str, pending: PendingHello, error: KVFlowError) -> list[AssociationAction]:
+        """The control channel refused the address a Hello gave: refuse the peer."""
+        return self._refuse(peer, pending.hello, error)
+
+    def _on_hello(self, sender: str, incarnation: int, hello: Hello, now: float) -> list[AssociationAction]:
+        known = self.incarnations.get(sender)
+        if hello.reply and known == incarnation:
+            # the answer to our Hello, after the peer's own Hello had associated us
+            return [HandshakeSettled(sender)]
+        try:
+            if sender in self.cooling:
+                wait = self.cooling[sender] - now
+                raise PeerProtocolError(f"{self.engine_id!r} tore {sender!r} down moments ago; retry in {wait:.1f}s")
+            if hello.engine_id != sender:
+                raise PeerProtocolError(f"hello from {sender!r} claims to be {hello.engine_id!r}")
+            check_compatible(self.fingerprint, hello.fingerprint)
+            pending = PendingHello(incarnation, hello, layout_from_wire(hello.layout))
+        except KVFlowError as exc:
+            return self._refuse(sender, hello, exc)
+        if hello.control_address:
+            return [AddRoute(sender, hello.control_address, pending)]
+        return self._associate(sender, pending, now)
+
+    def _refuse(self, sender: str, hello: Hello, error: KVFlowError) -> list[AssociationAction]:
+        actions: list[AssociationAction] = [Refused(sender, error)]
+        if not hello.reply:
+            if isinstance(error, LayoutMismatch):  # our Hello lets the peer name the field too
+                actions.append(SendHello(sender, reply=True, best_effort=True))
+            else:
+                actions.append(SendControl(sender, Reject(str(error))))
+        actions.append(HandshakeSettled(sender, error))
+        return actions
+
+    def _associate(self, sender: str, pending: PendingHello, now: float) -> list[AssociationAction]:
+        actions: list[AssociationAction] = []
+        if sender in self.layouts:
+            # The peer started over (a new run, or a new association after tearing us down):
+            # nothing of the old association may survive it.
+            self.dropped(sender)
+            actions.append(TearDown(sender, "peer started a new association"))
+        actions.append(AddTransportPeer(sender, pending.hello.transport_metadata, pending.layout))
+        self.layouts[sender] = pending.layout
+        self.incarnations[sender] = pending.incarnation
+        self.liveness.add(sender, now)
+        if not pending.hello.reply:
+            actions.append(SendHello(sender, reply=True))
+        actions += [HandshakeSettled(sender), PeerConnected(sender, now)]
+        return actions

@@ -1,0 +1,182 @@
+"""The transfer store: one engine's machines, their epochs, deadlines and early messages.
+
+Why its own module: two parts of the core change transfers, and both need the same bookkeeping.
+`TransferCore` runs the local API, the data plane and time; `PeerInbox` refines what peers
+send.  Neither may reach into the other: both open, find, re-time and forget transfers through
+this store, and feed inputs to machines through `TransferCore.feed`.  The store decides nothing
+about states; it only keeps each record, its epoch set, its block account and its timer
+consistent with one another.  Pure code: time is an argument.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, fields
+
+from kvflow.errors import ConfigError, UnknownTransfer
+from kvflow.protocol.ledger import BlockLedger
+from kvflow.protocol.machine import Machine
+from kvflow.protocol.messages import Message, Notice, Ready, TransferKey
+from kvflow.protocol.state import ACTIVE, TERMINAL, Mode, Role
+
+__all__ = ("CoreConfig", "CoreStats", "Owner", "TransferStore")
+
+Owner = tuple[TransferKey, Role]
+
+
+@dataclass(frozen=True, slots=True)
+class CoreConfig:
+    fence_timeout: float = 10.0  # wait for a peer's fence (or D's ack) before declaring it lost
+    retention: float = 60.0  # keep finished machines this long to absorb late messages
+    max_unstarted: int = 4096  # P: registrations for transfers it has not started itself
+    max_ttl: float = 3600.0  # cap on a peer-supplied time-to-live
+    max_batches: int = 4096
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            if getattr(self, f.name) <= 0:
+                raise ConfigError(f"core config {f.name} must be > 0, got {getattr(self, f.name)}")
+
+
+@dataclass(slots=True)
+class CoreStats:
+    ignored: int = 0  # late or duplicate messages absorbed by a state
+    unknown_transfer: int = 0  # messages or notifications for no known transfer
+    stale_epoch: int = 0  # for a transfer id known here, but another epoch
+    malformed_notifications: int = 0
+    foreign_peer: int = 0  # about a transfer, but from a peer that is not its peer
+    protocol_violations: int = 0  # an input the table does not allow, from a peer
+    rejected_registrations: int = 0
+    early_messages: int = 0  # about transfers not started here yet, kept until they start
+    completed: int = 0
+    failed: int = 0
+
+
+GC = -1  # the timer generation of an entry that forgets a finished machine
+
+
+class TransferStore:
+    """Machines by (key, role), the epochs seen per (transfer id, role), the deadline heap, the
+    block ledger's accounts and the messages held for transfers not started yet."""
+
+    def __init__(self, config: CoreConfig) -> None:
+        self.config = config
+        self.ledger = BlockLedger()
+        self._machines: dict[Owner, Machine] = {}
+        self._epochs: dict[tuple[str, Role], set[int]] = {}
+        self._timers: list[tuple[float, int, Owner, int]] = []  # (when, seq, owner, gen); gen GC: forget
+        self._seq = 0
+        # messages about transfers not started here yet (a peer's notice or ready came first)
+        self._early: dict[TransferKey, list[tuple[str, Message, float]]] = {}
+
+    # ------------------------------------------------------------------ records
+
+    def get(self, key: TransferKey, role: Role) -> Machine | None:
+        return self._machines.get((key, role))
+
+    def machine(self, key: TransferKey, role: Role) -> Machine:
+        """:raises UnknownTransfer: no such machine (or it was already forgotten)."""
+        m = self._machines.get((key, role))
+        if m is None:
+            raise UnknownTransfer(f"no {role.value} transfer {key}")
+        return m
+
+    def get_owner(self, owner: Owner) -> Machine | None:
+        return self._machines.get(owner)
+
+    def machines(self) -> list[Machine]:
+        return list(self._machines.values())
+
+    def live(self) -> list[Machine]:
+        """Machines not yet terminal (including D's NOTIFIED awaiting delivery)."""
+        return [m for m in self._machines.values() if m.state not in TERMINAL]
+
+    def epochs(self, transfer_id: str, role: Role) -> frozenset[int]:
+        """The epochs of `transfer_id` this side still has a machine for (empty: none)."""
+        return frozenset(self._epochs.get((transfer_id, role), ()))
+
+    def create(self, key: TransferKey, role: Role, mode: Mode, peer: str | None, deadline: float) -> Machine:
+        """Open a transfer: its record, its epoch, its block account and its deadline."""
+        m = Machine(key, role, mode, peer, deadline)
+        self._machines[m.owner] = m
+        self._epochs.setdefault((key.transfer_id, role), set()).add(key.epoch)
+        self.ledger.open(m.owner, exclusive=role is Role.DECODE)
+        self.set_timer(m, deadline)
+        return m
+
+    def forget(self, m: Machine) -> None:
+        del self._machines[m.owner]
+        epochs = self._epochs[(m.key.transfer_id, m.role)]
+        epochs.discard(m.key.epoch)
+        if not epochs:
+            del self._epochs[(m.key.transfer_id, m.role)]
+
+    # ------------------------------------------------------------------ time
+
+    def set_deadline(self, m: Machine, deadline: float) -> None:
+        """Move the transfer's deadline; its timer follows while the transfer is active."""
+        m.deadline = deadline
+        if m.state in ACTIVE:
+            self.set_timer(m, deadline)
+
+    def set_timer(self, m: Machine, when: float | None) -> None:
+        """Arm the machine's one timer at `when` (None: disarm); an earlier arming no longer fires."""
+        if when is not None and when == m.timer_at:
+            return
+        m.timer_gen += 1
+        m.timer_at = when
+        if when is not None:
+            self._push(when, m.owner, m.timer_gen)
+
+    def forget_at(self, m: Machine, when: float) -> None:
+        """Have `pop_due` hand the (finished) machine back at `when`, to be forgotten."""
+        self._push(when, m.owner, GC)
+
+    def next_deadline(self) -> float | None:
+        while self._timers:
+            when, _, owner, gen = self._timers[0]
+            m = self._machines.get(owner)
+            if gen == GC or (m is not None and m.timer_gen == gen and m.timer_at == when):
+                return when
+            heapq.heappop(self._timers)
+        return None
+
+    def pop_due(self, now: float) -> tuple[float, Machine | None, int] | None:
+        """The earliest entry due at `now` (when, its machine if still known, its generation,
+        `GC` for a forget entry), removed from the heap; None when nothing is due."""
+        if not self._timers or self._timers[0][0] > now:
+            return None
+        when, _, owner, gen = heapq.heappop(self._timers)
+        return when, self._machines.get(owner), gen
+
+    def _push(self, when: float, owner: Owner, gen: int) -> None:
+        self._seq += 1
+        heapq.heappush(self._timers, (when, self._seq, owner, gen))
+
+    # ------------------------------------------------------------------ early messages
+
+    def hold_early(self, peer: str, message: Message, now: float) -> None:
+        """Keep, for `retention` seconds, a message about a transfer not started here yet: the
+        peer may legitimately be ahead (pull: P is ready before D allocates; either side gave
+        up before the other started).  Bounded: the oldest transfers' messages go first."""
+        for old, held in list(self._early.items()):
+            if held[0][2] > now and len(self._early) < self.config.max_unstarted:
+                break
+            del self._early[old]
+        held = self._early.setdefault(message.key, [])
+        if isinstance(message, Notice):
+            # The peer withdrew: a ready message kept before it names blocks it may now reuse,
+            # and this side has answered (or will answer) that nothing of it is in flight.
+            held[:] = [entry for entry in held if not isinstance(entry[1], Ready)]
+        held.append((peer, message, now + self.config.retention))
+
+    def has_early(self, key: TransferKey) -> bool:
+        return key in self._early
+
+    def pop_early(self, key: TransferKey, now: float) -> list[tuple[str, Message]]:
+        """Take what peers said about `key` before it started here and is still fresh, in order."""
+        return [(peer, message) for peer, message, until in self._early.pop(key, []) if until > now]
+
+    def drop_early_from(self, peer: str) -> None:
+        """Forget what `peer` said about transfers not started here (it was torn down)."""
+        self._early = {key: held for key, held in self._early.items() if held[0][0] != peer}

@@ -1,0 +1,251 @@
+"""The structure the code promises, checked on its syntax trees (no imports are executed).
+
+* No module reads another object's underscore names: a class that needs something of another
+  class asks through a public method, so no class is a hidden friend of another.  Third-party
+  private names kvflow must use are listed, with the reason, in `THIRD_PARTY_PRIVATE`.
+* No import cycles between kvflow modules (module-level, TYPE_CHECKING and function-level
+  imports all count: a cycle hidden in a function is still a cycle in the design).
+* Layers: the sans-IO protocol and the layout know nothing of I/O or of the layers above them;
+  the control plane does not know the runtime; only the tools use the tools, only the test
+  helpers use the test helpers.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+# Source trees, each with the module prefix its files import as: kvflow/transports and
+# kvflow/integrations are symlinks to the top-level folders, which are read once, from there.
+TREES = {
+    "kvflow": "kvflow",
+    "transports": "kvflow.transports",
+    "integrations": "kvflow.integrations",
+    "examples": "examples",
+}
+
+# (file, name) -> why: the only underscore names read on objects other than self/cls.  None is
+# needed today: vLLM's `_kv_cache_manager` is read by the connector on itself (it subclasses
+# vLLM's connector base, which keeps it), and numpy, zmq, torch and NIXL are used through their
+# public APIs only.
+THIRD_PARTY_PRIVATE: dict[tuple[str, str], str] = {}
+
+PURE_LAYERS = ("kvflow.protocol", "kvflow.layout")
+ABOVE_PURE = (
+    "kvflow.runtime",
+    "kvflow.control",
+    "kvflow.tools",
+    "kvflow.testing",
+    "kvflow.transports",
+    "kvflow.integrations",
+)
+IO_MODULES = ("asyncio", "socket", "zmq", "threading", "time", "logging", "selectors")
+
+
+@dataclass(frozen=True, slots=True)
+class Source:
+    path: str  # relative to the repository root, through the real folders
+    module: str
+    tree: ast.Module
+
+    @property
+    def is_package(self) -> bool:
+        return self.path.endswith("__init__.py")
+
+
+def sources() -> list[Source]:
+    found = []
+    for top, prefix in TREES.items():
+        for folder, dirs, files in os.walk(ROOT / top):  # does not descend into symlinked folders
+            dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+            for name in sorted(files):
+                if not name.endswith(".py"):
+                    continue
+                path = Path(folder, name)
+                relative = path.relative_to(ROOT / top).with_suffix("").parts
+                parts = [*prefix.split("."), *relative]
+                if parts[-1] == "__init__":
+                    parts.pop()
+                source = Source(str(path.relative_to(ROOT)), ".".join(parts), ast.parse(path.read_text(), str(path)))
+                found.append(source)
+    return found
+
+
+SOURCES = sources()
+MODULES = {s.module for s in SOURCES}
+
+
+def within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+# ---------------------------------------------------------------------- private names
+
+
+def private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def own(node: ast.expr) -> bool:
+    """`self`, `cls` or `super()`: the object's own names."""
+    if isinstance(node, ast.Name):
+        return node.id in ("self", "cls")
+    return isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "super"
+
+
+def private_reads(source: Source) -> Iterator[tuple[int, str, str]]:
+    """(line, name, what) for every read of another object's underscore name."""
+    for node in ast.walk(source.tree):
+        if isinstance(node, ast.Attribute) and private(node.attr) and not own(node.value):
+            yield node.lineno, node.attr, ast.unparse(node)
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "setattr", "hasattr", "delattr")
+            and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant)
+            and isinstance(node.args[1].value, str)
+            and private(node.args[1].value)
+            and not own(node.args[0])
+        ):
+            yield node.lineno, node.args[1].value, ast.unparse(node)
+        elif isinstance(node, ast.ImportFrom):
+            target = resolve(source, node)
+            if within(target, "kvflow"):
+                for alias in node.names:
+                    if private(alias.name):
+                        yield node.lineno, alias.name, f"from {target} import {alias.name}"
+
+
+def test_no_module_reads_another_objects_private_names() -> None:
+    found = [
+        f"{s.path}:{line}: {what}"
+        for s in SOURCES
+        for line, name, what in private_reads(s)
+        if (s.path, name) not in THIRD_PARTY_PRIVATE
+    ]
+    assert not found, "private names read from outside their object:\n" + "\n".join(found)
+
+
+def test_every_allowed_private_name_is_still_used() -> None:
+    used = {(s.path, name) for s in SOURCES for _, name, _ in private_reads(s)}
+    assert not set(THIRD_PARTY_PRIVATE) - used, "allowlist entries no code needs any more"
+
+
+# ---------------------------------------------------------------------- imports
+
+
+def resolve(source: Source, node: ast.ImportFrom) -> str:
+    """The absolute module an ImportFrom reads from."""
+    if not node.level:
+        return node.module or ""
+    base = source.module.split(".")
+    if not source.is_package:
+        base.pop()
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join([*base, node.module] if node.module else base)
+
+
+def imports(source: Source) -> Iterator[tuple[int, str]]:
+    """(line, module) for every module this one imports, at any depth of the file."""
+    for node in ast.walk(source.tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name
+        elif isinstance(node, ast.ImportFrom):
+            target = resolve(source, node)
+            yield node.lineno, target
+            for alias in node.names:
+                if f"{target}.{alias.name}" in MODULES:  # `from package import module`
+                    yield node.lineno, f"{target}.{alias.name}"
+
+
+def kvflow_graph() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for source in SOURCES:
+        if within(source.module, "kvflow"):
+            graph[source.module] = {m for _, m in imports(source) if m in MODULES and m != source.module}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle per strongly connected component of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        on_stack.add(module)
+        for other in sorted(graph.get(module, ())):
+            if other not in index:
+                visit(other)
+                low[module] = min(low[module], low[other])
+            elif other in on_stack:
+                low[module] = min(low[module], index[other])
+        if low[module] == index[module]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == module:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return found
+
+
+def test_kvflow_modules_import_no_cycle() -> None:
+    assert not cycles(kvflow_graph())
+
+
+def test_the_cycle_finder_finds_a_cycle() -> None:
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def layering_violations(source: Source) -> Iterator[str]:
+    module = source.module
+    for line, imported in imports(source):
+        where = f"{source.path}:{line}: {module} imports {imported}"
+        if any(within(module, pure) for pure in PURE_LAYERS):
+            if any(within(imported, above) for above in ABOVE_PURE):
+                yield f"{where} (the sans-IO layers import nothing above them)"
+            if any(within(imported, io) for io in IO_MODULES):
+                yield f"{where} (the sans-IO layers do no I/O and read no clock)"
+        if within(module, "kvflow.layout") and within(imported, "kvflow.protocol"):
+            yield f"{where} (the layout is below the protocol)"
+        if within(module, "kvflow.control") and within(imported, "kvflow.runtime"):
+            yield f"{where} (the control plane does not know the engine)"
+        for helpers in ("kvflow.tools", "kvflow.testing"):
+            if within(module, "kvflow") and within(imported, helpers) and not within(module, helpers):
+                yield f"{where} (only {helpers} itself uses {helpers})"
+
+
+def test_layers_import_only_downwards() -> None:
+    found = [v for s in SOURCES for v in layering_violations(s)]
+    assert not found, "\n".join(found)
+
+
+def test_every_tree_is_read_once_through_its_real_folder() -> None:
+    paths = [s.path for s in SOURCES]
+    assert len(paths) == len(set(paths)) and len(MODULES) == len(SOURCES)
+    for module in (
+        "kvflow.protocol.core",
+        "kvflow.transports.loopback",
+        "kvflow.integrations.vllm",
+        "examples.embed_loopback",
+    ):
+        assert module in MODULES
+    assert not [p for p in paths if p.startswith(("kvflow/transports/", "kvflow/integrations/"))]
