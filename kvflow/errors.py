@@ -15,6 +15,7 @@ import contextlib
 from collections.abc import Iterator, Mapping
 
 __all__ = (
+    "BenchError",
     "BlockConflict",
     "ConfigError",
     "EngineClosed",
@@ -23,8 +24,11 @@ __all__ = (
     "InvalidTransition",
     "KVFlowError",
     "LayoutMismatch",
+    "LedgerError",
+    "LegFailed",
     "PeerProtocolError",
     "PeerUnknown",
+    "PeerUnreachable",
     "StaleEpoch",
     "TransferFailed",
     "TransferTimeout",
@@ -32,6 +36,8 @@ __all__ = (
     "TransportUnavailable",
     "UnknownTransfer",
     "UnknownTransport",
+    "UnsupportedVersion",
+    "UsageError",
     "map_exceptions",
 )
 
@@ -68,6 +74,11 @@ class BlockConflict(KVFlowError):
     """A destination block is already held by another live or quarantined transfer."""
 
 
+class LedgerError(KVFlowError):
+    """A hold was opened twice, or released twice or never existed: a bug in whoever drives the
+    block ledger, or an engine that closed still holding blocks."""
+
+
 class InvalidBatch(KVFlowError, ValueError):
     """A batch of KV blocks is malformed: empty, out of range, overlapping, or too many."""
 
@@ -90,8 +101,13 @@ class UnknownTransport(KVFlowError, LookupError):
     """No transport is registered under the requested name."""
 
 
+class UsageError(KVFlowError, RuntimeError):
+    """An object was used against its contract, out of order (an engine or a control channel
+    started twice, a worker used before its KV caches were registered): a bug in the caller."""
+
+
 class EngineClosed(KVFlowError):
-    """The engine was closed; it accepts no more work."""
+    """The engine (or its control channel or writer) was closed; it accepts no more work."""
 
 
 class EngineCrashed(KVFlowError):
@@ -107,8 +123,23 @@ class PeerProtocolError(KVFlowError):
     """A peer sent a malformed or unexpected control message or notification."""
 
 
+class UnsupportedVersion(PeerProtocolError):
+    """A peer's control frame is well formed but speaks another protocol version."""
+
+    def __init__(self, version: object, sender: str, supported: int) -> None:
+        self.version = version
+        self.sender = sender
+        self.supported = supported
+        super().__init__(f"{sender!r} speaks control protocol version {version!r}; this engine speaks {supported}")
+
+
 class PeerUnknown(KVFlowError):
-    """An operation named a peer that has not completed a handshake with this engine."""
+    """An operation named a peer this engine has no route to (no address, no such engine)."""
+
+
+class PeerUnreachable(KVFlowError):
+    """A known peer cannot be sent to now: its send queue is full (it is not reading), its
+    connection failed, or it stopped running."""
 
 
 class TransferFailed(KVFlowError):
@@ -134,6 +165,18 @@ class TransportError(KVFlowError):
 
 class TransportUnavailable(TransportError):
     """A transport's library or device is missing; the message carries an install hint."""
+
+
+class BenchError(KVFlowError):
+    """A benchmark's engine process died, or a request did not complete in time."""
+
+
+class LegFailed(KVFlowError):
+    """The router's prefill or decode leg (`leg`) got no answer, or an HTTP error, from its server."""
+
+    def __init__(self, leg: str, reason: str) -> None:
+        self.leg = leg
+        super().__init__(f"{leg} leg failed: {reason}")
 
 
 @contextlib.contextmanager

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 
 from kvflow.control import wire
-from kvflow.errors import PeerProtocolError
+from kvflow.errors import PeerProtocolError, UnsupportedVersion
 from kvflow.layout import fingerprint, layout_to_wire
 from kvflow.protocol.messages import (
     ControlMessage,
@@ -111,7 +111,7 @@ def test_limits_and_versions() -> None:
     with pytest.raises(PeerProtocolError, match="bytes of at most"):
         wire.decode(b"\x00" * (wire.MAX_FRAME_BYTES + 1))
     future = msgpack.packb([wire.MAGIC, 2, "peer", 1, "me", 1, 2, []])
-    with pytest.raises(wire.UnsupportedVersion, match="'peer' speaks control protocol version 2; this engine speaks 1"):
+    with pytest.raises(UnsupportedVersion, match="'peer' speaks control protocol version 2; this engine speaks 1"):
         wire.decode(future)
     reject = msgpack.packb([wire.MAGIC, 2, "peer", 1, "me", 1, 0, ["too old"]])
     assert wire.decode(reject).message == Reject("too old")  # readable across versions

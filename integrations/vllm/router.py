@@ -29,6 +29,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from kvflow.errors import LegFailed
 from kvflow.integrations.vllm.mapping import PeerRef, TransferParams
 
 log = logging.getLogger("kvflow.router")
@@ -50,12 +51,6 @@ class RouterConfig:
     decode: Backend
     mode: str = "push"
     timeout: float = 600.0  # bound on every wait: P's answer, D's head, each chunk of D's body
-
-
-class LegFailed(Exception):
-    def __init__(self, leg: str, reason: str) -> None:
-        super().__init__(f"{leg} leg failed: {reason}")
-        self.leg = leg
 
 
 CONFIG = web.AppKey("config", RouterConfig)

@@ -38,7 +38,7 @@ from typing import Any
 
 from kvflow.control.channel import ControlChannel
 from kvflow.control.zeromq import ZmqControl
-from kvflow.errors import ConfigError, KVFlowError, UnknownTransfer
+from kvflow.errors import ConfigError, KVFlowError, UnknownTransfer, UsageError
 from kvflow.integrations.vllm.device import Device, Gate, GateWaiter, HostDevice
 from kvflow.integrations.vllm.kv_caches import CacheDescription
 from kvflow.integrations.vllm.mapping import Order, Orders, PeerRef, rank_peer
@@ -479,5 +479,5 @@ class WorkerSide:
 
     def _thread(self) -> EngineThread:
         if self.thread is None:
-            raise ConfigError("kvflow worker used before register_kv_caches")
+            raise UsageError("kvflow worker used before register_kv_caches")
         return self.thread

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-from kvflow.errors import EngineClosed, PeerUnknown
+from kvflow.errors import EngineClosed, PeerUnknown, PeerUnreachable
 from kvflow.protocol.messages import ControlMessage
 
 __all__ = ("ControlChannel", "LocalControl", "LocalControlHub", "MessageHandler", "new_incarnation")
@@ -53,6 +53,8 @@ class ControlChannel(Protocol):
         """Queue a message for `peer`; never blocks.
 
         :raises PeerUnknown: no route to `peer`.
+        :raises PeerUnreachable: `peer` is known but cannot take the message now (it is not
+            reading, its connection failed, or it stopped).
         :raises EngineClosed: the channel was closed.
         """
 
@@ -88,7 +90,7 @@ class LocalControlHub:
         try:
             loop.call_soon_threadsafe(self._deliver, handler, peer, sender, incarnation, message)
         except RuntimeError as exc:  # the peer's loop is closed: it is gone
-            raise PeerUnknown(f"engine {peer!r} is no longer running") from exc
+            raise PeerUnreachable(f"engine {peer!r} is no longer running") from exc
 
     def _deliver(
         self, handler: MessageHandler, peer: str, sender: str, incarnation: int, message: ControlMessage

@@ -26,7 +26,7 @@ from typing import Any
 
 import msgpack
 
-from kvflow.errors import ConfigError, PeerProtocolError
+from kvflow.errors import ConfigError, PeerProtocolError, UnsupportedVersion
 from kvflow.layout import layout_from_wire
 from kvflow.protocol.messages import (
     ControlMessage,
@@ -47,7 +47,6 @@ __all__ = (
     "MAX_FRAME_BYTES",
     "VERSION",
     "Envelope",
-    "UnsupportedVersion",
     "decode",
     "encode",
 )
@@ -64,15 +63,6 @@ MAX_METADATA = 1 << 19
 MAX_EPOCH = (1 << 63) - 1
 OUTCOMES = frozenset({"aborted", "failed", "expired"})
 ROLES = frozenset({"prefill", "decode", "both"})
-
-
-class UnsupportedVersion(PeerProtocolError):
-    """The envelope is well formed but speaks another protocol version."""
-
-    def __init__(self, version: object, sender: str) -> None:
-        self.version = version
-        self.sender = sender
-        super().__init__(f"{sender!r} speaks control protocol version {version!r}; this engine speaks {VERSION}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -303,7 +293,7 @@ def decode(frame: bytes) -> Envelope:
     receiver = _text(receiver, "receiver", MAX_ID, empty=False)
     seq = _int(seq, "sequence number", 0, MAX_EPOCH)
     if version != VERSION and code != 0:
-        raise UnsupportedVersion(version, sender)
+        raise UnsupportedVersion(version, sender, VERSION)
     decoder = _DECODERS.get(code) if type(code) is int else None
     if decoder is None:
         raise _fail(f"unknown message type {code!r}")

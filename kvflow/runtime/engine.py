@@ -31,13 +31,14 @@ from kvflow.errors import (
     EngineClosed,
     EngineCrashed,
     KVFlowError,
+    LedgerError,
     TransferFailed,
     TransferTimeout,
+    UsageError,
 )
 from kvflow.layout import KVLayout, fingerprint, plan_transfer
 from kvflow.protocol.actions import Action, DeclarePeerLost, ReleaseBlocks, Resolve, SendMessage, SubmitOp
 from kvflow.protocol.core import CoreConfig, TransferCore
-from kvflow.protocol.ledger import LedgerError
 from kvflow.protocol.messages import ControlMessage, TransferKey
 from kvflow.protocol.state import Mode, Outcome, Role
 from kvflow.runtime.association import Associations
@@ -155,9 +156,10 @@ class Engine:
         """Register memory with the transport and start receiving.
 
         :raises TransportError: the transport refused the regions.
+        :raises UsageError: the engine was started before.
         """
         if self._state != "new":
-            raise EngineClosed(f"engine {self.engine_id!r} was already started")
+            raise UsageError(f"engine {self.engine_id!r} was already started")
         self._loop = asyncio.get_running_loop()
         self.transport.register_regions(self.layout.regions)
         self.transport.set_listener(self._wake_from_transport)
