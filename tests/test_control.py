@@ -19,7 +19,7 @@ from kvflow.control.channel import LocalControlHub
 from kvflow.control.zeromq import ZmqControl, is_loopback
 from kvflow.errors import ConfigError, PeerUnknown, PeerUnreachable, TransferTimeout, UsageError
 from kvflow.protocol.messages import ControlMessage, Goodbye, Heartbeat, Notice, Ready, Registration, TransferKey
-from kvflow.protocol.state import Mode
+from kvflow.protocol.state import Mode, Outcome
 from kvflow.runtime.engine import Engine, EngineConfig
 from kvflow.testing import SMALL_SPEC, KVBuffers, same_kv
 from kvflow.transports.loopback import LoopbackFabric
@@ -157,7 +157,7 @@ async def test_live_fuzz_of_a_running_engine(pair: Pair) -> None:
     samples: list[ControlMessage] = [
         Registration(key, (0, 1), 1, 5.0),
         Ready(key, (1,)),
-        Notice(key, "aborted", "x"),
+        Notice(key, Outcome.ABORTED, "x"),
         Heartbeat((key,)),
     ]
     valid = [wire.encode(wire.Envelope("mallory", 1, "P", seq, msg)) for seq, msg in enumerate(samples, start=1)]

@@ -25,6 +25,7 @@ from kvflow.protocol.messages import (
     Reject,
     TransferKey,
 )
+from kvflow.protocol.state import Outcome
 from kvflow.testing import SMALL_SPEC, KVBuffers
 
 LAYOUT = layout_to_wire(KVBuffers(SMALL_SPEC, 8).layout)
@@ -35,7 +36,7 @@ text = st.text(max_size=200)
 messages: st.SearchStrategy[ControlMessage] = st.one_of(
     st.builds(Registration, keys, blocks, st.integers(1, 64), st.floats(0.001, 1e6)),
     st.builds(Ready, keys, blocks),
-    st.builds(Notice, keys, st.sampled_from(sorted(wire.OUTCOMES)), text),
+    st.builds(Notice, keys, st.sampled_from(wire.OUTCOMES), text),
     st.builds(Quiesced, keys),
     st.builds(Done, keys),
     st.builds(Heartbeat, st.lists(keys, max_size=20).map(tuple)),
@@ -104,6 +105,20 @@ def test_well_formed_msgpack_of_the_wrong_shape_is_refused(value: object) -> Non
                 wire.decode(frame)
 
 
+def test_a_notice_outcome_travels_as_its_value_and_decodes_to_the_enum() -> None:
+    notice = wire.Envelope("a", 1, "b", 1, Notice(TransferKey("t", 1), Outcome.EXPIRED, "late"))
+    frame = wire.encode(notice)
+    assert msgpack.unpackb(frame)[7][2] == "expired"
+    decoded = wire.decode(frame).message
+    assert isinstance(decoded, Notice) and decoded.outcome is Outcome.EXPIRED
+    # unknown values, "succeeded" (a notice reports giving up) and other types are refused
+    refusal = r"notice outcome must be one of \['aborted', 'failed', 'expired'\]"
+    for outcome in ("exploded", "succeeded", "ABORTED", 1, None, b"aborted"):
+        bad = msgpack.packb([wire.MAGIC, 1, "a", 1, "b", 1, 4, ["t", 1, outcome, ""]], use_bin_type=True)
+        with pytest.raises(PeerProtocolError, match=refusal):
+            wire.decode(bad)
+
+
 def test_limits_and_versions() -> None:
     big = wire.Envelope("a", 1, "b", 1, Goodbye("x" * wire.MAX_FRAME_BYTES))
     with pytest.raises(PeerProtocolError, match="exceeds"):
@@ -115,9 +130,6 @@ def test_limits_and_versions() -> None:
         wire.decode(future)
     reject = msgpack.packb([wire.MAGIC, 2, "peer", 1, "me", 1, 0, ["too old"]])
     assert wire.decode(reject).message == Reject("too old")  # readable across versions
-    bad_outcome = msgpack.packb([wire.MAGIC, 1, "a", 1, "b", 1, 4, ["t", 1, "exploded", ""]])
-    with pytest.raises(PeerProtocolError, match="outcome"):
-        wire.decode(bad_outcome)
     nan_ttl = msgpack.packb([wire.MAGIC, 1, "a", 1, "b", 1, 2, ["t", 1, [1], 1, float("nan")]])
     with pytest.raises(PeerProtocolError, match="ttl"):
         wire.decode(nan_ttl)

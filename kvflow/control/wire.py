@@ -19,10 +19,11 @@ channel's job (`kvflow.control.auth`).
 
 from __future__ import annotations
 
+import enum
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import msgpack
 
@@ -41,6 +42,7 @@ from kvflow.protocol.messages import (
     Reject,
     TransferKey,
 )
+from kvflow.protocol.state import Outcome
 
 __all__ = (
     "MAGIC",
@@ -61,7 +63,7 @@ MAX_BATCHES = 1 << 16
 MAX_KEYS = 1 << 16
 MAX_METADATA = 1 << 19
 MAX_EPOCH = (1 << 63) - 1
-OUTCOMES = frozenset({"aborted", "failed", "expired"})
+OUTCOMES = (Outcome.ABORTED, Outcome.FAILED, Outcome.EXPIRED)  # a notice never says "succeeded"
 ROLES = frozenset({"prefill", "decode", "both"})
 
 
@@ -97,6 +99,18 @@ def _list(value: Any, what: str, limit: int) -> list[Any]:
     if type(value) is not list or len(value) > limit:
         raise _fail(f"{what} must be a list of at most {limit} items")
     return value
+
+
+E = TypeVar("E", bound=enum.Enum)
+
+
+def _member(value: Any, what: str, allowed: tuple[E, ...]) -> E:
+    """The enum member whose value `value` is: an enum travels as its value, and any other
+    value (an unknown one, one not allowed here, another type) is refused."""
+    for member in allowed:
+        if value == member.value:
+            return member
+    raise _fail(f"{what} must be one of {[m.value for m in allowed]}")
 
 
 def _key(tid: Any, epoch: Any) -> TransferKey:
@@ -184,9 +198,7 @@ def _ready(body: Any) -> Ready:
 
 def _notice(body: Any) -> Notice:
     tid, epoch, outcome, reason = _body(body, 4, "notice")
-    if outcome not in OUTCOMES:
-        raise _fail(f"notice outcome must be one of {sorted(OUTCOMES)}")
-    return Notice(_key(tid, epoch), outcome, _text(reason, "reason"))
+    return Notice(_key(tid, epoch), _member(outcome, "notice outcome", OUTCOMES), _text(reason, "reason"))
 
 
 def _quiesced(body: Any) -> Quiesced:
@@ -235,7 +247,7 @@ def _encode_body(message: ControlMessage) -> tuple[int, list[Any]]:
     if isinstance(message, Ready):
         return 3, [message.key.transfer_id, message.key.epoch, list(message.block_ids)]
     if isinstance(message, Notice):
-        return 4, [message.key.transfer_id, message.key.epoch, message.outcome, message.reason]
+        return 4, [message.key.transfer_id, message.key.epoch, message.outcome.value, message.reason]
     if isinstance(message, Quiesced):
         return 5, [message.key.transfer_id, message.key.epoch]
     if isinstance(message, Done):
