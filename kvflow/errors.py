@@ -1,9 +1,32 @@
 """kvflow's exception hierarchy: one root, errors named by what went wrong.
 
-Why a single module: every public function documents what it raises, and callers catch
-`KVFlowError` to be sure nothing from a backend library escapes.  Backends translate their own
-exceptions at the edge with `map_exceptions`, so `nixl`, `zmq` or `msgpack` exception types never
-cross a kvflow boundary.
+Why a single module: every exception kvflow raises is defined here and derives from
+`KVFlowError`, and every public function documents what it raises, so a caller that catches
+`KVFlowError` catches every failure kvflow reports.  A few also derive from the builtin a caller
+would reach for: `UnknownTransfer` is a `KeyError`, `InvalidBatch` and `ConfigError` are
+`ValueError`s, `UnknownTransport` a `LookupError`, `TransferTimeout` a `TimeoutError` and
+`UsageError` a `RuntimeError`.
+
+The rule at the edges: a backend library's exception is mapped only where the library documents
+it as the failure of a call, and only those types, chained with ``from`` (`map_exceptions`, or an
+``except`` naming them):
+
+* NIXL's ``nixl*Error`` types (one per error status) become `TransportError`, and the
+  `RuntimeError` of an agent with no backend plugin `TransportUnavailable`;
+* a missing backend package (`ModuleNotFoundError`) becomes `TransportUnavailable`;
+* ZeroMQ's `ZMQError` becomes `ConfigError` when binding, `PeerUnreachable` when connecting to
+  or sending to a peer (as does asyncio's `RuntimeError` for the closed loop of an in-process peer);
+* aiohttp's `ClientError`, or no answer in time, on one of the router's legs becomes `LegFailed`;
+* `OSError` opening a peer's shared memory, and torch's `RuntimeError` for a device error,
+  become `TransportError`;
+* msgpack's exceptions on a peer's bytes become `PeerProtocolError` (control frames and WRITE
+  notifications) or `TransportError` (transport metadata).  The control-frame decoder, which
+  faces the network, refuses whatever it cannot decode with `PeerProtocolError`.
+
+Anything else, a `KeyError`, `TypeError` or `AttributeError` from kvflow's own code or from a
+library it called wrongly, is a bug: it propagates as it is, so that it stays visible.  Raised
+in an engine callback or on its writer thread, it is recorded and surfaces as `EngineCrashed`
+from the engine's next call and from `aclose`.
 
 Messages follow h11's style: lower case, and they carry the state that made the operation fail
 (transfer, state, input, field), so a log line alone says what happened.

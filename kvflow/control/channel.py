@@ -41,7 +41,11 @@ class ControlChannel(Protocol):
         """This run's incarnation, stamped on every message sent."""
 
     def start(self, loop: asyncio.AbstractEventLoop, handler: MessageHandler) -> None:
-        """Begin delivering messages to `handler(sender, incarnation, message)` on `loop`."""
+        """Begin delivering messages to `handler(sender, incarnation, message)` on `loop`.
+
+        :raises ConfigError: the channel cannot listen where it was told to.
+        :raises UsageError: the channel was started before (where it can tell).
+        """
 
     def add_route(self, peer: str, address: str) -> None:
         """Tell the channel where `peer` listens (a no-op where routes are implicit).
@@ -71,6 +75,7 @@ class LocalControlHub:
         self.delivered = 0
 
     def channel(self, name: str) -> LocalControl:
+        """The endpoint of engine `name`; it receives once started.  Never raises."""
         return LocalControl(self, name)
 
     def _register(self, name: str, loop: asyncio.AbstractEventLoop, handler: MessageHandler) -> None:

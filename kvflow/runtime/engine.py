@@ -102,7 +102,11 @@ class TransferHandle:
         return self._future.done()
 
     async def wait(self, timeout: float | None = None) -> TransferResult:
-        """:raises TransferTimeout: no outcome within `timeout` seconds (the transfer goes on)."""
+        """The outcome, whether success or not (see `TransferResult.raise_for_outcome`).
+
+        :raises TransferTimeout: no outcome within `timeout` seconds (the transfer goes on).
+        :raises EngineClosed: the engine closed before the transfer had an outcome.
+        """
         try:
             return await asyncio.wait_for(asyncio.shield(self._future), timeout)
         except TimeoutError:
@@ -182,12 +186,16 @@ class Engine:
         :raises PeerProtocolError: the peer refused us (for instance, another protocol version).
         :raises TransferTimeout: no answer within `timeout` (default: the config's).
         :raises PeerUnknown: the control channel has no route to the peer.
+        :raises PeerUnreachable: the control channel cannot send to the peer now.
+        :raises ConfigError: `address` is unusable (for instance, unauthenticated off loopback).
+        :raises EngineClosed, EngineCrashed: the engine is not running.
         """
         self._check_open()
         limit = timeout if timeout is not None else self.config.handshake_timeout
         await self.assoc.connect(peer, address, limit)
 
     def peers(self) -> list[str]:
+        """The engines associated with this one now.  Never raises."""
         return sorted(self.assoc.layouts)
 
     async def aclose(self, drain_timeout: float | None = None) -> None:
@@ -316,11 +324,13 @@ class Engine:
         """D (with `auto_deliver` off): the consumer took the blocks of a finished transfer.
 
         :raises UnknownTransfer, InvalidTransition: not a finished D transfer here.
+        :raises EngineCrashed: the engine crashed.
         """
         self._check_crashed()
         self._run(self.core.delivered(TransferKey(transfer_id, epoch), self._now()))
 
     def stats(self) -> dict[str, Any]:
+        """Counters of the core, the engine and the ledger.  Never raises."""
         return {
             **asdict(self.core.stats),
             **self.counters,
@@ -331,7 +341,10 @@ class Engine:
         }
 
     def poke(self) -> None:
-        """Run due deadlines now (tests driving an injected clock call this)."""
+        """Run due deadlines now (tests driving an injected clock call this).
+
+        :raises EngineClosed: the engine was never started and has no injected clock.
+        """
         self._on_timer()
 
     # ------------------------------------------------------------------ executing actions
