@@ -142,3 +142,9 @@ def test_limits_and_versions() -> None:
     )
     with pytest.raises(PeerProtocolError, match="layout"):
         wire.decode(hello)
+    odd_memory = dict(LAYOUT, regions=[[r[0], r[1], "XRAM", r[3]] for r in LAYOUT["regions"]])
+    hello = msgpack.packb(
+        [wire.MAGIC, 1, "a", 1, "b", 1, 1, ["a", "both", {}, odd_memory, b"", False, ""]], use_bin_type=True
+    )
+    with pytest.raises(PeerProtocolError, match=r"layout region memory must be one of \['DRAM', 'VRAM'\], not 'XRAM'"):
+        wire.decode(hello)
