@@ -17,7 +17,7 @@ from kvflow.control import wire
 from kvflow.control.auth import Secret
 from kvflow.control.channel import LocalControlHub
 from kvflow.control.zeromq import ZmqControl, is_loopback
-from kvflow.errors import ConfigError, PeerUnknown, PeerUnreachable, TransferTimeout, UsageError
+from kvflow.errors import ConfigError, EngineClosed, PeerUnknown, PeerUnreachable, TransferTimeout, UsageError
 from kvflow.protocol.messages import ControlMessage, Goodbye, Heartbeat, Notice, Ready, Registration, TransferKey
 from kvflow.protocol.state import Mode, Outcome
 from kvflow.runtime.engine import Engine, EngineConfig
@@ -222,6 +222,8 @@ async def test_another_protocol_version_is_refused_with_the_reason() -> None:
 async def test_send_failures_say_whether_the_peer_is_unknown_or_unreachable() -> None:
     routes = {"slow": "tcp://127.0.0.1:9", "bad": "bogus://x"}  # nothing reads on port 9 (discard)
     control = ZmqControl("A", secret=SECRET, routes=routes, send_queue=1)
+    with pytest.raises(UsageError, match="used before it was started"):
+        control.send("slow", Goodbye("x"))
     control.start(asyncio.get_running_loop(), lambda sender, incarnation, message: None)
     try:
         with pytest.raises(PeerUnknown, match="no control address known for 'nobody'"):
@@ -236,6 +238,8 @@ async def test_send_failures_say_whether_the_peer_is_unknown_or_unreachable() ->
             control.start(asyncio.get_running_loop(), lambda sender, incarnation, message: None)
     finally:
         control.close()
+    with pytest.raises(EngineClosed, match="is closed"):
+        control.send("slow", Goodbye("x"))
     hub = LocalControlHub()
     gone = asyncio.new_event_loop()
     gone.close()

@@ -154,11 +154,14 @@ class ZmqControl:
         :raises PeerUnknown: no control address is known for `peer`.
         :raises PeerUnreachable: its address is unusable, the queue to it is full (it is not
             reading), or ZeroMQ refused the frame.
-        :raises EngineClosed: the channel is closed or was never started.
+        :raises EngineClosed: the channel is closed.
+        :raises UsageError: the channel was never started.
         :raises PeerProtocolError: the message would make a frame over `MAX_FRAME_BYTES`.
         """
-        if self._closed or self._ctx is None:
-            raise EngineClosed(f"control channel of {self.engine_id!r} is closed or not started")
+        if self._closed:
+            raise EngineClosed(f"control channel of {self.engine_id!r} is closed")
+        if self._ctx is None:
+            raise UsageError(f"control channel of {self.engine_id!r} used before it was started")
         address = self._routes.get(peer)
         if address is None:
             raise PeerUnknown(f"no control address known for {peer!r}")
