@@ -191,7 +191,8 @@ class TransportUnavailable(TransportError):
 
 
 class BenchError(KVFlowError):
-    """A benchmark's engine process died, or a request did not complete in time."""
+    """A benchmark could not finish: an engine process died, or a request or an op failed or
+    did not complete in time."""
 
 
 class LegFailed(KVFlowError):
