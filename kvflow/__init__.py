@@ -10,6 +10,7 @@ from __future__ import annotations
 from kvflow.control.channel import ControlChannel, LocalControlHub
 from kvflow.control.zeromq import ZmqControl
 from kvflow.errors import (
+    BenchError,
     BlockConflict,
     ConfigError,
     EngineClosed,
@@ -18,8 +19,11 @@ from kvflow.errors import (
     InvalidTransition,
     KVFlowError,
     LayoutMismatch,
+    LedgerError,
+    LegFailed,
     PeerProtocolError,
     PeerUnknown,
+    PeerUnreachable,
     StaleEpoch,
     TransferFailed,
     TransferTimeout,
@@ -27,6 +31,8 @@ from kvflow.errors import (
     TransportUnavailable,
     UnknownTransfer,
     UnknownTransport,
+    UnsupportedVersion,
+    UsageError,
 )
 from kvflow.layout import KVLayout, KVSpec, MemoryType, Region, region_of
 from kvflow.protocol.core import CoreConfig
@@ -41,6 +47,7 @@ from kvflow.transports.registry import available_transports, load_transport
 __version__ = "0.1.0"
 
 __all__ = (
+    "BenchError",
     "BlockConflict",
     "ConfigError",
     "ControlChannel",
@@ -56,12 +63,15 @@ __all__ = (
     "KVLayout",
     "KVSpec",
     "LayoutMismatch",
+    "LedgerError",
+    "LegFailed",
     "LocalControlHub",
     "MemoryType",
     "Mode",
     "Outcome",
     "PeerProtocolError",
     "PeerUnknown",
+    "PeerUnreachable",
     "Region",
     "Role",
     "StaleEpoch",
@@ -76,6 +86,8 @@ __all__ = (
     "TransportUnavailable",
     "UnknownTransfer",
     "UnknownTransport",
+    "UnsupportedVersion",
+    "UsageError",
     "ZmqControl",
     "__version__",
     "available_transports",

@@ -1,9 +1,32 @@
 """kvflow's exception hierarchy: one root, errors named by what went wrong.
 
-Why a single module: every public function documents what it raises, and callers catch
-`KVFlowError` to be sure nothing from a backend library escapes.  Backends translate their own
-exceptions at the edge with `map_exceptions`, so `nixl`, `zmq` or `msgpack` exception types never
-cross a kvflow boundary.
+Why a single module: every exception kvflow raises is defined here and derives from
+`KVFlowError`, and every public function documents what it raises, so a caller that catches
+`KVFlowError` catches every failure kvflow reports.  A few also derive from the builtin a caller
+would reach for: `UnknownTransfer` is a `KeyError`, `InvalidBatch` and `ConfigError` are
+`ValueError`s, `UnknownTransport` a `LookupError`, `TransferTimeout` a `TimeoutError` and
+`UsageError` a `RuntimeError`.
+
+The rule at the edges: a backend library's exception is mapped only where the library documents
+it as the failure of a call, and only those types, chained with ``from`` (`map_exceptions`, or an
+``except`` naming them):
+
+* NIXL's ``nixl*Error`` types (one per error status) become `TransportError`, and the
+  `RuntimeError` of an agent with no backend plugin `TransportUnavailable`;
+* a missing backend package (`ModuleNotFoundError`) becomes `TransportUnavailable`;
+* ZeroMQ's `ZMQError` becomes `ConfigError` when binding, `PeerUnreachable` when connecting to
+  or sending to a peer (as does asyncio's `RuntimeError` for the closed loop of an in-process peer);
+* aiohttp's `ClientError`, or no answer in time, on one of the router's legs becomes `LegFailed`;
+* `OSError` opening a peer's shared memory, and torch's `RuntimeError` for a device error,
+  become `TransportError`;
+* msgpack's exceptions on a peer's bytes become `PeerProtocolError` (control frames and WRITE
+  notifications) or `TransportError` (transport metadata).  The control-frame decoder, which
+  faces the network, refuses whatever it cannot decode with `PeerProtocolError`.
+
+Anything else, a `KeyError`, `TypeError` or `AttributeError` from kvflow's own code or from a
+library it called wrongly, is a bug: it propagates as it is, so that it stays visible.  Raised
+in an engine callback or on its writer thread, it is recorded and surfaces as `EngineCrashed`
+from the engine's next call and from `aclose`.
 
 Messages follow h11's style: lower case, and they carry the state that made the operation fail
 (transfer, state, input, field), so a log line alone says what happened.
@@ -15,6 +38,7 @@ import contextlib
 from collections.abc import Iterator, Mapping
 
 __all__ = (
+    "BenchError",
     "BlockConflict",
     "ConfigError",
     "EngineClosed",
@@ -23,8 +47,11 @@ __all__ = (
     "InvalidTransition",
     "KVFlowError",
     "LayoutMismatch",
+    "LedgerError",
+    "LegFailed",
     "PeerProtocolError",
     "PeerUnknown",
+    "PeerUnreachable",
     "StaleEpoch",
     "TransferFailed",
     "TransferTimeout",
@@ -32,6 +59,8 @@ __all__ = (
     "TransportUnavailable",
     "UnknownTransfer",
     "UnknownTransport",
+    "UnsupportedVersion",
+    "UsageError",
     "map_exceptions",
 )
 
@@ -68,6 +97,11 @@ class BlockConflict(KVFlowError):
     """A destination block is already held by another live or quarantined transfer."""
 
 
+class LedgerError(KVFlowError):
+    """A hold was opened twice, or released twice or never existed: a bug in whoever drives the
+    block ledger, or an engine that closed still holding blocks."""
+
+
 class InvalidBatch(KVFlowError, ValueError):
     """A batch of KV blocks is malformed: empty, out of range, overlapping, or too many."""
 
@@ -90,8 +124,13 @@ class UnknownTransport(KVFlowError, LookupError):
     """No transport is registered under the requested name."""
 
 
+class UsageError(KVFlowError, RuntimeError):
+    """An object was used against its contract, out of order (an engine or a control channel
+    started twice, a worker used before its KV caches were registered): a bug in the caller."""
+
+
 class EngineClosed(KVFlowError):
-    """The engine was closed; it accepts no more work."""
+    """The engine (or its control channel or writer) was closed; it accepts no more work."""
 
 
 class EngineCrashed(KVFlowError):
@@ -107,8 +146,23 @@ class PeerProtocolError(KVFlowError):
     """A peer sent a malformed or unexpected control message or notification."""
 
 
+class UnsupportedVersion(PeerProtocolError):
+    """A peer's control frame is well formed but speaks another protocol version."""
+
+    def __init__(self, version: object, sender: str, supported: int) -> None:
+        self.version = version
+        self.sender = sender
+        self.supported = supported
+        super().__init__(f"{sender!r} speaks control protocol version {version!r}; this engine speaks {supported}")
+
+
 class PeerUnknown(KVFlowError):
-    """An operation named a peer that has not completed a handshake with this engine."""
+    """An operation named a peer this engine has no route to (no address, no such engine)."""
+
+
+class PeerUnreachable(KVFlowError):
+    """A known peer cannot be sent to now: its send queue is full (it is not reading), its
+    connection failed, or it stopped running."""
 
 
 class TransferFailed(KVFlowError):
@@ -134,6 +188,19 @@ class TransportError(KVFlowError):
 
 class TransportUnavailable(TransportError):
     """A transport's library or device is missing; the message carries an install hint."""
+
+
+class BenchError(KVFlowError):
+    """A benchmark could not finish: an engine process died, or a request or an op failed or
+    did not complete in time."""
+
+
+class LegFailed(KVFlowError):
+    """The router's prefill or decode leg (`leg`) got no answer, or an HTTP error, from its server."""
+
+    def __init__(self, leg: str, reason: str) -> None:
+        self.leg = leg
+        super().__init__(f"{leg} leg failed: {reason}")
 
 
 @contextlib.contextmanager

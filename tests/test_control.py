@@ -15,11 +15,11 @@ import zmq
 
 from kvflow.control import wire
 from kvflow.control.auth import Secret
-from kvflow.control.channel import new_incarnation
+from kvflow.control.channel import LocalControlHub, new_incarnation
 from kvflow.control.zeromq import ZmqControl, is_loopback
-from kvflow.errors import ConfigError, TransferTimeout
-from kvflow.protocol.messages import ControlMessage, Heartbeat, Notice, Ready, Registration, TransferKey
-from kvflow.protocol.state import Mode
+from kvflow.errors import ConfigError, EngineClosed, PeerUnknown, PeerUnreachable, TransferTimeout, UsageError
+from kvflow.protocol.messages import ControlMessage, Goodbye, Heartbeat, Notice, Ready, Registration, TransferKey
+from kvflow.protocol.state import Mode, Outcome
 from kvflow.runtime.engine import Engine, EngineConfig
 from kvflow.testing import SMALL_SPEC, KVBuffers, same_kv
 from kvflow.transports.loopback import LoopbackFabric
@@ -166,7 +166,7 @@ async def test_live_fuzz_of_a_running_engine(pair: Pair) -> None:
     samples: list[ControlMessage] = [
         Registration(key, (0, 1), 1, 5.0),
         Ready(key, (1,)),
-        Notice(key, "aborted", "x"),
+        Notice(key, Outcome.ABORTED, "x"),
         Heartbeat((key,)),
     ]
     valid = [wire.encode(wire.Envelope("mallory", 1, "P", seq, msg)) for seq, msg in enumerate(samples, start=1)]
@@ -225,3 +225,35 @@ async def test_another_protocol_version_is_refused_with_the_reason() -> None:
         sender.close()
         ctx.term()
         await close(engines)
+
+
+@pytest.mark.asyncio
+async def test_send_failures_say_whether_the_peer_is_unknown_or_unreachable() -> None:
+    routes = {"slow": "tcp://127.0.0.1:9", "bad": "bogus://x"}  # nothing reads on port 9 (discard)
+    control = ZmqControl("A", secret=SECRET, routes=routes, send_queue=1)
+    with pytest.raises(UsageError, match="used before it was started"):
+        control.send("slow", Goodbye("x"))
+    control.start(asyncio.get_running_loop(), lambda sender, incarnation, message: None)
+    try:
+        with pytest.raises(PeerUnknown, match="no control address known for 'nobody'"):
+            control.send("nobody", Goodbye("x"))
+        with pytest.raises(PeerUnreachable, match="cannot connect to 'bad' at bogus://x"):
+            control.send("bad", Goodbye("x"))
+        with pytest.raises(PeerUnreachable, match="control queue to 'slow' is full"):
+            for _ in range(100):
+                control.send("slow", Goodbye("x"))
+        assert control.counters["send_queue_full"] == 1
+        with pytest.raises(UsageError, match="already started"):
+            control.start(asyncio.get_running_loop(), lambda sender, incarnation, message: None)
+    finally:
+        control.close()
+    with pytest.raises(EngineClosed, match="is closed"):
+        control.send("slow", Goodbye("x"))
+    hub = LocalControlHub()
+    gone = asyncio.new_event_loop()
+    gone.close()
+    hub.channel("gone").start(gone, lambda sender, incarnation, message: None)
+    with pytest.raises(PeerUnknown, match="no engine named 'nobody'"):
+        hub.channel("me").send("nobody", Goodbye("x"))
+    with pytest.raises(PeerUnreachable, match="'gone' is no longer running"):
+        hub.channel("me").send("gone", Goodbye("x"))

@@ -18,6 +18,7 @@ from kvflow.errors import (
     StaleEpoch,
     TransferTimeout,
     UnknownTransfer,
+    UsageError,
 )
 from kvflow.layout import KVSpec
 from kvflow.protocol.core import CoreConfig
@@ -308,6 +309,17 @@ async def test_close_aborts_what_is_left_and_returns_every_block() -> None:
     await pair.p.aclose(drain_timeout=0.1)
     assert pair.p.core.ledger.held_blocks == 0
     fabric.close()
+
+
+@pytest.mark.asyncio
+async def test_starting_an_engine_twice_is_a_usage_error_not_a_closed_engine() -> None:
+    fabric = LoopbackFabric()
+    pair = await EnginePair(fabric, config=FAST).start(connect=False)
+    with pytest.raises(UsageError, match="'D' was already started"):
+        await pair.d.start()
+    await pair.close()
+    with pytest.raises(UsageError, match="already started"):
+        await pair.p.start()
 
 
 @pytest.mark.asyncio

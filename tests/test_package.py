@@ -61,3 +61,30 @@ def test_wheel_contains_the_mapped_packages_and_imports_when_installed(tmp_path:
         [sys.executable, "-c", probe], cwd=tmp_path, env=env, check=True, capture_output=True, text=True
     )
     assert out.stdout.strip().startswith(str(target))
+
+
+def _defined_exceptions(path: Path, known: set[str]) -> list[str]:
+    """Classes in `path` whose bases name an exception: a builtin one or one of kvflow's."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ClassDef):
+            bases = {
+                b.id if isinstance(b, ast.Name) else b.attr if isinstance(b, ast.Attribute) else "" for b in node.bases
+            }
+            if any(b in known or b.endswith(("Error", "Exception")) for b in bases):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}")
+    return found
+
+
+def test_every_exception_is_defined_in_kvflow_errors_under_one_root_and_exported() -> None:
+    import kvflow
+    from kvflow import errors
+
+    classes = {n: getattr(errors, n) for n in errors.__all__ if isinstance(getattr(errors, n), type)}
+    assert all(issubclass(cls, errors.KVFlowError) for cls in classes.values())
+    elsewhere = [
+        f for p in sources() if p != ROOT / "kvflow" / "errors.py" for f in _defined_exceptions(p, set(classes))
+    ]
+    assert elsewhere == [], "every exception class lives in kvflow/errors.py"
+    assert set(classes) <= set(kvflow.__all__)
+    assert all(getattr(kvflow, n) is cls for n, cls in classes.items())

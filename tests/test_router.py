@@ -27,6 +27,7 @@ import pytest_asyncio
 
 from kvflow.integrations.vllm import router
 from kvflow.integrations.vllm.mapping import TransferParams
+from kvflow.protocol.state import Mode
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ROOT / "examples" / "vllm_1p1d"
@@ -398,7 +399,7 @@ def config(mode: str = "push") -> router.RouterConfig:
     return router.RouterConfig(
         router.Backend("http://p:8100", "prefill-0", "tcp://127.0.0.1:5700"),
         router.Backend("http://d:8200", "decode-0", "tcp://127.0.0.1:5800"),
-        mode,
+        Mode(mode),
     )
 
 

@@ -177,7 +177,7 @@ def _idle_push_prefill() -> tuple[TransferCore, TransferKey]:
 GIVING_UP: dict[str, tuple[Callable[[TransferCore, TransferKey], list[Action]], Outcome]] = {
     "abort": (lambda core, key: core.abort(key, Role.PREFILL, 1.0), Outcome.ABORTED),
     "deadline": (lambda core, key: core.timer(10.0), Outcome.EXPIRED),
-    "peer failed": (lambda core, key: core.receive("D", Notice(key, "failed", "boom"), 1.0), Outcome.FAILED),
+    "peer failed": (lambda core, key: core.receive("D", Notice(key, Outcome.FAILED, "boom"), 1.0), Outcome.FAILED),
 }
 
 

@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import msgpack
 import numpy as np
 import pytest
 
@@ -166,3 +167,35 @@ def test_removed_peer_refuses_new_ops_and_close_is_idempotent(ends: Ends) -> Non
     ends.a.remove_peer(ends.b.name)  # unknown now: ignored
     ends.a.close()
     ends.a.close()
+
+
+def test_unusable_peer_metadata_is_refused_with_a_transport_error(ends: Ends) -> None:
+    own = ends.b.local_metadata()
+    for metadata in (b"", b"\xc1 not msgpack", msgpack.packb(["a", "list"]), msgpack.packb({"name": ends.b.name})):
+        with pytest.raises(TransportError):
+            ends.a.add_peer(ends.b.name, metadata, ends.b_layout.regions)
+    with pytest.raises(TransportError):
+        ends.a.add_peer("someone else", own, ends.b_layout.regions)  # metadata of another endpoint
+
+
+def test_shm_refuses_metadata_of_another_shape_or_a_vanished_segment() -> None:
+    ends = make_ends("shm")
+    try:
+        meta = msgpack.unpackb(ends.b.local_metadata())
+        (name, base, size), *_ = meta["segments"]
+        shapes = {
+            "names another endpoint": dict(meta, id=7),
+            "lacks the notification socket": dict(meta, notify=None),
+            "is not \\[name, base, size > 0\\]": dict(meta, segments=[[name, str(base), size]]),
+            "is not the peer's": dict(meta, segments=[["../etc/passwd", base, size]]),
+        }
+        for refusal, changed in shapes.items():
+            with pytest.raises(TransportError, match=refusal):
+                ends.a.add_peer(ends.b.name, msgpack.packb(changed), ends.b_layout.regions)
+        vanished = dict(meta, segments=[[name + "-gone", base, size]])
+        with pytest.raises(TransportError, match="No such file") as caught:
+            ends.a.add_peer(ends.b.name, msgpack.packb(vanished), ends.b_layout.regions)
+        assert isinstance(caught.value.__cause__, FileNotFoundError)
+    finally:
+        for close in ends.closers:
+            close()

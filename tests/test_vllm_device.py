@@ -59,7 +59,7 @@ async def test_the_waiter_wakes_a_coroutine_when_the_gate_opens_and_not_before()
 
 
 @pytest.mark.asyncio
-async def test_a_gate_that_never_opens_times_out_and_a_device_error_is_mapped() -> None:
+async def test_a_gate_that_never_opens_times_out_a_device_error_is_mapped_and_a_bug_is_not() -> None:
     waiter = GateWaiter(HostDevice(), "kvflow-gates-test")
     try:
         stuck = ManualGate()
@@ -70,8 +70,20 @@ async def test_a_gate_that_never_opens_times_out_and_a_device_error_is_mapped() 
         task = asyncio.ensure_future(waiter.wait(failing, timeout=5))
         await asyncio.sleep(0.01)
         failing.opened.set()
-        with pytest.raises(TransportError, match="illegal memory access"):
+        with pytest.raises(TransportError, match="illegal memory access") as caught:
             await task
+        assert isinstance(caught.value.__cause__, RuntimeError)
+        buggy = ManualGate(AttributeError("'Event' object has no attribute 'sync'"))  # a bug, not the device
+        task = asyncio.ensure_future(waiter.wait(buggy, timeout=5))
+        await asyncio.sleep(0.01)
+        buggy.opened.set()
+        with pytest.raises(AttributeError, match="no attribute"):
+            await task
+        after = ManualGate()  # the waiter goes on after either
+        task = asyncio.ensure_future(waiter.wait(after, timeout=5))
+        await asyncio.sleep(0.01)
+        after.opened.set()
+        await task
     finally:
         waiter.close()
 

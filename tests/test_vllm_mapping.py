@@ -17,6 +17,7 @@ from hypothesis import given
 
 from kvflow.errors import ConfigError
 from kvflow.integrations.vllm.mapping import Order, Orders, PeerRef, SchedulerBook, TransferParams, rank_peer
+from kvflow.protocol.state import Mode
 
 BLOCK_SIZE = 4
 MISSING: Any = object()  # an `entry` field given this is left out
@@ -79,14 +80,14 @@ def test_params_without_a_kvflow_entry_parse_to_none(params: dict[str, Any] | No
 def test_parse_reads_every_field() -> None:
     parsed = TransferParams.parse({"kvflow": entry("abc", mode="pull")})
     assert parsed == TransferParams(
-        "abc", 3, "pull", PeerRef("prefill", "tcp://10.0.0.1:5700"), PeerRef("decode", "tcp://10.0.0.2:5800")
+        "abc", 3, Mode.PULL, PeerRef("prefill", "tcp://10.0.0.1:5700"), PeerRef("decode", "tcp://10.0.0.2:5800")
     )
 
 
 def test_parse_defaults_epoch_mode_and_addresses() -> None:
     raw = {"transfer_id": "t", "prefill": {"engine": "p"}, "decode": {"engine": "d"}}
     parsed = TransferParams.parse({"kvflow": raw})
-    assert parsed == TransferParams("t", 1, "push", PeerRef("p", ""), PeerRef("d", ""))
+    assert parsed == TransferParams("t", 1, Mode.PUSH, PeerRef("p", ""), PeerRef("d", ""))
 
 
 names = st.text(min_size=1, max_size=12)
@@ -177,7 +178,7 @@ def test_parse_of_any_json_entry_returns_params_or_raises_config_error(
     except ConfigError:
         return
     assert parsed is not None
-    assert parsed.transfer_id == raw["transfer_id"] and parsed.mode in ("push", "pull")
+    assert parsed.transfer_id == raw["transfer_id"] and parsed.mode is Mode(raw.get("mode", "push"))
 
 
 @given(kv=json_values)

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 
 from kvflow.control import wire
-from kvflow.errors import PeerProtocolError
+from kvflow.errors import PeerProtocolError, UnsupportedVersion
 from kvflow.layout import fingerprint, layout_to_wire
 from kvflow.protocol.messages import (
     ControlMessage,
@@ -25,6 +25,7 @@ from kvflow.protocol.messages import (
     Reject,
     TransferKey,
 )
+from kvflow.protocol.state import Outcome
 from kvflow.testing import SMALL_SPEC, KVBuffers
 
 LAYOUT = layout_to_wire(KVBuffers(SMALL_SPEC, 8).layout)
@@ -35,7 +36,7 @@ text = st.text(max_size=200)
 messages: st.SearchStrategy[ControlMessage] = st.one_of(
     st.builds(Registration, keys, blocks, st.integers(1, 64), st.floats(0.001, 1e6)),
     st.builds(Ready, keys, blocks),
-    st.builds(Notice, keys, st.sampled_from(sorted(wire.OUTCOMES)), text),
+    st.builds(Notice, keys, st.sampled_from(wire.OUTCOMES), text),
     st.builds(Quiesced, keys),
     st.builds(Done, keys),
     st.builds(Heartbeat, st.lists(keys, max_size=20).map(tuple)),
@@ -103,6 +104,20 @@ def test_well_formed_msgpack_of_the_wrong_shape_is_refused(value: object) -> Non
                 wire.decode(frame)
 
 
+def test_a_notice_outcome_travels_as_its_value_and_decodes_to_the_enum() -> None:
+    notice = wire.Envelope("a", 1, "b", 1, Notice(TransferKey("t", 1), Outcome.EXPIRED, "late"))
+    frame = wire.encode(notice)
+    assert msgpack.unpackb(frame)[7][2] == "expired"
+    decoded = wire.decode(frame).message
+    assert isinstance(decoded, Notice) and decoded.outcome is Outcome.EXPIRED
+    # unknown values, "succeeded" (a notice reports giving up) and other types are refused
+    refusal = r"notice outcome must be one of \['aborted', 'failed', 'expired'\]"
+    for outcome in ("exploded", "succeeded", "ABORTED", 1, None, b"aborted"):
+        bad = msgpack.packb([wire.MAGIC, 1, "a", 1, "b", 1, 4, ["t", 1, outcome, ""]], use_bin_type=True)
+        with pytest.raises(PeerProtocolError, match=refusal):
+            wire.decode(bad)
+
+
 def test_limits_and_versions() -> None:
     big = wire.Envelope("a", 1, "b", 1, Goodbye("x" * wire.MAX_FRAME_BYTES))
     with pytest.raises(PeerProtocolError, match="exceeds"):
@@ -110,13 +125,10 @@ def test_limits_and_versions() -> None:
     with pytest.raises(PeerProtocolError, match="bytes of at most"):
         wire.decode(b"\x00" * (wire.MAX_FRAME_BYTES + 1))
     future = msgpack.packb([wire.MAGIC, 2, "peer", 1, "me", 1, 2, []])
-    with pytest.raises(wire.UnsupportedVersion, match="'peer' speaks control protocol version 2; this engine speaks 1"):
+    with pytest.raises(UnsupportedVersion, match="'peer' speaks control protocol version 2; this engine speaks 1"):
         wire.decode(future)
     reject = msgpack.packb([wire.MAGIC, 2, "peer", 1, "me", 1, 0, ["too old"]])
     assert wire.decode(reject).message == Reject("too old")  # readable across versions
-    bad_outcome = msgpack.packb([wire.MAGIC, 1, "a", 1, "b", 1, 4, ["t", 1, "exploded", ""]])
-    with pytest.raises(PeerProtocolError, match="outcome"):
-        wire.decode(bad_outcome)
     nan_ttl = msgpack.packb([wire.MAGIC, 1, "a", 1, "b", 1, 2, ["t", 1, [1], 1, float("nan")]])
     with pytest.raises(PeerProtocolError, match="ttl"):
         wire.decode(nan_ttl)
@@ -128,4 +140,10 @@ def test_limits_and_versions() -> None:
         [wire.MAGIC, 1, "a", 1, "b", 1, 1, ["a", {}, broken_layout, b"", False, ""]], use_bin_type=True
     )
     with pytest.raises(PeerProtocolError, match="layout"):
+        wire.decode(hello)
+    odd_memory = dict(LAYOUT, regions=[[r[0], r[1], "XRAM", r[3]] for r in LAYOUT["regions"]])
+    hello = msgpack.packb(
+        [wire.MAGIC, 1, "a", 1, "b", 1, 1, ["a", "both", {}, odd_memory, b"", False, ""]], use_bin_type=True
+    )
+    with pytest.raises(PeerProtocolError, match=r"layout region memory must be one of \['DRAM', 'VRAM'\], not 'XRAM'"):
         wire.decode(hello)

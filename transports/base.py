@@ -14,7 +14,9 @@ The contract, which the engine's safety depends on:
   more; ops still in flight are reported as failed, and a `submit` to it (even one racing with
   the removal on another thread) is refused or fenced, never landed.  If
   `capabilities.fences_inbound`, the same holds for the peer's ops into this endpoint's memory.
-* Only `TransportError` (and subclasses) escape; backend exceptions are mapped at the edge.
+* A failure is reported as `TransportError` (or a subclass): the exceptions by which a backend
+  library reports a failed call are mapped to it at the edge.  Any other exception out of a
+  backend is a bug (in kvflow or the backend) and propagates as it is.
 """
 
 from __future__ import annotations
@@ -74,7 +76,10 @@ class Transport(Protocol):
         """
 
     def local_metadata(self) -> bytes:
-        """What a peer needs in `add_peer` to reach this endpoint and its regions."""
+        """What a peer needs in `add_peer` to reach this endpoint and its regions.
+
+        :raises TransportError: the endpoint is closed, or the backend cannot describe it.
+        """
 
     def add_peer(self, name: str, metadata: bytes, regions: Sequence[Region]) -> None:
         """Make `name` reachable; `regions` are the peer's, in its layout's order.
@@ -83,7 +88,10 @@ class Transport(Protocol):
         """
 
     def remove_peer(self, name: str) -> None:
-        """Tear the peer down; see the module contract.  Unknown names are ignored."""
+        """Tear the peer down; see the module contract.  Unknown names are ignored.
+
+        :raises TransportError: the backend did not confirm the teardown in time.
+        """
 
     def submit(self, op_id: int, kind: OpKind, peer: str, plan: DescriptorPlan, notification: bytes) -> None:
         """Post an op moving `plan`'s byte ranges (WRITE: local to peer; READ: peer to local).
@@ -94,7 +102,8 @@ class Transport(Protocol):
         """
 
     def poll(self) -> tuple[list[Completion], list[Notification]]:
-        """Completions of this endpoint's ops and notifications received, without blocking."""
+        """Completions of this endpoint's ops and notifications received, without blocking.
+        Never raises: a failed op is a `Completion` with an error."""
 
     def send_notification(self, peer: str, payload: bytes) -> None:
         """A standalone notification.  :raises TransportError: unknown or dead peer."""
@@ -103,7 +112,8 @@ class Transport(Protocol):
         """`callback` is called, from any thread, when `poll` may have something new."""
 
     def close(self) -> None:
-        """Release every registration and handle.  Idempotent."""
+        """Release every registration and handle.  Idempotent; never raises for a backend that
+        fails to release something (there is nothing left to do about it)."""
 
 
 _T = TypeVar("_T")

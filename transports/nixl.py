@@ -48,12 +48,12 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvflow.errors import ConfigError, TransportError, TransportUnavailable, map_exceptions
+from kvflow.errors import ConfigError, KVFlowError, TransportError, TransportUnavailable, map_exceptions
 from kvflow.layout import DescriptorPlan, MemoryType, Region
 from kvflow.protocol.actions import OpKind
 from kvflow.transports.base import Completion, Notification, TransportCapabilities, drain, region_address
 
-__all__ = ("INSTALL_HINT", "NixlTransport", "load_nixl", "require")
+__all__ = ("INSTALL_HINT", "NixlTransport", "load_nixl", "nixl_failures", "require")
 
 INSTALL_HINT = (
     "pip install 'kvflow[nixl]' (on a machine without CUDA, install the CPU torch first, "
@@ -81,17 +81,20 @@ def require() -> None:
     load_nixl()
 
 
-def _nixl_errors(api: Any) -> dict[type[BaseException], type[TransportError]]:
+def nixl_failures(api: Any) -> tuple[type[Exception], ...]:
+    """The exceptions by which NIXL reports a failed call: its bindings raise one type per error
+    status (`nixlNotFoundError`, `nixlBackendError`, `nixlInvalidParamError`, ...).
+
+    Nothing else is a NIXL failure.  The Python wrapper also raises `KeyError` for an unknown
+    memory type, operation or backend name and pybind11 a `TypeError` for an argument of the
+    wrong type: both mean kvflow passed something wrong, so they are left to propagate.
+    """
     bindings = importlib.import_module(api.__name__.rsplit(".", 1)[0] + "._bindings")
-    errors: dict[type[BaseException], type[TransportError]] = {
-        cls: TransportError
-        for cls in vars(bindings).values()
-        if isinstance(cls, type) and issubclass(cls, Exception) and cls.__name__.startswith("nixl")
-    }
-    # the wrapper raises these for bad names and shapes
-    errors.update({KeyError: TransportError, ValueError: TransportError, TypeError: TransportError})
-    errors[RuntimeError] = TransportError
-    return errors
+    return tuple(
+        cls
+        for name, cls in vars(bindings).items()
+        if isinstance(cls, type) and issubclass(cls, Exception) and name.startswith("nixl") and name.endswith("Error")
+    )
 
 
 @dataclass
@@ -117,6 +120,14 @@ class NixlTransport:
     `inline_poll` how long `submit` polls a posted op before leaving it to the agent thread.
     `thread_setup` runs first on the agent thread (a GPU host binds it to its device: UCX
     disables CUDA IPC on a thread with no CUDA device set).
+
+    NIXL's own exceptions (`nixl_failures`) become `TransportError` at every call into NIXL;
+    anything else raised there is a bug and propagates as it is.
+
+    :raises ConfigError: an unknown `mode`, or ``"prepped"`` without a `granule`.
+    :raises TransportUnavailable: NIXL is not installed, or finds no backend plugin.
+    :raises TransportError: NIXL could not create the agent or a backend, or the agent thread
+        did not start within `call_timeout`.
     """
 
     def __init__(
@@ -138,8 +149,8 @@ class NixlTransport:
         self.mode = mode
         self.granule = granule
         self._api = load_nixl()
-        self._errors = _nixl_errors(self._api)
-        self._failures = tuple(self._errors)  # caught on the hot path without a context manager
+        self._failures = nixl_failures(self._api)  # caught on the hot path without a context manager
+        self._errors: dict[type[BaseException], type[KVFlowError]] = dict.fromkeys(self._failures, TransportError)
         self._backends = list(backends)
         self._backend_params = backend_params or {}
         self._idle_poll = idle_poll
@@ -163,7 +174,10 @@ class NixlTransport:
         started: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._thread = threading.Thread(target=self._run, args=(started,), name=f"kvflow-nixl-{name}", daemon=True)
         self._thread.start()
-        started.result(timeout=call_timeout)
+        try:
+            started.result(timeout=call_timeout)
+        except concurrent.futures.TimeoutError:
+            raise TransportError(f"NIXL agent {name!r} did not start within {call_timeout}s") from None
 
     # ------------------------------------------------------------------ the agent thread
 
@@ -171,10 +185,14 @@ class NixlTransport:
         try:
             if self._thread_setup is not None:
                 self._thread_setup()
-            with self._nixl("creating the agent"):
-                strict = self._api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT  # writers post from their thread
-                config = self._api.nixl_agent_config(enable_prog_thread=False, backends=[], sync_mode=strict)
-                self._agent = self._api.nixl_agent(self.name, config)
+            strict = self._api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT  # writers post from their thread
+            config = self._api.nixl_agent_config(enable_prog_thread=False, backends=[], sync_mode=strict)
+            try:
+                with self._nixl("creating the agent"):
+                    self._agent = self._api.nixl_agent(self.name, config)
+            except RuntimeError as exc:  # the wrapper's own failure: NIXL found no backend plugin at all
+                raise TransportUnavailable(f"NIXL on {self.name!r}: {exc}; reinstall it: {INSTALL_HINT}") from exc
+            with self._nixl("creating the backends"):
                 for backend in self._backends:
                     self._agent.create_backend(backend, self._backend_params.get(backend, {}))
                 mems = {m for b in self._backends for m in self._agent.get_backend_mem_types(b)}
@@ -269,7 +287,11 @@ class NixlTransport:
         self._call("memory registration", register)
 
     def local_metadata(self) -> bytes:
-        return bytes(self._call("metadata", lambda: self._agent.get_agent_metadata()))
+        def metadata() -> bytes:
+            with self._nixl("reading the agent metadata"):
+                return bytes(self._agent.get_agent_metadata())
+
+        return bytes(self._call("metadata", metadata))
 
     def add_peer(self, name: str, metadata: bytes, regions: Sequence[Region]) -> None:
         def add() -> None:

@@ -98,6 +98,38 @@ def _map(path: Path, size: int, *, create: bool) -> _Segment:
     return _Segment(path, size, mapping, np.frombuffer(mapping, dtype=np.uint8))
 
 
+def _peer_metadata(name: str, metadata: bytes) -> tuple[str, str, list[tuple[str, int, int]]]:
+    """Check what `local_metadata` of endpoint `name` produced: (id, notify socket, segments).
+
+    :raises TransportError: anything else (not msgpack, another shape, another endpoint's).
+    """
+
+    def refuse(why: str) -> TransportError:
+        return TransportError(f"cannot attach to peer {name!r}: {why}")
+
+    try:
+        meta = msgpack.unpackb(metadata, raw=False, max_ext_len=0)
+    except (ValueError, msgpack.UnpackException) as exc:  # what msgpack raises for bytes it cannot read
+        raise refuse(f"metadata is not msgpack ({type(exc).__name__})") from exc
+    if not isinstance(meta, dict) or meta.get("name") != name:
+        raise refuse("metadata names another endpoint")
+    peer_id, notify, segs = meta.get("id"), meta.get("notify"), meta.get("segments")
+    if not isinstance(peer_id, str) or "/" in peer_id or not peer_id.startswith("kvflow"):
+        raise refuse("metadata names another endpoint")
+    if not isinstance(notify, str) or not isinstance(segs, list):
+        raise refuse("metadata lacks the notification socket or the segments")
+    out = []
+    for seg in segs:
+        numbers = isinstance(seg, list) and len(seg) == 3 and type(seg[1]) is int and type(seg[2]) is int
+        if not numbers or seg[1] < 0 or seg[2] <= 0:
+            raise refuse(f"segment {seg!r} is not [name, base, size > 0]")
+        seg_name, base, size = seg
+        if not isinstance(seg_name, str) or "/" in seg_name or not seg_name.startswith(peer_id):
+            raise refuse(f"segment {seg_name!r} is not the peer's")
+        out.append((seg_name, base, size))
+    return peer_id, notify, out
+
+
 class ShmTransport:
     """Endpoint `name` of the shared-memory transport.  Allocate KV buffers with `allocate`."""
 
@@ -163,18 +195,19 @@ class ShmTransport:
     # ------------------------------------------------------------------ peers
 
     def add_peer(self, name: str, metadata: bytes, regions: Sequence[Region]) -> None:
+        peer_id, notify, segs = _peer_metadata(name, metadata)
+        mapped: list[tuple[int, int, _Segment]] = []
         try:
-            meta = msgpack.unpackb(metadata, raw=False, max_ext_len=0)
-            peer_id, notify, segs = str(meta["id"]), str(meta["notify"]), list(meta["segments"])
-            if meta["name"] != name or "/" in peer_id or not peer_id.startswith("kvflow"):
-                raise ValueError("metadata names another endpoint")
-            mapped = []
             for seg_name, base, size in segs:
-                if "/" in seg_name or not str(seg_name).startswith(peer_id):
-                    raise ValueError(f"segment {seg_name!r} is not the peer's")
-                mapped.append((int(base), int(size), _map(SHM_DIR / seg_name, int(size), create=False)))
-        except (KeyError, TypeError, ValueError, OSError, msgpack.UnpackException) as exc:
-            raise TransportError(f"cannot attach to peer {name!r}: {exc}") from exc
+                try:
+                    segment = _map(SHM_DIR / seg_name, size, create=False)
+                except OSError as exc:  # the segment is gone, or not ours to open
+                    raise TransportError(f"cannot attach to peer {name!r}: {exc}") from exc
+                mapped.append((base, size, segment))
+        except BaseException:
+            for _, _, segment in mapped:
+                segment.close()
+            raise
         for region in regions:
             if not any(b <= region.base and region.base + region.length <= b + n for b, n, _ in mapped):
                 raise TransportError(f"peer {name!r} advertises a region outside its shared memory")

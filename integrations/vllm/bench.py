@@ -43,11 +43,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvflow.errors import ConfigError, KVFlowError
+from kvflow.errors import BenchError, ConfigError
 from kvflow.integrations.vllm.runner import EngineSpec, spec_line
 from kvflow.integrations.vllm.standin.model import EngineOptions, ModelShape
 
-__all__ = ("CONNECTORS", "BenchError", "Cell", "main", "run")
+__all__ = ("CONNECTORS", "Cell", "main", "run")
 
 CONNECTORS: dict[str, tuple[str, str | None]] = {  # name -> (vLLM class, module path)
     "kvflow": ("KVFlowConnector", "kvflow.integrations.vllm"),
@@ -60,10 +60,6 @@ DECODE_TOKENS = 4
 BENCH_MODEL = ModelShape(family="opt", layers=8, kv_heads=4, head_dim=64, dtype="float16")
 START_TIMEOUT = 300.0
 FLIGHT_TIMEOUT = 120.0
-
-
-class BenchError(KVFlowError):
-    """An engine process died, or a request did not complete in time."""
 
 
 @dataclass

@@ -23,7 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.request import RequestStatus
 
-from kvflow.errors import ConfigError
+from kvflow.errors import ConfigError, UsageError
 from kvflow.integrations.vllm.device import device_for
 from kvflow.integrations.vllm.kv_caches import check_supported, describe_kv_caches
 from kvflow.integrations.vllm.mapping import Orders, SchedulerBook
@@ -224,12 +224,12 @@ class KVFlowConnector(KVConnectorBase_V1):
 
     def _scheduler(self) -> SchedulerBook:
         if self._book is None:
-            raise ConfigError("scheduler-side hook called on a worker-role KVFlowConnector")
+            raise UsageError("scheduler-side hook called on a worker-role KVFlowConnector")
         return self._book
 
     def _worker_side(self) -> WorkerSide:
         if self._worker is None:
-            raise ConfigError("worker-side hook called on a scheduler-role KVFlowConnector")
+            raise UsageError("worker-side hook called on a scheduler-role KVFlowConnector")
         return self._worker
 
 

@@ -38,7 +38,10 @@ class Gate(Protocol):
         """Whether that work has run (never blocks)."""
 
     def wait(self) -> None:
-        """Block until it has run (releasing the GIL while blocked)."""
+        """Block until it has run (releasing the GIL while blocked).
+
+        :raises RuntimeError: the device reported an error (torch raises CUDA errors so).
+        """
 
 
 class Device(Protocol):
@@ -128,8 +131,12 @@ class GateWaiter:
             if future.set_running_or_notify_cancel():
                 try:
                     gate.wait()
-                except Exception as exc:  # a device error: this transfer fails, the waiter goes on
-                    future.set_exception(TransportError(f"waiting for the device failed: {type(exc).__name__}: {exc}"))
+                except RuntimeError as exc:  # a device error: this transfer fails, the waiter goes on
+                    error = TransportError(f"waiting for the device failed: {type(exc).__name__}: {exc}")
+                    error.__cause__ = exc
+                    future.set_exception(error)
+                except Exception as exc:  # a bug: the waiting caller gets it as it is
+                    future.set_exception(exc)
                 else:
                     future.set_result(None)
 
@@ -137,7 +144,8 @@ class GateWaiter:
         """Return once the device has run the work before `gate` (at once when it has).
 
         :raises TransferTimeout: not within `timeout` seconds.
-        :raises TransportError: the device reported an error.
+        :raises TransportError: the device reported an error (a `RuntimeError` from the gate);
+            anything else the gate raises is a bug and reaches the caller as it is.
         """
         if gate is None or gate.done():
             return

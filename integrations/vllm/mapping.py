@@ -33,12 +33,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvflow.errors import ConfigError
+from kvflow.protocol.state import Mode
 
 log = logging.getLogger("kvflow.vllm")
 
 __all__ = ("Order", "Orders", "PeerRef", "SchedulerBook", "TransferParams", "rank_peer")
 
-MODES = ("push", "pull")
+MODES = {mode.value: mode for mode in Mode}  # a mode travels as its value
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +52,7 @@ class PeerRef:
 class TransferParams:
     transfer_id: str
     epoch: int
-    mode: str
+    mode: Mode
     prefill: PeerRef
     decode: PeerRef
 
@@ -71,15 +72,15 @@ class TransferParams:
             raise ConfigError("kv_transfer_params.kvflow.transfer_id must be a non-empty string")
         if type(epoch) is not int or epoch < 0:
             raise ConfigError("kv_transfer_params.kvflow.epoch must be a non-negative integer")
-        if mode not in MODES:
-            raise ConfigError(f"kv_transfer_params.kvflow.mode must be one of {MODES}")
-        return cls(tid, epoch, mode, _peer(raw, "prefill"), _peer(raw, "decode"))
+        if not isinstance(mode, str) or mode not in MODES:
+            raise ConfigError(f"kv_transfer_params.kvflow.mode must be one of {tuple(MODES)}")
+        return cls(tid, epoch, MODES[mode], _peer(raw, "prefill"), _peer(raw, "decode"))
 
     def to_params(self) -> dict[str, Any]:
         return {
             "transfer_id": self.transfer_id,
             "epoch": self.epoch,
-            "mode": self.mode,
+            "mode": self.mode.value,
             "prefill": {"engine": self.prefill.engine, "address": self.prefill.address},
             "decode": {"engine": self.decode.engine, "address": self.decode.address},
         }

@@ -29,7 +29,9 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from kvflow.errors import LegFailed
 from kvflow.integrations.vllm.mapping import PeerRef, TransferParams
+from kvflow.protocol.state import Mode
 
 log = logging.getLogger("kvflow.router")
 
@@ -48,14 +50,8 @@ class Backend:
 class RouterConfig:
     prefill: Backend
     decode: Backend
-    mode: str = "push"
+    mode: Mode = Mode.PUSH
     timeout: float = 600.0  # bound on every wait: P's answer, D's head, each chunk of D's body
-
-
-class LegFailed(Exception):
-    def __init__(self, leg: str, reason: str) -> None:
-        super().__init__(f"{leg} leg failed: {reason}")
-        self.leg = leg
 
 
 CONFIG = web.AppKey("config", RouterConfig)
@@ -289,7 +285,7 @@ async def serve(args: argparse.Namespace) -> None:
     config = RouterConfig(
         Backend(args.prefill, args.prefill_engine, args.prefill_kvflow),
         Backend(args.decode, args.decode_engine, args.decode_kvflow),
-        args.mode,
+        Mode(args.mode),
         args.timeout,
     )
     app = make_app(config, args.max_body)

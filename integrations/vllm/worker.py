@@ -38,7 +38,7 @@ from typing import Any
 
 from kvflow.control.channel import ControlChannel
 from kvflow.control.zeromq import ZmqControl
-from kvflow.errors import ConfigError, KVFlowError, UnknownTransfer
+from kvflow.errors import ConfigError, KVFlowError, UnknownTransfer, UsageError
 from kvflow.integrations.vllm.device import Device, Gate, GateWaiter, HostDevice
 from kvflow.integrations.vllm.kv_caches import CacheDescription
 from kvflow.integrations.vllm.mapping import Order, Orders, PeerRef, rank_peer
@@ -234,7 +234,7 @@ class WorkerSide:
                 continue
             key = TransferKey(params.transfer_id, params.epoch)
             self._requests[(key, Role.DECODE)] = order.request_id
-            mode = Mode(params.mode)
+            mode = params.mode
             future = self._call_connected(
                 peer,
                 lambda e, p=peer, o=order, m=mode: e.expect(
@@ -265,7 +265,7 @@ class WorkerSide:
         complete = 0
         while complete < len(self.layer_groups) and self._saved.issuperset(range(*self.layer_groups[complete])):
             complete += 1
-        pushes = [order for order in orders.ready if order.params.mode == "push"]
+        pushes = [order for order in orders.ready if order.params.mode is Mode.PUSH]
         if not complete or all(self._groups_sent.get(o.request_id, 0) >= complete for o in pushes):
             return
         gate = self.device.record()
@@ -282,7 +282,7 @@ class WorkerSide:
         gate = self.device.record()
         taken = []
         for order in orders.ready:
-            if order.params.mode == "push":
+            if order.params.mode is Mode.PUSH:
                 taken += self._post_groups(order, len(self.layer_groups), gate)
                 self._groups_sent.pop(order.request_id, None)
                 continue
@@ -479,5 +479,5 @@ class WorkerSide:
 
     def _thread(self) -> EngineThread:
         if self.thread is None:
-            raise ConfigError("kvflow worker used before register_kv_caches")
+            raise UsageError("kvflow worker used before register_kv_caches")
         return self.thread

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-from kvflow.errors import EngineClosed, PeerUnknown
+from kvflow.errors import EngineClosed, PeerUnknown, PeerUnreachable
 from kvflow.protocol.messages import ControlMessage
 
 __all__ = ("ControlChannel", "LocalControl", "LocalControlHub", "MessageHandler", "new_incarnation")
@@ -42,7 +42,11 @@ class ControlChannel(Protocol):
         """This run's incarnation, stamped on every message sent."""
 
     def start(self, loop: asyncio.AbstractEventLoop, handler: MessageHandler) -> None:
-        """Begin delivering messages to `handler(sender, incarnation, message)` on `loop`."""
+        """Begin delivering messages to `handler(sender, incarnation, message)` on `loop`.
+
+        :raises ConfigError: the channel cannot listen where it was told to.
+        :raises UsageError: the channel was started before (where it can tell).
+        """
 
     def add_route(self, peer: str, address: str) -> None:
         """Tell the channel where `peer` listens (a no-op where routes are implicit).
@@ -54,6 +58,8 @@ class ControlChannel(Protocol):
         """Queue a message for `peer`; never blocks.
 
         :raises PeerUnknown: no route to `peer`.
+        :raises PeerUnreachable: `peer` is known but cannot take the message now (it is not
+            reading, its connection failed, or it stopped).
         :raises EngineClosed: the channel was closed.
         """
 
@@ -70,6 +76,7 @@ class LocalControlHub:
         self.delivered = 0
 
     def channel(self, name: str) -> LocalControl:
+        """The endpoint of engine `name`; it receives once started.  Never raises."""
         return LocalControl(self, name)
 
     def register(self, name: str, loop: asyncio.AbstractEventLoop, handler: MessageHandler) -> None:
@@ -91,7 +98,7 @@ class LocalControlHub:
         try:
             loop.call_soon_threadsafe(self._deliver, handler, peer, sender, incarnation, message)
         except RuntimeError as exc:  # the peer's loop is closed: it is gone
-            raise PeerUnknown(f"engine {peer!r} is no longer running") from exc
+            raise PeerUnreachable(f"engine {peer!r} is no longer running") from exc
 
     def _deliver(
         self, handler: MessageHandler, peer: str, sender: str, incarnation: int, message: ControlMessage

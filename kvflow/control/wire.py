@@ -19,14 +19,15 @@ channel's job (`kvflow.control.auth`).
 
 from __future__ import annotations
 
+import enum
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import msgpack
 
-from kvflow.errors import ConfigError, PeerProtocolError
+from kvflow.errors import ConfigError, PeerProtocolError, UnsupportedVersion
 from kvflow.layout import layout_from_wire
 from kvflow.protocol.messages import (
     ControlMessage,
@@ -41,13 +42,13 @@ from kvflow.protocol.messages import (
     Reject,
     TransferKey,
 )
+from kvflow.protocol.state import Outcome
 
 __all__ = (
     "MAGIC",
     "MAX_FRAME_BYTES",
     "VERSION",
     "Envelope",
-    "UnsupportedVersion",
     "decode",
     "encode",
 )
@@ -62,16 +63,7 @@ MAX_BATCHES = 1 << 16
 MAX_KEYS = 1 << 16
 MAX_METADATA = 1 << 19
 MAX_EPOCH = (1 << 63) - 1
-OUTCOMES = frozenset({"aborted", "failed", "expired"})
-
-
-class UnsupportedVersion(PeerProtocolError):
-    """The envelope is well formed but speaks another protocol version."""
-
-    def __init__(self, version: object, sender: str) -> None:
-        self.version = version
-        self.sender = sender
-        super().__init__(f"{sender!r} speaks control protocol version {version!r}; this engine speaks {VERSION}")
+OUTCOMES = (Outcome.ABORTED, Outcome.FAILED, Outcome.EXPIRED)  # a notice never says "succeeded"
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +98,18 @@ def _list(value: Any, what: str, limit: int) -> list[Any]:
     if type(value) is not list or len(value) > limit:
         raise _fail(f"{what} must be a list of at most {limit} items")
     return value
+
+
+E = TypeVar("E", bound=enum.Enum)
+
+
+def _member(value: Any, what: str, allowed: tuple[E, ...]) -> E:
+    """The enum member whose value `value` is: an enum travels as its value, and any other
+    value (an unknown one, one not allowed here, another type) is refused."""
+    for member in allowed:
+        if value == member.value:
+            return member
+    raise _fail(f"{what} must be one of {[m.value for m in allowed]}")
 
 
 def _key(tid: Any, epoch: Any) -> TransferKey:
@@ -190,9 +194,7 @@ def _ready(body: Any) -> Ready:
 
 def _notice(body: Any) -> Notice:
     tid, epoch, outcome, reason = _body(body, 4, "notice")
-    if outcome not in OUTCOMES:
-        raise _fail(f"notice outcome must be one of {sorted(OUTCOMES)}")
-    return Notice(_key(tid, epoch), outcome, _text(reason, "reason"))
+    return Notice(_key(tid, epoch), _member(outcome, "notice outcome", OUTCOMES), _text(reason, "reason"))
 
 
 def _quiesced(body: Any) -> Quiesced:
@@ -241,7 +243,7 @@ def _encode_body(message: ControlMessage) -> tuple[int, list[Any]]:
     if isinstance(message, Ready):
         return 3, [message.key.transfer_id, message.key.epoch, list(message.block_ids)]
     if isinstance(message, Notice):
-        return 4, [message.key.transfer_id, message.key.epoch, message.outcome, message.reason]
+        return 4, [message.key.transfer_id, message.key.epoch, message.outcome.value, message.reason]
     if isinstance(message, Quiesced):
         return 5, [message.key.transfer_id, message.key.epoch]
     if isinstance(message, Done):
@@ -299,7 +301,7 @@ def decode(frame: bytes) -> Envelope:
     receiver = _text(receiver, "receiver", MAX_ID, empty=False)
     seq = _int(seq, "sequence number", 0, MAX_EPOCH)
     if version != VERSION and code != 0:
-        raise UnsupportedVersion(version, sender)
+        raise UnsupportedVersion(version, sender, VERSION)
     decoder = _DECODERS.get(code) if type(code) is int else None
     if decoder is None:
         raise _fail(f"unknown message type {code!r}")

@@ -29,8 +29,16 @@ import zmq.asyncio
 
 from kvflow.control.auth import MAC_BYTES, ReplayGuard, Secret, secret_from_env
 from kvflow.control.channel import MessageHandler, new_incarnation
-from kvflow.control.wire import MAX_FRAME_BYTES, Envelope, UnsupportedVersion, decode, encode
-from kvflow.errors import ConfigError, EngineClosed, PeerProtocolError, PeerUnknown
+from kvflow.control.wire import MAX_FRAME_BYTES, Envelope, decode, encode
+from kvflow.errors import (
+    ConfigError,
+    EngineClosed,
+    PeerProtocolError,
+    PeerUnknown,
+    PeerUnreachable,
+    UnsupportedVersion,
+    UsageError,
+)
 from kvflow.protocol.messages import ControlMessage, Hello, Reject
 
 __all__ = ("ENV_SECRET", "ZmqControl", "is_loopback")
@@ -114,9 +122,10 @@ class ZmqControl:
         """Bind the ROUTER and start receiving on `loop`.
 
         :raises ConfigError: the bind address is unusable.
+        :raises UsageError: the channel was started before.
         """
         if self._ctx is not None:
-            raise ConfigError("control channel already started")
+            raise UsageError(f"control channel of {self.engine_id!r} already started")
         self._ctx = zmq.asyncio.Context()
         self._loop = loop
         router = self._ctx.socket(zmq.ROUTER)
@@ -140,11 +149,19 @@ class ZmqControl:
             )
 
     def send(self, peer: str, message: ControlMessage) -> None:
-        """:raises PeerUnknown: no route to `peer`, or its queue is full.
+        """Queue `message` for `peer`; never blocks.
+
+        :raises PeerUnknown: no control address is known for `peer`.
+        :raises PeerUnreachable: its address is unusable, the queue to it is full (it is not
+            reading), or ZeroMQ refused the frame.
         :raises EngineClosed: the channel is closed.
+        :raises UsageError: the channel was never started.
+        :raises PeerProtocolError: the message would make a frame over `MAX_FRAME_BYTES`.
         """
-        if self._closed or self._ctx is None:
-            raise EngineClosed(f"control channel of {self.engine_id!r} is closed or not started")
+        if self._closed:
+            raise EngineClosed(f"control channel of {self.engine_id!r} is closed")
+        if self._ctx is None:
+            raise UsageError(f"control channel of {self.engine_id!r} used before it was started")
         address = self._routes.get(peer)
         if address is None:
             raise PeerUnknown(f"no control address known for {peer!r}")
@@ -155,7 +172,11 @@ class ZmqControl:
             dealer.setsockopt(zmq.LINGER, 0)
             dealer.setsockopt(zmq.SNDHWM, self._send_queue)
             dealer.setsockopt(zmq.MAXMSGSIZE, SOCKET_LIMIT)
-            dealer.connect(address)
+            try:
+                dealer.connect(address)
+            except zmq.ZMQError as exc:  # an address ZeroMQ cannot parse (or a transport it lacks)
+                dealer.close(linger=0)
+                raise PeerUnreachable(f"cannot connect to {peer!r} at {address}: {exc}") from exc
             self._dealers[peer] = dealer
             self._spawn(self._receive(dealer, peer.encode()))  # answers may come back this way
         self._seq += 1
@@ -165,9 +186,11 @@ class ZmqControl:
         failure = sent.exception() if sent.done() else None
         if isinstance(failure, zmq.Again):
             self.counters["send_queue_full"] += 1
-            raise PeerUnknown(f"control queue to {peer!r} is full: the peer is not reading")
+            raise PeerUnreachable(f"control queue to {peer!r} is full: the peer is not reading")
+        if isinstance(failure, zmq.ZMQError):
+            raise PeerUnreachable(f"cannot send to {peer!r}: {failure}")
         if failure is not None:
-            raise PeerUnknown(f"cannot send to {peer!r}: {failure}")
+            raise failure
         self.counters["frames_sent"] += 1
 
     def close(self) -> None:

@@ -280,6 +280,9 @@ def layout_to_wire(layout: KVLayout) -> dict[str, Any]:
     }
 
 
+_MEMORY_TYPES = {memory.value: memory for memory in MemoryType}
+
+
 def layout_from_wire(data: Mapping[str, Any]) -> KVLayout:
     """Rebuild a peer's layout, checking every field.
 
@@ -309,7 +312,10 @@ def layout_from_wire(data: Mapping[str, Any]) -> KVLayout:
             if not isinstance(raw, list | tuple) or len(raw) != 4 or not isinstance(raw[2], str):
                 raise ConfigError("layout region must be [base, length, memory, device]")
             base, length = ints(raw[:2], 2, "region")
-            regions.append(Region(base, length, MemoryType(raw[2]), ints(raw[3:], 1, "region device")[0]))
+            memory = _MEMORY_TYPES.get(raw[2])  # a memory type travels as its value
+            if memory is None:
+                raise ConfigError(f"layout region memory must be one of {list(_MEMORY_TYPES)}, not {raw[2]!r:.40}")
+            regions.append(Region(base, length, memory, ints(raw[3:], 1, "region device")[0]))
         arrays = tuple(BlockArray(*ints(raw, 4, "block array")) for raw in data["arrays"])
         num_blocks = data["num_blocks"]
         if type(num_blocks) is not int:

@@ -429,7 +429,7 @@ class TransferCore:
             out.append(SendMessage(m.peer, Ready(key, m.pull_source_blocks())))
         elif act is Act.SEND_ABORT:
             outcome = m.outcome or outcome_of(m.state) or Outcome.FAILED
-            out.append(SendMessage(m.peer, Notice(key, outcome.value, m.reason or reason)))
+            out.append(SendMessage(m.peer, Notice(key, outcome, m.reason or reason)))
         elif act is Act.SEND_QUIESCED:
             out.append(SendMessage(m.peer, Quiesced(key)))
         elif act is Act.SEND_DONE:

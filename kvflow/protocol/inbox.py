@@ -89,8 +89,8 @@ class PeerInbox:
         role = _PREFILL if isinstance(message, Done) else None
         m = self._lookup_any(key, peer, role)
         if isinstance(message, Notice):
-            input_ = Input.PEER_ABORTED if message.outcome == Outcome.ABORTED.value else Input.PEER_FAILED
-            reason = f"peer {message.outcome}: {message.reason}"
+            input_ = Input.PEER_ABORTED if message.outcome is Outcome.ABORTED else Input.PEER_FAILED
+            reason = f"peer {message.outcome.value}: {message.reason}"
             if m is None:
                 # The peer gave up before this side started: remember it, so that the transfer
                 # fails at once if it starts here later.  Nothing of it can be in flight here.
@@ -118,7 +118,7 @@ class PeerInbox:
                 problem = "too many registrations for transfers not started here"
             if problem is not None:
                 self.stats.rejected_registrations += 1
-                return [SendMessage(peer, Notice(key, Outcome.FAILED.value, problem)), SendMessage(peer, Quiesced(key))]
+                return [SendMessage(peer, Notice(key, Outcome.FAILED, problem)), SendMessage(peer, Quiesced(key))]
             m = self.store.create(key, _PREFILL, Mode.PUSH, peer, now + min(reg.ttl, self.config.max_ttl))
             m.started_locally = False
         if m.mode is not Mode.PUSH or m.peer not in (None, peer):

@@ -17,13 +17,9 @@ from __future__ import annotations
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 
-from kvflow.errors import BlockConflict, KVFlowError
+from kvflow.errors import BlockConflict, LedgerError
 
-__all__ = ("BlockLedger", "LedgerError")
-
-
-class LedgerError(KVFlowError):
-    """A hold was released twice or never existed: a bug in whoever drives the ledger."""
+__all__ = ("BlockLedger",)
 
 
 @dataclass(slots=True)

@@ -17,6 +17,7 @@ from typing import Any
 import msgpack
 
 from kvflow.errors import PeerProtocolError
+from kvflow.protocol.state import Outcome
 
 __all__ = (
     "ControlMessage",
@@ -109,10 +110,10 @@ class Ready:
 
 @dataclass(frozen=True, slots=True)
 class Notice:
-    """Either direction: this side gave up on the transfer (`outcome`: aborted/failed/expired)."""
+    """Either direction: this side gave up on the transfer (`outcome`: ABORTED, FAILED or EXPIRED)."""
 
     key: TransferKey
-    outcome: str
+    outcome: Outcome
     reason: str
 
 

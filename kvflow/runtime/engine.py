@@ -28,7 +28,15 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvflow.control.channel import ControlChannel
-from kvflow.errors import ConfigError, EngineClosed, EngineCrashed, KVFlowError, TransferTimeout
+from kvflow.errors import (
+    ConfigError,
+    EngineClosed,
+    EngineCrashed,
+    KVFlowError,
+    LedgerError,
+    TransferTimeout,
+    UsageError,
+)
 from kvflow.layout import KVLayout, fingerprint, layout_to_wire, plan_transfer
 from kvflow.protocol.actions import Action, DeclarePeerLost, ReleaseBlocks, Resolve, SendMessage, SubmitOp
 from kvflow.protocol.association import (
@@ -49,7 +57,6 @@ from kvflow.protocol.association import (
     UnknownSender,
 )
 from kvflow.protocol.core import CoreConfig, TransferCore
-from kvflow.protocol.ledger import LedgerError
 from kvflow.protocol.messages import ControlMessage, Heartbeat, Hello, TransferKey
 from kvflow.protocol.state import Mode, Role
 from kvflow.runtime.results import TransferHandle, TransferResult
@@ -129,10 +136,10 @@ class Engine:
         """Register memory with the transport and start receiving.
 
         :raises TransportError: the transport refused the regions.
-        :raises EngineClosed: the engine was already started.
+        :raises UsageError: the engine was started before.
         """
         if self._state != "new":
-            raise EngineClosed(f"engine {self.engine_id!r} was already started")
+            raise UsageError(f"engine {self.engine_id!r} was already started")
         self._loop = asyncio.get_running_loop()
         self.transport.register_regions(self.layout.regions)
         self.transport.set_listener(self._wake_from_transport)
@@ -155,7 +162,9 @@ class Engine:
         :raises PeerProtocolError: the peer refused us (for instance, another protocol version).
         :raises TransferTimeout: no answer within `timeout` (default: the config's).
         :raises PeerUnknown: the control channel has no route to the peer.
-        :raises ConfigError: the control channel refuses `address`.
+        :raises PeerUnreachable: the control channel cannot send to the peer now.
+        :raises ConfigError: the control channel refuses `address` (for instance, unauthenticated
+            off loopback).
         :raises EngineClosed: the engine is not running, or closed during the handshake.
         :raises EngineCrashed: the engine crashed.
         """
@@ -171,6 +180,7 @@ class Engine:
             raise TransferTimeout(f"handshake with {peer!r} got no answer within {limit}s") from None
 
     def peers(self) -> list[str]:
+        """The engines associated with this one now.  Never raises."""
         return self.assoc.peers()
 
     async def aclose(self, drain_timeout: float | None = None) -> None:
@@ -308,6 +318,7 @@ class Engine:
         self._run(self.core.delivered(TransferKey(transfer_id, epoch), self._now()))
 
     def stats(self) -> dict[str, Any]:
+        """Counters of the core, the engine and the ledger.  Never raises."""
         return {
             **asdict(self.core.stats),
             **self.counters,
@@ -318,7 +329,10 @@ class Engine:
         }
 
     def poke(self) -> None:
-        """Run due deadlines now (tests driving an injected clock call this)."""
+        """Run due deadlines now (tests driving an injected clock call this).
+
+        :raises EngineClosed: the engine was never started and has no injected clock.
+        """
         self._on_timer()
 
     # ------------------------------------------------------------------ executing actions

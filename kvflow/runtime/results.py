@@ -47,7 +47,11 @@ class TransferHandle:
         return self._future.done()
 
     async def wait(self, timeout: float | None = None) -> TransferResult:
-        """:raises TransferTimeout: no outcome within `timeout` seconds (the transfer goes on)."""
+        """The outcome, whether success or not (see `TransferResult.raise_for_outcome`).
+
+        :raises TransferTimeout: no outcome within `timeout` seconds (the transfer goes on).
+        :raises EngineClosed: the engine closed before the transfer had an outcome.
+        """
         try:
             return await asyncio.wait_for(asyncio.shield(self._future), timeout)
         except TimeoutError:

@@ -30,7 +30,15 @@ T = TypeVar("T")
 
 class EngineThread:
     """`factory` builds the engine on the engine thread (so it binds to that loop), after
-    `thread_setup` has run there (a GPU host binds the thread to its device)."""
+    `thread_setup` has run there (a GPU host binds the thread to its device).
+
+    Each submitting method returns a future that carries what the engine method it calls
+    returns or raises (see `Engine`); the method itself raises only `EngineClosed`.
+
+    :raises TransferTimeout: the engine did not start within `start_timeout`.
+    :raises TransportError: the transport refused the engine's memory (from `Engine.start`);
+        whatever `factory` or `thread_setup` raised propagates as it is.
+    """
 
     def __init__(
         self,
@@ -86,6 +94,7 @@ class EngineThread:
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
     def connect(self, peer: str) -> concurrent.futures.Future[None]:
+        """`Engine.connect` on the engine thread.  :raises EngineClosed: the thread has stopped."""
         return self.call(lambda e: e.connect(peer))
 
     def expect(
@@ -99,6 +108,7 @@ class EngineThread:
         expected_batches: int = 1,
         ttl: float | None = None,
     ) -> concurrent.futures.Future[Any]:
+        """`Engine.expect` on the engine thread.  :raises EngineClosed: the thread has stopped."""
         ids = list(block_ids)
         return self.call(
             lambda e: e.expect(
@@ -119,6 +129,7 @@ class EngineThread:
         peer: str | None = None,
         ttl: float | None = None,
     ) -> concurrent.futures.Future[Any]:
+        """`Engine.kv_ready` on the engine thread.  :raises EngineClosed: the thread has stopped."""
         ids = list(block_ids)
         return self.call(
             lambda e: e.kv_ready(
@@ -137,6 +148,7 @@ class EngineThread:
     def abort(
         self, transfer_id: str, epoch: int, role: Role, reason: str = "aborted by caller"
     ) -> concurrent.futures.Future[None]:
+        """`Engine.abort` on the engine thread.  :raises EngineClosed: the thread has stopped."""
         return self.call(lambda e: e.abort(transfer_id, epoch, role, reason))
 
     # ------------------------------------------------------------------ reading results
@@ -154,6 +166,7 @@ class EngineThread:
 
         :raises EngineCrashed: the engine recorded a background failure.
         :raises TransferTimeout: closing took longer than `timeout`.
+        :raises EngineClosed: the engine thread had stopped without closing the engine.
         """
         if self._loop.is_closed():
             return

@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from kvflow.errors import BenchError
 from kvflow.layout import DescriptorPlan, KVLayout, KVSpec, plan_transfer
 from kvflow.layout.buffers import region_of
 from kvflow.protocol.actions import OpKind
@@ -97,7 +98,7 @@ class _Raw:
             state = self.a.check_xfer_state(handle)
             self.b.get_new_notifs()  # the passive side must make progress too (UCX wireup)
         if state != "DONE":
-            raise RuntimeError(f"raw NIXL transfer ended in {state}")
+            raise BenchError(f"raw NIXL transfer ended in {state}")
 
     def write_new_handle(self, nbytes: int) -> None:
         local = self.a.get_xfer_descs([(self.src.ctypes.data, nbytes, 0)], "DRAM")
@@ -141,12 +142,12 @@ class _Kvflow:
         self.a.submit(op_id, OpKind.WRITE, self.b.name, plan, b"")
         while True:
             if not self.ready.wait(10):
-                raise RuntimeError("kvflow op did not complete within 10 s")
+                raise BenchError("kvflow op did not complete within 10 s")
             self.ready.clear()
             completions, _ = self.a.poll()
             if completions:
                 if completions[0].error is not None or completions[0].op_id != op_id:
-                    raise RuntimeError(f"kvflow op failed: {completions[0]}")
+                    raise BenchError(f"kvflow op failed: {completions[0]}")
                 return
 
     def close(self) -> None:
@@ -170,7 +171,14 @@ def _patterns(rng: np.random.Generator) -> dict[str, tuple[np.ndarray, np.ndarra
 
 
 def run(quick: bool = False, repeats: int | None = None) -> list[Row]:
-    """Measure everything; returns the rows (also what `main` prints)."""
+    """Measure everything; returns the rows (also what `main` prints).
+
+    :raises TransportUnavailable: NIXL is not installed.
+    :raises BenchError: a transfer failed or did not complete within 10 s.
+    :raises TransportError: kvflow's NIXL transport refused to set up or to post an op.
+        (The raw agent pair is the baseline measured, used as NIXL ships it: its own
+        exceptions are not mapped.)
+    """
     api = load_nixl()
     largest = SIZES[-2] if quick else SIZES[-1]
     span = max(largest, 4 * NBLOCKS * BLOCK)  # the block patterns pick among 4096 blocks
