@@ -113,7 +113,7 @@ def test_a_notice_outcome_travels_as_its_value_and_decodes_to_the_enum() -> None
     # unknown values, "succeeded" (a notice reports giving up) and other types are refused
     refusal = r"notice outcome must be one of \['aborted', 'failed', 'expired'\]"
     for outcome in ("exploded", "succeeded", "ABORTED", 1, None, b"aborted"):
-        bad = msgpack.packb([wire.MAGIC, 1, "a", 1, "b", 1, 4, ["t", 1, outcome, ""]], use_bin_type=True)
+        bad = msgpack.packb([wire.MAGIC, wire.VERSION, "a", 1, "b", 1, 4, ["t", 1, outcome, ""]], use_bin_type=True)
         with pytest.raises(PeerProtocolError, match=refusal):
             wire.decode(bad)
 
@@ -124,26 +124,30 @@ def test_limits_and_versions() -> None:
         wire.encode(big)
     with pytest.raises(PeerProtocolError, match="bytes of at most"):
         wire.decode(b"\x00" * (wire.MAX_FRAME_BYTES + 1))
-    future = msgpack.packb([wire.MAGIC, 2, "peer", 1, "me", 1, 2, []])
-    with pytest.raises(UnsupportedVersion, match="'peer' speaks control protocol version 2; this engine speaks 1"):
-        wire.decode(future)
-    reject = msgpack.packb([wire.MAGIC, 2, "peer", 1, "me", 1, 0, ["too old"]])
+    for other in (wire.VERSION - 1, wire.VERSION + 1):
+        frame = msgpack.packb([wire.MAGIC, other, "peer", 1, "me", 1, 2, []])
+        with pytest.raises(
+            UnsupportedVersion,
+            match=f"'peer' speaks control protocol version {other}; this engine speaks {wire.VERSION}",
+        ):
+            wire.decode(frame)
+    reject = msgpack.packb([wire.MAGIC, wire.VERSION + 1, "peer", 1, "me", 1, 0, ["too old"]])
     assert wire.decode(reject).message == Reject("too old")  # readable across versions
-    nan_ttl = msgpack.packb([wire.MAGIC, 1, "a", 1, "b", 1, 2, ["t", 1, [1], 1, float("nan")]])
+    nan_ttl = msgpack.packb([wire.MAGIC, wire.VERSION, "a", 1, "b", 1, 2, ["t", 1, [1], 1, float("nan")]])
     with pytest.raises(PeerProtocolError, match="ttl"):
         wire.decode(nan_ttl)
-    ext = msgpack.packb([wire.MAGIC, 1, "a", 1, "b", 1, 5, [msgpack.ExtType(1, b"x"), 1]])
+    ext = msgpack.packb([wire.MAGIC, wire.VERSION, "a", 1, "b", 1, 5, [msgpack.ExtType(1, b"x"), 1]])
     with pytest.raises(PeerProtocolError):
         wire.decode(ext)
     broken_layout = dict(LAYOUT, num_blocks=-1)
     hello = msgpack.packb(
-        [wire.MAGIC, 1, "a", 1, "b", 1, 1, ["a", {}, broken_layout, b"", False, ""]], use_bin_type=True
+        [wire.MAGIC, wire.VERSION, "a", 1, "b", 1, 1, ["a", {}, broken_layout, b"", False, ""]], use_bin_type=True
     )
     with pytest.raises(PeerProtocolError, match="layout"):
         wire.decode(hello)
     odd_memory = dict(LAYOUT, regions=[[r[0], r[1], "XRAM", r[3]] for r in LAYOUT["regions"]])
     hello = msgpack.packb(
-        [wire.MAGIC, 1, "a", 1, "b", 1, 1, ["a", "both", {}, odd_memory, b"", False, ""]], use_bin_type=True
+        [wire.MAGIC, wire.VERSION, "a", 1, "b", 1, 1, ["a", {}, odd_memory, b"", False, ""]], use_bin_type=True
     )
     with pytest.raises(PeerProtocolError, match=r"layout region memory must be one of \['DRAM', 'VRAM'\], not 'XRAM'"):
         wire.decode(hello)

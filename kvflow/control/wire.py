@@ -54,7 +54,7 @@ __all__ = (
 )
 
 MAGIC = "kvflow"
-VERSION = 1
+VERSION = 2  # 2: a Hello no longer carries a role
 MAX_FRAME_BYTES = 1 << 20
 MAX_ID = 256  # engine and transfer ids
 MAX_TEXT = 1024  # reasons, addresses
