@@ -24,17 +24,15 @@ import contextlib
 import logging
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Any
 
 from kvflow.control.channel import ControlChannel
 from kvflow.errors import (
-    ConfigError,
     EngineClosed,
     EngineCrashed,
     KVFlowError,
     LedgerError,
-    TransferTimeout,
     UsageError,
 )
 from kvflow.layout import KVLayout, fingerprint, layout_to_wire, plan_transfer
@@ -56,9 +54,11 @@ from kvflow.protocol.association import (
     TearDown,
     UnknownSender,
 )
-from kvflow.protocol.core import CoreConfig, TransferCore
-from kvflow.protocol.messages import ControlMessage, Heartbeat, Hello, TransferKey
+from kvflow.protocol.core import TransferCore
+from kvflow.protocol.messages import ControlMessage, Goodbye, Heartbeat, Hello, TransferKey
 from kvflow.protocol.state import Mode, Role
+from kvflow.runtime.config import EngineConfig
+from kvflow.runtime.handshakes import Handshakes
 from kvflow.runtime.results import TransferHandle, TransferResult
 from kvflow.runtime.writer import Submitter, WriterThread
 from kvflow.transports.base import Transport
@@ -66,29 +66,6 @@ from kvflow.transports.base import Transport
 __all__ = ("Engine", "EngineConfig", "TransferHandle", "TransferResult")
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class EngineConfig:
-    core: CoreConfig = field(default_factory=CoreConfig)
-    transfer_timeout: float = 30.0  # deadline of a transfer when the caller gives none
-    handshake_timeout: float = 10.0
-    drain_timeout: float = 30.0  # how long `aclose` lets transfers finish before aborting them
-    auto_deliver: bool = True  # D: hand blocks over as soon as a transfer succeeds
-    lease: float = 30.0  # a peer silent this long is lost; P's blocks are held this long unrenewed
-    heartbeat_interval: float | None = None  # default: lease / 6
-    # after tearing a peer down on a transport that cannot fence the peer's one-sided ops (RDMA),
-    # wait this long before its transfers' blocks count as safe to release
-    unfenced_grace: float = 5.0
-    # runs first on every thread the engine starts (its writer): a GPU host binds it to its device
-    thread_setup: Callable[[], None] | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("transfer_timeout", "handshake_timeout", "drain_timeout", "lease"):
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"engine config {name} must be > 0")
-        if self.heartbeat_interval is not None and not 0 < self.heartbeat_interval < self.lease:
-            raise ConfigError("engine config heartbeat_interval must be in (0, lease)")
 
 
 class Engine:
@@ -121,7 +98,7 @@ class Engine:
         self._on_release = on_release
         interval = self.config.heartbeat_interval or self.config.lease / 6
         self.assoc = Associations(engine_id, fingerprint(layout.spec), self.config.lease, interval)
-        self._handshakes: dict[str, asyncio.Future[None]] = {}  # a local connect waits on these
+        self._handshakes = Handshakes()  # a local connect waits on these
         self._handles: dict[tuple[TransferKey, Role], asyncio.Future[TransferResult]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._timer: asyncio.TimerHandle | None = None
@@ -171,13 +148,7 @@ class Engine:
         self._check_open()
         limit = timeout if timeout is not None else self.config.handshake_timeout
         self._associate(self.assoc.connect(peer, address))
-        waiter = self._handshakes.get(peer)
-        if waiter is None:
-            return  # already associated
-        try:
-            await asyncio.wait_for(asyncio.shield(waiter), limit)
-        except TimeoutError:
-            raise TransferTimeout(f"handshake with {peer!r} got no answer within {limit}s") from None
+        await self._handshakes.wait(peer, limit)
 
     def peers(self) -> list[str]:
         """The engines associated with this one now.  Never raises."""
@@ -207,9 +178,7 @@ class Engine:
             for peer in sorted(waited_on | set(self.assoc.layouts)):
                 self._tear_down(peer, "engine closing: fence not confirmed")
         self._associate(self.assoc.goodbye_all("engine closing"))
-        for peer in list(self._handshakes):
-            closed = EngineClosed(f"engine {self.engine_id!r} closed during the handshake with {peer!r}")
-            self._settle_handshake(peer, closed)
+        self._handshakes.close(self.engine_id)
         self._cancel_timer()
         self._submitter.close(timeout=5.0)
         self.transport.set_listener(None)
@@ -380,7 +349,9 @@ class Engine:
             self.control.send(peer, message)
         except KVFlowError as exc:
             self.counters["sends_failed"] += 1
-            log.warning("%s: cannot send to %s: %s", self.engine_id, peer, exc)
+            # A goodbye often races the peer's own: the peer may have left first.
+            level = logging.DEBUG if isinstance(message, Goodbye) else logging.WARNING
+            log.log(level, "%s: cannot send to %s: %s", self.engine_id, peer, exc)
             return exc
         return None
 
@@ -463,11 +434,9 @@ class Engine:
             elif isinstance(action, AddRoute):
                 queue.extendleft(reversed(self._add_route(action)))
             elif isinstance(action, AwaitHandshake):
-                waiter = self._handshakes.get(action.peer)
-                if waiter is None or waiter.done():
-                    self._handshakes[action.peer] = self._running_loop().create_future()
+                self._handshakes.begin(action.peer, self._running_loop())
             elif isinstance(action, HandshakeSettled):
-                self._settle_handshake(action.peer, action.error)
+                self._handshakes.settle(action.peer, action.error)
             elif isinstance(action, Refused):
                 log.error("%s: refusing peer %s: %s", self.engine_id, action.peer, action.error)
             elif isinstance(action, UnknownSender):
@@ -495,14 +464,6 @@ class Engine:
             if not action.best_effort:
                 raise
             log.warning("%s: cannot answer %s: %s", self.engine_id, action.peer, exc)
-
-    def _settle_handshake(self, peer: str, error: KVFlowError | None) -> None:
-        waiter = self._handshakes.pop(peer, None)
-        if waiter is not None and not waiter.done():
-            if error is None:
-                waiter.set_result(None)
-            else:
-                waiter.set_exception(error)
 
     # ------------------------------------------------------------------ inbound events
 

@@ -1,0 +1,39 @@
+"""How an engine is tuned: deadlines, leases, heartbeats, and what runs on its threads.
+
+Why apart from the engine: a host (the vLLM connector, a test, a benchmark) builds the config
+from its own settings before any engine exists; the values are checked here, once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvflow.errors import ConfigError
+from kvflow.protocol.core import CoreConfig
+
+__all__ = ("EngineConfig",)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    core: CoreConfig = field(default_factory=CoreConfig)
+    transfer_timeout: float = 30.0  # deadline of a transfer when the caller gives none
+    handshake_timeout: float = 10.0
+    drain_timeout: float = 30.0  # how long `aclose` lets transfers finish before aborting them
+    auto_deliver: bool = True  # D: hand blocks over as soon as a transfer succeeds
+    lease: float = 30.0  # a peer silent this long is lost; P's blocks are held this long unrenewed
+    heartbeat_interval: float | None = None  # default: lease / 6
+    # after tearing a peer down on a transport that cannot fence the peer's one-sided ops (RDMA),
+    # wait this long before its transfers' blocks count as safe to release
+    unfenced_grace: float = 5.0
+    # runs first on every thread the engine starts (its writer): a GPU host binds it to its device
+    thread_setup: Callable[[], None] | None = None
+
+    def __post_init__(self) -> None:
+        """:raises ConfigError: a timeout, the lease or the heartbeat interval is out of range."""
+        for name in ("transfer_timeout", "handshake_timeout", "drain_timeout", "lease"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"engine config {name} must be > 0")
+        if self.heartbeat_interval is not None and not 0 < self.heartbeat_interval < self.lease:
+            raise ConfigError("engine config heartbeat_interval must be in (0, lease)")

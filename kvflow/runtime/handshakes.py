@@ -1,0 +1,53 @@
+"""The futures a local `connect` awaits while its handshake is decided.
+
+Why apart from the engine: deciding a handshake is pure (`kvflow.protocol.association`); waiting
+for one is the only part that needs the loop.  One future per peer, shared by every `connect`
+to that peer, settled once with the association's verdict.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from kvflow.errors import EngineClosed, KVFlowError, TransferTimeout
+
+__all__ = ("Handshakes",)
+
+
+class Handshakes:
+    def __init__(self) -> None:
+        self._waiters: dict[str, asyncio.Future[None]] = {}
+
+    def begin(self, peer: str, loop: asyncio.AbstractEventLoop) -> None:
+        """A handshake with `peer` is under way (a second `connect` joins the first)."""
+        waiter = self._waiters.get(peer)
+        if waiter is None or waiter.done():
+            self._waiters[peer] = loop.create_future()
+
+    def settle(self, peer: str, error: KVFlowError | None) -> None:
+        """The handshake with `peer` succeeded (`error` None) or failed with `error`."""
+        waiter = self._waiters.pop(peer, None)
+        if waiter is not None and not waiter.done():
+            if error is None:
+                waiter.set_result(None)
+            else:
+                waiter.set_exception(error)
+
+    async def wait(self, peer: str, timeout: float) -> None:
+        """Wait for the handshake with `peer`, if one is under way.
+
+        :raises TransferTimeout: no verdict within `timeout` seconds.
+        :raises KVFlowError: the error the handshake failed with.
+        """
+        waiter = self._waiters.get(peer)
+        if waiter is None:
+            return  # already associated
+        try:
+            await asyncio.wait_for(asyncio.shield(waiter), timeout)
+        except TimeoutError:
+            raise TransferTimeout(f"handshake with {peer!r} got no answer within {timeout}s") from None
+
+    def close(self, engine_id: str) -> None:
+        """The engine closes: every handshake still under way fails with `EngineClosed`."""
+        for peer in list(self._waiters):
+            self.settle(peer, EngineClosed(f"engine {engine_id!r} closed during the handshake with {peer!r}"))
