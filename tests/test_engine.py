@@ -300,6 +300,30 @@ async def test_close_aborts_what_is_left_and_returns_every_block() -> None:
 
 
 @pytest.mark.asyncio
+async def test_a_write_from_a_torn_down_peer_lands_nowhere() -> None:
+    fabric = LoopbackFabric(faults=FaultPlan(stall_ops={1}))
+    pair = EnginePair(fabric, config=FAST)
+    pair.p.core.config = PATIENT.core  # P keeps its association; only D gives up on it
+    await pair.start()
+    try:
+        pair.p_kv.fill([3], seed=7)
+        untouched = pair.d_kv.snapshot([1])
+        await pair.d.expect("old", 1, peer="P", block_ids=[1])
+        old_p = await pair.p.kv_ready("old", 1, block_ids=[3])  # its WRITE stalls
+        await stalled_op_posted(fabric)
+        await pair.d.abort("old", 1, Role.DECODE)
+        # No fence from P: D tears P down and gives block 1 back, trusting that nothing of P lands.
+        await eventually(lambda: [r.block_ids for r in pair.d.released] == [(1,)], "D gives block 1 back")
+        assert "P" not in pair.d.peers() and "D" in pair.p.peers()
+        fabric.unstall()  # P's WRITE runs now, into a block D may have handed to another transfer
+        await eventually(lambda: fabric.pending() == 0, "P's WRITE runs")
+        assert pair.d_kv.snapshot([1]) == untouched
+        assert (await old_p.wait(5)).outcome is Outcome.ABORTED
+    finally:
+        await pair.close()
+
+
+@pytest.mark.asyncio
 async def test_a_peer_that_starts_over_fails_the_old_association_and_serves_new_transfers() -> None:
     fabric = LoopbackFabric(faults=FaultPlan(stall_ops={1}))
     pair = await EnginePair(fabric, config=FAST).start()
