@@ -24,7 +24,7 @@ from kvflow.protocol.core import CoreConfig
 from kvflow.protocol.messages import TransferKey, encode_notification
 from kvflow.protocol.state import Mode, Outcome, Role, State
 from kvflow.runtime.engine import Engine, EngineConfig
-from kvflow.testing import EnginePair, KVBuffers, same_kv
+from kvflow.testing import EnginePair, KVBuffers, ManualClock, same_kv
 from kvflow.transports.loopback import FaultPlan, LinkModel, LoopbackFabric
 from tests.waiting import eventually, quiesce
 
@@ -294,6 +294,22 @@ async def test_close_aborts_what_is_left_and_returns_every_block() -> None:
     assert sorted(b for r in pair.d.released for b in r.block_ids) == [1, 2, 5]
     with pytest.raises(EngineClosed):
         await pair.d.expect("t", 1, peer="P", block_ids=[6])
+    await pair.p.aclose(drain_timeout=0.1)
+    assert pair.p.core.ledger.held_blocks == 0
+    fabric.close()
+
+
+@pytest.mark.asyncio
+async def test_close_tears_down_a_peer_whose_fence_never_comes() -> None:
+    # The cores' clock stands still, so no fence timeout of theirs fires: only close can end it.
+    fabric = LoopbackFabric(faults=FaultPlan(stall_ops={1}))
+    pair = await EnginePair(fabric, config=FAST, clock=ManualClock()).start()
+    await pair.d.expect("r", 1, peer="P", block_ids=[1, 2])
+    await pair.p.kv_ready("r", 1, block_ids=[3, 4])  # its WRITE stalls: P never confirms a fence
+    await stalled_op_posted(fabric)
+    await pair.d.aclose(drain_timeout=0.1)
+    assert pair.d.core.ledger.held_blocks == 0 and "P" not in pair.d.peers()
+    assert [r.block_ids for r in pair.d.released] == [(1, 2)]
     await pair.p.aclose(drain_timeout=0.1)
     assert pair.p.core.ledger.held_blocks == 0
     fabric.close()
