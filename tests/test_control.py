@@ -19,10 +19,11 @@ from kvflow.control.channel import LocalControlHub, new_incarnation
 from kvflow.control.zeromq import ZmqControl, is_loopback
 from kvflow.errors import ConfigError, EngineClosed, PeerUnknown, PeerUnreachable, TransferTimeout, UsageError
 from kvflow.protocol.messages import ControlMessage, Goodbye, Heartbeat, Notice, Ready, Registration, TransferKey
-from kvflow.protocol.state import Mode, Outcome
+from kvflow.protocol.state import Mode, Outcome, Role, State
 from kvflow.runtime.engine import Engine, EngineConfig
 from kvflow.testing import SMALL_SPEC, KVBuffers, same_kv
 from kvflow.transports.loopback import LoopbackFabric
+from tests.waiting import eventually
 
 SECRET = Secret(b"a shared secret of some length")
 CONFIG = EngineConfig(transfer_timeout=10.0, drain_timeout=1.0)
@@ -154,7 +155,9 @@ def fuzz_frames(valid: list[bytes], rng: random.Random, n: int) -> list[list[byt
 @pytest.mark.asyncio
 async def test_live_fuzz_of_a_running_engine(pair: Pair) -> None:
     waiting = await pair.d.expect("held", 1, peer="P", block_ids=[3], timeout=60)
-    await asyncio.sleep(0.05)
+    held = (TransferKey("held", 1), Role.PREFILL)
+    await eventually(lambda: held in {m.owner for m in pair.p.core.machines()}, "P has D's registration")
+    assert pair.p.core.machine(*held).state is State.REGISTERED
     before = [(m.key, m.role, m.state, m.deadline) for m in pair.p.core.machines() + pair.d.core.machines()]
     stats_before = pair.p.stats()
     assert isinstance(pair.p.control, ZmqControl)

@@ -23,12 +23,15 @@ from kvflow.errors import (
 from kvflow.layout import KVSpec
 from kvflow.protocol.core import CoreConfig
 from kvflow.protocol.messages import TransferKey, encode_notification
-from kvflow.protocol.state import Mode, Outcome, Role
+from kvflow.protocol.state import Mode, Outcome, Role, State
 from kvflow.runtime.engine import Engine, EngineConfig
-from kvflow.testing import EnginePair, KVBuffers, same_kv
+from kvflow.testing import EnginePair, KVBuffers, ManualClock, same_kv
 from kvflow.transports.loopback import FaultPlan, LinkModel, LoopbackFabric
+from tests.waiting import eventually, quiesce
 
 FAST = EngineConfig(core=CoreConfig(fence_timeout=0.5, retention=5.0), transfer_timeout=5.0, drain_timeout=2.0)
+# for tests that hold an op stalled while they look: no fence timeout may end the wait meanwhile
+PATIENT = EngineConfig(core=CoreConfig(fence_timeout=60.0, retention=5.0), transfer_timeout=60.0, drain_timeout=2.0)
 
 
 @pytest_asyncio.fixture
@@ -42,12 +45,14 @@ def ledgers_empty(pair: EnginePair) -> bool:
     return pair.p.core.ledger.held_blocks == 0 and pair.d.core.ledger.held_blocks == 0
 
 
-async def settle(pair: EnginePair, until: float = 2.0) -> None:
+async def settle(pair: EnginePair) -> None:
     """Wait until neither engine has a live transfer (acknowledgements and fences arrive)."""
-    for _ in range(int(until / 0.01)):
-        if not pair.p.core.live() and not pair.d.core.live():
-            return
-        await asyncio.sleep(0.01)
+    await eventually(lambda: not pair.p.core.live() and not pair.d.core.live(), "both engines settle")
+
+
+async def stalled_op_posted(fabric: LoopbackFabric) -> None:
+    """Wait until the first op (stalled by the fault plan) sits in the fabric: it is in flight."""
+    await eventually(lambda: fabric.pending() == 1, "the stalled op is posted")
 
 
 @pytest.mark.asyncio
@@ -56,11 +61,13 @@ async def test_push_moves_the_bytes_in_either_order(pair: EnginePair, registrati
     pair.p_kv.fill([5, 6, 7], seed=1)
     if registration_first:
         waiting = await pair.d.expect("r", 1, peer="P", block_ids=[1, 2, 3])
-        await asyncio.sleep(0.01)
+        key = TransferKey("r", 1)
+        await eventually(lambda: (key, Role.PREFILL) in {m.owner for m in pair.p.core.machines()}, "P registered")
+        assert pair.p.core.machine(key, Role.PREFILL).state is State.REGISTERED
         sending = await pair.p.kv_ready("r", 1, block_ids=[5, 6, 7])
     else:
         sending = await pair.p.kv_ready("r", 1, block_ids=[5, 6, 7])
-        await asyncio.sleep(0.01)
+        assert pair.p.core.machine(TransferKey("r", 1), Role.PREFILL).state is State.PREFILL_READY
         waiting = await pair.d.expect("r", 1, peer="P", block_ids=[1, 2, 3])
     assert (await waiting.wait(5)).ok
     assert (await sending.wait(5)).ok
@@ -87,8 +94,9 @@ async def test_layer_by_layer_push_completes_after_the_last_layer(pair: EnginePa
     pair.p_kv.fill([3, 4], seed=3)
     waiting = await pair.d.expect("r", 1, peer="P", block_ids=[10, 11], expected_batches=2)
     await pair.p.kv_ready("r", 1, block_ids=[3, 4], layers=(0, 1), final=False)
-    await asyncio.sleep(0.05)
-    assert not waiting.done()  # one of two WRITEs landed
+    receiving = pair.d.core.machine(TransferKey("r", 1), Role.DECODE)
+    await eventually(lambda: len(receiving.landed) == 1, "the first WRITE lands")
+    assert not waiting.done() and receiving.state is State.WRITING  # P has not produced layer 1 yet
     await pair.p.kv_ready("r", 1, block_ids=[3, 4], layers=(1, 2), final=True)
     assert (await waiting.wait(5)).ok
     assert same_kv(pair.p_kv, [3, 4], pair.d_kv, [10, 11])
@@ -112,16 +120,19 @@ async def test_failed_write_reaches_decode_at_once() -> None:
 @pytest.mark.asyncio
 async def test_stalled_write_keeps_decode_blocks_quarantined_until_it_lands() -> None:
     fabric = LoopbackFabric(faults=FaultPlan(stall_ops={1}))
-    pair = await EnginePair(fabric, config=FAST).start()
+    pair = await EnginePair(fabric, config=PATIENT).start()
     try:
         pair.p_kv.fill([3], seed=4)
         waiting = await pair.d.expect("old", 1, peer="P", block_ids=[7])
         await pair.p.kv_ready("old", 1, block_ids=[3])
-        await asyncio.sleep(0.05)
+        await stalled_op_posted(fabric)
         await pair.d.abort("old", 1, Role.DECODE, "client went away")
         assert (await waiting.wait(1)).outcome is Outcome.ABORTED
-        await asyncio.sleep(0.1)
+        sending = pair.p.core.machine(TransferKey("old", 1), Role.PREFILL)
+        await eventually(lambda: sending.state is not State.WRITING, "P takes the abort")
+        await quiesce()  # whatever P answered has arrived
         # The WRITE is still in flight: block 7 must not go back, nor be handed to anyone.
+        assert sending.state is State.ABORTING and sending.inflight and fabric.pending() == 1
         assert pair.d.core.ledger.quarantined_blocks == 1
         assert not [r for r in pair.d.released if 7 in r.block_ids]
         with pytest.raises(BlockConflict, match="quarantined"):
@@ -146,16 +157,13 @@ async def test_dead_prefill_fails_decode_by_its_deadline_and_frees_blocks_after_
     try:
         waiting = await pair.d.expect("r", 1, peer="P", block_ids=[1, 2], timeout=0.3)
         await pair.p.kv_ready("r", 1, block_ids=[3, 4])
-        await asyncio.sleep(0.02)
+        await stalled_op_posted(fabric)
         fabric.kill("P")  # the process is gone: its memory, its ops and its control channel
         pair.p.control.close()
         result = await waiting.wait(2)
         assert result.outcome is Outcome.EXPIRED
-        for _ in range(300):  # the fence never comes; after fence_timeout P is declared lost
-            if pair.d.core.ledger.held_blocks == 0:
-                break
-            await asyncio.sleep(0.01)
-        assert pair.d.core.ledger.held_blocks == 0
+        # the fence never comes; after fence_timeout P is declared lost
+        await eventually(lambda: pair.d.core.ledger.held_blocks == 0, "D frees the blocks")
         assert "P" not in pair.d.peers()
     finally:
         await pair.d.aclose()
@@ -195,10 +203,10 @@ async def test_new_epoch_supersedes_the_old_one_and_stale_notifications_complete
     # A notification for the old epoch arrives: it is counted and completes nothing.
     pair.p.transport.send_notification("D", encode_notification(TransferKey("r", 1), 0))
     pair.p.transport.send_notification("D", encode_notification(TransferKey("zzz", 9), 0))
-    await asyncio.sleep(0.05)
-    assert not new.done()
+    # D takes notifications in order: once it has counted the second, it has handled the first.
+    await eventually(lambda: pair.d.stats()["unknown_transfer"] == 1, "D counts the unknown transfer")
     stats = pair.d.stats()
-    assert stats["ignored"] + stats["stale_epoch"] >= 1 and stats["unknown_transfer"] >= 1
+    assert stats["ignored"] + stats["stale_epoch"] == 1 and not new.done()
     await pair.p.kv_ready("r", 2, block_ids=[9])
     assert (await new.wait(5)).ok
 
@@ -299,6 +307,7 @@ async def test_close_aborts_what_is_left_and_returns_every_block() -> None:
     pair = await EnginePair(fabric, config=FAST).start()
     waiting = await pair.d.expect("r", 1, peer="P", block_ids=[1, 2])
     await pair.p.kv_ready("r", 1, block_ids=[3, 4])  # its WRITE stalls forever
+    await stalled_op_posted(fabric)
     await pair.d.expect("s", 1, peer="P", block_ids=[5])  # P never produces this one
     await pair.d.aclose(drain_timeout=0.1)
     assert (await waiting.wait(1)).outcome is Outcome.ABORTED
@@ -323,6 +332,46 @@ async def test_starting_an_engine_twice_is_a_usage_error_not_a_closed_engine() -
 
 
 @pytest.mark.asyncio
+async def test_close_tears_down_a_peer_whose_fence_never_comes() -> None:
+    # The cores' clock stands still, so no fence timeout of theirs fires: only close can end it.
+    fabric = LoopbackFabric(faults=FaultPlan(stall_ops={1}))
+    pair = await EnginePair(fabric, config=FAST, clock=ManualClock()).start()
+    await pair.d.expect("r", 1, peer="P", block_ids=[1, 2])
+    await pair.p.kv_ready("r", 1, block_ids=[3, 4])  # its WRITE stalls: P never confirms a fence
+    await stalled_op_posted(fabric)
+    await pair.d.aclose(drain_timeout=0.1)
+    assert pair.d.core.ledger.held_blocks == 0 and "P" not in pair.d.peers()
+    assert [r.block_ids for r in pair.d.released] == [(1, 2)]
+    await pair.p.aclose(drain_timeout=0.1)
+    assert pair.p.core.ledger.held_blocks == 0
+    fabric.close()
+
+
+@pytest.mark.asyncio
+async def test_a_write_from_a_torn_down_peer_lands_nowhere() -> None:
+    fabric = LoopbackFabric(faults=FaultPlan(stall_ops={1}))
+    pair = EnginePair(fabric, config=FAST)
+    pair.p.core.config = PATIENT.core  # P keeps its association; only D gives up on it
+    await pair.start()
+    try:
+        pair.p_kv.fill([3], seed=7)
+        untouched = pair.d_kv.snapshot([1])
+        await pair.d.expect("old", 1, peer="P", block_ids=[1])
+        old_p = await pair.p.kv_ready("old", 1, block_ids=[3])  # its WRITE stalls
+        await stalled_op_posted(fabric)
+        await pair.d.abort("old", 1, Role.DECODE)
+        # No fence from P: D tears P down and gives block 1 back, trusting that nothing of P lands.
+        await eventually(lambda: [r.block_ids for r in pair.d.released] == [(1,)], "D gives block 1 back")
+        assert "P" not in pair.d.peers() and "D" in pair.p.peers()
+        fabric.unstall()  # P's WRITE runs now, into a block D may have handed to another transfer
+        await eventually(lambda: fabric.pending() == 0, "P's WRITE runs")
+        assert pair.d_kv.snapshot([1]) == untouched
+        assert (await old_p.wait(5)).outcome is Outcome.ABORTED
+    finally:
+        await pair.close()
+
+
+@pytest.mark.asyncio
 async def test_a_peer_that_starts_over_fails_the_old_association_and_serves_new_transfers() -> None:
     fabric = LoopbackFabric(faults=FaultPlan(stall_ops={1}))
     pair = await EnginePair(fabric, config=FAST).start()
@@ -330,13 +379,10 @@ async def test_a_peer_that_starts_over_fails_the_old_association_and_serves_new_
         pair.p_kv.fill([3, 4], seed=6)
         old_d = await pair.d.expect("old", 1, peer="P", block_ids=[1])
         old_p = await pair.p.kv_ready("old", 1, block_ids=[3])  # its WRITE stalls
-        await asyncio.sleep(0.05)
+        await stalled_op_posted(fabric)
         await pair.d.abort("old", 1, Role.DECODE)
         # P's WRITE never drains, so D's fence times out and D tears P down.
-        for _ in range(200):
-            if "P" not in pair.d.peers():
-                break
-            await asyncio.sleep(0.01)
+        await eventually(lambda: "P" not in pair.d.peers(), "D tears P down")
         assert (await old_d.wait(1)).outcome is Outcome.ABORTED
         assert pair.d.core.ledger.held_blocks == 0
         await pair.d.connect("P", timeout=2)  # a new association: P drops everything of the old one

@@ -11,7 +11,6 @@ deadline (plus the fence grace) has passed, every transfer has ended and both le
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 from typing import Any
 
@@ -19,7 +18,7 @@ import hypothesis.strategies as st
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvflow.errors import KVFlowError, UnknownTransfer
+from kvflow.errors import ConfigError, UnknownTransfer
 from kvflow.protocol.core import CoreConfig
 from kvflow.protocol.state import Mode, Outcome, Role
 from kvflow.runtime.engine import EngineConfig
@@ -68,6 +67,8 @@ class EngineProtocol(RuleBasedStateMachine):
         self.d_blocks: dict[tuple[str, int], list[int]] = {}
         self.plans: dict[tuple[str, int], tuple[Mode, int, int]] = {}  # mode, batches, sent
         self.p_blocks: dict[tuple[str, int], list[int]] = {}
+        self.p_gave_up_unproduced: set[tuple[str, int]] = set()  # P aborted before any kv_ready
+        self.d_ended: set[tuple[str, int]] = set()  # D reported an outcome
         self.next_epoch = 1
         self.deadline = 0.0
 
@@ -117,6 +118,7 @@ class EngineProtocol(RuleBasedStateMachine):
         while self.pair.d.finished:
             result = self.pair.d.finished.popleft()
             key = (result.key.transfer_id, result.key.epoch)
+            self.d_ended.add(key)
             if result.outcome is Outcome.SUCCEEDED:
                 got = self.pair.d_kv.snapshot(self.d_blocks[key])
                 assert got == self.expected[key], f"D's bytes for {key} differ from P's"
@@ -169,9 +171,12 @@ class EngineProtocol(RuleBasedStateMachine):
                     key[0], key[1], block_ids=self.p_blocks[key], final=final, layers=layers, mode=mode, peer="D"
                 )
             )
-        except KVFlowError:
-            if sent == 0:  # nothing was handed to P: the blocks are still ours
-                self.free["P"] |= set(self.p_blocks[key])
+        except ConfigError as exc:
+            # The only refusal these inputs can cause: P gave up on the transfer before producing
+            # any of it, and its record of that abort is not a pull transfer.  Nothing was handed
+            # to P: the blocks are still ours.
+            assert sent == 0 and mode is Mode.PULL and key in self.p_gave_up_unproduced, f"{key}: {exc!r}"
+            self.free["P"] |= set(self.p_blocks[key])
         self.spin()
 
     @precondition(lambda self: self.fabric.pending() > 0)
@@ -191,8 +196,14 @@ class EngineProtocol(RuleBasedStateMachine):
     def abort(self, data: st.DataObject, side: str) -> None:
         key = data.draw(st.sampled_from(sorted(self.plans)))
         engine, role = (self.pair.p, Role.PREFILL) if side == "P" else (self.pair.d, Role.DECODE)
-        with contextlib.suppress(UnknownTransfer):  # not started on that side (or forgotten)
+        try:
             self.loop.run_until_complete(engine.abort(key[0], key[1], role, "test abort"))
+        except UnknownTransfer as exc:
+            # P may abort any transfer; D forgets one only `retention` after its outcome.
+            assert side == "D" and key in self.d_ended, f"{side} {key}: {exc!r}"
+        else:
+            if side == "P" and self.plans[key][2] == 0:
+                self.p_gave_up_unproduced.add(key)
         self.spin()
 
     @rule(dt=st.sampled_from([0.5, 2.0, 6.0]))

@@ -29,7 +29,7 @@ from kvflow.protocol.messages import Heartbeat, Hello, Reject
 from kvflow.protocol.state import Mode, Outcome
 from kvflow.runtime.engine import Engine, EngineConfig
 from kvflow.testing import SMALL_SPEC, EnginePair, KVBuffers
-from kvflow.transports.loopback import LoopbackFabric
+from kvflow.transports.loopback import FaultPlan, LoopbackFabric
 
 LEASE = EngineConfig(
     core=CoreConfig(fence_timeout=0.3, retention=5.0), transfer_timeout=0.4, lease=0.6, drain_timeout=0.5
@@ -94,10 +94,10 @@ def test_a_refused_route_refuses_the_peer() -> None:
 
 @pytest.mark.asyncio
 async def test_decode_heartbeats_keep_a_pull_lease_alive_past_its_deadline() -> None:
-    pair = await EnginePair(LoopbackFabric(), config=LEASE).start()
+    # D's READ (the fabric's first op) stalls 1.5 s, several of P's deadlines: D's heartbeats,
+    # which list the transfer, keep P holding the blocks meanwhile.
+    pair = await EnginePair(LoopbackFabric(faults=FaultPlan(stall_ops={1}, stall_for=1.5)), config=LEASE).start()
     try:
-        # P is ready at once, D waits 1.5 s (several P deadlines) before it reads: D's heartbeats,
-        # which list the transfer, keep P holding the blocks.
         waiting = await pair.d.expect("r", 1, peer="P", block_ids=[1], mode=Mode.PULL, timeout=5)
         pair.d.assoc.liveness.interval = 0.1
         pair.p_kv.fill([2], seed=1)

@@ -19,6 +19,7 @@ from kvflow.errors import TransferTimeout, TransportError
 from kvflow.integrations.vllm.device import GateWaiter, HostDevice
 from kvflow.integrations.vllm.standin import LaggingDevice, ModelShape
 from tests.vllm_pairs import BLOCK_SIZE, make_pair, move_and_check
+from tests.waiting import eventually
 
 
 class ManualGate:
@@ -45,8 +46,8 @@ async def test_the_waiter_wakes_a_coroutine_when_the_gate_opens_and_not_before()
     try:
         gate = ManualGate()
         waiting = asyncio.ensure_future(waiter.wait(gate, timeout=10))
-        await asyncio.sleep(0.05)
-        assert not waiting.done() and gate.waiters == ["kvflow-gates-test"]  # blocked on its own thread
+        await eventually(lambda: gate.waiters == ["kvflow-gates-test"], "the waiter thread blocks on the gate")
+        assert not waiting.done()  # the gate is shut: the coroutine cannot have woken
         gate.opened.set()
         await asyncio.wait_for(waiting, 5)
         opened = ManualGate()
@@ -68,7 +69,7 @@ async def test_a_gate_that_never_opens_times_out_a_device_error_is_mapped_and_a_
         stuck.opened.set()  # the waiter thread moves on
         failing = ManualGate(RuntimeError("CUDA error: an illegal memory access"))
         task = asyncio.ensure_future(waiter.wait(failing, timeout=5))
-        await asyncio.sleep(0.01)
+        await eventually(lambda: failing.waiters == ["kvflow-gates-test"], "the waiter thread blocks on the gate")
         failing.opened.set()
         with pytest.raises(TransportError, match="illegal memory access") as caught:
             await task

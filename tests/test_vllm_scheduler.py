@@ -9,6 +9,7 @@ transport (or NIXL-UCX) and a real ZeroMQ control plane on 127.0.0.1.
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -100,12 +101,13 @@ def test_decode_abort_during_the_handshake_still_reaches_prefill() -> None:
     """D's registration waits for its handshake with P; an abort ordered meanwhile must wait for
     it too, or it finds no transfer and the registration then holds the blocks until its deadline."""
     p, d = make_pair(extra={"transfer_timeout": 600.0})
+    aborted = threading.Event()
     try:
         engine = kvflow_engine(d)
         handshake = engine.connect
 
         async def slow_handshake(peer: str, address: str = "", timeout: float | None = None) -> None:
-            await asyncio.sleep(0.5)
+            await asyncio.get_running_loop().run_in_executor(None, aborted.wait, 30.0)  # until the abort
             await handshake(peer, address, timeout)
 
         engine.connect = slow_handshake
@@ -114,8 +116,13 @@ def test_decode_abort_during_the_handshake_still_reaches_prefill() -> None:
         run((d,), lambda: d_req.status == RequestStatus.WAITING_FOR_REMOTE_KVS)
         assert engine.peers() == []  # the handshake is still on
         d.scheduler.finish_requests(d_req.request_id, RequestStatus.FINISHED_ABORTED)
+        worker = d.ranks[0].worker._worker
+        run((d,), lambda: "d-t13" in worker._aborted)  # the worker ordered the abort
+        assert engine.peers() == []  # the handshake is still held back
+        aborted.set()
         settle((p, d), [d_req], limit=30.0)  # long before the 600 s transfer deadline
     finally:
+        aborted.set()
         d.close()
         p.close()
 
