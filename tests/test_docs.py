@@ -4,7 +4,8 @@ Why: a README snippet that cannot run, a link to a moved file or a command renam
 reorganisation misleads exactly the reader who knows the code least.  The README's code block is
 `examples/quickstart.py`, which is run here; every relative link in the Markdown files must
 resolve (anchors included); every `python -m kvflow...` module and `kvflow` subcommand they name
-must exist.  Also the sans-IO rule that docs/design.md states.
+must exist; the README's module map names every module.  Also the sans-IO rule that
+docs/design.md states.
 """
 
 from __future__ import annotations
@@ -117,3 +118,15 @@ def test_sans_io_layers_import_nothing_that_does_io(path: Path) -> None:
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
             imported.add(node.module.split(".")[0])
     assert imported & IO_MODULES == set()
+
+
+MAPPED_PACKAGES = ("kvflow/protocol", "kvflow/layout", "kvflow/runtime", "kvflow/control", "transports", "kvflow/tools")
+
+
+def test_readme_module_map_names_every_module_and_no_other() -> None:
+    text = (ROOT / "README.md").read_text()
+    section = text.split("## Module map", 1)[1].split("\n## ", 1)[0]
+    named = {span for span in CODE_SPAN.findall(section) if span.endswith(".py")}
+    modules = {p.name for package in MAPPED_PACKAGES for p in (ROOT / package).glob("*.py") if p.name != "__init__.py"}
+    assert sorted(modules - named) == [], "modules the README's map leaves out"
+    assert sorted(named - modules - {"kvflow/errors.py"}) == [], "modules the README's map names that do not exist"
