@@ -43,7 +43,18 @@ ABOVE_PURE = (
     "kvflow.transports",
     "kvflow.integrations",
 )
-IO_MODULES = ("asyncio", "socket", "zmq", "threading", "time", "logging", "selectors")
+IO_MODULES = (
+    "asyncio",
+    "concurrent",
+    "logging",
+    "selectors",
+    "socket",
+    "subprocess",
+    "threading",
+    "time",
+    "uvloop",
+    "zmq",
+)
 
 
 @dataclass(frozen=True, slots=True)
