@@ -214,7 +214,9 @@ async def test_another_protocol_version_is_refused_with_the_reason() -> None:
     sender.setsockopt(zmq.LINGER, 0)
     try:
         sender.connect(engines.p.control.address)
-        frame = msgpack.packb([wire.MAGIC, 2, "future", 1, "P", 1, 1, ["whatever", "the", "future", "holds"]])
+        frame = msgpack.packb(
+            [wire.MAGIC, wire.VERSION + 1, "future", 1, "P", 1, 1, ["whatever", "the", "future", "holds"]]
+        )
         sender.send_multipart([frame, SECRET.sign(frame)])
         for _ in range(200):  # the answer comes back on the connection the frame came in on
             if sender.poll(10):
@@ -223,7 +225,9 @@ async def test_another_protocol_version_is_refused_with_the_reason() -> None:
         answer, mac = sender.recv_multipart()
         assert SECRET.verify(answer, mac)
         reject = wire.decode(answer).message
-        assert "speaks control protocol version 2; this engine speaks 1" in getattr(reject, "reason", "")
+        assert f"speaks control protocol version {wire.VERSION + 1}; this engine speaks {wire.VERSION}" in getattr(
+            reject, "reason", ""
+        )
     finally:
         sender.close()
         ctx.term()

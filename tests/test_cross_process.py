@@ -21,6 +21,8 @@ from typing import Any
 
 import pytest
 
+from kvflow.control import wire
+
 ROOT = Path(__file__).resolve().parent.parent
 SECRET = "cross-process test secret, 32 bytes!"
 Event = dict[str, Any]
@@ -208,11 +210,13 @@ def test_killed_decode_lets_prefill_release_when_the_lease_runs_out(prefix: str,
 
 def test_layout_and_version_mismatch_are_refused_with_the_reason(prefix: str) -> None:
     p = PeerProcess("P", f"{prefix}-p")
-    newer = PeerProcess("D", f"{prefix}-d", "--wire-version", "2")
+    newer = PeerProcess("D", f"{prefix}-d", "--wire-version", str(wire.VERSION + 1))
     try:
         refused = newer.ask("connected", cmd="connect", peer="P", address=p.address, timeout=3)
         assert refused["event"] == "error"
-        assert "speaks control protocol version 2; this engine speaks 1" in refused["error"]
+        assert (
+            f"speaks control protocol version {wire.VERSION + 1}; this engine speaks {wire.VERSION}" in refused["error"]
+        )
     finally:
         newer.close()
     other = PeerProcess("E", f"{prefix}-e", "--dtype", "bfloat16")

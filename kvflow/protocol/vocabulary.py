@@ -1,0 +1,108 @@
+"""The words the transfer tables are written in: modes, roles, states, inputs, acts, outcomes.
+
+Why apart from the tables: every layer speaks these names (the core, messages on the wire, the
+runtime's results, the vLLM connector), while only `kvflow.protocol.state` decides which state
+follows which input.  `kvflow.protocol.state` re-exports them all.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import NamedTuple
+
+__all__ = ("Act", "Condition", "Input", "Mode", "Outcome", "Role", "State", "Transition")
+
+
+class Mode(enum.Enum):
+    PUSH = "push"
+    PULL = "pull"
+
+
+class Role(enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+class State(enum.Enum):
+    # decode side
+    ALLOCATED = "allocated"  # destination blocks held, registration not sent yet
+    REGISTERED = "registered"  # push: D sent its registration / P received it, prefill running
+    # prefill side
+    PREFILL_RUNNING = "prefill_running"
+    PREFILL_READY = "prefill_ready"  # all KV ready; push: waiting for registration, pull: D may read
+    # data movement
+    WRITING = "writing"
+    READING = "reading"
+    NOTIFIED = "notified"  # D: every batch landed; P: every WRITE completed (completion sent)
+    DONE = "done"
+    # outcome decided, blocks quarantined until the peer's ops are fenced
+    ABORTING = "aborting"
+    FAILING = "failing"
+    EXPIRING = "expiring"
+    # terminal
+    ABORTED = "aborted"
+    FAILED = "failed"
+    EXPIRED = "expired"
+
+
+class Input(enum.Enum):
+    # from the embedding engine
+    REGISTER = "register"  # D push: the peer is reachable, send the registration
+    KV_READY = "kv_ready"  # P: a batch of KV (a chunk or some layers) is ready
+    PREFILL_FINISHED = "prefill_finished"  # P: the last batch is ready
+    DELIVERED = "delivered"  # D: the consumer took the blocks
+    ABORT = "abort"
+    # from the clock and liveness
+    DEADLINE = "deadline"
+    PEER_LOST = "peer_lost"  # fed only after the peer was torn down: nothing of it can land
+    # from the data plane, about this engine's own ops
+    OP_SUBMITTED = "op_submitted"
+    OP_COMPLETED = "op_completed"  # others still in flight
+    LAST_OP_COMPLETED = "last_op_completed"  # none in flight any more
+    OP_FAILED = "op_failed"
+    LAST_OP_FAILED = "last_op_failed"
+    OPS_DRAINED = "ops_drained"  # entered a fencing state with nothing in flight
+    # from the peer
+    REGISTRATION_RECEIVED = "registration_received"
+    READY_RECEIVED = "ready_received"
+    BATCH_LANDED = "batch_landed"  # a WRITE notification, more batches expected
+    LAST_BATCH_LANDED = "last_batch_landed"
+    PEER_ABORTED = "peer_aborted"
+    PEER_FAILED = "peer_failed"
+    PEER_QUIESCED = "peer_quiesced"  # the initiator has nothing in flight and will issue nothing
+    PEER_DONE = "peer_done"  # D is done with the transfer (push: ack, pull: release)
+    DUPLICATE = "duplicate"  # a message already seen for this transfer and epoch
+    INCOMPATIBLE = "incompatible"  # the peer's request cannot be served (sizes, counts, ranges)
+
+
+class Act(enum.Enum):
+    SEND_REGISTRATION = "send_registration"
+    SEND_READY = "send_ready"
+    SUBMIT_PENDING = "submit_pending"  # submit an op for every ready, unsubmitted batch
+    SEND_ABORT = "send_abort"  # notice carrying this machine's outcome and reason
+    SEND_QUIESCED = "send_quiesced"
+    SEND_DONE = "send_done"
+    RESOLVE = "resolve"  # the outcome is known: tell whoever waits
+    QUARANTINE = "quarantine"  # blocks stay held until the peer is fenced
+    RELEASE = "release"  # give every block this machine holds back to its owner
+    RETURN_BATCH = "return_batch"  # a batch that arrived too late goes straight back
+    DECLARE_PEER_LOST = "declare_peer_lost"
+    IGNORE = "ignore"  # a late, duplicate or stray message: count it, do nothing
+
+
+class Condition(enum.Enum):
+    """A fact about a machine that the tables cannot see and the core can: see `STATE_TRIGGERED`."""
+
+    NOTHING_IN_FLIGHT = "nothing_in_flight"  # none of this machine's own ops is in flight
+
+
+class Outcome(enum.Enum):
+    SUCCEEDED = "succeeded"
+    ABORTED = "aborted"
+    FAILED = "failed"
+    EXPIRED = "expired"
+
+
+class Transition(NamedTuple):
+    target: State
+    acts: tuple[Act, ...]
