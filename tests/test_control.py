@@ -222,6 +222,7 @@ async def test_another_protocol_version_is_refused_with_the_reason() -> None:
             if sender.poll(10):
                 break
             await asyncio.sleep(0.01)
+        assert sender.poll(0), "P did not answer a frame of another version within 4 s"
         answer, mac = sender.recv_multipart()
         assert SECRET.verify(answer, mac)
         reject = wire.decode(answer).message
