@@ -87,7 +87,9 @@ class StridedPages:
             raise ConfigError(f"layer {layer}: blocks {stride} bytes apart overlap their {run}-byte runs")
         for a, b in itertools.combinations(self.runs.offsets, 2):
             distance = b - a  # block k's run a against block 0's run b: |distance - k * stride| >= run
-            for k in {0, distance // stride, -(-distance // stride)}:
+            # with stride <= 0 there is one block (more were refused above): only k = 0 exists
+            nearest = {distance // stride, -(-distance // stride)} if stride > 0 else set()
+            for k in {0, *nearest}:
                 if 0 <= k < num_blocks and abs(distance - k * stride) < run:
                     raise ConfigError(f"layer {layer}: a run of block {k} overlaps another run of block 0")
         return [BlockArray(self.region, self.offset + run, self.block_stride, layer) for run in self.runs.offsets]
