@@ -14,19 +14,19 @@ import pytest
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import RuleBasedStateMachine, run_state_machine_as_test
 
-from kvflow.protocol.state import TABLES, Act, Input, Mode, Role, State, Transition
+from kvflow.protocol.state import TABLES, Effect, Input, Mode, Role, State, Transition
 from tests.core_model import InvariantViolation
 from tests.test_core_stateful import EXAMPLES, STEPS, CoreProtocol
 from tests.test_engine_stateful import EngineProtocol
 
-R = Act.RESOLVE
+R = Effect.RESOLVE
 MUTATIONS = {
     # D releases its blocks on abort instead of quarantining them until P is fenced.
     "push decode abort without fence": (
         (Mode.PUSH, Role.DECODE),
         {
-            (State.REGISTERED, Input.ABORT): Transition(State.ABORTED, (R, Act.SEND_ABORT, Act.RELEASE)),
-            (State.WRITING, Input.ABORT): Transition(State.ABORTED, (R, Act.SEND_ABORT, Act.RELEASE)),
+            (State.REGISTERED, Input.ABORT): Transition(State.ABORTED, (R, Effect.SEND_ABORT, Effect.RELEASE)),
+            (State.WRITING, Input.ABORT): Transition(State.ABORTED, (R, Effect.SEND_ABORT, Effect.RELEASE)),
         },
         r"landed in D block|D released blocks .* in flight",
     ),
@@ -34,8 +34,10 @@ MUTATIONS = {
     "push prefill abort without drain": (
         (Mode.PUSH, Role.PREFILL),
         {
-            (State.WRITING, Input.PEER_ABORTED): Transition(State.ABORTED, (R, Act.RELEASE, Act.SEND_QUIESCED)),
-            (State.REGISTERED, Input.PEER_ABORTED): Transition(State.ABORTED, (R, Act.RELEASE, Act.SEND_QUIESCED)),
+            (State.WRITING, Input.PEER_ABORTED): Transition(State.ABORTED, (R, Effect.RELEASE, Effect.SEND_QUIESCED)),
+            (State.REGISTERED, Input.PEER_ABORTED): Transition(
+                State.ABORTED, (R, Effect.RELEASE, Effect.SEND_QUIESCED)
+            ),
         },
         r"P released blocks .* in flight",
     ),
@@ -43,8 +45,8 @@ MUTATIONS = {
     "pull prefill expiry without fence": (
         (Mode.PULL, Role.PREFILL),
         {
-            (State.PREFILL_READY, Input.DEADLINE): Transition(State.EXPIRED, (R, Act.SEND_ABORT, Act.RELEASE)),
-            (State.PREFILL_READY, Input.PEER_ABORTED): Transition(State.ABORTED, (R, Act.RELEASE)),
+            (State.PREFILL_READY, Input.DEADLINE): Transition(State.EXPIRED, (R, Effect.SEND_ABORT, Effect.RELEASE)),
+            (State.PREFILL_READY, Input.PEER_ABORTED): Transition(State.ABORTED, (R, Effect.RELEASE)),
         },
         r"P released blocks .* in flight",
     ),

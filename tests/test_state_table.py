@@ -23,8 +23,8 @@ from kvflow.protocol.state import (
     STATE_TRIGGERED,
     TABLES,
     TERMINAL,
-    Act,
     Condition,
+    Effect,
     Input,
     Mode,
     Outcome,
@@ -39,7 +39,13 @@ from kvflow.protocol.state import (
 )
 
 SIDES = sorted(TABLES, key=lambda k: (k[0].value, k[1].value))
-LOCAL_ONLY_ACTS = {Act.SUBMIT_PENDING, Act.SEND_REGISTRATION, Act.SEND_READY, Act.RESOLVE, Act.QUARANTINE}
+LOCAL_ONLY_EFFECTS = {
+    Effect.SUBMIT_PENDING,
+    Effect.SEND_REGISTRATION,
+    Effect.SEND_READY,
+    Effect.RESOLVE,
+    Effect.QUARANTINE,
+}
 
 
 def _machine_in(mode: Mode, role: Role, state: State) -> tuple[TransferCore, TransferKey]:
@@ -105,20 +111,20 @@ def reachable_from(table: Mapping[tuple[State, Input], Transition], start: State
 @pytest.mark.parametrize("side", SIDES, ids=lambda s: f"{s[0].value}-{s[1].value}")
 def test_table_shape(side: tuple[Mode, Role]) -> None:
     table = TABLES[side]
-    for (state, input_), (target, acts) in table.items():
+    for (state, input_), (target, effects) in table.items():
         where = f"{side} {state.name} + {input_.name}"
         if state in TERMINAL:
             assert target is state, f"{where}: a terminal state never leaves"
-            assert not set(acts) & (LOCAL_ONLY_ACTS | {Act.RELEASE}), f"{where}: terminal acts {acts}"
+            assert not set(effects) & (LOCAL_ONLY_EFFECTS | {Effect.RELEASE}), f"{where}: terminal effects {effects}"
         if state in FENCING:
             assert target in (state, FENCING_DONE[state]), f"{where}: fencing leads only to its outcome"
-        if Act.RESOLVE in acts:
+        if Effect.RESOLVE in effects:
             assert outcome_of(state) is None and outcome_of(target) is not None, f"{where}: resolves once"
-        if Act.RELEASE in acts:
+        if Effect.RELEASE in effects:
             assert target in TERMINAL or target is State.NOTIFIED, f"{where}: releases only at the end"
-        if Act.QUARANTINE in acts:
+        if Effect.QUARANTINE in effects:
             assert target in FENCING, f"{where}: quarantine means waiting for a fence"
-        assert acts.count(Act.RELEASE) <= 1, where
+        assert effects.count(Effect.RELEASE) <= 1, where
 
 
 @pytest.mark.parametrize("side", SIDES, ids=lambda s: f"{s[0].value}-{s[1].value}")

@@ -1,6 +1,6 @@
 """The sans-IO transfer protocol: what every transfer may do next, decided without any I/O.
 
-`vocabulary` names the states, inputs and acts; `state` holds the transition tables (one per
+`vocabulary` names the states, inputs and effects; `state` holds the transition tables (one per
 mode and role) and the state-triggered hops; `machine` is the per-transfer record; `ledger`
 accounts for every block; `transfers` stores the machines, their epochs and deadlines; `core`
 turns inputs into `actions`, with `inbox` refining what peers send; `association` decides

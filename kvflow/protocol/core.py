@@ -40,7 +40,7 @@ from kvflow.protocol.state import (
     ACTIVE,
     FENCING,
     TERMINAL,
-    Act,
+    Effect,
     Input,
     Mode,
     Outcome,
@@ -174,7 +174,7 @@ class TransferCore:
         if len(batches) >= self.config.max_batches:
             raise InvalidBatch(f"kv_ready {key}: more than {self.config.max_batches} batches")
         batch = next_batch(key, batches, first_position, ids, span)
-        consumed = Act.RETURN_BATCH not in step.acts
+        consumed = Effect.RETURN_BATCH not in step.effects
         if consumed and mode is Mode.PULL and final:
             staged = sorted([*batches, batch], key=lambda b: b.first)
             if staged[0].first or any(a.stop != b.first for a, b in zip(staged, staged[1:], strict=False)):
@@ -185,7 +185,7 @@ class TransferCore:
             actions = self._supersede(key, _PREFILL, now)
             m = self.store.create(key, _PREFILL, mode, peer, deadline or now)
             actions += self._replay_early(m, now)  # D may have given up before P started
-            consumed = Act.RETURN_BATCH not in transition(mode, _PREFILL, m.state, input_).acts
+            consumed = Effect.RETURN_BATCH not in transition(mode, _PREFILL, m.state, input_).effects
         if not consumed:
             return actions + self._feed(m, input_, now, returned=ids)
         if m.peer is None:
@@ -361,8 +361,8 @@ class TransferCore:
         step = transition(m.mode, m.role, m.state, input_, str(m.key))
         old, m.state = m.state, step.target
         actions: list[Action] = []
-        for act in step.acts:
-            self._act(m, act, now, reason, returned, actions)
+        for effect in step.effects:
+            self._apply(m, effect, now, reason, returned, actions)
         if step.target is not old or input_ is Input.DEADLINE:
             self._retime(m, old, input_, now)
         triggered = state_triggered(m.mode, m.role, m.state, m.holds)
@@ -388,23 +388,25 @@ class TransferCore:
                 self.stats.failed += 1
             self.store.forget_at(m, now + self.config.retention)
 
-    def _act(self, m: Machine, act: Act, now: float, reason: str, returned: tuple[int, ...], out: list[Action]) -> None:
+    def _apply(
+        self, m: Machine, effect: Effect, now: float, reason: str, returned: tuple[int, ...], out: list[Action]
+    ) -> None:
         key = m.key
-        if act is Act.IGNORE:
+        if effect is Effect.IGNORE:
             self.stats.ignored += 1
-        elif act is Act.RESOLVE:
+        elif effect is Effect.RESOLVE:
             outcome = outcome_of(m.state) or Outcome.FAILED  # RESOLVE only leads to decided states
             m.outcome = outcome
             m.reason = reason or ("ok" if outcome is Outcome.SUCCEEDED else m.state.value)
             out.append(Resolve(key, m.role, outcome, m.reason))
-        elif act is Act.QUARANTINE:
+        elif effect is Effect.QUARANTINE:
             self.ledger.quarantine(m.owner)
-        elif act is Act.RELEASE:
+        elif effect is Effect.RELEASE:
             blocks = self.ledger.release(m.owner)
             m.released.update(blocks)
             if blocks:
                 out.append(ReleaseBlocks(key, m.role, blocks, m.outcome or Outcome.SUCCEEDED))
-        elif act is Act.RETURN_BATCH:
+        elif effect is Effect.RETURN_BATCH:
             # A batch that will never be written: it joins the hold while the hold may still be
             # read by an op in flight (and leaves with it), else it goes back now.  Either way
             # each block of the transfer is released once.
@@ -415,24 +417,24 @@ class TransferCore:
                 m.released.update(fresh)
                 if fresh:
                     out.append(ReleaseBlocks(key, m.role, fresh, m.outcome or Outcome.ABORTED))
-        elif act is Act.DECLARE_PEER_LOST:
+        elif effect is Effect.DECLARE_PEER_LOST:
             if m.peer is not None:
                 out.append(DeclarePeerLost(m.peer, f"no fence from peer for {key} within {self.config.fence_timeout}s"))
         elif m.peer is None:
             return  # nobody to tell or write to yet
-        elif act is Act.SUBMIT_PENDING:
+        elif effect is Effect.SUBMIT_PENDING:
             self._submit(m, out)
-        elif act is Act.SEND_REGISTRATION:
+        elif effect is Effect.SEND_REGISTRATION:
             ttl = max(m.deadline - now, 0.0)
             out.append(SendMessage(m.peer, Registration(key, m.block_ids, m.expected_batches, ttl)))
-        elif act is Act.SEND_READY:
+        elif effect is Effect.SEND_READY:
             out.append(SendMessage(m.peer, Ready(key, m.pull_source_blocks())))
-        elif act is Act.SEND_ABORT:
+        elif effect is Effect.SEND_ABORT:
             outcome = m.outcome or outcome_of(m.state) or Outcome.FAILED
             out.append(SendMessage(m.peer, Notice(key, outcome, m.reason or reason)))
-        elif act is Act.SEND_QUIESCED:
+        elif effect is Effect.SEND_QUIESCED:
             out.append(SendMessage(m.peer, Quiesced(key)))
-        elif act is Act.SEND_DONE:
+        elif effect is Effect.SEND_DONE:
             out.append(SendMessage(m.peer, Done(key)))
 
     def _submit(self, m: Machine, out: list[Action]) -> None:

@@ -5,14 +5,14 @@ Theory of operation
 Every KV transfer is seen by two engines: the prefill engine (P) that owns the source blocks and
 the decode engine (D) that owns the destination blocks.  Each side runs one machine per transfer
 and epoch.  A machine is a `State`; an `Input` moves it along the table for its (mode, role) and
-yields a tuple of `Act`s: what the driver must do (send a message, submit a WRITE, release
+yields a tuple of `Effect`s: what the driver must do (send a message, submit a WRITE, release
 blocks, ...).  Nothing here does I/O or reads a clock.
 
 Rule 1: everything that decides *which* state follows *which* input lives in `TABLES`, and every
 hop a machine takes without an outside event lives in `STATE_TRIGGERED`: in a listed state, when
 a listed `Condition` holds, the core feeds the listed input, and repeats until no row applies.
 The core (`kvflow.protocol.core`) only refines raw events into inputs (is this the last
-outstanding op?  is this notification a duplicate?), evaluates conditions, and turns `Act`s into
+outstanding op?  is this notification a duplicate?), evaluates conditions, and turns `Effect`s into
 concrete actions with payloads.
 
 Rule 2: an input that the table does not list raises `InvalidTransition` and changes nothing.
@@ -53,7 +53,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 
 from kvflow.errors import InvalidTransition
-from kvflow.protocol.vocabulary import Act, Condition, Input, Mode, Outcome, Role, State, Transition
+from kvflow.protocol.vocabulary import Condition, Effect, Input, Mode, Outcome, Role, State, Transition
 
 __all__ = (
     "ACTIVE",
@@ -62,7 +62,7 @@ __all__ = (
     "STATE_TRIGGERED",
     "TABLES",
     "TERMINAL",
-    "Act",
+    "Effect",
     "Condition",
     "Input",
     "Mode",
@@ -131,18 +131,18 @@ _OPS = (
 )
 
 # short aliases keep the tables readable
-RESOLVE, RELEASE, QUARANTINE, IGNORE = Act.RESOLVE, Act.RELEASE, Act.QUARANTINE, Act.IGNORE
-SEND_ABORT, SEND_QUIESCED, SEND_DONE = Act.SEND_ABORT, Act.SEND_QUIESCED, Act.SEND_DONE
-SUBMIT, RETURN_BATCH, LOSE_PEER = Act.SUBMIT_PENDING, Act.RETURN_BATCH, Act.DECLARE_PEER_LOST
+RESOLVE, RELEASE, QUARANTINE, IGNORE = Effect.RESOLVE, Effect.RELEASE, Effect.QUARANTINE, Effect.IGNORE
+SEND_ABORT, SEND_QUIESCED, SEND_DONE = Effect.SEND_ABORT, Effect.SEND_QUIESCED, Effect.SEND_DONE
+SUBMIT, RETURN_BATCH, LOSE_PEER = Effect.SUBMIT_PENDING, Effect.RETURN_BATCH, Effect.DECLARE_PEER_LOST
 
 
-def _t(target: State, *acts: Act) -> Transition:
-    return Transition(target, acts)
+def _t(target: State, *effects: Effect) -> Transition:
+    return Transition(target, effects)
 
 
-def _absorbing(states: Iterable[State], inputs: Iterable[Input], acts: tuple[Act, ...] = (IGNORE,)) -> Table:
-    """Self-loops: each state swallows each input, doing `acts`."""
-    return {(s, i): Transition(s, acts) for s in states for i in inputs}
+def _absorbing(states: Iterable[State], inputs: Iterable[Input], effects: tuple[Effect, ...] = (IGNORE,)) -> Table:
+    """Self-loops: each state swallows each input, doing `effects`."""
+    return {(s, i): Transition(s, effects) for s in states for i in inputs}
 
 
 def _merge(*parts: Table) -> Table:
@@ -231,7 +231,7 @@ def _push_decode_active(state: State) -> Table:
 PUSH_DECODE: Table = _merge(
     {
         # Nothing was sent, so nothing can land: release at once.
-        (State.ALLOCATED, Input.REGISTER): _t(State.REGISTERED, Act.SEND_REGISTRATION),
+        (State.ALLOCATED, Input.REGISTER): _t(State.REGISTERED, Effect.SEND_REGISTRATION),
         (State.ALLOCATED, Input.ABORT): _t(State.ABORTED, RESOLVE, RELEASE),
         (State.ALLOCATED, Input.DEADLINE): _t(State.EXPIRED, RESOLVE, RELEASE),
         (State.ALLOCATED, Input.PEER_LOST): _t(State.FAILED, RESOLVE, RELEASE),
@@ -366,7 +366,7 @@ PUSH_PREFILL: Table = _merge(
 PULL_PREFILL: Table = _merge(
     {
         (State.PREFILL_RUNNING, Input.KV_READY): _t(State.PREFILL_RUNNING),
-        (State.PREFILL_RUNNING, Input.PREFILL_FINISHED): _t(State.PREFILL_READY, Act.SEND_READY),
+        (State.PREFILL_RUNNING, Input.PREFILL_FINISHED): _t(State.PREFILL_READY, Effect.SEND_READY),
         # D was never told where to read: release at once.
         (State.PREFILL_RUNNING, Input.ABORT): _t(State.ABORTED, RESOLVE, RELEASE, SEND_ABORT),
         (State.PREFILL_RUNNING, Input.DEADLINE): _t(State.EXPIRED, RESOLVE, RELEASE, SEND_ABORT),

@@ -1,4 +1,4 @@
-"""The words the transfer tables are written in: modes, roles, states, inputs, acts, outcomes.
+"""The words the transfer tables are written in: modes, roles, states, inputs, effects, outcomes.
 
 Why apart from the tables: every layer speaks these names (the core, messages on the wire, the
 runtime's results, the vLLM connector), while only `kvflow.protocol.state` decides which state
@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 from typing import NamedTuple
 
-__all__ = ("Act", "Condition", "Input", "Mode", "Outcome", "Role", "State", "Transition")
+__all__ = ("Effect", "Condition", "Input", "Mode", "Outcome", "Role", "State", "Transition")
 
 
 class Mode(enum.Enum):
@@ -75,7 +75,10 @@ class Input(enum.Enum):
     INCOMPATIBLE = "incompatible"  # the peer's request cannot be served (sizes, counts, ranges)
 
 
-class Act(enum.Enum):
+class Effect(enum.Enum):
+    """What a table row says to do, by name; the core turns each into concrete `Action`s with
+    their payloads (which message, which blocks)."""
+
     SEND_REGISTRATION = "send_registration"
     SEND_READY = "send_ready"
     SUBMIT_PENDING = "submit_pending"  # submit an op for every ready, unsubmitted batch
@@ -105,4 +108,4 @@ class Outcome(enum.Enum):
 
 class Transition(NamedTuple):
     target: State
-    acts: tuple[Act, ...]
+    effects: tuple[Effect, ...]

@@ -6,9 +6,9 @@ role from the same data the core runs on, so the picture cannot drift from the c
 regenerates it and fails when the committed file is out of date (``--check`` does the same).
 
 What is drawn: every row that changes state or does something; rows with the same source,
-target and acts share one edge, labelled ``INPUTS / ACTS``.  A row the core feeds by itself
+target and effects share one edge, labelled ``INPUTS / EFFECTS``.  A row the core feeds by itself
 (`STATE_TRIGGERED`) gets its own edge, marked with its condition.  ``[*]`` marks the initial
-state and, as a target, the terminal ones.  Rows that only swallow an input (no acts, or only
+state and, as a target, the terminal ones.  Rows that only swallow an input (no effects, or only
 IGNORE) are listed under each diagram instead of drawn as loops.
 """
 
@@ -23,7 +23,7 @@ from kvflow.protocol.state import (
     STATE_TRIGGERED,
     TABLES,
     TERMINAL,
-    Act,
+    Effect,
     Input,
     Mode,
     Role,
@@ -48,8 +48,8 @@ do not edit by hand (a test fails when this file is out of date).
 
 How to read them:
 
-- an edge is labelled `INPUTS / ACTS`: any of the inputs moves the machine along it, and the
-  machine then does the acts in order;
+- an edge is labelled `INPUTS / EFFECTS`: any of the inputs moves the machine along it, and the
+  machine then does the effects in order;
 - an edge marked `(state-triggered if CONDITION)` is taken without an outside event: the core
   feeds that input itself as soon as the machine is in the state and the condition holds;
 - `[*] -->` marks the state a machine starts in, `--> [*]` the terminal states;
@@ -69,15 +69,15 @@ def render() -> str:
 def _render_side(mode: Mode, role: Role) -> str:
     table, triggers = TABLES[(mode, role)], STATE_TRIGGERED[(mode, role)]
     triggered = {(state, input_): condition for (state, condition), input_ in triggers.items()}
-    edges: dict[tuple[State, State, tuple[Act, ...], str], list[Input]] = defaultdict(list)
+    edges: dict[tuple[State, State, tuple[Effect, ...], str], list[Input]] = defaultdict(list)
     swallowed: dict[State, list[Input]] = defaultdict(list)
-    for (source, input_), (target, acts) in table.items():
+    for (source, input_), (target, effects) in table.items():
         condition = triggered.get((source, input_))
-        if condition is None and target is source and acts in ((), (Act.IGNORE,)):
+        if condition is None and target is source and effects in ((), (Effect.IGNORE,)):
             swallowed[source].append(input_)
             continue
         mark = f" (state-triggered if {condition.name})" if condition is not None else ""
-        edges[(source, target, acts, mark)].append(input_)
+        edges[(source, target, effects, mark)].append(input_)
     side = "initiator" if is_initiator(mode, role) else "target"
     lines = [
         f"## {mode.value} mode, {role.value} side ({side})",
@@ -86,9 +86,9 @@ def _render_side(mode: Mode, role: Role) -> str:
         "stateDiagram-v2",
         f"    [*] --> {initial_state(role).name}",
     ]
-    for source, target, acts, mark in sorted(edges, key=_edge_order):
-        inputs = ", ".join(i.name for i in sorted(edges[(source, target, acts, mark)], key=_INPUT_ORDER.__getitem__))
-        label = inputs + (" / " + ", ".join(a.name for a in acts) if acts else "") + mark
+    for source, target, effects, mark in sorted(edges, key=_edge_order):
+        inputs = ", ".join(i.name for i in sorted(edges[(source, target, effects, mark)], key=_INPUT_ORDER.__getitem__))
+        label = inputs + (" / " + ", ".join(a.name for a in effects) if effects else "") + mark
         lines.append(f"    {source.name} --> {target.name} : {label}")
     states = {state for state, _ in table} | {step.target for step in table.values()}
     for state in sorted(states & TERMINAL, key=_STATE_ORDER.__getitem__):
@@ -101,9 +101,9 @@ def _render_side(mode: Mode, role: Role) -> str:
     return "\n".join(lines)
 
 
-def _edge_order(edge: tuple[State, State, tuple[Act, ...], str]) -> tuple[int, int, list[str], str]:
-    source, target, acts, mark = edge
-    return _STATE_ORDER[source], _STATE_ORDER[target], [a.name for a in acts], mark
+def _edge_order(edge: tuple[State, State, tuple[Effect, ...], str]) -> tuple[int, int, list[str], str]:
+    source, target, effects, mark = edge
+    return _STATE_ORDER[source], _STATE_ORDER[target], [a.name for a in effects], mark
 
 
 def main(argv: list[str] | None = None) -> int:
