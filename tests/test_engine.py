@@ -10,6 +10,7 @@ import pytest_asyncio
 
 from kvflow.errors import (
     BlockConflict,
+    ConfigError,
     EngineClosed,
     EngineCrashed,
     InvalidBatch,
@@ -395,5 +396,21 @@ async def test_a_peer_that_starts_over_fails_the_old_association_and_serves_new_
         await settle(pair)
         assert same_kv(pair.p_kv, [4], pair.d_kv, [1])
         assert ledgers_empty(pair)
+    finally:
+        await pair.close()
+
+
+@pytest.mark.asyncio
+async def test_engine_ids_are_checked_where_they_are_given() -> None:
+    fabric = LoopbackFabric()
+    pair = await EnginePair(fabric, config=FAST).start()
+    try:
+        kv = KVBuffers(pair.p_kv.layout.spec, 4)
+        with pytest.raises(ConfigError, match="engine id '../p' may hold only"):
+            Engine("../p", kv.layout, fabric.endpoint("x"), pair.hub.channel("x"), config=FAST)
+        before = pair.d.peers()
+        with pytest.raises(ConfigError, match="peer 'P/0' may hold only"):
+            await pair.d.connect("P/0")
+        assert pair.d.peers() == before and pair.d.stats()["crashed"] == 0
     finally:
         await pair.close()

@@ -11,14 +11,14 @@ import msgpack
 import numpy as np
 import pytest
 
-from kvflow.errors import TransportError
+from kvflow.errors import ConfigError, TransportError
 from kvflow.layout import DescriptorPlan, KVLayout, KVSpec, plan_transfer
 from kvflow.layout.buffers import region_of
 from kvflow.protocol.actions import OpKind
 from kvflow.transports.base import Completion, Transport
 from kvflow.transports.loopback import LoopbackFabric
 from kvflow.transports.nixl import NixlTransport
-from kvflow.transports.shm import ShmTransport
+from kvflow.transports.shm import SHM_DIR, ShmTransport
 
 SPEC = KVSpec(num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype="float16")  # 128-byte blocks
 BLOCKS = 64
@@ -199,3 +199,17 @@ def test_shm_refuses_metadata_of_another_shape_or_a_vanished_segment() -> None:
     finally:
         for close in ends.closers:
             close()
+
+
+def test_shm_names_never_leave_dev_shm() -> None:
+    # Engine names become parts of lock and generation paths under /dev/shm.
+    escape = SHM_DIR.parent / "kvflow-escape.lock"
+    with pytest.raises(ConfigError, match="may hold only"):
+        ShmTransport("../../kvflow-escape")
+    a = ShmTransport(f"a{time.monotonic_ns()}")
+    try:
+        with pytest.raises(TransportError, match="its name may hold only"):
+            a.add_peer("../../kvflow-escape", msgpack.packb({"name": "../../kvflow-escape"}), [])
+    finally:
+        a.close()
+    assert not escape.exists()

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 
 from kvflow.control import wire
-from kvflow.errors import PeerProtocolError, UnsupportedVersion
+from kvflow.errors import ConfigError, PeerProtocolError, UnsupportedVersion
 from kvflow.layout import fingerprint, layout_to_wire
 from kvflow.protocol.messages import (
     ControlMessage,
@@ -24,12 +24,14 @@ from kvflow.protocol.messages import (
     Registration,
     Reject,
     TransferKey,
+    require_engine_id,
 )
 from kvflow.protocol.state import Outcome
 from kvflow.testing import SMALL_SPEC, KVBuffers
 
 LAYOUT = layout_to_wire(KVBuffers(SMALL_SPEC, 8).layout)
-ids = st.text(min_size=1, max_size=40)
+ids = st.text(min_size=1, max_size=40)  # transfer ids: any text
+engine_ids = st.from_regex(r"[A-Za-z0-9][A-Za-z0-9._:@+-]{0,39}", fullmatch=True)
 keys = st.builds(TransferKey, ids, st.integers(0, 2**63 - 1))
 blocks = st.lists(st.integers(0, 2**31 - 1), min_size=1, max_size=64).map(tuple)
 text = st.text(max_size=200)
@@ -44,7 +46,7 @@ messages: st.SearchStrategy[ControlMessage] = st.one_of(
     st.builds(Reject, text),
     st.builds(
         Hello,
-        ids,
+        engine_ids,
         st.just(fingerprint(SMALL_SPEC)),
         st.just(LAYOUT),
         st.binary(max_size=600),
@@ -52,7 +54,9 @@ messages: st.SearchStrategy[ControlMessage] = st.one_of(
         st.text(max_size=60),
     ),
 )
-envelopes = st.builds(wire.Envelope, ids, st.integers(0, 2**63 - 1), ids, st.integers(0, 2**63 - 1), messages)
+envelopes = st.builds(
+    wire.Envelope, engine_ids, st.integers(0, 2**63 - 1), engine_ids, st.integers(0, 2**63 - 1), messages
+)
 
 
 @given(envelopes)
@@ -151,3 +155,22 @@ def test_limits_and_versions() -> None:
     )
     with pytest.raises(PeerProtocolError, match=r"layout region memory must be one of \['DRAM', 'VRAM'\], not 'XRAM'"):
         wire.decode(hello)
+
+
+BAD_ENGINE_IDS = ["../evil", "a/b", "a\x00b", "", "x" * 129, "-lead", " space", "tab\t", "dot/../x", "é"]
+
+
+@pytest.mark.parametrize("bad", BAD_ENGINE_IDS)
+def test_engine_ids_outside_the_strict_set_are_refused_where_they_come_in(bad: str) -> None:
+    # An engine id becomes part of file and socket names on the receiving host.
+    good_hello = ["P", fingerprint(SMALL_SPEC), LAYOUT, b"", False, ""]
+    for field, frame in (
+        ("sender", [wire.MAGIC, wire.VERSION, bad, 1, "D", 1, 8, ["bye"]]),
+        ("receiver", [wire.MAGIC, wire.VERSION, "P", 1, bad, 1, 8, ["bye"]]),
+        ("engine id", [wire.MAGIC, wire.VERSION, "P", 1, "D", 1, 1, [bad, *good_hello[1:]]]),
+    ):
+        with pytest.raises(PeerProtocolError, match=f"{field} (must|may hold only)"):
+            wire.decode(msgpack.packb(frame, use_bin_type=True))
+    assert wire.decode(msgpack.packb([wire.MAGIC, wire.VERSION, "P", 1, "D", 1, 1, good_hello])).sender == "P"
+    with pytest.raises(ConfigError, match="engine id"):
+        require_engine_id(bad)

@@ -40,6 +40,7 @@ import numpy.typing as npt
 from kvflow.errors import TransportError
 from kvflow.layout import DescriptorPlan, MemoryType, Region
 from kvflow.protocol.actions import OpKind
+from kvflow.protocol.messages import engine_id_problem, require_engine_id
 from kvflow.transports.base import Completion, Notification, TransportCapabilities, drain, region_address
 
 __all__ = ("ShmTransport",)
@@ -134,7 +135,8 @@ class ShmTransport:
     """Endpoint `name` of the shared-memory transport.  Allocate KV buffers with `allocate`."""
 
     def __init__(self, name: str, *, prefix: str | None = None) -> None:
-        self.name = name
+        """:raises ConfigError: `name` is not a valid engine id (it becomes part of file names)."""
+        self.name = require_engine_id(name)
         self._id = prefix or f"kvflow-{uuid.uuid4().hex[:12]}"
         self._segments: list[_Segment] = []
         self._regions: list[Region] = []
@@ -195,6 +197,11 @@ class ShmTransport:
     # ------------------------------------------------------------------ peers
 
     def add_peer(self, name: str, metadata: bytes, regions: Sequence[Region]) -> None:
+        """:raises TransportError: the peer's name or metadata is not acceptable, or its memory
+        cannot be mapped."""
+        problem = engine_id_problem(name)
+        if problem is not None:  # the name becomes part of the peer's lock and generation paths
+            raise TransportError(f"cannot attach to peer {name!r}: its name {problem}")
         peer_id, notify, segs = _peer_metadata(name, metadata)
         mapped: list[tuple[int, int, _Segment]] = []
         try:

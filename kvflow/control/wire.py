@@ -41,6 +41,7 @@ from kvflow.protocol.messages import (
     Registration,
     Reject,
     TransferKey,
+    engine_id_problem,
 )
 from kvflow.protocol.state import Outcome
 
@@ -86,6 +87,13 @@ def _text(value: Any, what: str, limit: int = MAX_TEXT, *, empty: bool = True) -
     if type(value) is not str or len(value) > limit or (not empty and not value):
         raise _fail(f"{what} must be a string of at most {limit} characters")
     return value
+
+
+def _engine_id(value: Any, what: str) -> str:
+    problem = engine_id_problem(value)
+    if problem is not None:
+        raise _fail(f"{what} {problem}")
+    return str(value)
 
 
 def _int(value: Any, what: str, low: int, high: int) -> int:
@@ -169,7 +177,7 @@ def _hello(body: Any) -> Hello:
     if type(reply) is not bool:
         raise _fail("hello reply flag must be a boolean")
     return Hello(
-        _text(engine_id, "engine id", MAX_ID, empty=False),
+        _engine_id(engine_id, "engine id"),
         _fingerprint(fp),
         _layout(layout),
         metadata,
@@ -296,9 +304,9 @@ def decode(frame: bytes) -> Envelope:
     if type(raw) is not list or len(raw) != 8 or raw[0] != MAGIC:
         raise _fail("not a kvflow envelope")
     _, version, sender, incarnation, receiver, seq, code, body = raw
-    sender = _text(sender, "sender", MAX_ID, empty=False)
+    sender = _engine_id(sender, "sender")
     incarnation = _int(incarnation, "incarnation", 0, MAX_EPOCH)
-    receiver = _text(receiver, "receiver", MAX_ID, empty=False)
+    receiver = _engine_id(receiver, "receiver")
     seq = _int(seq, "sequence number", 0, MAX_EPOCH)
     if version != VERSION and code != 0:
         raise UnsupportedVersion(version, sender, VERSION)

@@ -39,7 +39,7 @@ from kvflow.errors import (
     UnsupportedVersion,
     UsageError,
 )
-from kvflow.protocol.messages import ControlMessage, Hello, Reject
+from kvflow.protocol.messages import ControlMessage, Hello, Reject, require_engine_id
 
 __all__ = ("ENV_SECRET", "ZmqControl", "is_loopback")
 
@@ -78,7 +78,9 @@ class ZmqControl:
         routes: Mapping[str, str] | None = None,
         send_queue: int = 10_000,
     ) -> None:
-        self.engine_id = engine_id
+        """:raises ConfigError: `engine_id` is not a valid engine id, or an unauthenticated channel
+        would listen off loopback."""
+        self.engine_id = require_engine_id(engine_id)
         self.secret: Secret | None = secret_from_env() if secret is ENV_SECRET else secret
         if self.secret is None and not is_loopback(bind):
             raise ConfigError(f"refusing an unauthenticated control plane on {bind}: set KVFLOW_SECRET")
@@ -110,6 +112,9 @@ class ZmqControl:
         return self._incarnation
 
     def add_route(self, peer: str, address: str) -> None:
+        """:raises ConfigError: `peer` is not a valid engine id, or `address` would carry
+        unauthenticated frames off loopback."""
+        require_engine_id(peer, "peer")
         if self.secret is None and not is_loopback(address):
             raise ConfigError(f"refusing to send unauthenticated frames to {address}: set KVFLOW_SECRET")
         if self._routes.get(peer) != address:

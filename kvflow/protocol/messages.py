@@ -11,12 +11,13 @@ carries a time-to-live in seconds and the receiver turns it into its own deadlin
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
 import msgpack
 
-from kvflow.errors import PeerProtocolError
+from kvflow.errors import ConfigError, PeerProtocolError
 from kvflow.protocol.state import Outcome
 
 __all__ = (
@@ -34,10 +35,42 @@ __all__ = (
     "TransferKey",
     "decode_notification",
     "encode_notification",
+    "engine_id_problem",
+    "require_engine_id",
 )
 
 NOTIFICATION_TAG = "kvf1"
 MAX_NOTIFICATION_BYTES = 512
+MAX_ENGINE_ID = 128
+ENGINE_ID_CHARACTERS = "letters, digits and . _ : @ + - (not first)"
+_ENGINE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+-]*")
+
+
+def engine_id_problem(value: object) -> str | None:
+    """Why `value` cannot name an engine, or None when it can.
+
+    Why strict: a peer's engine id becomes part of file and socket names on this host (the
+    shared-memory transport's lock and generation files), of log lines and of metrics labels, so
+    only a short id of plain characters is accepted, from the wire and from local configuration.
+    """
+    if type(value) is not str:
+        return "must be a string"
+    if not 0 < len(value) <= MAX_ENGINE_ID:
+        return f"must have 1 to {MAX_ENGINE_ID} characters"
+    if _ENGINE_ID.fullmatch(value) is None:
+        return f"may hold only {ENGINE_ID_CHARACTERS}"
+    return None
+
+
+def require_engine_id(value: str, what: str = "engine id") -> str:
+    """`value`, checked as an engine id given locally (a name, a peer to connect to).
+
+    :raises ConfigError: naming what is wrong with it.
+    """
+    problem = engine_id_problem(value)
+    if problem is not None:
+        raise ConfigError(f"{what} {value!r} {problem}")
+    return value
 
 
 @dataclass(frozen=True, slots=True, order=True)

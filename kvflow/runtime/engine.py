@@ -55,7 +55,7 @@ from kvflow.protocol.association import (
     UnknownSender,
 )
 from kvflow.protocol.core import TransferCore
-from kvflow.protocol.messages import ControlMessage, Goodbye, Heartbeat, Hello, TransferKey
+from kvflow.protocol.messages import ControlMessage, Goodbye, Heartbeat, Hello, TransferKey, require_engine_id
 from kvflow.protocol.state import Mode, Role
 from kvflow.runtime.config import EngineConfig
 from kvflow.runtime.handshakes import Handshakes
@@ -81,7 +81,8 @@ class Engine:
         clock: Callable[[], float] | None = None,
         on_release: Callable[[ReleaseBlocks], None] | None = None,
     ) -> None:
-        self.engine_id = engine_id
+        """:raises ConfigError: `engine_id` is not a valid engine id, or the config is unusable."""
+        self.engine_id = require_engine_id(engine_id)
         self.layout = layout
         self.transport = transport
         self.control = control
@@ -140,12 +141,13 @@ class Engine:
         :raises TransferTimeout: no answer within `timeout` (default: the config's).
         :raises PeerUnknown: the control channel has no route to the peer.
         :raises PeerUnreachable: the control channel cannot send to the peer now.
-        :raises ConfigError: the control channel refuses `address` (for instance, unauthenticated
-            off loopback).
+        :raises ConfigError: `peer` is not a valid engine id, or the control channel refuses
+            `address` (for instance, unauthenticated off loopback).
         :raises EngineClosed: the engine is not running, or closed during the handshake.
         :raises EngineCrashed: the engine crashed.
         """
         self._check_open()
+        require_engine_id(peer, "peer")
         limit = timeout if timeout is not None else self.config.handshake_timeout
         self._associate(self.assoc.connect(peer, address))
         await self._handshakes.wait(peer, limit)
