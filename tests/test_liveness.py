@@ -24,9 +24,9 @@ from kvflow.protocol.association import (
     TearDown,
     UnknownSender,
 )
-from kvflow.protocol.core import CoreConfig
-from kvflow.protocol.messages import Heartbeat, Hello, Reject
-from kvflow.protocol.state import Mode, Outcome
+from kvflow.protocol.core import CoreConfig, TransferCore
+from kvflow.protocol.messages import Heartbeat, Hello, Reject, TransferKey
+from kvflow.protocol.state import ACTIVE, Mode, Outcome, Role
 from kvflow.runtime.engine import Engine, EngineConfig
 from kvflow.testing import SMALL_SPEC, EnginePair, KVBuffers
 from kvflow.transports.loopback import FaultPlan, LoopbackFabric
@@ -161,3 +161,19 @@ async def test_a_restarted_peer_fails_the_old_transfers_and_serves_new_ones() ->
         await pair.p.aclose(drain_timeout=0.1)  # the old run, whose channel is already gone
         await pair.d.aclose()
         pair.fabric.close()
+
+
+def test_core_renewal_holds_p_blocks_a_lease_past_the_heartbeat_and_only_for_its_peer() -> None:
+    core = TransferCore("P", num_layers=2, config=CoreConfig(fence_timeout=1.0))
+    key, other = TransferKey("r", 1), TransferKey("s", 1)
+    core.kv_ready(key, block_ids=[1, 2], now=0.0, mode=Mode.PULL, peer="D", deadline=10.0)
+    core.kv_ready(other, block_ids=[3], now=0.0, mode=Mode.PULL, peer="E", deadline=10.0)
+    assert core.renew("D", [key, other, TransferKey("unknown", 1)], now=9.0, lease=5.0) == []
+    core.timer(10.0)  # the original deadline: only the transfer of the peer that renewed survives
+    assert core.machine(key, Role.PREFILL).state in ACTIVE
+    assert core.machine(other, Role.PREFILL).outcome is Outcome.EXPIRED
+    core.renew("D", [key], now=10.0, lease=1.0)  # a shorter lease never pulls a deadline in
+    core.timer(13.9)
+    assert core.machine(key, Role.PREFILL).state in ACTIVE
+    core.timer(14.0)
+    assert core.machine(key, Role.PREFILL).outcome is Outcome.EXPIRED
