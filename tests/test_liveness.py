@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from kvflow.control.channel import LocalControl
-from kvflow.errors import ConfigError
+from kvflow.errors import ConfigError, PeerProtocolError, TransportError
 from kvflow.layout import fingerprint, layout_to_wire
 from kvflow.protocol.association import (
     AddRoute,
@@ -56,15 +56,25 @@ def associations() -> Associations:
     return Associations("D", fingerprint(SMALL_SPEC), lease=6.0, interval=1.0)
 
 
+def receive(peers: Associations, sender: str, incarnation: int, message: Hello, now: float) -> list[object]:
+    """Feed a message, and answer each `AddTransportPeer` as a transport that accepts the peer."""
+    actions: list[object] = []
+    for action in peers.receive(sender, incarnation, message, now):
+        actions.append(action)
+        if isinstance(action, AddTransportPeer):
+            actions += peers.transport_peer_added(action.peer, action.pending, now)
+    return actions
+
+
 def test_a_peer_starting_over_is_torn_down_before_it_is_added_again() -> None:
     peers = associations()
-    assert [type(a) for a in peers.receive("P", 1, hello("P"), 0.0)] == [
+    assert [type(a) for a in receive(peers, "P", 1, hello("P"), 0.0)] == [
         AddTransportPeer,
         SendHello,
         HandshakeSettled,
         PeerConnected,
     ]
-    again = peers.receive("P", 2, hello("P"), 1.0)
+    again = receive(peers, "P", 2, hello("P"), 1.0)
     assert [type(a) for a in again] == [TearDown, AddTransportPeer, SendHello, HandshakeSettled, PeerConnected]
     assert peers.incarnations == {"P": 2} and peers.peers() == ["P"]
     assert peers.receive("P", 1, Heartbeat(), 2.0) == [UnknownSender("P")]  # the old run is unknown now
@@ -73,8 +83,8 @@ def test_a_peer_starting_over_is_torn_down_before_it_is_added_again() -> None:
 
 def test_a_silent_peer_is_torn_down_and_gets_no_heartbeat() -> None:
     peers = associations()
-    peers.receive("P", 1, hello("P"), 0.0)
-    peers.receive("Q", 1, hello("Q"), 3.0)
+    receive(peers, "P", 1, hello("P"), 0.0)
+    receive(peers, "Q", 1, hello("Q"), 3.0)
     assert peers.tick(6.0) == [TearDown("P", "no message for 6.0s"), SendHeartbeat("Q")]
     assert peers.peers() == ["Q"]
 
@@ -90,6 +100,39 @@ def test_a_refused_route_refuses_the_peer() -> None:
         HandshakeSettled("P", error),
     ]
     assert peers.peers() == []
+
+
+def test_a_peer_the_transport_refuses_is_refused_and_not_associated() -> None:
+    peers = associations()
+    (add,) = peers.receive("P", 1, hello("P"), 0.0)
+    assert isinstance(add, AddTransportPeer) and peers.peers() == []  # nothing kept before the transport agrees
+    error = TransportError("metadata names another endpoint")
+    assert peers.transport_peer_refused("P", add.pending, error) == [
+        Refused("P", error),
+        SendControl("P", Reject("metadata names another endpoint")),
+        HandshakeSettled("P", error),
+    ]
+    assert peers.peers() == [] and peers.receive("P", 1, Heartbeat(), 1.0) == [UnknownSender("P")]
+
+
+@pytest.mark.asyncio
+async def test_a_hello_whose_memory_the_transport_refuses_does_not_crash_the_engine() -> None:
+    fabric = LoopbackFabric()
+    pair = await EnginePair(fabric, config=LEASE).start(connect=False)
+    kv = KVBuffers(SMALL_SPEC, 16)
+    # Its Hello names another endpoint's memory ("elsewhere"), which P's transport refuses.
+    liar = Engine("L", kv.layout, fabric.endpoint("elsewhere"), pair.hub.channel("L"), config=LEASE)
+    await liar.start()
+    try:
+        with pytest.raises(PeerProtocolError, match="names another endpoint"):
+            await liar.connect("P", timeout=5)
+        stats = pair.p.stats()
+        assert stats["crashed"] == 0 and stats["peers_refused"] == 1 and pair.p.peers() == []
+        await pair.d.connect("P", timeout=5)  # P still serves everyone else
+        assert pair.p.peers() == ["D"]
+    finally:
+        await liar.aclose()
+        await pair.close()
 
 
 @pytest.mark.asyncio

@@ -97,9 +97,13 @@ class SendHeartbeat:
 
 @dataclass(frozen=True, slots=True)
 class AddTransportPeer:
+    """Give the transport the peer's metadata and regions.  The outcome is an input:
+    `transport_peer_added` on success, `transport_peer_refused` when the transport refuses."""
+
     peer: str
     metadata: bytes
     layout: KVLayout
+    pending: PendingHello
 
 
 @dataclass(frozen=True, slots=True)
@@ -290,6 +294,20 @@ class Associations:
         """The control channel refused the address a Hello gave: refuse the peer."""
         return self._refuse(peer, pending.hello, error)
 
+    def transport_peer_added(self, peer: str, pending: PendingHello, now: float) -> list[AssociationAction]:
+        """The transport accepted the peer: the association begins."""
+        self.layouts[peer] = pending.layout
+        self.incarnations[peer] = pending.incarnation
+        self.liveness.add(peer, now)
+        actions: list[AssociationAction] = []
+        if not pending.hello.reply:
+            actions.append(SendHello(peer, reply=True))
+        return [*actions, HandshakeSettled(peer), PeerConnected(peer, now)]
+
+    def transport_peer_refused(self, peer: str, pending: PendingHello, error: KVFlowError) -> list[AssociationAction]:
+        """The transport refused what the peer's Hello says about its memory: refuse the peer."""
+        return self._refuse(peer, pending.hello, error)
+
     def _on_hello(self, sender: str, incarnation: int, hello: Hello, now: float) -> list[AssociationAction]:
         known = self.incarnations.get(sender)
         if hello.reply and known == incarnation:
@@ -326,11 +344,5 @@ class Associations:
             # nothing of the old association may survive it.
             self.dropped(sender)
             actions.append(TearDown(sender, "peer started a new association"))
-        actions.append(AddTransportPeer(sender, pending.hello.transport_metadata, pending.layout))
-        self.layouts[sender] = pending.layout
-        self.incarnations[sender] = pending.incarnation
-        self.liveness.add(sender, now)
-        if not pending.hello.reply:
-            actions.append(SendHello(sender, reply=True))
-        actions += [HandshakeSettled(sender), PeerConnected(sender, now)]
+        actions.append(AddTransportPeer(sender, pending.hello.transport_metadata, pending.layout, pending))
         return actions

@@ -33,6 +33,7 @@ from kvflow.errors import (
     EngineCrashed,
     KVFlowError,
     LedgerError,
+    TransportError,
     UsageError,
 )
 from kvflow.layout import KVLayout, fingerprint, layout_to_wire, plan_transfer
@@ -91,7 +92,12 @@ class Engine:
         self.crashed: list[BaseException] = []
         self.released: deque[ReleaseBlocks] = deque()  # thread-safe to popleft from anywhere
         self.finished: deque[TransferResult] = deque()
-        self.counters = {"messages_from_unknown_peers": 0, "sends_failed": 0, "notifications_from_unknown": 0}
+        self.counters = {
+            "messages_from_unknown_peers": 0,
+            "sends_failed": 0,
+            "notifications_from_unknown": 0,
+            "peers_refused": 0,
+        }
         self._submitter = submitter or WriterThread(
             f"kvflow-writer-{engine_id}", self._record_crash, thread_setup=self.config.thread_setup
         )
@@ -430,7 +436,7 @@ class Engine:
             elif isinstance(action, TearDown):
                 self._remove_peer(action.peer, action.reason, expected=action.expected)
             elif isinstance(action, AddTransportPeer):
-                self.transport.add_peer(action.peer, action.metadata, action.layout.regions)
+                queue.extendleft(reversed(self._add_transport_peer(action)))
             elif isinstance(action, PeerConnected):
                 self._run(self.core.peer_connected(action.peer, action.now))
             elif isinstance(action, AddRoute):
@@ -440,6 +446,7 @@ class Engine:
             elif isinstance(action, HandshakeSettled):
                 self._handshakes.settle(action.peer, action.error)
             elif isinstance(action, Refused):
+                self.counters["peers_refused"] += 1
                 log.error("%s: refusing peer %s: %s", self.engine_id, action.peer, action.error)
             elif isinstance(action, UnknownSender):
                 self.counters["messages_from_unknown_peers"] += 1
@@ -453,6 +460,14 @@ class Engine:
                 raise
             return self.assoc.route_refused(action.peer, action.pending, exc)
         return [] if action.pending is None else self.assoc.route_added(action.peer, action.pending, self._now())
+
+    def _add_transport_peer(self, action: AddTransportPeer) -> list[AssociationAction]:
+        """A transport refusing a peer's metadata refuses the peer; it never crashes the engine."""
+        try:
+            self.transport.add_peer(action.peer, action.metadata, action.layout.regions)
+        except TransportError as exc:
+            return self.assoc.transport_peer_refused(action.peer, action.pending, exc)
+        return self.assoc.transport_peer_added(action.peer, action.pending, self._now())
 
     def _send_hello(self, action: SendHello) -> None:
         """:raises PeerUnknown, EngineClosed: the send failed (unless `best_effort`)."""
