@@ -94,7 +94,7 @@ def test_a_refused_route_refuses_the_peer() -> None:
     (route,) = peers.receive("P", 1, hello("P", address="tcp://10.0.0.1:1"), 0.0)
     assert isinstance(route, AddRoute) and route.pending is not None
     error = ConfigError("unauthenticated")
-    assert peers.route_refused("P", route.pending, error) == [
+    assert peers.pending_refused("P", route.pending, error) == [
         Refused("P", error),
         SendControl("P", Reject("unauthenticated")),
         HandshakeSettled("P", error),
@@ -107,7 +107,7 @@ def test_a_peer_the_transport_refuses_is_refused_and_not_associated() -> None:
     (add,) = peers.receive("P", 1, hello("P"), 0.0)
     assert isinstance(add, AddTransportPeer) and peers.peers() == []  # nothing kept before the transport agrees
     error = TransportError("metadata names another endpoint")
-    assert peers.transport_peer_refused("P", add.pending, error) == [
+    assert peers.pending_refused("P", add.pending, error) == [
         Refused("P", error),
         SendControl("P", Reject("metadata names another endpoint")),
         HandshakeSettled("P", error),

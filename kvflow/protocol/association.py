@@ -56,7 +56,7 @@ class PendingHello:
 @dataclass(frozen=True, slots=True)
 class AddRoute:
     """Tell the control channel where `peer` listens.  With `pending`, the outcome is an input:
-    `route_added` on success, `route_refused` when the channel refuses the address."""
+    `route_added` on success, `pending_refused` when the channel refuses the address."""
 
     peer: str
     address: str
@@ -97,12 +97,11 @@ class SendHeartbeat:
 
 @dataclass(frozen=True, slots=True)
 class AddTransportPeer:
-    """Give the transport the peer's metadata and regions.  The outcome is an input:
-    `transport_peer_added` on success, `transport_peer_refused` when the transport refuses."""
+    """Give the transport the metadata and regions `pending`'s Hello advertises.  The outcome is
+    an input: `transport_peer_added` on success, `pending_refused` when the transport
+    refuses."""
 
     peer: str
-    metadata: bytes
-    layout: KVLayout
     pending: PendingHello
 
 
@@ -290,8 +289,9 @@ class Associations:
         """The route from a Hello's `AddRoute` is in place: associate."""
         return self._associate(peer, pending, now)
 
-    def route_refused(self, peer: str, pending: PendingHello, error: KVFlowError) -> list[AssociationAction]:
-        """The control channel refused the address a Hello gave: refuse the peer."""
+    def pending_refused(self, peer: str, pending: PendingHello, error: KVFlowError) -> list[AssociationAction]:
+        """What a pending Hello needs was refused (the control channel refused its address, or
+        the transport what it says about the peer's memory): refuse the peer."""
         return self._refuse(peer, pending.hello, error)
 
     def transport_peer_added(self, peer: str, pending: PendingHello, now: float) -> list[AssociationAction]:
@@ -303,10 +303,6 @@ class Associations:
         if not pending.hello.reply:
             actions.append(SendHello(peer, reply=True))
         return [*actions, HandshakeSettled(peer), PeerConnected(peer, now)]
-
-    def transport_peer_refused(self, peer: str, pending: PendingHello, error: KVFlowError) -> list[AssociationAction]:
-        """The transport refused what the peer's Hello says about its memory: refuse the peer."""
-        return self._refuse(peer, pending.hello, error)
 
     def _on_hello(self, sender: str, incarnation: int, hello: Hello, now: float) -> list[AssociationAction]:
         known = self.incarnations.get(sender)
@@ -344,5 +340,5 @@ class Associations:
             # nothing of the old association may survive it.
             self.dropped(sender)
             actions.append(TearDown(sender, "peer started a new association"))
-        actions.append(AddTransportPeer(sender, pending.hello.transport_metadata, pending.layout, pending))
+        actions.append(AddTransportPeer(sender, pending))
         return actions

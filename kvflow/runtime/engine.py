@@ -458,15 +458,16 @@ class Engine:
         except KVFlowError as exc:
             if action.pending is None:
                 raise
-            return self.assoc.route_refused(action.peer, action.pending, exc)
+            return self.assoc.pending_refused(action.peer, action.pending, exc)
         return [] if action.pending is None else self.assoc.route_added(action.peer, action.pending, self._now())
 
     def _add_transport_peer(self, action: AddTransportPeer) -> list[AssociationAction]:
         """A transport refusing a peer's metadata refuses the peer; it never crashes the engine."""
         try:
-            self.transport.add_peer(action.peer, action.metadata, action.layout.regions)
+            pending = action.pending
+            self.transport.add_peer(action.peer, pending.hello.transport_metadata, pending.layout.regions)
         except TransportError as exc:
-            return self.assoc.transport_peer_refused(action.peer, action.pending, exc)
+            return self.assoc.pending_refused(action.peer, action.pending, exc)
         return self.assoc.transport_peer_added(action.peer, action.pending, self._now())
 
     def _send_hello(self, action: SendHello) -> None:
