@@ -2,7 +2,8 @@
 
 Why: engines in different processes need a data plane that moves real bytes without NIXL, for
 tests and for single-host deployments.  KV buffers live in POSIX shared memory (files under
-/dev/shm that both processes map).  The initiator copies straight into (or out of) the peer's
+/dev/shm that both processes map; `kvflow.transports.shm_files` says which, who owns them and
+how a dead owner's are reclaimed).  The initiator copies straight into (or out of) the peer's
 mapping on a worker thread, as an RDMA NIC would; a WRITE's notification then goes to the
 peer's Unix datagram socket, after the bytes.
 
@@ -10,11 +11,18 @@ Fencing, as the transport contract requires: each endpoint has a lock file and, 
 generation counter.  An op takes the *target's* lock shared and checks that the generation it
 saw when the association began is still current; `remove_peer` takes the lock exclusively and
 bumps the generation.  Once it returns, an op of the removed peer either finished before or is
-refused: nothing of it lands.  The lock is released by the kernel if a process dies.
+refused: nothing of it lands.  The lock is released by the kernel if a process dies.  The lock
+and generation files of a peer are opened once, in `add_peer`, so an op opens no file.
 
-Same host and same user only (files are 0600); notifications are trusted from known peers'
-names, which any process of that user could forge: use the ZeroMQ control plane's
-authentication for anything that crosses a trust boundary.
+A peer's mappings stay alive while a copy into or out of them runs: `remove_peer` marks the
+peer removed, waits for the copy in progress to it, and only then unmaps.
+
+Who may talk to whom: segments are 0600 files of this user.  The notification socket is an
+abstract Unix socket, which any local process can reach, so each datagram is checked against
+the credentials the kernel attaches to it (``SO_PASSCRED``): it must come from the pid the peer
+announced in its metadata (exchanged in the authenticated handshake) and from this process's
+uid.  Anything else is dropped and counted in `rejected_notifications`.  Both processes must see
+the same pid namespace; root, which may forge credentials, is not defended against.
 """
 
 from __future__ import annotations
@@ -22,60 +30,58 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import fcntl
-import mmap
 import os
 import queue
 import socket
+import struct
 import threading
+import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import msgpack
 import numpy as np
 import numpy.typing as npt
 
-from kvflow.errors import TransportError
+from kvflow.errors import ConfigError, TransportError
 from kvflow.layout import DescriptorPlan, MemoryType, Region
 from kvflow.protocol.actions import OpKind
 from kvflow.protocol.messages import engine_id_problem, require_engine_id
 from kvflow.transports.base import Completion, Notification, TransportCapabilities, drain, region_address
+from kvflow.transports.shm_files import (
+    SHM_DIR,
+    EndpointFiles,
+    Segment,
+    bump_generation,
+    map_segment,
+    peer_directory,
+    read_generation,
+    segment_name_ok,
+)
 
-__all__ = ("ShmTransport",)
+__all__ = ("SHM_DIR", "ShmTransport")
 
-SHM_DIR = Path("/dev/shm")
-
-
-@dataclass
-class _Segment:
-    path: Path
-    size: int
-    mapping: mmap.mmap
-    view: npt.NDArray[np.uint8]
-
-    @property
-    def base(self) -> int:
-        return int(self.view.ctypes.data)
-
-    def close(self) -> None:
-        del self.view
-        self.mapping.close()
+_UCRED = struct.Struct("iII")  # struct ucred: pid, uid, gid
 
 
-@dataclass
+@dataclass(eq=False)
 class _Peer:
     name: str
     notify: str
-    lock: Path
-    gen_file: Path  # the peer's generation counter for *us*
+    pid: int
+    lock_fd: int  # the peer's fence lock, open for the association's life
+    gen_fd: int  # the peer's generation counter for *us*, likewise
     generation: int
-    segments: list[tuple[int, int, _Segment]]  # (peer's base address, size, our mapping)
+    segments: list[tuple[int, int, Segment]]  # (peer's base address, size, our mapping)
     regions: list[Region]
+    fence_fd: int = -1  # *our* generation counter for the peer, to fence it on removal
+    removed: bool = False
+    copying: int = 0  # copies into or out of its mappings in progress
 
 
-@dataclass
+@dataclass(eq=False)
 class _Op:
     op_id: int
     kind: OpKind
@@ -85,22 +91,8 @@ class _Op:
     cancelled: bool = False
 
 
-def _map(path: Path, size: int, *, create: bool) -> _Segment:
-    flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-    fd = os.open(path, flags, 0o600)
-    try:
-        if create:
-            os.ftruncate(fd, size)
-        elif os.fstat(fd).st_size < size:
-            raise TransportError(f"shared segment {path.name} is smaller than advertised")
-        mapping = mmap.mmap(fd, size)
-    finally:
-        os.close(fd)
-    return _Segment(path, size, mapping, np.frombuffer(mapping, dtype=np.uint8))
-
-
-def _peer_metadata(name: str, metadata: bytes) -> tuple[str, str, list[tuple[str, int, int]]]:
-    """Check what `local_metadata` of endpoint `name` produced: (id, notify socket, segments).
+def _peer_metadata(name: str, metadata: bytes) -> tuple[str, str, int, list[tuple[str, int, int]]]:
+    """Check what `local_metadata` of endpoint `name` produced: (id, notify socket, pid, segments).
 
     :raises TransportError: anything else (not msgpack, another shape, another endpoint's).
     """
@@ -114,48 +106,66 @@ def _peer_metadata(name: str, metadata: bytes) -> tuple[str, str, list[tuple[str
         raise refuse(f"metadata is not msgpack ({type(exc).__name__})") from exc
     if not isinstance(meta, dict) or meta.get("name") != name:
         raise refuse("metadata names another endpoint")
-    peer_id, notify, segs = meta.get("id"), meta.get("notify"), meta.get("segments")
+    peer_id, notify, pid, segs = meta.get("id"), meta.get("notify"), meta.get("pid"), meta.get("segments")
     if not isinstance(peer_id, str) or "/" in peer_id or not peer_id.startswith("kvflow"):
         raise refuse("metadata names another endpoint")
     if not isinstance(notify, str) or not isinstance(segs, list):
         raise refuse("metadata lacks the notification socket or the segments")
+    if type(pid) is not int or pid <= 0:
+        raise refuse("metadata lacks the process id")
     out = []
     for seg in segs:
         numbers = isinstance(seg, list) and len(seg) == 3 and type(seg[1]) is int and type(seg[2]) is int
         if not numbers or seg[1] < 0 or seg[2] <= 0:
             raise refuse(f"segment {seg!r} is not [name, base, size > 0]")
         seg_name, base, size = seg
-        if not isinstance(seg_name, str) or "/" in seg_name or not seg_name.startswith(peer_id):
+        if not segment_name_ok(seg_name):
             raise refuse(f"segment {seg_name!r} is not the peer's")
         out.append((seg_name, base, size))
-    return peer_id, notify, out
+    return peer_id, notify, pid, out
 
 
 class ShmTransport:
-    """Endpoint `name` of the shared-memory transport.  Allocate KV buffers with `allocate`."""
+    """Endpoint `name` of the shared-memory transport.  Allocate KV buffers with `allocate`.
 
-    def __init__(self, name: str, *, prefix: str | None = None) -> None:
-        """:raises ConfigError: `name` is not a valid engine id (it becomes part of file names)."""
+    `prefix` names this endpoint's files (default: a random one); a process restarted with the
+    same prefix and name takes over the files its dead predecessor left.  `fence_timeout` bounds
+    how long `remove_peer` waits for a peer's op into this endpoint to finish.
+    """
+
+    def __init__(self, name: str, *, prefix: str | None = None, fence_timeout: float = 5.0) -> None:
+        """:raises ConfigError: `name` is not a valid engine id, or `prefix` does not start with
+            "kvflow" or holds a "/" (both become part of file names).
+        :raises TransportError: a live endpoint has this prefix and name, or /dev/shm refuses.
+        """
         self.name = require_engine_id(name)
         self._id = prefix or f"kvflow-{uuid.uuid4().hex[:12]}"
-        self._segments: list[_Segment] = []
+        if not self._id.startswith("kvflow") or "/" in self._id or "\0" in self._id:
+            raise ConfigError(f"shared-memory prefix {self._id!r} must start with 'kvflow' and hold no '/'")
+        self._fence_timeout = fence_timeout
+        self._files = EndpointFiles(f"{self._id}-{name}")
+        self.reclaimed = self._files.reclaimed  # dead endpoints' directories removed on start
+        self.rejected_notifications = 0  # datagrams dropped: not from a peer's announced process
+        self._segments: list[Segment] = []
         self._regions: list[Region] = []
         self._peers: dict[str, _Peer] = {}
-        self._lock_path = SHM_DIR / f"{self._id}-{name}.lock"
-        self._lock_path.touch(mode=0o600, exist_ok=False)
-        self._gen_dir = SHM_DIR / f"{self._id}-{name}.gen"
-        self._gen_dir.mkdir(mode=0o700)
         self._notify_name = f"\0{self._id}-{name}-notify"
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self._sock.bind(self._notify_name)
+        try:
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+            self._sock.bind(self._notify_name)
+        except OSError as exc:
+            self._sock.close()
+            self._files.close()
+            raise TransportError(f"cannot bind the notification socket of {name!r}: {exc}") from exc
         self._sock.settimeout(0.2)
         self._completions: deque[Completion] = deque()
         self._notifications: deque[Notification] = deque()
         self._listener: Callable[[], None] | None = None
         self._jobs: queue.SimpleQueue[_Op | None] = queue.SimpleQueue()
-        self._queued: list[_Op] = []
-        self._executing = threading.Lock()  # held while an op moves bytes
+        self._queued: set[_Op] = set()
         self._state = threading.Lock()
+        self._copy_done = threading.Condition(self._state)  # a peer's copy count dropped
         self._closed = False
         self._worker = threading.Thread(target=self._work, name=f"kvflow-shm-{name}", daemon=True)
         self._reader = threading.Thread(target=self._read, name=f"kvflow-shm-notify-{name}", daemon=True)
@@ -170,7 +180,7 @@ class ShmTransport:
         :raises TransportError: the segment cannot be created.
         """
         try:
-            segment = _map(SHM_DIR / f"{self._id}-{self.name}-{len(self._segments)}", nbytes, create=True)
+            segment = map_segment(self._files.segment_path(len(self._segments)), nbytes, create=True)
         except OSError as exc:
             raise TransportError(f"cannot create a shared segment of {nbytes} bytes: {exc.strerror}") from exc
         self._segments.append(segment)
@@ -189,59 +199,70 @@ class ShmTransport:
         self._regions.extend(regions)
 
     def local_metadata(self) -> bytes:
-        segments = [[s.path.name, s.base, s.size] for s in self._segments]
-        meta = {"name": self.name, "notify": self._notify_name, "id": self._id, "segments": segments}
-        payload: bytes = msgpack.packb(meta, use_bin_type=True)
+        segments = [[s.path.name, s.base, s.size] for s in list(self._segments)]
+        meta = {"name": self.name, "notify": self._notify_name, "id": self._id, "pid": os.getpid()}
+        payload: bytes = msgpack.packb({**meta, "segments": segments}, use_bin_type=True)
         return payload
 
     # ------------------------------------------------------------------ peers
 
     def add_peer(self, name: str, metadata: bytes, regions: Sequence[Region]) -> None:
         """:raises TransportError: the peer's name or metadata is not acceptable, or its memory
-        cannot be mapped."""
+        or fence files cannot be opened."""
         problem = engine_id_problem(name)
         if problem is not None:  # the name becomes part of the peer's lock and generation paths
             raise TransportError(f"cannot attach to peer {name!r}: its name {problem}")
-        peer_id, notify, segs = _peer_metadata(name, metadata)
-        mapped: list[tuple[int, int, _Segment]] = []
+        peer_id, notify, pid, segs = _peer_metadata(name, metadata)
+        directory = peer_directory(peer_id, name)
+        mapped: list[tuple[int, int, Segment]] = []
+        fds: list[int] = []
         try:
-            for seg_name, base, size in segs:
-                try:
-                    segment = _map(SHM_DIR / seg_name, size, create=False)
-                except OSError as exc:  # the segment is gone, or not ours to open
-                    raise TransportError(f"cannot attach to peer {name!r}: {exc}") from exc
-                mapped.append((base, size, segment))
+            try:
+                for seg_name, base, size in segs:
+                    mapped.append((base, size, map_segment(directory / seg_name, size, create=False)))
+                fds.append(os.open(directory / "lock", os.O_RDONLY))
+                fds.append(os.open(directory / f"gen-{self.name}", os.O_RDWR | os.O_CREAT, 0o600))
+                fds.append(os.open(self._files.generation_path(name), os.O_RDWR | os.O_CREAT, 0o600))
+                generation = read_generation(fds[1])
+            except OSError as exc:  # the segment is gone, or not ours to open
+                raise TransportError(f"cannot attach to peer {name!r}: {exc}") from exc
+            for region in regions:
+                if not any(b <= region.base and region.base + region.length <= b + n for b, n, _ in mapped):
+                    raise TransportError(f"peer {name!r} advertises a region outside its shared memory")
         except BaseException:
-            for _, _, segment in mapped:
-                segment.close()
+            _release(mapped, fds)
             raise
-        for region in regions:
-            if not any(b <= region.base and region.base + region.length <= b + n for b, n, _ in mapped):
-                raise TransportError(f"peer {name!r} advertises a region outside its shared memory")
-        lock = SHM_DIR / f"{peer_id}-{name}.lock"
-        gen_file = SHM_DIR / f"{peer_id}-{name}.gen" / self.name
-        peer = _Peer(name, notify, lock, gen_file, 0, mapped, list(regions))
-        peer.generation = self._read_generation(peer)
+        peer = _Peer(name, notify, pid, fds[0], fds[1], generation, mapped, list(regions), fence_fd=fds[2])
         with self._state:
+            if self._closed:
+                _release(mapped, fds)
+                raise TransportError(f"cannot attach to peer {name!r}: the transport is closed")
             old = self._peers.pop(name, None)
             self._peers[name] = peer
-            for op in self._queued:
-                if op.peer is old:
-                    op.cancelled = True  # addresses of the old association's mappings
+            if old is not None:
+                self._retire(old)  # ops of the old association used its mappings' addresses
         if old is not None:
-            self._detach(old)
+            _release(old.segments, [old.lock_fd, old.gen_fd, old.fence_fd])
 
     def remove_peer(self, name: str) -> None:
+        """Fence `name` both ways, then unmap its memory; waits for this endpoint's copy to it in
+        progress (one op's copy) and for the peer's op into this endpoint's memory in progress (up
+        to `fence_timeout`).
+
+        :raises TransportError: the peer's op into this memory did not finish within
+            `fence_timeout`, or the fence could not be written.
+        """
         with self._state:
+            if self._closed:
+                return  # every peer is gone with the files
             peer = self._peers.pop(name, None)
-            for op in self._queued:
-                if op.peer.name == name:
-                    op.cancelled = True
-        with self._executing:  # an op of ours to that peer in progress finishes first
-            pass
-        self._bump_generation(name)  # and none of the peer's ops lands here any more
-        if peer is not None:
-            self._detach(peer)
+            if peer is not None:
+                self._retire(peer)
+        try:
+            self._fence(name, peer)  # none of the peer's ops lands here any more
+        finally:
+            if peer is not None:
+                _release(peer.segments, [peer.lock_fd, peer.gen_fd, peer.fence_fd])
 
     # ------------------------------------------------------------------ ops
 
@@ -256,7 +277,7 @@ class ShmTransport:
                 remote = self._translate(target, d.remote_region, d.remote_offset, d.length)
                 copies.append((remote, local, d.length) if kind is OpKind.WRITE else (local, remote, d.length))
             op = _Op(op_id, kind, target, copies, notification)
-            self._queued.append(op)
+            self._queued.add(op)
         self._jobs.put(op)
 
     def poll(self) -> tuple[list[Completion], list[Notification]]:
@@ -272,37 +293,40 @@ class ShmTransport:
         self._listener = callback
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
+        with self._state:
+            if self._closed:
+                return
+            self._closed = True
+            peers = list(self._peers.values())
+            self._peers.clear()
+            for peer in peers:
+                self._retire(peer)
         self._jobs.put(None)
         self._worker.join(timeout=5)
         self._reader.join(timeout=5)
         self._sock.close()
-        for peer in list(self._peers.values()):
-            self._detach(peer)
-        self._peers.clear()
-        for segment in self._segments:
-            segment.path.unlink(missing_ok=True)
-        for gen in self._gen_dir.glob("*"):
-            gen.unlink(missing_ok=True)
-        self._gen_dir.rmdir()
-        self._lock_path.unlink(missing_ok=True)
+        for peer in peers:
+            _release(peer.segments, [peer.lock_fd, peer.gen_fd, peer.fence_fd])
+        self._files.close()
 
     # ------------------------------------------------------------------ threads
 
     def _work(self) -> None:
         while (op := self._jobs.get()) is not None:
             with self._state:
-                if op in self._queued:
-                    self._queued.remove(op)
-            error = None if not op.cancelled else f"peer {op.peer.name!r} removed"
+                self._queued.discard(op)
+                error = None if not (op.cancelled or op.peer.removed) else f"peer {op.peer.name!r} removed"
+                if error is None:
+                    op.peer.copying += 1  # its mappings stay until the copy is done
             if error is None:
                 try:
-                    with self._executing:
-                        self._execute(op)
+                    self._execute(op)
                 except (OSError, TransportError) as exc:
                     error = str(exc)
+                finally:
+                    with self._state:
+                        op.peer.copying -= 1
+                        self._copy_done.notify_all()
             self._completions.append(Completion(op.op_id, error))
             self._signal()
             if error is None and op.kind is OpKind.WRITE and op.notification:
@@ -311,57 +335,89 @@ class ShmTransport:
                     self._notify(op.peer, op.notification)
 
     def _execute(self, op: _Op) -> None:
-        with open(op.peer.lock, "rb") as lock:
-            fcntl.flock(lock, fcntl.LOCK_SH)
-            try:
-                if self._read_generation(op.peer) != op.peer.generation:
-                    raise TransportError(f"peer {op.peer.name!r} has fenced this endpoint")
-                for dst, src, length in op.copies:
-                    ctypes.memmove(dst, src, length)
-            finally:
-                fcntl.flock(lock, fcntl.LOCK_UN)
+        fcntl.flock(op.peer.lock_fd, fcntl.LOCK_SH)
+        try:
+            if read_generation(op.peer.gen_fd) != op.peer.generation:
+                raise TransportError(f"peer {op.peer.name!r} has fenced this endpoint")
+            for dst, src, length in op.copies:
+                ctypes.memmove(dst, src, length)
+        finally:
+            fcntl.flock(op.peer.lock_fd, fcntl.LOCK_UN)
 
     def _read(self) -> None:
+        space = socket.CMSG_SPACE(_UCRED.size)
+        uid = os.getuid()
         while not self._closed:
             try:
-                data = self._sock.recv(65536)
+                data, ancillary, _, _ = self._sock.recvmsg(65536, space)
             except TimeoutError:
                 continue
             except OSError:
                 return
+            pid = next(
+                (
+                    _UCRED.unpack(payload[: _UCRED.size])
+                    for level, kind, payload in ancillary
+                    if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS and len(payload) >= _UCRED.size
+                ),
+                (0, -1, -1),
+            )
             try:
                 sender, payload = msgpack.unpackb(data, raw=False, max_ext_len=0)
             except Exception:
-                continue  # not one of ours: ignore
-            if isinstance(sender, str) and isinstance(payload, bytes) and sender in self._peers:
-                self._notifications.append(Notification(sender, payload))
+                sender, payload = None, None  # not one of ours
+            with self._state:  # atomic with remove_peer: nothing of a removed peer is queued after it
+                peer = self._peers.get(sender) if isinstance(sender, str) else None
+                genuine = peer is not None and isinstance(payload, bytes) and pid[:2] == (peer.pid, uid)
+                if genuine:
+                    self._notifications.append(Notification(sender, payload))
+                else:
+                    self.rejected_notifications += 1
+            if genuine:
                 self._signal()
 
     # ------------------------------------------------------------------ helpers
+
+    def _retire(self, peer: _Peer) -> None:
+        """With `_state` held: no op to `peer` starts any more, and the copy in progress ends."""
+        peer.removed = True
+        for op in self._queued:
+            if op.peer is peer:
+                op.cancelled = True
+        while peer.copying:
+            self._copy_done.wait()
+
+    def _fence(self, name: str, peer: _Peer | None) -> None:
+        deadline = time.monotonic() + self._fence_timeout
+        pause = 0.0001
+        while True:
+            try:
+                fcntl.flock(self._files.lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TransportError(f"peer {name!r} kept an op into this memory past the fence timeout") from None
+                time.sleep(pause)  # a peer's copy into this memory is running: it ends, or the peer dies
+                pause = min(pause * 2, 0.01)
+        try:
+            if peer is not None:
+                bump_generation(peer.fence_fd)
+            else:
+                fd = os.open(self._files.generation_path(name), os.O_RDWR | os.O_CREAT, 0o600)
+                try:
+                    bump_generation(fd)
+                finally:
+                    os.close(fd)
+        except OSError as exc:
+            raise TransportError(f"cannot fence {name!r}: {exc}") from exc
+        finally:
+            fcntl.flock(self._files.lock_fd, fcntl.LOCK_UN)
 
     def _notify(self, peer: _Peer, payload: bytes) -> None:
         try:
             self._sock.sendto(msgpack.packb([self.name, payload], use_bin_type=True), peer.notify)
         except OSError as exc:
             raise TransportError(f"cannot notify {peer.name!r}: {exc.strerror}") from exc
-
-    def _read_generation(self, peer: _Peer) -> int:
-        try:
-            return int(peer.gen_file.read_text() or "0")
-        except FileNotFoundError:
-            return 0
-        except (OSError, ValueError) as exc:
-            raise TransportError(f"cannot read the fence of {peer.name!r}: {exc}") from exc
-
-    def _bump_generation(self, initiator: str) -> None:
-        path = self._gen_dir / initiator
-        with open(self._lock_path, "rb") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            try:
-                current = int(path.read_text() or "0") if path.exists() else 0
-                path.write_text(str(current + 1))
-            finally:
-                fcntl.flock(lock, fcntl.LOCK_UN)
 
     def _translate(self, peer: _Peer, index: int, offset: int, length: int) -> int:
         remote = region_address(peer.regions, index, offset, length, f"peer {peer.name!r}")
@@ -370,12 +426,17 @@ class ShmTransport:
                 return segment.base + (remote - base)
         raise TransportError(f"peer {peer.name!r} range {remote:#x}+{length} is outside its shared memory")
 
-    def _detach(self, peer: _Peer) -> None:
-        with self._executing:
-            for _, _, segment in peer.segments:
-                segment.close()
-
     def _signal(self) -> None:
         listener = self._listener
         if listener is not None:
             listener()
+
+
+def _release(segments: list[tuple[int, int, Segment]], fds: list[int]) -> None:
+    """Unmap a peer's segments and close its files (nothing may copy into them any more)."""
+    for _, _, segment in segments:
+        segment.close()
+    for fd in fds:
+        if fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(fd)

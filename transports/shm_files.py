@@ -1,0 +1,201 @@
+"""The files of a shared-memory endpoint under /dev/shm: who owns them, and reclaiming the dead's.
+
+Why a module of its own: files under /dev/shm outlive a process killed with SIGKILL, so every
+endpoint must leave a record of its owner that survives it and that another process can test.
+Each endpoint keeps everything in one directory, ``/dev/shm/<prefix>-<name>.kvflow/``:
+
+* ``owner``: held locked (``flock`` exclusive) by the owning process for its whole life; the
+  kernel drops the lock when the process dies, so "the lock can be taken" means "the owner is
+  dead" (a child forked without exec inherits the lock and keeps the directory alive with it);
+* ``lock``: the fence lock peers take shared around each op, and the owner exclusively to fence;
+* ``gen-<initiator>``: the owner's fence generation for each initiator, 8 bytes;
+* ``seg-<n>``: the KV segments.
+
+Creating a directory and reclaiming dead ones happen under one lock file per user,
+``/dev/shm/kvflow-<uid>.reclaim`` (never removed: it is what makes the two exclusive), so a
+directory is never seen half made: one with no ``owner`` file was left by a creator that died.
+Every start reclaims the directories of this user whose owner is dead; `close` removes its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import mmap
+import os
+import re
+import shutil
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+
+from kvflow.errors import TransportError
+
+__all__ = ("SHM_DIR", "SUFFIX", "EndpointFiles", "Segment", "map_segment", "reclaim_dead", "segment_name_ok")
+
+SHM_DIR = Path("/dev/shm")
+SUFFIX = ".kvflow"
+_SEGMENT = re.compile(r"seg-[0-9]{1,6}")
+_GENERATION = struct.Struct("<Q")
+
+
+@dataclass(eq=False)
+class Segment:
+    path: Path
+    size: int
+    mapping: mmap.mmap
+    view: npt.NDArray[np.uint8]
+
+    @property
+    def base(self) -> int:
+        return int(self.view.ctypes.data)
+
+    def close(self) -> None:
+        del self.view
+        self.mapping.close()
+
+
+def segment_name_ok(name: object) -> bool:
+    """Whether a peer's segment name is one `EndpointFiles.segment_path` makes (no path tricks)."""
+    return isinstance(name, str) and _SEGMENT.fullmatch(name) is not None
+
+
+def map_segment(path: Path, size: int, *, create: bool) -> Segment:
+    """Map `size` bytes of the segment file `path`, creating it (0600) when `create`.
+
+    :raises OSError: the file cannot be opened, created or mapped.
+    :raises TransportError: an existing segment is smaller than `size`.
+    """
+    flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+    fd = os.open(path, flags, 0o600)
+    try:
+        if create:
+            os.ftruncate(fd, size)
+        elif os.fstat(fd).st_size < size:
+            raise TransportError(f"shared segment {path.name} is smaller than advertised")
+        mapping = mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+    return Segment(path, size, mapping, np.frombuffer(mapping, dtype=np.uint8))
+
+
+def read_generation(fd: int) -> int:
+    """The generation in an open ``gen-`` file (0 while it is empty); no file is opened.
+
+    :raises OSError: the read failed.
+    """
+    data = os.pread(fd, _GENERATION.size, 0)
+    return _GENERATION.unpack(data)[0] if len(data) == _GENERATION.size else 0
+
+
+def bump_generation(fd: int) -> None:
+    """Add one to the generation in an open, writable ``gen-`` file, in place (peers hold it open).
+
+    :raises OSError: the read or the write failed.
+    """
+    os.pwrite(fd, _GENERATION.pack(read_generation(fd) + 1), 0)
+
+
+def _user_lock() -> int:
+    fd = os.open(SHM_DIR / f"kvflow-{os.getuid()}.reclaim", os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return fd
+
+
+def _reclaim_if_dead(directory: Path) -> bool:
+    """Remove `directory` if its owner is dead (its ``owner`` lock is free, or it has none).
+    Called with the user lock held."""
+    try:
+        fd = os.open(directory / "owner", os.O_RDONLY)
+    except FileNotFoundError:
+        fd = -1  # its creator died before making it: nobody owns it
+    except OSError:
+        return False
+    try:
+        if fd >= 0:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as exc:
+                if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                    return False  # its owner lives
+                raise
+        shutil.rmtree(directory, ignore_errors=True)
+        return True
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
+def reclaim_dead() -> int:
+    """Remove every endpoint directory of this user whose owner is dead; how many were removed.
+
+    :raises OSError: /dev/shm cannot be listed, or the user lock cannot be taken.
+    """
+    lock = _user_lock()
+    try:
+        return _reclaim_all()
+    finally:
+        os.close(lock)
+
+
+def _reclaim_all() -> int:
+    uid, removed = os.getuid(), 0
+    with os.scandir(SHM_DIR) as entries:
+        for entry in entries:
+            if not entry.name.endswith(SUFFIX):
+                continue
+            with contextlib.suppress(OSError):
+                if entry.is_dir(follow_symlinks=False) and entry.stat(follow_symlinks=False).st_uid == uid:
+                    removed += _reclaim_if_dead(Path(entry.path))
+    return removed
+
+
+class EndpointFiles:
+    """The directory of one live endpoint, made (after reclaiming dead ones) and owned for life.
+
+    :raises TransportError: an endpoint of that prefix and name is alive, or /dev/shm refuses.
+    """
+
+    def __init__(self, stem: str) -> None:
+        self.directory = SHM_DIR / f"{stem}{SUFFIX}"
+        self.reclaimed = 0
+        try:
+            lock = _user_lock()
+        except OSError as exc:
+            raise TransportError(f"cannot lock {SHM_DIR} to create {self.directory.name}: {exc}") from exc
+        try:
+            self.reclaimed = _reclaim_all()
+            try:
+                self.directory.mkdir(mode=0o700)
+            except FileExistsError:
+                raise TransportError(f"a live endpoint owns {self.directory}") from None
+            self._owner = os.open(self.directory / "owner", os.O_RDWR | os.O_CREAT, 0o600)
+            fcntl.flock(self._owner, fcntl.LOCK_EX)
+            os.write(self._owner, f"{os.getpid()}\n".encode())
+            self.lock_fd = os.open(self.directory / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as exc:
+            shutil.rmtree(self.directory, ignore_errors=True)
+            raise TransportError(f"cannot create {self.directory}: {exc}") from exc
+        finally:
+            os.close(lock)
+
+    def segment_path(self, index: int) -> Path:
+        return self.directory / f"seg-{index}"
+
+    def generation_path(self, initiator: str) -> Path:
+        return self.directory / f"gen-{initiator}"
+
+    def close(self) -> None:
+        """Remove the directory, then give up ownership.  Peers keep what they mapped."""
+        shutil.rmtree(self.directory, ignore_errors=True)
+        for fd in (self.lock_fd, self._owner):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def peer_directory(peer_id: str, name: str) -> Path:
+    return SHM_DIR / f"{peer_id}-{name}{SUFFIX}"
