@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ from kvflow.layout import DescriptorPlan, KVLayout, KVSpec, plan_transfer
 from kvflow.layout.buffers import region_of
 from kvflow.protocol.actions import OpKind
 from kvflow.transports.base import Completion, Transport
-from kvflow.transports.loopback import LoopbackFabric
+from kvflow.transports.loopback import LoopbackFabric, LoopbackTransport
 from kvflow.transports.nixl import NixlTransport
 from kvflow.transports.shm import SHM_DIR, ShmTransport
 
@@ -213,3 +214,120 @@ def test_shm_names_never_leave_dev_shm() -> None:
     finally:
         a.close()
     assert not escape.exists()
+
+
+def test_peer_changes_on_a_thread_race_safely_with_submits_and_polls(ends: Ends) -> None:
+    # The engine adds and removes peers on a worker thread while its writer thread submits and its
+    # loop polls.  Whatever the interleaving: no crash, one completion per accepted op, and once
+    # remove_peer returns, no submission for the peer is accepted and nothing of it lands.
+    a, b = ends.a, ends.b
+    a_meta, b_meta = a.local_metadata(), b.local_metadata()
+    src, dst = list(range(16)), list(range(32, 48))
+    plan = plan_transfer(ends.a_layout, ends.b_layout, src, dst)
+    stop = threading.Event()
+    accepted: list[int] = []
+    completed: list[Completion] = []
+    failures: list[BaseException] = []
+
+    def guarded(body: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:
+            try:
+                body()
+            except BaseException as exc:
+                failures.append(exc)
+                stop.set()
+
+        return run
+
+    def writer() -> None:
+        op_id = 0
+        while not stop.is_set():
+            op_id += 1
+            for m in ends.a_mem:
+                m[:] = op_id % 251  # every op carries other bytes, so a late landing shows
+            try:
+                a.submit(op_id, OpKind.WRITE, b.name, plan, b"n")
+            except TransportError:
+                continue
+            accepted.append(op_id)
+
+    def poller() -> None:
+        while not stop.is_set():
+            completed.extend(a.poll()[0])
+            b.poll()
+            time.sleep(0.0001)
+
+    threads = [threading.Thread(target=guarded(f)) for f in (writer, poller)]
+    for thread in threads:
+        thread.start()
+    snapshots: list[list[np.ndarray]] = []
+
+    def manage() -> None:
+        for round_ in range(15):
+            assert a.local_metadata() == a_meta
+            a.remove_peer(b.name)
+            a.add_peer(b.name, b_meta, ends.b_layout.regions)
+            if round_ % 5 == 4:  # let some ops through between removals
+                landed = sum(c.error is None for c in list(completed))
+                end = time.monotonic() + 30
+                while sum(c.error is None for c in list(completed)) == landed and time.monotonic() < end:
+                    time.sleep(0.001)
+        if a.capabilities.fences_inbound:
+            b.remove_peer(a.name)  # a keeps submitting to b: nothing of it may land in b now
+            snapshots.append([m.copy() for m in ends.b_mem])
+            fenced = len(accepted) + 3
+            end = time.monotonic() + 30
+            while len(accepted) < fenced and time.monotonic() < end and not stop.is_set():
+                time.sleep(0.001)
+        a.remove_peer(b.name)
+        snapshots.append([m.copy() for m in ends.b_mem])
+        with pytest.raises(TransportError):
+            a.submit(10**9, OpKind.WRITE, b.name, plan, b"")
+
+    manager = threading.Thread(target=guarded(manage))
+    manager.start()
+    manager.join(timeout=120)
+    stop.set()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert failures == []
+    end = time.monotonic() + 30
+    while len(completed) < len(accepted) and time.monotonic() < end:
+        completed.extend(a.poll()[0])
+        time.sleep(0.001)
+    assert sorted(c.op_id for c in completed) == sorted(accepted)
+    assert any(c.error is None for c in completed) and accepted
+    assert all(np.array_equal(m, s) for m, s in zip(ends.b_mem, snapshots[0], strict=True))
+    if a.capabilities.fences_inbound:
+        assert any(c.error is not None for c in completed), "ops into b after it removed a were fenced"
+
+
+def fabric_threads() -> int:
+    return sum(t.name == "kvflow-loopback-fabric" for t in threading.enumerate())
+
+
+def test_a_loopback_fabric_thread_ends_with_its_last_open_endpoint() -> None:
+    before = fabric_threads()
+    private = LoopbackTransport(f"solo{time.monotonic_ns()}")  # its own fabric
+    assert fabric_threads() == before + 1
+    private.close()
+    assert fabric_threads() == before
+    fabric = LoopbackFabric()
+    a, b = fabric.endpoint("a"), fabric.endpoint("b")
+    a.close()
+    assert fabric_threads() == before + 1  # b still needs it
+    b.close()
+    assert fabric_threads() == before
+    c, d = fabric.endpoint("c"), fabric.endpoint("d")  # a later endpoint gets a thread again
+    mem = [np.zeros(256, np.uint8), np.arange(256, dtype=np.uint64).astype(np.uint8)]
+    c.register_regions([region_of(mem[0])])
+    d.register_regions([region_of(mem[1])])
+    c.add_peer("d", d.local_metadata(), [region_of(mem[1])])
+    d.add_peer("c", c.local_metadata(), [region_of(mem[0])])
+    c.submit(1, OpKind.READ, "d", one_descriptor(0, 0, 0, 0, 256), b"")
+    assert wait(c)[0] == [Completion(1)]
+    assert np.array_equal(mem[0], mem[1])
+    c.close()
+    d.close()
+    fabric.close()
+    assert fabric_threads() == before

@@ -6,14 +6,29 @@ a transport object from its embedder, who may look one up by name in `kvflow.tra
 
 The contract, which the engine's safety depends on:
 
-* All methods are thread-safe.  `submit` may block (it plans and posts the op); the engine calls
-  it from its writer thread, never from the event loop.  `poll` never blocks.
+* Threads.  Every method may be called from any thread, and these run concurrently: `submit`
+  (the engine's writer thread), `poll` (the event loop), and `add_peer`, `remove_peer` and
+  `local_metadata` (a worker thread of the engine's, never the event loop).  `register_regions`
+  and `set_listener` come first, `close` last, each from one thread while nothing else runs.
+* Blocking.  `poll` never blocks: it takes no lock that a copy or a backend call holds.  `submit`
+  may block to plan and post the op (loopback: the op being moved; shared memory: nothing longer
+  than another submit's planning; NIXL: the post, and the peer lock held by another post or a
+  teardown), never until the op completes.  `local_metadata` and `add_peer` may block for the
+  backend's call (NIXL: at most its `call_timeout`, then `TransportError`).  `remove_peer` may
+  block until this endpoint's copy to the peer in progress ends (one op; NIXL: at most
+  `call_timeout`) and, where it fences inbound ops, until the peer's op into local memory in
+  progress ends (shared memory: at most `fence_timeout`, then `TransportError`).  `close` may
+  block a few seconds while the transport's threads stop.  The listener is called from the
+  transport's threads and must not block or call back into the transport.
 * An op reported by `poll` as completed or failed will not touch memory any more, on either side.
 * A WRITE's notification is delivered to the peer only after the WRITE's bytes have landed there.
 * After `remove_peer(name)` returns, no op of this endpoint to that peer can touch memory any
-  more; ops still in flight are reported as failed, and a `submit` to it (even one racing with
-  the removal on another thread) is refused or fenced, never landed.  If
-  `capabilities.fences_inbound`, the same holds for the peer's ops into this endpoint's memory.
+  more; ops still queued or in flight are reported as failed, and a `submit` to it (even one
+  racing with the removal on another thread) is refused or fenced, never landed, until a new
+  `add_peer`.  If `capabilities.fences_inbound`, the same holds for the peer's ops into this
+  endpoint's memory.  Notifications already received from the peer may still be polled; the
+  engine ignores those of a peer it no longer knows.  `add_peer` for a name already present
+  replaces the association as a `remove_peer` then `add_peer` would.
 * A failure is reported as `TransportError` (or a subclass): the exceptions by which a backend
   library reports a failed call are mapped to it at the edge.  Any other exception out of a
   backend is a bug (in kvflow or the backend) and propagates as it is.
@@ -82,13 +97,15 @@ class Transport(Protocol):
         """
 
     def add_peer(self, name: str, metadata: bytes, regions: Sequence[Region]) -> None:
-        """Make `name` reachable; `regions` are the peer's, in its layout's order.
+        """Make `name` reachable; `regions` are the peer's, in its layout's order.  Called off the
+        event loop, concurrently with `submit` and `poll`; may block for the backend's call.
 
         :raises TransportError: metadata unusable or peer unreachable.
         """
 
     def remove_peer(self, name: str) -> None:
-        """Tear the peer down; see the module contract.  Unknown names are ignored.
+        """Tear the peer down; see the module contract.  Unknown names are ignored.  Called off the
+        event loop; may block until the copy in progress to (or, fencing inbound, from) the peer ends.
 
         :raises TransportError: the backend did not confirm the teardown in time.
         """

@@ -95,10 +95,9 @@ class LoopbackFabric:
         self._ops = 0
         self._held_note: tuple[LoopbackTransport, Notification] | None = None
         self._closed = False
+        self._manual = manual
+        self._open: set[str] = set()  # endpoints attached and not closed: a thread runs while any is
         self._thread: threading.Thread | None = None
-        if not manual:
-            self._thread = threading.Thread(target=self._run, name="kvflow-loopback-fabric", daemon=True)
-            self._thread.start()
 
     # ------------------------------------------------------------------ endpoints and faults
 
@@ -111,6 +110,22 @@ class LoopbackFabric:
             if endpoint.name in self._endpoints:
                 raise ConfigError(f"loopback endpoint {endpoint.name!r} already exists on this fabric")
             self._endpoints[endpoint.name] = endpoint
+            self._open.add(endpoint.name)
+            if not self._manual and not self._closed and self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="kvflow-loopback-fabric", daemon=True)
+                self._thread.start()
+
+    def detach(self, endpoint: LoopbackTransport) -> None:
+        """`endpoint` closed; the fabric's thread ends with the last open endpoint (a later
+        `attach` starts another)."""
+        with self._lock:
+            self._open.discard(endpoint.name)
+            thread = self._thread if not self._open else None
+            if thread is not None:
+                self._thread = None  # it ends; `attach` starts another if one is needed
+                self._wake.notify_all()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=5.0)
 
     def attached(self, name: str) -> LoopbackTransport | None:
         return self._endpoints.get(name)
@@ -202,7 +217,7 @@ class LoopbackFabric:
 
     def _run(self) -> None:
         with self._lock:
-            while not self._closed:
+            while not self._closed and self._thread is threading.current_thread():
                 now = time.monotonic()
                 runnable = [item for item in self._queue if not item[2].stalled or item[2].cancelled]
                 due = [item for item in runnable if item[0] <= now]
@@ -278,9 +293,10 @@ class LoopbackFabric:
     def close(self) -> None:
         with self._lock:
             self._closed = True
+            thread = self._thread
             self._wake.notify_all()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=5.0)
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=5.0)
 
 
 class LoopbackTransport:
@@ -317,7 +333,8 @@ class LoopbackTransport:
             raise TransportError(f"metadata for {name!r} names another endpoint")
         if self.fabric.attached(name) is None:
             raise TransportError(f"no loopback endpoint {name!r} on this fabric")
-        self._peers[name] = list(regions)
+        with self.fabric.lock:  # atomic with submit and with the peer's ops being moved
+            self._peers[name] = list(regions)
 
     def remove_peer(self, name: str) -> None:
         """Both directions are fenced: this endpoint's ops to `name`, and `name`'s one-sided
@@ -345,7 +362,7 @@ class LoopbackTransport:
             copies.append((remote, local, d.length) if kind is OpKind.WRITE else (local, remote, d.length))
         number, fail, stall = self.fabric.new_op_number()
         with self.fabric.lock:  # atomic with remove_peer: a removed peer's op is never queued
-            if peer not in self._peers:
+            if self._peers.get(peer) is not regions:  # removed (or replaced) since it was planned
                 raise TransportError(f"op {op_id}: peer {peer!r} was removed")
             ready = self.fabric.ready_time(self.name, peer, plan.total_bytes)
             self.fabric.post(_Op(number, op_id, self, peer, kind, copies, notification, ready, fail, stall))
@@ -371,6 +388,7 @@ class LoopbackTransport:
             self.fabric.cancel(lambda op: op.initiator is self or op.peer == self.name)
             self._regions.clear()
             self._peers.clear()
+        self.fabric.detach(self)
 
     # ------------------------------------------------------------------ fabric side
 
