@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from kvflow.errors import TransportError
-from kvflow.layout import DescriptorPlan
+from kvflow.layout import DescriptorPlan, Region
 from kvflow.layout.buffers import region_of
 from kvflow.protocol.actions import OpKind
 from kvflow.transports.base import Completion, Notification
@@ -119,15 +119,18 @@ def test_notifications_from_a_removed_peer_are_dropped(pair: Pair) -> None:
 ENDPOINT = """
     import sys
     from kvflow.transports.shm import ShmTransport
+    from kvflow.layout.buffers import region_of
     t = ShmTransport("P", prefix=sys.argv[1])
+    memory = t.allocate(4096)
     t.allocate(4096)
-    t.allocate(4096)
-    print("ready", flush=True)
+    t.register_regions([region_of(memory)])
+    print(t.local_metadata().hex(), region_of(memory).base, flush=True)
     sys.stdin.read()
 """
 
 
-def start_endpoint(prefix: str) -> subprocess.Popen[str]:
+def start_endpoint(prefix: str) -> tuple[subprocess.Popen[str], bytes, Region]:
+    """A child process with endpoint "P" of `prefix`: the child, its metadata and its region."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     child = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(ENDPOINT), prefix],
@@ -137,8 +140,8 @@ def start_endpoint(prefix: str) -> subprocess.Popen[str]:
         stdout=subprocess.PIPE,
     )
     assert child.stdout is not None
-    assert child.stdout.readline() == "ready\n"
-    return child
+    metadata, base = child.stdout.readline().split()
+    return child, bytes.fromhex(metadata), Region(int(base), 4096)
 
 
 def entries(prefix: str) -> list[Path]:
@@ -146,8 +149,8 @@ def entries(prefix: str) -> list[Path]:
 
 
 def test_files_of_a_sigkilled_endpoint_are_reclaimed_and_its_name_restarts(prefix: str) -> None:
-    killed = start_endpoint(f"{prefix}-a")
-    alive = start_endpoint(f"{prefix}-b")
+    killed, _, _ = start_endpoint(f"{prefix}-a")
+    alive, _, _ = start_endpoint(f"{prefix}-b")
     try:
         killed.send_signal(signal.SIGKILL)
         assert killed.wait(timeout=60) == -signal.SIGKILL
@@ -262,3 +265,25 @@ def test_metadata_without_the_process_id_is_refused(pair: Pair) -> None:
         with pytest.raises(TransportError, match="process id"):
             a.add_peer(b.name, msgpack.packb(dict(meta, pid=pid)), [])
     assert socket.SO_PASSCRED  # the check relies on Linux's credentials passing
+
+
+def test_a_write_to_a_peer_whose_process_was_killed_fails(pair: Pair, prefix: str) -> None:
+    a = pair[0]
+    child, metadata, region = start_endpoint(prefix)
+    assert child.stdin is not None and child.stdout is not None
+    try:
+        a.add_peer("P", metadata, [region])
+        plan = whole(4096)
+        a.submit(1, OpKind.WRITE, "P", plan, b"")
+        assert collect(a, completions=1, notes=0)[0] == [Completion(1)]
+        child.send_signal(signal.SIGKILL)
+        assert child.wait(timeout=60) == -signal.SIGKILL
+        a.submit(2, OpKind.WRITE, "P", plan, b"")
+        (done,), _ = collect(a, completions=1, notes=0)
+        assert done.op_id == 2 and done.error is not None and "is gone" in done.error
+    finally:
+        child.stdin.close()
+        child.stdout.close()
+        child.wait(timeout=60)
+        a.remove_peer("P")
+        ShmTransport("P", prefix=prefix).close()  # reclaims what the killed process left

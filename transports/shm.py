@@ -15,7 +15,8 @@ refused: nothing of it lands.  The lock is released by the kernel if a process d
 and generation files of a peer are opened once, in `add_peer`, so an op opens no file.
 
 A peer's mappings stay alive while a copy into or out of them runs: `remove_peer` marks the
-peer removed, waits for the copy in progress to it, and only then unmaps.
+peer removed, waits for the copy in progress to it, and only then unmaps.  An op to a peer whose
+process ended (its owner lock is free) fails instead of writing into memory nobody reads.
 
 Who may talk to whom: segments are 0600 files of this user.  The notification socket is an
 abstract Unix socket, which any local process can reach, so each datagram is checked against
@@ -71,6 +72,7 @@ class _Peer:
     name: str
     notify: str
     pid: int
+    owner_fd: int  # the peer's owner file: locked while the peer process lives
     lock_fd: int  # the peer's fence lock, open for the association's life
     gen_fd: int  # the peer's generation counter for *us*, likewise
     generation: int
@@ -220,10 +222,11 @@ class ShmTransport:
             try:
                 for seg_name, base, size in segs:
                     mapped.append((base, size, map_segment(directory / seg_name, size, create=False)))
+                fds.append(os.open(directory / "owner", os.O_RDONLY))
                 fds.append(os.open(directory / "lock", os.O_RDONLY))
                 fds.append(os.open(directory / f"gen-{self.name}", os.O_RDWR | os.O_CREAT, 0o600))
                 fds.append(os.open(self._files.generation_path(name), os.O_RDWR | os.O_CREAT, 0o600))
-                generation = read_generation(fds[1])
+                generation = read_generation(fds[2])
             except OSError as exc:  # the segment is gone, or not ours to open
                 raise TransportError(f"cannot attach to peer {name!r}: {exc}") from exc
             for region in regions:
@@ -232,7 +235,8 @@ class ShmTransport:
         except BaseException:
             _release(mapped, fds)
             raise
-        peer = _Peer(name, notify, pid, fds[0], fds[1], generation, mapped, list(regions), fence_fd=fds[2])
+        owner, lock, gen, fence = fds
+        peer = _Peer(name, notify, pid, owner, lock, gen, generation, mapped, list(regions), fence_fd=fence)
         with self._state:
             if self._closed:
                 _release(mapped, fds)
@@ -242,7 +246,7 @@ class ShmTransport:
             if old is not None:
                 self._retire(old)  # ops of the old association used its mappings' addresses
         if old is not None:
-            _release(old.segments, [old.lock_fd, old.gen_fd, old.fence_fd])
+            _release(old.segments, _files_of(old))
 
     def remove_peer(self, name: str) -> None:
         """Fence `name` both ways, then unmap its memory; waits for this endpoint's copy to it in
@@ -262,7 +266,7 @@ class ShmTransport:
             self._fence(name, peer)  # none of the peer's ops lands here any more
         finally:
             if peer is not None:
-                _release(peer.segments, [peer.lock_fd, peer.gen_fd, peer.fence_fd])
+                _release(peer.segments, _files_of(peer))
 
     # ------------------------------------------------------------------ ops
 
@@ -306,7 +310,7 @@ class ShmTransport:
         self._reader.join(timeout=5)
         self._sock.close()
         for peer in peers:
-            _release(peer.segments, [peer.lock_fd, peer.gen_fd, peer.fence_fd])
+            _release(peer.segments, _files_of(peer))
         self._files.close()
 
     # ------------------------------------------------------------------ threads
@@ -335,6 +339,13 @@ class ShmTransport:
                     self._notify(op.peer, op.notification)
 
     def _execute(self, op: _Op) -> None:
+        try:
+            fcntl.flock(op.peer.owner_fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pass  # its owner holds it: the peer process lives
+        else:
+            fcntl.flock(op.peer.owner_fd, fcntl.LOCK_UN)
+            raise TransportError(f"peer {op.peer.name!r} is gone (its process ended)")
         fcntl.flock(op.peer.lock_fd, fcntl.LOCK_SH)
         try:
             if read_generation(op.peer.gen_fd) != op.peer.generation:
@@ -430,6 +441,10 @@ class ShmTransport:
         listener = self._listener
         if listener is not None:
             listener()
+
+
+def _files_of(peer: _Peer) -> list[int]:
+    return [peer.owner_fd, peer.lock_fd, peer.gen_fd, peer.fence_fd]
 
 
 def _release(segments: list[tuple[int, int, Segment]], fds: list[int]) -> None:
