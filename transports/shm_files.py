@@ -27,6 +27,7 @@ import os
 import re
 import shutil
 import struct
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,7 +36,17 @@ import numpy.typing as npt
 
 from kvflow.errors import TransportError
 
-__all__ = ("SHM_DIR", "SUFFIX", "EndpointFiles", "Segment", "map_segment", "reclaim_dead", "segment_name_ok")
+__all__ = (
+    "SHM_DIR",
+    "SUFFIX",
+    "EndpointFiles",
+    "Segment",
+    "bump_generation",
+    "map_segment",
+    "peer_directory",
+    "read_generation",
+    "segment_name_ok",
+)
 
 SHM_DIR = Path("/dev/shm")
 SUFFIX = ".kvflow"
@@ -100,10 +111,24 @@ def bump_generation(fd: int) -> None:
     os.pwrite(fd, _GENERATION.pack(read_generation(fd) + 1), 0)
 
 
-def _user_lock() -> int:
+def _user_lock(timeout: float = 10.0) -> int:
+    """The user lock, held (its fd); another start or reclaim holds it for a scan of /dev/shm.
+
+    :raises OSError: it cannot be opened, or was not free within `timeout` (a stopped process
+        of this user holds it).
+    """
     fd = os.open(SHM_DIR / f"kvflow-{os.getuid()}.reclaim", os.O_RDWR | os.O_CREAT, 0o600)
-    fcntl.flock(fd, fcntl.LOCK_EX)
-    return fd
+    deadline, pause = time.monotonic() + timeout, 0.0005
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                os.close(fd)
+                raise TimeoutError(errno.ETIMEDOUT, "another process holds the kvflow user lock") from None
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
 
 
 def _reclaim_if_dead(directory: Path) -> bool:
@@ -130,19 +155,9 @@ def _reclaim_if_dead(directory: Path) -> bool:
             os.close(fd)
 
 
-def reclaim_dead() -> int:
-    """Remove every endpoint directory of this user whose owner is dead; how many were removed.
-
-    :raises OSError: /dev/shm cannot be listed, or the user lock cannot be taken.
-    """
-    lock = _user_lock()
-    try:
-        return _reclaim_all()
-    finally:
-        os.close(lock)
-
-
 def _reclaim_all() -> int:
+    """Remove every endpoint directory of this user whose owner is dead (the user lock held);
+    how many were removed."""
     uid, removed = os.getuid(), 0
     with os.scandir(SHM_DIR) as entries:
         for entry in entries:
