@@ -28,7 +28,7 @@ The contract, which the engine's safety depends on:
   `add_peer`.  If `capabilities.fences_inbound`, the same holds for the peer's ops into this
   endpoint's memory.  Notifications already received from the peer may still be polled; the
   engine ignores those of a peer it no longer knows.  `add_peer` for a name already present
-  replaces the association as a `remove_peer` then `add_peer` would.
+  replaces the association: this endpoint's ops to the old one are failed as by `remove_peer`.
 * A failure is reported as `TransportError` (or a subclass): the exceptions by which a backend
   library reports a failed call are mapped to it at the edge.  Any other exception out of a
   backend is a bug (in kvflow or the backend) and propagates as it is.
