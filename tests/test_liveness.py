@@ -220,3 +220,43 @@ def test_core_renewal_holds_p_blocks_a_lease_past_the_heartbeat_and_only_for_its
     assert core.machine(key, Role.PREFILL).state in ACTIVE
     core.timer(14.0)
     assert core.machine(key, Role.PREFILL).outcome is Outcome.EXPIRED
+
+
+def test_core_renewal_never_holds_p_blocks_past_max_hold() -> None:
+    core = TransferCore("P", num_layers=2, config=CoreConfig(fence_timeout=1.0, max_hold=20.0))
+    key = TransferKey("r", 1)
+    core.kv_ready(key, block_ids=[1, 2], now=5.0, mode=Mode.PULL, peer="D", deadline=10.0)
+    for beat in (9.0, 14.0, 19.0):  # each renewal in full: the cap (5 + 20) is not reached
+        core.renew("D", [key], now=beat, lease=5.0)
+    assert core.next_deadline() == 24.0 and core.stats.capped_renewals == 0
+    core.renew("D", [key], now=23.0, lease=5.0)  # would hold until 28: cut to 25
+    assert core.next_deadline() == 25.0 and core.stats.capped_renewals == 1
+    core.renew("D", [key], now=24.5, lease=5.0)  # the peer keeps beating: still 25
+    core.timer(24.9)
+    assert core.machine(key, Role.PREFILL).state in ACTIVE
+    core.timer(25.0)
+    assert core.machine(key, Role.PREFILL).outcome is Outcome.EXPIRED
+    assert core.stats.capped_renewals == 2
+
+
+@pytest.mark.asyncio
+async def test_decode_heartbeats_cannot_hold_prefill_blocks_past_max_hold() -> None:
+    # D's READ stalls for ever, and D's heartbeats keep listing the transfer: P still gives up
+    # max_hold after the transfer opened, where before it renewed the lease for as long as D beat.
+    config = EngineConfig(
+        core=CoreConfig(fence_timeout=0.3, retention=5.0, max_hold=1.0),
+        transfer_timeout=0.4,
+        lease=0.6,
+        drain_timeout=0.5,
+    )
+    pair = await EnginePair(LoopbackFabric(faults=FaultPlan(stall_ops={1}, stall_for=30.0)), config=config).start()
+    try:
+        await pair.d.expect("r", 1, peer="P", block_ids=[1], mode=Mode.PULL, timeout=30)
+        pair.d.assoc.liveness.interval = 0.05
+        pair.p_kv.fill([2], seed=1)
+        sending = await pair.p.kv_ready("r", 1, block_ids=[2], mode=Mode.PULL, peer="D")
+        result = await sending.wait(5)
+        assert result.outcome is Outcome.EXPIRED
+        assert pair.p.stats()["capped_renewals"] >= 1
+    finally:
+        await pair.close()

@@ -120,7 +120,7 @@ class TransferCore:
         self._check_epoch(key, _DECODE)
         self.ledger.check_free(ids)
         actions = self._supersede(key, _DECODE, now)
-        m = self.store.create(key, _DECODE, mode, peer, deadline)
+        m = self.store.create(key, _DECODE, mode, peer, deadline, now)
         m.block_ids, m.expected_batches = ids, expected_batches
         self.ledger.add(m.owner, ids)
         actions += self._replay_early(m, now)
@@ -183,7 +183,7 @@ class TransferCore:
         actions: list[Action] = []
         if m is None:
             actions = self._supersede(key, _PREFILL, now)
-            m = self.store.create(key, _PREFILL, mode, peer, deadline or now)
+            m = self.store.create(key, _PREFILL, mode, peer, deadline or now, now)
             actions += self._replay_early(m, now)  # D may have given up before P started
             consumed = Effect.RETURN_BATCH not in transition(mode, _PREFILL, m.state, input_).effects
         if not consumed:
@@ -215,7 +215,7 @@ class TransferCore:
             if role is _DECODE:
                 raise UnknownTransfer(f"no {role.value} transfer {key}")
             self._check_epoch(key, role)
-            m = self.store.create(key, role, Mode.PUSH, None, now + self.config.retention)
+            m = self.store.create(key, role, Mode.PUSH, None, now + self.config.retention, now)
             m.started_locally = True
         return self._feed(m, Input.ABORT, now, reason=reason)
 
@@ -257,12 +257,19 @@ class TransferCore:
         return actions
 
     def renew(self, peer: str, keys: Sequence[TransferKey], now: float, lease: float) -> list[Action]:
-        """`peer` still waits on these transfers: as P, hold their blocks at least `lease` longer.
-        Keys of other peers' transfers, unknown ones and finished ones are ignored."""
+        """`peer` still waits on these transfers: as P, hold their blocks at least `lease` longer,
+        but never past `max_hold` after the transfer opened here (such a renewal is cut short and
+        counted in `stats.capped_renewals`).  Keys of other peers' transfers, unknown ones and
+        finished ones are ignored."""
         for key in keys:
             m = self.store.get(key, _PREFILL)
             if m is not None and m.peer == peer and m.state in ACTIVE:
-                self.store.set_deadline(m, max(m.deadline, now + lease))
+                until = now + lease
+                cap = m.created + self.config.max_hold
+                if until > cap:
+                    self.stats.capped_renewals += 1
+                    until = cap
+                self.store.set_deadline(m, max(m.deadline, until))
         return []
 
     def waiting_on(self, peer: str) -> tuple[TransferKey, ...]:

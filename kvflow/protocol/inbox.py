@@ -119,7 +119,7 @@ class PeerInbox:
             if problem is not None:
                 self.stats.rejected_registrations += 1
                 return [SendMessage(peer, Notice(key, Outcome.FAILED, problem)), SendMessage(peer, Quiesced(key))]
-            m = self.store.create(key, _PREFILL, Mode.PUSH, peer, now + min(reg.ttl, self.config.max_ttl))
+            m = self.store.create(key, _PREFILL, Mode.PUSH, peer, now + min(reg.ttl, self.config.max_ttl), now)
             m.started_locally = False
         if m.mode is not Mode.PUSH or m.peer not in (None, peer):
             self.stats.foreign_peer += 1

@@ -86,6 +86,7 @@ class Machine:
     mode: Mode
     peer: str | None
     deadline: float  # the transfer's own deadline
+    created: float = 0.0  # when this side opened the transfer: lease renewals stop at created + max_hold
     state: State = field(init=False)
     # decode side: own destination blocks and how many WRITE notifications complete them
     block_ids: tuple[int, ...] = ()

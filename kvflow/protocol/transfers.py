@@ -31,6 +31,9 @@ class CoreConfig:
     max_unstarted: int = 4096  # P: registrations for transfers it has not started itself
     max_ttl: float = 3600.0  # cap on a peer-supplied time-to-live
     max_batches: int = 4096
+    # P: however often a peer's heartbeats renew the lease, a transfer's blocks are held at most
+    # this long after it opened (a peer that keeps beating cannot pin them for ever)
+    max_hold: float = 600.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -48,6 +51,7 @@ class CoreStats:
     protocol_violations: int = 0  # an input the table does not allow, from a peer
     rejected_registrations: int = 0
     early_messages: int = 0  # about transfers not started here yet, kept until they start
+    capped_renewals: int = 0  # lease renewals cut short by `CoreConfig.max_hold`
     completed: int = 0
     failed: int = 0
 
@@ -95,9 +99,11 @@ class TransferStore:
         """The epochs of `transfer_id` this side still has a machine for (empty: none)."""
         return frozenset(self._epochs.get((transfer_id, role), ()))
 
-    def create(self, key: TransferKey, role: Role, mode: Mode, peer: str | None, deadline: float) -> Machine:
-        """Open a transfer: its record, its epoch, its block account and its deadline."""
-        m = Machine(key, role, mode, peer, deadline)
+    def create(
+        self, key: TransferKey, role: Role, mode: Mode, peer: str | None, deadline: float, now: float
+    ) -> Machine:
+        """Open a transfer at `now`: its record, its epoch, its block account and its deadline."""
+        m = Machine(key, role, mode, peer, deadline, now)
         self._machines[m.owner] = m
         self._epochs.setdefault((key.transfer_id, role), set()).add(key.epoch)
         self.ledger.open(m.owner, exclusive=role is Role.DECODE)
