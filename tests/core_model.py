@@ -6,7 +6,8 @@ transfer it belongs to was aborted; notifications can be dropped, duplicated and
 control messages stay ordered (they travel on one reliable connection); the link can be torn
 down.  Every landing checks that its destination and source blocks are still held by the
 transfer that issued it: a block released too early is caught at the moment it would corrupt
-someone else's KV.
+someone else's KV.  Each side's verdict is checked against the other's: D reads the KV, so P
+never reports a success that D has not reported first.
 """
 
 from __future__ import annotations
@@ -121,6 +122,12 @@ class CorePair:
         if tag in self.resolved:
             raise self.violation(f"{side} resolved {action.key} twice")
         self.resolved[tag] = action.outcome
+        # D reads the KV, so D's verdict is the transfer's: P never reports a success D did not.
+        p_said, d_said = self.resolved.get(("P", action.key)), self.resolved.get(("D", action.key))
+        if p_said is Outcome.SUCCEEDED and d_said not in (None, Outcome.SUCCEEDED):
+            raise self.violation(f"P reported success for {action.key}, D {d_said.value}")
+        if p_said is Outcome.SUCCEEDED and d_said is None:
+            raise self.violation(f"P reported success for {action.key} before D's verdict")
         if side == "D" and action.outcome is Outcome.SUCCEEDED:
             self.check_contents(action.key)
             self.successes.add(action.key)

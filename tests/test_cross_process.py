@@ -257,3 +257,28 @@ def test_writing_to_a_killed_decode_process_fails_at_once_over_nixl(prefix: str)
         assert sorted(released["blocks"]) == [3, 4]
     finally:
         p.close()
+
+
+def test_a_stopped_decode_and_its_prefill_end_a_written_transfer_with_one_verdict(prefix: str) -> None:
+    p, d = start_pair(prefix, "--lease", "1.0", "--fence", "5.0")
+    try:
+        d.ask("started", cmd="expect", tid="r", epoch=1, peer="P", blocks=[1, 2], mode="push", ttl=1.0)
+        p.stats_when(lambda s: s["live_transfers"] == 1, "P has D's registration")
+        d.proc.send_signal(signal.SIGSTOP)  # D's deadline passes while it is stopped
+        try:
+            # P's WRITE lands in D's memory and completes, but D never said it had the KV: when
+            # P's lease on D runs out it tears D down and cannot report a success.
+            p.ask("started", cmd="kv_ready", tid="r", epoch=1, blocks=[7, 8], mode="push", peer="D", seed=5)
+            p_verdict = p.result("r", timeout=15)
+        finally:
+            d.proc.send_signal(signal.SIGCONT)
+        d_verdict = d.result("r", timeout=15)
+        assert p_verdict["outcome"] != "succeeded", p_verdict
+        assert d_verdict["outcome"] != "succeeded", d_verdict
+        # P told D why it tore it down, so D settled with P instead of waiting for its own lease
+        stats = d.stats_when(lambda s: s["held_blocks"] == 0 and s["peers"] == [], "D settled with P")
+        assert stats["crashed"] == 0
+        assert p.ask("stats", cmd="stats")["peers"] == []
+    finally:
+        d.close()
+        p.close()

@@ -23,7 +23,7 @@ from kvflow.errors import (
 )
 from kvflow.layout import KVSpec
 from kvflow.protocol.core import CoreConfig
-from kvflow.protocol.messages import TransferKey, encode_notification
+from kvflow.protocol.messages import Goodbye, TransferKey, encode_notification
 from kvflow.protocol.state import Mode, Outcome, Role, State
 from kvflow.runtime.engine import Engine, EngineConfig
 from kvflow.testing import EnginePair, KVBuffers, ManualClock, same_kv
@@ -349,10 +349,13 @@ async def test_close_tears_down_a_peer_whose_fence_never_comes() -> None:
 
 
 @pytest.mark.asyncio
-async def test_a_write_from_a_torn_down_peer_lands_nowhere() -> None:
+async def test_a_write_from_a_torn_down_peer_lands_nowhere(monkeypatch: pytest.MonkeyPatch) -> None:
     fabric = LoopbackFabric(faults=FaultPlan(stall_ops={1}))
     pair = EnginePair(fabric, config=FAST)
     pair.p.core.config = PATIENT.core  # P keeps its association; only D gives up on it
+    send = pair.d.control.send
+    # and D's goodbye is lost on the way, so P never learns that D tore it down
+    monkeypatch.setattr(pair.d.control, "send", lambda peer, m: None if isinstance(m, Goodbye) else send(peer, m))
     await pair.start()
     try:
         pair.p_kv.fill([3], seed=7)

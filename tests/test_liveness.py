@@ -25,7 +25,7 @@ from kvflow.protocol.association import (
     UnknownSender,
 )
 from kvflow.protocol.core import CoreConfig, TransferCore
-from kvflow.protocol.messages import Heartbeat, Hello, Reject, TransferKey
+from kvflow.protocol.messages import Goodbye, Heartbeat, Hello, Reject, TransferKey
 from kvflow.protocol.state import ACTIVE, Mode, Outcome, Role
 from kvflow.runtime.engine import Engine, EngineConfig
 from kvflow.testing import SMALL_SPEC, EnginePair, KVBuffers
@@ -81,12 +81,18 @@ def test_a_peer_starting_over_is_torn_down_before_it_is_added_again() -> None:
     assert peers.receive("P", 2, hello("P", reply=True), 2.0) == [HandshakeSettled("P")]
 
 
-def test_a_silent_peer_is_torn_down_and_gets_no_heartbeat() -> None:
+def test_a_silent_peer_is_told_why_torn_down_and_gets_no_heartbeat() -> None:
     peers = associations()
     receive(peers, "P", 1, hello("P"), 0.0)
     receive(peers, "Q", 1, hello("Q"), 3.0)
-    assert peers.tick(6.0) == [TearDown("P", "no message for 6.0s"), SendHeartbeat("Q")]
+    # The goodbye goes first, while P is still known: a P that was only paused learns it.
+    assert peers.tick(6.0) == [
+        SendControl("P", Goodbye("no message for 6.0s")),
+        TearDown("P", "no message for 6.0s"),
+        SendHeartbeat("Q"),
+    ]
     assert peers.peers() == ["Q"]
+    assert peers.tear_down("P", "again") == [TearDown("P", "again")]  # no goodbye to a peer not associated
 
 
 def test_a_refused_route_refuses_the_peer() -> None:

@@ -53,7 +53,7 @@ MUTATIONS = {
     # A successful push never gives P's source blocks back.
     "push prefill success without release": (
         (Mode.PUSH, Role.PREFILL),
-        {(State.WRITING, Input.LAST_OP_COMPLETED): Transition(State.NOTIFIED, (R,))},
+        {(State.WRITING, Input.LAST_OP_COMPLETED): Transition(State.WRITTEN, ())},
         r"P blocks never released|P ledger still holds",
     ),
     # D never gives its blocks back after delivery.

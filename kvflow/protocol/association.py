@@ -6,7 +6,8 @@ and lasts for one incarnation of each side.  While it lasts, each side sends a H
 `heartbeat_interval`; D's heartbeats list the transfers it still waits on, which renews P's lease
 on their blocks.  A peer silent for a whole `lease`, a Goodbye, or a Hello from a new
 incarnation ends the association, and the engine tears the peer down so that nothing of it can
-land afterwards.
+land afterwards.  The side that ends an association tells the peer, best effort, with a Goodbye
+naming the reason, so that both sides settle their transfers with each other.
 
 Why pure, like the core: who may associate, when a peer is lost and in which order the effects
 happen are decisions worth testing without sockets or a loop.  `Associations` takes inputs
@@ -254,6 +255,15 @@ class Associations:
     def stop_cooling(self, peer: str) -> None:
         self.cooling.pop(peer, None)
 
+    def tear_down(self, peer: str, reason: str) -> list[AssociationAction]:
+        """This side ends the association with `peer` (silent for a lease, no fence, cannot be
+        sent to): tell the peer why, best effort, then tear it down.  Without the goodbye a peer
+        that was only paused (stopped, swapped out) would learn nothing and keep its side of
+        every transfer alive, so that the two sides could end the same transfer differently."""
+        goodbye: list[AssociationAction] = [SendControl(peer, Goodbye(reason))] if peer in self.layouts else []
+        self.dropped(peer)
+        return [*goodbye, TearDown(peer, reason)]
+
     def goodbye_all(self, reason: str) -> list[AssociationAction]:
         return [SendControl(peer, Goodbye(reason)) for peer in sorted(self.layouts)]
 
@@ -261,8 +271,7 @@ class Associations:
         """End associations whose peer stayed silent for a lease; send due heartbeats."""
         actions: list[AssociationAction] = []
         for peer in self.liveness.expired(now):
-            self.dropped(peer)
-            actions.append(TearDown(peer, f"no message for {self.liveness.lease}s"))
+            actions += self.tear_down(peer, f"no message for {self.liveness.lease}s")
         actions += [SendHeartbeat(peer) for peer in self.liveness.due(now)]
         return actions
 

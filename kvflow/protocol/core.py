@@ -253,7 +253,8 @@ class TransferCore:
         actions: list[Action] = []
         for m in self.store.machines():
             if m.peer == peer and m.state not in TERMINAL:
-                actions += self._feed(m, Input.PEER_LOST, now, reason=f"peer {peer} lost")
+                unheard = " before its verdict on the written KV" if m.state is State.WRITTEN else ""
+                actions += self._feed(m, Input.PEER_LOST, now, reason=f"peer {peer} lost{unheard}")
         return actions
 
     def renew(self, peer: str, keys: Sequence[TransferKey], now: float, lease: float) -> list[Action]:
@@ -289,7 +290,12 @@ class TransferCore:
                 continue
             if m.timer_gen == gen and m.timer_at == when:
                 m.timer_at = None
-                reason = "fence timed out" if m.state in FENCING else "deadline reached"
+                if m.state in FENCING:
+                    reason = "fence timed out"
+                elif m.state is State.WRITTEN:
+                    reason = f"written, but no verdict from the decode side within {self.config.fence_timeout}s"
+                else:
+                    reason = "deadline reached"
                 actions += self._feed(m, Input.DEADLINE, now, reason=reason)
         return actions
 
@@ -318,14 +324,19 @@ class TransferCore:
         return self._feed(m, input_, now, reason=error or "")
 
     def notification(self, peer: str, payload: bytes, now: float) -> list[Action]:
-        """A WRITE notification arrived from `peer` (push, on D).  Never raises."""
-        return self._inbox.notification(peer, payload, now)
+        """A WRITE notification arrived from `peer` (push, on D).  Never raises.
+
+        Deadlines that passed before `now` are honoured first: a notification handled after a
+        transfer's deadline (the engine was stopped, or busy) comes too late for it.
+        """
+        return self.timer(now) + self._inbox.notification(peer, payload, now)
 
     # ------------------------------------------------------------------ control messages
 
     def receive(self, peer: str, message: Message, now: float) -> list[Action]:
-        """A control message from `peer`.  Never raises for anything the peer sent."""
-        return self._inbox.receive(peer, message, now)
+        """A control message from `peer`.  Never raises for anything the peer sent.  Deadlines
+        that passed before `now` are honoured first, as for `notification`."""
+        return self.timer(now) + self._inbox.receive(peer, message, now)
 
     # ------------------------------------------------------------------ machinery
 
@@ -383,8 +394,8 @@ class TransferCore:
             self.store.set_timer(m, m.deadline)
         elif target in FENCING and (old not in FENCING or input_ is Input.DEADLINE):
             self.store.set_timer(m, now + self.config.fence_timeout)
-        elif target is State.NOTIFIED and m.role is _PREFILL:
-            self.store.set_timer(m, now + self.config.fence_timeout)  # wait for D's acknowledgement
+        elif target is State.WRITTEN:
+            self.store.set_timer(m, now + self.config.fence_timeout)  # wait for D's verdict
         elif target not in FENCING:
             self.store.set_timer(m, None)
         if target in TERMINAL and old not in TERMINAL:

@@ -320,25 +320,28 @@ PUSH_PREFILL: Table = _merge(
         (State.REGISTERED, Input.KV_READY): _t(State.REGISTERED, SUBMIT),
         (State.REGISTERED, Input.PREFILL_FINISHED): _t(State.WRITING, SUBMIT),
         (State.REGISTERED, Input.LAST_OP_COMPLETED): _t(State.REGISTERED),  # more batches to come
-        (State.WRITING, Input.LAST_OP_COMPLETED): _t(State.NOTIFIED, RESOLVE, RELEASE),
+        # Written and blocks released, but D reads the KV: its verdict is the transfer's.
+        (State.WRITING, Input.LAST_OP_COMPLETED): _t(State.WRITTEN, RELEASE),
     },
     _push_prefill_unpaired(State.PREFILL_RUNNING),
     _push_prefill_unpaired(State.PREFILL_READY),
     _push_prefill_writing(State.REGISTERED),
     _push_prefill_writing(State.WRITING),
     {
-        # Writes done and blocks released; waiting for D's acknowledgement, with a deadline.
-        (State.NOTIFIED, Input.PEER_DONE): _t(State.DONE),
-        (State.NOTIFIED, Input.DEADLINE): _t(State.DONE),
-        (State.NOTIFIED, Input.PEER_LOST): _t(State.DONE),
-        (State.NOTIFIED, Input.ABORT): _t(State.NOTIFIED),
-        # D gave up just before the last notification reached it: it waits for this fence.
-        (State.NOTIFIED, Input.PEER_ABORTED): _t(State.DONE, SEND_QUIESCED),
-        (State.NOTIFIED, Input.PEER_FAILED): _t(State.DONE, SEND_QUIESCED),
-        (State.NOTIFIED, Input.DUPLICATE): _t(State.NOTIFIED, IGNORE),
-        (State.NOTIFIED, Input.INCOMPATIBLE): _t(State.NOTIFIED, IGNORE),
-        (State.NOTIFIED, Input.KV_READY): _t(State.NOTIFIED, RETURN_BATCH),
-        (State.NOTIFIED, Input.PREFILL_FINISHED): _t(State.NOTIFIED, RETURN_BATCH),
+        # Writes done and blocks released; waiting for D's verdict, for a fence timeout.
+        (State.WRITTEN, Input.PEER_DONE): _t(State.DONE, RESOLVE),
+        # D gave up before the last notification reached it (its deadline passed first): both
+        # sides fail.  D waits for this fence.
+        (State.WRITTEN, Input.PEER_ABORTED): _t(State.ABORTED, RESOLVE, SEND_QUIESCED),
+        (State.WRITTEN, Input.PEER_FAILED): _t(State.FAILED, RESOLVE, SEND_QUIESCED),
+        # No verdict can come any more: P cannot claim a success D may not have seen.
+        (State.WRITTEN, Input.DEADLINE): _t(State.FAILED, RESOLVE),
+        (State.WRITTEN, Input.PEER_LOST): _t(State.FAILED, RESOLVE),
+        (State.WRITTEN, Input.ABORT): _t(State.WRITTEN),  # the KV is D's already: D decides
+        (State.WRITTEN, Input.DUPLICATE): _t(State.WRITTEN, IGNORE),
+        (State.WRITTEN, Input.INCOMPATIBLE): _t(State.WRITTEN, IGNORE),
+        (State.WRITTEN, Input.KV_READY): _t(State.WRITTEN, RETURN_BATCH),
+        (State.WRITTEN, Input.PREFILL_FINISHED): _t(State.WRITTEN, RETURN_BATCH),
     },
     _initiator_fencing(extra_local=(Input.KV_READY, Input.PREFILL_FINISHED)),
     _fencing_ignores(

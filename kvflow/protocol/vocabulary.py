@@ -33,7 +33,9 @@ class State(enum.Enum):
     # data movement
     WRITING = "writing"
     READING = "reading"
-    NOTIFIED = "notified"  # D: every batch landed; P: every WRITE completed (completion sent)
+    NOTIFIED = "notified"  # D: every batch landed (or read); the transfer succeeded
+    # push P: every WRITE completed and its blocks are back; the verdict is D's, still to come
+    WRITTEN = "written"
     DONE = "done"
     # outcome decided, blocks quarantined until the peer's ops are fenced
     ABORTING = "aborting"

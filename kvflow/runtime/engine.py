@@ -389,9 +389,8 @@ class Engine:
             self._run(self.core.op_finished(op_id, now, error))
 
     def _tear_down(self, peer: str, reason: str) -> None:
-        """End the association with `peer`, then remove it (see `_remove_peer`)."""
-        self.assoc.dropped(peer)
-        self._remove_peer(peer, reason, expected=False)
+        """Tell `peer` why (best effort), end the association, remove it (see `_remove_peer`)."""
+        self._associate(self.assoc.tear_down(peer, reason))
 
     def _remove_peer(self, peer: str, reason: str, *, expected: bool) -> None:
         """Remove the peer from the transport, then tell the core that nothing of it can land.
