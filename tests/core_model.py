@@ -60,9 +60,10 @@ class Network:
 
 
 class CorePair:
-    def __init__(self) -> None:
-        self.p = TransferCore("P", NUM_LAYERS, CONFIG)
-        self.d = TransferCore("D", NUM_LAYERS, CONFIG)
+    def __init__(self, config: CoreConfig = CONFIG) -> None:
+        self.config = config
+        self.p = TransferCore("P", NUM_LAYERS, config)
+        self.d = TransferCore("D", NUM_LAYERS, config)
         self.net = Network()
         self.p_content: dict[tuple[int, int], object] = {}
         self.d_content: dict[tuple[int, int], object] = {}
@@ -295,7 +296,7 @@ class CorePair:
             if not self.p.live() and not self.d.live():
                 break
             self.advance(5.0)
-        self.advance(CONFIG.retention + 1)  # finished machines are forgotten
+        self.advance(self.config.retention + 1)  # finished machines are forgotten
         live = [(m.role.value, str(m.key), m.state.name) for m in self.p.live() + self.d.live()]
         if live:
             raise self.violation(f"transfers never ended: {live}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from kvflow.protocol.actions import Action, Resolve, SendMessage, SubmitOp
 from kvflow.protocol.core import CoreConfig, TransferCore
-from kvflow.protocol.messages import Message, TransferKey
+from kvflow.protocol.messages import Message, Notice, Quiesced, Ready, Registration, TransferKey
 from kvflow.protocol.state import Mode, Outcome, Role, State
 
 KEY = TransferKey("r", 1)
@@ -39,7 +39,8 @@ def test_prefill_succeeds_only_on_decodes_word() -> None:
     p, d, note = written_push()
     landed = d.notification("P", note, 1.0)
     assert verdicts(landed) == [(Role.DECODE, Outcome.SUCCEEDED)]
-    assert verdicts(p.receive("D", *messages(landed), 1.1)) == [(Role.PREFILL, Outcome.SUCCEEDED)]
+    (done,) = messages(landed)
+    assert verdicts(p.receive("D", done, 1.1)) == [(Role.PREFILL, Outcome.SUCCEEDED)]
 
 
 def test_decode_expired_first_so_both_sides_fail() -> None:
@@ -66,3 +67,68 @@ def test_prefill_without_decodes_word_within_the_fence_timeout_reports_failure()
     p, _, _ = written_push()
     assert verdicts(p.timer(0.4 + CONFIG.fence_timeout)) == [(Role.PREFILL, Outcome.FAILED)]
     assert "no verdict" in p.machine(KEY, Role.PREFILL).reason
+
+
+# ------------------------------------------------------------------ per-peer quotas
+
+QUOTA = CoreConfig(fence_timeout=2.0, retention=30.0, max_unstarted=8, max_peer_transfers=4, max_peer_early=4)
+
+
+def register(p: TransferCore, peer: str, tid: str, blocks: int = 1, now: float = 0.0) -> list[Message]:
+    reg = Registration(TransferKey(tid, 1), tuple(range(blocks)), 1, 30.0)
+    return messages(p.receive(peer, reg, now))
+
+
+def test_a_greedy_peer_cannot_use_up_the_registrations_of_others() -> None:
+    p = TransferCore("P", 2, QUOTA)
+    answers = [register(p, "G", f"g{i}") for i in range(QUOTA.max_unstarted)]  # all P keeps for everyone
+    live = len(p.live())
+    # another peer's transfer is still served: registered, then written
+    assert register(p, "D", "d") == [] and len(p.live()) == live + 1
+    actions = p.kv_ready(TransferKey("d", 1), block_ids=[5], now=1.0, peer="D", deadline=30.0)
+    assert [a.peer for a in actions if isinstance(a, SubmitOp)] == ["D"]
+    # the greedy peer got its quota, and each refusal names it
+    assert [bool(a) for a in answers] == [i >= QUOTA.max_peer_transfers for i in range(QUOTA.max_unstarted)]
+    refusals = [a[0] for a in answers if a]
+    assert all(isinstance(n, Notice) and "max_peer_transfers" in n.reason for n in refusals)
+    assert p.stats.over_quota == len(refusals)
+
+
+def test_a_registration_beyond_the_peers_block_quota_is_refused_and_changes_nothing_else() -> None:
+    config = CoreConfig(fence_timeout=2.0, retention=30.0, max_peer_blocks=10)
+    p = TransferCore("P", 2, config)
+    assert register(p, "G", "a", blocks=6) == []
+    before = [(m.key, m.state) for m in p.machines()]
+    notice, fence = register(p, "G", "b", blocks=5)
+    assert isinstance(notice, Notice) and "max_peer_blocks" in notice.reason and isinstance(fence, Quiesced)
+    assert [(m.key, m.state) for m in p.machines()] == before and p.stats.over_quota == 1
+    assert register(p, "D", "c", blocks=10) == []  # another peer has its own quota
+    # a registration for a transfer P started itself fails that transfer, naming the quota
+    p.kv_ready(TransferKey("e", 1), block_ids=[1], now=0.0, peer="G", deadline=30.0)
+    notice, _ = register(p, "G", "e", blocks=5)
+    assert isinstance(notice, Notice) and "max_peer_blocks" in notice.reason
+    assert p.machine(TransferKey("e", 1), Role.PREFILL).outcome is Outcome.FAILED
+
+
+def test_a_greedy_peers_early_messages_cannot_push_out_anothers() -> None:
+    d = TransferCore("D", 2, QUOTA)
+    d.peer_connected("P", 0.0)
+    # P is ready before D allocates: its ready message is held until D does
+    assert d.receive("P", Ready(KEY, (7,)), 0.0) == []
+    for i in range(2 * QUOTA.max_unstarted):  # notices about transfers D never heard of
+        d.receive("G", Notice(TransferKey(f"g{i}", 1), Outcome.ABORTED, "spam"), 0.1)
+    actions = d.expect(KEY, peer="P", mode=Mode.PULL, block_ids=[1], deadline=10.0, now=0.2)
+    assert [a.remote_blocks for a in actions if isinstance(a, SubmitOp)] == [(7,)]  # P's ready was kept
+    assert d.store.early_from("G") == QUOTA.max_peer_early
+    assert d.stats.over_quota == 2 * QUOTA.max_unstarted - QUOTA.max_peer_early
+
+
+def test_a_notice_over_the_early_quota_still_withdraws_the_ready_it_follows() -> None:
+    d = TransferCore("D", 2, CoreConfig(fence_timeout=2.0, retention=30.0, max_peer_early=1))
+    d.peer_connected("P", 0.0)
+    d.receive("P", Ready(KEY, (7,)), 0.0)  # held: the peer's one early message
+    # P gave up before D allocated; D answers that nothing is in flight, so P reuses block 7
+    assert messages(d.receive("P", Notice(KEY, Outcome.EXPIRED, "deadline"), 0.1)) == [Quiesced(KEY)]
+    actions = d.expect(KEY, peer="P", mode=Mode.PULL, block_ids=[1], deadline=10.0, now=0.2)
+    assert [a for a in actions if isinstance(a, SubmitOp)] == []  # block 7 is not read
+    assert verdicts(actions) == [(Role.DECODE, Outcome.FAILED)]

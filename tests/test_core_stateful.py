@@ -2,7 +2,9 @@
 
 Properties (see `core_model`): no op lands in or reads from a block its transfer no longer
 holds; every block is released exactly once; every D success holds exactly P's bytes; after the
-faults stop and time passes, every transfer has ended and both ledgers are empty.
+faults stop and time passes, every transfer has ended and both ledgers are empty.  The same
+machine runs again with per-peer quotas so tight that P refuses many registrations: refusals
+must keep every property.
 """
 
 from __future__ import annotations
@@ -13,9 +15,10 @@ import hypothesis.strategies as st
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from kvflow.protocol.core import CoreConfig
 from kvflow.protocol.messages import TransferKey
 from kvflow.protocol.state import Mode, Role
-from tests.core_model import NUM_LAYERS, CorePair, Plan
+from tests.core_model import CONFIG, NUM_LAYERS, CorePair, Plan
 
 EXAMPLES = int(os.environ.get("KVFLOW_STATEFUL_EXAMPLES", "300"))
 STEPS = 60
@@ -23,9 +26,11 @@ TRANSFER_IDS = ("a", "b", "c")
 
 
 class CoreProtocol(RuleBasedStateMachine):
+    config = CONFIG
+
     @initialize()
     def setup(self) -> None:
-        self.pair = CorePair()
+        self.pair = CorePair(self.config)
         self.epochs: dict[str, int] = {}
         self.current: dict[str, Plan] = {}
         self.p_extra: dict[TransferKey, int] = {}
@@ -157,3 +162,19 @@ CoreProtocol.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestCoreProtocol = CoreProtocol.TestCase
+
+
+class CoreProtocolWithQuotas(CoreProtocol):
+    """One transfer opened by the peer, three registered blocks, one early message at most."""
+
+    config = CoreConfig(
+        fence_timeout=CONFIG.fence_timeout,
+        retention=CONFIG.retention,
+        max_peer_transfers=1,
+        max_peer_blocks=3,
+        max_peer_early=1,
+    )
+
+
+CoreProtocolWithQuotas.TestCase.settings = CoreProtocol.TestCase.settings
+TestCoreProtocolWithQuotas = CoreProtocolWithQuotas.TestCase

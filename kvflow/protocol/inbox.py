@@ -99,7 +99,7 @@ class PeerInbox:
             return self.remote(m, input_, now, reason)
         if m is None:
             if isinstance(message, Quiesced) and self.store.has_early(key):
-                self.store.hold_early(peer, message, now)  # it follows a notice kept above
+                self._hold(peer, message, now)  # it follows a notice kept above
             return []
         if isinstance(message, Quiesced):
             return self.remote(m, Input.PEER_QUIESCED, now)
@@ -116,6 +116,8 @@ class PeerInbox:
                 problem = f"epoch {key.epoch} is older than {max(newer)}"
             elif problem is None and self._unstarted() >= self.config.max_unstarted:
                 problem = "too many registrations for transfers not started here"
+            elif problem is None:
+                problem = self._quota_problem(peer, len(reg.block_ids), opens=True)
             if problem is not None:
                 self.stats.rejected_registrations += 1
                 return [SendMessage(peer, Notice(key, Outcome.FAILED, problem)), SendMessage(peer, Quiesced(key))]
@@ -132,7 +134,7 @@ class PeerInbox:
             self.stats.protocol_violations += 1
             return []
         m.peer = peer
-        problem = self._registration_problem(reg)
+        problem = self._registration_problem(reg) or self._quota_problem(peer, len(reg.block_ids), opens=False)
         if problem is None:
             m.remote_blocks, m.remote_expected = reg.block_ids, reg.expected_batches
             self.store.set_deadline(m, min(m.deadline, now + min(reg.ttl, self.config.max_ttl)))
@@ -218,5 +220,27 @@ class PeerInbox:
         if seen and max(seen) > message.key.epoch:
             self.stats.stale_epoch += 1
             return
-        self.stats.early_messages += 1
-        self.store.hold_early(peer, message, now)
+        self._hold(peer, message, now)
+
+    def _hold(self, peer: str, message: Message, now: float) -> None:
+        if self.store.hold_early(peer, message, now):
+            self.stats.early_messages += 1
+        else:
+            self.stats.over_quota += 1  # the peer has max_peer_early messages held already
+
+    def _quota_problem(self, peer: str, blocks: int, *, opens: bool) -> str | None:
+        """Why a registration from `peer` naming `blocks` blocks (and opening a transfer here,
+        if `opens`) goes beyond the peer's quota, or None; a refusal is counted."""
+        transfers = held = 0
+        for m in self.store.live():
+            if m.peer == peer:
+                transfers += 1
+                held += len(m.remote_blocks or ())
+        problem = None
+        if opens and transfers >= self.config.max_peer_transfers:
+            problem = f"over quota: {transfers} live transfers with this peer (max_peer_transfers)"
+        elif held + blocks > self.config.max_peer_blocks:
+            problem = f"over quota: {held + blocks} blocks registered by this peer (max_peer_blocks)"
+        if problem is not None:
+            self.stats.over_quota += 1
+        return problem

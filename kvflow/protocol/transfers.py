@@ -34,6 +34,12 @@ class CoreConfig:
     # P: however often a peer's heartbeats renew the lease, a transfer's blocks are held at most
     # this long after it opened (a peer that keeps beating cannot pin them for ever)
     max_hold: float = 600.0
+    # Per peer, so that one peer (buggy or hostile) cannot use up what every peer shares: the
+    # live transfers a peer's registrations may open here, the blocks its registrations may name,
+    # and its messages held for transfers not started here.  What goes beyond is refused.
+    max_peer_transfers: int = 1024
+    max_peer_blocks: int = 262144
+    max_peer_early: int = 1024
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -52,6 +58,7 @@ class CoreStats:
     rejected_registrations: int = 0
     early_messages: int = 0  # about transfers not started here yet, kept until they start
     capped_renewals: int = 0  # lease renewals cut short by `CoreConfig.max_hold`
+    over_quota: int = 0  # peer messages refused by a per-peer quota (`CoreConfig.max_peer_*`)
     completed: int = 0
     failed: int = 0
 
@@ -72,6 +79,7 @@ class TransferStore:
         self._seq = 0
         # messages about transfers not started here yet (a peer's notice or ready came first)
         self._early: dict[TransferKey, list[tuple[str, Message, float]]] = {}
+        self._early_by_peer: dict[str, int] = {}  # how many of those each peer sent
 
     # ------------------------------------------------------------------ records
 
@@ -161,28 +169,52 @@ class TransferStore:
 
     # ------------------------------------------------------------------ early messages
 
-    def hold_early(self, peer: str, message: Message, now: float) -> None:
+    def hold_early(self, peer: str, message: Message, now: float) -> bool:
         """Keep, for `retention` seconds, a message about a transfer not started here yet: the
         peer may legitimately be ahead (pull: P is ready before D allocates; either side gave
-        up before the other started).  Bounded: the oldest transfers' messages go first."""
+        up before the other started).  Bounded: the oldest transfers' messages go first, and a
+        peer that already has `max_peer_early` messages held gets no more kept (False)."""
         for old, held in list(self._early.items()):
             if held[0][2] > now and len(self._early) < self.config.max_unstarted:
                 break
-            del self._early[old]
+            self._uncount(self._early.pop(old))
         held = self._early.setdefault(message.key, [])
         if isinstance(message, Notice):
             # The peer withdrew: a ready message kept before it names blocks it may now reuse,
-            # and this side has answered (or will answer) that nothing of it is in flight.
+            # and this side has answered (or will answer) that nothing of it is in flight.  So
+            # it goes even when the notice itself is over the peer's quota.
+            self._uncount([entry for entry in held if isinstance(entry[1], Ready)])
             held[:] = [entry for entry in held if not isinstance(entry[1], Ready)]
+        if self._early_by_peer.get(peer, 0) >= self.config.max_peer_early:
+            if not held:
+                del self._early[message.key]
+            return False
         held.append((peer, message, now + self.config.retention))
+        self._early_by_peer[peer] = self._early_by_peer.get(peer, 0) + 1
+        return True
 
     def has_early(self, key: TransferKey) -> bool:
         return key in self._early
 
+    def early_from(self, peer: str) -> int:
+        """How many messages of `peer` are held for transfers not started here."""
+        return self._early_by_peer.get(peer, 0)
+
     def pop_early(self, key: TransferKey, now: float) -> list[tuple[str, Message]]:
         """Take what peers said about `key` before it started here and is still fresh, in order."""
-        return [(peer, message) for peer, message, until in self._early.pop(key, []) if until > now]
+        held = self._early.pop(key, [])
+        self._uncount(held)
+        return [(peer, message) for peer, message, until in held if until > now]
 
     def drop_early_from(self, peer: str) -> None:
         """Forget what `peer` said about transfers not started here (it was torn down)."""
-        self._early = {key: held for key, held in self._early.items() if held[0][0] != peer}
+        for key in [key for key, held in self._early.items() if held[0][0] == peer]:
+            self._uncount(self._early.pop(key))
+
+    def _uncount(self, entries: list[tuple[str, Message, float]]) -> None:
+        for peer, _, _ in entries:
+            left = self._early_by_peer[peer] - 1
+            if left:
+                self._early_by_peer[peer] = left
+            else:
+                del self._early_by_peer[peer]
