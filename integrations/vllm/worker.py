@@ -156,6 +156,7 @@ class WorkerSide:
         # D: each transfer's registration as handed to the engine (it may still be waiting for
         # the handshake with P); an abort waits for it, or it would find no transfer to abort
         self._registrations: dict[TransferKey, concurrent.futures.Future[Any]] = {}
+        # requests vLLM said finished whose KV kvflow may still give back (see `results`)
         self._finished_ids: set[str] = set()
         self._late_frees: set[str] = set()  # released, waiting for vLLM to say the request finished
         self._load_errors: set[int] = set()
@@ -437,9 +438,24 @@ class WorkerSide:
                 self._late_frees.discard(request_id)
                 self._finished_ids.discard(request_id)
                 sending.add(request_id)
+        # Only a request whose prefill-side KV kvflow holds (or failed to take) can need its
+        # finish later; vLLM reports a request finished after the step that saved its KV, so
+        # every other finished id (every decode request, every request kvflow never sent) is
+        # dropped here instead of kept for the life of the process.
+        self._finished_ids &= self._sending_ids()
         if self.thread is not None:
             self.thread.poll_finished()  # outcomes are read from releases; keep the queue short
         return sending, recving, failed
+
+    @property
+    def finished_waiting(self) -> int:
+        """How many finished requests this worker still remembers, waiting for kvflow to give
+        their KV back (bounded by the requests kvflow still sends).  Never raises."""
+        return len(self._finished_ids)
+
+    def _sending_ids(self) -> set[str]:
+        ids = {request_id for (_, role), request_id in self._requests.items() if role is Role.PREFILL}
+        return ids | self._late_frees | {request_id for _, request_id in self._ready_starts}
 
     def _on_release(self, release: ReleaseBlocks, recving: set[str], failed: set[str]) -> None:
         request_id = self._requests.pop((release.key, release.role), None)
