@@ -1,12 +1,20 @@
 """Two pure cores and what one peer can do to the other: whose verdict a written transfer gets
-when D gives up first or is lost, and how far one peer's quotas reach."""
+when D gives up first or is lost, and how far one peer's quotas reach (also between engines)."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
 
 from kvflow.protocol.actions import Action, Resolve, SendMessage, SubmitOp
 from kvflow.protocol.core import CoreConfig, TransferCore
 from kvflow.protocol.messages import Message, Notice, Quiesced, Ready, Registration, TransferKey
 from kvflow.protocol.state import Mode, Outcome, Role, State
+from kvflow.runtime.engine import Engine, EngineConfig
+from kvflow.testing import SMALL_SPEC, EnginePair, KVBuffers, same_kv
+from kvflow.transports.loopback import LoopbackFabric
+from tests.waiting import eventually
 
 KEY = TransferKey("r", 1)
 CONFIG = CoreConfig(fence_timeout=2.0, retention=30.0)
@@ -132,3 +140,34 @@ def test_a_notice_over_the_early_quota_still_withdraws_the_ready_it_follows() ->
     actions = d.expect(KEY, peer="P", mode=Mode.PULL, block_ids=[1], deadline=10.0, now=0.2)
     assert [a for a in actions if isinstance(a, SubmitOp)] == []  # block 7 is not read
     assert verdicts(actions) == [(Role.DECODE, Outcome.FAILED)]
+
+
+@pytest.mark.asyncio
+async def test_between_engines_a_greedy_decode_cannot_fail_anothers_transfers() -> None:
+    config = EngineConfig(core=QUOTA, transfer_timeout=30.0, drain_timeout=0.5)
+    fabric = LoopbackFabric()
+    pair = await EnginePair(fabric, config=config).start()
+    greedy = Engine("G", KVBuffers(SMALL_SPEC, 32).layout, fabric.endpoint("G"), pair.hub.channel("G"), config=config)
+    await greedy.start()
+    try:
+        await greedy.connect("P", timeout=5)
+        # G registers as many transfers as P keeps for all peers together, and never needs them
+        hogs = [await greedy.expect(f"g{i}", 1, peer="P", block_ids=[i]) for i in range(QUOTA.max_unstarted)]
+
+        def answered(registrations: int) -> Callable[[], bool]:
+            stats = pair.p.stats
+            return lambda: stats()["live_transfers"] + stats()["rejected_registrations"] == registrations
+
+        await eventually(answered(QUOTA.max_unstarted), "P answered every registration of G")
+        pair.p_kv.fill([9], seed=4)
+        waiting = await pair.d.expect("d", 1, peer="P", block_ids=[1])
+        await eventually(answered(QUOTA.max_unstarted + 1), "P answered D's registration")  # before P starts
+        sending = await pair.p.kv_ready("d", 1, block_ids=[9])
+        assert (await waiting.wait(5)).ok and (await sending.wait(5)).ok
+        assert same_kv(pair.p_kv, [9], pair.d_kv, [1])
+        refused = [await hog.wait(5) for hog in hogs[QUOTA.max_peer_transfers :]]
+        assert all(r.outcome is Outcome.FAILED and "max_peer_transfers" in r.reason for r in refused)
+        assert pair.p.stats()["over_quota"] == len(refused)
+    finally:
+        await greedy.aclose(drain_timeout=0.1)
+        await pair.close()
