@@ -171,3 +171,10 @@ async def test_between_engines_a_greedy_decode_cannot_fail_anothers_transfers() 
     finally:
         await greedy.aclose(drain_timeout=0.1)
         await pair.close()
+
+
+def test_a_prefill_stopped_past_its_fence_timeout_still_takes_decodes_verdict() -> None:
+    p, d, note = written_push()
+    (done,) = messages(d.notification("P", note, 1.0))
+    # P was stopped while D's acknowledgement waited in its queue; P's own timer has not run
+    assert verdicts(p.receive("D", done, 0.4 + 3 * CONFIG.fence_timeout)) == [(Role.PREFILL, Outcome.SUCCEEDED)]

@@ -334,9 +334,13 @@ class TransferCore:
     # ------------------------------------------------------------------ control messages
 
     def receive(self, peer: str, message: Message, now: float) -> list[Action]:
-        """A control message from `peer`.  Never raises for anything the peer sent.  Deadlines
-        that passed before `now` are honoured first, as for `notification`."""
-        return self.timer(now) + self._inbox.receive(peer, message, now)
+        """A control message from `peer`.  Never raises for anything the peer sent.
+
+        Unlike a notification, a message is taken before the deadlines that passed meanwhile:
+        a P that was stopped while D's acknowledgement waited for it takes D's verdict instead
+        of failing the transfer for a fence timeout that ran out while it was stopped.
+        """
+        return self._inbox.receive(peer, message, now)
 
     # ------------------------------------------------------------------ machinery
 
