@@ -146,7 +146,15 @@ class CoreProtocol(RuleBasedStateMachine):
         for block, key in pair.d_owner.items():
             if pair.d.ledger.holder_of(block) != (key, Role.DECODE):
                 raise pair.violation(f"D ledger disagrees on block {block}: {pair.d.ledger.holder_of(block)}")
-        for name, core in (("P", pair.p), ("D", pair.d)):
+        for name, core, peer in (("P", pair.p, "D"), ("D", pair.d, "P")):
+            live = core.live()
+            weighed = (
+                sum(not m.started_locally for m in live),
+                sum(m.peer == peer for m in live),
+                sum(len(m.remote_blocks or ()) for m in live if m.peer == peer),
+            )
+            if core.store.load(peer) != weighed:  # what the quotas are checked against
+                raise pair.violation(f"{name} weighs its transfers {core.store.load(peer)}, they weigh {weighed}")
             if core.stats.protocol_violations:
                 raise pair.violation(f"{name} saw a message its table does not allow: {core.stats}")
 

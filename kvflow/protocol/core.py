@@ -189,8 +189,8 @@ class TransferCore:
         if not consumed:
             return actions + self._feed(m, input_, now, returned=ids)
         if m.peer is None:
-            m.peer = peer
-        m.started_locally = True
+            self.store.set_peer(m, peer)
+        self.store.mark_started(m)
         mismatch = m.push_mismatch(self.num_layers, batch, final=final)
         m.batches.append(batch)
         m.final_seen = final
@@ -216,7 +216,6 @@ class TransferCore:
                 raise UnknownTransfer(f"no {role.value} transfer {key}")
             self._check_epoch(key, role)
             m = self.store.create(key, role, Mode.PUSH, None, now + self.config.retention, now)
-            m.started_locally = True
         return self._feed(m, Input.ABORT, now, reason=reason)
 
     def delivered(self, key: TransferKey, now: float) -> list[Action]:
@@ -403,6 +402,7 @@ class TransferCore:
         elif target not in FENCING:
             self.store.set_timer(m, None)
         if target in TERMINAL and old not in TERMINAL:
+            self.store.ended(m)
             m.finished_at = now
             if m.outcome is Outcome.SUCCEEDED or (m.outcome is None and target is State.DONE):
                 self.stats.completed += 1

@@ -114,15 +114,13 @@ class PeerInbox:
             if newer:
                 self.stats.stale_epoch += 1
                 problem = f"epoch {key.epoch} is older than {max(newer)}"
-            elif problem is None and self._unstarted() >= self.config.max_unstarted:
-                problem = "too many registrations for transfers not started here"
             elif problem is None:
                 problem = self._quota_problem(peer, len(reg.block_ids), opens=True)
             if problem is not None:
                 self.stats.rejected_registrations += 1
                 return [SendMessage(peer, Notice(key, Outcome.FAILED, problem)), SendMessage(peer, Quiesced(key))]
-            m = self.store.create(key, _PREFILL, Mode.PUSH, peer, now + min(reg.ttl, self.config.max_ttl), now)
-            m.started_locally = False
+            deadline = now + min(reg.ttl, self.config.max_ttl)
+            m = self.store.create(key, _PREFILL, Mode.PUSH, peer, deadline, now, started_locally=False)
         if m.mode is not Mode.PUSH or m.peer not in (None, peer):
             self.stats.foreign_peer += 1
             return []
@@ -133,10 +131,11 @@ class PeerInbox:
         except InvalidTransition:
             self.stats.protocol_violations += 1
             return []
-        m.peer = peer
+        self.store.set_peer(m, peer)
         problem = self._registration_problem(reg) or self._quota_problem(peer, len(reg.block_ids), opens=False)
         if problem is None:
-            m.remote_blocks, m.remote_expected = reg.block_ids, reg.expected_batches
+            self.store.set_remote_blocks(m, reg.block_ids)
+            m.remote_expected = reg.expected_batches
             self.store.set_deadline(m, min(m.deadline, now + min(reg.ttl, self.config.max_ttl)))
             problem = m.push_mismatch(self.num_layers)
         if problem is not None and m.state not in TERMINAL:
@@ -177,7 +176,7 @@ class PeerInbox:
             return []
         if m.state in TERMINAL:  # ended before P was ready: tell P, nothing will be read
             return self.feed(m, Input.READY_RECEIVED, now)
-        m.remote_blocks = blocks
+        self.store.set_remote_blocks(m, blocks)
         m.batches.append(next_batch(m.key, (), 0, m.block_ids, (0, self.num_layers)))
         return self.feed(m, Input.READY_RECEIVED, now)
 
@@ -212,9 +211,6 @@ class PeerInbox:
             self.stats.protocol_violations += 1
             return []
 
-    def _unstarted(self) -> int:
-        return sum(not m.started_locally for m in self.store.live())
-
     def _hold_unless_stale(self, peer: str, message: Notice | Ready, roles: tuple[Role, ...], now: float) -> None:
         seen = [e for role in roles for e in self.store.epochs(message.key.transfer_id, role)]
         if seen and max(seen) > message.key.epoch:
@@ -230,12 +226,11 @@ class PeerInbox:
 
     def _quota_problem(self, peer: str, blocks: int, *, opens: bool) -> str | None:
         """Why a registration from `peer` naming `blocks` blocks (and opening a transfer here,
-        if `opens`) goes beyond the peer's quota, or None; a refusal is counted."""
-        transfers = held = 0
-        for m in self.store.live():
-            if m.peer == peer:
-                transfers += 1
-                held += len(m.remote_blocks or ())
+        if `opens`) goes beyond what P keeps for all peers or for this one, or None; a refusal
+        beyond a peer's quota is counted in `over_quota`."""
+        unstarted, transfers, held = self.store.load(peer)
+        if opens and unstarted >= self.config.max_unstarted:
+            return "too many registrations for transfers not started here"
         problem = None
         if opens and transfers >= self.config.max_peer_transfers:
             problem = f"over quota: {transfers} live transfers with this peer (max_peer_transfers)"

@@ -11,6 +11,7 @@ consistent with one another.  Pure code: time is an argument.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 from kvflow.errors import ConfigError, UnknownTransfer
@@ -80,6 +81,11 @@ class TransferStore:
         # messages about transfers not started here yet (a peer's notice or ready came first)
         self._early: dict[TransferKey, list[tuple[str, Message, float]]] = {}
         self._early_by_peer: dict[str, int] = {}  # how many of those each peer sent
+        # what the live transfers weigh, kept as they change (so that a quota check is O(1)):
+        # how many a peer's registration opened, and per peer its live transfers and the
+        # blocks it registered
+        self._unstarted = 0
+        self._peer_load: dict[str, tuple[int, int]] = {}
 
     # ------------------------------------------------------------------ records
 
@@ -103,16 +109,63 @@ class TransferStore:
         """Machines not yet terminal (including D's NOTIFIED awaiting delivery)."""
         return [m for m in self._machines.values() if m.state not in TERMINAL]
 
+    def load(self, peer: str) -> tuple[int, int, int]:
+        """Of the live transfers: how many were opened by a peer's registration (not started
+        here), how many are with `peer`, and how many blocks `peer` registered."""
+        return (self._unstarted, *self._peer_load.get(peer, (0, 0)))
+
+    def set_peer(self, m: Machine, peer: str | None) -> None:
+        self._reweigh(m, lambda: setattr(m, "peer", peer))
+
+    def set_remote_blocks(self, m: Machine, blocks: tuple[int, ...]) -> None:
+        self._reweigh(m, lambda: setattr(m, "remote_blocks", blocks))
+
+    def mark_started(self, m: Machine) -> None:
+        """This side started the transfer itself (P's KV is ready)."""
+        self._reweigh(m, lambda: setattr(m, "started_locally", True))
+
+    def ended(self, m: Machine) -> None:
+        """The transfer has just become terminal: it weighs nothing any more."""
+        self._weigh(m, -1)
+
+    def _reweigh(self, m: Machine, change: Callable[[], None]) -> None:
+        live = m.state not in TERMINAL
+        if live:
+            self._weigh(m, -1)
+        change()
+        if live:
+            self._weigh(m, +1)
+
+    def _weigh(self, m: Machine, sign: int) -> None:
+        self._unstarted += sign * (not m.started_locally)
+        if m.peer is not None:
+            transfers, blocks = self._peer_load.get(m.peer, (0, 0))
+            load = (transfers + sign, blocks + sign * len(m.remote_blocks or ()))
+            if load == (0, 0):
+                self._peer_load.pop(m.peer, None)
+            else:
+                self._peer_load[m.peer] = load
+
     def epochs(self, transfer_id: str, role: Role) -> frozenset[int]:
         """The epochs of `transfer_id` this side still has a machine for (empty: none)."""
         return frozenset(self._epochs.get((transfer_id, role), ()))
 
     def create(
-        self, key: TransferKey, role: Role, mode: Mode, peer: str | None, deadline: float, now: float
+        self,
+        key: TransferKey,
+        role: Role,
+        mode: Mode,
+        peer: str | None,
+        deadline: float,
+        now: float,
+        *,
+        started_locally: bool = True,
     ) -> Machine:
-        """Open a transfer at `now`: its record, its epoch, its block account and its deadline."""
-        m = Machine(key, role, mode, peer, deadline, now)
+        """Open a transfer at `now`: its record, its epoch, its block account and its deadline.
+        Not `started_locally`: a peer's registration opened it."""
+        m = Machine(key, role, mode, peer, deadline, now, started_locally=started_locally)
         self._machines[m.owner] = m
+        self._weigh(m, +1)
         self._epochs.setdefault((key.transfer_id, role), set()).add(key.epoch)
         self.ledger.open(m.owner, exclusive=role is Role.DECODE)
         self.set_timer(m, deadline)
