@@ -30,6 +30,7 @@ from kvflow.protocol.state import ACTIVE, Mode, Outcome, Role
 from kvflow.runtime.engine import Engine, EngineConfig
 from kvflow.testing import SMALL_SPEC, EnginePair, KVBuffers
 from kvflow.transports.loopback import FaultPlan, LoopbackFabric
+from tests.waiting import eventually
 
 LEASE = EngineConfig(
     core=CoreConfig(fence_timeout=0.3, retention=5.0), transfer_timeout=0.4, lease=0.6, drain_timeout=0.5
@@ -264,5 +265,28 @@ async def test_decode_heartbeats_cannot_hold_prefill_blocks_past_max_hold() -> N
         result = await sending.wait(5)
         assert result.outcome is Outcome.EXPIRED
         assert pair.p.stats()["capped_renewals"] >= 1
+    finally:
+        await pair.close()
+
+
+@pytest.mark.asyncio
+async def test_the_side_that_tears_a_peer_down_tells_it_why() -> None:
+    # D's READ stalls, P aborts and no fence comes: P tears D down after its fence timeout.
+    # D's lease and its own fence timeout are far away: only P's goodbye makes D settle now.
+    config = EngineConfig(core=CoreConfig(fence_timeout=0.3, retention=5.0), lease=60.0, drain_timeout=0.5)
+    pair = EnginePair(LoopbackFabric(faults=FaultPlan(stall_ops={1}, stall_for=30.0)), config=config)
+    pair.d.core.config = CoreConfig(fence_timeout=60.0, retention=5.0)
+    await pair.start()
+    try:
+        waiting = await pair.d.expect("r", 1, peer="P", block_ids=[1], mode=Mode.PULL, timeout=30)
+        pair.p_kv.fill([2], seed=1)
+        sending = await pair.p.kv_ready("r", 1, block_ids=[2], mode=Mode.PULL, peer="D", timeout=30)
+        await eventually(lambda: pair.p.stats()["live_transfers"] == 1 and pair.d.core.live() != [], "D reads")
+        await pair.p.abort("r", 1, Role.PREFILL)
+        assert (await sending.wait(5)).outcome is Outcome.ABORTED
+        await eventually(lambda: pair.p.peers() == [], "P tears D down")
+        await eventually(lambda: pair.d.peers() == [], "D hears why and drops P", timeout=5.0)
+        result = await waiting.wait(5)
+        assert result.outcome is not Outcome.SUCCEEDED
     finally:
         await pair.close()
