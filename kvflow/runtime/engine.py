@@ -10,8 +10,8 @@ clock, executes the returned actions, and re-arms one timer for the core's next 
 * the transport's completions and notifications arrive through a listener that schedules one
   drain on the loop;
 * released blocks go to `on_release` and to a queue any thread may poll;
-* peers (handshakes, heartbeats, leases) are decided by the pure `Associations`; this module
-  executes its actions in order and keeps what needs the loop: the futures a `connect` awaits.
+* peers (handshakes, heartbeats, leases) are decided by the pure `Associations`; their actions
+  are executed by `kvflow.runtime.peering`.
 
 Every callback runs under a guard: an exception is recorded in `crashed`, logged, and surfaced
 by the next API call and by `aclose` as `EngineCrashed`; it never dies silently in a task.
@@ -33,33 +33,16 @@ from kvflow.errors import (
     EngineCrashed,
     KVFlowError,
     LedgerError,
-    TransportError,
     UsageError,
 )
-from kvflow.layout import KVLayout, fingerprint, layout_to_wire, plan_transfer
+from kvflow.layout import KVLayout, fingerprint, plan_transfer
 from kvflow.protocol.actions import Action, DeclarePeerLost, ReleaseBlocks, Resolve, SendMessage, SubmitOp
-from kvflow.protocol.association import (
-    AddRoute,
-    AddTransportPeer,
-    AssociationAction,
-    Associations,
-    AwaitHandshake,
-    Deliver,
-    HandshakeSettled,
-    PeerConnected,
-    Refused,
-    RenewLeases,
-    SendControl,
-    SendHeartbeat,
-    SendHello,
-    TearDown,
-    UnknownSender,
-)
+from kvflow.protocol.association import Associations
 from kvflow.protocol.core import TransferCore
-from kvflow.protocol.messages import ControlMessage, Goodbye, Heartbeat, Hello, TransferKey, require_engine_id
+from kvflow.protocol.messages import ControlMessage, TransferKey, require_engine_id
 from kvflow.protocol.state import Mode, Role
 from kvflow.runtime.config import EngineConfig
-from kvflow.runtime.handshakes import Handshakes
+from kvflow.runtime.peering import EngineHooks, PeerExecutor
 from kvflow.runtime.results import TransferHandle, TransferResult
 from kvflow.runtime.writer import Submitter, WriterThread
 from kvflow.transports.base import Transport
@@ -105,7 +88,17 @@ class Engine:
         self._on_release = on_release
         interval = self.config.heartbeat_interval or self.config.lease / 6
         self.assoc = Associations(engine_id, fingerprint(layout.spec), self.config.lease, interval)
-        self._handshakes = Handshakes()  # a local connect waits on these
+        hooks = EngineHooks(
+            self._run,
+            self._now,
+            self._running_loop,
+            self._later,
+            lambda: self._state == "running" and self._loop is not None,
+            lambda: self._state == "closed",
+        )
+        self._peers = PeerExecutor(
+            engine_id, layout, transport, control, self.config, self.assoc, self.core, self.counters, hooks
+        )
         self._handles: dict[tuple[TransferKey, Role], asyncio.Future[TransferResult]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._timer: asyncio.TimerHandle | None = None
@@ -155,8 +148,8 @@ class Engine:
         self._check_open()
         require_engine_id(peer, "peer")
         limit = timeout if timeout is not None else self.config.handshake_timeout
-        self._associate(self.assoc.connect(peer, address))
-        await self._handshakes.wait(peer, limit)
+        self._peers.associate(self.assoc.connect(peer, address))
+        await self._peers.handshakes.wait(peer, limit)
 
     def peers(self) -> list[str]:
         """The engines associated with this one now.  Never raises."""
@@ -184,9 +177,9 @@ class Engine:
             # associated one, here and now (so none of them gets a goodbye below).
             waited_on = {m.peer for m in self.core.live() if m.peer is not None}
             for peer in sorted(waited_on | set(self.assoc.layouts)):
-                self._tear_down(peer, "engine closing: fence not confirmed")
-        self._associate(self.assoc.goodbye_all("engine closing"))
-        self._handshakes.close(self.engine_id)
+                self._peers.tear_down(peer, "engine closing: fence not confirmed")
+        self._peers.associate(self.assoc.goodbye_all("engine closing"))
+        self._peers.handshakes.close(self.engine_id)
         self._cancel_timer()
         self._submitter.close(timeout=5.0)
         self.transport.set_listener(None)
@@ -329,7 +322,7 @@ class Engine:
             elif isinstance(action, Resolve):
                 queue.extend(self._resolve(action))
             elif isinstance(action, DeclarePeerLost):
-                self._tear_down(action.peer, action.reason)
+                self._peers.tear_down(action.peer, action.reason)
         self._arm_timer()
         if self.core.live():
             self._idle.clear()
@@ -347,21 +340,9 @@ class Engine:
         return []
 
     def _send(self, action: SendMessage) -> None:
-        error = self._try_send(action.peer, action.message)
+        error = self._peers.try_send(action.peer, action.message)
         if error is not None and action.peer in self.assoc.layouts:
-            self._tear_down(action.peer, f"cannot send to it: {error}")
-
-    def _try_send(self, peer: str, message: ControlMessage) -> KVFlowError | None:
-        """Send; a failure is counted, logged and returned, never raised."""
-        try:
-            self.control.send(peer, message)
-        except KVFlowError as exc:
-            self.counters["sends_failed"] += 1
-            # A goodbye often races the peer's own: the peer may have left first.
-            level = logging.DEBUG if isinstance(message, Goodbye) else logging.WARNING
-            log.log(level, "%s: cannot send to %s: %s", self.engine_id, peer, exc)
-            return exc
-        return None
+            self._peers.tear_down(action.peer, f"cannot send to it: {error}")
 
     def _submit(self, op: SubmitOp) -> None:
         remote = self.assoc.layouts.get(op.peer)
@@ -388,101 +369,6 @@ class Engine:
         else:
             self._run(self.core.op_finished(op_id, now, error))
 
-    def _tear_down(self, peer: str, reason: str) -> None:
-        """End the association with `peer`, then remove it (see `_remove_peer`)."""
-        self.assoc.dropped(peer)
-        self._remove_peer(peer, reason, expected=False)
-
-    def _remove_peer(self, peer: str, reason: str, *, expected: bool) -> None:
-        """Remove the peer from the transport, then tell the core that nothing of it can land.
-
-        Done here, on the loop: by the transport contract a submission still queued on the
-        writer thread for this peer is refused once `remove_peer` has returned.
-        """
-        log.log(
-            logging.INFO if expected else logging.WARNING, "%s: tearing down peer %s: %s", self.engine_id, peer, reason
-        )
-        self.transport.remove_peer(peer)
-        grace = 0.0 if self.transport.capabilities.fences_inbound else self.config.unfenced_grace
-        if grace > 0 and self._state == "running" and self._loop is not None:
-            # The peer's own WRITEs (or READs) may still be in flight towards us: give them time
-            # to land before its transfers' blocks may go back.  No new association meanwhile.
-            self.assoc.start_cooling(peer, self._now() + grace)
-            self._loop.call_later(grace, self._guard, self._peer_gone, peer)
-        elif self._state != "closed":
-            self._run(self.core.peer_lost(peer, self._now()))
-
-    def _peer_gone(self, peer: str) -> None:
-        self.assoc.stop_cooling(peer)
-        self._run(self.core.peer_lost(peer, self._now()))
-
-    # ------------------------------------------------------------------ associations
-
-    def _associate(self, actions: list[AssociationAction]) -> None:
-        """Execute, in order, what `Associations` decided."""
-        queue = deque(actions)
-        while queue:
-            action = queue.popleft()
-            if isinstance(action, Deliver):
-                self._run(self.core.receive(action.peer, action.message, self._now()))
-            elif isinstance(action, SendHeartbeat):
-                self._try_send(action.peer, Heartbeat(self.core.waiting_on(action.peer)))
-            elif isinstance(action, SendControl):
-                self._try_send(action.peer, action.message)
-            elif isinstance(action, SendHello):
-                self._send_hello(action)
-            elif isinstance(action, RenewLeases):
-                self._run(self.core.renew(action.peer, action.keys, action.now, action.lease))
-            elif isinstance(action, TearDown):
-                self._remove_peer(action.peer, action.reason, expected=action.expected)
-            elif isinstance(action, AddTransportPeer):
-                queue.extendleft(reversed(self._add_transport_peer(action)))
-            elif isinstance(action, PeerConnected):
-                self._run(self.core.peer_connected(action.peer, action.now))
-            elif isinstance(action, AddRoute):
-                queue.extendleft(reversed(self._add_route(action)))
-            elif isinstance(action, AwaitHandshake):
-                self._handshakes.begin(action.peer, self._running_loop())
-            elif isinstance(action, HandshakeSettled):
-                self._handshakes.settle(action.peer, action.error)
-            elif isinstance(action, Refused):
-                self.counters["peers_refused"] += 1
-                log.error("%s: refusing peer %s: %s", self.engine_id, action.peer, action.error)
-            elif isinstance(action, UnknownSender):
-                self.counters["messages_from_unknown_peers"] += 1
-
-    def _add_route(self, action: AddRoute) -> list[AssociationAction]:
-        """:raises ConfigError: the channel refused the address of a local connect."""
-        try:
-            self.control.add_route(action.peer, action.address)
-        except KVFlowError as exc:
-            if action.pending is None:
-                raise
-            return self.assoc.pending_refused(action.peer, action.pending, exc)
-        return [] if action.pending is None else self.assoc.route_added(action.peer, action.pending, self._now())
-
-    def _add_transport_peer(self, action: AddTransportPeer) -> list[AssociationAction]:
-        """A transport refusing a peer's metadata refuses the peer; it never crashes the engine."""
-        try:
-            pending = action.pending
-            self.transport.add_peer(action.peer, pending.hello.transport_metadata, pending.layout.regions)
-        except TransportError as exc:
-            return self.assoc.pending_refused(action.peer, action.pending, exc)
-        return self.assoc.transport_peer_added(action.peer, action.pending, self._now())
-
-    def _send_hello(self, action: SendHello) -> None:
-        """:raises PeerUnknown, EngineClosed: the send failed (unless `best_effort`)."""
-        try:
-            wire_layout, metadata = layout_to_wire(self.layout), self.transport.local_metadata()
-            hello = Hello(
-                self.engine_id, self.assoc.fingerprint, wire_layout, metadata, action.reply, self.control.address
-            )
-            self.control.send(action.peer, hello)
-        except KVFlowError as exc:
-            if not action.best_effort:
-                raise
-            log.warning("%s: cannot answer %s: %s", self.engine_id, action.peer, exc)
-
     # ------------------------------------------------------------------ inbound events
 
     def _guarded_control(self, sender: str, incarnation: int, message: ControlMessage) -> None:
@@ -491,7 +377,7 @@ class Engine:
     def _on_control(self, sender: str, incarnation: int, message: ControlMessage) -> None:
         if self._state != "running" and self._state != "closing":
             return
-        self._associate(self.assoc.receive(sender, incarnation, message, self._now()))
+        self._peers.associate(self.assoc.receive(sender, incarnation, message, self._now()))
 
     def _wake_from_transport(self) -> None:
         """Called by the transport from any thread."""
@@ -542,7 +428,7 @@ class Engine:
     def _on_timer(self) -> None:
         self._timer, self._timer_at = None, None
         now = self._now()
-        self._associate(self.assoc.tick(now))
+        self._peers.associate(self.assoc.tick(now))
         self._run(self.core.timer(now))
 
     async def _wait_idle(self, limit: float) -> None:
@@ -584,6 +470,9 @@ class Engine:
         self._check_crashed()
         if self._state != "running":
             raise EngineClosed(f"engine {self.engine_id!r} is {self._state}")
+
+    def _later(self, delay: float, fn: Callable[..., Any], *args: Any) -> None:
+        self._running_loop().call_later(delay, self._guard, fn, *args)
 
     def _running_loop(self) -> asyncio.AbstractEventLoop:
         if self._loop is None:
