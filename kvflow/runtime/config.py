@@ -27,13 +27,19 @@ class EngineConfig:
     # after tearing a peer down on a transport that cannot fence the peer's one-sided ops (RDMA),
     # wait this long before its transfers' blocks count as safe to release
     unfenced_grace: float = 5.0
+    # how many released-block and finished-transfer records `Engine.released` / `Engine.finished`
+    # keep for a poller; beyond it the oldest is dropped and counted (`released_dropped`,
+    # `finished_dropped`), so an engine nobody polls does not grow without bound
+    results_kept: int = 65_536
     # runs first on every thread the engine starts (its writer): a GPU host binds it to its device
     thread_setup: Callable[[], None] | None = None
 
     def __post_init__(self) -> None:
-        """:raises ConfigError: a timeout, the lease or the heartbeat interval is out of range."""
+        """:raises ConfigError: a timeout, the lease, the heartbeat interval or a bound is out of range."""
         for name in ("transfer_timeout", "handshake_timeout", "drain_timeout", "lease"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"engine config {name} must be > 0")
+        if self.results_kept < 1:
+            raise ConfigError("engine config results_kept must be >= 1")
         if self.heartbeat_interval is not None and not 0 < self.heartbeat_interval < self.lease:
             raise ConfigError("engine config heartbeat_interval must be in (0, lease)")

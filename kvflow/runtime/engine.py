@@ -9,7 +9,9 @@ clock, executes the returned actions, and re-arms one timer for the core's next 
   a slow `postXfer` cannot stall the loop or the host engine's main thread);
 * the transport's completions and notifications arrive through a listener that schedules one
   drain on the loop;
-* released blocks go to `on_release` and to a queue any thread may poll;
+* released blocks go to `on_release` and to a queue any thread may poll (`released`; finished
+  transfers go to `finished`); both keep the newest `config.results_kept` entries, dropping and
+  counting the oldest when nobody polls;
 * peers (handshakes, heartbeats, leases) are decided by the pure `Associations`; their actions
   are executed by `kvflow.runtime.peering`.
 
@@ -73,13 +75,16 @@ class Engine:
         self.config = config or EngineConfig()
         self.core = TransferCore(engine_id, layout.spec.num_layers, self.config.core)
         self.crashed: list[BaseException] = []
-        self.released: deque[ReleaseBlocks] = deque()  # thread-safe to popleft from anywhere
-        self.finished: deque[TransferResult] = deque()
+        kept = self.config.results_kept  # thread-safe to popleft from anywhere; oldest dropped
+        self.released: deque[ReleaseBlocks] = deque(maxlen=kept)
+        self.finished: deque[TransferResult] = deque(maxlen=kept)
         self.counters = {
             "messages_from_unknown_peers": 0,
             "sends_failed": 0,
             "notifications_from_unknown": 0,
             "peers_refused": 0,
+            "released_dropped": 0,
+            "finished_dropped": 0,
         }
         self._submitter = submitter or WriterThread(
             f"kvflow-writer-{engine_id}", self._record_crash, thread_setup=self.config.thread_setup
@@ -316,7 +321,7 @@ class Engine:
             elif isinstance(action, SubmitOp):
                 self._submit(action)
             elif isinstance(action, ReleaseBlocks):
-                self.released.append(action)
+                self._keep(self.released, action, "released_dropped")
                 if self._on_release is not None:
                     self._guard(self._on_release, action)
             elif isinstance(action, Resolve):
@@ -331,7 +336,7 @@ class Engine:
 
     def _resolve(self, action: Resolve) -> list[Action]:
         result = TransferResult(action.key, action.role, action.outcome, action.reason)
-        self.finished.append(result)
+        self._keep(self.finished, result, "finished_dropped")
         future = self._handles.pop((action.key, action.role), None)
         if future is not None and not future.done():
             future.set_result(result)
@@ -449,6 +454,11 @@ class Engine:
             else:
                 self._handles[(key, role)] = future
         return TransferHandle(key, role, future)
+
+    def _keep(self, records: deque[Any], record: Any, dropped: str) -> None:
+        if len(records) == records.maxlen:
+            self.counters[dropped] += 1  # the append below drops the oldest
+        records.append(record)
 
     def _guard(self, fn: Callable[..., Any], *args: Any) -> None:
         if self._state == "closed":
