@@ -172,7 +172,10 @@ class ZmqControl:
             raise PeerUnknown(f"no control address known for {peer!r}")
         dealer = self._dealers.get(peer)
         if dealer is None:
-            dealer = self._ctx.socket(zmq.DEALER)
+            try:
+                dealer = self._ctx.socket(zmq.DEALER)
+            except zmq.ZMQError as exc:  # out of sockets (the context's limit) or of descriptors
+                raise PeerUnreachable(f"no socket left to reach {peer!r}: {exc}") from exc
             dealer.setsockopt(zmq.IDENTITY, self.engine_id.encode())
             dealer.setsockopt(zmq.LINGER, 0)
             dealer.setsockopt(zmq.SNDHWM, self._send_queue)

@@ -72,11 +72,14 @@ class AwaitHandshake:
 
 @dataclass(frozen=True, slots=True)
 class SendHello:
-    """Send this engine's Hello.  A failure propagates, unless `best_effort` (then it is logged)."""
+    """Send this engine's Hello.  With `associating` (the answer that completes an association the
+    peer started) the outcome is an input: `hello_sent`, or `hello_unsent` when the send fails.
+    Otherwise a failure propagates (a local connect's), unless `best_effort` (then it is logged)."""
 
     peer: str
     reply: bool
     best_effort: bool = False
+    associating: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,8 +224,11 @@ class Associations:
     """One engine's peers: live associations, their incarnations and liveness, and the peers
     it tore down moments ago and will not associate with yet."""
 
-    def __init__(self, engine_id: str, fingerprint: dict[str, int | str], lease: float, interval: float) -> None:
+    def __init__(
+        self, engine_id: str, fingerprint: dict[str, int | str], lease: float, interval: float, max_peers: int = 256
+    ) -> None:
         self.engine_id = engine_id
+        self.max_peers = max_peers  # each association costs sockets and transport state: bounded
         self.fingerprint = fingerprint
         self.layouts: dict[str, KVLayout] = {}
         self.incarnations: dict[str, int] = {}
@@ -238,6 +244,9 @@ class Associations:
         """Start a handshake with `peer` (nothing to do when already associated)."""
         if peer in self.layouts:
             return []
+        if self._full(peer):
+            error = PeerProtocolError(f"{self.engine_id!r} is at its limit of {self.max_peers} peers")
+            return [AwaitHandshake(peer), HandshakeSettled(peer, error)]
         route: list[AssociationAction] = [AddRoute(peer, address)] if address else []
         return [*route, AwaitHandshake(peer), SendHello(peer, reply=False)]
 
@@ -295,20 +304,42 @@ class Associations:
         return self._refuse(peer, pending.hello, error)
 
     def transport_peer_added(self, peer: str, pending: PendingHello, now: float) -> list[AssociationAction]:
-        """The transport accepted the peer: the association begins."""
+        """The transport accepted the peer: the association begins (once our answer, when the
+        peer started it, is sent: see `hello_sent`)."""
         self.layouts[peer] = pending.layout
         self.incarnations[peer] = pending.incarnation
         self.liveness.add(peer, now)
-        actions: list[AssociationAction] = []
         if not pending.hello.reply:
-            actions.append(SendHello(peer, reply=True))
-        return [*actions, HandshakeSettled(peer), PeerConnected(peer, now)]
+            return [SendHello(peer, reply=True, associating=True)]
+        return self.hello_sent(peer, now)
+
+    def hello_sent(self, peer: str, now: float) -> list[AssociationAction]:
+        """Our answer to the Hello that started the association with `peer` went out."""
+        return [HandshakeSettled(peer), PeerConnected(peer, now)]
+
+    def hello_unsent(self, peer: str, error: KVFlowError) -> list[AssociationAction]:
+        """Our answer to `peer`'s Hello cannot be sent (the address it gave is unusable, or it is
+        not reading): the association it started ends before it began."""
+        self.dropped(peer)
+        return [
+            Refused(peer, error),
+            TearDown(peer, f"cannot answer its hello: {error}"),
+            HandshakeSettled(peer, error),
+        ]
 
     def _on_hello(self, sender: str, incarnation: int, hello: Hello, now: float) -> list[AssociationAction]:
         known = self.incarnations.get(sender)
         if hello.reply and known == incarnation:
             # the answer to our Hello, after the peer's own Hello had associated us
             return [HandshakeSettled(sender)]
+        if known is not None and incarnation < known:
+            # a Hello of an earlier run, replayed: the live association is not the sender's to end,
+            # and the run it speaks for is not there to hear an answer
+            return [Refused(sender, PeerProtocolError(f"hello from an earlier run of {sender!r} ({incarnation})"))]
+        if self._full(sender):
+            # no answer: a Reject would cost the very resources the limit bounds
+            error = PeerProtocolError(f"{self.engine_id!r} is at its limit of {self.max_peers} peers")
+            return [Refused(sender, error), HandshakeSettled(sender, error)]
         try:
             if sender in self.cooling:
                 wait = self.cooling[sender] - now
@@ -322,6 +353,9 @@ class Associations:
         if hello.control_address:
             return [AddRoute(sender, hello.control_address, pending)]
         return self._associate(sender, pending, now)
+
+    def _full(self, peer: str) -> bool:
+        return peer not in self.layouts and len(self.layouts) >= self.max_peers
 
     def _refuse(self, sender: str, hello: Hello, error: KVFlowError) -> list[AssociationAction]:
         actions: list[AssociationAction] = [Refused(sender, error)]

@@ -27,6 +27,9 @@ class EngineConfig:
     # after tearing a peer down on a transport that cannot fence the peer's one-sided ops (RDMA),
     # wait this long before its transfers' blocks count as safe to release
     unfenced_grace: float = 5.0
+    # the most peers associated at once; a Hello beyond it is refused (each association holds a
+    # control socket and transport state: a process can hold only so many)
+    max_peers: int = 256
     # how many released-block and finished-transfer records `Engine.released` / `Engine.finished`
     # keep for a poller; beyond it the oldest is dropped and counted (`released_dropped`,
     # `finished_dropped`), so an engine nobody polls does not grow without bound
@@ -39,7 +42,8 @@ class EngineConfig:
         for name in ("transfer_timeout", "handshake_timeout", "drain_timeout", "lease"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"engine config {name} must be > 0")
-        if self.results_kept < 1:
-            raise ConfigError("engine config results_kept must be >= 1")
+        for bound in ("results_kept", "max_peers"):
+            if getattr(self, bound) < 1:
+                raise ConfigError(f"engine config {bound} must be >= 1")
         if self.heartbeat_interval is not None and not 0 < self.heartbeat_interval < self.lease:
             raise ConfigError("engine config heartbeat_interval must be in (0, lease)")

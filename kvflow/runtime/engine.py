@@ -92,7 +92,9 @@ class Engine:
         self._clock = clock
         self._on_release = on_release
         interval = self.config.heartbeat_interval or self.config.lease / 6
-        self.assoc = Associations(engine_id, fingerprint(layout.spec), self.config.lease, interval)
+        self.assoc = Associations(
+            engine_id, fingerprint(layout.spec), self.config.lease, interval, self.config.max_peers
+        )
         hooks = EngineHooks(
             self._run,
             self._now,

@@ -102,7 +102,7 @@ class PeerExecutor:
             elif isinstance(action, SendControl):
                 self.try_send(action.peer, action.message)
             elif isinstance(action, SendHello):
-                self._send_hello(action)
+                queue.extendleft(reversed(self._send_hello(action)))
             elif isinstance(action, RenewLeases):
                 self.hooks.run(self.core.renew(action.peer, action.keys, action.now, action.lease))
             elif isinstance(action, TearDown):
@@ -182,8 +182,11 @@ class PeerExecutor:
             return self.assoc.pending_refused(action.peer, action.pending, exc)
         return self.assoc.transport_peer_added(action.peer, action.pending, self.hooks.now())
 
-    def _send_hello(self, action: SendHello) -> None:
-        """:raises PeerUnknown, EngineClosed: the send failed (unless `best_effort`)."""
+    def _send_hello(self, action: SendHello) -> list[AssociationAction]:
+        """Send our Hello; when it answers a peer's, its outcome is an input of the associations.
+
+        :raises PeerUnknown, PeerUnreachable, EngineClosed: a local connect's Hello was not sent.
+        """
         try:
             wire_layout, metadata = layout_to_wire(self.layout), self.transport.local_metadata()
             hello = Hello(
@@ -191,6 +194,11 @@ class PeerExecutor:
             )
             self.control.send(action.peer, hello)
         except KVFlowError as exc:
+            if action.associating:
+                self.counters["sends_failed"] += 1
+                return self.assoc.hello_unsent(action.peer, exc)
             if not action.best_effort:
                 raise
             log.warning("%s: cannot answer %s: %s", self.engine_id, action.peer, exc)
+            return []
+        return self.assoc.hello_sent(action.peer, self.hooks.now()) if action.associating else []
