@@ -34,6 +34,7 @@ __all__ = (
     "Liveness",
     "PeerConnected",
     "PendingHello",
+    "Redeliver",
     "Refused",
     "RenewLeases",
     "SendControl",
@@ -109,6 +110,16 @@ class AddTransportPeer:
 
 
 @dataclass(frozen=True, slots=True)
+class Redeliver:
+    """A Hello that arrived while the transport was still adding its sender: decide it now, as if
+    it had just arrived (`receive`)."""
+
+    peer: str
+    incarnation: int
+    hello: Hello
+
+
+@dataclass(frozen=True, slots=True)
 class TearDown:
     """Remove `peer` from the transport and tell the transfer core it is lost.  The association
     itself is already forgotten here."""
@@ -181,6 +192,7 @@ AssociationAction = (
     | Refused
     | UnknownSender
     | Deliver
+    | Redeliver
 )
 
 
@@ -225,7 +237,12 @@ class Associations:
     it tore down moments ago and will not associate with yet."""
 
     def __init__(
-        self, engine_id: str, fingerprint: dict[str, int | str], lease: float, interval: float, max_peers: int = 256
+        self,
+        engine_id: str,
+        fingerprint: dict[str, int | str],
+        lease: float,
+        interval: float,
+        max_peers: int = 256,
     ) -> None:
         self.engine_id = engine_id
         self.max_peers = max_peers  # each association costs sockets and transport state: bounded
@@ -234,6 +251,9 @@ class Associations:
         self.incarnations: dict[str, int] = {}
         self.liveness = Liveness(lease, interval)
         self.cooling: dict[str, float] = {}  # torn-down peers whose late ops may still land: until when
+        # peers the transport is adding (off the loop), and the newest Hello each sent meanwhile
+        self.adding: dict[str, PendingHello] = {}
+        self.deferred: dict[str, tuple[int, Hello]] = {}
 
     def peers(self) -> list[str]:
         return sorted(self.layouts)
@@ -301,7 +321,7 @@ class Associations:
     def pending_refused(self, peer: str, pending: PendingHello, error: KVFlowError) -> list[AssociationAction]:
         """What a pending Hello needs was refused (the control channel refused its address, or
         the transport what it says about the peer's memory): refuse the peer."""
-        return self._refuse(peer, pending.hello, error)
+        return [*self._refuse(peer, pending.hello, error), *self._added(peer, pending)]
 
     def transport_peer_added(self, peer: str, pending: PendingHello, now: float) -> list[AssociationAction]:
         """The transport accepted the peer: the association begins (once our answer, when the
@@ -310,8 +330,16 @@ class Associations:
         self.incarnations[peer] = pending.incarnation
         self.liveness.add(peer, now)
         if not pending.hello.reply:
-            return [SendHello(peer, reply=True, associating=True)]
-        return self.hello_sent(peer, now)
+            return [SendHello(peer, reply=True, associating=True), *self._added(peer, pending)]
+        return [*self.hello_sent(peer, now), *self._added(peer, pending)]
+
+    def _added(self, peer: str, pending: PendingHello) -> list[AssociationAction]:
+        """The transport is done with `pending`: a Hello that came meanwhile is decided next."""
+        if self.adding.get(peer) is not pending:
+            return []
+        del self.adding[peer]
+        deferred = self.deferred.pop(peer, None)
+        return [] if deferred is None else [Redeliver(peer, *deferred)]
 
     def hello_sent(self, peer: str, now: float) -> list[AssociationAction]:
         """Our answer to the Hello that started the association with `peer` went out."""
@@ -332,6 +360,11 @@ class Associations:
         if hello.reply and known == incarnation:
             # the answer to our Hello, after the peer's own Hello had associated us
             return [HandshakeSettled(sender)]
+        adding = self.adding.get(sender)
+        if adding is not None:
+            if not (hello.reply and adding.incarnation == incarnation):
+                self.deferred[sender] = (incarnation, hello)  # decided once the transport is done
+            return []  # (the answer to our Hello: the association under way settles the handshake)
         if known is not None and incarnation < known:
             # a Hello of an earlier run, replayed: the live association is not the sender's to end,
             # and the run it speaks for is not there to hear an answer
@@ -355,7 +388,8 @@ class Associations:
         return self._associate(sender, pending, now)
 
     def _full(self, peer: str) -> bool:
-        return peer not in self.layouts and len(self.layouts) >= self.max_peers
+        known = peer in self.layouts or peer in self.adding
+        return not known and len(self.layouts) + len(self.adding) >= self.max_peers
 
     def _refuse(self, sender: str, hello: Hello, error: KVFlowError) -> list[AssociationAction]:
         actions: list[AssociationAction] = [Refused(sender, error)]
@@ -375,4 +409,5 @@ class Associations:
             self.dropped(sender)
             actions.append(TearDown(sender, "peer started a new association"))
         actions.append(AddTransportPeer(sender, pending))
+        self.adding[sender] = pending
         return actions

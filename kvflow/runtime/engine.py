@@ -64,6 +64,7 @@ class Engine:
         *,
         config: EngineConfig | None = None,
         submitter: Submitter | None = None,
+        peer_worker: Submitter | None = None,
         clock: Callable[[], float] | None = None,
         on_release: Callable[[ReleaseBlocks], None] | None = None,
     ) -> None:
@@ -93,18 +94,33 @@ class Engine:
         self._on_release = on_release
         interval = self.config.heartbeat_interval or self.config.lease / 6
         self.assoc = Associations(
-            engine_id, fingerprint(layout.spec), self.config.lease, interval, self.config.max_peers
+            engine_id,
+            fingerprint(layout.spec),
+            self.config.lease,
+            interval,
+            self.config.max_peers,
         )
         hooks = EngineHooks(
             self._run,
             self._now,
             self._running_loop,
             self._later,
+            self._soon,
             lambda: self._state == "running" and self._loop is not None,
             lambda: self._state == "closed",
         )
         self._peers = PeerExecutor(
-            engine_id, layout, transport, control, self.config, self.assoc, self.core, self.counters, hooks
+            engine_id,
+            layout,
+            transport,
+            control,
+            self.config,
+            self.assoc,
+            self.core,
+            self.counters,
+            hooks,
+            peer_worker
+            or WriterThread(f"kvflow-peers-{engine_id}", self._record_crash, thread_setup=self.config.thread_setup),
         )
         self._handles: dict[tuple[TransferKey, Role], asyncio.Future[TransferResult]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -119,13 +135,14 @@ class Engine:
     async def start(self) -> None:
         """Register memory with the transport and start receiving.
 
-        :raises TransportError: the transport refused the regions.
+        :raises TransportError: the transport refused the regions, or cannot describe itself.
         :raises UsageError: the engine was started before.
         """
         if self._state != "new":
             raise UsageError(f"engine {self.engine_id!r} was already started")
         self._loop = asyncio.get_running_loop()
         self.transport.register_regions(self.layout.regions)
+        self._peers.start()
         self.transport.set_listener(self._wake_from_transport)
         self.control.start(self._loop, self._guarded_control)
         self._state = "running"
@@ -185,10 +202,12 @@ class Engine:
             waited_on = {m.peer for m in self.core.live() if m.peer is not None}
             for peer in sorted(waited_on | set(self.assoc.layouts)):
                 self._peers.tear_down(peer, "engine closing: fence not confirmed")
+        await self._peers.settled(limit)  # removals under way return; their transfers fail
         self._peers.associate(self.assoc.goodbye_all("engine closing"))
         self._peers.handshakes.close(self.engine_id)
         self._cancel_timer()
         self._submitter.close(timeout=5.0)
+        self._peers.worker.close(timeout=5.0)
         self.transport.set_listener(None)
         self.transport.close()
         self.control.close()
@@ -485,6 +504,13 @@ class Engine:
 
     def _later(self, delay: float, fn: Callable[..., Any], *args: Any) -> None:
         self._running_loop().call_later(delay, self._guard, fn, *args)
+
+    def _soon(self, fn: Callable[..., Any], *args: Any) -> None:
+        """From any thread."""
+        if self._loop is None:
+            return
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nothing to drive any more
+            self._loop.call_soon_threadsafe(self._guard, fn, *args)
 
     def _running_loop(self) -> asyncio.AbstractEventLoop:
         if self._loop is None:

@@ -3,21 +3,33 @@
 Why apart from the engine: the engine drives transfers; this drives *peers*.  Every decision
 about who may associate, and when a peer is lost, is pure (`kvflow.protocol.association`); this
 module performs the effects in the order they were decided and feeds each outcome that can fail
-(a route refused, a transport refusing a peer's memory) back as an input.  It keeps no state of
-its own beyond its collaborators: the engine hands it the transfer core's entry points as
-callbacks, so the core stays the engine's.
+(a route refused, a transport refusing a peer's memory, an answer that cannot be sent) back as an
+input.  The engine hands it the transfer core's entry points as callbacks, so the core stays the
+engine's.
+
+Why a peer thread: a transport's `add_peer` and `remove_peer` may block (NIXL loads a remote
+agent for up to 30 s; shared memory maps segments, waits for copies and takes an exclusive
+lock).  They run, in order, on a thread of their own, and their outcome comes back to the loop
+as an input, so the loop keeps serving every other peer meanwhile.  Not on the writer thread: a
+30 s `add_peer` would hold up every other peer's submissions, and the order it would give (a
+removal after the submissions queued before it) is already the transport's contract: a
+submission racing with `remove_peer` is refused or fenced.  One FIFO thread keeps each peer's
+additions and removals in the order decided.  A removed peer's transfers fail only once its
+removal has returned, and from the moment of the teardown its notifications are ignored and no
+new submission to it is made (its layout is forgotten at once).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvflow.control.channel import ControlChannel
-from kvflow.errors import KVFlowError, TransportError
+from kvflow.errors import EngineClosed, KVFlowError, TransportError
 from kvflow.layout import KVLayout, layout_to_wire
 from kvflow.protocol.actions import Action
 from kvflow.protocol.association import (
@@ -29,6 +41,7 @@ from kvflow.protocol.association import (
     Deliver,
     HandshakeSettled,
     PeerConnected,
+    Redeliver,
     Refused,
     RenewLeases,
     SendControl,
@@ -41,6 +54,7 @@ from kvflow.protocol.core import TransferCore
 from kvflow.protocol.messages import ControlMessage, Goodbye, Heartbeat, Hello
 from kvflow.runtime.config import EngineConfig
 from kvflow.runtime.handshakes import Handshakes
+from kvflow.runtime.writer import Submitter
 from kvflow.transports.base import Transport
 
 __all__ = ("EngineHooks", "PeerExecutor")
@@ -56,6 +70,7 @@ class EngineHooks:
     now: Callable[[], float]
     loop: Callable[[], asyncio.AbstractEventLoop]  # :raises EngineClosed: not started
     later: Callable[..., None]  # later(delay, fn, *args): call fn on the loop, guarded, after delay
+    soon: Callable[..., None]  # soon(fn, *args), from any thread: call fn on the loop, guarded
     running: Callable[[], bool]
     closed: Callable[[], bool]
 
@@ -74,6 +89,7 @@ class PeerExecutor:
         core: TransferCore,
         counters: dict[str, int],
         hooks: EngineHooks,
+        worker: Submitter,
     ) -> None:
         self.engine_id = engine_id
         self.layout = layout
@@ -85,6 +101,31 @@ class PeerExecutor:
         self.counters = counters
         self.hooks = hooks
         self.handshakes = Handshakes()  # a local connect waits on these
+        self.worker = worker  # runs add_peer / remove_peer, in order
+        self.metadata = b""  # this endpoint's transport metadata, read once at start
+        self._loop_thread: int | None = None
+        self._outstanding = 0  # peer jobs whose outcome the loop has not had yet
+        self._settled = asyncio.Event()
+        self._settled.set()
+
+    def start(self) -> None:
+        """Read the transport's metadata once, on the loop's thread.
+
+        :raises TransportError: the transport cannot describe itself.
+        """
+        self.metadata = self.transport.local_metadata()
+        self._loop_thread = threading.get_ident()
+
+    async def settled(self, timeout: float) -> bool:
+        """Wait (at most `timeout` seconds) until every peer addition and removal has returned.
+        Never raises; False when some are still running."""
+        if self._settled.is_set():
+            return True  # without yielding to the loop
+        try:
+            await asyncio.wait_for(self._settled.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
 
     def associate(self, actions: list[AssociationAction]) -> None:
         """Execute, in order, what `Associations` decided.
@@ -108,7 +149,10 @@ class PeerExecutor:
             elif isinstance(action, TearDown):
                 self.remove_peer(action.peer, action.reason, expected=action.expected)
             elif isinstance(action, AddTransportPeer):
-                queue.extendleft(reversed(self._add_transport_peer(action)))
+                self._add_transport_peer(action)
+            elif isinstance(action, Redeliver):
+                now = self.hooks.now()
+                queue.extendleft(reversed(self.assoc.receive(action.peer, action.incarnation, action.hello, now)))
             elif isinstance(action, PeerConnected):
                 self.hooks.run(self.core.peer_connected(action.peer, action.now))
             elif isinstance(action, AddRoute):
@@ -141,22 +185,27 @@ class PeerExecutor:
         self.remove_peer(peer, reason, expected=False)
 
     def remove_peer(self, peer: str, reason: str, *, expected: bool) -> None:
-        """Remove the peer from the transport, then tell the core that nothing of it can land.
-
-        Done here, on the loop: by the transport contract a submission still queued on the
-        writer thread for this peer is refused once `remove_peer` has returned.
-        """
+        """Remove the peer from the transport on the peer thread; once that returned, tell the
+        core that nothing of it can land (see the module's header)."""
         log.log(
             logging.INFO if expected else logging.WARNING, "%s: tearing down peer %s: %s", self.engine_id, peer, reason
         )
-        self.transport.remove_peer(peer)
+        grace = 0.0 if self.transport.capabilities.fences_inbound else self.config.unfenced_grace
+        if grace > 0 and self.hooks.running():
+            # No new association until its removal returned and its late ops had time to land.
+            self.assoc.start_cooling(peer, self.hooks.now() + grace)
+        self._off_loop(lambda: self.transport.remove_peer(peer), self._removed, peer)
+
+    def _removed(self, peer: str, error: TransportError | None) -> None:
+        if error is not None:
+            log.error("%s: removing peer %s from the transport failed: %s", self.engine_id, peer, error)
         grace = 0.0 if self.transport.capabilities.fences_inbound else self.config.unfenced_grace
         if grace > 0 and self.hooks.running():
             # The peer's own WRITEs (or READs) may still be in flight towards us: give them time
-            # to land before its transfers' blocks may go back.  No new association meanwhile.
-            self.assoc.start_cooling(peer, self.hooks.now() + grace)
+            # to land before its transfers' blocks may go back.
             self.hooks.later(grace, self._peer_gone, peer)
         elif not self.hooks.closed():
+            self.assoc.stop_cooling(peer)
             self.hooks.run(self.core.peer_lost(peer, self.hooks.now()))
 
     def _peer_gone(self, peer: str) -> None:
@@ -173,14 +222,48 @@ class PeerExecutor:
             return self.assoc.pending_refused(action.peer, action.pending, exc)
         return [] if action.pending is None else self.assoc.route_added(action.peer, action.pending, self.hooks.now())
 
-    def _add_transport_peer(self, action: AddTransportPeer) -> list[AssociationAction]:
-        """A transport refusing a peer's metadata refuses the peer; it never crashes the engine."""
+    def _add_transport_peer(self, action: AddTransportPeer) -> None:
+        """Add the peer on the peer thread; a transport refusing its metadata refuses the peer."""
+        pending = action.pending
+        self._off_loop(
+            lambda: self.transport.add_peer(action.peer, pending.hello.transport_metadata, pending.layout.regions),
+            self._added,
+            action,
+        )
+
+    def _added(self, action: AddTransportPeer, error: TransportError | None) -> None:
+        if error is not None:
+            self.associate(self.assoc.pending_refused(action.peer, action.pending, error))
+        else:
+            self.associate(self.assoc.transport_peer_added(action.peer, action.pending, self.hooks.now()))
+
+    def _off_loop(self, work: Callable[[], None], then: Callable[..., None], subject: object) -> None:
+        """Run `work` on the peer thread, then `then(subject, error)` on the loop (at once when the
+        worker runs jobs inline, as tests driving a manual clock do)."""
+        self._outstanding += 1
+        self._settled.clear()
+
+        def job() -> None:
+            error: TransportError | None = None
+            try:
+                work()
+            except TransportError as exc:
+                error = exc
+            if threading.get_ident() == self._loop_thread:
+                self._outcome(then, subject, error)
+            else:
+                self.hooks.soon(self._outcome, then, subject, error)
+
         try:
-            pending = action.pending
-            self.transport.add_peer(action.peer, pending.hello.transport_metadata, pending.layout.regions)
-        except TransportError as exc:
-            return self.assoc.pending_refused(action.peer, action.pending, exc)
-        return self.assoc.transport_peer_added(action.peer, action.pending, self.hooks.now())
+            self.worker.submit(job)
+        except EngineClosed:
+            self._outcome(then, subject, TransportError("the engine's peer thread is closed"))
+
+    def _outcome(self, then: Callable[..., None], subject: object, error: TransportError | None) -> None:
+        self._outstanding -= 1
+        if self._outstanding == 0:
+            self._settled.set()
+        then(subject, error)
 
     def _send_hello(self, action: SendHello) -> list[AssociationAction]:
         """Send our Hello; when it answers a peer's, its outcome is an input of the associations.
@@ -188,9 +271,9 @@ class PeerExecutor:
         :raises PeerUnknown, PeerUnreachable, EngineClosed: a local connect's Hello was not sent.
         """
         try:
-            wire_layout, metadata = layout_to_wire(self.layout), self.transport.local_metadata()
+            wire_layout = layout_to_wire(self.layout)
             hello = Hello(
-                self.engine_id, self.assoc.fingerprint, wire_layout, metadata, action.reply, self.control.address
+                self.engine_id, self.assoc.fingerprint, wire_layout, self.metadata, action.reply, self.control.address
             )
             self.control.send(action.peer, hello)
         except KVFlowError as exc:
