@@ -197,25 +197,47 @@ AssociationAction = (
 
 
 class Liveness:
-    """When each peer is due a heartbeat, and when a silent one counts as lost."""
+    """When each peer is due a heartbeat, and when a silent one counts as lost.
 
-    def __init__(self, lease: float, interval: float) -> None:
+    A peer whose connection dropped is *suspect*: unless its link comes back or it is heard from
+    within `confirm` seconds, it counts as lost then, without waiting for the lease."""
+
+    def __init__(self, lease: float, interval: float, confirm: float = 1.0) -> None:
         self.lease = lease
         self.interval = interval
+        self.confirm = confirm
         self._heard: dict[str, float] = {}
         self._next_beat: dict[str, float] = {}
+        self._suspect: dict[str, float] = {}  # peer -> lost at this time unless cleared before
 
     def add(self, peer: str, now: float) -> None:
         self._heard[peer] = now
         self._next_beat[peer] = now + self.interval
+        self._suspect.pop(peer, None)
 
     def remove(self, peer: str) -> None:
         self._heard.pop(peer, None)
         self._next_beat.pop(peer, None)
+        self._suspect.pop(peer, None)
 
     def heard(self, peer: str, now: float) -> None:
         if peer in self._heard:
             self._heard[peer] = max(self._heard[peer], now)
+            self.cleared(peer)
+
+    def suspect(self, peer: str, now: float) -> bool:
+        """The link to `peer` dropped; True when this makes an associated peer newly suspect."""
+        if peer not in self._heard or peer in self._suspect:
+            return False
+        self._suspect[peer] = now + self.confirm
+        return True
+
+    def cleared(self, peer: str) -> None:
+        """The link to `peer` is back (or it spoke): no longer suspect."""
+        self._suspect.pop(peer, None)
+
+    def is_suspect(self, peer: str) -> bool:
+        return peer in self._suspect
 
     def due(self, now: float) -> list[str]:
         """Peers to send a heartbeat to now (each is then scheduled one interval later)."""
@@ -225,11 +247,12 @@ class Liveness:
         return sorted(peers)
 
     def expired(self, now: float) -> list[str]:
-        return sorted(p for p, at in self._heard.items() if at + self.lease <= now)
+        silent = {p for p, at in self._heard.items() if at + self.lease <= now}
+        return sorted(silent | {p for p, at in self._suspect.items() if at <= now})
 
     def next_deadline(self) -> float | None:
-        times = list(self._next_beat.values()) + [at + self.lease for at in self._heard.values()]
-        return min(times, default=None)
+        times = [*self._next_beat.values(), *(at + self.lease for at in self._heard.values())]
+        return min([*times, *self._suspect.values()], default=None)
 
 
 class Associations:
@@ -243,13 +266,14 @@ class Associations:
         lease: float,
         interval: float,
         max_peers: int = 256,
+        confirm: float = 1.0,
     ) -> None:
         self.engine_id = engine_id
         self.max_peers = max_peers  # each association costs sockets and transport state: bounded
         self.fingerprint = fingerprint
         self.layouts: dict[str, KVLayout] = {}
         self.incarnations: dict[str, int] = {}
-        self.liveness = Liveness(lease, interval)
+        self.liveness = Liveness(lease, interval, confirm)
         self.cooling: dict[str, float] = {}  # torn-down peers whose late ops may still land: until when
         # peers the transport is adding (off the loop), and the newest Hello each sent meanwhile
         self.adding: dict[str, PendingHello] = {}
@@ -290,10 +314,24 @@ class Associations:
         """End associations whose peer stayed silent for a lease; send due heartbeats."""
         actions: list[AssociationAction] = []
         for peer in self.liveness.expired(now):
+            if self.liveness.is_suspect(peer):
+                reason = f"its connection dropped and did not come back within {self.liveness.confirm}s"
+            else:
+                reason = f"no message for {self.liveness.lease}s"
             self.dropped(peer)
-            actions.append(TearDown(peer, f"no message for {self.liveness.lease}s"))
+            actions.append(TearDown(peer, reason))
         actions += [SendHeartbeat(peer) for peer in self.liveness.due(now)]
         return actions
+
+    def link_changed(self, peer: str, up: bool, now: float) -> list[AssociationAction]:
+        """The control channel's connection to `peer` dropped (`up` False) or came back.  A drop
+        makes an associated peer suspect: lost at `now + confirm` unless the link comes back or
+        the peer is heard from first.  Never raises; changes nothing for peers not associated."""
+        if up:
+            self.liveness.cleared(peer)
+            return []
+        self.liveness.suspect(peer, now)
+        return []
 
     # ---------------------------------------------------------------- inbound
 

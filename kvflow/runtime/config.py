@@ -24,6 +24,9 @@ class EngineConfig:
     auto_deliver: bool = True  # D: hand blocks over as soon as a transfer succeeds
     lease: float = 30.0  # a peer silent this long is lost; P's blocks are held this long unrenewed
     heartbeat_interval: float | None = None  # default: lease / 6
+    # a peer whose control connection dropped is lost unless the connection comes back (or the
+    # peer is heard from) within this long; a silent peer with its connection up waits the lease
+    suspect_timeout: float = 1.0
     # after tearing a peer down on a transport that cannot fence the peer's one-sided ops (RDMA),
     # wait this long before its transfers' blocks count as safe to release
     unfenced_grace: float = 5.0
@@ -39,7 +42,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         """:raises ConfigError: a timeout, the lease, the heartbeat interval or a bound is out of range."""
-        for name in ("transfer_timeout", "handshake_timeout", "drain_timeout", "lease"):
+        for name in ("transfer_timeout", "handshake_timeout", "drain_timeout", "lease", "suspect_timeout"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"engine config {name} must be > 0")
         for bound in ("results_kept", "max_peers"):

@@ -99,6 +99,7 @@ class Engine:
             self.config.lease,
             interval,
             self.config.max_peers,
+            self.config.suspect_timeout,
         )
         hooks = EngineHooks(
             self._run,
@@ -144,6 +145,7 @@ class Engine:
         self.transport.register_regions(self.layout.regions)
         self._peers.start()
         self.transport.set_listener(self._wake_from_transport)
+        self.control.set_link_listener(self._guarded_link)
         self.control.start(self._loop, self._guarded_control)
         self._state = "running"
         self._idle.set()
@@ -404,6 +406,16 @@ class Engine:
         if self._state != "running" and self._state != "closing":
             return
         self._peers.associate(self.assoc.receive(sender, incarnation, message, self._now()))
+
+    def _guarded_link(self, peer: str, up: bool) -> None:
+        self._guard(self._on_link, peer, up)
+
+    def _on_link(self, peer: str, up: bool) -> None:
+        """The control connection to `peer` dropped or came back: a dropped one makes the peer
+        suspect, lost within `config.suspect_timeout` unless it comes back."""
+        if self._state == "running" or self._state == "closing":
+            self._peers.associate(self.assoc.link_changed(peer, up, self._now()))
+            self._arm_timer()
 
     def _wake_from_transport(self) -> None:
         """Called by the transport from any thread."""
