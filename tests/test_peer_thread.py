@@ -17,13 +17,25 @@ import pytest
 import pytest_asyncio
 
 from kvflow.control.channel import LocalControlHub
-from kvflow.layout import Region
+from kvflow.errors import TransportError
+from kvflow.layout import Region, fingerprint
+from kvflow.protocol.association import (
+    AddTransportPeer,
+    Associations,
+    HandshakeSettled,
+    PeerConnected,
+    Redeliver,
+    Refused,
+    SendHello,
+    TearDown,
+)
 from kvflow.protocol.core import CoreConfig
 from kvflow.protocol.messages import Goodbye, TransferKey
 from kvflow.protocol.state import Outcome, Role
 from kvflow.runtime.engine import Engine, EngineConfig
 from kvflow.testing import SMALL_SPEC, KVBuffers
 from kvflow.transports.loopback import LoopbackFabric, LoopbackTransport
+from tests.test_hostile_peers import hello
 from tests.waiting import eventually
 
 CONFIG = EngineConfig(
@@ -142,3 +154,38 @@ async def test_a_blocking_remove_peer_fails_the_peers_transfers_only_once_it_ret
     await eventually(lambda: trio.p.core.machine(key, Role.PREFILL).outcome is not None, "E's transfer ends")
     assert trio.p.core.machine(key, Role.PREFILL).outcome is Outcome.FAILED and gate.returned.is_set()
     assert trio.p.crashed == []
+
+
+# ---------------------------------------------------------------- the decisions, without I/O
+
+
+def adding(assoc: Associations, peer: str, incarnation: int) -> AddTransportPeer:
+    (add,) = assoc.receive(peer, incarnation, hello(peer, ""), 0.0)
+    assert isinstance(add, AddTransportPeer) and assoc.peers() == []
+    return add
+
+
+def test_a_hello_arriving_while_its_sender_is_added_is_decided_once_the_transport_is_done() -> None:
+    assoc = Associations("P", fingerprint(SMALL_SPEC), lease=6.0, interval=1.0)
+    first = adding(assoc, "E", 1)
+    assert assoc.receive("E", 2, hello("E", ""), 0.5) == []  # E started over meanwhile
+    assert assoc.receive("E", 3, hello("E", ""), 0.6) == []  # only the newest is kept
+    assert assoc.transport_peer_added("E", first.pending, 1.0)[-1] == Redeliver("E", 3, hello("E", ""))
+    again = assoc.receive("E", 3, hello("E", ""), 1.0)
+    assert [type(a) for a in again] == [TearDown, AddTransportPeer]
+
+
+def test_the_answer_to_our_hello_while_its_sender_is_added_waits_for_the_addition() -> None:
+    assoc = Associations("P", fingerprint(SMALL_SPEC), lease=6.0, interval=1.0)
+    first = adding(assoc, "E", 1)
+    assert assoc.receive("E", 1, hello("E", "", reply=True), 0.5) == []  # nothing deferred
+    assert assoc.transport_peer_added("E", first.pending, 1.0) == [SendHello("E", reply=True, associating=True)]
+    assert [type(a) for a in assoc.hello_sent("E", 1.0)] == [HandshakeSettled, PeerConnected]
+
+
+def test_peers_being_added_count_toward_the_limit_and_a_refused_addition_frees_its_place() -> None:
+    assoc = Associations("P", fingerprint(SMALL_SPEC), lease=6.0, interval=1.0, max_peers=1)
+    first = adding(assoc, "E", 1)
+    assert [type(a) for a in assoc.receive("F", 1, hello("F", ""), 0.1)] == [Refused, HandshakeSettled]
+    assoc.pending_refused("E", first.pending, TransportError("no"))
+    adding(assoc, "F", 1)

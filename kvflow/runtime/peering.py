@@ -197,8 +197,10 @@ class PeerExecutor:
         self._off_loop(lambda: self.transport.remove_peer(peer), self._removed, peer)
 
     def _removed(self, peer: str, error: TransportError | None) -> None:
+        """:raises TransportError: the transport could not remove the peer, so nothing promises
+        that its ops are fenced: the engine cannot go on safely (its guard records a crash)."""
         if error is not None:
-            log.error("%s: removing peer %s from the transport failed: %s", self.engine_id, peer, error)
+            raise error
         grace = 0.0 if self.transport.capabilities.fences_inbound else self.config.unfenced_grace
         if grace > 0 and self.hooks.running():
             # The peer's own WRITEs (or READs) may still be in flight towards us: give them time
