@@ -417,3 +417,31 @@ async def test_engine_ids_are_checked_where_they_are_given() -> None:
         assert pair.d.peers() == before and pair.d.stats()["crashed"] == 0
     finally:
         await pair.close()
+
+
+@pytest.mark.asyncio
+async def test_released_and_finished_keep_only_the_newest_records_when_nobody_polls() -> None:
+    config = EngineConfig(core=FAST.core, transfer_timeout=5.0, drain_timeout=2.0, results_kept=2)
+    pair = await EnginePair(LoopbackFabric(), config=config).start()
+    try:
+        for n in range(3):
+            waiting = await pair.d.expect(f"r{n}", 1, peer="P", block_ids=[n])
+            sending = await pair.p.kv_ready(f"r{n}", 1, block_ids=[n])
+            assert (await waiting.wait(5)).ok and (await sending.wait(5)).ok
+            await settle(pair)
+        assert [r.key.transfer_id for r in pair.d.finished] == ["r1", "r2"]
+        assert [r.block_ids for r in pair.d.released] == [(1,), (2,)]
+        assert pair.d.stats()["finished_dropped"] == 1 and pair.d.stats()["released_dropped"] == 1
+        pair.d.finished.popleft()  # a poller makes room: nothing more is dropped
+        waiting = await pair.d.expect("r3", 1, peer="P", block_ids=[3])
+        await pair.p.kv_ready("r3", 1, block_ids=[3])
+        assert (await waiting.wait(5)).ok
+        assert [r.key.transfer_id for r in pair.d.finished] == ["r2", "r3"]
+        assert pair.d.stats()["finished_dropped"] == 1
+    finally:
+        await pair.close()
+
+
+def test_results_kept_must_be_positive() -> None:
+    with pytest.raises(ConfigError, match="results_kept"):
+        EngineConfig(results_kept=0)

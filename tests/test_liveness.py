@@ -58,12 +58,17 @@ def associations() -> Associations:
 
 
 def receive(peers: Associations, sender: str, incarnation: int, message: Hello, now: float) -> list[object]:
-    """Feed a message, and answer each `AddTransportPeer` as a transport that accepts the peer."""
+    """Feed a message, answer each `AddTransportPeer` as a transport that accepts the peer, and
+    each answering `SendHello` as a channel that sends it."""
     actions: list[object] = []
-    for action in peers.receive(sender, incarnation, message, now):
+    queue = list(peers.receive(sender, incarnation, message, now))
+    while queue:
+        action = queue.pop(0)
         actions.append(action)
         if isinstance(action, AddTransportPeer):
-            actions += peers.transport_peer_added(action.peer, action.pending, now)
+            queue[:0] = peers.transport_peer_added(action.peer, action.pending, now)
+        elif isinstance(action, SendHello) and action.associating:
+            queue[:0] = peers.hello_sent(action.peer, now)
     return actions
 
 

@@ -54,6 +54,10 @@ class ControlChannel(Protocol):
         :raises ConfigError: the address is unusable (for instance, unauthenticated off loopback).
         """
 
+    def set_link_listener(self, listener: Callable[[str, bool], None] | None) -> None:
+        """Call `listener(peer, up)` on the loop when the connection to a peer drops (`up` False)
+        or comes back (True), where the channel can tell; a no-op where it cannot.  Never raises."""
+
     def send(self, peer: str, message: ControlMessage) -> None:
         """Queue a message for `peer`; never blocks.
 
@@ -127,6 +131,9 @@ class LocalControl:
 
     def add_route(self, peer: str, address: str) -> None:
         return None
+
+    def set_link_listener(self, listener: Callable[[str, bool], None] | None) -> None:
+        return None  # in one process, a peer that goes away says goodbye or falls silent
 
     def start(self, loop: asyncio.AbstractEventLoop, handler: MessageHandler) -> None:
         self.hub.register(self.name, loop, handler)

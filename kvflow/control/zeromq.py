@@ -29,6 +29,7 @@ import zmq.asyncio
 
 from kvflow.control.auth import MAC_BYTES, ReplayGuard, Secret, secret_from_env
 from kvflow.control.channel import MessageHandler, new_incarnation
+from kvflow.control.monitor import LinkListener, LinkMonitors
 from kvflow.control.wire import MAX_FRAME_BYTES, Envelope, decode, encode
 from kvflow.errors import (
     ConfigError,
@@ -100,6 +101,7 @@ class ZmqControl:
         self._closed = False
         self.counters: Counter[str] = Counter()
         self._logged: set[tuple[bytes, str]] = set()
+        self.links = LinkMonitors()  # reports the DEALERs' connections once a listener is set
         for peer, address in (routes or {}).items():
             self.add_route(peer, address)
 
@@ -120,8 +122,12 @@ class ZmqControl:
         if self._routes.get(peer) != address:
             old = self._dealers.pop(peer, None)
             if old is not None:
+                self.links.unwatch(old)
                 old.close(linger=0)  # its reader task ends on the closed socket
             self._routes[peer] = address
+
+    def set_link_listener(self, listener: LinkListener | None) -> None:
+        self.links.listener = listener
 
     def start(self, loop: asyncio.AbstractEventLoop, handler: MessageHandler) -> None:
         """Bind the ROUTER and start receiving on `loop`.
@@ -172,14 +178,19 @@ class ZmqControl:
             raise PeerUnknown(f"no control address known for {peer!r}")
         dealer = self._dealers.get(peer)
         if dealer is None:
-            dealer = self._ctx.socket(zmq.DEALER)
+            try:
+                dealer = self._ctx.socket(zmq.DEALER)
+            except zmq.ZMQError as exc:  # out of sockets (the context's limit) or of descriptors
+                raise PeerUnreachable(f"no socket left to reach {peer!r}: {exc}") from exc
             dealer.setsockopt(zmq.IDENTITY, self.engine_id.encode())
             dealer.setsockopt(zmq.LINGER, 0)
             dealer.setsockopt(zmq.SNDHWM, self._send_queue)
             dealer.setsockopt(zmq.MAXMSGSIZE, SOCKET_LIMIT)
+            self.links.watch(dealer, peer, self._loop)  # before connecting: no event is missed
             try:
                 dealer.connect(address)
             except zmq.ZMQError as exc:  # an address ZeroMQ cannot parse (or a transport it lacks)
+                self.links.unwatch(dealer)
                 dealer.close(linger=0)
                 raise PeerUnreachable(f"cannot connect to {peer!r} at {address}: {exc}") from exc
             self._dealers[peer] = dealer
@@ -204,6 +215,7 @@ class ZmqControl:
         self._closed = True
         for task in list(self._tasks):
             task.cancel()
+        self.links.close()
         for dealer in self._dealers.values():
             dealer.close(linger=0)
         self._dealers.clear()

@@ -35,6 +35,7 @@ __all__ = (
     "Liveness",
     "PeerConnected",
     "PendingHello",
+    "Redeliver",
     "Refused",
     "RenewLeases",
     "SendControl",
@@ -73,11 +74,14 @@ class AwaitHandshake:
 
 @dataclass(frozen=True, slots=True)
 class SendHello:
-    """Send this engine's Hello.  A failure propagates, unless `best_effort` (then it is logged)."""
+    """Send this engine's Hello.  With `associating` (the answer that completes an association the
+    peer started) the outcome is an input: `hello_sent`, or `hello_unsent` when the send fails.
+    Otherwise a failure propagates (a local connect's), unless `best_effort` (then it is logged)."""
 
     peer: str
     reply: bool
     best_effort: bool = False
+    associating: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +108,16 @@ class AddTransportPeer:
 
     peer: str
     pending: PendingHello
+
+
+@dataclass(frozen=True, slots=True)
+class Redeliver:
+    """A Hello that arrived while the transport was still adding its sender: decide it now, as if
+    it had just arrived (`receive`)."""
+
+    peer: str
+    incarnation: int
+    hello: Hello
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,29 +193,52 @@ AssociationAction = (
     | Refused
     | UnknownSender
     | Deliver
+    | Redeliver
 )
 
 
 class Liveness:
-    """When each peer is due a heartbeat, and when a silent one counts as lost."""
+    """When each peer is due a heartbeat, and when a silent one counts as lost.
 
-    def __init__(self, lease: float, interval: float) -> None:
+    A peer whose connection dropped is *suspect*: unless its link comes back or it is heard from
+    within `confirm` seconds, it counts as lost then, without waiting for the lease."""
+
+    def __init__(self, lease: float, interval: float, confirm: float = 1.0) -> None:
         self.lease = lease
         self.interval = interval
+        self.confirm = confirm
         self._heard: dict[str, float] = {}
         self._next_beat: dict[str, float] = {}
+        self._suspect: dict[str, float] = {}  # peer -> lost at this time unless cleared before
 
     def add(self, peer: str, now: float) -> None:
         self._heard[peer] = now
         self._next_beat[peer] = now + self.interval
+        self._suspect.pop(peer, None)
 
     def remove(self, peer: str) -> None:
         self._heard.pop(peer, None)
         self._next_beat.pop(peer, None)
+        self._suspect.pop(peer, None)
 
     def heard(self, peer: str, now: float) -> None:
         if peer in self._heard:
             self._heard[peer] = max(self._heard[peer], now)
+            self.cleared(peer)
+
+    def suspect(self, peer: str, now: float) -> bool:
+        """The link to `peer` dropped; True when this makes an associated peer newly suspect."""
+        if peer not in self._heard or peer in self._suspect:
+            return False
+        self._suspect[peer] = now + self.confirm
+        return True
+
+    def cleared(self, peer: str) -> None:
+        """The link to `peer` is back (or it spoke): no longer suspect."""
+        self._suspect.pop(peer, None)
+
+    def is_suspect(self, peer: str) -> bool:
+        return peer in self._suspect
 
     def due(self, now: float) -> list[str]:
         """Peers to send a heartbeat to now (each is then scheduled one interval later)."""
@@ -211,24 +248,37 @@ class Liveness:
         return sorted(peers)
 
     def expired(self, now: float) -> list[str]:
-        return sorted(p for p, at in self._heard.items() if at + self.lease <= now)
+        silent = {p for p, at in self._heard.items() if at + self.lease <= now}
+        return sorted(silent | {p for p, at in self._suspect.items() if at <= now})
 
     def next_deadline(self) -> float | None:
-        times = list(self._next_beat.values()) + [at + self.lease for at in self._heard.values()]
-        return min(times, default=None)
+        times = [*self._next_beat.values(), *(at + self.lease for at in self._heard.values())]
+        return min([*times, *self._suspect.values()], default=None)
 
 
 class Associations:
     """One engine's peers: live associations, their incarnations and liveness, and the peers
     it tore down moments ago and will not associate with yet."""
 
-    def __init__(self, engine_id: str, fingerprint: dict[str, int | str], lease: float, interval: float) -> None:
+    def __init__(
+        self,
+        engine_id: str,
+        fingerprint: dict[str, int | str],
+        lease: float,
+        interval: float,
+        max_peers: int = 256,
+        confirm: float = 1.0,
+    ) -> None:
         self.engine_id = engine_id
+        self.max_peers = max_peers  # each association costs sockets and transport state: bounded
         self.fingerprint = fingerprint
         self.layouts: dict[str, KVLayout] = {}
         self.incarnations: dict[str, int] = {}
-        self.liveness = Liveness(lease, interval)
+        self.liveness = Liveness(lease, interval, confirm)
         self.cooling: dict[str, float] = {}  # torn-down peers whose late ops may still land: until when
+        # peers the transport is adding (off the loop), and the newest Hello each sent meanwhile
+        self.adding: dict[str, PendingHello] = {}
+        self.deferred: dict[str, tuple[int, Hello]] = {}
 
     def peers(self) -> list[str]:
         return sorted(self.layouts)
@@ -239,6 +289,9 @@ class Associations:
         """Start a handshake with `peer` (nothing to do when already associated)."""
         if peer in self.layouts:
             return []
+        if self._full(peer):
+            error = PeerProtocolError(f"{self.engine_id!r} is at its limit of {self.max_peers} peers")
+            return [AwaitHandshake(peer), HandshakeSettled(peer, error)]
         route: list[AssociationAction] = [AddRoute(peer, address)] if address else []
         return [*route, AwaitHandshake(peer), SendHello(peer, reply=False)]
 
@@ -271,9 +324,23 @@ class Associations:
         """End associations whose peer stayed silent for a lease; send due heartbeats."""
         actions: list[AssociationAction] = []
         for peer in self.liveness.expired(now):
-            actions += self.tear_down(peer, f"no message for {self.liveness.lease}s")
+            if self.liveness.is_suspect(peer):
+                reason = f"its connection dropped and did not come back within {self.liveness.confirm}s"
+            else:
+                reason = f"no message for {self.liveness.lease}s"
+            actions += self.tear_down(peer, reason)
         actions += [SendHeartbeat(peer) for peer in self.liveness.due(now)]
         return actions
+
+    def link_changed(self, peer: str, up: bool, now: float) -> list[AssociationAction]:
+        """The control channel's connection to `peer` dropped (`up` False) or came back.  A drop
+        makes an associated peer suspect: lost at `now + confirm` unless the link comes back or
+        the peer is heard from first.  Never raises; changes nothing for peers not associated."""
+        if up:
+            self.liveness.cleared(peer)
+            return []
+        self.liveness.suspect(peer, now)
+        return []
 
     # ---------------------------------------------------------------- inbound
 
@@ -301,23 +368,58 @@ class Associations:
     def pending_refused(self, peer: str, pending: PendingHello, error: KVFlowError) -> list[AssociationAction]:
         """What a pending Hello needs was refused (the control channel refused its address, or
         the transport what it says about the peer's memory): refuse the peer."""
-        return self._refuse(peer, pending.hello, error)
+        return [*self._refuse(peer, pending.hello, error), *self._added(peer, pending)]
 
     def transport_peer_added(self, peer: str, pending: PendingHello, now: float) -> list[AssociationAction]:
-        """The transport accepted the peer: the association begins."""
+        """The transport accepted the peer: the association begins (once our answer, when the
+        peer started it, is sent: see `hello_sent`)."""
         self.layouts[peer] = pending.layout
         self.incarnations[peer] = pending.incarnation
         self.liveness.add(peer, now)
-        actions: list[AssociationAction] = []
         if not pending.hello.reply:
-            actions.append(SendHello(peer, reply=True))
-        return [*actions, HandshakeSettled(peer), PeerConnected(peer, now)]
+            return [SendHello(peer, reply=True, associating=True), *self._added(peer, pending)]
+        return [*self.hello_sent(peer, now), *self._added(peer, pending)]
+
+    def _added(self, peer: str, pending: PendingHello) -> list[AssociationAction]:
+        """The transport is done with `pending`: a Hello that came meanwhile is decided next."""
+        if self.adding.get(peer) is not pending:
+            return []
+        del self.adding[peer]
+        deferred = self.deferred.pop(peer, None)
+        return [] if deferred is None else [Redeliver(peer, *deferred)]
+
+    def hello_sent(self, peer: str, now: float) -> list[AssociationAction]:
+        """Our answer to the Hello that started the association with `peer` went out."""
+        return [HandshakeSettled(peer), PeerConnected(peer, now)]
+
+    def hello_unsent(self, peer: str, error: KVFlowError) -> list[AssociationAction]:
+        """Our answer to `peer`'s Hello cannot be sent (the address it gave is unusable, or it is
+        not reading): the association it started ends before it began."""
+        self.dropped(peer)
+        return [
+            Refused(peer, error),
+            TearDown(peer, f"cannot answer its hello: {error}"),
+            HandshakeSettled(peer, error),
+        ]
 
     def _on_hello(self, sender: str, incarnation: int, hello: Hello, now: float) -> list[AssociationAction]:
         known = self.incarnations.get(sender)
         if hello.reply and known == incarnation:
             # the answer to our Hello, after the peer's own Hello had associated us
             return [HandshakeSettled(sender)]
+        adding = self.adding.get(sender)
+        if adding is not None:
+            if not (hello.reply and adding.incarnation == incarnation):
+                self.deferred[sender] = (incarnation, hello)  # decided once the transport is done
+            return []  # (the answer to our Hello: the association under way settles the handshake)
+        if known is not None and incarnation < known:
+            # a Hello of an earlier run, replayed: the live association is not the sender's to end,
+            # and the run it speaks for is not there to hear an answer
+            return [Refused(sender, PeerProtocolError(f"hello from an earlier run of {sender!r} ({incarnation})"))]
+        if self._full(sender):
+            # no answer: a Reject would cost the very resources the limit bounds
+            error = PeerProtocolError(f"{self.engine_id!r} is at its limit of {self.max_peers} peers")
+            return [Refused(sender, error), HandshakeSettled(sender, error)]
         try:
             if sender in self.cooling:
                 wait = self.cooling[sender] - now
@@ -331,6 +433,10 @@ class Associations:
         if hello.control_address:
             return [AddRoute(sender, hello.control_address, pending)]
         return self._associate(sender, pending, now)
+
+    def _full(self, peer: str) -> bool:
+        known = peer in self.layouts or peer in self.adding
+        return not known and len(self.layouts) + len(self.adding) >= self.max_peers
 
     def _refuse(self, sender: str, hello: Hello, error: KVFlowError) -> list[AssociationAction]:
         actions: list[AssociationAction] = [Refused(sender, error)]
@@ -350,4 +456,5 @@ class Associations:
             self.dropped(sender)
             actions.append(TearDown(sender, "peer started a new association"))
         actions.append(AddTransportPeer(sender, pending))
+        self.adding[sender] = pending
         return actions

@@ -24,16 +24,29 @@ class EngineConfig:
     auto_deliver: bool = True  # D: hand blocks over as soon as a transfer succeeds
     lease: float = 30.0  # a peer silent this long is lost; P's blocks are held this long unrenewed
     heartbeat_interval: float | None = None  # default: lease / 6
+    # a peer whose control connection dropped is lost unless the connection comes back (or the
+    # peer is heard from) within this long; a silent peer with its connection up waits the lease
+    suspect_timeout: float = 1.0
     # after tearing a peer down on a transport that cannot fence the peer's one-sided ops (RDMA),
     # wait this long before its transfers' blocks count as safe to release
     unfenced_grace: float = 5.0
+    # the most peers associated at once; a Hello beyond it is refused (each association holds a
+    # control socket and transport state: a process can hold only so many)
+    max_peers: int = 256
+    # how many released-block and finished-transfer records `Engine.released` / `Engine.finished`
+    # keep for a poller; beyond it the oldest is dropped and counted (`released_dropped`,
+    # `finished_dropped`), so an engine nobody polls does not grow without bound
+    results_kept: int = 65_536
     # runs first on every thread the engine starts (its writer): a GPU host binds it to its device
     thread_setup: Callable[[], None] | None = None
 
     def __post_init__(self) -> None:
-        """:raises ConfigError: a timeout, the lease or the heartbeat interval is out of range."""
-        for name in ("transfer_timeout", "handshake_timeout", "drain_timeout", "lease"):
+        """:raises ConfigError: a timeout, the lease, the heartbeat interval or a bound is out of range."""
+        for name in ("transfer_timeout", "handshake_timeout", "drain_timeout", "lease", "suspect_timeout"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"engine config {name} must be > 0")
+        for bound in ("results_kept", "max_peers"):
+            if getattr(self, bound) < 1:
+                raise ConfigError(f"engine config {bound} must be >= 1")
         if self.heartbeat_interval is not None and not 0 < self.heartbeat_interval < self.lease:
             raise ConfigError("engine config heartbeat_interval must be in (0, lease)")

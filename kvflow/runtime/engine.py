@@ -9,9 +9,11 @@ clock, executes the returned actions, and re-arms one timer for the core's next 
   a slow `postXfer` cannot stall the loop or the host engine's main thread);
 * the transport's completions and notifications arrive through a listener that schedules one
   drain on the loop;
-* released blocks go to `on_release` and to a queue any thread may poll;
-* peers (handshakes, heartbeats, leases) are decided by the pure `Associations`; this module
-  executes its actions in order and keeps what needs the loop: the futures a `connect` awaits.
+* released blocks go to `on_release` and to a queue any thread may poll (`released`; finished
+  transfers go to `finished`); both keep the newest `config.results_kept` entries, dropping and
+  counting the oldest when nobody polls;
+* peers (handshakes, heartbeats, leases) are decided by the pure `Associations`; their actions
+  are executed by `kvflow.runtime.peering`.
 
 Every callback runs under a guard: an exception is recorded in `crashed`, logged, and surfaced
 by the next API call and by `aclose` as `EngineCrashed`; it never dies silently in a task.
@@ -33,33 +35,16 @@ from kvflow.errors import (
     EngineCrashed,
     KVFlowError,
     LedgerError,
-    TransportError,
     UsageError,
 )
-from kvflow.layout import KVLayout, fingerprint, layout_to_wire, plan_transfer
+from kvflow.layout import KVLayout, fingerprint, plan_transfer
 from kvflow.protocol.actions import Action, DeclarePeerLost, ReleaseBlocks, Resolve, SendMessage, SubmitOp
-from kvflow.protocol.association import (
-    AddRoute,
-    AddTransportPeer,
-    AssociationAction,
-    Associations,
-    AwaitHandshake,
-    Deliver,
-    HandshakeSettled,
-    PeerConnected,
-    Refused,
-    RenewLeases,
-    SendControl,
-    SendHeartbeat,
-    SendHello,
-    TearDown,
-    UnknownSender,
-)
+from kvflow.protocol.association import Associations
 from kvflow.protocol.core import TransferCore
-from kvflow.protocol.messages import ControlMessage, Goodbye, Heartbeat, Hello, TransferKey, require_engine_id
+from kvflow.protocol.messages import ControlMessage, TransferKey, require_engine_id
 from kvflow.protocol.state import Mode, Role
 from kvflow.runtime.config import EngineConfig
-from kvflow.runtime.handshakes import Handshakes
+from kvflow.runtime.peering import EngineHooks, PeerExecutor
 from kvflow.runtime.results import TransferHandle, TransferResult
 from kvflow.runtime.writer import Submitter, WriterThread
 from kvflow.transports.base import Transport
@@ -79,6 +64,7 @@ class Engine:
         *,
         config: EngineConfig | None = None,
         submitter: Submitter | None = None,
+        peer_worker: Submitter | None = None,
         clock: Callable[[], float] | None = None,
         on_release: Callable[[ReleaseBlocks], None] | None = None,
     ) -> None:
@@ -90,13 +76,16 @@ class Engine:
         self.config = config or EngineConfig()
         self.core = TransferCore(engine_id, layout.spec.num_layers, self.config.core)
         self.crashed: list[BaseException] = []
-        self.released: deque[ReleaseBlocks] = deque()  # thread-safe to popleft from anywhere
-        self.finished: deque[TransferResult] = deque()
+        kept = self.config.results_kept  # thread-safe to popleft from anywhere; oldest dropped
+        self.released: deque[ReleaseBlocks] = deque(maxlen=kept)
+        self.finished: deque[TransferResult] = deque(maxlen=kept)
         self.counters = {
             "messages_from_unknown_peers": 0,
             "sends_failed": 0,
             "notifications_from_unknown": 0,
             "peers_refused": 0,
+            "released_dropped": 0,
+            "finished_dropped": 0,
         }
         self._submitter = submitter or WriterThread(
             f"kvflow-writer-{engine_id}", self._record_crash, thread_setup=self.config.thread_setup
@@ -104,8 +93,36 @@ class Engine:
         self._clock = clock
         self._on_release = on_release
         interval = self.config.heartbeat_interval or self.config.lease / 6
-        self.assoc = Associations(engine_id, fingerprint(layout.spec), self.config.lease, interval)
-        self._handshakes = Handshakes()  # a local connect waits on these
+        self.assoc = Associations(
+            engine_id,
+            fingerprint(layout.spec),
+            self.config.lease,
+            interval,
+            self.config.max_peers,
+            self.config.suspect_timeout,
+        )
+        hooks = EngineHooks(
+            self._run,
+            self._now,
+            self._running_loop,
+            self._later,
+            self._soon,
+            lambda: self._state == "running" and self._loop is not None,
+            lambda: self._state == "closed",
+        )
+        self._peers = PeerExecutor(
+            engine_id,
+            layout,
+            transport,
+            control,
+            self.config,
+            self.assoc,
+            self.core,
+            self.counters,
+            hooks,
+            peer_worker
+            or WriterThread(f"kvflow-peers-{engine_id}", self._record_crash, thread_setup=self.config.thread_setup),
+        )
         self._handles: dict[tuple[TransferKey, Role], asyncio.Future[TransferResult]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._timer: asyncio.TimerHandle | None = None
@@ -119,14 +136,16 @@ class Engine:
     async def start(self) -> None:
         """Register memory with the transport and start receiving.
 
-        :raises TransportError: the transport refused the regions.
+        :raises TransportError: the transport refused the regions, or cannot describe itself.
         :raises UsageError: the engine was started before.
         """
         if self._state != "new":
             raise UsageError(f"engine {self.engine_id!r} was already started")
         self._loop = asyncio.get_running_loop()
         self.transport.register_regions(self.layout.regions)
+        self._peers.start()
         self.transport.set_listener(self._wake_from_transport)
+        self.control.set_link_listener(self._guarded_link)
         self.control.start(self._loop, self._guarded_control)
         self._state = "running"
         self._idle.set()
@@ -155,8 +174,8 @@ class Engine:
         self._check_open()
         require_engine_id(peer, "peer")
         limit = timeout if timeout is not None else self.config.handshake_timeout
-        self._associate(self.assoc.connect(peer, address))
-        await self._handshakes.wait(peer, limit)
+        self._peers.associate(self.assoc.connect(peer, address))
+        await self._peers.handshakes.wait(peer, limit)
 
     def peers(self) -> list[str]:
         """The engines associated with this one now.  Never raises."""
@@ -184,11 +203,13 @@ class Engine:
             # associated one, here and now (so none of them gets a goodbye below).
             waited_on = {m.peer for m in self.core.live() if m.peer is not None}
             for peer in sorted(waited_on | set(self.assoc.layouts)):
-                self._tear_down(peer, "engine closing: fence not confirmed")
-        self._associate(self.assoc.goodbye_all("engine closing"))
-        self._handshakes.close(self.engine_id)
+                self._peers.tear_down(peer, "engine closing: fence not confirmed")
+        await self._peers.settled(limit)  # removals under way return; their transfers fail
+        self._peers.associate(self.assoc.goodbye_all("engine closing"))
+        self._peers.handshakes.close(self.engine_id)
         self._cancel_timer()
         self._submitter.close(timeout=5.0)
+        self._peers.worker.close(timeout=5.0)
         self.transport.set_listener(None)
         self.transport.close()
         self.control.close()
@@ -323,13 +344,13 @@ class Engine:
             elif isinstance(action, SubmitOp):
                 self._submit(action)
             elif isinstance(action, ReleaseBlocks):
-                self.released.append(action)
+                self._keep(self.released, action, "released_dropped")
                 if self._on_release is not None:
                     self._guard(self._on_release, action)
             elif isinstance(action, Resolve):
                 queue.extend(self._resolve(action))
             elif isinstance(action, DeclarePeerLost):
-                self._tear_down(action.peer, action.reason)
+                self._peers.tear_down(action.peer, action.reason)
         self._arm_timer()
         if self.core.live():
             self._idle.clear()
@@ -338,7 +359,7 @@ class Engine:
 
     def _resolve(self, action: Resolve) -> list[Action]:
         result = TransferResult(action.key, action.role, action.outcome, action.reason)
-        self.finished.append(result)
+        self._keep(self.finished, result, "finished_dropped")
         future = self._handles.pop((action.key, action.role), None)
         if future is not None and not future.done():
             future.set_result(result)
@@ -347,21 +368,9 @@ class Engine:
         return []
 
     def _send(self, action: SendMessage) -> None:
-        error = self._try_send(action.peer, action.message)
+        error = self._peers.try_send(action.peer, action.message)
         if error is not None and action.peer in self.assoc.layouts:
-            self._tear_down(action.peer, f"cannot send to it: {error}")
-
-    def _try_send(self, peer: str, message: ControlMessage) -> KVFlowError | None:
-        """Send; a failure is counted, logged and returned, never raised."""
-        try:
-            self.control.send(peer, message)
-        except KVFlowError as exc:
-            self.counters["sends_failed"] += 1
-            # A goodbye often races the peer's own: the peer may have left first.
-            level = logging.DEBUG if isinstance(message, Goodbye) else logging.WARNING
-            log.log(level, "%s: cannot send to %s: %s", self.engine_id, peer, exc)
-            return exc
-        return None
+            self._peers.tear_down(action.peer, f"cannot send to it: {error}")
 
     def _submit(self, op: SubmitOp) -> None:
         remote = self.assoc.layouts.get(op.peer)
@@ -388,100 +397,6 @@ class Engine:
         else:
             self._run(self.core.op_finished(op_id, now, error))
 
-    def _tear_down(self, peer: str, reason: str) -> None:
-        """Tell `peer` why (best effort), end the association, remove it (see `_remove_peer`)."""
-        self._associate(self.assoc.tear_down(peer, reason))
-
-    def _remove_peer(self, peer: str, reason: str, *, expected: bool) -> None:
-        """Remove the peer from the transport, then tell the core that nothing of it can land.
-
-        Done here, on the loop: by the transport contract a submission still queued on the
-        writer thread for this peer is refused once `remove_peer` has returned.
-        """
-        log.log(
-            logging.INFO if expected else logging.WARNING, "%s: tearing down peer %s: %s", self.engine_id, peer, reason
-        )
-        self.transport.remove_peer(peer)
-        grace = 0.0 if self.transport.capabilities.fences_inbound else self.config.unfenced_grace
-        if grace > 0 and self._state == "running" and self._loop is not None:
-            # The peer's own WRITEs (or READs) may still be in flight towards us: give them time
-            # to land before its transfers' blocks may go back.  No new association meanwhile.
-            self.assoc.start_cooling(peer, self._now() + grace)
-            self._loop.call_later(grace, self._guard, self._peer_gone, peer)
-        elif self._state != "closed":
-            self._run(self.core.peer_lost(peer, self._now()))
-
-    def _peer_gone(self, peer: str) -> None:
-        self.assoc.stop_cooling(peer)
-        self._run(self.core.peer_lost(peer, self._now()))
-
-    # ------------------------------------------------------------------ associations
-
-    def _associate(self, actions: list[AssociationAction]) -> None:
-        """Execute, in order, what `Associations` decided."""
-        queue = deque(actions)
-        while queue:
-            action = queue.popleft()
-            if isinstance(action, Deliver):
-                self._run(self.core.receive(action.peer, action.message, self._now()))
-            elif isinstance(action, SendHeartbeat):
-                self._try_send(action.peer, Heartbeat(self.core.waiting_on(action.peer)))
-            elif isinstance(action, SendControl):
-                self._try_send(action.peer, action.message)
-            elif isinstance(action, SendHello):
-                self._send_hello(action)
-            elif isinstance(action, RenewLeases):
-                self._run(self.core.renew(action.peer, action.keys, action.now, action.lease))
-            elif isinstance(action, TearDown):
-                self._remove_peer(action.peer, action.reason, expected=action.expected)
-            elif isinstance(action, AddTransportPeer):
-                queue.extendleft(reversed(self._add_transport_peer(action)))
-            elif isinstance(action, PeerConnected):
-                self._run(self.core.peer_connected(action.peer, action.now))
-            elif isinstance(action, AddRoute):
-                queue.extendleft(reversed(self._add_route(action)))
-            elif isinstance(action, AwaitHandshake):
-                self._handshakes.begin(action.peer, self._running_loop())
-            elif isinstance(action, HandshakeSettled):
-                self._handshakes.settle(action.peer, action.error)
-            elif isinstance(action, Refused):
-                self.counters["peers_refused"] += 1
-                log.error("%s: refusing peer %s: %s", self.engine_id, action.peer, action.error)
-            elif isinstance(action, UnknownSender):
-                self.counters["messages_from_unknown_peers"] += 1
-
-    def _add_route(self, action: AddRoute) -> list[AssociationAction]:
-        """:raises ConfigError: the channel refused the address of a local connect."""
-        try:
-            self.control.add_route(action.peer, action.address)
-        except KVFlowError as exc:
-            if action.pending is None:
-                raise
-            return self.assoc.pending_refused(action.peer, action.pending, exc)
-        return [] if action.pending is None else self.assoc.route_added(action.peer, action.pending, self._now())
-
-    def _add_transport_peer(self, action: AddTransportPeer) -> list[AssociationAction]:
-        """A transport refusing a peer's metadata refuses the peer; it never crashes the engine."""
-        try:
-            pending = action.pending
-            self.transport.add_peer(action.peer, pending.hello.transport_metadata, pending.layout.regions)
-        except TransportError as exc:
-            return self.assoc.pending_refused(action.peer, action.pending, exc)
-        return self.assoc.transport_peer_added(action.peer, action.pending, self._now())
-
-    def _send_hello(self, action: SendHello) -> None:
-        """:raises PeerUnknown, EngineClosed: the send failed (unless `best_effort`)."""
-        try:
-            wire_layout, metadata = layout_to_wire(self.layout), self.transport.local_metadata()
-            hello = Hello(
-                self.engine_id, self.assoc.fingerprint, wire_layout, metadata, action.reply, self.control.address
-            )
-            self.control.send(action.peer, hello)
-        except KVFlowError as exc:
-            if not action.best_effort:
-                raise
-            log.warning("%s: cannot answer %s: %s", self.engine_id, action.peer, exc)
-
     # ------------------------------------------------------------------ inbound events
 
     def _guarded_control(self, sender: str, incarnation: int, message: ControlMessage) -> None:
@@ -490,7 +405,17 @@ class Engine:
     def _on_control(self, sender: str, incarnation: int, message: ControlMessage) -> None:
         if self._state != "running" and self._state != "closing":
             return
-        self._associate(self.assoc.receive(sender, incarnation, message, self._now()))
+        self._peers.associate(self.assoc.receive(sender, incarnation, message, self._now()))
+
+    def _guarded_link(self, peer: str, up: bool) -> None:
+        self._guard(self._on_link, peer, up)
+
+    def _on_link(self, peer: str, up: bool) -> None:
+        """The control connection to `peer` dropped or came back: a dropped one makes the peer
+        suspect, lost within `config.suspect_timeout` unless it comes back."""
+        if self._state == "running" or self._state == "closing":
+            self._peers.associate(self.assoc.link_changed(peer, up, self._now()))
+            self._arm_timer()
 
     def _wake_from_transport(self) -> None:
         """Called by the transport from any thread."""
@@ -541,7 +466,7 @@ class Engine:
     def _on_timer(self) -> None:
         self._timer, self._timer_at = None, None
         now = self._now()
-        self._associate(self.assoc.tick(now))
+        self._peers.associate(self.assoc.tick(now))
         self._run(self.core.timer(now))
 
     async def _wait_idle(self, limit: float) -> None:
@@ -563,6 +488,11 @@ class Engine:
                 self._handles[(key, role)] = future
         return TransferHandle(key, role, future)
 
+    def _keep(self, records: deque[Any], record: Any, dropped: str) -> None:
+        if len(records) == records.maxlen:
+            self.counters[dropped] += 1  # the append below drops the oldest
+        records.append(record)
+
     def _guard(self, fn: Callable[..., Any], *args: Any) -> None:
         if self._state == "closed":
             return  # a late callback (a completion, a message) after close: nothing to drive
@@ -583,6 +513,16 @@ class Engine:
         self._check_crashed()
         if self._state != "running":
             raise EngineClosed(f"engine {self.engine_id!r} is {self._state}")
+
+    def _later(self, delay: float, fn: Callable[..., Any], *args: Any) -> None:
+        self._running_loop().call_later(delay, self._guard, fn, *args)
+
+    def _soon(self, fn: Callable[..., Any], *args: Any) -> None:
+        """From any thread."""
+        if self._loop is None:
+            return
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nothing to drive any more
+            self._loop.call_soon_threadsafe(self._guard, fn, *args)
 
     def _running_loop(self) -> asyncio.AbstractEventLoop:
         if self._loop is None:

@@ -3,9 +3,9 @@
 Why a thread: planning descriptors and posting an RDMA op can take milliseconds for a long,
 fragmented prompt (vLLM measured `postXfer` growing to 46 ms).  Doing that on the event loop
 would stall every other transfer; doing it on the host engine's thread would stall inference.
-Jobs run in submission order.  A peer's teardown is not one of them: the engine calls the
-transport's `remove_peer` on the event loop, and the transport contract makes a job still queued
-here for that peer be refused once `remove_peer` has returned.
+Jobs run in submission order.  A peer's addition and removal run on another thread of the same
+kind (see `kvflow.runtime.peering`); the transport contract makes a job still queued here for a
+peer be refused once `remove_peer` has returned.
 """
 
 from __future__ import annotations

@@ -93,7 +93,7 @@ class EnginePair:
         self.d_kv = KVBuffers(spec, num_blocks)
 
         def engine(name: str, kv: KVBuffers) -> Engine:
-            made = submitter() if submitter else None
+            made, peers = (submitter(), submitter()) if submitter else (None, None)
             return Engine(
                 name,
                 kv.layout,
@@ -101,6 +101,7 @@ class EnginePair:
                 self.hub.channel(name),
                 config=config,
                 submitter=made,
+                peer_worker=peers,
                 clock=clock,
             )
 

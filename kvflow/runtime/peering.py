@@ -1,0 +1,288 @@
+"""Executing what `Associations` decides: routes, transport peers, Hellos, teardowns.
+
+Why apart from the engine: the engine drives transfers; this drives *peers*.  Every decision
+about who may associate, and when a peer is lost, is pure (`kvflow.protocol.association`); this
+module performs the effects in the order they were decided and feeds each outcome that can fail
+(a route refused, a transport refusing a peer's memory, an answer that cannot be sent) back as an
+input.  The engine hands it the transfer core's entry points as callbacks, so the core stays the
+engine's.
+
+Why a peer thread: a transport's `add_peer` and `remove_peer` may block (NIXL loads a remote
+agent for up to 30 s; shared memory maps segments, waits for copies and takes an exclusive
+lock).  They run, in order, on a thread of their own, and their outcome comes back to the loop
+as an input, so the loop keeps serving every other peer meanwhile.  Not on the writer thread: a
+30 s `add_peer` would hold up every other peer's submissions, and the order it would give (a
+removal after the submissions queued before it) is already the transport's contract: a
+submission racing with `remove_peer` is refused or fenced.  One FIFO thread keeps each peer's
+additions and removals in the order decided.  A removed peer's transfers fail only once its
+removal has returned, and from the moment of the teardown its notifications are ignored and no
+new submission to it is made (its layout is forgotten at once).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvflow.control.channel import ControlChannel
+from kvflow.errors import EngineClosed, KVFlowError, TransportError
+from kvflow.layout import KVLayout, layout_to_wire
+from kvflow.protocol.actions import Action
+from kvflow.protocol.association import (
+    AddRoute,
+    AddTransportPeer,
+    AssociationAction,
+    Associations,
+    AwaitHandshake,
+    Deliver,
+    HandshakeSettled,
+    PeerConnected,
+    Redeliver,
+    Refused,
+    RenewLeases,
+    SendControl,
+    SendHeartbeat,
+    SendHello,
+    TearDown,
+    UnknownSender,
+)
+from kvflow.protocol.core import TransferCore
+from kvflow.protocol.messages import ControlMessage, Goodbye, Heartbeat, Hello
+from kvflow.runtime.config import EngineConfig
+from kvflow.runtime.handshakes import Handshakes
+from kvflow.runtime.writer import Submitter
+from kvflow.transports.base import Transport
+
+__all__ = ("EngineHooks", "PeerExecutor")
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineHooks:
+    """What the executor needs from its engine, as callbacks (the engine's loop and state)."""
+
+    run: Callable[[list[Action]], None]  # execute the transfer core's actions
+    now: Callable[[], float]
+    loop: Callable[[], asyncio.AbstractEventLoop]  # :raises EngineClosed: not started
+    later: Callable[..., None]  # later(delay, fn, *args): call fn on the loop, guarded, after delay
+    soon: Callable[..., None]  # soon(fn, *args), from any thread: call fn on the loop, guarded
+    running: Callable[[], bool]
+    closed: Callable[[], bool]
+
+
+class PeerExecutor:
+    """Executes association actions for one engine."""
+
+    def __init__(
+        self,
+        engine_id: str,
+        layout: KVLayout,
+        transport: Transport,
+        control: ControlChannel,
+        config: EngineConfig,
+        assoc: Associations,
+        core: TransferCore,
+        counters: dict[str, int],
+        hooks: EngineHooks,
+        worker: Submitter,
+    ) -> None:
+        self.engine_id = engine_id
+        self.layout = layout
+        self.transport = transport
+        self.control = control
+        self.config = config
+        self.assoc = assoc
+        self.core = core
+        self.counters = counters
+        self.hooks = hooks
+        self.handshakes = Handshakes()  # a local connect waits on these
+        self.worker = worker  # runs add_peer / remove_peer, in order
+        self.metadata = b""  # this endpoint's transport metadata, read once at start
+        self._loop_thread: int | None = None
+        self._outstanding = 0  # peer jobs whose outcome the loop has not had yet
+        self._settled = asyncio.Event()
+        self._settled.set()
+
+    def start(self) -> None:
+        """Read the transport's metadata once, on the loop's thread.
+
+        :raises TransportError: the transport cannot describe itself.
+        """
+        self.metadata = self.transport.local_metadata()
+        self._loop_thread = threading.get_ident()
+
+    async def settled(self, timeout: float) -> bool:
+        """Wait (at most `timeout` seconds) until every peer addition and removal has returned.
+        Never raises; False when some are still running."""
+        if self._settled.is_set():
+            return True  # without yielding to the loop
+        try:
+            await asyncio.wait_for(self._settled.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+    def associate(self, actions: list[AssociationAction]) -> None:
+        """Execute, in order, what `Associations` decided.
+
+        :raises PeerUnknown, PeerUnreachable, EngineClosed: a local connect's Hello cannot be sent.
+        :raises ConfigError: the channel refused the address of a local connect.
+        """
+        queue = deque(actions)
+        while queue:
+            action = queue.popleft()
+            if isinstance(action, Deliver):
+                self.hooks.run(self.core.receive(action.peer, action.message, self.hooks.now()))
+            elif isinstance(action, SendHeartbeat):
+                self.try_send(action.peer, Heartbeat(self.core.waiting_on(action.peer)))
+            elif isinstance(action, SendControl):
+                self.try_send(action.peer, action.message)
+            elif isinstance(action, SendHello):
+                queue.extendleft(reversed(self._send_hello(action)))
+            elif isinstance(action, RenewLeases):
+                self.hooks.run(self.core.renew(action.peer, action.keys, action.now, action.lease))
+            elif isinstance(action, TearDown):
+                self.remove_peer(action.peer, action.reason, expected=action.expected)
+            elif isinstance(action, AddTransportPeer):
+                self._add_transport_peer(action)
+            elif isinstance(action, Redeliver):
+                now = self.hooks.now()
+                queue.extendleft(reversed(self.assoc.receive(action.peer, action.incarnation, action.hello, now)))
+            elif isinstance(action, PeerConnected):
+                self.hooks.run(self.core.peer_connected(action.peer, action.now))
+            elif isinstance(action, AddRoute):
+                queue.extendleft(reversed(self._add_route(action)))
+            elif isinstance(action, AwaitHandshake):
+                self.handshakes.begin(action.peer, self.hooks.loop())
+            elif isinstance(action, HandshakeSettled):
+                self.handshakes.settle(action.peer, action.error)
+            elif isinstance(action, Refused):
+                self.counters["peers_refused"] += 1
+                log.error("%s: refusing peer %s: %s", self.engine_id, action.peer, action.error)
+            elif isinstance(action, UnknownSender):
+                self.counters["messages_from_unknown_peers"] += 1
+
+    def try_send(self, peer: str, message: ControlMessage) -> KVFlowError | None:
+        """Send; a failure is counted, logged and returned, never raised."""
+        try:
+            self.control.send(peer, message)
+        except KVFlowError as exc:
+            self.counters["sends_failed"] += 1
+            # A goodbye often races the peer's own: the peer may have left first.
+            level = logging.DEBUG if isinstance(message, Goodbye) else logging.WARNING
+            log.log(level, "%s: cannot send to %s: %s", self.engine_id, peer, exc)
+            return exc
+        return None
+
+    def tear_down(self, peer: str, reason: str) -> None:
+        """Tell `peer` why (best effort), end the association, remove it (see `remove_peer`)."""
+        self.associate(self.assoc.tear_down(peer, reason))
+
+    def remove_peer(self, peer: str, reason: str, *, expected: bool) -> None:
+        """Remove the peer from the transport on the peer thread; once that returned, tell the
+        core that nothing of it can land (see the module's header)."""
+        log.log(
+            logging.INFO if expected else logging.WARNING, "%s: tearing down peer %s: %s", self.engine_id, peer, reason
+        )
+        grace = 0.0 if self.transport.capabilities.fences_inbound else self.config.unfenced_grace
+        if grace > 0 and self.hooks.running():
+            # No new association until its removal returned and its late ops had time to land.
+            self.assoc.start_cooling(peer, self.hooks.now() + grace)
+        self._off_loop(lambda: self.transport.remove_peer(peer), self._removed, peer)
+
+    def _removed(self, peer: str, error: TransportError | None) -> None:
+        """:raises TransportError: the transport could not remove the peer, so nothing promises
+        that its ops are fenced: the engine cannot go on safely (its guard records a crash)."""
+        if error is not None:
+            raise error
+        grace = 0.0 if self.transport.capabilities.fences_inbound else self.config.unfenced_grace
+        if grace > 0 and self.hooks.running():
+            # The peer's own WRITEs (or READs) may still be in flight towards us: give them time
+            # to land before its transfers' blocks may go back.
+            self.hooks.later(grace, self._peer_gone, peer)
+        elif not self.hooks.closed():
+            self.assoc.stop_cooling(peer)
+            self.hooks.run(self.core.peer_lost(peer, self.hooks.now()))
+
+    def _peer_gone(self, peer: str) -> None:
+        self.assoc.stop_cooling(peer)
+        self.hooks.run(self.core.peer_lost(peer, self.hooks.now()))
+
+    def _add_route(self, action: AddRoute) -> list[AssociationAction]:
+        """:raises ConfigError: the channel refused the address of a local connect."""
+        try:
+            self.control.add_route(action.peer, action.address)
+        except KVFlowError as exc:
+            if action.pending is None:
+                raise
+            return self.assoc.pending_refused(action.peer, action.pending, exc)
+        return [] if action.pending is None else self.assoc.route_added(action.peer, action.pending, self.hooks.now())
+
+    def _add_transport_peer(self, action: AddTransportPeer) -> None:
+        """Add the peer on the peer thread; a transport refusing its metadata refuses the peer."""
+        pending = action.pending
+        self._off_loop(
+            lambda: self.transport.add_peer(action.peer, pending.hello.transport_metadata, pending.layout.regions),
+            self._added,
+            action,
+        )
+
+    def _added(self, action: AddTransportPeer, error: TransportError | None) -> None:
+        if error is not None:
+            self.associate(self.assoc.pending_refused(action.peer, action.pending, error))
+        else:
+            self.associate(self.assoc.transport_peer_added(action.peer, action.pending, self.hooks.now()))
+
+    def _off_loop(self, work: Callable[[], None], then: Callable[..., None], subject: object) -> None:
+        """Run `work` on the peer thread, then `then(subject, error)` on the loop (at once when the
+        worker runs jobs inline, as tests driving a manual clock do)."""
+        self._outstanding += 1
+        self._settled.clear()
+
+        def job() -> None:
+            error: TransportError | None = None
+            try:
+                work()
+            except TransportError as exc:
+                error = exc
+            if threading.get_ident() == self._loop_thread:
+                self._outcome(then, subject, error)
+            else:
+                self.hooks.soon(self._outcome, then, subject, error)
+
+        try:
+            self.worker.submit(job)
+        except EngineClosed:
+            self._outcome(then, subject, TransportError("the engine's peer thread is closed"))
+
+    def _outcome(self, then: Callable[..., None], subject: object, error: TransportError | None) -> None:
+        self._outstanding -= 1
+        if self._outstanding == 0:
+            self._settled.set()
+        then(subject, error)
+
+    def _send_hello(self, action: SendHello) -> list[AssociationAction]:
+        """Send our Hello; when it answers a peer's, its outcome is an input of the associations.
+
+        :raises PeerUnknown, PeerUnreachable, EngineClosed: a local connect's Hello was not sent.
+        """
+        try:
+            wire_layout = layout_to_wire(self.layout)
+            hello = Hello(
+                self.engine_id, self.assoc.fingerprint, wire_layout, self.metadata, action.reply, self.control.address
+            )
+            self.control.send(action.peer, hello)
+        except KVFlowError as exc:
+            if action.associating:
+                self.counters["sends_failed"] += 1
+                return self.assoc.hello_unsent(action.peer, exc)
+            if not action.best_effort:
+                raise
+            log.warning("%s: cannot answer %s: %s", self.engine_id, action.peer, exc)
+            return []
+        return self.assoc.hello_sent(action.peer, self.hooks.now()) if action.associating else []

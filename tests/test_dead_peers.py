@@ -1,0 +1,132 @@
+"""A peer whose process dies is noticed when its connection drops, not a lease later.
+
+The ZeroMQ DEALER to a peer reports `EVENT_DISCONNECTED` as soon as the peer's kernel closes the
+connection; the peer is then *suspect* and counts as lost unless the connection comes back (or
+the peer speaks) within `suspect_timeout`.  The lease stays the fallback for a peer that falls
+silent with its connection up.  Leases here are 600 s, so only the fast path can fail a
+transfer within these tests' waits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from kvflow.control.auth import Secret
+from kvflow.control.zeromq import ZmqControl
+from kvflow.layout import fingerprint
+from kvflow.protocol.association import Associations, TearDown
+from kvflow.protocol.messages import Goodbye, Heartbeat
+from kvflow.protocol.state import Outcome
+from kvflow.runtime.engine import Engine, EngineConfig
+from kvflow.testing import SMALL_SPEC, KVBuffers
+from kvflow.transports.loopback import LoopbackFabric
+from tests.test_cross_process import TRANSPORTS, prefix, start_pair
+from tests.test_liveness import hello, receive
+from tests.waiting import eventually
+
+__all__ = ("prefix",)  # the fixture, shared with the other two-process tests
+
+SECRET = Secret(b"a shared secret of some length")
+LONG_LEASE = EngineConfig(transfer_timeout=600.0, drain_timeout=1.0, lease=600.0, suspect_timeout=0.5)
+
+
+def associated(*peers: str) -> Associations:
+    assoc = Associations("D", fingerprint(SMALL_SPEC), lease=600.0, interval=100.0, confirm=1.0)
+    for peer in peers:
+        receive(assoc, peer, 1, hello(peer), 0.0)
+    return assoc
+
+
+def test_a_dropped_link_makes_the_peer_lost_after_the_confirmation_delay() -> None:
+    assoc = associated("P", "Q")
+    assert assoc.link_changed("P", False, 10.0) == []
+    assert assoc.liveness.next_deadline() == 11.0
+    assert assoc.tick(10.9) == []
+    assert assoc.tick(11.0) == [TearDown("P", "its connection dropped and did not come back within 1.0s")]
+    assert assoc.peers() == ["Q"]
+
+
+def test_a_link_back_or_a_message_clears_the_suspicion() -> None:
+    assoc = associated("P", "Q")
+    assoc.link_changed("P", False, 10.0)
+    assoc.link_changed("P", True, 10.5)
+    assoc.link_changed("Q", False, 10.0)
+    assoc.receive("Q", 1, Heartbeat(), 10.2)
+    assert assoc.tick(20.0) == [] and assoc.peers() == ["P", "Q"]
+    assoc.link_changed("P", False, 30.0)
+    assoc.link_changed("P", False, 30.9)  # a second drop does not push the confirmation out
+    assert [type(a) for a in assoc.tick(31.0)] == [TearDown]
+
+
+def test_a_dropped_link_to_a_peer_not_associated_changes_nothing() -> None:
+    assoc = associated("P")
+    assert assoc.link_changed("nobody", False, 1.0) == [] and assoc.liveness.next_deadline() == 100.0
+    assoc.receive("P", 1, Goodbye("bye"), 2.0)
+    assert assoc.link_changed("P", False, 3.0) == [] and assoc.liveness.next_deadline() is None
+
+
+@pytest.mark.asyncio
+async def test_the_channel_reports_a_link_going_down_and_coming_back() -> None:
+    a = ZmqControl("A", secret=SECRET)
+    b = ZmqControl("B", secret=SECRET)
+    links: list[tuple[str, bool]] = []
+    a.set_link_listener(lambda peer, up: links.append((peer, up)))
+    loop = asyncio.get_running_loop()
+    a.start(loop, lambda sender, incarnation, message: None)
+    b.start(loop, lambda sender, incarnation, message: None)
+    address = b.address
+    try:
+        a.add_route("B", address)
+        a.send("B", Goodbye("hello"))
+        await eventually(lambda: links == [("B", True)], "A's DEALER connects to B")
+        b.close()  # B's process "dies": its socket closes
+        await eventually(lambda: links[-1:] == [("B", False)], "A sees the connection drop")
+        b = ZmqControl("B", address, secret=SECRET)  # B is back, at the same address
+        b.start(loop, lambda sender, incarnation, message: None)
+        await eventually(lambda: links[-1:] == [("B", True)], "A's DEALER reconnects")
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.asyncio
+async def test_a_peer_whose_channel_dies_fails_its_transfers_long_before_the_lease() -> None:
+    fabric = LoopbackFabric()
+    kv = {name: KVBuffers(SMALL_SPEC, 8) for name in "PD"}
+    p_control = ZmqControl("P", secret=SECRET)
+    p = Engine("P", kv["P"].layout, fabric.endpoint("P"), p_control, config=LONG_LEASE)
+    d = Engine("D", kv["D"].layout, fabric.endpoint("D"), ZmqControl("D", secret=SECRET), config=LONG_LEASE)
+    await p.start()
+    await d.start()
+    try:
+        await d.connect("P", p_control.address, timeout=5)
+        waiting = await d.expect("r", 1, peer="P", block_ids=[1, 2])
+        await eventually(lambda: bool(p.core.live()), "P has D's registration")
+        p_control.close()  # P's process is gone as far as D can tell: no goodbye, sockets closed
+        result = await waiting.wait(30)
+        assert result.outcome is Outcome.FAILED and "lost" in result.reason
+        assert d.peers() == [] and d.core.ledger.held_blocks == 0 and d.crashed == []
+    finally:
+        await d.aclose()
+        await p.aclose(drain_timeout=0.1)
+        fabric.close()
+
+
+@pytest.mark.parametrize("transport", ["shm", "nixl-direct"])
+def test_a_killed_prefill_process_fails_the_decode_transfer_within_a_second_not_a_lease(
+    prefix: str, transport: str
+) -> None:
+    p, d = start_pair(prefix, "--lease", "600", "--ttl", "600", *TRANSPORTS[transport])
+    try:
+        d.ask("started", cmd="expect", tid="r", epoch=1, peer="P", blocks=[1, 2], mode="push")
+        p.stats_when(lambda s: s["live_transfers"] == 1, "P has D's registration")  # P never produces the KV
+        p.kill()
+        result = d.result("r", timeout=30)
+        assert result["outcome"] == "failed" and "lost" in result["reason"]
+        stats = d.ask("stats", cmd="stats")
+        assert stats["held_blocks"] == 0 and stats["peers"] == [] and stats["crashed"] == 0
+    finally:
+        d.close()
+        p.close()

@@ -1,0 +1,186 @@
+"""Peers that hold the secret and still send what they should not: none of it crashes an engine.
+
+Each test reproduces one way a peer's messages used to end in `Engine.crashed` (after which
+every call raises `EngineCrashed`) or change a live association: it must be refused, counted,
+and leave everything else as it was.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+import pytest_asyncio
+import zmq
+
+from kvflow.control import wire
+from kvflow.control.auth import Secret
+from kvflow.control.zeromq import ZmqControl
+from kvflow.errors import PeerProtocolError
+from kvflow.layout import fingerprint, layout_to_wire
+from kvflow.protocol.association import (
+    AddTransportPeer,
+    Associations,
+    HandshakeSettled,
+    Refused,
+    SendHello,
+    TearDown,
+)
+from kvflow.protocol.messages import Hello
+from kvflow.runtime.engine import Engine, EngineConfig
+from kvflow.testing import SMALL_SPEC, EnginePair, KVBuffers
+from kvflow.transports.loopback import LoopbackFabric
+from tests.waiting import eventually
+
+SECRET = Secret(b"a shared secret of some length")
+CONFIG = EngineConfig(transfer_timeout=10.0, drain_timeout=1.0)
+LAYOUT = layout_to_wire(KVBuffers(SMALL_SPEC, 16).layout)
+
+
+def hello(sender: str, address: str, *, reply: bool = False) -> Hello:
+    return Hello(sender, fingerprint(SMALL_SPEC), LAYOUT, sender.encode(), reply, address)
+
+
+def signed(sender: str, receiver: str, message: Hello, incarnation: int = 1, seq: int = 1) -> list[bytes]:
+    frame = wire.encode(wire.Envelope(sender, incarnation, receiver, seq, message))
+    return [frame, SECRET.sign(frame)]
+
+
+class Zmq:
+    """An engine "P" over authenticated ZeroMQ, on a loopback fabric the test adds endpoints to."""
+
+    def __init__(self, config: EngineConfig = CONFIG) -> None:
+        self.fabric = LoopbackFabric()
+        self.kv = KVBuffers(SMALL_SPEC, 16)
+        self.p = Engine("P", self.kv.layout, self.fabric.endpoint("P"), ZmqControl("P", secret=SECRET), config=config)
+        self.ctx = zmq.Context()
+        self.ctx.set(zmq.MAX_SOCKETS, 4096)
+        self.sockets: list[zmq.Socket[bytes]] = []
+
+    def dealer(self, identity: str) -> zmq.Socket[bytes]:
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, identity.encode())
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.p.control.address)
+        self.sockets.append(sock)
+        return sock
+
+    async def close(self) -> None:
+        try:
+            await self.p.aclose()
+        finally:
+            for sock in self.sockets:
+                sock.close()
+            self.ctx.term()
+            self.fabric.close()
+
+
+@pytest_asyncio.fixture
+async def zmq_p() -> AsyncIterator[Zmq]:
+    engine = Zmq()
+    await engine.p.start()
+    yield engine
+    await engine.close()
+
+
+async def a_real_peer_still_associates(engine: Zmq) -> None:
+    kv = KVBuffers(SMALL_SPEC, 16)
+    d = Engine("D", kv.layout, engine.fabric.endpoint("D"), ZmqControl("D", secret=SECRET), config=CONFIG)
+    await d.start()
+    try:
+        await d.connect("P", engine.p.control.address, timeout=5)
+        assert "D" in engine.p.peers()
+    finally:
+        await d.aclose()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("address", ["bogus://nowhere", ""], ids=["unconnectable", "none"])
+async def test_a_hello_whose_answer_cannot_be_sent_is_refused_not_a_crash(zmq_p: Zmq, address: str) -> None:
+    engine = zmq_p
+    engine.fabric.endpoint("M")  # its transport metadata is good: only the answer fails
+    sock = engine.dealer("M")
+    sock.send_multipart(signed("M", "P", hello("M", address)))
+    await eventually(lambda: engine.p.stats()["peers_refused"] == 1 or bool(engine.p.crashed), "P decides on M")
+    assert engine.p.crashed == [] and engine.p.peers() == []
+    assert engine.p.stats()["sends_failed"] == 1
+    await a_real_peer_still_associates(engine)
+
+
+@pytest.mark.asyncio
+async def test_more_hellos_than_sockets_are_refused_beyond_the_peer_limit(zmq_p: Zmq) -> None:
+    engine = zmq_p
+    sink = engine.ctx.socket(zmq.ROUTER)  # where the fake peers say they listen; never read
+    engine.sockets.append(sink)
+    sink.setsockopt(zmq.LINGER, 0)
+    port = sink.bind_to_random_port("tcp://127.0.0.1")
+    count = 1100  # more than a ZeroMQ context's default 1023 sockets
+    for n in range(count):
+        name = f"m{n}"
+        engine.fabric.endpoint(name)
+        engine.dealer(name).send_multipart(signed(name, "P", hello(name, f"tcp://127.0.0.1:{port}")))
+    stats = engine.p.stats
+    await eventually(
+        lambda: stats()["peers_refused"] + len(engine.p.peers()) == count or bool(engine.p.crashed),
+        "P decides on every Hello",
+        timeout=60,
+    )
+    assert engine.p.crashed == []
+    assert len(engine.p.peers()) == CONFIG.max_peers and stats()["peers_refused"] == count - CONFIG.max_peers
+
+
+@pytest.mark.asyncio
+async def test_a_replayed_hello_of_an_earlier_run_changes_nothing() -> None:
+    pair = await EnginePair(LoopbackFabric(), config=CONFIG).start()
+    try:
+        live = pair.p.control.incarnation
+        assert pair.d.assoc.incarnations == {"P": live}
+        delivered = pair.hub.delivered
+        pair.hub.route("P", live - 1, "D", hello("P", ""))  # what P's earlier run once sent
+        await eventually(lambda: pair.hub.delivered > delivered, "D gets the replayed Hello")
+        assert pair.d.assoc.incarnations == {"P": live} and pair.d.crashed == []
+        assert pair.d.stats()["peers_refused"] == 1
+        pair.p_kv.fill([4], seed=1)
+        waiting = await pair.d.expect("r", 1, peer="P", block_ids=[2])
+        await pair.p.kv_ready("r", 1, block_ids=[4])
+        assert (await waiting.wait(5)).ok
+    finally:
+        await pair.close()
+
+
+# ---------------------------------------------------------------- the decisions, without I/O
+
+
+def test_an_unsent_answer_ends_the_association_it_would_have_completed() -> None:
+    peers = Associations("P", fingerprint(SMALL_SPEC), lease=6.0, interval=1.0)
+    (add,) = peers.receive("M", 1, hello("M", ""), 0.0)
+    assert isinstance(add, AddTransportPeer)
+    assert peers.transport_peer_added("M", add.pending, 0.0) == [SendHello("M", reply=True, associating=True)]
+    error = PeerProtocolError("no route")
+    assert peers.hello_unsent("M", error) == [
+        Refused("M", error),
+        TearDown("M", "cannot answer its hello: no route"),
+        HandshakeSettled("M", error),
+    ]
+    assert peers.peers() == [] and peers.liveness.next_deadline() is None
+
+
+def test_beyond_the_limit_hellos_and_connects_are_refused_without_an_answer() -> None:
+    peers = Associations("P", fingerprint(SMALL_SPEC), lease=6.0, interval=1.0, max_peers=1)
+    (add,) = peers.receive("A", 1, hello("A", ""), 0.0)
+    assert isinstance(add, AddTransportPeer)
+    peers.transport_peer_added("A", add.pending, 0.0)
+    refused = peers.receive("B", 1, hello("B", ""), 0.0)
+    assert [type(a) for a in refused] == [Refused, HandshakeSettled]  # no Reject: no socket spent on B
+    assert "limit of 1 peers" in str(refused[0])
+    assert [type(a) for a in peers.connect("C", "")][-1] is HandshakeSettled
+    assert [type(a) for a in peers.receive("A", 2, hello("A", ""), 0.0)][-1] is AddTransportPeer  # A may restart
+
+
+def test_a_hello_of_an_earlier_run_is_refused_without_touching_the_association() -> None:
+    peers = Associations("P", fingerprint(SMALL_SPEC), lease=6.0, interval=1.0)
+    (add,) = peers.receive("A", 5, hello("A", ""), 0.0)
+    assert isinstance(add, AddTransportPeer)
+    peers.transport_peer_added("A", add.pending, 0.0)
+    assert [type(a) for a in peers.receive("A", 4, hello("A", ""), 1.0)] == [Refused]
+    assert peers.incarnations == {"A": 5}

@@ -1,0 +1,191 @@
+"""A transport whose `add_peer` / `remove_peer` block does not stall the engine's loop.
+
+NIXL's `add_peer` may wait up to 30 s and shared memory's `remove_peer` waits for copies and an
+exclusive lock; the engine runs both on its peer thread.  Here a loopback endpoint holds them
+until the test opens a gate, and meanwhile the same engine keeps moving another peer's transfer
+and exchanging heartbeats.  A removed peer's transfers fail only once its removal returned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+import pytest
+import pytest_asyncio
+
+from kvflow.control.channel import LocalControlHub
+from kvflow.errors import TransportError
+from kvflow.layout import Region, fingerprint
+from kvflow.protocol.association import (
+    AddTransportPeer,
+    Associations,
+    HandshakeSettled,
+    PeerConnected,
+    Redeliver,
+    Refused,
+    SendHello,
+    TearDown,
+)
+from kvflow.protocol.core import CoreConfig
+from kvflow.protocol.messages import Goodbye, TransferKey
+from kvflow.protocol.state import Outcome, Role
+from kvflow.runtime.engine import Engine, EngineConfig
+from kvflow.testing import SMALL_SPEC, KVBuffers
+from kvflow.transports.loopback import LoopbackFabric, LoopbackTransport
+from tests.test_hostile_peers import hello
+from tests.waiting import eventually
+
+CONFIG = EngineConfig(
+    core=CoreConfig(fence_timeout=1.0, retention=5.0), transfer_timeout=30.0, drain_timeout=2.0, lease=5.0
+)
+HOLD_AT_MOST = 10.0  # a gate nobody opens lets go by itself, so that a failing test ends
+
+
+class Gate:
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.opened = threading.Event()
+        self.returned = threading.Event()
+
+    def hold(self) -> None:
+        self.entered.set()
+        self.opened.wait(HOLD_AT_MOST)
+
+
+class GatedTransport(LoopbackTransport):
+    """Loopback, except that adding or removing the peers named in `gates` waits for a gate."""
+
+    def __init__(self, name: str, fabric: LoopbackFabric, gates: dict[tuple[str, str], Gate]) -> None:
+        super().__init__(name, fabric=fabric)
+        self.gates = gates
+
+    def add_peer(self, name: str, metadata: bytes, regions: Sequence[Region]) -> None:
+        gate = self.gates.get(("add", name))
+        if gate is not None:
+            gate.hold()
+        super().add_peer(name, metadata, regions)
+        if gate is not None:
+            gate.returned.set()
+
+    def remove_peer(self, name: str) -> None:
+        gate = self.gates.get(("remove", name))
+        if gate is not None:
+            gate.hold()
+        super().remove_peer(name)
+        if gate is not None:
+            gate.returned.set()
+
+
+@dataclass
+class Trio:
+    """P on a gated transport; D and E ordinary peers of it."""
+
+    p: Engine
+    d: Engine
+    e: Engine
+    hub: LocalControlHub
+    gates: dict[tuple[str, str], Gate]
+    kv: dict[str, KVBuffers]
+
+
+@pytest_asyncio.fixture
+async def trio() -> AsyncIterator[Trio]:
+    fabric, hub = LoopbackFabric(), LocalControlHub()
+    gates: dict[tuple[str, str], Gate] = {}
+    kv = {name: KVBuffers(SMALL_SPEC, 8) for name in "PDE"}
+    p = Engine("P", kv["P"].layout, GatedTransport("P", fabric, gates), hub.channel("P"), config=CONFIG)
+    d = Engine("D", kv["D"].layout, fabric.endpoint("D"), hub.channel("D"), config=CONFIG)
+    e = Engine("E", kv["E"].layout, fabric.endpoint("E"), hub.channel("E"), config=CONFIG)
+    for engine in (p, d, e):
+        await engine.start()
+    await d.connect("P", timeout=5)
+    yield Trio(p, d, e, hub, gates, kv)
+    for gate in gates.values():
+        gate.opened.set()
+    for engine in (e, d, p):
+        await engine.aclose()
+    fabric.close()
+
+
+async def d_and_p_still_move_a_transfer(trio: Trio, transfer_id: str) -> None:
+    trio.kv["P"].fill([3], seed=5)
+    waiting = await trio.d.expect(transfer_id, 1, peer="P", block_ids=[4])
+    sending = await trio.p.kv_ready(transfer_id, 1, block_ids=[3])
+    assert (await waiting.wait(5)).ok and (await sending.wait(5)).ok
+
+
+async def heartbeats_flow(trio: Trio) -> None:
+    trio.p.assoc.liveness.interval = trio.d.assoc.liveness.interval = 0.02
+    before = trio.hub.delivered
+    await eventually(lambda: trio.hub.delivered >= before + 6, "heartbeats between P and D")
+
+
+@pytest.mark.asyncio
+async def test_a_blocking_add_peer_leaves_the_loop_serving_other_peers(trio: Trio) -> None:
+    gate = trio.gates["add", "E"] = Gate()
+    connecting = asyncio.create_task(trio.e.connect("P", timeout=20))
+    await eventually(gate.entered.is_set, "P's transport is adding E")
+    await d_and_p_still_move_a_transfer(trio, "while-adding")
+    await heartbeats_flow(trio)
+    assert not gate.returned.is_set() and trio.p.peers() == ["D"]  # all that while, E's addition was held
+    gate.opened.set()
+    await connecting
+    assert trio.p.peers() == ["D", "E"] and trio.p.crashed == []
+
+
+@pytest.mark.asyncio
+async def test_a_blocking_remove_peer_fails_the_peers_transfers_only_once_it_returned(trio: Trio) -> None:
+    await trio.e.connect("P", timeout=5)
+    gate = trio.gates["remove", "E"] = Gate()
+    await trio.e.expect("e", 1, peer="P", block_ids=[1])
+    key = TransferKey("e", 1)
+    await eventually(lambda: (key, Role.PREFILL) in {m.owner for m in trio.p.core.machines()}, "P has E's registration")
+    trio.hub.route("E", trio.e.control.incarnation, "P", Goodbye("leaving"))
+    await eventually(gate.entered.is_set, "P's transport is removing E")
+    assert trio.p.peers() == ["D"]  # the association ended at once
+    await d_and_p_still_move_a_transfer(trio, "while-removing")
+    await heartbeats_flow(trio)
+    assert not gate.returned.is_set()
+    assert trio.p.core.machine(key, Role.PREFILL).outcome is None  # not failed while E may still land
+    gate.opened.set()
+    await eventually(lambda: trio.p.core.machine(key, Role.PREFILL).outcome is not None, "E's transfer ends")
+    assert trio.p.core.machine(key, Role.PREFILL).outcome is Outcome.FAILED and gate.returned.is_set()
+    assert trio.p.crashed == []
+
+
+# ---------------------------------------------------------------- the decisions, without I/O
+
+
+def adding(assoc: Associations, peer: str, incarnation: int) -> AddTransportPeer:
+    (add,) = assoc.receive(peer, incarnation, hello(peer, ""), 0.0)
+    assert isinstance(add, AddTransportPeer) and assoc.peers() == []
+    return add
+
+
+def test_a_hello_arriving_while_its_sender_is_added_is_decided_once_the_transport_is_done() -> None:
+    assoc = Associations("P", fingerprint(SMALL_SPEC), lease=6.0, interval=1.0)
+    first = adding(assoc, "E", 1)
+    assert assoc.receive("E", 2, hello("E", ""), 0.5) == []  # E started over meanwhile
+    assert assoc.receive("E", 3, hello("E", ""), 0.6) == []  # only the newest is kept
+    assert assoc.transport_peer_added("E", first.pending, 1.0)[-1] == Redeliver("E", 3, hello("E", ""))
+    again = assoc.receive("E", 3, hello("E", ""), 1.0)
+    assert [type(a) for a in again] == [TearDown, AddTransportPeer]
+
+
+def test_the_answer_to_our_hello_while_its_sender_is_added_waits_for_the_addition() -> None:
+    assoc = Associations("P", fingerprint(SMALL_SPEC), lease=6.0, interval=1.0)
+    first = adding(assoc, "E", 1)
+    assert assoc.receive("E", 1, hello("E", "", reply=True), 0.5) == []  # nothing deferred
+    assert assoc.transport_peer_added("E", first.pending, 1.0) == [SendHello("E", reply=True, associating=True)]
+    assert [type(a) for a in assoc.hello_sent("E", 1.0)] == [HandshakeSettled, PeerConnected]
+
+
+def test_peers_being_added_count_toward_the_limit_and_a_refused_addition_frees_its_place() -> None:
+    assoc = Associations("P", fingerprint(SMALL_SPEC), lease=6.0, interval=1.0, max_peers=1)
+    first = adding(assoc, "E", 1)
+    assert [type(a) for a in assoc.receive("F", 1, hello("F", ""), 0.1)] == [Refused, HandshakeSettled]
+    assoc.pending_refused("E", first.pending, TransportError("no"))
+    adding(assoc, "F", 1)
