@@ -22,6 +22,7 @@ from kvflow.protocol.messages import ControlMessage, Goodbye, Heartbeat, Notice,
 from kvflow.protocol.state import Mode, Outcome, Role, State
 from kvflow.runtime.engine import Engine, EngineConfig
 from kvflow.testing import SMALL_SPEC, KVBuffers, same_kv
+from kvflow.testing.fuzz import insider_dealer
 from kvflow.transports.loopback import LoopbackFabric
 from tests.waiting import eventually
 
@@ -38,11 +39,13 @@ class Pair:
     fabric: LoopbackFabric
 
 
-async def make_pair(secret: Secret | None, d_secret: Secret | None = None, connect: bool = True) -> Pair:
+async def make_pair(
+    secret: Secret | None, d_secret: Secret | None = None, connect: bool = True, curve: bool = True
+) -> Pair:
     fabric = LoopbackFabric()
     p_kv, d_kv = KVBuffers(SMALL_SPEC, 16), KVBuffers(SMALL_SPEC, 16)
-    p = Engine("P", p_kv.layout, fabric.endpoint("P"), ZmqControl("P", secret=secret), config=CONFIG)
-    d_channel = ZmqControl("D", secret=d_secret if d_secret is not None else secret)
+    p = Engine("P", p_kv.layout, fabric.endpoint("P"), ZmqControl("P", secret=secret, curve=curve), config=CONFIG)
+    d_channel = ZmqControl("D", secret=d_secret if d_secret is not None else secret, curve=curve)
     d = Engine("D", d_kv.layout, fabric.endpoint("D"), d_channel, config=CONFIG)
     await p.start()
     await d.start()
@@ -109,15 +112,21 @@ def test_unauthenticated_off_loopback_is_refused() -> None:
 
 
 @pytest.mark.asyncio
-async def test_a_peer_with_another_secret_is_never_heard(caplog: pytest.LogCaptureFixture) -> None:
-    engines = await make_pair(SECRET, Secret(b"another secret, same length!!"), connect=False)
+@pytest.mark.parametrize("curve", [True, False])
+async def test_a_peer_with_another_secret_is_never_heard(caplog: pytest.LogCaptureFixture, curve: bool) -> None:
+    engines = await make_pair(SECRET, Secret(b"another secret, same length!!"), connect=False, curve=curve)
     try:
         with caplog.at_level(logging.WARNING, logger="kvflow.control.zeromq"), pytest.raises(TransferTimeout):
             await engines.d.connect("P", engines.p.control.address, timeout=0.5)
         assert isinstance(engines.p.control, ZmqControl)
-        assert engines.p.control.counters["rejected_bad_mac"] >= 1
+        counters = engines.p.control.counters
+        if curve:  # its connection never completes the handshake: not one of its frames is read
+            assert counters["rejected_handshake_protocol"] >= 1 and counters["frames_received"] == 0
+            assert caplog.text.count("control plane dropped rejected_handshake") == 1  # then only counted
+        else:
+            assert counters["rejected_bad_mac"] >= 1
+            assert caplog.text.count("dropping control frames") == 1  # logged once, then counted
         assert engines.p.peers() == []
-        assert caplog.text.count("dropping control frames") == 1  # logged once, then counted
         assert "another secret" not in caplog.text and "a shared secret" not in caplog.text
     finally:
         await close(engines)
@@ -172,13 +181,11 @@ async def test_live_fuzz_of_a_running_engine(pair: Pair) -> None:
         Notice(key, Outcome.ABORTED, "x"),
         Heartbeat((key,)),
     ]
-    valid = [wire.encode(wire.Envelope("mallory", 1, "P", seq, msg)) for seq, msg in enumerate(samples, start=1)]
+    bound = control.incarnation
+    valid = [wire.encode(wire.Envelope("mallory", 1, "P", seq, msg, bound)) for seq, msg in enumerate(samples, start=1)]
     ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.IDENTITY, b"mallory")
-    sock.setsockopt(zmq.LINGER, 0)
+    sock = insider_dealer(ctx, b"mallory", control.address, SECRET)
     sock.setsockopt(zmq.SNDHWM, 0)
-    sock.connect(control.address)
     for signed in valid:
         sock.send_multipart([signed, SECRET.sign(signed)])
     frames = fuzz_frames(valid, random.Random(7), 10_000)
@@ -209,11 +216,8 @@ async def test_live_fuzz_of_a_running_engine(pair: Pair) -> None:
 async def test_another_protocol_version_is_refused_with_the_reason() -> None:
     engines = await make_pair(SECRET, connect=False)
     ctx = zmq.Context()
-    sender = ctx.socket(zmq.DEALER)
-    sender.setsockopt(zmq.IDENTITY, b"future")
-    sender.setsockopt(zmq.LINGER, 0)
+    sender = insider_dealer(ctx, b"future", engines.p.control.address, SECRET)
     try:
-        sender.connect(engines.p.control.address)
         frame = msgpack.packb(
             [wire.MAGIC, wire.VERSION + 1, "future", 1, "P", 1, 1, ["whatever", "the", "future", "holds"]]
         )
