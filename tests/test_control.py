@@ -16,9 +16,18 @@ import zmq
 from kvflow.control import wire
 from kvflow.control.auth import Secret
 from kvflow.control.channel import LocalControlHub, new_incarnation
-from kvflow.control.zeromq import ZmqControl, is_loopback
+from kvflow.control.zeromq import YIELD_EVERY, ZmqControl, is_loopback
 from kvflow.errors import ConfigError, EngineClosed, PeerUnknown, PeerUnreachable, TransferTimeout, UsageError
-from kvflow.protocol.messages import ControlMessage, Goodbye, Heartbeat, Notice, Ready, Registration, TransferKey
+from kvflow.protocol.messages import (
+    ControlMessage,
+    Goodbye,
+    Heartbeat,
+    Notice,
+    Ready,
+    Registration,
+    Reject,
+    TransferKey,
+)
 from kvflow.protocol.state import Mode, Outcome, Role, State
 from kvflow.runtime.engine import Engine, EngineConfig
 from kvflow.testing import SMALL_SPEC, KVBuffers, same_kv
@@ -266,3 +275,63 @@ async def test_send_failures_say_whether_the_peer_is_unknown_or_unreachable() ->
         hub.channel("me").send("nobody", Goodbye("x"))
     with pytest.raises(PeerUnreachable, match="'gone' is no longer running"):
         hub.channel("me").send("gone", Goodbye("x"))
+
+
+@pytest.mark.asyncio
+async def test_frames_for_an_earlier_run_of_the_receiver_are_refused() -> None:
+    # Frames a holder of the secret signed for P's earlier run (as recorded on the path): P, restarted
+    # under the same name, has an empty replay guard, and refuses them by the run they name.
+    earlier = ZmqControl("P", secret=SECRET)
+    earlier.start(asyncio.get_running_loop(), lambda sender, incarnation, message: None)
+    earlier.close()
+    got: list[ControlMessage] = []
+    restarted = ZmqControl("P", secret=SECRET)
+    restarted.start(asyncio.get_running_loop(), lambda sender, incarnation, message: got.append(message))
+    ctx = zmq.Context()
+    sock = insider_dealer(ctx, b"D", restarted.address, SECRET)
+    try:
+        runs = [earlier.incarnation, 0, 0, restarted.incarnation]  # earlier run, none (twice), this run
+        messages: list[ControlMessage] = [Goodbye("old"), Goodbye("unbound"), Reject("opening"), Goodbye("now")]
+        for seq, (run, message) in enumerate(zip(runs, messages, strict=True), start=1):
+            frame = wire.encode(wire.Envelope("D", 7, "P", seq, message, run))
+            sock.send_multipart([frame, SECRET.sign(frame)])
+        await eventually(lambda: restarted.counters["frames_received"] == 4, "P read every frame")
+        assert restarted.counters["rejected_stale"] == 1 and restarted.counters["rejected_unbound"] == 1
+        assert got == [Reject("opening"), Goodbye("now")]  # a Reject may come before any contact
+    finally:
+        sock.close()
+        ctx.term()
+        restarted.close()
+
+
+@pytest.mark.asyncio
+async def test_the_receive_loop_lets_the_event_loop_run_while_frames_are_queued() -> None:
+    control = ZmqControl("P", secret=SECRET)
+    control.start(asyncio.get_running_loop(), lambda sender, incarnation, message: None)
+    ctx = zmq.Context()
+    sock = insider_dealer(ctx, b"mallory", control.address, SECRET)
+    observed: list[int] = []
+    try:
+        sock.send_multipart([b"x" * 1024, b"\0" * 32])  # the handshake needs the loop (ZAP)
+        await eventually(lambda: control.counters["rejected_bad_mac"] == 1, "mallory is connected")
+        # While this coroutine blocks the loop, 300 badly signed frames queue up at P.
+        frames = 300
+        body = bytes(256 * 1024)
+        for _ in range(frames):
+            sock.send_multipart([body, b"\0" * 32], copy=False)
+        sock.close(linger=30_000)  # returns once every frame is on its way
+        ctx.term()
+
+        async def observe() -> None:
+            observed.append(control.counters["rejected_bad_mac"])
+            while observed[-1] < frames + 1:
+                await asyncio.sleep(0)
+                observed.append(control.counters["rejected_bad_mac"])
+
+        await asyncio.wait_for(observe(), 60)
+    finally:
+        sock.close(linger=0)
+        control.close()
+    steps = [b - a for a, b in zip(observed, observed[1:], strict=False)]
+    # a ROUTER frame is 3 parts: at most YIELD_EVERY parts are read per turn of the loop
+    assert max(steps) <= YIELD_EVERY // 3 + 1, f"{max(steps)} frames checked in one turn of the loop"

@@ -54,7 +54,7 @@ class Peak:
         while not self._stop.wait(0.005):
             try:
                 self.rss, self.fds = max(self.rss, rss(self.pid)), max(self.fds, fds(self.pid))
-            except OSError:  # the process is gone
+            except (OSError, AssertionError):  # the process is gone, or a zombie
                 return
 
     def stop(self) -> None:
@@ -82,6 +82,10 @@ def transfer(p: PeerProcess, d: PeerProcess, tid: str, seed: int) -> float:
     return latency
 
 
+def handshakes_refused(stats: dict[str, Any]) -> int:
+    return sum(v for k, v in stats["control"].items() if k.startswith("rejected_handshake"))
+
+
 def report(name: str, stats: fuzz.AttackStats, latency: float, p: PeerProcess, control: dict[str, Any]) -> None:
     pid = p.proc.pid
     drops = {k: v for k, v in control.items() if k.startswith(("rejected", "accept_failed")) and v}
@@ -105,9 +109,7 @@ def test_an_unfinished_multipart_message_is_not_kept(prefix: str) -> None:
         latency = time.monotonic() - start
         peak.stop()
         assert peak.rss - base < 32 * MiB, f"P grew by {(peak.rss - base) / MiB:.0f} MiB"
-        control = p.stats_when(lambda s: s["control"].get("rejected_handshake", 0) >= 1, "the attack is counted")[
-            "control"
-        ]
+        control = p.stats_when(lambda s: handshakes_refused(s) >= 1, "the attack is counted")["control"]
         assert control["frames_received"] == control["messages_delivered"]  # nothing of the stranger was read
         assert transfer(p, d, "s", seed=2) > 0
         report("unfinished multipart", stats, latency, p, control)
@@ -123,7 +125,7 @@ def test_a_flood_of_badly_signed_frames_does_not_starve_heartbeats(prefix: str) 
         base = rss(p.proc.pid)
         d.ask("started", cmd="expect", tid="r", epoch=1, peer="P", blocks=[1, 2], mode="push")
         # above what HMAC-SHA256 checks in a second: 1,200 frames of 1 MiB in well under a second
-        with attack(lambda: fuzz.bad_mac_flood(p.address, frames=1200, seconds=3.0)) as running:
+        with attack(lambda: fuzz.bad_mac_flood(p.address, frames=1200, seconds=30.0)) as running:
             stats = running.result(timeout=60)
         start = time.monotonic()
         p.ask("started", cmd="kv_ready", tid="r", epoch=1, blocks=[5, 6], mode="push", peer="D", seed=1)
@@ -131,7 +133,7 @@ def test_a_flood_of_badly_signed_frames_does_not_starve_heartbeats(prefix: str) 
         assert result["outcome"] == "succeeded", result  # no heartbeat was missed: P and D stay associated
         latency = time.monotonic() - start
         peak.stop()
-        control = p.stats_when(lambda s: s["control"].get("rejected_handshake_protocol", 0) >= 1, "counted")["control"]
+        control = p.stats_when(lambda s: handshakes_refused(s) >= stats.refused >= 1, "counted")["control"]
         assert control.get("rejected_bad_mac", 0) == 0  # not one was read, let alone checked
         assert peak.rss - base < 64 * MiB, f"P grew by {(peak.rss - base) / MiB:.0f} MiB"
         assert p.ask("stats", cmd="stats")["peers"] == ["D"]
@@ -214,8 +216,9 @@ def test_frames_recorded_earlier_are_refused_by_a_restarted_engine(prefix: str, 
         p = PeerProcess("P", f"{prefix}-p2", *extra)
         stats = fuzz.replay(p.address, proxy.streams, hold=0.5)
         if curve:  # an old session's stream does not pass the handshake: not one frame is read
-            first = p.stats_when(lambda s: s["control"].get("rejected_handshake_protocol", 0) >= 1, "counted")
-            assert stats.refused >= 1 and first["control"].get("frames_received", 0) == 0
+            first = p.stats_when(lambda s: s["control"].get("frames_received", 0) + handshakes_refused(s) > 0, "P acts")
+            assert first["control"].get("frames_received", 0) == 0
+            assert handshakes_refused(first) >= 1 and stats.refused >= 1
         else:  # the opening Hello is all an opening may carry; P answers it and keeps nothing else
             first = p.stats_when(lambda s: s["control"].get("messages_delivered", 0) >= 1, "the Hello is read")
             assert first["control"]["messages_delivered"] == 1

@@ -15,10 +15,11 @@ once per interval per kind.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,7 +88,7 @@ def zap_reply(request: list[bytes], allowed: frozenset[bytes]) -> tuple[list[byt
 async def serve_zap(sock: zmq.asyncio.Socket, allowed: frozenset[bytes], counters: Counter[str]) -> None:
     """Answer ZAP requests on `sock` until it closes.  Each is answered at once, without
     blocking (a reply ZeroMQ cannot take is dropped, and the handshake runs out)."""
-    while not sock.closed:
+    while True:
         try:
             request = await sock.recv_multipart()
             reply, admitted = zap_reply(request, allowed)
@@ -96,6 +97,7 @@ async def serve_zap(sock: zmq.asyncio.Socket, allowed: frozenset[bytes], counter
         except zmq.ZMQError:
             if sock.closed:
                 return
+            await asyncio.sleep(0.01)  # not expected: do not spin
 
 
 class DropLog:
@@ -132,15 +134,16 @@ _EVENTS: dict[int, tuple[str, str]] = {
 async def watch_connections(sock: zmq.asyncio.Socket, counters: Counter[str], drops: DropLog) -> None:
     """Count the ROUTER's connection events from its monitor socket `sock` until it closes:
     `connections_accepted`, `connections_open` (a gauge) and the drops in `_EVENTS`."""
-    while not sock.closed:
+    while True:
         try:
             frames = await sock.recv_multipart()
         except zmq.ZMQError:
             if sock.closed:
                 return
+            await asyncio.sleep(0.01)  # not expected: do not spin
             continue
         try:
-            event: dict[str, Any] = parse_monitor_message(frames)
+            event: Mapping[str, Any] = parse_monitor_message(frames)
         except (ValueError, TypeError, IndexError):  # pyzmq's parser on a message it does not know
             continue
         kind = event["event"]

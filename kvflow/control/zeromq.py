@@ -311,7 +311,7 @@ class ZmqControl:
                 frames: list[bytes] = []
                 excess = False
                 while True:
-                    part = cast("bytes", await sock.recv(copy=True))
+                    part = await sock.recv(copy=True)
                     if len(frames) < limit:
                         frames.append(part)
                     elif not excess:

@@ -39,6 +39,9 @@ __all__ = (
 )
 
 
+GREETING = 64  # bytes of a ZMTP 3 greeting
+
+
 @dataclass(frozen=True, slots=True)
 class AttackStats:
     """What an attack did: `sent` frames, parts or connections; `refused`, those the target
@@ -91,71 +94,83 @@ def _handshakes_failed(monitor: zmq.Socket[bytes]) -> tuple[int, int]:
     return ok, failed
 
 
-def unfinished_multipart(
-    address: str,
-    *,
-    parts: int,
-    part_bytes: int = 64 * 1024,
-    identity: bytes = b"mallory",
-    keys: CurveKeys | None = None,
-) -> AttackStats:
-    """Send `parts` parts of one multipart message that never ends, then disconnect."""
+def _frame(payload: bytes, *, more: bool = False, command: bool = False) -> bytes:
+    """One ZMTP 3 frame."""
+    flags = (0x01 if more else 0) | (0x04 if command else 0)
+    if len(payload) > 255:
+        return bytes([flags | 0x02]) + len(payload).to_bytes(8, "big") + payload
+    return bytes([flags, len(payload)]) + payload
+
+
+def _stranger(address: str, identity: bytes = b"") -> socket.socket:
+    """A raw TCP connection that has done ZMTP 3's NULL handshake as a DEALER, as anyone
+    without keys can.  :raises ConnectionError: the target refused (it wants another mechanism)."""
+    sock = socket.create_connection(_host_port(address), timeout=5.0)
+    try:
+        sock.sendall(b"\xff" + b"\0" * 8 + b"\x7f\x03\x01" + b"NULL".ljust(20, b"\0") + b"\0" * 32)
+        greeting = b""
+        while len(greeting) < GREETING:
+            data = sock.recv(GREETING - len(greeting))
+            if not data:
+                raise ConnectionError("the target closed the connection during the greeting")
+            greeting += data
+        if greeting[12:16] != b"NULL":
+            raise ConnectionError(f"the target wants {greeting[12:32].rstrip(bytes(1)).decode(errors='replace')}")
+        props = b"\x0bSocket-Type" + (6).to_bytes(4, "big") + b"DEALER"
+        props += b"\x08Identity" + len(identity).to_bytes(4, "big") + identity
+        sock.sendall(_frame(b"\x05READY" + props, command=True))
+        _answer(sock, 1)  # its READY, or the end of the connection
+    except (OSError, ConnectionError):
+        sock.close()
+        raise
+    return sock
+
+
+def unfinished_multipart(address: str, *, parts: int, part_bytes: int = 64 * 1024) -> AttackStats:
+    """Send `parts` parts of one multipart message that never ends (a raw ZMTP connection: no
+    ZeroMQ library sends an unfinished message), then disconnect.  `refused`: 1 if the target
+    refused the connection or closed it."""
     start = time.monotonic()
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    sock = _dealer(ctx, identity, address, keys)
-    sock.setsockopt(zmq.SNDHWM, 0)
-    monitor = sock.get_monitor_socket()
-    chunk = os.urandom(part_bytes)
+    part = _frame(os.urandom(part_bytes), more=True)
     sent = 0
     try:
-        for _ in range(parts):
-            sock.send(chunk, zmq.SNDMORE)  # an unfinished message is not held back by any HWM
-            sent += 1
-        time.sleep(0.2)  # let the I/O thread put what it can on the wire before the socket goes
-        refused = _handshakes_failed(monitor)[1]
-    finally:
-        sock.disable_monitor()
-        monitor.close(linger=0)
-        sock.close(linger=0)
-        ctx.term()
-    return AttackStats("unfinished_multipart", sent, refused, time.monotonic() - start)
+        with _stranger(address) as sock:
+            for _ in range(parts):
+                sock.sendall(part)
+                sent += 1
+            _answer(sock, 0, quiet=0.2)  # give the target a moment with it before leaving
+    except (OSError, ConnectionError):
+        return AttackStats("unfinished_multipart", sent, 1, time.monotonic() - start)
+    return AttackStats("unfinished_multipart", sent, 0, time.monotonic() - start)
 
 
 def bad_mac_flood(
-    address: str,
-    *,
-    frames: int,
-    frame_bytes: int = 1 << 20,
-    senders: int = 4,
-    keys: CurveKeys | None = None,
-    seconds: float = 60.0,
+    address: str, *, frames: int, frame_bytes: int = 1 << 20, senders: int = 4, seconds: float = 60.0
 ) -> AttackStats:
-    """Send `frames` frames of `frame_bytes` random bytes with a random MAC, spread over
-    `senders` connections, as fast as they are taken (each send waits at most `seconds` in all)."""
+    """Send `frames` two-part frames, `frame_bytes` random bytes and a random MAC, over
+    `senders` raw ZMTP connections at once, as fast as the target takes them (at most `seconds`).
+    `sent` counts frames the target's TCP stack took; `refused`, connections it refused or closed."""
     start = time.monotonic()
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    socks = [_dealer(ctx, f"flood-{i}".encode(), address, keys) for i in range(senders)]
-    body, mac = os.urandom(frame_bytes), os.urandom(32)
-    sent = refused = 0
-    end = start + seconds
-    try:
-        for i in range(frames):
-            sock = socks[i % senders]
-            while time.monotonic() < end:
-                try:
-                    sock.send_multipart([body, mac], flags=zmq.NOBLOCK, copy=False)
-                    sent += 1
-                    break
-                except zmq.Again:  # the target is not taking them (or not letting us in)
-                    refused += 1
-                    sock.poll(10, zmq.POLLOUT)
-            else:
-                break
-    finally:
-        for sock in socks:
-            sock.close(linger=0)
-        ctx.term()
-    return AttackStats("bad_mac_flood", sent, refused, time.monotonic() - start)
+    message = _frame(os.urandom(frame_bytes), more=True) + _frame(os.urandom(32))
+    counts = [0] * senders
+    refusals = [0] * senders
+
+    def flood(i: int) -> None:
+        try:
+            with _stranger(address) as sock:
+                sock.settimeout(max(start + seconds - time.monotonic(), 0.001))
+                for _ in range(i, frames, senders):
+                    sock.sendall(message)
+                    counts[i] += 1
+        except (OSError, ConnectionError):  # refused, closed, or out of time
+            refusals[i] += 1
+
+    threads = [threading.Thread(target=flood, args=(i,), daemon=True) for i in range(senders)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return AttackStats("bad_mac_flood", sum(counts), sum(refusals), time.monotonic() - start)
 
 
 def _host_port(address: str) -> tuple[str, int]:
@@ -306,9 +321,6 @@ class RecordingProxy:
     def close(self) -> None:
         self._closed.set()
         self._listener.close()
-
-
-GREETING = 64  # bytes of a ZMTP 3 greeting
 
 
 def _commands(stream: bytes) -> list[bytes]:
