@@ -69,6 +69,7 @@ log = logging.getLogger(__name__)
 ENV_SECRET: Any = object()  # "read the secret from the environment"
 SOCKET_LIMIT = MAX_FRAME_BYTES + 4096  # per part: ZeroMQ drops a connection sending more; we count up to it
 MAX_LOGGED = 4096
+RECEIVE_QUEUE = 1024  # messages queued per connection (each part at most SOCKET_LIMIT): about 3 GiB at worst
 HANDSHAKE_TIMEOUT = 2.0  # seconds a connection may take to authenticate
 YIELD_EVERY = 64  # parts read before the receive loop lets the event loop run
 YIELD_AFTER = 0.005  # seconds of receiving before it does
@@ -177,7 +178,7 @@ class ZmqControl:
         router = self._ctx.socket(zmq.ROUTER)
         self._harden(router)
         router.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        router.setsockopt(zmq.RCVHWM, self._send_queue)
+        router.setsockopt(zmq.RCVHWM, min(self._send_queue, RECEIVE_QUEUE))
         if self._keys is not None:
             router.setsockopt(zmq.CURVE_SERVER, 1)
             router.setsockopt(zmq.CURVE_SECRETKEY, self._keys.server_secret)
