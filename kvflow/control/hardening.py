@@ -135,6 +135,7 @@ async def watch_connections(sock: zmq.asyncio.Socket, counters: Counter[str], dr
     """Count the ROUTER's connection events from its monitor socket `sock` until it closes:
     `connections_accepted`, `connections_open` (a gauge) and the drops in `_EVENTS`."""
     while True:
+        await asyncio.sleep(0)  # queued events come without a turn of the loop: let others run
         try:
             frames = await sock.recv_multipart()
         except zmq.ZMQError:

@@ -10,9 +10,12 @@ A connection costs a stranger's effort, not ours: with a secret, every connectio
 authenticated by ZeroMQ before any of its messages is read (`kvflow.control.hardening`), an
 unauthenticated connection is closed when `handshake_timeout` runs out, a later connection
 under a taken identity takes it over (the real peer reclaims its name), parts over
-`SOCKET_LIMIT` make ZeroMQ drop the connection, a message of more parts than a frame has is
-dropped as soon as it has too many (its remaining parts are read and thrown away one by one),
-and the receive loop yields to the event loop every `YIELD_EVERY` parts or `YIELD_AFTER` seconds.
+`SOCKET_LIMIT` make ZeroMQ drop the connection, at most `RECEIVE_QUEUE` messages wait per
+connection, a message of more parts than a frame has is dropped (its parts are thrown away
+uncopied), and the receive loop yields to the event loop every `YIELD_EVERY` parts or
+`YIELD_AFTER` seconds.  An unfinished multipart message is held inside libzmq, out of any
+reader's and HWM's reach, until it ends: only authenticating the connection first keeps a
+stranger from sending one.
 
 Every frame is checked before any message object exists: size, HMAC (`kvflow.control.auth`), the strict
 codec (`kvflow.control.wire`), receiver, the receiver's incarnation (this run's, or 0 on an
@@ -69,7 +72,7 @@ log = logging.getLogger(__name__)
 ENV_SECRET: Any = object()  # "read the secret from the environment"
 SOCKET_LIMIT = MAX_FRAME_BYTES + 4096  # per part: ZeroMQ drops a connection sending more; we count up to it
 MAX_LOGGED = 4096
-RECEIVE_QUEUE = 1024  # messages queued per connection (each part at most SOCKET_LIMIT): about 3 GiB at worst
+RECEIVE_QUEUE = 128  # messages queued per connection (a frame is at most 2 parts of SOCKET_LIMIT): 256 MiB
 HANDSHAKE_TIMEOUT = 2.0  # seconds a connection may take to authenticate
 YIELD_EVERY = 64  # parts read before the receive loop lets the event loop run
 YIELD_AFTER = 0.005  # seconds of receiving before it does
@@ -300,10 +303,10 @@ class ZmqControl:
         """Read `sock` until it closes: the ROUTER (frames carry the sender's identity) or a
         DEALER to `peer` (frames come from that peer only).
 
-        Parts are read one at a time: a message is dropped as soon as it has more parts than a
-        frame, and the rest of it is read and thrown away, so an unfinished message holds one
-        part in memory, not all of them.  pyzmq hands out parts already queued without letting
-        the loop run, so this loop yields every `YIELD_EVERY` parts or `YIELD_AFTER` seconds.
+        Parts are read one at a time: a message with more parts than a frame is dropped when it
+        has one too many, and its further parts are thrown away without being copied.  pyzmq
+        hands out parts already queued without letting the loop run, so this loop yields every
+        `YIELD_EVERY` parts or `YIELD_AFTER` seconds.
         """
         limit = 3 if peer is None else 2  # [identity,] envelope, mac
         turn = (0, time.monotonic())
@@ -312,9 +315,9 @@ class ZmqControl:
                 frames: list[bytes] = []
                 excess = False
                 while True:
-                    part = await sock.recv(copy=True)
+                    part = await sock.recv(copy=False)  # a zmq.Frame: dropped parts are never copied
                     if len(frames) < limit:
-                        frames.append(part)
+                        frames.append(part.bytes)
                     elif not excess:
                         excess = True
                         self._reject(frames[0] if peer is None else peer, "shape", f"over {limit} parts")
