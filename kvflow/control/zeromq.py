@@ -209,8 +209,8 @@ class ZmqControl:
         """Queue `message` for `peer`; never blocks.
 
         :raises PeerUnknown: no control address is known for `peer`.
-        :raises PeerUnreachable: its address is unusable, the queue to it is full (it is not
-            reading), or ZeroMQ refused the frame.
+        :raises PeerUnreachable: its address is unusable, no socket can be opened (out of
+            descriptors), the queue to it is full (it is not reading), or ZeroMQ refused the frame.
         :raises EngineClosed: the channel is closed.
         :raises UsageError: the channel was never started.
         :raises PeerProtocolError: the message would make a frame over `MAX_FRAME_BYTES`.
