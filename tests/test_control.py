@@ -16,7 +16,7 @@ import zmq
 from kvflow.control import wire
 from kvflow.control.auth import Secret
 from kvflow.control.channel import LocalControlHub, new_incarnation
-from kvflow.control.zeromq import YIELD_EVERY, ZmqControl, is_loopback
+from kvflow.control.zeromq import RECEIVE_QUEUE, YIELD_EVERY, ZmqControl, is_loopback
 from kvflow.errors import ConfigError, EngineClosed, PeerUnknown, PeerUnreachable, TransferTimeout, UsageError
 from kvflow.protocol.messages import (
     ControlMessage,
@@ -118,6 +118,9 @@ def test_unauthenticated_off_loopback_is_refused() -> None:
     with pytest.raises(ConfigError, match="KVFLOW_SECRET"):
         ZmqControl("x", secret=None).add_route("y", "tcp://192.0.2.1:5000")
     ZmqControl("x", bind="tcp://0.0.0.0:0", secret=SECRET)  # with a secret, any interface
+    for bad in (0, -1.0, float("nan")):
+        with pytest.raises(ConfigError, match="handshake_timeout must be positive"):
+            ZmqControl("x", secret=SECRET, handshake_timeout=bad)
 
 
 @pytest.mark.asyncio
@@ -314,8 +317,10 @@ async def test_the_receive_loop_lets_the_event_loop_run_while_frames_are_queued(
     try:
         sock.send_multipart([b"x" * 1024, b"\0" * 32])  # the handshake needs the loop (ZAP)
         await eventually(lambda: control.counters["rejected_bad_mac"] == 1, "mallory is connected")
-        # While this coroutine blocks the loop, 300 badly signed frames queue up at P.
-        frames = 300
+        # While this coroutine blocks the loop, 100 badly signed frames queue up at P (fewer than
+        # the RECEIVE_QUEUE a connection may fill).
+        frames = 100
+        assert frames < RECEIVE_QUEUE
         body = bytes(256 * 1024)
         for _ in range(frames):
             sock.send_multipart([body, b"\0" * 32], copy=False)

@@ -204,6 +204,13 @@ class ZmqControl:
                 self.engine_id,
                 self._address,
             )
+        elif self._keys is None:
+            log.warning(
+                "%s: control plane on %s signs frames but does not authenticate connections (curve=False): "
+                "whoever reaches it can hold descriptors and memory",
+                self.engine_id,
+                self._address,
+            )
 
     def send(self, peer: str, message: ControlMessage) -> None:
         """Queue `message` for `peer`; never blocks.

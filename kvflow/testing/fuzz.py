@@ -6,9 +6,11 @@ socket or a raw TCP connection: an unfinished multipart message, a flood of larg
 frames, a flood of idle connections, squatting a peer's ZeroMQ identity, and replaying a recorded
 TCP stream at a restarted engine.  Each is a plain blocking function (run it on a thread next to
 an event loop) parameterised by scale, returning an `AttackStats`; none raises on what the target
-does (refuses, closes, never answers): that is the outcome being measured.  `keys` (from
-`hardening.curve_keys`) makes the attacker an insider holding the secret's CURVE keys, to test
-what is left once a connection is authenticated.
+does (refuses, closes, never answers): that is the outcome being measured (an address that is
+not ``tcp://host:port`` raises `ValueError`).  `insider_dealer`, and `keys` (from
+`hardening.curve_keys`) where an attack takes them, play an insider holding the secret's CURVE
+keys, to test what is left once a connection is authenticated.  At large scale the attacker needs its own
+resources: `connection_flood` one descriptor per connection held, the floods the bandwidth.
 """
 
 from __future__ import annotations
