@@ -1,12 +1,17 @@
-"""Secrets never show, MACs bind the whole envelope, old frames cannot be replayed."""
+"""Secrets never show, MACs bind the whole envelope, old frames cannot be replayed; CURVE keys
+come from the secret, the ZAP handler admits only the derived client key, drops are logged sparsely."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
+import zmq
+from zmq.utils import z85
 
 from kvflow.control.auth import ReplayGuard, Secret, secret_from_env
+from kvflow.control.hardening import DropLog, curve_keys, zap_reply
 from kvflow.errors import ConfigError
 
 
@@ -55,3 +60,36 @@ def test_replay_guard_is_bounded() -> None:
     for name in "abcd":
         assert guard.accept(name, 1, 1)
     assert guard.incarnation("a") is None and guard.incarnation("d") == 1
+
+
+def test_curve_keys_come_from_the_secret_and_zap_admits_only_the_client_key() -> None:
+    keys = curve_keys(Secret(b"a shared secret of some length"))
+    assert keys == curve_keys(Secret(b"a shared secret of some length"))  # every engine derives the same
+    assert keys != curve_keys(Secret(b"another secret of some length!"))
+    assert zmq.curve_public(keys.server_secret) == keys.server_public
+    assert keys.server_secret.decode() not in repr(keys) and keys.client_secret.decode() not in repr(keys)
+    client = z85.decode(keys.client_public)
+    request = [b"1.0", b"7", b"kvflow", b"127.0.0.1", b"", b"CURVE", client]
+    assert zap_reply(request, frozenset([client])) == ([b"1.0", b"7", b"200", b"OK", b"kvflow", b""], True)
+    refused = [
+        request[:6] + [z85.decode(keys.server_public)],  # another key
+        request[:5] + [b"NULL"],  # another mechanism
+        request[:2] + [b"other"] + request[3:],  # another domain
+        [b"2.0", *request[1:]],  # another ZAP version
+        request[:3],  # too short
+        [],
+    ]
+    for bad in refused:
+        reply, admitted = zap_reply(bad, frozenset([client]))
+        assert not admitted and reply[2] in (b"400", b"500") and len(reply) == 6
+
+
+def test_drops_are_logged_once_then_at_most_once_an_interval(caplog: pytest.LogCaptureFixture) -> None:
+    now = [0.0]
+    drops = DropLog("P", interval=10.0, clock=lambda: now[0])
+    with caplog.at_level(logging.WARNING, logger="kvflow.control.zeromq"):
+        for at in (0.0, 1.0, 2.0, 9.9, 10.5, 11.0):
+            now[0] = at
+            drops.note("rejected_handshake", "an idle connection")
+    assert caplog.text.count("dropped rejected_handshake") == 2
+    assert "(3 more since the last report)" in caplog.text

@@ -16,12 +16,22 @@ import zmq
 from kvflow.control import wire
 from kvflow.control.auth import Secret
 from kvflow.control.channel import LocalControlHub, new_incarnation
-from kvflow.control.zeromq import ZmqControl, is_loopback
+from kvflow.control.zeromq import RECEIVE_QUEUE, YIELD_EVERY, ZmqControl, is_loopback
 from kvflow.errors import ConfigError, EngineClosed, PeerUnknown, PeerUnreachable, TransferTimeout, UsageError
-from kvflow.protocol.messages import ControlMessage, Goodbye, Heartbeat, Notice, Ready, Registration, TransferKey
+from kvflow.protocol.messages import (
+    ControlMessage,
+    Goodbye,
+    Heartbeat,
+    Notice,
+    Ready,
+    Registration,
+    Reject,
+    TransferKey,
+)
 from kvflow.protocol.state import Mode, Outcome, Role, State
 from kvflow.runtime.engine import Engine, EngineConfig
 from kvflow.testing import SMALL_SPEC, KVBuffers, same_kv
+from kvflow.testing.fuzz import insider_dealer
 from kvflow.transports.loopback import LoopbackFabric
 from tests.waiting import eventually
 
@@ -38,11 +48,13 @@ class Pair:
     fabric: LoopbackFabric
 
 
-async def make_pair(secret: Secret | None, d_secret: Secret | None = None, connect: bool = True) -> Pair:
+async def make_pair(
+    secret: Secret | None, d_secret: Secret | None = None, connect: bool = True, curve: bool = True
+) -> Pair:
     fabric = LoopbackFabric()
     p_kv, d_kv = KVBuffers(SMALL_SPEC, 16), KVBuffers(SMALL_SPEC, 16)
-    p = Engine("P", p_kv.layout, fabric.endpoint("P"), ZmqControl("P", secret=secret), config=CONFIG)
-    d_channel = ZmqControl("D", secret=d_secret if d_secret is not None else secret)
+    p = Engine("P", p_kv.layout, fabric.endpoint("P"), ZmqControl("P", secret=secret, curve=curve), config=CONFIG)
+    d_channel = ZmqControl("D", secret=d_secret if d_secret is not None else secret, curve=curve)
     d = Engine("D", d_kv.layout, fabric.endpoint("D"), d_channel, config=CONFIG)
     await p.start()
     await d.start()
@@ -106,18 +118,27 @@ def test_unauthenticated_off_loopback_is_refused() -> None:
     with pytest.raises(ConfigError, match="KVFLOW_SECRET"):
         ZmqControl("x", secret=None).add_route("y", "tcp://192.0.2.1:5000")
     ZmqControl("x", bind="tcp://0.0.0.0:0", secret=SECRET)  # with a secret, any interface
+    for bad in (0, -1.0, float("nan")):
+        with pytest.raises(ConfigError, match="handshake_timeout must be positive"):
+            ZmqControl("x", secret=SECRET, handshake_timeout=bad)
 
 
 @pytest.mark.asyncio
-async def test_a_peer_with_another_secret_is_never_heard(caplog: pytest.LogCaptureFixture) -> None:
-    engines = await make_pair(SECRET, Secret(b"another secret, same length!!"), connect=False)
+@pytest.mark.parametrize("curve", [True, False])
+async def test_a_peer_with_another_secret_is_never_heard(caplog: pytest.LogCaptureFixture, curve: bool) -> None:
+    engines = await make_pair(SECRET, Secret(b"another secret, same length!!"), connect=False, curve=curve)
     try:
         with caplog.at_level(logging.WARNING, logger="kvflow.control.zeromq"), pytest.raises(TransferTimeout):
             await engines.d.connect("P", engines.p.control.address, timeout=0.5)
         assert isinstance(engines.p.control, ZmqControl)
-        assert engines.p.control.counters["rejected_bad_mac"] >= 1
+        counters = engines.p.control.counters
+        if curve:  # its connection never completes the handshake: not one of its frames is read
+            assert counters["rejected_handshake_protocol"] >= 1 and counters["frames_received"] == 0
+            assert caplog.text.count("control plane dropped rejected_handshake") == 1  # then only counted
+        else:
+            assert counters["rejected_bad_mac"] >= 1
+            assert caplog.text.count("dropping control frames") == 1  # logged once, then counted
         assert engines.p.peers() == []
-        assert caplog.text.count("dropping control frames") == 1  # logged once, then counted
         assert "another secret" not in caplog.text and "a shared secret" not in caplog.text
     finally:
         await close(engines)
@@ -172,13 +193,11 @@ async def test_live_fuzz_of_a_running_engine(pair: Pair) -> None:
         Notice(key, Outcome.ABORTED, "x"),
         Heartbeat((key,)),
     ]
-    valid = [wire.encode(wire.Envelope("mallory", 1, "P", seq, msg)) for seq, msg in enumerate(samples, start=1)]
+    bound = control.incarnation
+    valid = [wire.encode(wire.Envelope("mallory", 1, "P", seq, msg, bound)) for seq, msg in enumerate(samples, start=1)]
     ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.IDENTITY, b"mallory")
-    sock.setsockopt(zmq.LINGER, 0)
+    sock = insider_dealer(ctx, b"mallory", control.address, SECRET)
     sock.setsockopt(zmq.SNDHWM, 0)
-    sock.connect(control.address)
     for signed in valid:
         sock.send_multipart([signed, SECRET.sign(signed)])
     frames = fuzz_frames(valid, random.Random(7), 10_000)
@@ -209,11 +228,8 @@ async def test_live_fuzz_of_a_running_engine(pair: Pair) -> None:
 async def test_another_protocol_version_is_refused_with_the_reason() -> None:
     engines = await make_pair(SECRET, connect=False)
     ctx = zmq.Context()
-    sender = ctx.socket(zmq.DEALER)
-    sender.setsockopt(zmq.IDENTITY, b"future")
-    sender.setsockopt(zmq.LINGER, 0)
+    sender = insider_dealer(ctx, b"future", engines.p.control.address, SECRET)
     try:
-        sender.connect(engines.p.control.address)
         frame = msgpack.packb(
             [wire.MAGIC, wire.VERSION + 1, "future", 1, "P", 1, 1, ["whatever", "the", "future", "holds"]]
         )
@@ -262,3 +278,65 @@ async def test_send_failures_say_whether_the_peer_is_unknown_or_unreachable() ->
         hub.channel("me").send("nobody", Goodbye("x"))
     with pytest.raises(PeerUnreachable, match="'gone' is no longer running"):
         hub.channel("me").send("gone", Goodbye("x"))
+
+
+@pytest.mark.asyncio
+async def test_frames_for_an_earlier_run_of_the_receiver_are_refused() -> None:
+    # Frames a holder of the secret signed for P's earlier run (as recorded on the path): P, restarted
+    # under the same name, has an empty replay guard, and refuses them by the run they name.
+    earlier = ZmqControl("P", secret=SECRET)
+    earlier.start(asyncio.get_running_loop(), lambda sender, incarnation, message: None)
+    earlier.close()
+    got: list[ControlMessage] = []
+    restarted = ZmqControl("P", secret=SECRET)
+    restarted.start(asyncio.get_running_loop(), lambda sender, incarnation, message: got.append(message))
+    ctx = zmq.Context()
+    sock = insider_dealer(ctx, b"D", restarted.address, SECRET)
+    try:
+        runs = [earlier.incarnation, 0, 0, restarted.incarnation]  # earlier run, none (twice), this run
+        messages: list[ControlMessage] = [Goodbye("old"), Goodbye("unbound"), Reject("opening"), Goodbye("now")]
+        for seq, (run, message) in enumerate(zip(runs, messages, strict=True), start=1):
+            frame = wire.encode(wire.Envelope("D", 7, "P", seq, message, run))
+            sock.send_multipart([frame, SECRET.sign(frame)])
+        await eventually(lambda: restarted.counters["frames_received"] == 4, "P read every frame")
+        assert restarted.counters["rejected_stale"] == 1 and restarted.counters["rejected_unbound"] == 1
+        assert got == [Reject("opening"), Goodbye("now")]  # a Reject may come before any contact
+    finally:
+        sock.close()
+        ctx.term()
+        restarted.close()
+
+
+@pytest.mark.asyncio
+async def test_the_receive_loop_lets_the_event_loop_run_while_frames_are_queued() -> None:
+    control = ZmqControl("P", secret=SECRET)
+    control.start(asyncio.get_running_loop(), lambda sender, incarnation, message: None)
+    ctx = zmq.Context()
+    sock = insider_dealer(ctx, b"mallory", control.address, SECRET)
+    observed: list[int] = []
+    try:
+        sock.send_multipart([b"x" * 1024, b"\0" * 32])  # the handshake needs the loop (ZAP)
+        await eventually(lambda: control.counters["rejected_bad_mac"] == 1, "mallory is connected")
+        # While this coroutine blocks the loop, 100 badly signed frames queue up at P (fewer than
+        # the RECEIVE_QUEUE a connection may fill).
+        frames = 100
+        assert frames < RECEIVE_QUEUE
+        body = bytes(256 * 1024)
+        for _ in range(frames):
+            sock.send_multipart([body, b"\0" * 32], copy=False)
+        sock.close(linger=30_000)  # returns once every frame is on its way
+        ctx.term()
+
+        async def observe() -> None:
+            observed.append(control.counters["rejected_bad_mac"])
+            while observed[-1] < frames + 1:
+                await asyncio.sleep(0)
+                observed.append(control.counters["rejected_bad_mac"])
+
+        await asyncio.wait_for(observe(), 60)
+    finally:
+        sock.close(linger=0)
+        control.close()
+    steps = [b - a for a, b in zip(observed, observed[1:], strict=False)]
+    # a ROUTER frame is 3 parts: at most YIELD_EVERY parts are read per turn of the loop
+    assert max(steps) <= YIELD_EVERY // 3 + 1, f"{max(steps)} frames checked in one turn of the loop"

@@ -237,7 +237,7 @@ def test_a_peer_without_the_secret_gets_nothing_in(prefix: str) -> None:
         refused = intruder.ask("connected", cmd="connect", peer="P", address=p.address, timeout=1)
         assert refused["event"] == "error" and "no answer" in refused["error"]
         stats = p.ask("stats", cmd="stats")
-        assert stats["peers"] == [] and stats["control"]["rejected_bad_mac"] >= 1
+        assert stats["peers"] == [] and stats["control"]["rejected_handshake_protocol"] >= 1
     finally:
         intruder.close()
         p.close()

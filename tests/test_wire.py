@@ -103,7 +103,7 @@ def test_mutated_frames_decode_to_a_valid_message_or_raise_the_protocol_error(
 def test_well_formed_msgpack_of_the_wrong_shape_is_refused(value: object) -> None:
     for body in (value, [value], [value] * 5):
         for code in range(9):
-            frame = msgpack.packb([wire.MAGIC, wire.VERSION, "a", 1, "b", 1, code, body], use_bin_type=True)
+            frame = msgpack.packb([wire.MAGIC, wire.VERSION, "a", 1, "b", 1, code, body, 0], use_bin_type=True)
             with contextlib.suppress(PeerProtocolError):
                 wire.decode(frame)
 
@@ -117,7 +117,7 @@ def test_a_notice_outcome_travels_as_its_value_and_decodes_to_the_enum() -> None
     # unknown values, "succeeded" (a notice reports giving up) and other types are refused
     refusal = r"notice outcome must be one of \['aborted', 'failed', 'expired'\]"
     for outcome in ("exploded", "succeeded", "ABORTED", 1, None, b"aborted"):
-        bad = msgpack.packb([wire.MAGIC, wire.VERSION, "a", 1, "b", 1, 4, ["t", 1, outcome, ""]], use_bin_type=True)
+        bad = msgpack.packb([wire.MAGIC, wire.VERSION, "a", 1, "b", 1, 4, ["t", 1, outcome, ""], 0], use_bin_type=True)
         with pytest.raises(PeerProtocolError, match=refusal):
             wire.decode(bad)
 
@@ -137,21 +137,36 @@ def test_limits_and_versions() -> None:
             wire.decode(frame)
     reject = msgpack.packb([wire.MAGIC, wire.VERSION + 1, "peer", 1, "me", 1, 0, ["too old"]])
     assert wire.decode(reject).message == Reject("too old")  # readable across versions
-    nan_ttl = msgpack.packb([wire.MAGIC, wire.VERSION, "a", 1, "b", 1, 2, ["t", 1, [1], 1, float("nan")]])
+    # a later version may append fields: its REJECT stays readable, its receiver incarnation unread
+    later = msgpack.packb([wire.MAGIC, wire.VERSION + 1, "peer", 1, "me", 1, 0, ["too old"], 77, "new"])
+    assert wire.decode(later) == wire.Envelope("peer", 1, "me", 1, Reject("too old"), 0)
+
+
+def test_the_envelope_names_the_receivers_run() -> None:
+    bound = wire.Envelope("a", 1, "b", 2, Goodbye("x"), receiver_incarnation=12345)
+    frame = wire.encode(bound)
+    assert msgpack.unpackb(frame)[8] == 12345 and wire.decode(frame) == bound
+    without = msgpack.packb([wire.MAGIC, wire.VERSION, "a", 1, "b", 2, 8, ["x"]])  # version 2's layout
+    with pytest.raises(PeerProtocolError, match=f"an envelope of version {wire.VERSION} has 9 fields"):
+        wire.decode(without)
+    for bad in (-1, "1", 1.5, None, wire.MAX_EPOCH + 1):
+        with pytest.raises(PeerProtocolError, match="receiver incarnation must be an integer"):
+            wire.decode(msgpack.packb([wire.MAGIC, wire.VERSION, "a", 1, "b", 2, 8, ["x"], bad]))
+    nan_ttl = msgpack.packb([wire.MAGIC, wire.VERSION, "a", 1, "b", 1, 2, ["t", 1, [1], 1, float("nan")], 0])
     with pytest.raises(PeerProtocolError, match="ttl"):
         wire.decode(nan_ttl)
-    ext = msgpack.packb([wire.MAGIC, wire.VERSION, "a", 1, "b", 1, 5, [msgpack.ExtType(1, b"x"), 1]])
+    ext = msgpack.packb([wire.MAGIC, wire.VERSION, "a", 1, "b", 1, 5, [msgpack.ExtType(1, b"x"), 1], 0])
     with pytest.raises(PeerProtocolError):
         wire.decode(ext)
     broken_layout = dict(LAYOUT, num_blocks=-1)
     hello = msgpack.packb(
-        [wire.MAGIC, wire.VERSION, "a", 1, "b", 1, 1, ["a", {}, broken_layout, b"", False, ""]], use_bin_type=True
+        [wire.MAGIC, wire.VERSION, "a", 1, "b", 1, 1, ["a", {}, broken_layout, b"", False, ""], 0], use_bin_type=True
     )
     with pytest.raises(PeerProtocolError, match="layout"):
         wire.decode(hello)
     odd_memory = dict(LAYOUT, regions=[[r[0], r[1], "XRAM", r[3]] for r in LAYOUT["regions"]])
     hello = msgpack.packb(
-        [wire.MAGIC, wire.VERSION, "a", 1, "b", 1, 1, ["a", {}, odd_memory, b"", False, ""]], use_bin_type=True
+        [wire.MAGIC, wire.VERSION, "a", 1, "b", 1, 1, ["a", {}, odd_memory, b"", False, ""], 0], use_bin_type=True
     )
     with pytest.raises(PeerProtocolError, match=r"layout region memory must be one of \['DRAM', 'VRAM'\], not 'XRAM'"):
         wire.decode(hello)
@@ -165,12 +180,12 @@ def test_engine_ids_outside_the_strict_set_are_refused_where_they_come_in(bad: s
     # An engine id becomes part of file and socket names on the receiving host.
     good_hello = ["P", fingerprint(SMALL_SPEC), LAYOUT, b"", False, ""]
     for field, frame in (
-        ("sender", [wire.MAGIC, wire.VERSION, bad, 1, "D", 1, 8, ["bye"]]),
-        ("receiver", [wire.MAGIC, wire.VERSION, "P", 1, bad, 1, 8, ["bye"]]),
-        ("engine id", [wire.MAGIC, wire.VERSION, "P", 1, "D", 1, 1, [bad, *good_hello[1:]]]),
+        ("sender", [wire.MAGIC, wire.VERSION, bad, 1, "D", 1, 8, ["bye"], 0]),
+        ("receiver", [wire.MAGIC, wire.VERSION, "P", 1, bad, 1, 8, ["bye"], 0]),
+        ("engine id", [wire.MAGIC, wire.VERSION, "P", 1, "D", 1, 1, [bad, *good_hello[1:]], 0]),
     ):
         with pytest.raises(PeerProtocolError, match=f"{field} (must|may hold only)"):
             wire.decode(msgpack.packb(frame, use_bin_type=True))
-    assert wire.decode(msgpack.packb([wire.MAGIC, wire.VERSION, "P", 1, "D", 1, 1, good_hello])).sender == "P"
+    assert wire.decode(msgpack.packb([wire.MAGIC, wire.VERSION, "P", 1, "D", 1, 1, good_hello, 0])).sender == "P"
     with pytest.raises(ConfigError, match="engine id"):
         require_engine_id(bad)

@@ -46,6 +46,12 @@ class Secret:
     def verify(self, frame: bytes, mac: bytes) -> bool:
         return len(mac) == MAC_BYTES and hmac.compare_digest(self.sign(frame), mac)
 
+    def derive(self, label: bytes) -> bytes:
+        """32 bytes for `label`, derived from the key by HKDF-SHA256 (RFC 5869, one block): the
+        same on every engine holding the secret, and telling nothing about the key itself."""
+        prk = hmac.new(b"kvflow control plane", self._key, hashlib.sha256).digest()
+        return hmac.new(prk, label + b"\x01", hashlib.sha256).digest()
+
 
 def secret_from_env(environ: Mapping[str, str] | None = None) -> Secret | None:
     """`KVFLOW_SECRET` (the key itself) or `KVFLOW_SECRET_FILE` (a file holding it), else None.

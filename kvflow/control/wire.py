@@ -8,12 +8,15 @@ object exists.  Whatever bytes arrive, `decode` raises only `PeerProtocolError`.
 
 An envelope is one msgpack array:
 
-    [MAGIC, version, sender, incarnation, receiver, seq, type, body]
+    [MAGIC, version, sender, incarnation, receiver, seq, type, body, receiver_incarnation]
 
 `incarnation` identifies one run of the sending engine (a restarted engine gets a larger one),
-`seq` increases with every frame it sends, so a receiver can refuse replays.  The first two
-fields and the REJECT body never change across versions, so a peer speaking another version
-can still be told why it is refused.  Authentication (an HMAC over the envelope bytes) is the
+`seq` increases with every frame it sends, so a receiver can refuse replays.
+`receiver_incarnation` names the run of the receiver the frame is meant for, so that nothing
+sent to an earlier run is accepted by a restarted receiver; 0 means "not known yet", which the
+channel allows only for an opening Hello and a Reject.  The first eight fields and the REJECT
+body keep their places across versions (later versions only append), so a peer speaking
+another version can still be told why it is refused.  Authentication (an HMAC over the envelope bytes) is the
 channel's job (`kvflow.control.auth`).
 """
 
@@ -55,7 +58,7 @@ __all__ = (
 )
 
 MAGIC = "kvflow"
-VERSION = 2  # 2: a Hello no longer carries a role
+VERSION = 3  # 2: a Hello no longer carries a role; 3: the receiver's incarnation
 MAX_FRAME_BYTES = 1 << 20
 MAX_ID = 256  # transfer ids (engine ids: `messages.MAX_ENGINE_ID`)
 MAX_TEXT = 1024  # reasons, addresses
@@ -74,6 +77,7 @@ class Envelope:
     receiver: str
     seq: int
     message: ControlMessage
+    receiver_incarnation: int = 0  # 0: the sender does not know the receiver's run yet
 
 
 # ---------------------------------------------------------------- field checks
@@ -271,7 +275,17 @@ def encode(envelope: Envelope) -> bytes:
     """
     code, body = _encode_body(envelope.message)
     frame: bytes = msgpack.packb(
-        [MAGIC, VERSION, envelope.sender, envelope.incarnation, envelope.receiver, envelope.seq, code, body],
+        [
+            MAGIC,
+            VERSION,
+            envelope.sender,
+            envelope.incarnation,
+            envelope.receiver,
+            envelope.seq,
+            code,
+            body,
+            envelope.receiver_incarnation,
+        ],
         use_bin_type=True,
     )
     if len(frame) > MAX_FRAME_BYTES:
@@ -301,15 +315,19 @@ def decode(frame: bytes) -> Envelope:
         )
     except Exception as exc:  # msgpack raises ExtraData, FormatError, ValueError, StackError, ...
         raise _fail(f"not msgpack ({type(exc).__name__})") from None
-    if type(raw) is not list or len(raw) != 8 or raw[0] != MAGIC:
+    if type(raw) is not list or len(raw) < 8 or raw[0] != MAGIC:
         raise _fail("not a kvflow envelope")
-    _, version, sender, incarnation, receiver, seq, code, body = raw
+    _, version, sender, incarnation, receiver, seq, code, body = raw[:8]
     sender = _engine_id(sender, "sender")
     incarnation = _int(incarnation, "incarnation", 0, MAX_EPOCH)
     receiver = _engine_id(receiver, "receiver")
     seq = _int(seq, "sequence number", 0, MAX_EPOCH)
     if version != VERSION and code != 0:
         raise UnsupportedVersion(version, sender, VERSION)
+    if version == VERSION and len(raw) != 9:
+        raise _fail(f"an envelope of version {VERSION} has 9 fields")
+    # another version's REJECT: its receiver incarnation, if any, is not ours to read
+    receiver_incarnation = _int(raw[8], "receiver incarnation", 0, MAX_EPOCH) if version == VERSION else 0
     decoder = _DECODERS.get(code) if type(code) is int else None
     if decoder is None:
         raise _fail(f"unknown message type {code!r}")
@@ -319,4 +337,4 @@ def decode(frame: bytes) -> Envelope:
         raise
     except (TypeError, ValueError) as exc:  # wrong arity while unpacking a body, and the like
         raise _fail(f"{type(exc).__name__} in message type {code}") from None
-    return Envelope(sender, incarnation, receiver, seq, message)
+    return Envelope(sender, incarnation, receiver, seq, message, receiver_incarnation)

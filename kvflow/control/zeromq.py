@@ -3,11 +3,23 @@
 Why ZeroMQ: peers (vLLM, SGLang) already speak it, it reconnects by itself, and it keeps
 message order per connection.  Each engine binds one ROUTER socket (loopback by default) and
 opens one DEALER per peer, whose identity is the engine id.  A frame is
-``[envelope, mac]``; the ROUTER adds the sender's identity in front.  This is the only module
-that imports zmq.
+``[envelope, mac]``; the ROUTER adds the sender's identity in front.  Only this module and
+`kvflow.control.hardening` import zmq.
+
+A connection costs a stranger's effort, not ours: with a secret, every connection is CURVE
+authenticated by ZeroMQ before any of its messages is read (`kvflow.control.hardening`), an
+unauthenticated connection is closed when `handshake_timeout` runs out, a later connection
+under a taken identity takes it over (the real peer reclaims its name), parts over
+`SOCKET_LIMIT` make ZeroMQ drop the connection, at most `RECEIVE_QUEUE` messages wait per
+connection, a message of more parts than a frame has is dropped (its parts are thrown away
+uncopied), and the receive loop yields to the event loop every `YIELD_EVERY` parts or
+`YIELD_AFTER` seconds.  An unfinished multipart message is held inside libzmq, out of any
+reader's and HWM's reach, until it ends: only authenticating the connection first keeps a
+stranger from sending one.
 
 Every frame is checked before any message object exists: size, HMAC (`kvflow.control.auth`), the strict
-codec (`kvflow.control.wire`), receiver and identity, and the replay guard.  A frame that fails any
+codec (`kvflow.control.wire`), receiver, the receiver's incarnation (this run's, or 0 on an
+opening Hello or a Reject), identity, and the replay guard.  A frame that fails any
 check is dropped and counted by reason, and logged once per peer and reason, not once per
 frame.  Without a secret the channel refuses to bind or connect anywhere but loopback, and
 says in a warning that frames are not authenticated.
@@ -19,6 +31,7 @@ import asyncio
 import contextlib
 import ipaddress
 import logging
+import time
 from collections import Counter
 from collections.abc import Mapping
 from typing import Any, cast
@@ -26,9 +39,20 @@ from urllib.parse import urlsplit
 
 import zmq
 import zmq.asyncio
+from zmq.utils import z85
 
 from kvflow.control.auth import MAC_BYTES, ReplayGuard, Secret, secret_from_env
 from kvflow.control.channel import MessageHandler, new_incarnation
+from kvflow.control.hardening import (
+    MONITORED,
+    ZAP_DOMAIN,
+    ZAP_ENDPOINT,
+    CurveKeys,
+    DropLog,
+    curve_keys,
+    serve_zap,
+    watch_connections,
+)
 from kvflow.control.monitor import LinkListener, LinkMonitors
 from kvflow.control.wire import MAX_FRAME_BYTES, Envelope, decode, encode
 from kvflow.errors import (
@@ -47,8 +71,12 @@ __all__ = ("ENV_SECRET", "ZmqControl", "is_loopback")
 log = logging.getLogger(__name__)
 
 ENV_SECRET: Any = object()  # "read the secret from the environment"
-SOCKET_LIMIT = 4 * MAX_FRAME_BYTES  # ZeroMQ drops a connection sending more; we count up to it
+SOCKET_LIMIT = MAX_FRAME_BYTES + 4096  # per part: ZeroMQ drops a connection sending more; we count up to it
 MAX_LOGGED = 4096
+RECEIVE_QUEUE = 128  # messages queued per connection (a frame is at most 2 parts of SOCKET_LIMIT): 256 MiB
+HANDSHAKE_TIMEOUT = 2.0  # seconds a connection may take to authenticate
+YIELD_EVERY = 64  # parts read before the receive loop lets the event loop run
+YIELD_AFTER = 0.005  # seconds of receiving before it does
 
 
 def is_loopback(address: str) -> bool:
@@ -78,13 +106,22 @@ class ZmqControl:
         secret: Secret | None | Any = ENV_SECRET,
         routes: Mapping[str, str] | None = None,
         send_queue: int = 10_000,
+        curve: bool = True,
+        handshake_timeout: float = HANDSHAKE_TIMEOUT,
     ) -> None:
-        """:raises ConfigError: `engine_id` is not a valid engine id, or an unauthenticated channel
-        would listen off loopback."""
+        """With a secret and `curve`, connections are CURVE-authenticated with keys derived from
+        the secret (every engine of a deployment must agree on `curve`); frames are signed either way.
+
+        :raises ConfigError: `engine_id` is not a valid engine id, an unauthenticated channel
+            would listen off loopback, or `handshake_timeout` is not positive."""
         self.engine_id = require_engine_id(engine_id)
         self.secret: Secret | None = secret_from_env() if secret is ENV_SECRET else secret
         if self.secret is None and not is_loopback(bind):
             raise ConfigError(f"refusing an unauthenticated control plane on {bind}: set KVFLOW_SECRET")
+        if not handshake_timeout > 0:
+            raise ConfigError(f"handshake_timeout must be positive, not {handshake_timeout!r}")
+        self._keys: CurveKeys | None = curve_keys(self.secret) if self.secret is not None and curve else None
+        self._handshake_ms = max(int(handshake_timeout * 1000), 1)
         self._bind = bind
         self._address = ""
         self._incarnation = new_incarnation()
@@ -95,12 +132,14 @@ class ZmqControl:
         self._dealers: dict[str, zmq.asyncio.Socket] = {}
         self._ctx: zmq.asyncio.Context | None = None
         self._router: zmq.asyncio.Socket | None = None
+        self._helpers: list[zmq.asyncio.Socket] = []  # the ZAP handler's and the monitor's sockets
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._handler: MessageHandler | None = None
         self._closed = False
         self.counters: Counter[str] = Counter()
         self._logged: set[tuple[bytes, str]] = set()
+        self._drops = DropLog(self.engine_id)
         self.links = LinkMonitors()  # reports the DEALERs' connections once a listener is set
         for peer, address in (routes or {}).items():
             self.add_route(peer, address)
@@ -139,10 +178,23 @@ class ZmqControl:
             raise UsageError(f"control channel of {self.engine_id!r} already started")
         self._ctx = zmq.asyncio.Context()
         self._loop = loop
+        if self._keys is not None:  # the ZAP handler must listen before the first handshake
+            zap = self._ctx.socket(zmq.REP)
+            zap.setsockopt(zmq.LINGER, 0)
+            zap.bind(ZAP_ENDPOINT)
+            self._helpers.append(zap)
+            self._spawn(serve_zap(zap, frozenset([z85.decode(self._keys.client_public)]), self.counters))
         router = self._ctx.socket(zmq.ROUTER)
-        router.setsockopt(zmq.LINGER, 0)
-        router.setsockopt(zmq.MAXMSGSIZE, SOCKET_LIMIT)
-        router.setsockopt(zmq.RCVHWM, self._send_queue)
+        self._harden(router)
+        router.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        router.setsockopt(zmq.RCVHWM, min(self._send_queue, RECEIVE_QUEUE))
+        if self._keys is not None:
+            router.setsockopt(zmq.CURVE_SERVER, 1)
+            router.setsockopt(zmq.CURVE_SECRETKEY, self._keys.server_secret)
+            router.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN.encode())
+        monitor = router.get_monitor_socket(MONITORED)
+        self._helpers.append(monitor)
+        self._spawn(watch_connections(monitor, self.counters, self._drops))
         try:
             router.bind(self._bind)
         except zmq.ZMQError as exc:
@@ -158,13 +210,20 @@ class ZmqControl:
                 self.engine_id,
                 self._address,
             )
+        elif self._keys is None:
+            log.warning(
+                "%s: control plane on %s signs frames but does not authenticate connections (curve=False): "
+                "whoever reaches it can hold descriptors and memory",
+                self.engine_id,
+                self._address,
+            )
 
     def send(self, peer: str, message: ControlMessage) -> None:
         """Queue `message` for `peer`; never blocks.
 
         :raises PeerUnknown: no control address is known for `peer`.
-        :raises PeerUnreachable: its address is unusable, the queue to it is full (it is not
-            reading), or ZeroMQ refused the frame.
+        :raises PeerUnreachable: its address is unusable, no socket can be opened (out of
+            descriptors), the queue to it is full (it is not reading), or ZeroMQ refused the frame.
         :raises EngineClosed: the channel is closed.
         :raises UsageError: the channel was never started.
         :raises PeerProtocolError: the message would make a frame over `MAX_FRAME_BYTES`.
@@ -176,27 +235,12 @@ class ZmqControl:
         address = self._routes.get(peer)
         if address is None:
             raise PeerUnknown(f"no control address known for {peer!r}")
-        dealer = self._dealers.get(peer)
-        if dealer is None:
-            try:
-                dealer = self._ctx.socket(zmq.DEALER)
-            except zmq.ZMQError as exc:  # out of sockets (the context's limit) or of descriptors
-                raise PeerUnreachable(f"no socket left to reach {peer!r}: {exc}") from exc
-            dealer.setsockopt(zmq.IDENTITY, self.engine_id.encode())
-            dealer.setsockopt(zmq.LINGER, 0)
-            dealer.setsockopt(zmq.SNDHWM, self._send_queue)
-            dealer.setsockopt(zmq.MAXMSGSIZE, SOCKET_LIMIT)
-            self.links.watch(dealer, peer, self._loop)  # before connecting: no event is missed
-            try:
-                dealer.connect(address)
-            except zmq.ZMQError as exc:  # an address ZeroMQ cannot parse (or a transport it lacks)
-                self.links.unwatch(dealer)
-                dealer.close(linger=0)
-                raise PeerUnreachable(f"cannot connect to {peer!r} at {address}: {exc}") from exc
-            self._dealers[peer] = dealer
-            self._spawn(self._receive(dealer, peer.encode()))  # answers may come back this way
+        dealer = self._dealers.get(peer) or self._dealer(peer, address)
         self._seq += 1
-        frame = encode(Envelope(self.engine_id, self._incarnation, peer, self._seq, message))
+        # an opening Hello may reach a run of the peer we never heard from; all else is bound to the run we know
+        opening = isinstance(message, Hello) and not message.reply
+        bound = 0 if opening else self._guard.incarnation(peer) or 0
+        frame = encode(Envelope(self.engine_id, self._incarnation, peer, self._seq, message, bound))
         mac = self.secret.sign(frame) if self.secret is not None else b""
         sent = cast("asyncio.Future[Any]", dealer.send_multipart([frame, mac], flags=zmq.NOBLOCK))
         failure = sent.exception() if sent.done() else None
@@ -209,6 +253,41 @@ class ZmqControl:
             raise failure
         self.counters["frames_sent"] += 1
 
+    def _harden(self, sock: zmq.asyncio.Socket) -> None:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, SOCKET_LIMIT)
+        sock.setsockopt(zmq.HANDSHAKE_IVL, self._handshake_ms)
+
+    def _dealer(self, peer: str, address: str) -> zmq.asyncio.Socket:
+        """A new DEALER connecting to `peer` at `address`, and its reader task.
+
+        :raises PeerUnreachable: ZeroMQ cannot open a socket (out of descriptors) or cannot parse
+            the address (or lacks its transport).
+        """
+        assert self._ctx is not None  # send() checked
+        try:
+            dealer = self._ctx.socket(zmq.DEALER)
+        except zmq.ZMQError as exc:
+            self._drops.note("send_no_socket", str(exc))
+            raise PeerUnreachable(f"cannot open a socket to {peer!r}: {exc}") from exc
+        self._harden(dealer)
+        dealer.setsockopt(zmq.IDENTITY, self.engine_id.encode())
+        dealer.setsockopt(zmq.SNDHWM, self._send_queue)
+        if self._keys is not None:
+            dealer.setsockopt(zmq.CURVE_SERVERKEY, self._keys.server_public)
+            dealer.setsockopt(zmq.CURVE_PUBLICKEY, self._keys.client_public)
+            dealer.setsockopt(zmq.CURVE_SECRETKEY, self._keys.client_secret)
+        self.links.watch(dealer, peer, self._loop)  # before connecting: no event is missed
+        try:
+            dealer.connect(address)
+        except zmq.ZMQError as exc:  # an address ZeroMQ cannot parse (or a transport it lacks)
+            self.links.unwatch(dealer)
+            dealer.close(linger=0)
+            raise PeerUnreachable(f"cannot connect to {peer!r} at {address}: {exc}") from exc
+        self._dealers[peer] = dealer
+        self._spawn(self._receive(dealer, peer.encode()))  # answers may come back this way
+        return dealer
+
     def close(self) -> None:
         if self._closed:
             return
@@ -220,7 +299,11 @@ class ZmqControl:
             dealer.close(linger=0)
         self._dealers.clear()
         if self._router is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                self._router.disable_monitor()
             self._router.close(linger=0)
+        for helper in self._helpers:
+            helper.close(linger=0)
         if self._ctx is not None:
             self._ctx.term()
 
@@ -234,17 +317,46 @@ class ZmqControl:
 
     async def _receive(self, sock: zmq.asyncio.Socket, peer: bytes | None) -> None:
         """Read `sock` until it closes: the ROUTER (frames carry the sender's identity) or a
-        DEALER to `peer` (frames come from that peer only)."""
+        DEALER to `peer` (frames come from that peer only).
+
+        Parts are read one at a time: a message with more parts than a frame is dropped when it
+        has one too many, and its further parts are thrown away without being copied.  pyzmq
+        hands out parts already queued without letting the loop run, so this loop yields every
+        `YIELD_EVERY` parts or `YIELD_AFTER` seconds.
+        """
+        limit = 3 if peer is None else 2  # [identity,] envelope, mac
+        turn = (0, time.monotonic())
         while not self._closed and not sock.closed:
             try:
-                frames = await sock.recv_multipart(copy=True)
+                frames: list[bytes] = []
+                excess = False
+                while True:
+                    part = await sock.recv(copy=False)  # a zmq.Frame: dropped parts are never copied
+                    if len(frames) < limit:
+                        frames.append(part.bytes)
+                    elif not excess:
+                        excess = True
+                        self._reject(frames[0] if peer is None else peer, "shape", f"over {limit} parts")
+                    turn = await self._turn(turn)
+                    if not sock.getsockopt(zmq.RCVMORE):
+                        break
             except zmq.ZMQError as exc:
                 if self._closed or sock.closed or exc.errno == zmq.ENOTSOCK:
                     return
                 log.error("%s: control socket error: %s", self.engine_id, exc)
                 await asyncio.sleep(0.01)
                 continue
-            self._on_frames(frames if peer is None else [peer, *frames])
+            if not excess:
+                self._on_frames(frames if peer is None else [peer, *frames])
+
+    @staticmethod
+    async def _turn(turn: tuple[int, float]) -> tuple[int, float]:
+        """Count one part read in this turn of the loop; yield when the turn is long enough."""
+        parts, since = turn
+        if parts + 1 < YIELD_EVERY and time.monotonic() - since < YIELD_AFTER:
+            return parts + 1, since
+        await asyncio.sleep(0)
+        return 0, time.monotonic()
 
     def _on_frames(self, frames: list[bytes]) -> None:
         self.counters["frames_received"] += 1
@@ -277,6 +389,15 @@ class ZmqControl:
         if envelope.sender.encode() != identity:
             self._reject(identity, "identity", f"frame claims to come from {envelope.sender!r}")
             return
+        if envelope.receiver_incarnation != self._incarnation:
+            message = envelope.message
+            opening = (isinstance(message, Hello) and not message.reply) or isinstance(message, Reject)
+            if envelope.receiver_incarnation != 0:
+                self._reject(identity, "stale", "frame for an earlier run of this engine")
+                return
+            if not opening:
+                self._reject(identity, "unbound", "frame names no run of this engine")
+                return
         if not self._guard.accept(envelope.sender, envelope.incarnation, envelope.seq):
             self._reject(identity, "replayed", "old incarnation or sequence number")
             return
@@ -303,6 +424,8 @@ class ZmqControl:
                 reason,
                 detail,
             )
+        elif len(self._logged) >= MAX_LOGGED:  # too many senders to name each: a summary now and then
+            self._drops.note("frames", f"{self.counters['rejected']} rejected so far, last {reason}: {detail}")
 
     def _refuse(self, identity: bytes, peer: str, reason: str) -> None:
         """Tell a peer of another protocol version why it gets no answer, on the connection its

@@ -76,9 +76,8 @@ class Peer:
             drain_timeout=1.0,
             unfenced_grace=args.grace,
         )
-        self.engine = Engine(
-            args.name, layout, self.transport, ZmqControl(args.name), config=config, on_release=self.released
-        )
+        control = ZmqControl(args.name, curve=not args.no_curve)
+        self.engine = Engine(args.name, layout, self.transport, control, config=config, on_release=self.released)
 
     def released(self, release: ReleaseBlocks) -> None:
         emit("released", tid=release.key.transfer_id, role=release.role.value, blocks=list(release.block_ids))
@@ -177,6 +176,7 @@ if __name__ == "__main__":
     parser.add_argument("--dtype", default="float16")
     parser.add_argument("--transport", choices=["shm", "nixl"], default="shm")
     parser.add_argument("--nixl-mode", choices=["direct", "prepped"], default="direct")
+    parser.add_argument("--no-curve", action="store_true", help="sign frames only, no CURVE handshake")
     parser.add_argument("--grace", type=float, default=1.0, help="unfenced grace after a teardown (NIXL)")
     arguments = parser.parse_args()
     kvflow.control.wire.VERSION = arguments.wire_version  # lets a test play a peer of another version

@@ -1,0 +1,159 @@
+"""Connection-level defences of the ZeroMQ control plane: CURVE keys, the ZAP handler, the
+connection monitor, and a rate-limited log of what is dropped.
+
+Why: an HMAC per frame authenticates messages only after ZeroMQ has accepted a connection, read
+whole messages into memory and handed them to the event loop, so a stranger without the secret
+could still hold descriptors, grow memory, starve the loop and squat a peer's identity.  With
+CURVE a connection is authenticated during ZeroMQ's handshake, before any message of it is read:
+the server's and the clients' key pairs are derived from the shared secret (HKDF, `Secret.derive`),
+so only holders of the secret know the server's public key, and our ZAP handler admits only the
+derived client key.  A stranger gets a TCP connection that is closed when the handshake interval
+runs out, and nothing else.  ZeroMQ reports each connection's fate on a monitor socket; it is
+counted here (accepted, open, handshakes failed or refused, accepts failed) and logged at most
+once per interval per kind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+import zmq.asyncio
+from zmq.utils import z85
+from zmq.utils.monitor import parse_monitor_message
+
+from kvflow.control.auth import Secret
+
+__all__ = (
+    "ZAP_DOMAIN",
+    "ZAP_ENDPOINT",
+    "CurveKeys",
+    "DropLog",
+    "curve_keys",
+    "serve_zap",
+    "watch_connections",
+    "zap_reply",
+)
+
+log = logging.getLogger("kvflow.control.zeromq")
+
+ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # where libzmq asks; one handler per context
+ZAP_DOMAIN = "kvflow"
+LOG_INTERVAL = 10.0  # seconds between two log lines about the same kind of drop
+MONITORED = (
+    zmq.EVENT_ACCEPTED
+    | zmq.EVENT_ACCEPT_FAILED
+    | zmq.EVENT_DISCONNECTED
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
+
+
+@dataclass(frozen=True, slots=True)
+class CurveKeys:
+    """Z85-encoded CURVE key pairs of the server (every ROUTER) and the client (every DEALER)."""
+
+    server_public: bytes
+    server_secret: bytes = field(repr=False)
+    client_public: bytes
+    client_secret: bytes = field(repr=False)
+
+
+def curve_keys(secret: Secret) -> CurveKeys:
+    """The key pairs every holder of `secret` derives alike.  Never raises."""
+    server = z85.encode(secret.derive(b"curve server"))
+    client = z85.encode(secret.derive(b"curve client"))
+    return CurveKeys(zmq.curve_public(server), server, zmq.curve_public(client), client)
+
+
+def zap_reply(request: list[bytes], allowed: frozenset[bytes]) -> tuple[list[bytes], bool]:
+    """The ZAP reply to `request` (RFC 27) and whether it admits the connection: CURVE with a
+    client key in `allowed` (raw 32-byte keys), nothing else.  Never raises."""
+    if len(request) < 6 or request[0] != b"1.0":
+        return [b"1.0", request[1] if len(request) > 1 else b"", b"500", b"bad request", b"", b""], False
+    _, request_id, domain, _address, _identity, mechanism, *credentials = request
+    key = credentials[0] if len(credentials) == 1 else None
+    if domain == ZAP_DOMAIN.encode() and mechanism == b"CURVE" and key in allowed:
+        return [b"1.0", request_id, b"200", b"OK", b"kvflow", b""], True
+    return [b"1.0", request_id, b"400", b"unknown client key", b"", b""], False
+
+
+async def serve_zap(sock: zmq.asyncio.Socket, allowed: frozenset[bytes], counters: Counter[str]) -> None:
+    """Answer ZAP requests on `sock` until it closes.  Each is answered at once, without
+    blocking (a reply ZeroMQ cannot take is dropped, and the handshake runs out)."""
+    while True:
+        try:
+            request = await sock.recv_multipart()
+            reply, admitted = zap_reply(request, allowed)
+            counters["zap_admitted" if admitted else "zap_refused"] += 1
+            await sock.send_multipart(reply, flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            if sock.closed:
+                return
+            await asyncio.sleep(0.01)  # not expected: do not spin
+
+
+class DropLog:
+    """Logs a kind of drop the first time, then at most once per `interval` seconds, saying how
+    many more there were in between."""
+
+    def __init__(self, owner: str, interval: float = LOG_INTERVAL, clock: Callable[[], float] = time.monotonic):
+        self._owner = owner
+        self._interval = interval
+        self._clock = clock
+        self._last: dict[str, float] = {}
+        self._quiet: Counter[str] = Counter()
+
+    def note(self, kind: str, detail: str) -> None:
+        now = self._clock()
+        last = self._last.get(kind)
+        if last is not None and now - last < self._interval:
+            self._quiet[kind] += 1
+            return
+        self._last[kind] = now
+        more = self._quiet.pop(kind, 0)
+        since = f" ({more} more since the last report)" if more else ""
+        log.warning("%s: control plane dropped %s: %s%s", self._owner, kind, detail, since)
+
+
+_EVENTS: dict[int, tuple[str, str]] = {
+    zmq.EVENT_ACCEPT_FAILED: ("accept_failed", "a connection could not be accepted (out of descriptors?)"),
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: ("rejected_handshake", "a connection that did not complete the handshake"),
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: ("rejected_handshake_protocol", "a connection that broke the handshake"),
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH: ("rejected_handshake_auth", "a connection whose key is not admitted"),
+}
+
+
+async def watch_connections(sock: zmq.asyncio.Socket, counters: Counter[str], drops: DropLog) -> None:
+    """Count the ROUTER's connection events from its monitor socket `sock` until it closes:
+    `connections_accepted`, `connections_open` (a gauge) and the drops in `_EVENTS`."""
+    while True:
+        await asyncio.sleep(0)  # queued events come without a turn of the loop: let others run
+        try:
+            frames = await sock.recv_multipart()
+        except zmq.ZMQError:
+            if sock.closed:
+                return
+            await asyncio.sleep(0.01)  # not expected: do not spin
+            continue
+        try:
+            event: Mapping[str, Any] = parse_monitor_message(frames)
+        except (ValueError, TypeError, IndexError):  # pyzmq's parser on a message it does not know
+            continue
+        kind = event["event"]
+        if kind == zmq.EVENT_ACCEPTED:
+            counters["connections_accepted"] += 1
+            counters["connections_open"] += 1
+        elif kind == zmq.EVENT_DISCONNECTED:
+            counters["connections_open"] = max(counters["connections_open"] - 1, 0)
+        elif kind in _EVENTS:
+            name, detail = _EVENTS[kind]
+            counters[name] += 1
+            drops.note(name, f"{detail} ({counters[name]} so far)")
