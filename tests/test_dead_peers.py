@@ -16,7 +16,7 @@ import pytest
 from kvflow.control.auth import Secret
 from kvflow.control.zeromq import ZmqControl
 from kvflow.layout import fingerprint
-from kvflow.protocol.association import Associations, TearDown
+from kvflow.protocol.association import Associations, SendControl, TearDown
 from kvflow.protocol.messages import Goodbye, Heartbeat
 from kvflow.protocol.state import Outcome
 from kvflow.runtime.engine import Engine, EngineConfig
@@ -44,7 +44,8 @@ def test_a_dropped_link_makes_the_peer_lost_after_the_confirmation_delay() -> No
     assert assoc.link_changed("P", False, 10.0) == []
     assert assoc.liveness.next_deadline() == 11.0
     assert assoc.tick(10.9) == []
-    assert assoc.tick(11.0) == [TearDown("P", "its connection dropped and did not come back within 1.0s")]
+    why = "its connection dropped and did not come back within 1.0s"
+    assert assoc.tick(11.0) == [SendControl("P", Goodbye(why)), TearDown("P", why)]
     assert assoc.peers() == ["Q"]
 
 
@@ -57,7 +58,7 @@ def test_a_link_back_or_a_message_clears_the_suspicion() -> None:
     assert assoc.tick(20.0) == [] and assoc.peers() == ["P", "Q"]
     assoc.link_changed("P", False, 30.0)
     assoc.link_changed("P", False, 30.9)  # a second drop does not push the confirmation out
-    assert [type(a) for a in assoc.tick(31.0)] == [TearDown]
+    assert [type(a) for a in assoc.tick(31.0)] == [SendControl, TearDown]
 
 
 def test_a_dropped_link_to_a_peer_not_associated_changes_nothing() -> None:

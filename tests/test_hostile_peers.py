@@ -15,6 +15,7 @@ import zmq
 
 from kvflow.control import wire
 from kvflow.control.auth import Secret
+from kvflow.control.hardening import curve_keys
 from kvflow.control.zeromq import ZmqControl
 from kvflow.errors import PeerProtocolError
 from kvflow.layout import fingerprint, layout_to_wire
@@ -61,6 +62,10 @@ class Zmq:
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, identity.encode())
         sock.setsockopt(zmq.LINGER, 0)
+        keys = curve_keys(SECRET)  # a peer holding the secret passes the connection's handshake
+        sock.setsockopt(zmq.CURVE_SERVERKEY, keys.server_public)
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, keys.client_public)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, keys.client_secret)
         sock.connect(self.p.control.address)
         self.sockets.append(sock)
         return sock
