@@ -257,3 +257,26 @@ def test_writing_to_a_killed_decode_process_fails_at_once_over_nixl(prefix: str)
         assert sorted(released["blocks"]) == [3, 4]
     finally:
         p.close()
+
+
+def test_heartbeats_keep_a_transfer_open_past_its_lease_until_the_last_batch(prefix: str) -> None:
+    lease = 1.0
+    p, d = start_pair(prefix, "--lease", str(lease), "--ttl", "30")
+    try:
+        # P's first batch comes with a time-to-live of one lease; D waits for two batches
+        first = dict(cmd="kv_ready", tid="r", epoch=1, blocks=[5], mode="push", peer="D", seed=4, final=False)
+        assert p.ask("started", **first, ttl=lease)["event"] == "started"
+        d.ask("started", cmd="expect", tid="r", epoch=1, peer="P", blocks=[1, 2], mode="push", batches=2, verify=4)
+        opened = time.monotonic()
+        # the second batch is late: only D's heartbeats, renewing P's lease, keep P's side open
+        p.stats_when(lambda s: time.monotonic() - opened > 2 * lease, "two leases passed", timeout=4 * lease + 10)
+        assert p.ask("stats", cmd="stats")["live_transfers"] == 1, p.seen
+        last = p.ask("started", cmd="kv_ready", tid="r", epoch=1, blocks=[6], mode="push", peer="D", seed=4, first=1)
+        assert last["event"] == "started", last
+        assert d.result("r")["verified"] is True
+        assert p.result("r")["outcome"] == "succeeded"
+        for side in (p, d):
+            side.stats_when(lambda s: s["held_blocks"] == 0 and s["quarantined_blocks"] == 0, "blocks released")
+    finally:
+        d.close()
+        p.close()
