@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from kvflow.testing.netns import TwoHosts, unavailable
+from kvflow.tools.netns import TwoHosts, unavailable
 from tests.test_cross_process import TRANSPORTS, Event, PeerProcess, prefix
 
 __all__ = ("prefix",)  # the fixture, shared with the single-host cross-process tests
