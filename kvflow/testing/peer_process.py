@@ -84,6 +84,7 @@ def pattern(seed: int, layer: int, position: int, shape: tuple[int, int]) -> npt
 class Peer:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
+        self.stamped = 0
         self.spec = kv = spec(args.dtype)
         self.transport: Transport
         size = 2 * args.blocks * kv.block_len
@@ -165,7 +166,9 @@ class Peer:
             asyncio.ensure_future(self.watch(handle, cmd["blocks"], cmd.get("verify")))
             emit("started", tid=cmd["tid"])
         elif kind == "kv_ready":
-            self.fill(cmd["blocks"], cmd["seed"], cmd.get("first", 0))
+            self.stamped += 1
+            wrong = self.args.misstamp_every and self.stamped % self.args.misstamp_every == 0
+            self.fill(cmd["blocks"], cmd["seed"] + wrong, cmd.get("first", 0))
             handle = await e.kv_ready(
                 cmd["tid"],
                 cmd["epoch"],
@@ -228,6 +231,7 @@ if __name__ == "__main__":
     parser.add_argument("--bind", default="tcp://127.0.0.1:0", help="control-plane address to listen on")
     parser.add_argument("--drop-notifications", type=float, default=0.0, help="shm: lose this fraction of them")
     parser.add_argument("--fault-seed", type=int, default=0, help="seed of the injected faults")
+    parser.add_argument("--misstamp-every", type=int, default=0, help="every Nth kv_ready stamps another seed")
     arguments = parser.parse_args()
     kvflow.control.wire.VERSION = arguments.wire_version  # lets a test play a peer of another version
     with contextlib.suppress(SystemExit):  # the "close" command ends the process
