@@ -45,6 +45,7 @@ class Side:
     _ready: asyncio.Future[dict[str, Any]] | None = None
     killed_on_purpose: bool = False
     unexpected_exits: int = 0
+    stray: list[str] = field(default_factory=list)  # lines on stdout that are not events
 
     async def start(self) -> None:
         """:raises BenchError: the process did not come up (its reason, from stderr, included)."""
@@ -83,8 +84,13 @@ class Side:
     async def _read(self, proc: asyncio.subprocess.Process) -> None:
         assert proc.stdout is not None
         async for line in proc.stdout:
-            event = json.loads(line)
-            kind = event["event"]
+            try:
+                event = json.loads(line)
+                kind = event["event"]
+            except (ValueError, TypeError, KeyError):  # a library's log line on stdout (UCX does)
+                if len(self.stray) < 5:
+                    self.stray.append(line.decode(errors="replace").strip()[:200])
+                continue
             if kind == "ready" and self._ready is not None and not self._ready.done():
                 self._ready.set_result(event)
             elif kind == "result":

@@ -292,6 +292,7 @@ class Soak:
             side.sample()
             await side.close()
         self.counts["unexpected_exits"] = self.p.unexpected_exits + self.d.unexpected_exits
+        self.notes += [f"{side.name} printed: {line}" for side in (self.p, self.d) for line in side.stray]
         report.update(self.summary(elapsed, aborted))
         return report
 
@@ -418,7 +419,11 @@ def render(report: dict[str, Any]) -> str:
 
 def main(config: SoakConfig, json_path: str | None = None, quiet: bool = False) -> int:
     """:raises BenchError, ConfigError: see `run_soak`."""
-    report = run_soak(config, log=None if quiet else lambda text: sys.stderr.write(text + "\n"))
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(143))  # so namespaces are removed
+    try:
+        report = run_soak(config, log=None if quiet else lambda text: sys.stderr.write(text + "\n"))
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     sys.stdout.write(render(report) + "\n")
     if json_path is not None:
         Path(json_path).write_text(json.dumps(report, indent=2, default=str) + "\n")
