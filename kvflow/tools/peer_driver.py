@@ -142,9 +142,10 @@ class Side:
             raise BenchError(f"{self.name}: {exc}") from None
         return await reply
 
-    async def released(self, tid: str, blocks: list[int], timeout: float) -> bool:
-        """Wait until `blocks` of `tid` came back (or this incarnation ended); False on timeout."""
-        incarnation, end = self.incarnations, time.monotonic() + timeout
+    async def released(self, tid: str, blocks: list[int], timeout: float, incarnation: int) -> bool:
+        """Wait until `blocks` of `tid` came back (or `incarnation`, the process that held them,
+        ended); False on timeout."""
+        end = time.monotonic() + timeout
         while not set(blocks) <= self._released.get(tid, set()):
             if not self.alive or self.incarnations != incarnation:
                 return True  # the process and its blocks are gone

@@ -161,7 +161,7 @@ class Soak:
         await asyncio.gather(*(self.worker(slot) for slot in range(self.config.concurrency)))
 
     async def transfer(self, tid: str, blocks: list[int], seed: int) -> None:
-        started: list[Side] = []
+        started: list[tuple[Side, int, asyncio.Future[dict[str, Any]]]] = []
         common = {"tid": tid, "epoch": 1, "blocks": blocks, "mode": "push", "ttl": self.config.ttl}
         try:
             for side, cmd in (
@@ -172,14 +172,14 @@ class Soak:
                 if reply["event"] != "started":
                     self.note(f"refused_by_{side.name}", f"{tid}: {reply.get('error')}")
                     break
-                started.append(side)
+                # the outcome's future exists from now on, so that the process's end fails it
+                started.append((side, side.incarnations, side.result_future(tid)))
         except BenchError as exc:
             self.note("interrupted", f"{tid}: {exc}")
         verdicts: dict[str, dict[str, Any]] = {}
-        for side in started:
-            incarnation = side.incarnations
+        for side, incarnation, outcome in started:
             try:
-                verdicts[side.name] = await asyncio.wait_for(asyncio.shield(side.result_future(tid)), self.patience)
+                verdicts[side.name] = await asyncio.wait_for(asyncio.shield(outcome), self.patience)
             except TimeoutError:
                 if side.alive and side.incarnations == incarnation:
                     self.note("stuck_transfers", f"{tid}: no outcome from {side.name} in {self.patience}s")
@@ -198,8 +198,8 @@ class Soak:
                 self.moved_bytes += len(blocks) * BLOCK_BYTES
         if d is not None and p is not None and (d["outcome"] == "succeeded") != (p["outcome"] == "succeeded"):
             self.note("disagreements", f"{tid}: P {p['outcome']} ({p['reason']}), D {d['outcome']} ({d['reason']})")
-        for side in started:
-            if not await side.released(tid, blocks, self.patience):
+        for side, incarnation, _ in started:
+            if not await side.released(tid, blocks, self.patience, incarnation):
                 self.note("slow_releases", f"{tid}: {side.name} kept blocks {blocks} for {self.patience}s")
 
     # ------------------------------------------------------------------ faults
