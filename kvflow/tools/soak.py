@@ -84,6 +84,7 @@ class Soak:
         self.examples: dict[str, list[str]] = {}
         self.up = asyncio.Event()
         self.stopping = asyncio.Event()
+        self.last_fault = ("none", time.monotonic())
         self.next_id = 0
         self.finished = 0
         self.moved_bytes = 0
@@ -193,7 +194,7 @@ class Soak:
         d, p = verdicts.get("D"), verdicts.get("P")
         if d is not None and d["outcome"] == "succeeded":
             if d.get("verified") is not True:
-                self.note("stale_reads", f"{tid}: D succeeded but its blocks hold other bytes")
+                self.note("stale_reads", f"{tid}: D succeeded but its blocks hold other bytes ({self.since_fault()})")
             else:
                 self.moved_bytes += len(blocks) * BLOCK_BYTES
         if d is not None and p is not None and (d["outcome"] == "succeeded") != (p["outcome"] == "succeeded"):
@@ -210,6 +211,7 @@ class Soak:
         while timed and not await self.stopping_within(self.rng.expovariate(1 / c.fault_interval)):
             fault, side = self.rng.choice(timed), self.rng.choice([self.p, self.d])
             self.counts[f"fault_{fault}"] += 1
+            self.last_fault = (f"{fault} of {side.name}" if fault != "flap" else "flap", time.monotonic())
             if fault == "kill":
                 await self.restart(side)
             elif fault == "stop":
@@ -229,6 +231,10 @@ class Soak:
                 if not await self.connected():
                     self.counts["reconnects"] += 1
                     await self.connect()
+
+    def since_fault(self) -> str:
+        kind, at = self.last_fault
+        return f"last fault: {kind}, began {time.monotonic() - at:.1f} s ago"
 
     async def stopping_within(self, delay: float) -> bool:
         """Sleep `delay`, or less if the run ends: whether it ended.  Faults and reconnections are
