@@ -15,7 +15,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,13 +29,32 @@ Event = dict[str, Any]
 
 
 class PeerProcess:
-    def __init__(self, name: str, prefix: str, *extra: str, secret: str = SECRET) -> None:
-        env = dict(os.environ, KVFLOW_SECRET=secret, PYTHONPATH=str(ROOT))
+    def __init__(
+        self,
+        name: str,
+        prefix: str,
+        *extra: str,
+        secret: str = SECRET,
+        launcher: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        """`launcher` runs the process (e.g. inside a network namespace); `env` adds variables."""
+        environment = dict(os.environ, KVFLOW_SECRET=secret, PYTHONPATH=str(ROOT), **(env or {}))
         self.name = name
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvflow.testing.peer_process", "--name", name, "--prefix", prefix, *extra],
+            [
+                *launcher,
+                sys.executable,
+                "-m",
+                "kvflow.testing.peer_process",
+                "--name",
+                name,
+                "--prefix",
+                prefix,
+                *extra,
+            ],
             cwd=ROOT,
-            env=env,
+            env=environment,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
@@ -279,6 +298,31 @@ def test_a_stopped_decode_and_its_prefill_end_a_written_transfer_with_one_verdic
         stats = d.stats_when(lambda s: s["held_blocks"] == 0 and s["peers"] == [], "D settled with P")
         assert stats["crashed"] == 0
         assert p.ask("stats", cmd="stats")["peers"] == []
+    finally:
+        d.close()
+        p.close()
+
+
+def test_heartbeats_keep_a_transfer_open_past_its_lease_until_the_last_batch(prefix: str) -> None:
+    lease = 1.0
+    p, d = start_pair(prefix, "--lease", str(lease), "--ttl", "30")
+    try:
+        # P's first batch comes with a time-to-live of one lease; D waits for two batches
+        first: dict[str, Any] = dict(
+            cmd="kv_ready", tid="r", epoch=1, blocks=[5], mode="push", peer="D", seed=4, final=False
+        )
+        assert p.ask("started", **first, ttl=lease)["event"] == "started"
+        d.ask("started", cmd="expect", tid="r", epoch=1, peer="P", blocks=[1, 2], mode="push", batches=2, verify=4)
+        opened = time.monotonic()
+        # the second batch is late: only D's heartbeats, renewing P's lease, keep P's side open
+        p.stats_when(lambda s: time.monotonic() - opened > 2 * lease, "two leases passed", timeout=4 * lease + 10)
+        assert p.ask("stats", cmd="stats")["live_transfers"] == 1, p.seen
+        last = p.ask("started", cmd="kv_ready", tid="r", epoch=1, blocks=[6], mode="push", peer="D", seed=4, first=1)
+        assert last["event"] == "started", last
+        assert d.result("r")["verified"] is True
+        assert p.result("r")["outcome"] == "succeeded"
+        for side in (p, d):
+            side.stats_when(lambda s: s["held_blocks"] == 0 and s["quarantined_blocks"] == 0, "blocks released")
     finally:
         d.close()
         p.close()

@@ -7,6 +7,11 @@ shared memory, and a driver that is plain text both ways.  Run as
     {"cmd": "connect", "peer": "D", "address": "tcp://127.0.0.1:5555"}
     {"cmd": "expect", "tid": "r", "epoch": 1, "peer": "P", "blocks": [1, 2], "mode": "push", "ttl": 5}
     {"cmd": "kv_ready", "tid": "r", "epoch": 1, "blocks": [3, 4], "mode": "push", "peer": "D", "seed": 7}
+
+`expect` may add ``"batches": n`` (expected batches) and ``"verify": seed``: the result event then
+carries ``"verified": true/false``, whether the blocks hold the bytes `kv_ready` with that seed
+wrote.  `kv_ready` may add ``"final": false`` and ``"first": position`` (one batch of several); it
+fills its blocks with the seed's pattern, the same bytes for the same seed, position and layer.
     {"cmd": "digest", "blocks": [1, 2]}          -> {"event": "digest", "sha256": ...}
     {"cmd": "stats"}                             -> {"event": "stats", ...}
     {"cmd": "close"}                             -> {"event": "closed"}, then the process exits
@@ -29,6 +34,7 @@ import threading
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 import kvflow.control.wire
 from kvflow.control.zeromq import ZmqControl
@@ -40,7 +46,7 @@ from kvflow.protocol.core import CoreConfig
 from kvflow.protocol.state import Mode
 from kvflow.runtime.engine import Engine, EngineConfig
 from kvflow.runtime.loop import run
-from kvflow.transports.base import Transport
+from kvflow.transports.base import Completion, Notification, Transport
 from kvflow.transports.nixl import NixlTransport
 from kvflow.transports.shm import ShmTransport
 
@@ -54,9 +60,31 @@ def emit(event: str, **fields: Any) -> None:
     sys.stdout.flush()
 
 
+class DroppingShm(ShmTransport):
+    """Shared memory that loses a fraction of the notifications it receives (fault injection)."""
+
+    def __init__(self, name: str, *, prefix: str | None, drop: float, seed: int) -> None:
+        super().__init__(name, prefix=prefix)
+        self.drop = drop
+        self.dropped = 0
+        self._dice = np.random.default_rng(seed)
+
+    def poll(self) -> tuple[list[Completion], list[Notification]]:
+        completions, notifications = super().poll()
+        kept = [n for n in notifications if self._dice.random() >= self.drop]
+        self.dropped += len(notifications) - len(kept)
+        return completions, kept
+
+
+def pattern(seed: int, layer: int, position: int, shape: tuple[int, int]) -> npt.NDArray[np.uint8]:
+    """The bytes a transfer stamped with `seed` holds at block `position` of `layer`."""
+    return np.random.default_rng([seed, layer, position]).integers(0, 256, shape, dtype=np.uint8)
+
+
 class Peer:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
+        self.stamped = 0
         self.spec = kv = spec(args.dtype)
         self.transport: Transport
         size = 2 * args.blocks * kv.block_len
@@ -64,7 +92,11 @@ class Peer:
             self.transport = NixlTransport(args.name, mode=args.nixl_mode, granule=kv.block_len)
             buffers = [np.zeros(size, np.uint8) for _ in range(kv.num_layers)]
         else:
-            shm = ShmTransport(args.name, prefix=args.prefix)
+            shm = (
+                DroppingShm(args.name, prefix=args.prefix, drop=args.drop_notifications, seed=args.fault_seed)
+                if args.drop_notifications
+                else ShmTransport(args.name, prefix=args.prefix)
+            )
             self.transport = shm
             buffers = [shm.allocate(size) for _ in range(kv.num_layers)]
         self.layers = [b.reshape(2, args.blocks, kv.block_len) for b in buffers]
@@ -76,27 +108,36 @@ class Peer:
             drain_timeout=1.0,
             unfenced_grace=args.grace,
         )
-        control = ZmqControl(args.name, curve=not args.no_curve)
+        control = ZmqControl(args.name, args.bind, curve=not args.no_curve)
         self.engine = Engine(args.name, layout, self.transport, control, config=config, on_release=self.released)
 
     def released(self, release: ReleaseBlocks) -> None:
         emit("released", tid=release.key.transfer_id, role=release.role.value, blocks=list(release.block_ids))
 
-    async def watch(self, handle: Any) -> None:
+    async def watch(self, handle: Any, blocks: list[int] | None = None, seed: int | None = None) -> None:
         result = await handle.wait()
+        checked = {} if seed is None or blocks is None else {"verified": result.ok and self.holds(blocks, seed)}
         emit(
             "result",
             tid=result.key.transfer_id,
             role=result.role.value,
             outcome=result.outcome.value,
             reason=result.reason,
+            **checked,
         )
 
-    def fill(self, blocks: list[int], seed: int) -> None:
-        rng = np.random.default_rng(seed)
-        for layer in self.layers:
-            for block in blocks:
-                layer[:, block] = rng.integers(0, 256, (2, self.spec.block_len), dtype=np.uint8)
+    def fill(self, blocks: list[int], seed: int, first: int = 0) -> None:
+        for index, layer in enumerate(self.layers):
+            for position, block in enumerate(blocks, first):
+                layer[:, block] = pattern(seed, index, position, (2, self.spec.block_len))
+
+    def holds(self, blocks: list[int], seed: int) -> bool:
+        """Whether `blocks` hold what a transfer stamped with `seed` wrote."""
+        return all(
+            np.array_equal(layer[:, block], pattern(seed, index, position, (2, self.spec.block_len)))
+            for index, layer in enumerate(self.layers)
+            for position, block in enumerate(blocks)
+        )
 
     def digest(self, blocks: list[int]) -> str:
         h = hashlib.sha256()
@@ -119,26 +160,35 @@ class Peer:
                 block_ids=cmd["blocks"],
                 mode=Mode(cmd["mode"]),
                 timeout=cmd.get("ttl"),
+                expected_batches=cmd.get("batches", 1),
             )
-            asyncio.ensure_future(self.watch(handle))
+            asyncio.ensure_future(self.watch(handle, cmd["blocks"], cmd.get("verify")))
             emit("started", tid=cmd["tid"])
         elif kind == "kv_ready":
-            self.fill(cmd["blocks"], cmd["seed"])
+            self.stamped += 1
+            wrong = self.args.misstamp_every and self.stamped % self.args.misstamp_every == 0
+            self.fill(cmd["blocks"], cmd["seed"] + wrong, cmd.get("first", 0))
             handle = await e.kv_ready(
                 cmd["tid"],
                 cmd["epoch"],
                 block_ids=cmd["blocks"],
+                final=cmd.get("final", True),
+                first_position=cmd.get("first", 0),
                 mode=Mode(cmd["mode"]),
                 peer=cmd.get("peer"),
                 timeout=cmd.get("ttl"),
             )
-            asyncio.ensure_future(self.watch(handle))
+            if not cmd.get("first", 0):  # a later batch: the first one's watcher reports the result
+                asyncio.ensure_future(self.watch(handle))
             emit("started", tid=cmd["tid"])
         elif kind == "digest":
             emit("digest", sha256=self.digest(cmd["blocks"]))
         elif kind == "stats":
             assert isinstance(e.control, ZmqControl)
-            emit("stats", **e.stats(), peers=e.peers(), control=dict(e.control.counters))
+            dropped = (
+                {"dropped_notifications": self.transport.dropped} if isinstance(self.transport, DroppingShm) else {}
+            )
+            emit("stats", **e.stats(), **dropped, peers=e.peers(), control=dict(e.control.counters))
         elif kind == "close":
             await e.aclose()
             emit("closed")
@@ -178,6 +228,10 @@ if __name__ == "__main__":
     parser.add_argument("--nixl-mode", choices=["direct", "prepped"], default="direct")
     parser.add_argument("--no-curve", action="store_true", help="sign frames only, no CURVE handshake")
     parser.add_argument("--grace", type=float, default=1.0, help="unfenced grace after a teardown (NIXL)")
+    parser.add_argument("--bind", default="tcp://127.0.0.1:0", help="control-plane address to listen on")
+    parser.add_argument("--drop-notifications", type=float, default=0.0, help="shm: lose this fraction of them")
+    parser.add_argument("--fault-seed", type=int, default=0, help="seed of the injected faults")
+    parser.add_argument("--misstamp-every", type=int, default=0, help="every Nth kv_ready stamps another seed")
     arguments = parser.parse_args()
     kvflow.control.wire.VERSION = arguments.wire_version  # lets a test play a peer of another version
     with contextlib.suppress(SystemExit):  # the "close" command ends the process

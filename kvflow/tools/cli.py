@@ -1,4 +1,5 @@
-"""The `kvflow` command: `kvflow doctor`, `kvflow bench nixl`, `kvflow bench vllm`, `kvflow diagrams`.
+"""The `kvflow` command: `kvflow doctor`, `kvflow bench nixl`, `kvflow bench vllm`, `kvflow diagrams`,
+`kvflow soak`.
 
 Why one entry point: operators ask "does NIXL work here, with which backends and memory?" and
 "how fast is it here?" before anything else; both answers are one command away.
@@ -10,6 +11,7 @@ import argparse
 import json
 import os
 import sys
+from typing import Any
 
 __all__ = ("main",)
 
@@ -50,7 +52,10 @@ def main(argv: list[str] | None = None) -> int:
         help="a kv_connector_extra_config entry for kvflow's connector, e.g. push_layer_groups=8",
     )
     vllm.add_argument("--json", default=None, help="also write every sample to this JSON file")
+    _add_soak(commands)
     args = parser.parse_args(argv)
+    if args.command == "soak":
+        return _soak(args)
     if args.command == "diagrams":
         from kvflow.tools.diagrams import main as diagrams_main
 
@@ -70,6 +75,55 @@ def main(argv: list[str] | None = None) -> int:
 
     bench_main(quick=args.quick, json_path=args.json, repeats=args.repeats)
     return 0
+
+
+def _add_soak(commands: Any) -> None:
+    soak = commands.add_parser(
+        "soak", help="many transfers between two engine processes under random faults; exit 1 on a leak or stale read"
+    )
+    soak.add_argument("--transfers", type=int, default=10_000)
+    soak.add_argument("--concurrency", type=int, default=8, help="transfers in flight")
+    soak.add_argument(
+        "--faults", type=_names, default=["kill", "stop", "drop", "flap"], help="comma-separated, or 'none'"
+    )
+    soak.add_argument("--fault-interval", type=float, default=2.0, help="mean seconds between faults")
+    soak.add_argument("--lease", type=float, default=1.0)
+    soak.add_argument("--ttl", type=float, default=5.0, help="each transfer's deadline")
+    soak.add_argument("--fence", type=float, default=2.0)
+    soak.add_argument("--drop-rate", type=float, default=0.002, help="fraction of D's notifications lost (shm)")
+    soak.add_argument("--transport", choices=["nixl", "shm"], default="nixl")
+    soak.add_argument(
+        "--netns", action=argparse.BooleanOptionalAction, default=None, help="P and D in two network namespaces"
+    )
+    soak.add_argument("--seed", type=int, default=0)
+    soak.add_argument("--json", default=None, help="also write the report to this JSON file")
+    soak.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    soak.add_argument("--fuzz", action="store_true", help="also run kvflow.testing.fuzz's control-port attacks on P")
+    soak.add_argument("--fuzz-scale", type=int, default=1000)
+
+
+def _soak(args: argparse.Namespace) -> int:
+    os.environ.setdefault("NIXL_LOG_LEVEL", "ERROR")
+    from kvflow.tools.soak import SoakConfig
+    from kvflow.tools.soak import main as soak_main
+
+    faults = tuple(f for f in args.faults if f != "none")
+    config = SoakConfig(
+        transfers=args.transfers,
+        concurrency=args.concurrency,
+        faults=faults,
+        fault_interval=args.fault_interval,
+        lease=args.lease,
+        ttl=args.ttl,
+        fence=args.fence,
+        drop_rate=args.drop_rate,
+        transport=args.transport,
+        netns=args.netns,
+        seed=args.seed,
+        fuzz=args.fuzz,
+        fuzz_scale=args.fuzz_scale,
+    )
+    return soak_main(config, json_path=args.json, quiet=args.quiet)
 
 
 def _setting(text: str) -> tuple[str, object]:

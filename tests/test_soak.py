@@ -1,0 +1,53 @@
+"""`kvflow soak` at CI size: two real engine processes, a few hundred transfers, random faults.
+
+The long runs are in docs/benchmarks.md; here the soak must come out clean under kills and
+stalls, and its checks must catch what they exist to catch (a page D reads that P did not stamp
+for that transfer makes the run fail).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvflow.errors import BenchError
+from kvflow.tools.cli import main as kvflow_cli
+from kvflow.tools.soak import MUST_BE_ZERO, SoakConfig, run_soak
+
+
+def test_a_small_soak_under_kills_and_stalls_leaks_nothing_and_reads_only_its_own_bytes() -> None:
+    config = SoakConfig(transfers=200, concurrency=4, faults=("kill", "stop"), fault_interval=0.3, seed=5, netns=False)
+    report = run_soak(config)
+    assert report["must_be_zero"] == dict.fromkeys(MUST_BE_ZERO, 0), report
+    assert report["ok"] and not report["aborted"] and report["transfers"] == 200
+    assert report["counts"].get("fault_kill", 0) + report["counts"].get("fault_stop", 0) >= 1
+    assert report["outcomes"]["D"].get("succeeded", 0) >= 100  # most transfers still go through
+    for side in ("P", "D"):
+        assert report["final_stats"][side]["held_blocks"] == 0 and report["final_stats"][side]["live_transfers"] == 0
+        assert report["drift"][side]["last"]["fds"] > 0  # sampled from /proc
+
+
+def test_a_page_p_did_not_stamp_for_the_transfer_is_a_stale_read_and_fails_the_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = SoakConfig(
+        transfers=40, concurrency=2, faults=(), seed=1, netns=False, p_options=("--misstamp-every", "10")
+    )
+    report = run_soak(config)
+    assert report["must_be_zero"]["stale_reads"] == 4 and not report["ok"]
+    assert all("other bytes" in example for example in report["examples"]["stale_reads"])
+    # the command: exit status 1, the count on stdout, the report as JSON
+    out = tmp_path / "soak.json"
+    argv = ["soak", "--transfers", "20", "--faults", "none", "--no-netns", "--quiet", "--json", str(out)]
+    assert kvflow_cli(argv) == 0
+    assert "stale_reads        0" in capsys.readouterr().out
+    assert json.loads(out.read_text())["ok"] is True
+
+
+def test_bad_soak_settings_are_refused_before_anything_starts() -> None:
+    with pytest.raises(BenchError, match="unknown faults \\['meteor'\\]"):
+        run_soak(SoakConfig(faults=("meteor",)))
+    with pytest.raises(BenchError, match="transport must be shm or nixl"):
+        run_soak(SoakConfig(transport="tcp"))
