@@ -188,7 +188,7 @@ class Side:
 
     def drift(self) -> dict[str, Any]:
         first, last = (self.samples[0], self.samples[-1]) if self.samples else ({}, {})
-        return {"incarnations": self.incarnations, "first": first, "last": last}
+        return {"incarnations": self.incarnations, "first": first, "last": last, "samples": list(self.samples)}
 
 
 def last_line(path: str) -> str:

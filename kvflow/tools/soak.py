@@ -65,6 +65,7 @@ class SoakConfig:
     fuzz: bool = False
     fuzz_scale: int = 1000
     p_options: tuple[str, ...] = ()  # more `peer_process` options for P (tests inject faults with them)
+    peer_options: tuple[str, ...] = ()  # more `peer_process` options for both sides
 
     def check(self) -> None:
         """:raises BenchError: a value is out of range or a fault is unknown."""
@@ -113,7 +114,7 @@ class Soak:
             env.update(UCX_TLS="tcp", UCX_NET_DEVICES=self.hosts.device(side))
         else:
             env.setdefault("UCX_NET_DEVICES", "lo")
-        options += list(c.p_options) if name == "P" else []
+        options += [*c.peer_options, *c.p_options] if name == "P" else list(c.peer_options)
         argv = [*launcher, sys.executable, "-m", "kvflow.testing.peer_process", "--name", name, *options]
         return Side(name, argv, env, f"/tmp/{prefix}-{side}.stderr")
 
@@ -408,7 +409,8 @@ def render(report: dict[str, Any]) -> str:
     lines.append(f"  outcomes           P {report['outcomes']['P']}  D {report['outcomes']['D']}")
     lines.append(f"  other counts       {report['counts']}")
     for side, drift in report["drift"].items():
-        lines.append(f"  {side} drift            {drift}")
+        shown = {key: value for key, value in drift.items() if key != "samples"}
+        lines.append(f"  {side} drift            {shown}")
     lines.append(
         f"  throughput         {report['transfers_per_s']} transfers/s, {report['succeeded_per_s']} succeeded/s, "
         f"{report['verified_mb_per_s']} MB/s verified"
