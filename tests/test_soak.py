@@ -57,7 +57,13 @@ def test_a_long_quiet_run_keeps_memory_descriptors_and_threads_flat() -> None:
     """Nothing per transfer outlives the transfer: past a warm-up, over hundreds more transfers,
     each process holds the same descriptors and threads and its RSS stays within a few pages."""
     config = SoakConfig(
-        transfers=1200, concurrency=4, faults=(), transport="shm", netns=False, seed=3, peer_options=("--retention", "2")
+        transfers=1200,
+        concurrency=4,
+        faults=(),
+        transport="shm",
+        netns=False,
+        seed=3,
+        peer_options=("--retention", "2"),
     )
     report = run_soak(config)
     assert report["ok"], report["must_be_zero"]
