@@ -140,8 +140,11 @@ class PeerExecutor:
         :raises ConfigError: the channel refused the address of a local connect.
         """
         queue = deque(actions)
+        ended: set[str] = set()  # peers refused or torn down here: their connection goes at the end
         while queue:
             action = queue.popleft()
+            if isinstance(action, Refused | TearDown):
+                ended.add(action.peer)
             if isinstance(action, Deliver):
                 self.hooks.run(self.core.receive(action.peer, action.message, self.hooks.now()))
             elif isinstance(action, SendHeartbeat):
@@ -172,6 +175,15 @@ class PeerExecutor:
                 log.error("%s: refusing peer %s: %s", self.engine_id, action.peer, action.error)
             elif isinstance(action, UnknownSender):
                 self.counters["messages_from_unknown_peers"] += 1
+        self._forget(ended)
+
+    def _forget(self, peers: set[str]) -> None:
+        """Close the connections of peers refused or torn down (once their Reject or Goodbye was
+        queued, above): made-up names must not use up sockets.  A peer that is (again) associated
+        or being added keeps its own."""
+        for peer in sorted(peers):
+            if peer not in self.assoc.layouts and peer not in self.assoc.adding:
+                self.control.forget(peer)
 
     def try_send(self, peer: str, message: ControlMessage) -> KVFlowError | None:
         """Send; a failure is counted, logged and returned, never raised."""
