@@ -388,7 +388,8 @@ async def test_a_peer_that_starts_over_fails_the_old_association_and_serves_new_
         # P's WRITE never drains, so D's fence times out and D tears P down.
         await eventually(lambda: "P" not in pair.d.peers(), "D tears P down")
         assert (await old_d.wait(1)).outcome is Outcome.ABORTED
-        assert pair.d.core.ledger.held_blocks == 0
+        # the blocks come back once P's removal returned, on D's peer thread
+        await eventually(lambda: pair.d.core.ledger.held_blocks == 0, "D's blocks come back")
         await pair.d.connect("P", timeout=2)  # a new association: P drops everything of the old one
         assert (await old_p.wait(1)).outcome in (Outcome.ABORTED, Outcome.FAILED)
         waiting = await pair.d.expect("new", 1, peer="P", block_ids=[1])
