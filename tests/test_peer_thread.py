@@ -186,6 +186,20 @@ async def test_a_removal_that_cannot_fence_keeps_the_blocks_and_is_retried_never
     assert stats["unfenced_peers"] == 0 and stats["held_blocks"] == 0 and trio.p.crashed == []
 
 
+@pytest.mark.asyncio
+async def test_an_engine_closed_while_a_removal_cannot_fence_keeps_the_blocks_and_says_so(
+    trio: Trio, caplog: pytest.LogCaptureFixture
+) -> None:
+    await trio.e.connect("P", timeout=5)
+    trio.transport.unfenceable.add("E")
+    await trio.p.expect("e", 1, peer="E", block_ids=[1])
+    trio.hub.route("E", trio.e.control.incarnation, "P", Goodbye("leaving"))
+    await eventually(lambda: trio.p.stats()["peer_removals_failed"] >= 1 or bool(trio.p.crashed), "removal failed")
+    await trio.p.aclose()  # no EngineCrashed: the blocks are held on purpose
+    assert trio.p.crashed == [] and trio.p.stats()["held_blocks"] == 1
+    assert "closed without removing peers ['E']" in caplog.text
+
+
 # ---------------------------------------------------------------- the decisions, without I/O
 
 
