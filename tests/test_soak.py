@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from kvflow.errors import BenchError
-from kvflow.tools.cli import main as kvflow_cli
 from kvflow.testing.fuzz_process import ATTACKS
+from kvflow.tools.cli import main as kvflow_cli
 from kvflow.tools.soak import MUST_BE_ZERO, SoakConfig, render, run_soak
 
 
