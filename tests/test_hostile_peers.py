@@ -34,7 +34,7 @@ from kvflow.transports.loopback import LoopbackFabric
 from tests.waiting import eventually
 
 SECRET = Secret(b"a shared secret of some length")
-CONFIG = EngineConfig(transfer_timeout=10.0, drain_timeout=1.0)
+CONFIG = EngineConfig(transfer_timeout=10.0, drain_timeout=1.0, lease=600.0)  # made-up peers never beat
 LAYOUT = layout_to_wire(KVBuffers(SMALL_SPEC, 16).layout)
 
 
@@ -69,6 +69,16 @@ class Zmq:
         sock.connect(self.p.control.address)
         self.sockets.append(sock)
         return sock
+
+    def sink(self) -> int:
+        """Where made-up peers say they listen: a ROUTER that passes P's CURVE handshakes (so
+        that P's connections stay up) and never reads.  Its port."""
+        sink = self.ctx.socket(zmq.ROUTER)
+        self.sockets.append(sink)
+        sink.setsockopt(zmq.LINGER, 0)
+        sink.setsockopt(zmq.CURVE_SERVER, 1)
+        sink.setsockopt(zmq.CURVE_SECRETKEY, curve_keys(SECRET).server_secret)
+        return sink.bind_to_random_port("tcp://127.0.0.1")
 
     async def close(self) -> None:
         try:
@@ -115,10 +125,7 @@ async def test_a_hello_whose_answer_cannot_be_sent_is_refused_not_a_crash(zmq_p:
 @pytest.mark.asyncio
 async def test_more_hellos_than_sockets_are_refused_beyond_the_peer_limit(zmq_p: Zmq) -> None:
     engine = zmq_p
-    sink = engine.ctx.socket(zmq.ROUTER)  # where the fake peers say they listen; never read
-    engine.sockets.append(sink)
-    sink.setsockopt(zmq.LINGER, 0)
-    port = sink.bind_to_random_port("tcp://127.0.0.1")
+    port = engine.sink()
     count = 1100  # more than a ZeroMQ context's default 1023 sockets
     for n in range(count):
         name = f"m{n}"
@@ -132,6 +139,28 @@ async def test_more_hellos_than_sockets_are_refused_beyond_the_peer_limit(zmq_p:
     )
     assert engine.p.crashed == []
     assert len(engine.p.peers()) == CONFIG.max_peers and stats()["peers_refused"] == count - CONFIG.max_peers
+
+
+@pytest.mark.asyncio
+async def test_refused_names_do_not_use_up_sockets_and_a_real_peer_still_connects(zmq_p: Zmq) -> None:
+    engine = zmq_p
+    port = engine.sink()
+    control = engine.p.control
+    assert isinstance(control, ZmqControl)
+    count = 1100  # more than a ZeroMQ context's default 1023 sockets
+    for n in range(count):
+        name = f"m{n}"
+        impostor = hello(name, f"tcp://127.0.0.1:{port}")
+        impostor = Hello(
+            f"x{n}", impostor.fingerprint, LAYOUT, impostor.transport_metadata, False, impostor.control_address
+        )
+        engine.dealer(name).send_multipart(signed(name, "P", impostor))  # refused with a Reject, sent
+    await eventually(
+        lambda: engine.p.stats()["peers_refused"] == count or bool(engine.p.crashed), "P refuses every name", timeout=60
+    )
+    assert engine.p.crashed == [] and engine.p.peers() == []
+    assert control.connections == 0 and control.counters["connections_forgotten"] == count
+    await a_real_peer_still_associates(engine)
 
 
 @pytest.mark.asyncio

@@ -61,6 +61,7 @@ class GatedTransport(LoopbackTransport):
     def __init__(self, name: str, fabric: LoopbackFabric, gates: dict[tuple[str, str], Gate]) -> None:
         super().__init__(name, fabric=fabric)
         self.gates = gates
+        self.unfenceable: set[str] = set()  # removing these fails, as shm's does for a stopped peer
 
     def add_peer(self, name: str, metadata: bytes, regions: Sequence[Region]) -> None:
         gate = self.gates.get(("add", name))
@@ -71,6 +72,8 @@ class GatedTransport(LoopbackTransport):
             gate.returned.set()
 
     def remove_peer(self, name: str) -> None:
+        if name in self.unfenceable:
+            raise TransportError(f"copies from {name!r} into our memory did not stop within fence_timeout")
         gate = self.gates.get(("remove", name))
         if gate is not None:
             gate.hold()
@@ -89,6 +92,7 @@ class Trio:
     hub: LocalControlHub
     gates: dict[tuple[str, str], Gate]
     kv: dict[str, KVBuffers]
+    transport: GatedTransport
 
 
 @pytest_asyncio.fixture
@@ -96,13 +100,15 @@ async def trio() -> AsyncIterator[Trio]:
     fabric, hub = LoopbackFabric(), LocalControlHub()
     gates: dict[tuple[str, str], Gate] = {}
     kv = {name: KVBuffers(SMALL_SPEC, 8) for name in "PDE"}
-    p = Engine("P", kv["P"].layout, GatedTransport("P", fabric, gates), hub.channel("P"), config=CONFIG)
+    transport = GatedTransport("P", fabric, gates)
+    p = Engine("P", kv["P"].layout, transport, hub.channel("P"), config=CONFIG)
     d = Engine("D", kv["D"].layout, fabric.endpoint("D"), hub.channel("D"), config=CONFIG)
     e = Engine("E", kv["E"].layout, fabric.endpoint("E"), hub.channel("E"), config=CONFIG)
     for engine in (p, d, e):
         await engine.start()
     await d.connect("P", timeout=5)
-    yield Trio(p, d, e, hub, gates, kv)
+    yield Trio(p, d, e, hub, gates, kv, transport)
+    transport.unfenceable.clear()
     for gate in gates.values():
         gate.opened.set()
     for engine in (e, d, p):
@@ -154,6 +160,44 @@ async def test_a_blocking_remove_peer_fails_the_peers_transfers_only_once_it_ret
     await eventually(lambda: trio.p.core.machine(key, Role.PREFILL).outcome is not None, "E's transfer ends")
     assert trio.p.core.machine(key, Role.PREFILL).outcome is Outcome.FAILED and gate.returned.is_set()
     assert trio.p.crashed == []
+
+
+@pytest.mark.asyncio
+async def test_a_removal_that_cannot_fence_keeps_the_blocks_and_is_retried_never_a_crash(trio: Trio) -> None:
+    await trio.e.connect("P", timeout=5)
+    trio.transport.unfenceable.add("E")
+    waiting = await trio.p.expect("e", 1, peer="E", block_ids=[1])
+    assert trio.p.stats()["held_blocks"] == 1
+    trio.hub.route("E", trio.e.control.incarnation, "P", Goodbye("no message for 30s"))
+    await eventually(lambda: trio.p.stats()["peer_removals_failed"] >= 3 or bool(trio.p.crashed), "removal retried")
+    assert trio.p.crashed == []
+    stats = trio.p.stats()
+    assert stats["unfenced_peers"] == 1 and stats["held_blocks"] == 1  # E's copies may still land in block 1
+    assert trio.p.core.machine(TransferKey("e", 1), Role.DECODE).outcome is None
+    refused = stats["peers_refused"]
+    trio.hub.route("E", trio.e.control.incarnation + 1, "P", hello("E", ""))  # E, restarted, says hello
+    await eventually(lambda: trio.p.stats()["peers_refused"] == refused + 1, "P refuses the unfenced peer")
+    assert trio.p.peers() == ["D"]
+    await d_and_p_still_move_a_transfer(trio, "while-unfenced")
+    trio.transport.unfenceable.discard("E")  # the peer's copies stop: the next retry succeeds
+    result = await waiting.wait(10)
+    assert result.outcome is Outcome.FAILED and result.reason == "peer E lost: it tore us down: no message for 30s"
+    stats = trio.p.stats()
+    assert stats["unfenced_peers"] == 0 and stats["held_blocks"] == 0 and trio.p.crashed == []
+
+
+@pytest.mark.asyncio
+async def test_an_engine_closed_while_a_removal_cannot_fence_keeps_the_blocks_and_says_so(
+    trio: Trio, caplog: pytest.LogCaptureFixture
+) -> None:
+    await trio.e.connect("P", timeout=5)
+    trio.transport.unfenceable.add("E")
+    await trio.p.expect("e", 1, peer="E", block_ids=[1])
+    trio.hub.route("E", trio.e.control.incarnation, "P", Goodbye("leaving"))
+    await eventually(lambda: trio.p.stats()["peer_removals_failed"] >= 1 or bool(trio.p.crashed), "removal failed")
+    await trio.p.aclose()  # no EngineCrashed: the blocks are held on purpose
+    assert trio.p.crashed == [] and trio.p.stats()["held_blocks"] == 1
+    assert "closed without removing peers ['E']" in caplog.text
 
 
 # ---------------------------------------------------------------- the decisions, without I/O

@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 
 from kvflow.errors import BenchError
+from kvflow.testing.fuzz_process import ATTACKS
 from kvflow.tools.cli import main as kvflow_cli
-from kvflow.tools.soak import MUST_BE_ZERO, SoakConfig, run_soak
+from kvflow.tools.soak import MUST_BE_ZERO, SoakConfig, render, run_soak
 
 
 def test_a_small_soak_under_kills_and_stalls_leaks_nothing_and_reads_only_its_own_bytes() -> None:
@@ -44,6 +45,25 @@ def test_a_page_p_did_not_stamp_for_the_transfer_is_a_stale_read_and_fails_the_r
     assert kvflow_cli(argv) == 0
     assert "stale_reads        0" in capsys.readouterr().out
     assert json.loads(out.read_text())["ok"] is True
+
+
+def test_a_fuzzed_soak_reports_every_attack_and_the_transfers_meanwhile_and_stays_clean() -> None:
+    scale = 50
+    config = SoakConfig(transfers=40, concurrency=2, faults=(), seed=3, netns=False, fuzz=True, fuzz_scale=scale)
+    report = run_soak(config)
+    assert report["must_be_zero"] == dict.fromkeys(MUST_BE_ZERO, 0), report
+    fuzz = report["fuzz"]
+    assert fuzz["failure"] == ""
+    attacks = {a["attack"]: a for a in fuzz["attacks"]}
+    assert list(attacks) == list(ATTACKS), fuzz  # CURVE is on: the unfinished message is run too
+    assert all("error" not in a for a in attacks.values()), fuzz
+    assert attacks["insider_bad_mac"]["sent"] == scale and attacks["connection_flood"]["sent"] == scale
+    assert attacks["unfinished_multipart"]["refused"] == 1  # a stranger does not get past CURVE
+    assert sum(a["p_counters"].get("rejected_bad_mac", 0) for a in attacks.values()) > 0
+    assert sum(a["transfers"]["n"] for a in attacks.values()) > 0 and fuzz["outside"]["n"] > 0
+    assert report["transfers"] >= 40 and fuzz["p_end"]["fds"] > 0
+    text = render(report)
+    assert "fuzz connection_flood" in text and "P rejected" in text
 
 
 def test_bad_soak_settings_are_refused_before_anything_starts() -> None:

@@ -58,6 +58,12 @@ class ControlChannel(Protocol):
         """Call `listener(peer, up)` on the loop when the connection to a peer drops (`up` False)
         or comes back (True), where the channel can tell; a no-op where it cannot.  Never raises."""
 
+    def forget(self, peer: str) -> None:
+        """`peer` is not (or no longer) associated: close the connection to it (what was queued
+        on it still leaves, briefly) and drop the route it taught; a route the channel was
+        configured with stays.  A later `add_route` (or the peer's next Hello) brings it back.
+        Never raises."""
+
     def send(self, peer: str, message: ControlMessage) -> None:
         """Queue a message for `peer`; never blocks.
 
@@ -137,6 +143,9 @@ class LocalControl:
 
     def start(self, loop: asyncio.AbstractEventLoop, handler: MessageHandler) -> None:
         self.hub.register(self.name, loop, handler)
+
+    def forget(self, peer: str) -> None:
+        return None  # no connection per peer in one process
 
     def send(self, peer: str, message: ControlMessage) -> None:
         if self._closed:

@@ -77,6 +77,7 @@ RECEIVE_QUEUE = 128  # messages queued per connection (a frame is at most 2 part
 HANDSHAKE_TIMEOUT = 2.0  # seconds a connection may take to authenticate
 YIELD_EVERY = 64  # parts read before the receive loop lets the event loop run
 YIELD_AFTER = 0.005  # seconds of receiving before it does
+FORGET_LINGER_MS = 200  # a forgotten peer's last frames (a Goodbye, a Reject) get this long to leave
 
 
 def is_loopback(address: str) -> bool:
@@ -141,6 +142,7 @@ class ZmqControl:
         self._logged: set[tuple[bytes, str]] = set()
         self._drops = DropLog(self.engine_id)
         self.links = LinkMonitors()  # reports the DEALERs' connections once a listener is set
+        self._configured = frozenset(routes or {})  # forget() keeps these routes
         for peer, address in (routes or {}).items():
             self.add_route(peer, address)
 
@@ -164,6 +166,22 @@ class ZmqControl:
                 self.links.unwatch(old)
                 old.close(linger=0)  # its reader task ends on the closed socket
             self._routes[peer] = address
+
+    def forget(self, peer: str) -> None:
+        """Close the DEALER to `peer` (queued frames get `FORGET_LINGER_MS` to leave) and drop
+        the route its Hello taught; a route given at construction stays.  Never raises."""
+        dealer = self._dealers.pop(peer, None)
+        if dealer is not None:
+            self.links.unwatch(dealer)
+            dealer.close(linger=FORGET_LINGER_MS)  # its reader task ends on the closed socket
+            self.counters["connections_forgotten"] += 1
+        if peer not in self._configured:
+            self._routes.pop(peer, None)
+
+    @property
+    def connections(self) -> int:
+        """How many DEALERs (one per peer sent to, until forgotten) are open."""
+        return len(self._dealers)
 
     def set_link_listener(self, listener: LinkListener | None) -> None:
         self.links.listener = listener

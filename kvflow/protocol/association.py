@@ -356,7 +356,7 @@ class Associations:
         self.liveness.heard(sender, now)
         if isinstance(message, Goodbye):
             self.dropped(sender)
-            return [TearDown(sender, f"peer said goodbye: {message.reason}", expected=True)]
+            return [TearDown(sender, f"it tore us down: {message.reason}", expected=True)]
         if isinstance(message, Heartbeat):
             return [RenewLeases(sender, message.keys, now, self.liveness.lease)]
         return [Deliver(sender, message)]  # about one transfer: the core's business

@@ -243,8 +243,9 @@ class TransferCore:
                 actions += self._feed(m, Input.REGISTER, now)
         return actions
 
-    def peer_lost(self, peer: str, now: float) -> list[Action]:
-        """`peer` was declared dead *and torn down*: nothing it issued can still land here."""
+    def peer_lost(self, peer: str, now: float, why: str = "") -> list[Action]:
+        """`peer` was declared dead *and torn down*: nothing it issued can still land here.
+        `why` (the teardown's reason, or the peer's own) ends each failed transfer's reason."""
         self._connected.discard(peer)
         # What the peer said about transfers not started here refers to blocks its teardown
         # has released: forget it.
@@ -253,7 +254,9 @@ class TransferCore:
         for m in self.store.machines():
             if m.peer == peer and m.state not in TERMINAL:
                 unheard = " before its verdict on the written KV" if m.state is State.WRITTEN else ""
-                actions += self._feed(m, Input.PEER_LOST, now, reason=f"peer {peer} lost{unheard}")
+                actions += self._feed(
+                    m, Input.PEER_LOST, now, reason=f"peer {peer} lost{unheard}{f': {why}' if why else ''}"
+                )
         return actions
 
     def renew(self, peer: str, keys: Sequence[TransferKey], now: float, lease: float) -> list[Action]:

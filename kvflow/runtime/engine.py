@@ -84,6 +84,8 @@ class Engine:
             "sends_failed": 0,
             "notifications_from_unknown": 0,
             "peers_refused": 0,
+            "peer_removals_failed": 0,  # a transport's remove_peer raised (retried: see peering)
+            "unfenced_peers": 0,  # peers whose removal has not succeeded yet: their blocks stay held
             "released_dropped": 0,
             "finished_dropped": 0,
         }
@@ -214,7 +216,9 @@ class Engine:
         self.transport.close()
         self.control.close()
         self._state = "closed"
-        if self.core.ledger.held_blocks or self.core.live():
+        if self._peers.unfenced:  # their blocks stay quarantined: no op of theirs was fenced
+            log.error("%s: closed without removing peers %s", self.engine_id, sorted(self._peers.unfenced))
+        elif self.core.ledger.held_blocks or self.core.live():
             self._record_crash(LedgerError(f"engine closed holding {self.core.ledger.held_blocks} blocks"))
         for future in self._handles.values():
             if not future.done():

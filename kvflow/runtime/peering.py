@@ -16,7 +16,9 @@ removal after the submissions queued before it) is already the transport's contr
 submission racing with `remove_peer` is refused or fenced.  One FIFO thread keeps each peer's
 additions and removals in the order decided.  A removed peer's transfers fail only once its
 removal has returned, and from the moment of the teardown its notifications are ignored and no
-new submission to it is made (its layout is forgotten at once).
+new submission to it is made (its layout is forgotten at once).  A removal that fails (the
+transport could not fence the peer's copies into our memory) is no crash: the peer's blocks
+stay held and the removal is retried until it succeeds.
 """
 
 from __future__ import annotations
@@ -60,6 +62,9 @@ from kvflow.transports.base import Transport
 __all__ = ("EngineHooks", "PeerExecutor")
 
 log = logging.getLogger(__name__)
+
+RETRY_FIRST = 0.05  # seconds before a failed removal is retried; doubling each time
+RETRY_MAX = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +112,7 @@ class PeerExecutor:
         self._outstanding = 0  # peer jobs whose outcome the loop has not had yet
         self._settled = asyncio.Event()
         self._settled.set()
+        self.unfenced: dict[str, int] = {}  # peers whose removal failed (and is retried): attempts
 
     def start(self) -> None:
         """Read the transport's metadata once, on the loop's thread.
@@ -134,8 +140,11 @@ class PeerExecutor:
         :raises ConfigError: the channel refused the address of a local connect.
         """
         queue = deque(actions)
+        ended: set[str] = set()  # peers refused or torn down here: their connection goes at the end
         while queue:
             action = queue.popleft()
+            if isinstance(action, Refused | TearDown):
+                ended.add(action.peer)
             if isinstance(action, Deliver):
                 self.hooks.run(self.core.receive(action.peer, action.message, self.hooks.now()))
             elif isinstance(action, SendHeartbeat):
@@ -166,6 +175,15 @@ class PeerExecutor:
                 log.error("%s: refusing peer %s: %s", self.engine_id, action.peer, action.error)
             elif isinstance(action, UnknownSender):
                 self.counters["messages_from_unknown_peers"] += 1
+        self._forget(ended)
+
+    def _forget(self, peers: set[str]) -> None:
+        """Close the connections of peers refused or torn down (once their Reject or Goodbye was
+        queued, above): made-up names must not use up sockets.  A peer that is (again) associated
+        or being added keeps its own."""
+        for peer in sorted(peers):
+            if peer not in self.assoc.layouts and peer not in self.assoc.adding:
+                self.control.forget(peer)
 
     def try_send(self, peer: str, message: ControlMessage) -> KVFlowError | None:
         """Send; a failure is counted, logged and returned, never raised."""
@@ -185,33 +203,71 @@ class PeerExecutor:
 
     def remove_peer(self, peer: str, reason: str, *, expected: bool) -> None:
         """Remove the peer from the transport on the peer thread; once that returned, tell the
-        core that nothing of it can land (see the module's header)."""
+        core that nothing of it can land (see the module's header).  A removal that fails is
+        retried (see `_unfenced`)."""
         log.log(
             logging.INFO if expected else logging.WARNING, "%s: tearing down peer %s: %s", self.engine_id, peer, reason
         )
+        if peer in self.unfenced:
+            return  # its removal is being retried: it ends in `peer_lost` once it succeeds
         grace = 0.0 if self.transport.capabilities.fences_inbound else self.config.unfenced_grace
         if grace > 0 and self.hooks.running():
             # No new association until its removal returned and its late ops had time to land.
             self.assoc.start_cooling(peer, self.hooks.now() + grace)
-        self._off_loop(lambda: self.transport.remove_peer(peer), self._removed, peer)
+        self._remove(peer, reason, 0)
 
-    def _removed(self, peer: str, error: TransportError | None) -> None:
-        """:raises TransportError: the transport could not remove the peer, so nothing promises
-        that its ops are fenced: the engine cannot go on safely (its guard records a crash)."""
+    def _remove(self, peer: str, reason: str, attempt: int) -> None:
+        self._off_loop(lambda: self.transport.remove_peer(peer), self._removed, (peer, reason, attempt))
+
+    def _removed(self, subject: tuple[str, str, int], error: TransportError | None) -> None:
+        peer, reason, attempt = subject
         if error is not None:
-            raise error
+            self._unfenced(peer, reason, attempt, error)
+            return
+        if self.unfenced.pop(peer, None) is not None:
+            self.counters["unfenced_peers"] = len(self.unfenced)
+            log.warning("%s: peer %s removed after %d failed attempts", self.engine_id, peer, attempt)
         grace = 0.0 if self.transport.capabilities.fences_inbound else self.config.unfenced_grace
         if grace > 0 and self.hooks.running():
             # The peer's own WRITEs (or READs) may still be in flight towards us: give them time
             # to land before its transfers' blocks may go back.
-            self.hooks.later(grace, self._peer_gone, peer)
+            self.hooks.later(grace, self._peer_gone, peer, reason)
         elif not self.hooks.closed():
-            self.assoc.stop_cooling(peer)
-            self.hooks.run(self.core.peer_lost(peer, self.hooks.now()))
+            self._peer_gone(peer, reason)
 
-    def _peer_gone(self, peer: str) -> None:
+    def _unfenced(self, peer: str, reason: str, attempt: int, error: TransportError) -> None:
+        """The transport could not remove the peer (it could not fence the peer's copies into our
+        memory, as a stopped process's): nothing promises that its ops are over.  A peer never
+        crashes the engine: it stays cooling (no new association), its transfers stay undecided
+        or quarantined, and the removal is retried, backing off up to `RETRY_MAX` seconds, until
+        it succeeds (only then may the core release), for as long as the engine runs."""
+        self.counters["peer_removals_failed"] += 1
+        first = peer not in self.unfenced
+        self.unfenced[peer] = attempt + 1
+        self.counters["unfenced_peers"] = len(self.unfenced)
+        delay = min(RETRY_FIRST * 2**attempt, RETRY_MAX)
+        log.log(
+            logging.ERROR if first else logging.DEBUG,
+            "%s: cannot remove peer %s (attempt %d): %s; its transfers' blocks stay quarantined, retrying in %.2gs",
+            self.engine_id,
+            peer,
+            attempt + 1,
+            error,
+            delay,
+        )
+        if self.hooks.closed():
+            return
+        self.assoc.start_cooling(peer, self.hooks.now() + delay)
+        self._begin()  # a retry under way counts until it returned: closing waits for it
+        self.hooks.later(delay, self._retry, peer, reason, attempt + 1)
+
+    def _retry(self, peer: str, reason: str, attempt: int) -> None:
+        self._end()
+        self._remove(peer, reason, attempt)
+
+    def _peer_gone(self, peer: str, reason: str) -> None:
         self.assoc.stop_cooling(peer)
-        self.hooks.run(self.core.peer_lost(peer, self.hooks.now()))
+        self.hooks.run(self.core.peer_lost(peer, self.hooks.now(), reason))
 
     def _add_route(self, action: AddRoute) -> list[AssociationAction]:
         """:raises ConfigError: the channel refused the address of a local connect."""
@@ -241,8 +297,7 @@ class PeerExecutor:
     def _off_loop(self, work: Callable[[], None], then: Callable[..., None], subject: object) -> None:
         """Run `work` on the peer thread, then `then(subject, error)` on the loop (at once when the
         worker runs jobs inline, as tests driving a manual clock do)."""
-        self._outstanding += 1
-        self._settled.clear()
+        self._begin()
 
         def job() -> None:
             error: TransportError | None = None
@@ -261,10 +316,17 @@ class PeerExecutor:
             self._outcome(then, subject, TransportError("the engine's peer thread is closed"))
 
     def _outcome(self, then: Callable[..., None], subject: object, error: TransportError | None) -> None:
+        self._end()
+        then(subject, error)
+
+    def _begin(self) -> None:
+        self._outstanding += 1
+        self._settled.clear()
+
+    def _end(self) -> None:
         self._outstanding -= 1
         if self._outstanding == 0:
             self._settled.set()
-        then(subject, error)
 
     def _send_hello(self, action: SendHello) -> list[AssociationAction]:
         """Send our Hello; when it answers a peer's, its outcome is an input of the associations.

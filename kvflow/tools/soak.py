@@ -14,14 +14,14 @@ once everything has settled), stale reads (D's transfer succeeded but its blocks
 bytes P stamped for it), stuck transfers (a live side gives no outcome within ttl, two leases,
 the fence and the longest fault), engine crashes and processes that died unasked.  Also
 reported: outcomes per side, verdicts P and D disagree on, RSS / fd / thread drift of both
-processes, throughput.
+processes, throughput.  With `--fuzz`, the attacks of `kvflow.testing.fuzz` run against P's
+control port meanwhile, and the transfers go on until they are over (`kvflow.tools.soak_fuzz`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
 import json
 import os
 import random
@@ -31,21 +31,20 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, is_dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from kvflow.errors import BenchError, KVFlowError
 from kvflow.tools.netns import TwoHosts, unavailable
 from kvflow.tools.peer_driver import ROOT, Side
+from kvflow.tools.soak_fuzz import Fuzzer, render_fuzz
 
 __all__ = ("FAULTS", "SoakConfig", "main", "render", "run_soak")
 
 FAULTS = ("kill", "stop", "drop", "flap")
 MUST_BE_ZERO = ("leaked_blocks", "stale_reads", "stuck_transfers", "engine_crashes", "unexpected_exits")
 BLOCK_BYTES = 2 * 2 * 16 * 2 * 32 * 2  # K and V, layers, block_size, heads, head_dim, float16 (peer_process)
-# The control-port attacks of kvflow.testing.fuzz that `--fuzz` runs against P during the soak.
-FUZZ_ATTACKS = ("unfinished_multipart", "bad_mac_flood", "connection_flood", "identity_squatting", "replay")
 
 
 @dataclass(frozen=True)
@@ -94,6 +93,10 @@ class Soak:
             self.notes.append("lost notifications are injected by the shm transport only: not run")
         prefix = f"kvflow-soak-{secrets.token_hex(4)}"
         secret = secrets.token_hex(32)
+        self.secret = secret
+        self.timeline: list[tuple[float, float, str]] = []  # (start, end, D's outcome) of each transfer
+        self.fuzzer: Fuzzer | None = None
+        self.fuzz_task: asyncio.Future[None] | None = None
         self.prefix = prefix
         self.p = self._side("P", "p", prefix, secret)
         self.d = self._side("D", "d", prefix, secret)
@@ -147,7 +150,7 @@ class Soak:
 
     async def worker(self, slot: int) -> None:
         c, k = self.config, self.config.max_blocks
-        while self.next_id < c.transfers:
+        while self.next_id < c.transfers or self.fuzzing():
             i, self.next_id = self.next_id, self.next_id + 1
             await self.up.wait()
             n = self.rng.randint(1, k)
@@ -162,7 +165,21 @@ class Soak:
     async def workers(self) -> None:
         await asyncio.gather(*(self.worker(slot) for slot in range(self.config.concurrency)))
 
+    def fuzzing(self) -> bool:
+        """Whether attacks still run: transfers go on until they are over (and `transfers` ran)."""
+        return self.fuzz_task is not None and not self.fuzz_task.done() and not self.stopping.is_set()
+
+    def attacker(self) -> Fuzzer:
+        """The attacker process against P, reachable the way D reaches P."""
+        launcher = self.hosts.command("d") if self.hosts is not None else []
+        argv = [*launcher, sys.executable, "-m", "kvflow.testing.fuzz_process", "--address", self.p.address]
+        argv += ["--scale", str(self.config.fuzz_scale)]
+        argv += ["--no-curve"] if "--no-curve" in self.config.p_options else []
+        env = dict(os.environ, KVFLOW_SECRET=self.secret, PYTHONPATH=str(ROOT))
+        return Fuzzer(argv, env, lambda: self.p.ask(cmd="stats"))
+
     async def transfer(self, tid: str, blocks: list[int], seed: int) -> None:
+        began = time.monotonic()
         started: list[tuple[Side, int, asyncio.Future[dict[str, Any]]]] = []
         common = {"tid": tid, "epoch": 1, "blocks": blocks, "mode": "push", "ttl": self.config.ttl}
         try:
@@ -193,6 +210,7 @@ class Soak:
                 side.forget(tid)
             self.outcomes[side.name][verdicts[side.name]["outcome"]] += 1
         d, p = verdicts.get("D"), verdicts.get("P")
+        self.timeline.append((began, time.monotonic(), d["outcome"] if d is not None else "none"))
         if d is not None and d["outcome"] == "succeeded":
             if d.get("verified") is not True:
                 self.note("stale_reads", f"{tid}: D succeeded but its blocks hold other bytes ({self.since_fault()})")
@@ -269,7 +287,9 @@ class Soak:
         await self.d.start()
         await self.connect()
         self.up.set()
-        fuzzing = asyncio.ensure_future(asyncio.to_thread(fuzz_hook, self.p.address, c.fuzz_scale)) if c.fuzz else None
+        if c.fuzz:
+            self.fuzzer = self.attacker()
+            self.fuzz_task = asyncio.ensure_future(self.fuzzer.run())
         began = time.monotonic()
         faults = asyncio.ensure_future(self.faults())
         keeper = asyncio.ensure_future(self.keep_connected())
@@ -280,6 +300,7 @@ class Soak:
             if faults in done and faults.exception() is not None:
                 aborted = f"{type(faults.exception()).__name__}: {faults.exception()}"
                 self.next_id = c.transfers
+                self.stopping.set()
             await workers
         finally:
             self.stopping.set()
@@ -293,10 +314,12 @@ class Soak:
                     self.hosts.restore()
         elapsed = time.monotonic() - began
         report = await self.settle() if not aborted else {}
-        if fuzzing is not None:
-            report["fuzz"] = await fuzzing
         for side in (self.p, self.d):
             side.sample()
+        if self.fuzzer is not None and self.fuzz_task is not None:
+            await self.fuzz_task
+            report["fuzz"] = self.fuzzer.report(self.timeline, self.p.drift()["last"])
+        for side in (self.p, self.d):
             await side.close()
         self.counts["unexpected_exits"] = self.p.unexpected_exits + self.d.unexpected_exits
         self.notes += [f"{side.name} printed: {line}" for side in (self.p, self.d) for line in side.stray]
@@ -344,30 +367,6 @@ class Soak:
             "notes": self.notes,
             "config": {**asdict(c), "netns": self.hosts is not None},
         }
-
-
-def fuzz_hook(address: str, scale: int) -> dict[str, Any]:
-    """HOOK for `--fuzz`: run the control-port attacks of `kvflow.testing.fuzz` (written apart from
-    this command) against P at `address` while the soak runs.  Each attack named in `FUZZ_ATTACKS`
-    is called as ``attack(address, scale=scale)`` and its stats dataclass reported; until that
-    module exists, the report says so and the soak runs without them.  Never raises."""
-    try:
-        fuzz = importlib.import_module("kvflow.testing.fuzz")
-    except ImportError as exc:
-        return {"status": f"not run: {exc}"}
-    results: dict[str, Any] = {}
-    for name in FUZZ_ATTACKS:
-        attack = getattr(fuzz, name, None)
-        if attack is None:
-            results[name] = "not in kvflow.testing.fuzz"
-            continue
-        try:
-            stats = attack(address, scale=scale)
-        except Exception as exc:  # an attack's failure is reported, not fatal to the soak
-            results[name] = f"failed: {type(exc).__name__}: {exc}"
-            continue
-        results[name] = asdict(stats) if is_dataclass(stats) and not isinstance(stats, type) else repr(stats)
-    return results
 
 
 @contextlib.contextmanager
@@ -420,7 +419,7 @@ def render(report: dict[str, Any]) -> str:
     if report["aborted"]:
         lines.append(f"  ABORTED: {report['aborted']}")
     if "fuzz" in report:
-        lines.append(f"  fuzz: {report['fuzz']}")
+        lines += render_fuzz(report["fuzz"])
     lines.append("OK" if report["ok"] else "FAILED")
     return "\n".join(lines)
 
