@@ -107,6 +107,11 @@ class PeerExecutor:
         self._outstanding = 0  # peer jobs whose outcome the loop has not had yet
         self._settled = asyncio.Event()
         self._settled.set()
+        # peers in their grace: when each was torn down, and whether the teardown came from its side
+        self._torn_down: dict[str, tuple[float, bool]] = {}
+        # torn-down peers whose target blocks stay quarantined: (generation, teardown time)
+        self._unfenced: dict[str, tuple[int, float]] = {}
+        self._generation = 0
 
     def start(self) -> None:
         """Read the transport's metadata once, on the loop's thread.
@@ -147,13 +152,14 @@ class PeerExecutor:
             elif isinstance(action, RenewLeases):
                 self.hooks.run(self.core.renew(action.peer, action.keys, action.now, action.lease))
             elif isinstance(action, TearDown):
-                self.remove_peer(action.peer, action.reason, expected=action.expected)
+                self.remove_peer(action.peer, action.reason, expected=action.expected, answered=action.answered)
             elif isinstance(action, AddTransportPeer):
                 self._add_transport_peer(action)
             elif isinstance(action, Redeliver):
                 now = self.hooks.now()
                 queue.extendleft(reversed(self.assoc.receive(action.peer, action.incarnation, action.hello, now)))
             elif isinstance(action, PeerConnected):
+                self._heard_again(action.peer)
                 self.hooks.run(self.core.peer_connected(action.peer, action.now))
             elif isinstance(action, AddRoute):
                 queue.extendleft(reversed(self._add_route(action)))
@@ -183,9 +189,9 @@ class PeerExecutor:
         """Tell `peer` why (best effort), end the association, remove it (see `remove_peer`)."""
         self.associate(self.assoc.tear_down(peer, reason))
 
-    def remove_peer(self, peer: str, reason: str, *, expected: bool) -> None:
+    def remove_peer(self, peer: str, reason: str, *, expected: bool, answered: bool = False) -> None:
         """Remove the peer from the transport on the peer thread; once that returned, tell the
-        core that nothing of it can land (see the module's header)."""
+        core that nothing of it can land (see the module's header).  `answered`: see `TearDown`."""
         log.log(
             logging.INFO if expected else logging.WARNING, "%s: tearing down peer %s: %s", self.engine_id, peer, reason
         )
@@ -193,6 +199,7 @@ class PeerExecutor:
         if grace > 0 and self.hooks.running():
             # No new association until its removal returned and its late ops had time to land.
             self.assoc.start_cooling(peer, self.hooks.now() + grace)
+            self._torn_down[peer] = (self.hooks.now(), answered)
         self._off_loop(lambda: self.transport.remove_peer(peer), self._removed, peer)
 
     def _removed(self, peer: str, error: TransportError | None) -> None:
@@ -210,8 +217,43 @@ class PeerExecutor:
             self.hooks.run(self.core.peer_lost(peer, self.hooks.now()))
 
     def _peer_gone(self, peer: str) -> None:
+        """The grace is over: the peer's transfers fail.  When it was torn down for falling
+        silent, the blocks it may write (push) or read (pull) stay quarantined until
+        `_heard_again` shows its late ops have had their chance to land, or `unfenced_hold` has
+        passed.
+
+        Why not at the end of the grace: over UCX-TCP a WRITE posted before a link went down
+        sits in a TCP connection the teardown cannot close (NIXL closes endpoints in flush mode,
+        and the kernel keeps retransmitting what it accepted), and lands when the link is back,
+        however long that takes.  No time counted from the teardown bounds that; the time the
+        peer is reachable again does (see `_heard_again`)."""
         self.assoc.stop_cooling(peer)
-        self.hooks.run(self.core.peer_lost(peer, self.hooks.now()))
+        now = self.hooks.now()
+        torn_down, answered = self._torn_down.pop(peer, (now, True))
+        # a peer that fell silent may be behind a dead link holding its writes
+        self.hooks.run(self.core.peer_lost(peer, now, unfenced=not answered))
+        if self.core.unfenced(peer):
+            self._generation += 1
+            self._unfenced[peer] = (self._generation, torn_down)
+            self.hooks.later(self.config.unfenced_hold, self._fenced, peer, self._generation)
+
+    def _heard_again(self, peer: str) -> None:
+        """`peer` associated again, so the link to it carries packets: a segment TCP still
+        retransmits from before the teardown is retried within about as long as it has already
+        waited (exponential backoff).  It has waited at most the lease (the silence before the
+        teardown) plus the time since the teardown; release the quarantined blocks after that
+        much more, plus the grace."""
+        entry = self._unfenced.get(peer)
+        if entry is not None:
+            generation, torn_down = entry
+            wait = self.config.unfenced_grace + self.config.lease + (self.hooks.now() - torn_down)
+            self.hooks.later(min(wait, self.config.unfenced_hold), self._fenced, peer, generation)
+
+    def _fenced(self, peer: str, generation: int) -> None:
+        entry = self._unfenced.get(peer)
+        if entry is not None and entry[0] == generation:  # else a later teardown decides
+            del self._unfenced[peer]
+            self.hooks.run(self.core.peer_fenced(peer))
 
     def _add_route(self, action: AddRoute) -> list[AssociationAction]:
         """:raises ConfigError: the channel refused the address of a local connect."""
