@@ -7,8 +7,8 @@ from collections.abc import Callable
 
 import pytest
 
-from kvflow.protocol.actions import Action, ReleaseBlocks, Resolve, SendMessage, SubmitOp
 from kvflow.errors import BlockConflict
+from kvflow.protocol.actions import Action, ReleaseBlocks, Resolve, SendMessage, SubmitOp
 from kvflow.protocol.core import CoreConfig, TransferCore
 from kvflow.protocol.messages import Message, Notice, Quiesced, Ready, Registration, TransferKey
 from kvflow.protocol.state import Mode, Outcome, Role, State
@@ -84,6 +84,7 @@ def test_a_silent_peers_late_writes_keep_decodes_blocks_quarantined_until_it_is_
         d.expect(TransferKey("next", 1), peer="P", mode=Mode.PUSH, block_ids=[2], deadline=9.0, now=3.1)
     assert d.peer_fenced("Q") == []  # another peer's fence releases nothing
     (released,) = d.peer_fenced("P")
+    assert isinstance(released, ReleaseBlocks)
     assert released.block_ids == (1, 2) and released.outcome is Outcome.FAILED
     assert d.ledger.held_blocks == 0 and not d.unfenced("P") and d.peer_fenced("P") == []
     # P initiated the WRITE: its own blocks never wait for D's fence

@@ -14,7 +14,6 @@ import time
 import pytest
 
 from kvflow.testing.peer_process import pattern, spec
-
 from kvflow.tools.netns import TwoHosts, unavailable
 from tests.test_cross_process import TRANSPORTS, Event, PeerProcess, prefix
 

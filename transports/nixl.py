@@ -30,7 +30,10 @@ Fencing: `remove_peer` cancels and releases this endpoint's handles to the peer 
 metadata.  It cannot stop the *peer's* one-sided ops into local memory: RDMA (and UCX over CMA)
 writes land wherever the peer's registration allows.  `capabilities.fences_inbound` is
 therefore False, and the engine keeps a torn-down peer's target blocks quarantined for a grace
-period before releasing them.
+period before releasing them.  Nor does `remove_peer` stop this endpoint's own WRITEs already
+handed to UCX: NIXL closes the endpoint in flush mode, and over TCP the kernel keeps
+retransmitting what it accepted, so a WRITE posted into a cut link lands when the link returns
+(the engine holds the peer's blocks until then: `kvflow.runtime.peering`).
 """
 
 from __future__ import annotations

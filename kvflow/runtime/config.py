@@ -46,7 +46,15 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         """:raises ConfigError: a timeout, the lease, the heartbeat interval or a bound is out of range."""
-        for name in ("transfer_timeout", "handshake_timeout", "drain_timeout", "lease", "suspect_timeout", "unfenced_hold"):
+        positive = (
+            "transfer_timeout",
+            "handshake_timeout",
+            "drain_timeout",
+            "lease",
+            "suspect_timeout",
+            "unfenced_hold",
+        )
+        for name in positive:
             if not getattr(self, name) > 0:
                 raise ConfigError(f"engine config {name} must be > 0")
         for bound in ("results_kept", "max_peers"):
