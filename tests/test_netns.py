@@ -9,7 +9,9 @@ namespaces cannot be created.
 from __future__ import annotations
 
 import hashlib
+import os
 import time
+from pathlib import Path
 
 import pytest
 
@@ -127,6 +129,36 @@ def test_a_write_held_by_a_cut_link_lands_before_decode_gives_its_blocks_back(pr
             p.ask("started", cmd="kv_ready", tid="new", epoch=1, blocks=[7, 8, 9], mode="push", peer="D", seed=12)
             assert d.result("new", timeout=20)["verified"] is True
             assert d.ask("digest", cmd="digest", blocks=blocks)["sha256"] == stamped(12, len(blocks))
+        finally:
+            d.close()
+            p.close()
+
+
+def sockets(side: PeerProcess) -> int:
+    """How many sockets the peer's process holds open."""
+    fd = Path(f"/proc/{side.proc.pid}/fd")
+    return sum(1 for entry in fd.iterdir() if os.readlink(entry).startswith("socket:"))
+
+
+def test_link_flaps_leave_no_connection_open_behind_them(prefix: str) -> None:
+    """Each flap tears the association down on both sides and a new one is made: the old
+    association's data-plane connection must not stay open (a process that lives through
+    thousands of flaps would run out of descriptors)."""
+    with TwoHosts() as hosts:
+        p = start(hosts, "p", "P", prefix)
+        d = start(hosts, "d", "D", prefix)
+        try:
+            connect(d, p)
+            move(p, d, "before", seed=1)
+            before = sockets(p), sockets(d)
+            for flap in range(3):
+                hosts.cut()
+                for side in (p, d):
+                    side.stats_when(lambda s: s["peers"] == [], "the peer torn down", LEASE * 4 + 10)
+                hosts.restore()
+                connect(d, p)
+                move(p, d, f"after{flap}", seed=2 + flap)
+            assert (sockets(p), sockets(d)) == before
         finally:
             d.close()
             p.close()
