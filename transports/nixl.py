@@ -26,14 +26,14 @@ backend reports.  Trainium: NIXL has no Neuron memory type; Neuron HBM is regist
 through the LIBFABRIC backend when the Neuron runtime is present (the plugin then adds VRAM
 support and uses FI_HMEM_NEURON); UCX has no Neuron support.
 
-Fencing: `remove_peer` cancels and releases this endpoint's handles to the peer and forgets its
-metadata.  It cannot stop the *peer's* one-sided ops into local memory: RDMA (and UCX over CMA)
-writes land wherever the peer's registration allows.  `capabilities.fences_inbound` is
-therefore False, and the engine keeps a torn-down peer's target blocks quarantined for a grace
-period before releasing them.  Nor does `remove_peer` stop this endpoint's own WRITEs already
-handed to UCX: NIXL closes the endpoint in flush mode, and over TCP the kernel keeps
-retransmitting what it accepted, so a WRITE posted into a cut link lands when the link returns
-(the engine holds the peer's blocks until then: `kvflow.runtime.peering`).
+Fencing: `remove_peer` cancels and releases this endpoint's handles to the peer and forgets it
+(nothing more is posted to it); NIXL keeps the remote agent loaded (see `remove_peer`).  It
+cannot stop the *peer's* one-sided ops into local memory: RDMA (and UCX over CMA) writes land
+wherever the peer's registration allows.  `capabilities.fences_inbound` is therefore False, and
+the engine keeps a torn-down peer's target blocks quarantined for a grace period before
+releasing them.  Nor does a release stop this endpoint's own WRITEs already handed to UCX: over
+TCP the kernel keeps retransmitting what it accepted, so a WRITE posted into a cut link lands
+when the link returns (the engine holds the peer's blocks until then: `kvflow.runtime.peering`).
 """
 
 from __future__ import annotations
