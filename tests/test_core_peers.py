@@ -7,7 +7,8 @@ from collections.abc import Callable
 
 import pytest
 
-from kvflow.protocol.actions import Action, Resolve, SendMessage, SubmitOp
+from kvflow.errors import BlockConflict
+from kvflow.protocol.actions import Action, ReleaseBlocks, Resolve, SendMessage, SubmitOp
 from kvflow.protocol.core import CoreConfig, TransferCore
 from kvflow.protocol.messages import Message, Notice, Quiesced, Ready, Registration, TransferKey
 from kvflow.protocol.state import Mode, Outcome, Role, State
@@ -69,6 +70,25 @@ def test_prefill_that_loses_decode_before_its_word_reports_failure() -> None:
     p, _, _ = written_push()
     assert verdicts(p.peer_lost("D", 3.0)) == [(Role.PREFILL, Outcome.FAILED)]
     assert "before its verdict" in p.machine(KEY, Role.PREFILL).reason
+
+
+def test_a_silent_peers_late_writes_keep_decodes_blocks_quarantined_until_it_is_fenced() -> None:
+    """Lost while its WRITE may still be held by a dead link: D's transfer fails at once, but its
+    blocks go back only when the driver says nothing of the peer can land any more."""
+    p, d, _ = written_push()
+    lost = d.peer_lost("P", 3.0, unfenced=True)
+    assert verdicts(lost) == [(Role.DECODE, Outcome.FAILED)]
+    assert not [a for a in lost if isinstance(a, ReleaseBlocks)]
+    assert d.ledger.quarantined_blocks == 2 and d.unfenced("P")
+    with pytest.raises(BlockConflict):  # the blocks cannot go to another transfer meanwhile
+        d.expect(TransferKey("next", 1), peer="P", mode=Mode.PUSH, block_ids=[2], deadline=9.0, now=3.1)
+    assert d.peer_fenced("Q") == []  # another peer's fence releases nothing
+    (released,) = d.peer_fenced("P")
+    assert isinstance(released, ReleaseBlocks)
+    assert released.block_ids == (1, 2) and released.outcome is Outcome.FAILED
+    assert d.ledger.held_blocks == 0 and not d.unfenced("P") and d.peer_fenced("P") == []
+    # P initiated the WRITE: its own blocks never wait for D's fence
+    assert p.peer_lost("D", 3.0, unfenced=True) and p.ledger.held_blocks == 0 and not p.unfenced("D")
 
 
 def test_prefill_without_decodes_word_within_the_fence_timeout_reports_failure() -> None:

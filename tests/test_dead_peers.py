@@ -45,7 +45,7 @@ def test_a_dropped_link_makes_the_peer_lost_after_the_confirmation_delay() -> No
     assert assoc.liveness.next_deadline() == 11.0
     assert assoc.tick(10.9) == []
     why = "its connection dropped and did not come back within 1.0s"
-    assert assoc.tick(11.0) == [SendControl("P", Goodbye(why)), TearDown("P", why)]
+    assert assoc.tick(11.0) == [SendControl("P", Goodbye(why)), TearDown("P", why, answered=True)]
     assert assoc.peers() == ["Q"]
 
 

@@ -26,11 +26,14 @@ backend reports.  Trainium: NIXL has no Neuron memory type; Neuron HBM is regist
 through the LIBFABRIC backend when the Neuron runtime is present (the plugin then adds VRAM
 support and uses FI_HMEM_NEURON); UCX has no Neuron support.
 
-Fencing: `remove_peer` cancels and releases this endpoint's handles to the peer and forgets its
-metadata.  It cannot stop the *peer's* one-sided ops into local memory: RDMA (and UCX over CMA)
-writes land wherever the peer's registration allows.  `capabilities.fences_inbound` is
-therefore False, and the engine keeps a torn-down peer's target blocks quarantined for a grace
-period before releasing them.
+Fencing: `remove_peer` cancels and releases this endpoint's handles to the peer and forgets it
+(nothing more is posted to it); NIXL keeps the remote agent loaded (see `remove_peer`).  It
+cannot stop the *peer's* one-sided ops into local memory: RDMA (and UCX over CMA) writes land
+wherever the peer's registration allows.  `capabilities.fences_inbound` is therefore False, and
+the engine keeps a torn-down peer's target blocks quarantined for a grace period before
+releasing them.  Nor does a release stop this endpoint's own WRITEs already handed to UCX: over
+TCP the kernel keeps retransmitting what it accepted, so a WRITE posted into a cut link lands
+when the link returns (the engine holds the peer's blocks until then: `kvflow.runtime.peering`).
 """
 
 from __future__ import annotations
@@ -167,6 +170,8 @@ class NixlTransport:
         self._local_prepped: Any = None
         self._local_starts: npt.NDArray[np.int64] | None = None
         self._peers: dict[str, _Peer] = {}
+        # remote agents NIXL has loaded, by name: their metadata (kept after `remove_peer`)
+        self._loaded: dict[str, bytes] = {}
         self._peer_lock = threading.Lock()
         self._closed = False
         self._agent: Any = None
@@ -295,13 +300,17 @@ class NixlTransport:
 
     def add_peer(self, name: str, metadata: bytes, regions: Sequence[Region]) -> None:
         def add() -> None:
-            with self._nixl(f"adding peer {name!r}"):
-                loaded = self._agent.add_remote_agent(metadata)
-            loaded = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
-            if loaded != name:
-                with self._nixl("removing a misnamed peer"):
-                    self._agent.remove_remote_agent(loaded)
-                raise TransportError(f"metadata for {name!r} describes agent {loaded!r}")
+            if self._loaded.get(name) != metadata:  # else the same agent again: keep its connection
+                if name in self._loaded:  # a new incarnation of the peer
+                    self._unload(name)
+                with self._nixl(f"adding peer {name!r}"):
+                    loaded = self._agent.add_remote_agent(metadata)
+                loaded = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+                if loaded != name:
+                    with self._nixl("removing a misnamed peer"):
+                        self._agent.remove_remote_agent(loaded)
+                    raise TransportError(f"metadata for {name!r} describes agent {loaded!r}")
+                self._loaded[name] = metadata
             peer = _Peer(name, list(regions))
             if self.mode == "prepped":
                 peer.prepped, peer.starts = self._prep(name, peer.regions)
@@ -321,14 +330,13 @@ class NixlTransport:
                     del self._inflight[op.op_id]
                     self._release(op.handle)  # NIXL cancels an active transfer on release
                     self._completions.append(Completion(op.op_id, f"peer {name!r} removed"))
-            if peer is not None:
-                if peer.prepped is not None:
-                    self._release(peer.prepped)
-                try:
-                    with self._nixl(f"removing peer {name!r}"):
-                        self._agent.remove_remote_agent(name)
-                except TransportError:
-                    pass  # already gone (for instance after a disconnect)
+            if peer is not None and peer.prepped is not None:
+                self._release(peer.prepped)
+            # NIXL keeps the remote agent loaded: unloading it closes its UCX endpoint in flush
+            # mode, which stops nothing already posted (see the module's header) and, over TCP,
+            # leaves the endpoint's connection open on both sides for good: one more per
+            # teardown.  Kept, the same agent associating again reuses the connection, where
+            # TCP delivers anything still held from before ahead of every new WRITE.
             self._signal()
 
         if not self._closed:
@@ -423,6 +431,14 @@ class NixlTransport:
         self._peers.clear()
         self._reg_handles.clear()
         self._agent = None
+
+    def _unload(self, name: str) -> None:
+        del self._loaded[name]
+        try:
+            with self._nixl(f"removing peer {name!r}"):
+                self._agent.remove_remote_agent(name)
+        except TransportError:
+            pass  # already gone (for instance after a disconnect)
 
     def _release(self, handle: Any) -> None:
         try:

@@ -128,6 +128,10 @@ class TearDown:
     peer: str
     reason: str
     expected: bool = False  # a goodbye: not worth a warning
+    # the teardown came from the peer's side of the link (a goodbye, a new Hello, its connection
+    # closed): packets between us were flowing then, so nothing it sent can be stuck behind a
+    # dead link; False when it only fell silent
+    answered: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -308,14 +312,14 @@ class Associations:
     def stop_cooling(self, peer: str) -> None:
         self.cooling.pop(peer, None)
 
-    def tear_down(self, peer: str, reason: str) -> list[AssociationAction]:
+    def tear_down(self, peer: str, reason: str, *, answered: bool = False) -> list[AssociationAction]:
         """This side ends the association with `peer` (silent for a lease, no fence, cannot be
         sent to): tell the peer why, best effort, then tear it down.  Without the goodbye a peer
         that was only paused (stopped, swapped out) would learn nothing and keep its side of
         every transfer alive, so that the two sides could end the same transfer differently."""
         goodbye: list[AssociationAction] = [SendControl(peer, Goodbye(reason))] if peer in self.layouts else []
         self.dropped(peer)
-        return [*goodbye, TearDown(peer, reason)]
+        return [*goodbye, TearDown(peer, reason, answered=answered)]
 
     def goodbye_all(self, reason: str) -> list[AssociationAction]:
         return [SendControl(peer, Goodbye(reason)) for peer in sorted(self.layouts)]
@@ -324,11 +328,12 @@ class Associations:
         """End associations whose peer stayed silent for a lease; send due heartbeats."""
         actions: list[AssociationAction] = []
         for peer in self.liveness.expired(now):
-            if self.liveness.is_suspect(peer):
+            dropped = self.liveness.is_suspect(peer)
+            if dropped:
                 reason = f"its connection dropped and did not come back within {self.liveness.confirm}s"
             else:
                 reason = f"no message for {self.liveness.lease}s"
-            actions += self.tear_down(peer, reason)
+            actions += self.tear_down(peer, reason, answered=dropped)
         actions += [SendHeartbeat(peer) for peer in self.liveness.due(now)]
         return actions
 
@@ -356,7 +361,7 @@ class Associations:
         self.liveness.heard(sender, now)
         if isinstance(message, Goodbye):
             self.dropped(sender)
-            return [TearDown(sender, f"it tore us down: {message.reason}", expected=True)]
+            return [TearDown(sender, f"it tore us down: {message.reason}", expected=True, answered=True)]
         if isinstance(message, Heartbeat):
             return [RenewLeases(sender, message.keys, now, self.liveness.lease)]
         return [Deliver(sender, message)]  # about one transfer: the core's business
@@ -454,7 +459,7 @@ class Associations:
             # The peer started over (a new run, or a new association after tearing us down):
             # nothing of the old association may survive it.
             self.dropped(sender)
-            actions.append(TearDown(sender, "peer started a new association"))
+            actions.append(TearDown(sender, "peer started a new association", answered=True))
         actions.append(AddTransportPeer(sender, pending))
         self.adding[sender] = pending
         return actions

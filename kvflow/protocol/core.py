@@ -72,6 +72,9 @@ class TransferCore:
         self._ops: dict[int, Owner] = {}
         self._next_op = 1
         self._connected: set[str] = set()
+        # target blocks of torn-down peers that the peer's late one-sided ops may still reach
+        self._unfenced: dict[str, list[Machine]] = {}
+        self._holding_for: str | None = None  # set while `peer_lost` keeps target blocks
         self._inbox = PeerInbox(self.store, self.stats, num_layers, self.feed)
 
     # ------------------------------------------------------------------ introspection
@@ -243,21 +246,45 @@ class TransferCore:
                 actions += self._feed(m, Input.REGISTER, now)
         return actions
 
-    def peer_lost(self, peer: str, now: float, why: str = "") -> list[Action]:
-        """`peer` was declared dead *and torn down*: nothing it issued can still land here.
-        `why` (the teardown's reason, or the peer's own) ends each failed transfer's reason."""
+    def peer_lost(self, peer: str, now: float, why: str = "", *, unfenced: bool = False) -> list[Action]:
+        """`peer` was declared dead *and torn down*: its transfers fail; `why` (the teardown's
+        reason, or the peer's own) ends each failed transfer's reason.
+
+        Without `unfenced`, nothing the peer issued can still land here, so their blocks go back.
+        With it, the peer's one-sided ops may still land (a WRITE held in a TCP connection the
+        teardown could not close lands when the link comes back): the blocks of transfers this
+        side is the *target* of (D in push, P in pull) stay quarantined until `peer_fenced`.
+        """
         self._connected.discard(peer)
         # What the peer said about transfers not started here refers to blocks its teardown
         # has released: forget it.
         self.store.drop_early_from(peer)
         actions: list[Action] = []
-        for m in self.store.machines():
-            if m.peer == peer and m.state not in TERMINAL:
-                unheard = " before its verdict on the written KV" if m.state is State.WRITTEN else ""
-                actions += self._feed(
-                    m, Input.PEER_LOST, now, reason=f"peer {peer} lost{unheard}{f': {why}' if why else ''}"
-                )
+        self._holding_for = peer if unfenced else None
+        try:
+            for m in self.store.machines():
+                if m.peer == peer and m.state not in TERMINAL:
+                    unheard = " before its verdict on the written KV" if m.state is State.WRITTEN else ""
+                    reason = f"peer {peer} lost{unheard}{f': {why}' if why else ''}"
+                    actions += self._feed(m, Input.PEER_LOST, now, reason=reason)
+        finally:
+            self._holding_for = None
         return actions
+
+    def peer_fenced(self, peer: str) -> list[Action]:
+        """Nothing `peer` issued before its teardown can land any more: release the target
+        blocks `peer_lost(..., unfenced=True)` kept.  Unknown peers are ignored."""
+        actions: list[Action] = []
+        for m in self._unfenced.pop(peer, []):
+            blocks = self.ledger.release(m.owner)
+            m.released.update(blocks)
+            if blocks:
+                actions.append(ReleaseBlocks(m.key, m.role, blocks, m.outcome or Outcome.FAILED))
+        return actions
+
+    def unfenced(self, peer: str) -> bool:
+        """Whether target blocks of `peer`'s torn-down transfers wait for `peer_fenced`."""
+        return peer in self._unfenced
 
     def renew(self, peer: str, keys: Sequence[TransferKey], now: float, lease: float) -> list[Action]:
         """`peer` still waits on these transfers: as P, hold their blocks at least `lease` longer,
@@ -426,6 +453,10 @@ class TransferCore:
             out.append(Resolve(key, m.role, outcome, m.reason))
         elif effect is Effect.QUARANTINE:
             self.ledger.quarantine(m.owner)
+        elif effect is Effect.RELEASE and self._holding_for is not None and self._is_target(m):
+            # the torn-down peer may still write (push) or read (pull) these blocks
+            self.ledger.quarantine(m.owner)
+            self._unfenced.setdefault(self._holding_for, []).append(m)
         elif effect is Effect.RELEASE:
             blocks = self.ledger.release(m.owner)
             m.released.update(blocks)
@@ -461,6 +492,11 @@ class TransferCore:
             out.append(SendMessage(m.peer, Quiesced(key)))
         elif effect is Effect.SEND_DONE:
             out.append(SendMessage(m.peer, Done(key)))
+
+    def _is_target(self, m: Machine) -> bool:
+        """Whether the peer's ops touch this machine's blocks (D in push, P in pull)."""
+        target = _DECODE if m.mode is Mode.PUSH else _PREFILL
+        return m.role is target and self.ledger.holds(m.owner)
 
     def _submit(self, m: Machine, out: list[Action]) -> None:
         peer, remote_blocks = m.peer, m.remote_blocks

@@ -30,6 +30,10 @@ class EngineConfig:
     # after tearing a peer down on a transport that cannot fence the peer's one-sided ops (RDMA),
     # wait this long before its transfers' blocks count as safe to release
     unfenced_grace: float = 5.0
+    # ... and the blocks such a peer may still write (push) or read (pull) stay quarantined until
+    # it is reachable again and its late ops have had their chance to land, or this long at most
+    # (a peer that never comes back: its ops cannot land either unless the link does)
+    unfenced_hold: float = 120.0
     # the most peers associated at once; a Hello beyond it is refused (each association holds a
     # control socket and transport state: a process can hold only so many)
     max_peers: int = 256
@@ -42,7 +46,15 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         """:raises ConfigError: a timeout, the lease, the heartbeat interval or a bound is out of range."""
-        for name in ("transfer_timeout", "handshake_timeout", "drain_timeout", "lease", "suspect_timeout"):
+        positive = (
+            "transfer_timeout",
+            "handshake_timeout",
+            "drain_timeout",
+            "lease",
+            "suspect_timeout",
+            "unfenced_hold",
+        )
+        for name in positive:
             if not getattr(self, name) > 0:
                 raise ConfigError(f"engine config {name} must be > 0")
         for bound in ("results_kept", "max_peers"):

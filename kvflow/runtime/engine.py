@@ -216,8 +216,8 @@ class Engine:
         self.transport.close()
         self.control.close()
         self._state = "closed"
-        if self._peers.unfenced:  # their blocks stay quarantined: no op of theirs was fenced
-            log.error("%s: closed without removing peers %s", self.engine_id, sorted(self._peers.unfenced))
+        if self._peers.failed_removals:  # their blocks stay quarantined: no op of theirs was fenced
+            log.error("%s: closed without removing peers %s", self.engine_id, sorted(self._peers.failed_removals))
         elif self.core.ledger.held_blocks or self.core.live():
             self._record_crash(LedgerError(f"engine closed holding {self.core.ledger.held_blocks} blocks"))
         for future in self._handles.values():

@@ -112,7 +112,12 @@ class PeerExecutor:
         self._outstanding = 0  # peer jobs whose outcome the loop has not had yet
         self._settled = asyncio.Event()
         self._settled.set()
-        self.unfenced: dict[str, int] = {}  # peers whose removal failed (and is retried): attempts
+        self.failed_removals: dict[str, int] = {}  # peers whose removal failed (and is retried): attempts
+        # peers in their grace: when each was torn down, and whether the teardown came from its side
+        self._torn_down: dict[str, tuple[float, bool]] = {}
+        # torn-down peers whose target blocks stay quarantined: (generation, teardown time)
+        self._late_ops_hold: dict[str, tuple[int, float]] = {}
+        self._generation = 0
 
     def start(self) -> None:
         """Read the transport's metadata once, on the loop's thread.
@@ -156,13 +161,14 @@ class PeerExecutor:
             elif isinstance(action, RenewLeases):
                 self.hooks.run(self.core.renew(action.peer, action.keys, action.now, action.lease))
             elif isinstance(action, TearDown):
-                self.remove_peer(action.peer, action.reason, expected=action.expected)
+                self.remove_peer(action.peer, action.reason, expected=action.expected, answered=action.answered)
             elif isinstance(action, AddTransportPeer):
                 self._add_transport_peer(action)
             elif isinstance(action, Redeliver):
                 now = self.hooks.now()
                 queue.extendleft(reversed(self.assoc.receive(action.peer, action.incarnation, action.hello, now)))
             elif isinstance(action, PeerConnected):
+                self._heard_again(action.peer)
                 self.hooks.run(self.core.peer_connected(action.peer, action.now))
             elif isinstance(action, AddRoute):
                 queue.extendleft(reversed(self._add_route(action)))
@@ -201,19 +207,20 @@ class PeerExecutor:
         """Tell `peer` why (best effort), end the association, remove it (see `remove_peer`)."""
         self.associate(self.assoc.tear_down(peer, reason))
 
-    def remove_peer(self, peer: str, reason: str, *, expected: bool) -> None:
+    def remove_peer(self, peer: str, reason: str, *, expected: bool, answered: bool = False) -> None:
         """Remove the peer from the transport on the peer thread; once that returned, tell the
         core that nothing of it can land (see the module's header).  A removal that fails is
-        retried (see `_unfenced`)."""
+        retried (see `_removal_failed`).  `answered`: see `TearDown`."""
         log.log(
             logging.INFO if expected else logging.WARNING, "%s: tearing down peer %s: %s", self.engine_id, peer, reason
         )
-        if peer in self.unfenced:
+        if peer in self.failed_removals:
             return  # its removal is being retried: it ends in `peer_lost` once it succeeds
         grace = 0.0 if self.transport.capabilities.fences_inbound else self.config.unfenced_grace
         if grace > 0 and self.hooks.running():
             # No new association until its removal returned and its late ops had time to land.
             self.assoc.start_cooling(peer, self.hooks.now() + grace)
+            self._torn_down[peer] = (self.hooks.now(), answered)
         self._remove(peer, reason, 0)
 
     def _remove(self, peer: str, reason: str, attempt: int) -> None:
@@ -222,10 +229,10 @@ class PeerExecutor:
     def _removed(self, subject: tuple[str, str, int], error: TransportError | None) -> None:
         peer, reason, attempt = subject
         if error is not None:
-            self._unfenced(peer, reason, attempt, error)
+            self._removal_failed(peer, reason, attempt, error)
             return
-        if self.unfenced.pop(peer, None) is not None:
-            self.counters["unfenced_peers"] = len(self.unfenced)
+        if self.failed_removals.pop(peer, None) is not None:
+            self.counters["unfenced_peers"] = len(self.failed_removals)
             log.warning("%s: peer %s removed after %d failed attempts", self.engine_id, peer, attempt)
         grace = 0.0 if self.transport.capabilities.fences_inbound else self.config.unfenced_grace
         if grace > 0 and self.hooks.running():
@@ -235,16 +242,16 @@ class PeerExecutor:
         elif not self.hooks.closed():
             self._peer_gone(peer, reason)
 
-    def _unfenced(self, peer: str, reason: str, attempt: int, error: TransportError) -> None:
+    def _removal_failed(self, peer: str, reason: str, attempt: int, error: TransportError) -> None:
         """The transport could not remove the peer (it could not fence the peer's copies into our
         memory, as a stopped process's): nothing promises that its ops are over.  A peer never
         crashes the engine: it stays cooling (no new association), its transfers stay undecided
         or quarantined, and the removal is retried, backing off up to `RETRY_MAX` seconds, until
         it succeeds (only then may the core release), for as long as the engine runs."""
         self.counters["peer_removals_failed"] += 1
-        first = peer not in self.unfenced
-        self.unfenced[peer] = attempt + 1
-        self.counters["unfenced_peers"] = len(self.unfenced)
+        first = peer not in self.failed_removals
+        self.failed_removals[peer] = attempt + 1
+        self.counters["unfenced_peers"] = len(self.failed_removals)
         delay = min(RETRY_FIRST * 2**attempt, RETRY_MAX)
         log.log(
             logging.ERROR if first else logging.DEBUG,
@@ -266,8 +273,43 @@ class PeerExecutor:
         self._remove(peer, reason, attempt)
 
     def _peer_gone(self, peer: str, reason: str) -> None:
+        """The grace is over: the peer's transfers fail.  When it was torn down for falling
+        silent, the blocks it may write (push) or read (pull) stay quarantined until
+        `_heard_again` shows its late ops have had their chance to land, or `unfenced_hold` has
+        passed.
+
+        Why not at the end of the grace: over UCX-TCP a WRITE posted before a link went down
+        sits in a TCP connection the teardown cannot close (NIXL closes endpoints in flush mode,
+        and the kernel keeps retransmitting what it accepted), and lands when the link is back,
+        however long that takes.  No time counted from the teardown bounds that; the time the
+        peer is reachable again does (see `_heard_again`)."""
         self.assoc.stop_cooling(peer)
-        self.hooks.run(self.core.peer_lost(peer, self.hooks.now(), reason))
+        now = self.hooks.now()
+        torn_down, answered = self._torn_down.pop(peer, (now, True))
+        # a peer that fell silent may be behind a dead link holding its writes
+        self.hooks.run(self.core.peer_lost(peer, now, reason, unfenced=not answered))
+        if self.core.unfenced(peer):
+            self._generation += 1
+            self._late_ops_hold[peer] = (self._generation, torn_down)
+            self.hooks.later(self.config.unfenced_hold, self._fenced, peer, self._generation)
+
+    def _heard_again(self, peer: str) -> None:
+        """`peer` associated again, so the link to it carries packets: a segment TCP still
+        retransmits from before the teardown is retried within about as long as it has already
+        waited (exponential backoff).  It has waited at most the lease (the silence before the
+        teardown) plus the time since the teardown; release the quarantined blocks after that
+        much more, plus the grace."""
+        entry = self._late_ops_hold.get(peer)
+        if entry is not None:
+            generation, torn_down = entry
+            wait = self.config.unfenced_grace + self.config.lease + (self.hooks.now() - torn_down)
+            self.hooks.later(min(wait, self.config.unfenced_hold), self._fenced, peer, generation)
+
+    def _fenced(self, peer: str, generation: int) -> None:
+        entry = self._late_ops_hold.get(peer)
+        if entry is not None and entry[0] == generation:  # else a later teardown decides
+            del self._late_ops_hold[peer]
+            self.hooks.run(self.core.peer_fenced(peer))
 
     def _add_route(self, action: AddRoute) -> list[AssociationAction]:
         """:raises ConfigError: the channel refused the address of a local connect."""
