@@ -8,7 +8,6 @@ namespaces cannot be created.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import os
 import time
