@@ -150,6 +150,14 @@ def start_pair(prefix: str, *extra: str) -> tuple[PeerProcess, PeerProcess]:
     return p, d
 
 
+def kill_prefill_after_registration(p: PeerProcess, d: PeerProcess, timeout: float) -> Event:
+    """D registers transfer "r" with P, P is killed before producing its KV: D's result."""
+    d.ask("started", cmd="expect", tid="r", epoch=1, peer="P", blocks=[1, 2], mode="push")
+    p.stats_when(lambda s: s["live_transfers"] == 1, "P has D's registration")
+    p.kill()
+    return d.result("r", timeout=timeout)
+
+
 TRANSPORTS = {
     "shm": ("--transport", "shm"),
     "nixl-direct": ("--transport", "nixl", "--nixl-mode", "direct"),
@@ -181,10 +189,7 @@ def test_two_processes_move_kv_bytes(prefix: str, mode: str, transport: str) -> 
 def test_killed_prefill_fails_decode_transfers_and_a_restarted_prefill_serves(prefix: str, transport: str) -> None:
     p, d = start_pair(prefix, "--lease", "1.0", "--ttl", "30", *TRANSPORTS[transport])
     try:
-        d.ask("started", cmd="expect", tid="r", epoch=1, peer="P", blocks=[1, 2], mode="push")
-        p.stats_when(lambda s: s["live_transfers"] == 1, "P has D's registration")  # P never produces the KV
-        p.kill()
-        result = d.result("r", timeout=10)
+        result = kill_prefill_after_registration(p, d, timeout=10)
         # the lease ran out (the 30 s deadline would make it "expired")
         assert result["outcome"] == "failed" and "lost" in result["reason"]
         stats = d.ask("stats", cmd="stats")

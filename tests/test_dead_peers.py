@@ -22,7 +22,7 @@ from kvflow.protocol.state import Outcome
 from kvflow.runtime.engine import Engine, EngineConfig
 from kvflow.testing import SMALL_SPEC, KVBuffers
 from kvflow.transports.loopback import LoopbackFabric
-from tests.test_cross_process import TRANSPORTS, prefix, start_pair
+from tests.test_cross_process import TRANSPORTS, kill_prefill_after_registration, prefix, start_pair
 from tests.test_liveness import hello, receive
 from tests.waiting import eventually
 
@@ -121,10 +121,7 @@ def test_a_killed_prefill_process_fails_the_decode_transfer_within_a_second_not_
 ) -> None:
     p, d = start_pair(prefix, "--lease", "600", "--ttl", "600", *TRANSPORTS[transport])
     try:
-        d.ask("started", cmd="expect", tid="r", epoch=1, peer="P", blocks=[1, 2], mode="push")
-        p.stats_when(lambda s: s["live_transfers"] == 1, "P has D's registration")  # P never produces the KV
-        p.kill()
-        result = d.result("r", timeout=30)
+        result = kill_prefill_after_registration(p, d, timeout=30)
         assert result["outcome"] == "failed" and "lost" in result["reason"]
         stats = d.ask("stats", cmd="stats")
         assert stats["held_blocks"] == 0 and stats["peers"] == [] and stats["crashed"] == 0

@@ -85,7 +85,6 @@ class Engine:
             "notifications_from_unknown": 0,
             "peers_refused": 0,
             "peer_removals_failed": 0,  # a transport's remove_peer raised (retried: see peering)
-            "unfenced_peers": 0,  # peers whose removal has not succeeded yet: their blocks stay held
             "released_dropped": 0,
             "finished_dropped": 0,
         }
@@ -327,6 +326,8 @@ class Engine:
             "live_transfers": len(self.core.live()),
             "held_blocks": self.core.ledger.held_blocks,
             "quarantined_blocks": self.core.ledger.quarantined_blocks,
+            # peers whose removal has not succeeded yet: their blocks stay held
+            "unfenced_peers": len(self._peers.failed_removals),
             "crashed": len(self.crashed),
         }
 

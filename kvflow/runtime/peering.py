@@ -108,6 +108,7 @@ class PeerExecutor:
         self.handshakes = Handshakes()  # a local connect waits on these
         self.worker = worker  # runs add_peer / remove_peer, in order
         self.metadata = b""  # this endpoint's transport metadata, read once at start
+        self.wire_layout = layout_to_wire(layout)  # what every Hello says of our layout
         self._loop_thread: int | None = None
         self._outstanding = 0  # peer jobs whose outcome the loop has not had yet
         self._settled = asyncio.Event()
@@ -232,7 +233,6 @@ class PeerExecutor:
             self._removal_failed(peer, reason, attempt, error)
             return
         if self.failed_removals.pop(peer, None) is not None:
-            self.counters["unfenced_peers"] = len(self.failed_removals)
             log.warning("%s: peer %s removed after %d failed attempts", self.engine_id, peer, attempt)
         grace = 0.0 if self.transport.capabilities.fences_inbound else self.config.unfenced_grace
         if grace > 0 and self.hooks.running():
@@ -251,7 +251,6 @@ class PeerExecutor:
         self.counters["peer_removals_failed"] += 1
         first = peer not in self.failed_removals
         self.failed_removals[peer] = attempt + 1
-        self.counters["unfenced_peers"] = len(self.failed_removals)
         delay = min(RETRY_FIRST * 2**attempt, RETRY_MAX)
         log.log(
             logging.ERROR if first else logging.DEBUG,
@@ -376,9 +375,13 @@ class PeerExecutor:
         :raises PeerUnknown, PeerUnreachable, EngineClosed: a local connect's Hello was not sent.
         """
         try:
-            wire_layout = layout_to_wire(self.layout)
             hello = Hello(
-                self.engine_id, self.assoc.fingerprint, wire_layout, self.metadata, action.reply, self.control.address
+                self.engine_id,
+                self.assoc.fingerprint,
+                self.wire_layout,
+                self.metadata,
+                action.reply,
+                self.control.address,
             )
             self.control.send(action.peer, hello)
         except KVFlowError as exc:
