@@ -9,9 +9,9 @@ quoted field named.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import re
-from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -20,74 +20,14 @@ import pytest
 import torch
 from vllm.config import ParallelConfig
 from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MambaSpec, SlidingWindowSpec
-from vllm.v1.request import RequestStatus
 
 from kvflow.errors import ConfigError
 from kvflow.integrations.vllm.connector import check_vllm_version
 from kvflow.integrations.vllm.kv_caches import check_supported
 from kvflow.integrations.vllm.standin import EngineOptions, ModelShape, StandInEngine
 from kvflow.integrations.vllm.standin.build import layer_specs, vllm_config
-from tests.vllm_pairs import BLOCK_SIZE, dispatch, kvflow_engine, make_pair, move_and_check, settle
-
-DOC = Path(__file__).resolve().parents[1] / "docs" / "vllm-compatibility.md"
-OUTCOMES = {"moves", "refused at start-up", "refused at the handshake"}
-
-
-def rows() -> dict[str, tuple[str, str]]:
-    """id -> (outcome, the first quoted text of the last column)."""
-    found = {}
-    for line in DOC.read_text().splitlines():
-        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
-        if line.startswith("| `") and len(cells) == 5:
-            quoted = re.findall(r"`([^`]+)`", cells[4])
-            found[cells[0].strip("`")] = (cells[3], quoted[0] if quoted else "")
-    return found
-
-
-Scenario = Callable[[str, pytest.LogCaptureFixture], None]
-SCENARIOS: dict[str, Scenario] = {}
-
-
-def scenario(*ids: str) -> Callable[[Scenario], Scenario]:
-    def register(fn: Scenario) -> Scenario:
-        for row_id in ids:
-            SCENARIOS[row_id] = fn
-        return fn
-
-    return register
-
-
-Inspect = Callable[[StandInEngine, StandInEngine], object]
-
-
-def moves(tid: str, prompt: int = 3 * BLOCK_SIZE + 7, inspect: Inspect | None = None, **options: Any) -> None:
-    """P and D made with `options`; one request's KV moves and is checked; both engines end
-    empty; then `inspect(p, d)` asserts more, before the engines close."""
-    p, d = make_pair(**options)
-    try:
-        move_and_check(p, d, tid, prompt)
-        if inspect is not None:
-            inspect(p, d)
-    finally:
-        d.close()
-        p.close()
-
-
-def refused_at_handshake(fragment: str, caplog: pytest.LogCaptureFixture, **options: Any) -> None:
-    """D's request fails at once, naming `fragment`; P, which never hears from D, frees its
-    blocks at its transfer deadline (3 s here)."""
-    options["extra"] = {"transfer_timeout": 3.0, **options.get("extra", {})}
-    p, d = make_pair(**options)
-    try:
-        with caplog.at_level(logging.ERROR, logger="kvflow.vllm"):
-            p_req, d_req = dispatch(p, d, "refused", 2 * BLOCK_SIZE)
-            settle((p, d), [p_req, d_req], limit=30.0)
-        assert d_req.status == RequestStatus.FINISHED_ERROR
-        assert fragment in caplog.text, caplog.text
-    finally:
-        d.close()
-        p.close()
-
+from tests.vllm_compat_registry import OUTCOMES, SCENARIOS, bound, moves, refused_at_handshake, rows, scenario
+from tests.vllm_pairs import BLOCK_SIZE, kvflow_engine
 
 # ---------------------------------------------------------------- vLLM
 
@@ -109,15 +49,6 @@ def _vllm_other(fragment: str, caplog: pytest.LogCaptureFixture) -> None:
 
 
 # ---------------------------------------------------------------- layouts
-
-
-def bound(fn: Callable[..., None], **arguments: Any) -> Scenario:
-    """A scenario that runs `fn(**arguments)`."""
-
-    def run(fragment: str, caplog: pytest.LogCaptureFixture) -> None:
-        fn(**arguments)
-
-    return run
 
 
 def _in_layout(name: str) -> None:
@@ -383,6 +314,10 @@ def test_every_row_has_a_scenario_and_every_scenario_a_row() -> None:
     assert {outcome for outcome, _ in table.values()} == OUTCOMES
     for row_id, (outcome, fragment) in table.items():
         assert outcome == "moves" or fragment, f"row {row_id} is a refusal that quotes no message"
+
+
+for _module in sorted(Path(__file__).parent.glob("vllm_compat_*.py")):
+    importlib.import_module(f"tests.{_module.stem}")  # each registers its area's scenarios
 
 
 @pytest.mark.parametrize("row_id", sorted(rows()))

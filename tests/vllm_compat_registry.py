@@ -1,0 +1,89 @@
+"""The registry behind the compatibility matrix's tests: the table's rows, the scenarios that
+check them, and the helpers scenarios share.
+
+Why its own module: scenarios live in several modules (tests/vllm_compat_*.py, one per area,
+plus tests/test_vllm_compat.py); each registers its rows here and tests/test_vllm_compat.py
+imports them all before it checks that every row has a scenario.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from vllm.v1.request import RequestStatus
+
+from kvflow.integrations.vllm.standin import StandInEngine
+from tests.vllm_pairs import BLOCK_SIZE, dispatch, make_pair, move_and_check, settle
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "vllm-compatibility.md"
+OUTCOMES = {"moves", "refused at start-up", "refused at the handshake"}
+
+
+def rows() -> dict[str, tuple[str, str]]:
+    """id -> (outcome, the first quoted text of the last column)."""
+    found = {}
+    for line in DOC.read_text().splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if line.startswith("| `") and len(cells) == 5:
+            quoted = re.findall(r"`([^`]+)`", cells[4])
+            found[cells[0].strip("`")] = (cells[3], quoted[0] if quoted else "")
+    return found
+
+
+Scenario = Callable[[str, pytest.LogCaptureFixture], None]
+SCENARIOS: dict[str, Scenario] = {}
+
+
+def scenario(*ids: str) -> Callable[[Scenario], Scenario]:
+    def register(fn: Scenario) -> Scenario:
+        for row_id in ids:
+            SCENARIOS[row_id] = fn
+        return fn
+
+    return register
+
+
+Inspect = Callable[[StandInEngine, StandInEngine], object]
+
+
+def moves(tid: str, prompt: int = 3 * BLOCK_SIZE + 7, inspect: Inspect | None = None, **options: Any) -> None:
+    """P and D made with `options`; one request's KV moves and is checked; both engines end
+    empty; then `inspect(p, d)` asserts more, before the engines close."""
+    p, d = make_pair(**options)
+    try:
+        move_and_check(p, d, tid, prompt)
+        if inspect is not None:
+            inspect(p, d)
+    finally:
+        d.close()
+        p.close()
+
+
+def refused_at_handshake(fragment: str, caplog: pytest.LogCaptureFixture, **options: Any) -> None:
+    """D's request fails at once, naming `fragment`; P, which never hears from D, frees its
+    blocks at its transfer deadline (3 s here)."""
+    options["extra"] = {"transfer_timeout": 3.0, **options.get("extra", {})}
+    p, d = make_pair(**options)
+    try:
+        with caplog.at_level(logging.ERROR, logger="kvflow.vllm"):
+            p_req, d_req = dispatch(p, d, "refused", 2 * BLOCK_SIZE)
+            settle((p, d), [p_req, d_req], limit=30.0)
+        assert d_req.status == RequestStatus.FINISHED_ERROR
+        assert fragment in caplog.text, caplog.text
+    finally:
+        d.close()
+        p.close()
+
+
+def bound(fn: Callable[..., None], **arguments: Any) -> Scenario:
+    """A scenario that runs `fn(**arguments)`."""
+
+    def run(fragment: str, caplog: pytest.LogCaptureFixture) -> None:
+        fn(**arguments)
+
+    return run
