@@ -27,12 +27,14 @@ from kvflow.errors import ConfigError, UsageError
 from kvflow.integrations.vllm.device import device_for
 from kvflow.integrations.vllm.kv_caches import check_supported, describe_kv_caches
 from kvflow.integrations.vllm.mapping import Orders, SchedulerBook
+from kvflow.integrations.vllm.stats import KVFlowConnectorStats, KVFlowPromMetrics, RankMeter, counter_deltas
 from kvflow.integrations.vllm.worker import Settings, WorkerSide
 from kvflow.runtime.engine import Engine
 
 if TYPE_CHECKING:
     import torch
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats, PromMetric, PromMetricT
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -79,6 +81,8 @@ class KVFlowConnector(KVConnectorBase_V1):
         self._block_size = vllm_config.cache_config.block_size
         self._book: SchedulerBook | None = None
         self._worker: WorkerSide | None = None
+        self._meter: RankMeter | None = None
+        self._scheduler_counted: dict[str, int] = {}
         prefix_caching = bool(vllm_config.cache_config.enable_prefix_caching)
         if transfer.is_kv_consumer and prefix_caching:
             raise ConfigError(
@@ -90,6 +94,7 @@ class KVFlowConnector(KVConnectorBase_V1):
         else:
             rank = vllm_config.parallel_config.rank
             self._worker = WorkerSide(self.engine_id, rank, self.settings)
+            self._meter = RankMeter(self._worker.engine_id)
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
@@ -215,6 +220,35 @@ class KVFlowConnector(KVConnectorBase_V1):
         KV caches are registered)."""
         thread = self._worker.thread if self._worker is not None else None
         return thread.engine if thread is not None else None
+
+    # ================================================================ metrics
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """Worker side: this rank's figures since the previous step (never waits for the
+        engine).  Scheduler side: what the scheduler-side book counted since the previous call,
+        if it counts anything (a ``counters`` mapping of cumulative counts)."""
+        if self._meter is not None:
+            return self._meter.take(self._worker.thread if self._worker is not None else None)
+        counted = {name: int(value) for name, value in dict(getattr(self._book, "counters", {})).items()}
+        gained = counter_deltas(counted, self._scheduler_counted)
+        self._scheduler_counted = counted
+        return KVFlowConnectorStats(data={"scheduler": gained}) if gained else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        """vLLM's loggers rebuild each payload they receive with this."""
+        return KVFlowConnectorStats(data=data or {})
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVFlowPromMetrics:
+        """The ``vllm:kvflow_*`` Prometheus metrics (docs/vllm.md lists them)."""
+        return KVFlowPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # ================================================================ plumbing
 

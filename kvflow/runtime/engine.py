@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
@@ -38,12 +39,13 @@ from kvflow.errors import (
     UsageError,
 )
 from kvflow.layout import KVLayout, fingerprint, plan_transfer
-from kvflow.protocol.actions import Action, DeclarePeerLost, ReleaseBlocks, Resolve, SendMessage, SubmitOp
+from kvflow.protocol.actions import Action, DeclarePeerLost, OpKind, ReleaseBlocks, Resolve, SendMessage, SubmitOp
 from kvflow.protocol.association import Associations
 from kvflow.protocol.core import TransferCore
 from kvflow.protocol.messages import ControlMessage, TransferKey, require_engine_id
 from kvflow.protocol.state import Mode, Role
 from kvflow.runtime.config import EngineConfig
+from kvflow.runtime.meter import TransferMeter
 from kvflow.runtime.peering import EngineHooks, PeerExecutor
 from kvflow.runtime.results import TransferHandle, TransferResult
 from kvflow.runtime.writer import Submitter, WriterThread
@@ -79,6 +81,7 @@ class Engine:
         kept = self.config.results_kept  # thread-safe to popleft from anywhere; oldest dropped
         self.released: deque[ReleaseBlocks] = deque(maxlen=kept)
         self.finished: deque[TransferResult] = deque(maxlen=kept)
+        self.meter = TransferMeter()  # per-transfer time, bytes and outcomes, for metrics
         self.counters = {
             "messages_from_unknown_peers": 0,
             "sends_failed": 0,
@@ -349,6 +352,7 @@ class Engine:
             elif isinstance(action, SubmitOp):
                 self._submit(action)
             elif isinstance(action, ReleaseBlocks):
+                self.meter.released(action.key, action.role, action.outcome, self._now())
                 self._keep(self.released, action, "released_dropped")
                 if self._on_release is not None:
                     self._guard(self._on_release, action)
@@ -364,6 +368,7 @@ class Engine:
 
     def _resolve(self, action: Resolve) -> list[Action]:
         result = TransferResult(action.key, action.role, action.outcome, action.reason)
+        self.meter.resolved(action.key, action.role, action.outcome, self._now())
         self._keep(self.finished, result, "finished_dropped")
         future = self._handles.pop((action.key, action.role), None)
         if future is not None and not future.done():
@@ -383,14 +388,20 @@ class Engine:
             self._run(self.core.op_finished(op.op_id, self._now(), f"peer {op.peer!r} not connected"))
             return
         loop = self._running_loop()
+        role = Role.PREFILL if op.kind is OpKind.WRITE else Role.DECODE
+        self.meter.op_asked(op.key, role, self._now())
 
         def job() -> None:
             error: str | None = None
+            started, size = time.perf_counter(), (0, 0)
             try:
                 plan = plan_transfer(self.layout, remote, op.local_blocks, op.remote_blocks, op.layers)
                 self.transport.submit(op.op_id, op.kind, op.peer, plan, op.notification)
+                size = (plan.total_bytes, len(plan))
             except KVFlowError as exc:
                 error = f"{type(exc).__name__}: {exc}"
+            posted = (*size, time.perf_counter() - started)
+            loop.call_soon_threadsafe(self._guard, self.meter.op_posted, op.key, role, *posted)
             loop.call_soon_threadsafe(self._guard, self._after_submit, op.op_id, error)
 
         self._submitter.submit(job)

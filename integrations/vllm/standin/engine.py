@@ -127,6 +127,7 @@ class StandInEngine:
         self.live: set[str] = set()
         self._in_flight: deque[tuple[Any, Any]] = deque()
         self.ranks: list[Rank] = []
+        self.stats_listeners: list[Callable[[Any], None]] = []  # each SchedulerStats (`log_stats`)
         with set_current_vllm_config(self.config):
             self._build()
 
@@ -160,6 +161,7 @@ class StandInEngine:
             kv_cache_config=generate_scheduler_kv_cache_config([kv_cache_config]),
             structured_output_manager=StructuredOutputManager(self.config),
             block_size=self.config.cache_config.block_size,
+            log_stats=o.log_stats,
         )
         self.owners = [n for n in self.layer_names() if n in specs]  # layers with KV of their own
         try:
@@ -319,6 +321,9 @@ class StandInEngine:
 
     def _update(self, so: Any, output: Any) -> None:
         for outputs in self.scheduler.update_from_output(so, output).values():
+            if outputs.scheduler_stats is not None:
+                for listener in self.stats_listeners:  # as the API process's stat loggers
+                    listener(outputs.scheduler_stats)
             for out in outputs.outputs:
                 if out.finish_reason is not None:
                     self.emit(ev="params", id=out.request_id, params=out.kv_transfer_params)

@@ -149,6 +149,7 @@ class EngineOptions:
     tensor_parallel: int = 1
     prefix_caching: bool = False
     async_scheduling: bool = False
+    log_stats: bool = False  # the scheduler makes SchedulerStats each step (`vllm serve` does by default)
     failure_policy: str = "fail"
     hook_order: str = "v1"  # "v1": vLLM's V1 model runner; "v2": Model Runner V2
     full_cudagraph: bool = False  # the forward replays a full CUDA graph: no save_kv_layer calls

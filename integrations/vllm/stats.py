@@ -1,0 +1,368 @@
+"""kvflow's transfer metrics in vLLM's own connector-stats API: the periodic log line and the
+``vllm:kvflow_*`` Prometheus metrics, as vLLM's NIXL connector reports ``vllm:nixl_*``.
+
+How they travel (vLLM 0.33): each worker's ``get_kv_connector_stats`` returns a
+`KVFlowConnectorStats` after every step; vLLM's ``KVOutputAggregator`` aggregates the ranks'
+(``aggregate``), the scheduler adds its own (``get_kv_connector_stats`` on the scheduler side)
+and ships ``to_dict()`` in its ``SchedulerStats`` (msgpack to the API process: the payload is
+plain dicts, lists and numbers); there ``LoggingStatLogger`` rebuilds the stats with
+``build_kv_connector_stats``, aggregates them over its interval and logs ``reduce()``, and
+``PrometheusStatLogger`` hands the payload to `KVFlowPromMetrics.observe`.
+
+What a worker reports (`RankMeter`), each since its previous report: per transfer the side
+that posted its data ops timed (P pushing, D pulling; see `kvflow.runtime.meter`), how
+transfers ended on this rank, the control frames and messages it refused, by reason; and a
+snapshot of this rank's gauges (transfers in flight by state, quarantined blocks).  The
+snapshot is taken on the engine's thread and read by the next step, so a hook never waits for
+the engine.  A rank reports its gauges while they are non-zero or changed, so a rank missing
+from a payload has none in flight (its last report said so).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import copy
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from vllm.config import VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+    PromMetric,
+    PromMetricT,
+)
+from vllm.v1.metrics.utils import create_metric_per_engine
+
+from kvflow.errors import KVFlowError
+from kvflow.protocol.state import Outcome, State
+from kvflow.runtime.engine import Engine
+from kvflow.runtime.threaded import EngineThread
+
+__all__ = ("IN_FLIGHT_STATES", "KVFlowConnectorStats", "KVFlowPromMetrics", "RankMeter", "counter_deltas")
+
+SAMPLE_KEYS = ("transfer_duration", "post_duration", "bytes_transferred", "num_descriptors")
+COUNT_KEYS = ("outcomes", "rejected_frames", "scheduler")
+TERMINAL = {State.ABORTED, State.FAILED, State.EXPIRED}
+IN_FLIGHT_STATES = tuple(state.value for state in State if state not in TERMINAL)
+# the engine's and its core's counters of refused peer messages -> the reason reported
+ENGINE_REJECTIONS = {
+    "messages_from_unknown_peers": "unknown_peer",
+    "notifications_from_unknown": "notification_from_unknown_peer",
+    "stale_epoch": "stale_epoch",
+    "unknown_transfer": "unknown_transfer",
+    "foreign_peer": "foreign_peer",
+    "malformed_notifications": "malformed_notification",
+    "protocol_violations": "protocol_violation",
+    "rejected_registrations": "rejected_registration",
+    "over_quota": "over_quota",
+}
+
+
+def _empty() -> dict[str, Any]:
+    data: dict[str, Any] = {key: [] for key in SAMPLE_KEYS}
+    data.update({key: {} for key in COUNT_KEYS})
+    data["samples_dropped"] = 0
+    data["ranks"] = {}  # rank -> {"quarantined_blocks": n, "in_flight": {state: n}}
+    return data
+
+
+@dataclass
+class KVFlowConnectorStats(KVConnectorStats):
+    """One interval's figures, of one rank or aggregated over ranks and steps.  ``data`` holds
+    plain values only (see the module docstring for its keys)."""
+
+    def __post_init__(self) -> None:
+        data = _empty()
+        for key, value in (self.data or {}).items():  # a copy: vLLM's loggers share the payload
+            data[key] = copy.deepcopy(value)
+        self.data = data
+
+    def reset(self) -> None:
+        self.data = _empty()
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        """Add `other` (another rank's, or a later step's) into this one; a rank's gauges in
+        `other` replace this one's of the same rank (they are newer)."""
+        theirs = other.data
+        for key in SAMPLE_KEYS:
+            self.data[key].extend(theirs.get(key, ()))
+        for key in COUNT_KEYS:
+            mine: dict[str, int] = self.data[key]
+            for name, count in theirs.get(key, {}).items():
+                mine[name] = mine.get(name, 0) + int(count)
+        self.data["samples_dropped"] += int(theirs.get("samples_dropped", 0))
+        self.data["ranks"].update(copy.deepcopy(theirs.get("ranks", {})))
+        return self
+
+    def is_empty(self) -> bool:
+        data = self.data
+        return not (
+            any(data[key] for key in SAMPLE_KEYS)
+            or any(any(data[key].values()) for key in COUNT_KEYS)
+            or data["samples_dropped"]
+            or data["ranks"]
+        )
+
+    @property
+    def num_timed_transfers(self) -> int:
+        return len(self.data["transfer_duration"])
+
+    def in_flight(self) -> dict[str, int]:
+        """Transfers in flight by state, summed over the ranks in this payload."""
+        total: Counter[str] = Counter()
+        for rank in self.data["ranks"].values():
+            total.update(rank.get("in_flight", {}))
+        return dict(total)
+
+    def quarantined_blocks(self) -> int:
+        return sum(int(rank.get("quarantined_blocks", 0)) for rank in self.data["ranks"].values())
+
+    def reduce(self) -> dict[str, int | float]:
+        """The log line's figures: transfer counts by outcome, time and size of the timed
+        transfers, refused frames, and the latest gauges."""
+        data = self.data
+        outcomes = data["outcomes"]
+        summary: dict[str, int | float] = {
+            "Transfers succeeded": outcomes.get(Outcome.SUCCEEDED.value, 0),
+            "Transfers failed": outcomes.get(Outcome.FAILED.value, 0) + outcomes.get(Outcome.EXPIRED.value, 0),
+            "Transfers aborted": outcomes.get(Outcome.ABORTED.value, 0),
+            "Timed transfers": self.num_timed_transfers,
+        }
+        if self.num_timed_transfers:
+            seconds = np.asarray(data["transfer_duration"], dtype=np.float64)
+            posting = np.asarray(data["post_duration"], dtype=np.float64)
+            mb = np.asarray(data["bytes_transferred"], dtype=np.float64) / 2**20
+            total = float(seconds.sum())
+            summary.update(
+                {
+                    "Avg xfer time (ms)": round(float(seconds.mean()) * 1e3, 3),
+                    "P90 xfer time (ms)": round(float(np.percentile(seconds, 90)) * 1e3, 3),
+                    "Avg post time (ms)": round(float(posting.mean()) * 1e3, 3),
+                    "Avg MB per transfer": round(float(mb.mean()), 3),
+                    "Throughput (MB/s)": round(float(mb.sum()) / total, 3) if total > 0 else 0.0,
+                    "Avg number of descriptors": round(float(np.mean(data["num_descriptors"])), 1),
+                }
+            )
+        summary["Rejected frames"] = sum(data["rejected_frames"].values())
+        summary["In flight"] = sum(self.in_flight().values())
+        summary["Quarantined blocks"] = self.quarantined_blocks()
+        for name, count in sorted(data["scheduler"].items()):
+            summary[f"Scheduler {name}"] = count
+        return summary
+
+
+def counter_deltas(now: Mapping[str, int], before: Mapping[str, int]) -> dict[str, int]:
+    """What each cumulative counter gained since `before` (only those that did)."""
+    return {name: value - before.get(name, 0) for name, value in now.items() if value > before.get(name, 0)}
+
+
+@dataclass(frozen=True)
+class _Snapshot:
+    rejected: dict[str, int]  # cumulative, by reason
+    gauges: dict[str, Any]  # {"quarantined_blocks": n, "in_flight": {state: n}}
+
+
+async def _take_snapshot(engine: Engine) -> _Snapshot:
+    """On the engine's loop, where its core may be read."""
+    stats = engine.stats()
+    rejected = {reason: int(stats.get(name, 0)) for name, reason in ENGINE_REJECTIONS.items()}
+    for name, value in dict(getattr(engine.control, "counters", {})).items():
+        if name.startswith("rejected_"):
+            rejected[name.removeprefix("rejected_")] = int(value)
+    in_flight = Counter(machine.state.value for machine in engine.core.live())
+    gauges = {"quarantined_blocks": int(stats["quarantined_blocks"]), "in_flight": dict(in_flight)}
+    return _Snapshot(rejected, gauges)
+
+
+class RankMeter:
+    """A worker rank's reports: `take` after each step, on the model runner's thread.  Never
+    blocks: it reads the engine's meter (a lock held for a list swap) and the gauge snapshot
+    asked for at the previous call, and asks for the next one."""
+
+    def __init__(self, rank: str) -> None:
+        self.rank = rank
+        self._pending: concurrent.futures.Future[_Snapshot] | None = None
+        self._latest = _Snapshot({}, {"quarantined_blocks": 0, "in_flight": {}})
+        self._rejected_reported: dict[str, int] = {}
+        self._gauges_reported: dict[str, Any] = self._latest.gauges
+
+    def take(self, thread: EngineThread | None) -> KVFlowConnectorStats | None:
+        """This rank's figures since the previous call; None when there is nothing to say."""
+        if thread is None:
+            return None
+        reading = thread.engine.meter.take()
+        self._refresh(thread)
+        stats = KVFlowConnectorStats()
+        data = stats.data
+        for sample in reading.samples:
+            data["transfer_duration"].append(sample.seconds)
+            data["post_duration"].append(sample.post_seconds)
+            data["bytes_transferred"].append(sample.nbytes)
+            data["num_descriptors"].append(sample.descriptors)
+        data["outcomes"] = dict(reading.outcomes)
+        data["samples_dropped"] = reading.dropped
+        data["rejected_frames"] = counter_deltas(self._latest.rejected, self._rejected_reported)
+        self._rejected_reported = dict(self._latest.rejected)
+        gauges = self._latest.gauges
+        if gauges != self._gauges_reported or gauges["quarantined_blocks"] or any(gauges["in_flight"].values()):
+            data["ranks"] = {self.rank: copy.deepcopy(gauges)}
+            self._gauges_reported = gauges
+        return None if stats.is_empty() else stats
+
+    def _refresh(self, thread: EngineThread) -> None:
+        pending = self._pending
+        if pending is not None and pending.done():
+            self._pending = None
+            if not pending.cancelled() and pending.exception() is None:
+                self._latest = pending.result()
+        if self._pending is None:
+            with contextlib.suppress(KVFlowError):  # the engine thread stopped: the last snapshot stands
+                self._pending = thread.call(_take_snapshot)
+
+
+def _per_engine(metric: Any, per_engine_labelvalues: dict[int, list[object]]) -> dict[int, Any]:
+    """vLLM's `create_metric_per_engine`, typed for this module's metrics."""
+    children: dict[int, Any] = create_metric_per_engine(metric, per_engine_labelvalues)
+    return children
+
+
+class KVFlowPromMetrics(KVConnectorPromMetrics):
+    """The ``vllm:kvflow_*`` metrics, labelled as vLLM labels its own (model_name, engine),
+    plus ``state`` or ``reason`` where a metric is split."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ):
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        values = per_engine_labelvalues
+        # vLLM passes prometheus_client's classes, or its Ray wrappers of them
+        histogram: Any = self._histogram_cls
+        counter: Any = self._counter_cls
+        gauge: Any = self._gauge_cls
+        seconds = [0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 5.0]
+        self.xfer_time = _per_engine(
+            histogram(
+                name="vllm:kvflow_xfer_time_seconds",
+                documentation="Seconds from a kvflow transfer's first data op to its outcome "
+                "(counted by the side posting the ops: P pushing, D pulling).",
+                buckets=seconds[1:],
+                labelnames=labelnames,
+            ),
+            values,
+        )
+        self.post_time = _per_engine(
+            histogram(
+                name="vllm:kvflow_post_time_seconds",
+                documentation="Seconds spent planning and posting a kvflow transfer's data ops.",
+                buckets=seconds,
+                labelnames=labelnames,
+            ),
+            values,
+        )
+        self.bytes_transferred = _per_engine(
+            histogram(
+                name="vllm:kvflow_bytes_transferred",
+                documentation="Bytes moved per kvflow transfer.",
+                buckets=[2 ** (10 + i) for i in range(1, 25, 2)],
+                labelnames=labelnames,
+            ),
+            values,
+        )
+        self.num_descriptors = _per_engine(
+            histogram(
+                name="vllm:kvflow_num_descriptors",
+                documentation="Descriptors (coalesced byte ranges) posted per kvflow transfer.",
+                buckets=[10, 20, 30, 50, 75, 100, 200, 400, 1000, 2000, 4000, 10000, 20000, 50000],
+                labelnames=labelnames,
+            ),
+            values,
+        )
+        self.succeeded = self._engine_counter(
+            counter, "vllm:kvflow_num_successful_transfers", "kvflow transfers that succeeded (either side)."
+        )
+        self.failed = self._engine_counter(
+            counter,
+            "vllm:kvflow_num_failed_transfers",
+            "kvflow transfers that failed or expired (either side); "
+            "expiries are also in vllm:kvflow_num_expired_transfers.",
+        )
+        self.expired = self._engine_counter(
+            counter,
+            "vllm:kvflow_num_expired_transfers",
+            "kvflow transfers that expired (no outcome before their deadline).",
+        )
+        self.aborted = self._engine_counter(
+            counter, "vllm:kvflow_num_aborted_transfers", "kvflow transfers aborted (by vLLM, or by the peer)."
+        )
+        self.quarantined = _per_engine(
+            gauge(
+                name="vllm:kvflow_quarantined_blocks",
+                documentation="KV blocks kvflow holds back until the peer's ops on them are fenced.",
+                labelnames=labelnames,
+                multiprocess_mode="mostrecent",
+            ),
+            values,
+        )
+        self.rejected = counter(
+            name="vllm:kvflow_rejected_frames",
+            documentation="Control frames and peer messages kvflow refused, by reason.",
+            labelnames=[*labelnames, "reason"],
+        )
+        self.in_flight = gauge(
+            name="vllm:kvflow_transfers_in_flight",
+            documentation="kvflow transfers not finished yet, by state.",
+            labelnames=[*labelnames, "state"],
+            multiprocess_mode="mostrecent",
+        )
+        self.scheduler_events = counter(
+            name="vllm:kvflow_scheduler_events",
+            documentation="Events counted by kvflow's scheduler-side connector, by event.",
+            labelnames=[*labelnames, "event"],
+        )
+        for labels in values.values():
+            for state in IN_FLIGHT_STATES:
+                self.in_flight.labels(*labels, state).set(0)
+
+    def _engine_counter(self, counter: Any, name: str, documentation: str) -> dict[int, Any]:
+        metric = counter(name=name, documentation=documentation, labelnames=self._labelnames)
+        return _per_engine(metric, self.per_engine_labelvalues)
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        stats = KVFlowConnectorStats(data=transfer_stats_data)
+        data, labels = stats.data, self.per_engine_labelvalues[engine_idx]
+        for metric, key in (
+            (self.xfer_time, "transfer_duration"),
+            (self.post_time, "post_duration"),
+            (self.bytes_transferred, "bytes_transferred"),
+            (self.num_descriptors, "num_descriptors"),
+        ):
+            for value in data[key]:
+                metric[engine_idx].observe(value)
+        outcomes = data["outcomes"]
+        expired = outcomes.get(Outcome.EXPIRED.value, 0)
+        for metric, count in (
+            (self.succeeded, outcomes.get(Outcome.SUCCEEDED.value, 0)),
+            (self.failed, outcomes.get(Outcome.FAILED.value, 0) + expired),
+            (self.expired, expired),
+            (self.aborted, outcomes.get(Outcome.ABORTED.value, 0)),
+        ):
+            if count:
+                metric[engine_idx].inc(count)
+        for reason, count in data["rejected_frames"].items():
+            self.rejected.labels(*labels, reason).inc(count)
+        for event, count in data["scheduler"].items():
+            self.scheduler_events.labels(*labels, event).inc(count)
+        if data["ranks"]:  # a rank missing here has nothing in flight (see the module docstring)
+            self.quarantined[engine_idx].set(stats.quarantined_blocks())
+            in_flight = stats.in_flight()
+            for state in IN_FLIGHT_STATES:
+                self.in_flight.labels(*labels, state).set(in_flight.get(state, 0))
