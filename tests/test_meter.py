@@ -1,0 +1,99 @@
+"""The engine's `TransferMeter`: what each transfer's posting side records, and when, over the
+loopback transport with real bytes."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import pytest_asyncio
+
+from kvflow.protocol.core import CoreConfig
+from kvflow.protocol.messages import Done
+from kvflow.protocol.state import Mode
+from kvflow.runtime.engine import EngineConfig
+from kvflow.testing import EnginePair
+from kvflow.transports.loopback import FaultPlan, LoopbackFabric
+from tests.waiting import eventually
+
+FAST = EngineConfig(core=CoreConfig(fence_timeout=0.5, retention=5.0), transfer_timeout=5.0, drain_timeout=2.0)
+BLOCKS = [1, 2, 3]
+
+
+def _bytes(pair: EnginePair, blocks: int) -> int:
+    """What moving `blocks` blocks of every layer and array takes."""
+    layout = pair.p.layout
+    return blocks * layout.block_len * layout.spec.num_layers * layout.spec.arrays_per_layer
+
+
+@pytest_asyncio.fixture
+async def pair() -> AsyncIterator[EnginePair]:
+    engines = await EnginePair(LoopbackFabric(), config=FAST).start()
+    yield engines
+    await engines.close()
+
+
+def _hold_dones(pair: EnginePair) -> list[tuple[Any, ...]]:
+    """D's verdicts to P are held (returned) instead of delivered."""
+    held: list[tuple[Any, ...]] = []
+    route = pair.hub.route
+
+    def holding(sender: str, incarnation: int, peer: str, message: Any) -> None:
+        if isinstance(message, Done):
+            held.append((sender, incarnation, peer, message))
+        else:
+            route(sender, incarnation, peer, message)
+
+    pair.hub.route = holding  # type: ignore[method-assign]
+    return held
+
+
+@pytest.mark.asyncio
+async def test_a_pushing_prefill_times_its_transfer_once_its_writes_completed(pair: EnginePair) -> None:
+    """P's sample is there when its blocks come back (the step vLLM hears of them), before
+    D's verdict; the verdict is counted when it arrives; D, which posted nothing, times nothing."""
+    held = _hold_dones(pair)
+    pair.p_kv.fill(BLOCKS, seed=3)
+    waiting = await pair.d.expect("t1", 1, peer="P", block_ids=[5, 6, 7])
+    await pair.p.kv_ready("t1", 1, block_ids=BLOCKS)
+    await eventually(lambda: bool(pair.p.released) and bool(held), "P's blocks back, D's verdict held")
+    reading = pair.p.meter.take()
+    [sample] = reading.samples
+    assert sample.nbytes == _bytes(pair, len(BLOCKS))
+    assert sample.descriptors >= 1 and sample.seconds >= 0 and sample.post_seconds > 0
+    assert reading.outcomes == {}  # D has not said yet
+    pair.hub.route = type(pair.hub).route.__get__(pair.hub)  # type: ignore[method-assign]
+    for message in held:
+        pair.hub.route(*message)
+    (await waiting.wait(5)).raise_for_outcome()
+    await eventually(lambda: not pair.p.core.live(), "P hears D's verdict")
+    assert pair.p.meter.take().outcomes == {"succeeded": 1}
+    d_reading = pair.d.meter.take()
+    assert d_reading.samples == [] and d_reading.outcomes == {"succeeded": 1}
+
+
+@pytest.mark.asyncio
+async def test_a_pulling_decode_times_its_reads(pair: EnginePair) -> None:
+    pair.p_kv.fill(BLOCKS, seed=4)
+    waiting = await pair.d.expect("t2", 1, peer="P", block_ids=[8, 9, 10], mode=Mode.PULL)
+    await pair.p.kv_ready("t2", 1, block_ids=BLOCKS, mode=Mode.PULL, peer="D")
+    (await waiting.wait(5)).raise_for_outcome()
+    [sample] = pair.d.meter.take().samples
+    assert sample.nbytes == _bytes(pair, len(BLOCKS))
+    assert pair.p.meter.take().samples == []
+
+
+@pytest.mark.asyncio
+async def test_a_failed_write_is_counted_and_not_timed() -> None:
+    pair = await EnginePair(LoopbackFabric(faults=FaultPlan(fail_ops={1})), config=FAST).start()
+    try:
+        waiting = await pair.d.expect("t3", 1, peer="P", block_ids=[5, 6])
+        await pair.p.kv_ready("t3", 1, block_ids=[1, 2])
+        result = await waiting.wait(5)
+        assert not result.ok
+        await eventually(lambda: not pair.p.core.live(), "P's side ends")
+        reading = pair.p.meter.take()
+        assert reading.samples == [] and reading.outcomes.get("failed") == 1
+    finally:
+        await pair.close()

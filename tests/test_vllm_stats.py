@@ -1,0 +1,174 @@
+"""kvflow's figures in vLLM's own metrics: both tensor-parallel ranks' stats aggregated by vLLM's
+`KVOutputAggregator` (in the stand-in engine), shipped by vLLM's scheduler in its
+`SchedulerStats` through vLLM's msgpack codec, and read by vLLM's `LoggingStatLogger` (the log
+line) and `PrometheusStatLogger` (the rendered registry); real transfers, bytes checked."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import zmq
+from vllm.v1.request import RequestStatus
+
+from kvflow.integrations.vllm import worker as worker_side
+from kvflow.integrations.vllm.standin import StandInEngine
+from kvflow.integrations.vllm.stats import IN_FLIGHT_STATES, KVFlowConnectorStats
+from kvflow.transports.loopback import FaultPlan, LoopbackFabric
+from tests.vllm_compat_stats import StatLoggers, expected_bytes
+from tests.vllm_pairs import BLOCK_SIZE, dispatch, fabric, make_pair, params, settle
+from tests.vllm_pairs import run as run_until
+
+
+def _stepping(engines: tuple[StandInEngine, ...], condition: Callable[[], bool], limit: float = 10.0) -> None:
+    """Step every engine, busy or idle (later requests would make them step), until
+    `condition()` holds; fails past `limit` seconds."""
+
+    def stepped() -> bool:
+        for engine in engines:
+            engine.step()
+        return condition()
+
+    run_until((), stepped, limit)
+
+
+def test_both_ranks_figures_reach_vllms_log_line_and_prometheus() -> None:
+    p, d = make_pair(tensor_parallel=2, log_stats=True)
+    try:
+        loggers = StatLoggers(p, d)
+        prompts = [3 * BLOCK_SIZE + 7, 2 * BLOCK_SIZE]
+        for index, prompt in enumerate(prompts):  # one after the other
+            p_req, d_req = dispatch(p, d, f"t{index}", prompt)
+            settle((p, d), [p_req, d_req])
+            assert d.checked[d_req.request_id] == 0, "D read pages that do not hold P's KV"
+            assert d_req.status == RequestStatus.FINISHED_LENGTH_CAPPED
+        moved = sum(expected_bytes(p, prompt) for prompt in prompts)
+
+        # P posted the WRITEs: one timed transfer per request and rank, each rank its own half
+        sent = loggers.total(0)
+        assert sent.num_timed_transfers == 2 * len(prompts)
+        assert sum(sent.data["bytes_transferred"]) == moved
+        assert all(seconds > 0 for seconds in sent.data["transfer_duration"])
+        assert loggers.metric("vllm:kvflow_xfer_time_seconds_count", 0) == 2 * len(prompts)
+        assert loggers.metric("vllm:kvflow_bytes_transferred_sum", 0) == moved
+        assert loggers.metric("vllm:kvflow_num_descriptors_count", 0) == 2 * len(prompts)
+        assert loggers.metric("vllm:kvflow_xfer_time_seconds_count", 1) == 0  # D posts nothing when pushed to
+
+        # every rank's verdicts, on both sides; nothing left in flight once each engine steps again
+        def settled() -> bool:
+            return all(
+                loggers.metric("vllm:kvflow_num_successful_transfers_total", engine) == 2 * len(prompts)
+                and sum(loggers.metric("vllm:kvflow_transfers_in_flight", engine, state=s) for s in IN_FLIGHT_STATES)
+                == 0
+                for engine in (0, 1)
+            )
+
+        _stepping((p, d), settled)  # every rank's verdict, and the gauges, at vLLM's Prometheus logger
+        assert loggers.total(1).data["outcomes"] == {"succeeded": 2 * len(prompts)}
+        assert loggers.metric("vllm:kvflow_num_failed_transfers_total", 0) == 0
+
+        [line] = loggers.log_lines(0)
+        assert f"Transfers succeeded={2 * len(prompts)}" in line and f"Timed transfers={2 * len(prompts)}" in line
+        assert "Transfers failed=0" in line and "Avg xfer time (ms)=" in line, line
+        [line] = loggers.log_lines(1)
+        assert f"Transfers succeeded={2 * len(prompts)}" in line and "Timed transfers=0" in line, line
+        assert loggers.log_lines(0) == []  # the interval's figures were logged once
+    finally:
+        d.close()
+        p.close()
+
+
+def test_a_failed_write_shows_in_the_failures_on_both_sides() -> None:
+    name = fabric()
+    worker_side._LOOPBACK_FABRICS[name] = LoopbackFabric(faults=FaultPlan(fail_ops={1}))
+    p, d = make_pair(extra={"fabric": name, "transfer_timeout": 600.0}, log_stats=True)
+    try:
+        loggers = StatLoggers(p, d)
+        p_req, d_req = dispatch(p, d, "t-fail", 2 * BLOCK_SIZE)
+        settle((p, d), [p_req, d_req], limit=30.0)
+        assert d_req.status == RequestStatus.FINISHED_ERROR
+
+        def failed_on_both() -> bool:
+            return all(loggers.metric("vllm:kvflow_num_failed_transfers_total", e) == 1 for e in (0, 1))
+
+        _stepping((p, d), failed_on_both)
+        assert loggers.total(0).num_timed_transfers == 0  # a failed transfer is not timed
+        assert loggers.metric("vllm:kvflow_num_successful_transfers_total", 0) == 0
+        for engine in (0, 1):
+            [line] = loggers.log_lines(engine)
+            assert "Transfers failed=1" in line and "Transfers succeeded=0" in line, line
+    finally:
+        d.close()
+        p.close()
+
+
+def test_in_flight_gauges_and_rejected_frames() -> None:
+    """D's registrations wait for a P that has not started the request: both ranks show a
+    transfer in flight; a stranger's frame to P's control port counts as rejected."""
+    p, d = make_pair(tensor_parallel=2, log_stats=True)
+    try:
+        loggers = StatLoggers(p, d)
+        kv = params(p, d, "t-wait")
+        d_req = d.add("d-t-wait", 2 * BLOCK_SIZE, 4, {"do_remote_prefill": True, "kvflow": kv}, tag="t-wait")
+
+        def registered() -> bool:
+            return loggers.metric("vllm:kvflow_transfers_in_flight", 1, state="registered") == 2
+
+        _stepping((d,), registered)  # both D ranks' registrations in vLLM's in-flight gauge
+
+        context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        with context.socket(zmq.DEALER) as stranger:
+            stranger.setsockopt(zmq.LINGER, 0)
+            stranger.connect(p.worker.control_address)
+            stranger.send(b"not a kvflow frame")
+
+            def rejected() -> bool:
+                return loggers.metric("vllm:kvflow_rejected_frames_total", 0, reason="shape") >= 1
+
+            _stepping((p,), rejected)
+
+        p_req = p.add("p-t-wait", 2 * BLOCK_SIZE, 1, {"do_remote_decode": True, "kvflow": kv}, tag="t-wait")
+        settle((p, d), [p_req, d_req])
+        assert d.checked[d_req.request_id] == 0
+
+        def drained() -> bool:
+            return all(
+                loggers.metric("vllm:kvflow_transfers_in_flight", e, state=s) == 0
+                for e in (0, 1)
+                for s in IN_FLIGHT_STATES
+            )
+
+        _stepping((p, d), drained)  # the in-flight gauges back at zero
+    finally:
+        d.close()
+        p.close()
+
+
+def test_stats_aggregate_add_up_and_keep_each_ranks_latest_gauges() -> None:
+    """What vLLM's aggregator and log line do with two ranks' payloads and a later step's."""
+    rank0 = KVFlowConnectorStats(
+        data={
+            "transfer_duration": [0.01],
+            "post_duration": [0.001],
+            "bytes_transferred": [2**20],
+            "num_descriptors": [4],
+            "outcomes": {"succeeded": 1},
+            "ranks": {"p-tp0": {"quarantined_blocks": 0, "in_flight": {"writing": 1}}},
+        }
+    )
+    rank1 = KVFlowConnectorStats(
+        data={
+            "outcomes": {"failed": 1},
+            "rejected_frames": {"bad_mac": 2},
+            "ranks": {"p-tp1": {"quarantined_blocks": 3, "in_flight": {"failing": 1}}},
+        }
+    )
+    later = KVFlowConnectorStats(data={"ranks": {"p-tp0": {"quarantined_blocks": 0, "in_flight": {}}}})
+    total = rank0.aggregate(rank1).aggregate(later)
+    assert isinstance(total, KVFlowConnectorStats)
+    assert total.in_flight() == {"failing": 1} and total.quarantined_blocks() == 3
+    summary = total.reduce()
+    assert summary["Transfers succeeded"] == 1 and summary["Transfers failed"] == 1
+    assert summary["Timed transfers"] == 1 and summary["Avg MB per transfer"] == 1.0
+    assert summary["Rejected frames"] == 2 and summary["In flight"] == 1
+    assert not total.is_empty() and KVFlowConnectorStats().is_empty()
+    assert rank1.data["outcomes"] == {"failed": 1}  # the other payload is left as it was
