@@ -13,9 +13,10 @@ What a worker reports (`RankMeter`), each since its previous report: per transfe
 that posted its data ops timed (P pushing, D pulling; see `kvflow.runtime.meter`), how
 transfers ended on this rank, the control frames and messages it refused, by reason; and a
 snapshot of this rank's gauges (transfers in flight by state, quarantined blocks).  The
-snapshot is taken on the engine's thread and read by the next step, so a hook never waits for
-the engine.  A rank reports its gauges while they are non-zero or changed, so a rank missing
-from a payload has none in flight (its last report said so).
+snapshot is taken on the engine's thread (asked for at most every `SNAPSHOT_INTERVAL`) and
+read by a later step, so a hook never waits for the engine.  A rank reports its gauges while
+they are non-zero or changed, so a rank missing from a payload has none in flight (its last
+report said so).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import copy
+import time
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -45,6 +47,7 @@ from kvflow.runtime.threaded import EngineThread
 
 __all__ = ("IN_FLIGHT_STATES", "KVFlowConnectorStats", "KVFlowPromMetrics", "RankMeter", "counter_deltas")
 
+SNAPSHOT_INTERVAL = 0.05  # seconds between two gauge snapshots of a rank's engine, at least
 SAMPLE_KEYS = ("transfer_duration", "post_duration", "bytes_transferred", "num_descriptors")
 COUNT_KEYS = ("outcomes", "rejected_frames", "scheduler")
 TERMINAL = {State.ABORTED, State.FAILED, State.EXPIRED}
@@ -179,6 +182,10 @@ async def _take_snapshot(engine: Engine) -> _Snapshot:
     return _Snapshot(rejected, gauges)
 
 
+def _busy(gauges: Mapping[str, Any]) -> bool:
+    return bool(gauges["quarantined_blocks"] or any(gauges["in_flight"].values()))
+
+
 class RankMeter:
     """A worker rank's reports: `take` after each step, on the model runner's thread.  Never
     blocks: it reads the engine's meter (a lock held for a list swap) and the gauge snapshot
@@ -190,13 +197,17 @@ class RankMeter:
         self._latest = _Snapshot({}, {"quarantined_blocks": 0, "in_flight": {}})
         self._rejected_reported: dict[str, int] = {}
         self._gauges_reported: dict[str, Any] = self._latest.gauges
+        self._next_snapshot = 0.0
 
     def take(self, thread: EngineThread | None) -> KVFlowConnectorStats | None:
         """This rank's figures since the previous call; None when there is nothing to say."""
         if thread is None:
             return None
         reading = thread.engine.meter.take()
-        self._refresh(thread)
+        fresh = self._refresh(thread)
+        quiet = not (reading.samples or reading.outcomes or reading.dropped)
+        if quiet and not fresh and self._gauges_reported is self._latest.gauges and not _busy(self._latest.gauges):
+            return None  # the usual idle step: nothing new, nothing in flight
         stats = KVFlowConnectorStats()
         data = stats.data
         for sample in reading.samples:
@@ -209,20 +220,26 @@ class RankMeter:
         data["rejected_frames"] = counter_deltas(self._latest.rejected, self._rejected_reported)
         self._rejected_reported = dict(self._latest.rejected)
         gauges = self._latest.gauges
-        if gauges != self._gauges_reported or gauges["quarantined_blocks"] or any(gauges["in_flight"].values()):
+        if gauges != self._gauges_reported or _busy(gauges):
             data["ranks"] = {self.rank: copy.deepcopy(gauges)}
-            self._gauges_reported = gauges
+        self._gauges_reported = gauges
         return None if stats.is_empty() else stats
 
-    def _refresh(self, thread: EngineThread) -> None:
+    def _refresh(self, thread: EngineThread) -> bool:
+        """Read the snapshot asked for earlier, if it came (True then); ask for the next one at
+        most every `SNAPSHOT_INTERVAL` seconds (each wakes the engine's loop)."""
+        fresh = False
         pending = self._pending
         if pending is not None and pending.done():
             self._pending = None
             if not pending.cancelled() and pending.exception() is None:
-                self._latest = pending.result()
-        if self._pending is None:
+                self._latest, fresh = pending.result(), True
+        now = time.monotonic()
+        if self._pending is None and now >= self._next_snapshot:
+            self._next_snapshot = now + SNAPSHOT_INTERVAL
             with contextlib.suppress(KVFlowError):  # the engine thread stopped: the last snapshot stands
                 self._pending = thread.call(_take_snapshot)
+        return fresh
 
 
 def _per_engine(metric: Any, per_engine_labelvalues: dict[int, list[object]]) -> dict[int, Any]:

@@ -48,6 +48,9 @@ class MeterReading:
     dropped: int = 0  # samples dropped because nobody took them in time
 
 
+EMPTY = MeterReading()
+
+
 @dataclass
 class _Open:
     first_asked: float
@@ -102,6 +105,8 @@ class TransferMeter:
 
     def take(self) -> MeterReading:
         """Everything since the previous call; never blocks on the engine's loop."""
+        if not (self._samples or self._outcomes or self._dropped):
+            return EMPTY  # nothing to swap (what the loop adds meanwhile waits for the next call)
         with self._lock:
             reading = MeterReading(list(self._samples), dict(self._outcomes), self._dropped)
             self._samples.clear()
