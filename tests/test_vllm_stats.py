@@ -7,10 +7,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import pytest
 import zmq
 from vllm.v1.request import RequestStatus
 
 from kvflow.integrations.vllm import worker as worker_side
+from kvflow.integrations.vllm.mapping import SchedulerBook
 from kvflow.integrations.vllm.standin import StandInEngine
 from kvflow.integrations.vllm.stats import IN_FLIGHT_STATES, KVFlowConnectorStats
 from kvflow.transports.loopback import FaultPlan, LoopbackFabric
@@ -172,3 +174,24 @@ def test_stats_aggregate_add_up_and_keep_each_ranks_latest_gauges() -> None:
     assert summary["Rejected frames"] == 2 and summary["In flight"] == 1
     assert not total.is_empty() and KVFlowConnectorStats().is_empty()
     assert rank1.data["outcomes"] == {"failed": 1}  # the other payload is left as it was
+
+
+def test_scheduler_side_counts_join_the_workers_in_vllms_scheduler_stats(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's scheduler adds its connector's own stats to the workers'; a scheduler-side book
+    that keeps cumulative ``counters`` has what each gained reported once."""
+    counters = {"unserved_requests": 0}
+    monkeypatch.setattr(SchedulerBook, "counters", counters, raising=False)
+    p, d = make_pair(log_stats=True)
+    try:
+        loggers = StatLoggers(p, d)
+        counters["unserved_requests"] = 3
+        p_req, d_req = dispatch(p, d, "t-book", 2 * BLOCK_SIZE)
+        settle((p, d), [p_req, d_req])
+        for engine in (0, 1):
+            assert loggers.total(engine).data["scheduler"] == {"unserved_requests": 3}
+            assert loggers.metric("vllm:kvflow_scheduler_events_total", engine, event="unserved_requests") == 3
+        [line] = loggers.log_lines(0)
+        assert "Scheduler unserved_requests=3" in line, line
+    finally:
+        d.close()
+        p.close()
