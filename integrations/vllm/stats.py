@@ -14,9 +14,10 @@ that posted its data ops timed (P pushing, D pulling; see `kvflow.runtime.meter`
 transfers ended on this rank, the control frames and messages it refused, by reason; and a
 snapshot of this rank's gauges (transfers in flight by state, quarantined blocks).  The
 snapshot is taken on the engine's thread (asked for at most every `SNAPSHOT_INTERVAL`) and
-read by a later step, so a hook never waits for the engine.  A rank reports its gauges while
-they are non-zero or changed, so a rank missing from a payload has none in flight (its last
-report said so).
+read by a later step, so a hook never waits for the engine; a step with nothing new returns
+None.  A rank's gauges go out with each snapshot while they are non-zero, and once when they
+drop to zero: the Prometheus gauges sum each rank's latest, and a log interval holds every
+busy rank's (a rank missing from it had none in flight).
 """
 
 from __future__ import annotations
@@ -182,6 +183,13 @@ async def _take_snapshot(engine: Engine) -> _Snapshot:
     return _Snapshot(rejected, gauges)
 
 
+def _stats_of(data: dict[str, Any]) -> KVFlowConnectorStats:
+    """Stats around a payload built here (complete and not shared: no copy needed)."""
+    stats = object.__new__(KVFlowConnectorStats)
+    stats.data = data
+    return stats
+
+
 def _busy(gauges: Mapping[str, Any]) -> bool:
     return bool(gauges["quarantined_blocks"] or any(gauges["in_flight"].values()))
 
@@ -205,11 +213,9 @@ class RankMeter:
             return None
         reading = thread.engine.meter.take()
         fresh = self._refresh(thread)
-        quiet = not (reading.samples or reading.outcomes or reading.dropped)
-        if quiet and not fresh and self._gauges_reported is self._latest.gauges and not _busy(self._latest.gauges):
-            return None  # the usual idle step: nothing new, nothing in flight
-        stats = KVFlowConnectorStats()
-        data = stats.data
+        if not (fresh or reading.samples or reading.outcomes or reading.dropped):
+            return None  # most steps: nothing new to say
+        data = _empty()
         for sample in reading.samples:
             data["transfer_duration"].append(sample.seconds)
             data["post_duration"].append(sample.post_seconds)
@@ -217,12 +223,14 @@ class RankMeter:
             data["num_descriptors"].append(sample.descriptors)
         data["outcomes"] = dict(reading.outcomes)
         data["samples_dropped"] = reading.dropped
-        data["rejected_frames"] = counter_deltas(self._latest.rejected, self._rejected_reported)
-        self._rejected_reported = dict(self._latest.rejected)
-        gauges = self._latest.gauges
-        if gauges != self._gauges_reported or _busy(gauges):
-            data["ranks"] = {self.rank: copy.deepcopy(gauges)}
-        self._gauges_reported = gauges
+        if fresh:
+            data["rejected_frames"] = counter_deltas(self._latest.rejected, self._rejected_reported)
+            self._rejected_reported = self._latest.rejected
+            gauges = self._latest.gauges  # a new dict per snapshot, never changed: shared as it is
+            if gauges != self._gauges_reported or _busy(gauges):
+                data["ranks"] = {self.rank: gauges}
+            self._gauges_reported = gauges
+        stats = _stats_of(data)
         return None if stats.is_empty() else stats
 
     def _refresh(self, thread: EngineThread) -> bool:
@@ -345,6 +353,7 @@ class KVFlowPromMetrics(KVConnectorPromMetrics):
             documentation="Events counted by kvflow's scheduler-side connector, by event.",
             labelnames=[*labelnames, "event"],
         )
+        self._ranks: dict[int, KVFlowConnectorStats] = {}  # per engine: each rank's latest gauges
         for labels in values.values():
             for state in IN_FLIGHT_STATES:
                 self.in_flight.labels(*labels, state).set(0)
@@ -378,8 +387,10 @@ class KVFlowPromMetrics(KVConnectorPromMetrics):
             self.rejected.labels(*labels, reason).inc(count)
         for event, count in data["scheduler"].items():
             self.scheduler_events.labels(*labels, event).inc(count)
-        if data["ranks"]:  # a rank missing here has nothing in flight (see the module docstring)
-            self.quarantined[engine_idx].set(stats.quarantined_blocks())
-            in_flight = stats.in_flight()
+        if data["ranks"]:  # each rank's latest gauges, summed (a rank reports only when they change)
+            ranks = self._ranks.setdefault(engine_idx, KVFlowConnectorStats())
+            ranks.aggregate(_stats_of({**_empty(), "ranks": data["ranks"]}))
+            self.quarantined[engine_idx].set(ranks.quarantined_blocks())
+            in_flight = ranks.in_flight()
             for state in IN_FLIGHT_STATES:
                 self.in_flight.labels(*labels, state).set(in_flight.get(state, 0))
