@@ -13,7 +13,7 @@ import pytest
 from kvflow.errors import InvalidBatch
 from kvflow.protocol.actions import Action, ReleaseBlocks, Resolve, SendMessage, SubmitOp
 from kvflow.protocol.core import TransferCore
-from kvflow.protocol.messages import Done, Registration, TransferKey
+from kvflow.protocol.messages import Done, Message, Registration, TransferKey
 from kvflow.protocol.state import TERMINAL, Mode, Outcome, Role, State
 
 KEY = TransferKey("t", 1)
@@ -26,7 +26,7 @@ def pair() -> tuple[TransferCore, TransferCore]:
     return p, d
 
 
-def sent(actions: list[Action]) -> list[object]:
+def sent(actions: list[Action]) -> list[Message]:
     return [a.message for a in actions if isinstance(a, SendMessage)]
 
 

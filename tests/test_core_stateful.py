@@ -3,8 +3,9 @@
 Properties (see `core_model`): no op lands in or reads from a block its transfer no longer
 holds; every block is released exactly once; every D success holds exactly P's bytes (for the
 positions after D's prefix-cache hit, which P never writes); after the faults stop and time
-passes, every transfer has ended and both ledgers are empty.  The same machine runs again with per-peer quotas so tight that P refuses many registrations: refusals
-must keep every property.
+passes, every transfer has ended and both ledgers are empty.  The same machine runs again
+with per-peer quotas so tight that P refuses many registrations: refusals must keep every
+property.
 """
 
 from __future__ import annotations

@@ -253,8 +253,8 @@ def _encode_body(message: ControlMessage) -> tuple[int, list[Any]]:
         return 1, [m.engine_id, m.fingerprint, m.layout, m.transport_metadata, m.reply, m.control_address]
     if isinstance(message, Registration):
         k = message.key
-        m = message
-        return 2, [k.transfer_id, k.epoch, list(m.block_ids), m.expected_batches, m.ttl, m.first_position]
+        r = message
+        return 2, [k.transfer_id, k.epoch, list(r.block_ids), r.expected_batches, r.ttl, r.first_position]
     if isinstance(message, Ready):
         return 3, [message.key.transfer_id, message.key.epoch, list(message.block_ids)]
     if isinstance(message, Notice):

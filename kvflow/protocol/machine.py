@@ -19,9 +19,7 @@ from kvflow.protocol.state import Condition, Mode, Outcome, Role, State, initial
 __all__ = ("Batch", "Machine", "check_block_ids", "next_batch")
 
 
-def check_block_ids(
-    block_ids: Sequence[int], what: str, *, unique: bool, allow_empty: bool = False
-) -> tuple[int, ...]:
+def check_block_ids(block_ids: Sequence[int], what: str, *, unique: bool, allow_empty: bool = False) -> tuple[int, ...]:
     """Validate a block id list supplied by a caller or a peer.
 
     :raises InvalidBatch: empty (unless `allow_empty`), non-integer, negative, or (with

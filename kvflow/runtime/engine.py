@@ -237,8 +237,11 @@ class Engine:
         mode: Mode = Mode.PUSH,
         expected_batches: int = 1,
         timeout: float | None = None,
+        first_position: int = 0,
     ) -> TransferHandle:
-        """D: receive transfer (`transfer_id`, `epoch`) from `peer` into `block_ids`.
+        """D: receive transfer (`transfer_id`, `epoch`) from `peer` into `block_ids`, for P's
+        block positions from `first_position` on (D holds the ones before).  No blocks (push,
+        `expected_batches` 0): D needs nothing, and P releases its blocks without a WRITE.
 
         In push mode the registration is sent as soon as the peer is connected.
         :raises InvalidBatch, BlockConflict, StaleEpoch, ConfigError: see `TransferCore.expect`.
@@ -255,6 +258,7 @@ class Engine:
             deadline=deadline,
             now=now,
             expected_batches=expected_batches,
+            first_position=first_position,
         )
         handle = self._handle(key, Role.DECODE)
         self._run(actions)
