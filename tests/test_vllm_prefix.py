@@ -3,7 +3,8 @@
 The compatibility matrix's prefix rows (tests/vllm_compat_prefix.py) run the same scenarios
 with synchronous scheduling; here they run with vLLM's default async scheduling, where the next
 step is scheduled before the previous one's output (and its transfer results) is read.  Plus a
-failed load, which must leave no block of it in D's prefix cache.
+failed load, which must leave no block of it in D's prefix cache, and the bytes the benchmark's
+prefix-hit cell counts.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from collections.abc import Callable
 
 import pytest
 
+from kvflow.errors import ConfigError
+from kvflow.integrations.vllm.bench_prefix import run_prefix_cell
 from kvflow.integrations.vllm.standin import StandInEngine
 from tests import vllm_prefix
 from tests.vllm_prefix import failed_load, pair
@@ -39,3 +42,14 @@ def test_a_failed_load_leaves_no_cached_block_behind(scheduling: str) -> None:
     finally:
         d.close()
         p.close()
+
+
+def test_the_bench_prefix_cell_counts_the_bytes_p_wrote() -> None:
+    """`kvflow bench vllm --prefix-hit`: 133-token prompts are 5 blocks of 8 layers x 32 KiB;
+    with 2 blocks in D's cache P writes the other 3, and every page D read holds P's KV."""
+    cell = run_prefix_cell(tokens=133, shared=64, requests=2)
+    block = 8 * 32 * 1024
+    assert (cell.cold_bytes, cell.hit_bytes, cell.bad_pages) == ([5 * block] * 2, [3 * block] * 2, 0)
+    assert cell.summary()["saved"] == pytest.approx(0.4)
+    with pytest.raises(ConfigError, match="prefix-hit"):
+        run_prefix_cell(tokens=133, shared=50, requests=1)

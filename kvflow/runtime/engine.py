@@ -38,7 +38,7 @@ from kvflow.errors import (
     UsageError,
 )
 from kvflow.layout import KVLayout, fingerprint, plan_transfer
-from kvflow.protocol.actions import Action, DeclarePeerLost, ReleaseBlocks, Resolve, SendMessage, SubmitOp
+from kvflow.protocol.actions import Action, DeclarePeerLost, OpKind, ReleaseBlocks, Resolve, SendMessage, SubmitOp
 from kvflow.protocol.association import Associations
 from kvflow.protocol.core import TransferCore
 from kvflow.protocol.messages import ControlMessage, TransferKey, require_engine_id
@@ -87,6 +87,8 @@ class Engine:
             "peer_removals_failed": 0,  # a transport's remove_peer raised (retried: see peering)
             "released_dropped": 0,
             "finished_dropped": 0,
+            "bytes_written": 0,  # by the WRITEs this engine submitted (push P)
+            "bytes_read": 0,  # by the READs this engine submitted (pull D)
         }
         self._submitter = submitter or WriterThread(
             f"kvflow-writer-{engine_id}", self._record_crash, thread_setup=self.config.thread_setup
@@ -390,18 +392,21 @@ class Engine:
 
         def job() -> None:
             error: str | None = None
+            nbytes = 0
             try:
                 plan = plan_transfer(self.layout, remote, op.local_blocks, op.remote_blocks, op.layers)
                 self.transport.submit(op.op_id, op.kind, op.peer, plan, op.notification)
+                nbytes = plan.total_bytes
             except KVFlowError as exc:
                 error = f"{type(exc).__name__}: {exc}"
-            loop.call_soon_threadsafe(self._guard, self._after_submit, op.op_id, error)
+            loop.call_soon_threadsafe(self._guard, self._after_submit, op.op_id, error, op.kind, nbytes)
 
         self._submitter.submit(job)
 
-    def _after_submit(self, op_id: int, error: str | None) -> None:
+    def _after_submit(self, op_id: int, error: str | None, kind: OpKind, nbytes: int) -> None:
         now = self._now()
         if error is None:
+            self.counters["bytes_written" if kind is OpKind.WRITE else "bytes_read"] += nbytes
             self._run(self.core.op_submitted(op_id, now))
         else:
             self._run(self.core.op_finished(op_id, now, error))
