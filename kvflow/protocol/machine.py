@@ -58,10 +58,6 @@ class Batch:
             and other.layers[0] < self.layers[1]
         )
 
-    @property
-    def area(self) -> int:
-        return len(self.block_ids) * (self.layers[1] - self.layers[0])
-
 
 def next_batch(
     key: object, batches: Sequence[Batch], first: int, block_ids: tuple[int, ...], layers: tuple[int, int]
