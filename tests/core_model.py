@@ -48,6 +48,16 @@ class Plan:
     p_blocks: dict[int, int] = field(default_factory=dict)  # position -> P block
     d_blocks: tuple[int, ...] = ()
     sent: int = 0
+    # D's prefix-cache hit: it holds positions [0, hit) already and registers only the rest
+    # (all of them, push only: an empty registration)
+    hit: int = 0
+    allocated: bool = False
+
+    def wanted_batches(self) -> int:
+        """P's batches that reach D's positions: the WRITEs D expects."""
+        if self.mode is Mode.PULL:
+            return 1
+        return sum(1 for first, count, _ in self.batches if first + count > self.hit) if self.hit < self.nblocks else 0
 
 
 @dataclass
@@ -196,10 +206,11 @@ class CorePair:
 
     def expect(self, plan: Plan, ttl: float) -> None:
         free = [b for b in range(D_BLOCKS) if b not in self.d_owner]
-        if len(free) < plan.nblocks:
+        wanted = plan.nblocks - plan.hit
+        if len(free) < wanted:
             return
-        plan.d_blocks = tuple(free[: plan.nblocks])
-        n_writes = len(plan.batches) if plan.mode is Mode.PUSH else 1
+        plan.d_blocks = tuple(free[:wanted])
+        plan.allocated = True
         actions = self.d.expect(
             plan.key,
             peer="P",
@@ -207,7 +218,8 @@ class CorePair:
             block_ids=plan.d_blocks,
             deadline=self.net.now + ttl,
             now=self.net.now,
-            expected_batches=n_writes,
+            expected_batches=plan.wanted_batches(),
+            first_position=plan.hit,
         )
         for block in plan.d_blocks:
             self.d_owner[block] = plan.key
@@ -262,7 +274,7 @@ class CorePair:
 
     def check_contents(self, key: TransferKey) -> None:
         plan = self.plans[key]
-        for position, block in enumerate(plan.d_blocks):
+        for position, block in enumerate(plan.d_blocks, start=plan.hit):
             for layer in range(NUM_LAYERS):
                 got = self.d_content.get((block, layer))
                 if got != (key, position, layer):
@@ -278,7 +290,7 @@ class CorePair:
             if plan.key.epoch != latest:
                 continue
             # A late call for a transfer that already ended is absorbed, never refused.
-            if not plan.d_blocks:
+            if not plan.allocated:
                 self.expect(plan, 20.0)
             for _ in range(len(plan.batches)):
                 self.kv_ready(plan, 0)
@@ -308,5 +320,5 @@ class CorePair:
         if self.p_owner:
             raise self.violation(f"P blocks never released: {sorted(self.p_owner)}")
         for plan in self.plans.values():
-            if plan.d_blocks and ("D", plan.key) not in self.resolved:
+            if plan.allocated and ("D", plan.key) not in self.resolved:
                 raise self.violation(f"D never resolved {plan.key}")

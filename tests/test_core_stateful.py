@@ -1,10 +1,11 @@
 """Hypothesis drives a P core and a D core through random interleavings and faults.
 
 Properties (see `core_model`): no op lands in or reads from a block its transfer no longer
-holds; every block is released exactly once; every D success holds exactly P's bytes; after the
-faults stop and time passes, every transfer has ended and both ledgers are empty.  The same
-machine runs again with per-peer quotas so tight that P refuses many registrations: refusals
-must keep every property.
+holds; every block is released exactly once; every D success holds exactly P's bytes (for the
+positions after D's prefix-cache hit, which P never writes); after the faults stop and time
+passes, every transfer has ended and both ledgers are empty.  The same machine runs again
+with per-peer quotas so tight that P refuses many registrations: refusals must keep every
+property.
 """
 
 from __future__ import annotations
@@ -42,8 +43,9 @@ class CoreProtocol(RuleBasedStateMachine):
         split=st.sampled_from(["one", "layers", "positions"]),
         p_extra=st.sampled_from([0, 0, 0, 1]),
         p_ttl=st.sampled_from([3.0, 30.0]),
+        hit=st.sampled_from([0, 0, 1, 2, 3]),
     )
-    def start(self, tid: str, mode: Mode, nblocks: int, split: str, p_extra: int, p_ttl: float) -> None:
+    def start(self, tid: str, mode: Mode, nblocks: int, split: str, p_extra: int, p_ttl: float, hit: int) -> None:
         """The router starts a new attempt (epoch) at a transfer."""
         epoch = self.epochs.get(tid, 0) + 1
         self.epochs[tid] = epoch
@@ -55,15 +57,17 @@ class CoreProtocol(RuleBasedStateMachine):
             batches = [(0, nblocks, (layer, layer + 1)) for layer in range(NUM_LAYERS)]
         else:
             batches = [(i, 1, full) for i in range(nblocks)]
-        plan = Plan(key, mode, nblocks, batches, p_ttl=p_ttl)
+        # D's prefix-cache hit: push may hold every position (an empty registration), pull reads one at least
+        hit = min(hit, nblocks if mode is Mode.PUSH else nblocks - 1)
+        plan = Plan(key, mode, nblocks, batches, p_ttl=p_ttl, hit=hit)
         self.current[tid] = plan
         self.pair.plans[key] = plan
         self.p_extra[key] = p_extra
 
-    @precondition(lambda self: any(not p.d_blocks for p in self.current.values()))
+    @precondition(lambda self: any(not p.allocated for p in self.current.values()))
     @rule(data=st.data(), ttl=st.sampled_from([4.0, 20.0]))
     def decode_allocates(self, data: st.DataObject, ttl: float) -> None:
-        plan = data.draw(st.sampled_from([p for p in self.current.values() if not p.d_blocks]))
+        plan = data.draw(st.sampled_from([p for p in self.current.values() if not p.allocated]))
         self.pair.expect(plan, ttl)
 
     @precondition(lambda self: any(p.sent < len(p.batches) for p in self.current.values()))

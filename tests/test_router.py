@@ -506,7 +506,8 @@ def test_serve_scripts(tmp_path: Path, script: str, role: str, engine: str, http
     assert status == 0, stderr
     assert args[:2] == ["serve", "Qwen/Qwen2.5-0.5B-Instruct"]
     assert option(args, "--port") == http and option(args, "--host") == "127.0.0.1"
-    assert "--no-enable-prefix-caching" in args and "--block-size" not in args
+    # D keeps vLLM's default prefix caching (it receives only the blocks after a local hit)
+    assert ("--no-enable-prefix-caching" in args) == (role == "kv_producer") and "--block-size" not in args
     assert args[-2:] == ["--tensor-parallel-size", "2"]
     config = json.loads(option(args, "--kv-transfer-config"))
     expected = {

@@ -29,7 +29,8 @@ class Req:
     params: dict[str, Any]
     prompt_len: int
     count: int = 0  # D: tokens it loads
-    computed: int = 0  # P: prefill progress
+    computed: int = 0  # P: prefill progress; D: its local prefix-cache hit
+    told: bool = False  # D, nothing to load: P was told so (an empty registration)
 
 
 class BookMachine(RuleBasedStateMachine):
@@ -61,32 +62,39 @@ class BookMachine(RuleBasedStateMachine):
     @rule(data=st.data(), prompt_len=st.integers(1, 40), mode=st.sampled_from(["push", "pull"]))
     def decode_arrives(self, data: st.DataObject, prompt_len: int, mode: str) -> None:
         rid = data.draw(st.sampled_from(self._free()))
-        computed = data.draw(st.integers(0, prompt_len))
+        # the local prefix-cache hit, whole blocks (vLLM's is at most prompt_len - 1 tokens)
+        computed = data.draw(st.integers(0, prompt_len // self.block_size)) * self.block_size
         params = self._new_params("do_remote_prefill", mode)
         count = prompt_len - computed
+        if count == 1 and computed and mode == "push":
+            count = 0  # a full hit: only the last token, which vLLM recomputes anyway, is missing
         got = self.book.matched_tokens(rid, params, prompt_len, computed)
         assert got == ((count, True) if count else (0, False))
-        self.reqs[rid] = Req("D", "matched" if count else "local", params, prompt_len, count=count)
+        self.reqs[rid] = Req("D", "matched" if count else "local", params, prompt_len, count=count, computed=computed)
 
     @precondition(lambda self: bool(self._in("D", "matched", "local", "waiting", "landed", "failed")))
     @rule(data=st.data())
     def decode_matched_again(self, data: st.DataObject) -> None:
         rid = data.draw(st.sampled_from(self._in("D", "matched", "local", "waiting", "landed", "failed")))
         req = self.reqs[rid]
-        got = self.book.matched_tokens(rid, req.params, req.prompt_len, req.prompt_len - req.count)
+        got = self.book.matched_tokens(rid, req.params, req.prompt_len, req.computed)
         assert got == ((req.count, True) if req.state == "matched" else (0, False))
 
-    @precondition(lambda self: bool(self._in("D", "matched", "waiting", "landed")))
+    @precondition(lambda self: bool(self._in("D", "matched", "local", "waiting", "landed")))
     @rule(data=st.data(), first=st.integers(0, 1000), spare=st.integers(0, 3))
     def decode_allocated(self, data: st.DataObject, first: int, spare: int) -> None:
-        rid = data.draw(st.sampled_from(self._in("D", "matched", "waiting", "landed")))
+        rid = data.draw(st.sampled_from(self._in("D", "matched", "local", "waiting", "landed")))
         req = self.reqs[rid]
         n = needed(req.prompt_len, self.block_size)
-        blocks = list(range(first, first + n + spare))
-        self.book.allocated(rid, req.params, req.prompt_len, blocks, req.count)
-        if req.state == "matched":  # the first call registers; later ones add nothing
-            self.expect.append(Order(rid, must_parse(req.params), tuple(blocks[:n])))
+        blocks = list(range(first, first + n + spare))  # the hit's blocks first
+        self.book.allocated(rid, req.params, req.prompt_len, blocks, req.count if req.state == "matched" else 0)
+        hit = req.computed // self.block_size
+        if req.state == "matched":  # the first call registers the blocks after the hit; later ones add nothing
+            self.expect.append(Order(rid, must_parse(req.params), tuple(blocks[hit:n]), first_position=hit))
             req.state = "waiting"
+        elif req.state == "local" and not req.told and req.params["kvflow"]["mode"] == "push":
+            self.expect.append(Order(rid, must_parse(req.params), (), first_position=n))  # P needn't wait
+            req.told = True
 
     @precondition(lambda self: bool(self._in("D", "waiting")))
     @rule(data=st.data(), ok=st.booleans())

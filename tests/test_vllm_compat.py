@@ -284,7 +284,7 @@ def _lagging(fragment: str, caplog: pytest.LogCaptureFixture) -> None:
     moves("t-lag", inspect=inspect, device_lag=0.05, hook_order="v2")
 
 
-# ---------------------------------------------------------------- parallelism and prefix caching
+# ---------------------------------------------------------------- parallelism
 
 
 @scenario("pipeline-parallel", "decode-context-parallel")
@@ -295,13 +295,6 @@ def _parallelism(fragment: str, caplog: pytest.LogCaptureFixture) -> None:
         parallel = ParallelConfig(tensor_parallel_size=2, decode_context_parallel_size=2)
     with pytest.raises(ConfigError, match=re.escape(fragment)):
         check_supported(SimpleNamespace(parallel_config=parallel), None)  # type: ignore[arg-type]
-
-
-@scenario("prefix-caching-decode")
-def _prefix_caching(fragment: str, caplog: pytest.LogCaptureFixture) -> None:
-    options = EngineOptions("decode", "kv_consumer", {"transport": "loopback", "port": 0}, prefix_caching=True)
-    with pytest.raises(ConfigError, match=re.escape(fragment)):
-        StandInEngine(options)
 
 
 # ---------------------------------------------------------------- the matrix

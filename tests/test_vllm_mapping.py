@@ -307,14 +307,23 @@ def test_decode_requests_with_nothing_to_load_match_no_tokens(
     book = SchedulerBook(BLOCK_SIZE)
     assert book.matched_tokens("d1", params, prompt_len, computed) == (0, False)
     book.allocated("d1", params, prompt_len, [1, 2, 3], 0)
-    assert book.tracked() == 0 and not book.take_orders() and not book.pending_work()
+    orders = book.take_orders()
+    assert book.tracked() == 0 and not book.pending_work()
+    if params.get("do_remote_prefill") and "kvflow" in params:  # D computes it all: P is told it needs nothing
+        assert expect_one(orders, "expect").block_ids == ()
+    else:
+        assert not orders
 
 
-def test_allocation_without_external_tokens_or_flag_orders_nothing() -> None:
+def test_allocation_without_external_tokens_or_flag_loads_nothing() -> None:
+    """Without the flag nothing is ordered; without external tokens (vLLM loads nothing: D
+    computes the request) only an empty registration tells P to release, and nothing is tracked."""
     book = SchedulerBook(BLOCK_SIZE)
     book.allocated("d1", d_params(entry()), 10, [1, 2, 3], 0)
     book.allocated("d2", {"kvflow": entry()}, 10, [1, 2, 3], 10)
-    assert book.tracked() == 0 and not book.take_orders() and not book.pending_work()
+    order = expect_one(book.take_orders(), "expect")
+    assert (order.request_id, order.block_ids) == ("d1", ())
+    assert book.tracked() == 0 and not book.pending_work()
 
 
 @pytest.mark.parametrize(
@@ -494,16 +503,42 @@ def test_a_refused_request_does_not_disturb_a_valid_one() -> None:
     assert set(book.refused) == {"bad"}
 
 
-def test_with_prefix_caching_kv_to_receive_is_refused_and_kv_to_send_is_not() -> None:
+def test_with_prefix_caching_d_registers_only_the_blocks_after_its_hit() -> None:
+    """vLLM hands `update_state_after_alloc` all of the request's blocks, its local hit's first:
+    D registers the rest, from the hit's block position; P's orders are unchanged."""
     book = SchedulerBook(BLOCK_SIZE, prefix_caching=True)
     params = d_params(entry("td"))
-    assert book.matched_tokens("d1", params, 10, 0) == (0, False)
-    book.allocated("d1", params, 10, [1, 2, 3], 10)
-    assert "prefix caching" in book.refused["d1"] and book.tracked() == 0
+    prompt = 3 * BLOCK_SIZE + 2
+    assert book.matched_tokens("d1", params, prompt, BLOCK_SIZE) == (prompt - BLOCK_SIZE, True)
+    book.allocated("d1", params, prompt, [1, 2, 3, 4, 5], prompt - BLOCK_SIZE)
+    order = expect_one(book.take_orders(), "expect")
+    assert (order.block_ids, order.first_position) == ((2, 3, 4), 1)
+    book.allocated("d1", params, prompt, [1, 2, 3, 4, 5], 0)  # again, after the load: nothing new
+    assert not book.take_orders() and not book.refused
     book.new_request("p1", p_params(entry("tp")), 10)
     book.scheduled("p1", 0, 10, [4, 5, 6])
     assert expect_one(book.take_orders(), "ready").block_ids == (4, 5, 6)
-    assert set(book.refused) == {"d1"}
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_a_full_hit_loads_nothing_and_tells_p_so_once(mode: str) -> None:
+    """Only the prompt's last token is missing (vLLM recomputes it anyway): push loads nothing,
+    the request is not tracked (vLLM expects no load result for it), and one empty expect order
+    tells P to release; pull loads that last block (P needs D's read to release)."""
+    book = SchedulerBook(BLOCK_SIZE, prefix_caching=True)
+    params = d_params(entry("td", mode=mode))
+    prompt = 2 * BLOCK_SIZE + 1
+    if mode == "pull":
+        assert book.matched_tokens("d1", params, prompt, 2 * BLOCK_SIZE) == (1, True)
+        return
+    assert book.matched_tokens("d1", params, prompt, 2 * BLOCK_SIZE) == (0, False)
+    book.allocated("d1", params, prompt, [1, 2, 3], 0)
+    order = expect_one(book.take_orders(), "expect")
+    assert (order.block_ids, order.first_position) == ((), 3)
+    book.allocated("d1", params, prompt, [1, 2, 3], 0)  # scheduled again (preempted): told P already
+    assert book.matched_tokens("d1", params, prompt, 0) == (0, False)
+    assert not book.take_orders() and book.tracked() == 0 and not book.pending_work()
+    assert book.finished("d1", aborted=False) == (False, None)
 
 
 @given(kv=json_values | valid_entries.map(lambda e: {**e, "epoch": -1}))

@@ -15,9 +15,8 @@ from collections.abc import Iterator
 import pytest
 from vllm.v1.request import RequestStatus
 
-from kvflow.errors import ConfigError
 from kvflow.integrations.vllm import worker as worker_side
-from kvflow.integrations.vllm.standin import EngineOptions, StandInEngine
+from kvflow.integrations.vllm.standin import StandInEngine
 from kvflow.transports.loopback import FaultPlan, LoopbackFabric
 from tests.vllm_pairs import (
     BLOCK_SIZE,
@@ -56,30 +55,6 @@ def test_connector_loaded_by_module_path(engines: tuple[StandInEngine, StandInEn
     p, _ = engines
     assert type(p.connector).__name__ == "KVFlowConnector"
     assert type(p.connector).__module__ == "kvflow.integrations.vllm.connector"
-
-
-def test_a_decode_engine_with_prefix_caching_refuses_to_start() -> None:
-    """Received KV is written into the request's blocks; prefix caching would share them."""
-    with pytest.raises(ConfigError, match="no-enable-prefix-caching"):
-        StandInEngine(EngineOptions("decode", "kv_consumer", {"transport": "loopback", "port": 0}, prefix_caching=True))
-
-
-def test_a_prefill_engine_with_prefix_caching_computes_remote_prefill_requests_locally() -> None:
-    """A producer may cache prefixes, but then it must not receive KV: such a request is refused
-    (logged, computed locally), not written into blocks other requests share."""
-    extra = {"transport": "loopback", "port": 0, "fabric": fabric()}
-    p = StandInEngine(EngineOptions("prefill", "kv_producer", extra))
-    d = StandInEngine(EngineOptions("decode", "kv_producer", extra, prefix_caching=True))
-    try:
-        d_req = d.add("d-t12", 2 * BLOCK_SIZE, 4, {"do_remote_prefill": True, "kvflow": params(p, d, "t12")})
-        d.step()
-        assert "prefix caching" in d.connector._book.refused["d-t12"]
-        assert d_req.status != RequestStatus.WAITING_FOR_REMOTE_KVS and d.connector._book.tracked() == 0
-        settle((d,), [d_req])
-        assert d_req.status == RequestStatus.FINISHED_LENGTH_CAPPED and len(d_req.output_token_ids) == 4
-    finally:
-        d.close()
-        p.close()
 
 
 def test_decode_abort_while_waiting_frees_its_blocks_after_the_fence(

@@ -36,7 +36,8 @@ keys = st.builds(TransferKey, ids, st.integers(0, 2**63 - 1))
 blocks = st.lists(st.integers(0, 2**31 - 1), min_size=1, max_size=64).map(tuple)
 text = st.text(max_size=200)
 messages: st.SearchStrategy[ControlMessage] = st.one_of(
-    st.builds(Registration, keys, blocks, st.integers(1, 64), st.floats(0.001, 1e6)),
+    st.builds(Registration, keys, blocks, st.integers(1, 64), st.floats(0.001, 1e6), st.integers(0, 2**31 - 1)),
+    st.builds(Registration, keys, st.just(()), st.just(0), st.floats(0.001, 1e6), st.integers(0, 2**31 - 1)),
     st.builds(Ready, keys, blocks),
     st.builds(Notice, keys, st.sampled_from(wire.OUTCOMES), text),
     st.builds(Quiesced, keys),
@@ -152,7 +153,7 @@ def test_the_envelope_names_the_receivers_run() -> None:
     for bad in (-1, "1", 1.5, None, wire.MAX_EPOCH + 1):
         with pytest.raises(PeerProtocolError, match="receiver incarnation must be an integer"):
             wire.decode(msgpack.packb([wire.MAGIC, wire.VERSION, "a", 1, "b", 2, 8, ["x"], bad]))
-    nan_ttl = msgpack.packb([wire.MAGIC, wire.VERSION, "a", 1, "b", 1, 2, ["t", 1, [1], 1, float("nan")], 0])
+    nan_ttl = msgpack.packb([wire.MAGIC, wire.VERSION, "a", 1, "b", 1, 2, ["t", 1, [1], 1, float("nan"), 0], 0])
     with pytest.raises(PeerProtocolError, match="ttl"):
         wire.decode(nan_ttl)
     ext = msgpack.packb([wire.MAGIC, wire.VERSION, "a", 1, "b", 1, 5, [msgpack.ExtType(1, b"x"), 1], 0])
@@ -189,3 +190,14 @@ def test_engine_ids_outside_the_strict_set_are_refused_where_they_come_in(bad: s
     assert wire.decode(msgpack.packb([wire.MAGIC, wire.VERSION, "P", 1, "D", 1, 1, good_hello, 0])).sender == "P"
     with pytest.raises(ConfigError, match="engine id"):
         require_engine_id(bad)
+
+
+def test_a_registration_names_no_block_exactly_when_it_expects_no_write() -> None:
+    """An empty registration (D needs nothing) expects no WRITE; blocks without a WRITE, or a
+    WRITE without blocks, or a negative first position, are refused as malformed."""
+    for blocks, batches, first in (([], 1, 0), ([1], 0, 0), ([1], 1, -1), ([1], 1, 2**31)):
+        frame = msgpack.packb([wire.MAGIC, wire.VERSION, "a", 1, "b", 1, 2, ["t", 1, blocks, batches, 1.0, first], 0])
+        with pytest.raises(PeerProtocolError, match="expected batches|first position|block ids"):
+            wire.decode(frame)
+    empty = wire.Envelope("a", 1, "b", 1, Registration(TransferKey("t", 1), (), 0, 1.0, 3))
+    assert wire.decode(wire.encode(empty)) == empty

@@ -35,6 +35,6 @@ extra=$(printf '{"host":"%s","port":%d}' "$KVFLOW_HOST" "$KVFLOW_PORT")
 config=$(printf '{%s,"kv_role":"kv_consumer","engine_id":"%s","kv_load_failure_policy":"%s","kv_connector_extra_config":%s}' \
     "$connector" "$ENGINE_ID" "$KV_LOAD_FAILURE_POLICY" "$extra")
 
-# Prefix caching off: kvflow's D registers every block of the prompt.
-exec vllm serve "$MODEL" --host "$HOST" --port "$PORT" --no-enable-prefix-caching \
+# Prefix caching on (vLLM's default): D receives only the blocks after a request's local hit.
+exec vllm serve "$MODEL" --host "$HOST" --port "$PORT" \
     --kv-transfer-config "$config" "$@"

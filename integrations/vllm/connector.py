@@ -83,12 +83,9 @@ class KVFlowConnector(KVConnectorBase_V1):
         self._worker: WorkerSide | None = None
         self._meter: RankMeter | None = None
         self._scheduler_counted: dict[str, int] = {}
+        # With prefix caching a consumer receives only the blocks after a request's local hit,
+        # and vLLM shares received blocks only once their load completed (see mapping.py).
         prefix_caching = bool(vllm_config.cache_config.enable_prefix_caching)
-        if transfer.is_kv_consumer and prefix_caching:
-            raise ConfigError(
-                "kvflow: a KV consumer must run with prefix caching off (--no-enable-prefix-caching): "
-                "received KV is written into the request's blocks, which prefix caching shares"
-            )
         if role is KVConnectorRole.SCHEDULER:
             self._book = SchedulerBook(self._block_size, prefix_caching)
         else:

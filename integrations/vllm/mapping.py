@@ -18,6 +18,13 @@ decode request.  Transfers are matched by ``transfer_id``, never by request ids.
 * decode (D): `update_state_after_alloc` -> an expect order (register these blocks);
   the request finished or aborted while its KV was still coming -> an abort order, and its
   blocks are freed late (vLLM's ``delay_free``) once the workers report them released;
+* decode with prefix caching: D loads only what its local prefix-cache hit lacks.  It
+  registers the blocks after the hit and says at which block position they start; P writes
+  only those.  vLLM caches blocks loaded asynchronously only once the load completed, so no
+  other request reads them before the KV has landed.  A full hit (D holds every block but the
+  one with only the prompt's last token, which vLLM recomputes anyway) loads nothing: the
+  request runs at once, and an empty registration tells P to release its blocks without a
+  WRITE (push; pull loads that last block);
 * prefill (P): the step in which a request's prefill completes -> a ready order, carried out by
   the workers during that step's forward (push: one WRITE per layer group as its last layer is
   saved; the rest, and pull's ready, at ``wait_for_save``); ``request_finished`` ->
@@ -132,6 +139,7 @@ class Order:
     block_ids: tuple[int, ...] = ()
     reason: str = ""
     producer: bool = False  # the order is for the side that produces the KV (P)
+    first_position: int = 0  # expect: the block position of the first block (after D's prefix hit)
 
 
 @dataclass(slots=True)
@@ -160,9 +168,9 @@ class SchedulerBook:
     """The scheduler side's state, one per vLLM engine (scheduler process)."""
 
     def __init__(self, block_size: int, prefix_caching: bool = False) -> None:
-        """`prefix_caching`: this engine shares cached blocks between requests, so it must not
-        receive KV (a WRITE into a shared block would change other requests' KV); requests
-        asking for a remote prefill are then refused and computed locally.
+        """`prefix_caching`: this engine shares cached blocks between requests.  As D it then
+        receives KV only into the blocks after a request's local hit (never into a shared
+        block: those are the hit's), and vLLM shares received blocks only once they landed.
 
         :raises ConfigError: a block size that is not positive.
         """
@@ -181,12 +189,17 @@ class SchedulerBook:
         self, request_id: str, params: Mapping[str, Any] | None, prompt_len: int, computed: int
     ) -> tuple[int, bool]:
         """`get_num_new_matched_tokens`: side-effect free.  A remote-prefill request loads every
-        prompt token it has not computed, asynchronously."""
-        if not (params or {}).get("do_remote_prefill") or self._parse(request_id, params, receiving=True) is None:
+        prompt token it has not computed (`computed`: its local prefix-cache hit, whole
+        blocks), asynchronously; with only the last token missing (a full hit: vLLM recomputes
+        that token anyway) a push transfer loads nothing."""
+        parsed = self._parse(request_id, params) if (params or {}).get("do_remote_prefill") else None
+        if parsed is None:
             return 0, False
         if request_id in self._loaded:
             return 0, False  # its remote load happened (and failed): vLLM recomputes it locally
         count = prompt_len - computed
+        if count == 1 and computed and parsed.mode is Mode.PUSH:
+            return 0, False  # a full hit: `allocated` sends P an empty registration
         return (count, True) if count > 0 else (0, False)
 
     def allocated(
@@ -197,19 +210,26 @@ class SchedulerBook:
         block_ids: Sequence[int],
         external: int,
     ) -> None:
-        """`update_state_after_alloc`: the first call with external tokens registers the blocks."""
-        if not (params or {}).get("do_remote_prefill") or external <= 0:
+        """`update_state_after_alloc`: the first call registers the blocks after the request's
+        local prefix-cache hit (`block_ids` are all of the request's, the hit's first).  With no
+        external tokens (a full hit, or vLLM skips the load) D computes the rest itself: P is
+        told, once, that D needs nothing (push), and the request is not tracked (vLLM expects
+        no load result for it)."""
+        if not (params or {}).get("do_remote_prefill"):
             return
-        parsed = self._parse(request_id, params, receiving=True)
-        if parsed is None:
-            return
-        if request_id in self._tracked:
-            return  # called again after the load: nothing new to register
+        parsed = self._parse(request_id, params)
+        if parsed is None or request_id in self._tracked or request_id in self._loaded:
+            return  # refused; called again after the load; or loaded (or released) already
         needed = -(-prompt_len // self.block_size)
-        blocks = tuple(block_ids)[:needed]
         self._loaded.add(request_id)
+        if external <= 0:
+            if parsed.mode is Mode.PUSH:
+                self._pending.expect.append(Order(request_id, parsed, (), first_position=needed))
+            return
+        first = (prompt_len - external) // self.block_size  # the local hit is whole blocks
+        blocks = tuple(block_ids)[first:needed]
         self._tracked[request_id] = _Tracked(parsed, prompt_len, producer=False, ordered=True)
-        self._pending.expect.append(Order(request_id, parsed, blocks))
+        self._pending.expect.append(Order(request_id, parsed, blocks, first_position=first))
 
     # ---------------------------------------------------------------- prefill side
 
@@ -295,19 +315,12 @@ class SchedulerBook:
     def tracked(self) -> int:
         return len(self._tracked)
 
-    def _parse(
-        self, request_id: str, params: Mapping[str, Any] | None, receiving: bool = False
-    ) -> TransferParams | None:
-        """The request's kvflow params; malformed ones, and KV to receive on an engine with
-        prefix caching, are refused (logged once per request) and the request runs as if it had
-        none: computed locally, never a crash of the scheduler."""
+    def _parse(self, request_id: str, params: Mapping[str, Any] | None) -> TransferParams | None:
+        """The request's kvflow params; malformed ones are refused (logged once per request)
+        and the request runs as if it had none: computed locally, never a crash of the
+        scheduler."""
         try:
-            parsed = TransferParams.parse(params)
-            if parsed is not None and receiving and self.prefix_caching:
-                raise ConfigError(
-                    "this engine has prefix caching on and cannot receive KV (--no-enable-prefix-caching)"
-                )
-            return parsed
+            return TransferParams.parse(params)
         except ConfigError as exc:
             if request_id not in self.refused:
                 self.refused[request_id] = str(exc)

@@ -228,6 +228,9 @@ class WorkerSide:
         batches = len(self.layer_groups)
         for order in orders.expect:
             params = order.params
+            if not order.block_ids:  # D needs nothing (a full prefix hit): only P is told
+                taken += self._tell_nothing_wanted(order)
+                continue
             try:
                 peer = rank_peer(params.prefill, self.rank)
             except ConfigError as exc:  # reported as a failed load by the next results()
@@ -245,6 +248,7 @@ class WorkerSide:
                     block_ids=o.block_ids,
                     mode=m,
                     expected_batches=batches if m is Mode.PUSH else 1,
+                    first_position=o.first_position,
                 ),
             )
             self._failed_starts.append((future, order.request_id, order.block_ids, key))
@@ -253,6 +257,35 @@ class WorkerSide:
         for order in orders.abort:  # after the expects: a request may end in the step it was allocated
             self._abort(order)
         _hand_over(taken)
+
+    def _tell_nothing_wanted(self, order: Order) -> list[concurrent.futures.Future[Any]]:
+        """An empty registration: P releases its blocks without a WRITE.  vLLM runs the request
+        without waiting for a load, so nothing is reported to it; should P not be reached, P
+        frees its blocks at its own deadline."""
+        params = order.params
+        try:
+            peer = rank_peer(params.prefill, self.rank)
+        except ConfigError as exc:
+            log.error("%s: cannot tell P that %s needs no KV: %s", self.engine_id, order.request_id, exc)
+            return []
+        future = self._call_connected(
+            peer,
+            lambda e: e.expect(
+                params.transfer_id,
+                params.epoch,
+                peer=peer.engine,
+                block_ids=(),
+                expected_batches=0,
+                first_position=order.first_position,
+            ),
+        )
+
+        def done(f: concurrent.futures.Future[Any]) -> None:
+            if f.exception() is not None:
+                log.error("%s: cannot tell P that %s needs no KV: %s", self.engine_id, order.request_id, f.exception())
+
+        future.add_done_callback(done)
+        return [future]
 
     def save_layer(self, orders: Orders, layer_name: str) -> None:
         """Push: a layer of this step's forward is saved.  Once every layer of a group (and of

@@ -58,12 +58,13 @@ __all__ = (
 )
 
 MAGIC = "kvflow"
-VERSION = 3  # 2: a Hello no longer carries a role; 3: the receiver's incarnation
+VERSION = 4  # 2: a Hello no longer carries a role; 3: the receiver's incarnation; 4: a registration's first position
 MAX_FRAME_BYTES = 1 << 20
 MAX_ID = 256  # transfer ids (engine ids: `messages.MAX_ENGINE_ID`)
 MAX_TEXT = 1024  # reasons, addresses
 MAX_BLOCKS = 1 << 17
 MAX_BATCHES = 1 << 16
+MAX_POSITION = (1 << 31) - 1
 MAX_KEYS = 1 << 16
 MAX_METADATA = 1 << 19
 MAX_EPOCH = (1 << 63) - 1
@@ -128,9 +129,9 @@ def _key(tid: Any, epoch: Any) -> TransferKey:
     return TransferKey(_text(tid, "transfer id", MAX_ID, empty=False), _int(epoch, "epoch", 0, MAX_EPOCH))
 
 
-def _blocks(value: Any) -> tuple[int, ...]:
+def _blocks(value: Any, *, allow_empty: bool = False) -> tuple[int, ...]:
     ids = _list(value, "block ids", MAX_BLOCKS)
-    if not ids:
+    if not ids and not allow_empty:
         raise _fail("block ids must not be empty")
     return tuple(_int(b, "block id", 0, (1 << 31) - 1) for b in ids)
 
@@ -191,12 +192,13 @@ def _hello(body: Any) -> Hello:
 
 
 def _registration(body: Any) -> Registration:
-    tid, epoch, blocks, batches, ttl = _body(body, 5, "registration")
+    tid, epoch, blocks, batches, ttl, first = _body(body, 6, "registration")
     if type(ttl) not in (int, float) or not math.isfinite(ttl) or not 0 < ttl <= 1e6:
         raise _fail("ttl must be a finite number of seconds in (0, 1e6]")
-    return Registration(
-        _key(tid, epoch), _blocks(blocks), _int(batches, "expected batches", 1, MAX_BATCHES), float(ttl)
-    )
+    ids = _blocks(blocks, allow_empty=True)
+    # no blocks (D needs nothing) exactly when no WRITE is expected
+    expected = _int(batches, "expected batches", 0 if not ids else 1, 0 if not ids else MAX_BATCHES)
+    return Registration(_key(tid, epoch), ids, expected, float(ttl), _int(first, "first position", 0, MAX_POSITION))
 
 
 def _ready(body: Any) -> Ready:
@@ -251,7 +253,8 @@ def _encode_body(message: ControlMessage) -> tuple[int, list[Any]]:
         return 1, [m.engine_id, m.fingerprint, m.layout, m.transport_metadata, m.reply, m.control_address]
     if isinstance(message, Registration):
         k = message.key
-        return 2, [k.transfer_id, k.epoch, list(message.block_ids), message.expected_batches, message.ttl]
+        r = message
+        return 2, [k.transfer_id, k.epoch, list(r.block_ids), r.expected_batches, r.ttl, r.first_position]
     if isinstance(message, Ready):
         return 3, [message.key.transfer_id, message.key.epoch, list(message.block_ids)]
     if isinstance(message, Notice):

@@ -105,18 +105,31 @@ class TransferCore:
         deadline: float,
         now: float,
         expected_batches: int = 1,
+        first_position: int = 0,
     ) -> list[Action]:
-        """D: these destination blocks will receive transfer `key` from `peer`.
+        """D: these destination blocks will receive transfer `key` from `peer`, for P's block
+        positions ``first_position..``: D holds the KV of the positions before (a prefix-cache
+        hit), so P writes (pull: D reads) none of them.  Push: `expected_batches` counts P's
+        batches that reach D's positions (each is one WRITE).  No blocks (push only, with
+        `expected_batches` 0): D needs nothing; P is told so and releases at once, and the
+        transfer succeeds here as soon as the registration is sent.
 
         An older, unfinished epoch of the same transfer id is aborted (superseded).
 
-        :raises InvalidBatch: the block list is empty, repeats a block, or has a bad id.
+        :raises InvalidBatch: the block list is empty in pull mode (or with WRITEs expected),
+            repeats a block, or has a bad id; a negative first position.
         :raises BlockConflict: a block is held or quarantined by another transfer.
         :raises StaleEpoch: this epoch is not newer than one already seen for the id.
         :raises ConfigError: bad deadline or batch count.
         """
-        ids = check_block_ids(block_ids, f"expect {key}", unique=True)
-        if not 1 <= expected_batches <= self.config.max_batches or (mode is Mode.PULL and expected_batches != 1):
+        ids = check_block_ids(block_ids, f"expect {key}", unique=True, allow_empty=mode is Mode.PUSH)
+        if first_position < 0:
+            raise InvalidBatch(f"expect {key}: first position {first_position} is negative")
+        if not ids and expected_batches != 0:
+            raise InvalidBatch(f"expect {key}: block list is empty, but {expected_batches} WRITEs are expected")
+        if ids and (
+            not 1 <= expected_batches <= self.config.max_batches or (mode is Mode.PULL and expected_batches != 1)
+        ):
             raise ConfigError(f"expected_batches must be 1..{self.config.max_batches} (1 in pull mode)")
         if deadline <= now:
             raise ConfigError(f"deadline {deadline} is not after now {now}")
@@ -124,7 +137,7 @@ class TransferCore:
         self.ledger.check_free(ids)
         actions = self._supersede(key, _DECODE, now)
         m = self.store.create(key, _DECODE, mode, peer, deadline, now)
-        m.block_ids, m.expected_batches = ids, expected_batches
+        m.block_ids, m.expected_batches, m.first_position = ids, expected_batches, first_position
         self.ledger.add(m.owner, ids)
         actions += self._replay_early(m, now)
         if mode is Mode.PUSH and peer in self._connected and m.state is State.ALLOCATED:
@@ -482,7 +495,7 @@ class TransferCore:
             self._submit(m, out)
         elif effect is Effect.SEND_REGISTRATION:
             ttl = max(m.deadline - now, 0.0)
-            out.append(SendMessage(m.peer, Registration(key, m.block_ids, m.expected_batches, ttl)))
+            out.append(SendMessage(m.peer, Registration(key, m.block_ids, m.expected_batches, ttl, m.first_position)))
         elif effect is Effect.SEND_READY:
             out.append(SendMessage(m.peer, Ready(key, m.pull_source_blocks())))
         elif effect is Effect.SEND_ABORT:
@@ -490,8 +503,8 @@ class TransferCore:
             out.append(SendMessage(m.peer, Notice(key, outcome, m.reason or reason)))
         elif effect is Effect.SEND_QUIESCED:
             out.append(SendMessage(m.peer, Quiesced(key)))
-        elif effect is Effect.SEND_DONE:
-            out.append(SendMessage(m.peer, Done(key)))
+        elif effect is Effect.SEND_DONE and (m.block_ids or m.role is not _DECODE):
+            out.append(SendMessage(m.peer, Done(key)))  # (an empty registration was D's verdict)
 
     def _is_target(self, m: Machine) -> bool:
         """Whether the peer's ops touch this machine's blocks (D in push, P in pull)."""
@@ -502,7 +515,13 @@ class TransferCore:
         peer, remote_blocks = m.peer, m.remote_blocks
         if peer is None or remote_blocks is None:
             return  # the table submits only once the peer's blocks are known
+        writes = 0  # push: the WRITEs of the batches before; D counts them by this ordinal
         for batch in m.batches:
+            span = m.wanted(batch) if m.mode is Mode.PUSH else (batch.first, batch.stop)
+            if span is None:  # D holds these positions already: no bytes, no WRITE
+                batch.submitted = True
+                continue
+            writes += 1
             if batch.submitted:
                 continue
             batch.submitted = True
@@ -510,9 +529,11 @@ class TransferCore:
             self._ops[op_id] = m.owner
             m.inflight.add(op_id)
             if m.mode is Mode.PUSH:
-                remote = remote_blocks[batch.first : batch.stop]
+                start, stop = span
+                local = batch.block_ids[start - batch.first : stop - batch.first]
+                remote = remote_blocks[start - m.remote_first : stop - m.remote_first]
                 layers = None if batch.layers == (0, self.num_layers) else batch.layers
-                note = encode_notification(m.key, batch.index)
-                out.append(SubmitOp(op_id, m.key, peer, OpKind.WRITE, batch.block_ids, remote, layers, note))
+                note = encode_notification(m.key, writes - 1)
+                out.append(SubmitOp(op_id, m.key, peer, OpKind.WRITE, local, remote, layers, note))
             else:
                 out.append(SubmitOp(op_id, m.key, peer, OpKind.READ, m.block_ids, remote_blocks, None, b""))

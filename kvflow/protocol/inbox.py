@@ -135,7 +135,7 @@ class PeerInbox:
         problem = self._registration_problem(reg) or self._quota_problem(peer, len(reg.block_ids), opens=False)
         if problem is None:
             self.store.set_remote_blocks(m, reg.block_ids)
-            m.remote_expected = reg.expected_batches
+            m.remote_first, m.remote_expected = reg.first_position, reg.expected_batches
             self.store.set_deadline(m, min(m.deadline, now + min(reg.ttl, self.config.max_ttl)))
             problem = m.push_mismatch(self.num_layers)
         if problem is not None and m.state not in TERMINAL:
@@ -144,11 +144,14 @@ class PeerInbox:
 
     def _registration_problem(self, reg: Registration) -> str | None:
         try:
-            check_block_ids(reg.block_ids, "registration", unique=True)
+            check_block_ids(reg.block_ids, "registration", unique=True, allow_empty=True)
         except InvalidBatch as exc:
             return str(exc)
-        if not 1 <= reg.expected_batches <= self.config.max_batches or not reg.ttl > 0:
+        low = 1 if reg.block_ids else 0  # no block (D needs nothing) exactly when no WRITE is expected
+        if not low <= reg.expected_batches <= (self.config.max_batches if low else 0) or not reg.ttl > 0:
             return "registration has a bad batch count or time-to-live"
+        if reg.first_position < 0:
+            return "registration has a negative first position"
         return None
 
     def _on_ready(self, peer: str, ready: Ready, now: float) -> list[Action]:
@@ -165,10 +168,9 @@ class PeerInbox:
             blocks = check_block_ids(ready.block_ids, "ready", unique=False)
         except InvalidBatch as exc:
             return self.remote(m, Input.INCOMPATIBLE, now, str(exc))
-        if len(blocks) != len(m.block_ids):
-            return self.remote(
-                m, Input.INCOMPATIBLE, now, f"P is ready with {len(blocks)} blocks, D expects {len(m.block_ids)}"
-            )
+        wanted = m.first_position + len(m.block_ids)  # D reads only those after its prefix hit
+        if len(blocks) != wanted:
+            return self.remote(m, Input.INCOMPATIBLE, now, f"P is ready with {len(blocks)} blocks, D expects {wanted}")
         try:
             transition(m.mode, m.role, m.state, Input.READY_RECEIVED, str(m.key))
         except InvalidTransition:
@@ -176,7 +178,7 @@ class PeerInbox:
             return []
         if m.state in TERMINAL:  # ended before P was ready: tell P, nothing will be read
             return self.feed(m, Input.READY_RECEIVED, now)
-        self.store.set_remote_blocks(m, blocks)
+        self.store.set_remote_blocks(m, blocks[m.first_position :])
         m.batches.append(next_batch(m.key, (), 0, m.block_ids, (0, self.num_layers)))
         return self.feed(m, Input.READY_RECEIVED, now)
 

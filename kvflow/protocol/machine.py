@@ -19,13 +19,14 @@ from kvflow.protocol.state import Condition, Mode, Outcome, Role, State, initial
 __all__ = ("Batch", "Machine", "check_block_ids", "next_batch")
 
 
-def check_block_ids(block_ids: Sequence[int], what: str, *, unique: bool) -> tuple[int, ...]:
+def check_block_ids(block_ids: Sequence[int], what: str, *, unique: bool, allow_empty: bool = False) -> tuple[int, ...]:
     """Validate a block id list supplied by a caller or a peer.
 
-    :raises InvalidBatch: empty, non-integer, negative, or (with `unique`) repeated ids.
+    :raises InvalidBatch: empty (unless `allow_empty`), non-integer, negative, or (with
+        `unique`) repeated ids.
     """
     ids = tuple(block_ids)
-    if not ids:
+    if not ids and not allow_empty:
         raise InvalidBatch(f"{what}: block list is empty")
     for block in ids:
         if type(block) is not int or block < 0:
@@ -57,10 +58,6 @@ class Batch:
             and other.layers[0] < self.layers[1]
         )
 
-    @property
-    def area(self) -> int:
-        return len(self.block_ids) * (self.layers[1] - self.layers[0])
-
 
 def next_batch(
     key: object, batches: Sequence[Batch], first: int, block_ids: tuple[int, ...], layers: tuple[int, int]
@@ -88,8 +85,10 @@ class Machine:
     deadline: float  # the transfer's own deadline
     created: float = 0.0  # when this side opened the transfer: lease renewals stop at created + max_hold
     state: State = field(init=False)
-    # decode side: own destination blocks and how many WRITE notifications complete them
+    # decode side: own destination blocks, the block position of the first (D holds the KV of
+    # the positions before: a prefix-cache hit), and how many WRITE notifications complete them
     block_ids: tuple[int, ...] = ()
+    first_position: int = 0
     expected_batches: int = 1
     landed: set[int] = field(default_factory=set)
     # prefill side: batches of ready KV
@@ -97,6 +96,7 @@ class Machine:
     final_seen: bool = False
     # the peer's blocks: push P from D's registration, pull D from P's ready message
     remote_blocks: tuple[int, ...] | None = None
+    remote_first: int = 0  # push P: the block position of D's first registered block
     remote_expected: int = 1
     started_locally: bool = True
     inflight: set[int] = field(default_factory=set)
@@ -119,31 +119,48 @@ class Machine:
         """Whether `condition` of a state-triggered hop is true of this machine now."""
         if condition is Condition.NOTHING_IN_FLIGHT:
             return not self.inflight
+        if condition is Condition.NOTHING_WANTED:
+            if self.role is Role.DECODE:
+                return not self.block_ids
+            return self.remote_blocks == ()
         assert_never(condition)
+
+    def wanted(self, batch: Batch) -> tuple[int, int] | None:
+        """Push P: the block positions ``[start, stop)`` of `batch` that D registered, or None
+        when D wants none of them (D holds them already, or needs nothing).  Only what D's
+        registration names is ever written: P's batches count positions from 0."""
+        if not self.remote_blocks:
+            return None
+        start = max(batch.first, self.remote_first)
+        stop = min(batch.stop, self.remote_first + len(self.remote_blocks))
+        return (start, stop) if start < stop else None
 
     def push_mismatch(self, num_layers: int, extra: Batch | None = None, *, final: bool = False) -> str | None:
         """Why P's batches cannot fill D's registration, or None if they can (so far).
 
-        Checked whenever either side's information changes: D registered `remote_blocks` and
-        expects `remote_expected` WRITEs; P's batches (plus `extra`, not yet added) must tile
-        positions x layers exactly once the last one is in (`final`).
+        Checked whenever either side's information changes: D registered `remote_blocks` for
+        positions ``remote_first..`` and expects `remote_expected` WRITEs, one per batch of P's
+        that reaches those positions (`wanted`); once the last batch is in (`final`), those
+        parts must tile D's positions x layers exactly.  An empty registration wants nothing,
+        so nothing of P's can mismatch it.
         """
-        if self.remote_blocks is None:
+        if not self.remote_blocks:
             return None
         batches = self.batches + ([extra] if extra is not None else [])
         registered = len(self.remote_blocks)
-        if len(batches) > self.remote_expected:
-            return f"P has {len(batches)} batches but D expects {self.remote_expected} writes"
+        stop = self.remote_first + registered
+        spans = [(b, span) for b in batches if (span := self.wanted(b)) is not None]
+        if len(spans) > self.remote_expected:
+            return f"P has {len(spans)} batches for D's blocks but D expects {self.remote_expected} writes"
         for batch in batches:
-            if batch.stop > registered:
-                return f"P's KV reaches block position {batch.stop} but D registered {registered} blocks"
+            if batch.stop > stop:
+                return f"P's KV reaches block position {batch.stop} but D registered positions up to {stop}"
         if final or self.final_seen:
-            if len(batches) != self.remote_expected:
-                return f"P produced {len(batches)} batches but D expects {self.remote_expected} writes"
-            if sum(b.area for b in batches) != registered * num_layers:
-                return (
-                    f"P's KV covers {sum(b.area for b in batches)} block-layers, D registered {registered * num_layers}"
-                )
+            if len(spans) != self.remote_expected:
+                return f"P produced {len(spans)} batches for D's blocks but D expects {self.remote_expected} writes"
+            covered = sum((hi - lo) * (b.layers[1] - b.layers[0]) for b, (lo, hi) in spans)
+            if covered != registered * num_layers:
+                return f"P's KV covers {covered} of D's block-layers, D registered {registered * num_layers}"
         return None
 
     def pull_source_blocks(self) -> tuple[int, ...]:

@@ -125,12 +125,20 @@ class Reject:
 
 @dataclass(frozen=True, slots=True)
 class Registration:
-    """Push, D to P: write this transfer's KV into these blocks, in `expected_batches` WRITEs."""
+    """Push, D to P: write this transfer's KV for block positions ``first_position..`` into
+    these blocks, in `expected_batches` WRITEs.
+
+    D already holds the KV of the positions before `first_position` (a prefix-cache hit): P
+    writes nothing of them.  No blocks (and no WRITE expected) means D needs nothing at all;
+    the registration is then also D's verdict, and P releases its blocks as soon as its KV is
+    final, without writing.
+    """
 
     key: TransferKey
     block_ids: tuple[int, ...]
     expected_batches: int
     ttl: float
+    first_position: int = 0
 
 
 @dataclass(frozen=True, slots=True)

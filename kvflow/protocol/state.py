@@ -322,6 +322,8 @@ PUSH_PREFILL: Table = _merge(
         (State.REGISTERED, Input.LAST_OP_COMPLETED): _t(State.REGISTERED),  # more batches to come
         # Written and blocks released, but D reads the KV: its verdict is the transfer's.
         (State.WRITING, Input.LAST_OP_COMPLETED): _t(State.WRITTEN, RELEASE),
+        # Nothing was left to write (D holds those positions already): the same, at once.
+        (State.WRITING, Input.OPS_DRAINED): _t(State.WRITTEN, RELEASE),
     },
     _push_prefill_unpaired(State.PREFILL_RUNNING),
     _push_prefill_unpaired(State.PREFILL_READY),
@@ -468,10 +470,17 @@ def _initiator_drains() -> StateTriggers:
 
 
 STATE_TRIGGERED: Mapping[tuple[Mode, Role], StateTriggers] = {
-    (Mode.PUSH, Role.DECODE): {},
+    # D registered no block (it holds every position P would write): nothing can land, and
+    # the registration it just sent is its verdict.
+    (Mode.PUSH, Role.DECODE): {(State.REGISTERED, Condition.NOTHING_WANTED): Input.LAST_BATCH_LANDED},
     # P gives up after D's registration with no WRITE in flight (none issued yet, or every
-    # batch so far written): the hop fires.
-    (Mode.PUSH, Role.PREFILL): _initiator_drains(),
+    # batch so far written): the hop fires.  P's last batch needed no WRITE (D holds those
+    # positions): written.  D registered no block: its registration was its verdict.
+    (Mode.PUSH, Role.PREFILL): {
+        **_initiator_drains(),
+        (State.WRITING, Condition.NOTHING_IN_FLIGHT): Input.OPS_DRAINED,
+        (State.WRITTEN, Condition.NOTHING_WANTED): Input.PEER_DONE,
+    },
     # D gives up only from READING, where its one READ is in flight, so today this never
     # fires; it keeps the rule the same for every initiator.
     (Mode.PULL, Role.DECODE): _initiator_drains(),

@@ -99,6 +99,8 @@ class Condition(enum.Enum):
     """A fact about a machine that the tables cannot see and the core can: see `STATE_TRIGGERED`."""
 
     NOTHING_IN_FLIGHT = "nothing_in_flight"  # none of this machine's own ops is in flight
+    # push: D's registration names no block (a full prefix-cache hit on D): nothing is written
+    NOTHING_WANTED = "nothing_wanted"
 
 
 class Outcome(enum.Enum):

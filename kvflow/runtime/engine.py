@@ -90,6 +90,8 @@ class Engine:
             "peer_removals_failed": 0,  # a transport's remove_peer raised (retried: see peering)
             "released_dropped": 0,
             "finished_dropped": 0,
+            "bytes_written": 0,  # by the WRITEs this engine submitted (push P)
+            "bytes_read": 0,  # by the READs this engine submitted (pull D)
         }
         self._submitter = submitter or WriterThread(
             f"kvflow-writer-{engine_id}", self._record_crash, thread_setup=self.config.thread_setup
@@ -240,8 +242,11 @@ class Engine:
         mode: Mode = Mode.PUSH,
         expected_batches: int = 1,
         timeout: float | None = None,
+        first_position: int = 0,
     ) -> TransferHandle:
-        """D: receive transfer (`transfer_id`, `epoch`) from `peer` into `block_ids`.
+        """D: receive transfer (`transfer_id`, `epoch`) from `peer` into `block_ids`, for P's
+        block positions from `first_position` on (D holds the ones before).  No blocks (push,
+        `expected_batches` 0): D needs nothing, and P releases its blocks without a WRITE.
 
         In push mode the registration is sent as soon as the peer is connected.
         :raises InvalidBatch, BlockConflict, StaleEpoch, ConfigError: see `TransferCore.expect`.
@@ -258,6 +263,7 @@ class Engine:
             deadline=deadline,
             now=now,
             expected_batches=expected_batches,
+            first_position=first_position,
         )
         handle = self._handle(key, Role.DECODE)
         self._run(actions)
@@ -402,13 +408,14 @@ class Engine:
                 error = f"{type(exc).__name__}: {exc}"
             posted = (*size, time.perf_counter() - started)
             loop.call_soon_threadsafe(self._guard, self.meter.op_posted, op.key, role, *posted)
-            loop.call_soon_threadsafe(self._guard, self._after_submit, op.op_id, error)
+            loop.call_soon_threadsafe(self._guard, self._after_submit, op.op_id, error, op.kind, size[0])
 
         self._submitter.submit(job)
 
-    def _after_submit(self, op_id: int, error: str | None) -> None:
+    def _after_submit(self, op_id: int, error: str | None, kind: OpKind, nbytes: int) -> None:
         now = self._now()
         if error is None:
+            self.counters["bytes_written" if kind is OpKind.WRITE else "bytes_read"] += nbytes
             self._run(self.core.op_submitted(op_id, now))
         else:
             self._run(self.core.op_finished(op_id, now, error))

@@ -107,12 +107,20 @@ class EngineThread:
         mode: Mode = Mode.PUSH,
         expected_batches: int = 1,
         ttl: float | None = None,
+        first_position: int = 0,
     ) -> concurrent.futures.Future[Any]:
         """`Engine.expect` on the engine thread.  :raises EngineClosed: the thread has stopped."""
         ids = list(block_ids)
         return self.call(
             lambda e: e.expect(
-                transfer_id, epoch, peer=peer, block_ids=ids, mode=mode, expected_batches=expected_batches, timeout=ttl
+                transfer_id,
+                epoch,
+                peer=peer,
+                block_ids=ids,
+                mode=mode,
+                expected_batches=expected_batches,
+                timeout=ttl,
+                first_position=first_position,
             )
         )
 

@@ -52,6 +52,13 @@ def main(argv: list[str] | None = None) -> int:
         help="a kv_connector_extra_config entry for kvflow's connector, e.g. push_layer_groups=8",
     )
     vllm.add_argument("--json", default=None, help="also write every sample to this JSON file")
+    vllm.add_argument(
+        "--prefix-hit",
+        type=int,
+        default=0,
+        metavar="TOKENS",
+        help="instead: bytes kvflow moves per request when D's prefix cache holds a shared prefix of TOKENS",
+    )
     _add_soak(commands)
     args = parser.parse_args(argv)
     if args.command == "soak":
@@ -67,9 +74,13 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(render(diagnose()) + "\n")
         return 0
     if args.target == "vllm":
+        options = {k: v for k, v in vars(args).items() if k not in ("command", "target")}
+        if args.prefix_hit:
+            from kvflow.integrations.vllm.bench_prefix import main as bench_prefix
+
+            return bench_prefix(options)
         from kvflow.integrations.vllm.bench import main as bench_vllm
 
-        options = {k: v for k, v in vars(args).items() if k not in ("command", "target")}
         return bench_vllm(options)
     from kvflow.tools.bench_nixl import main as bench_main
 

@@ -27,11 +27,12 @@ loaded request, byte for byte, the first time it runs.  Used by the tests and by
 
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -122,6 +123,9 @@ class StandInEngine:
         self.step_starts: deque[float] = deque(maxlen=200_000)
         self.most_in_flight = 0
         self.tags: dict[str, str] = {}  # request id -> transfer tag (P writes it, D checks it)
+        # request id -> its prompt, for requests whose pages are keyed by their tokens (as real
+        # KV is: the same prefix has the same KV, whichever transfer wrote it or cached it)
+        self.content: dict[str, tuple[int, ...]] = {}
         self.added: dict[str, float] = {}
         self.checked: dict[str, int] = {}  # D request id -> bad pages found at its first forward
         self.live: set[str] = set()
@@ -163,6 +167,7 @@ class StandInEngine:
             block_size=self.config.cache_config.block_size,
             log_stats=o.log_stats,
         )
+        self.block_hasher = self._block_hasher()
         self.owners = [n for n in self.layer_names() if n in specs]  # layers with KV of their own
         try:
             for rank in range(o.tensor_parallel):
@@ -174,6 +179,16 @@ class StandInEngine:
             self.config.parallel_config.rank = 0
         self.aggregator = KVOutputAggregator(expected_finished_count=o.tensor_parallel)
         self._watch_request_finished()
+
+    def _block_hasher(self) -> Any:
+        """The request block hasher vLLM's engine core gives every request (prefix caching
+        finds hits by these hashes)."""
+        from vllm.utils.hashing import get_hash_fn_by_name
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+        hash_fn = get_hash_fn_by_name(self.config.cache_config.prefix_caching_hash_algo)
+        init_none_hash(hash_fn)
+        return get_request_block_hasher(self.config.cache_config.block_size, hash_fn)
 
     def _rank(self, rank: int) -> Rank:
         """One worker: its connector, made as vLLM's worker makes it, and KV caches allocated
@@ -267,13 +282,28 @@ class StandInEngine:
         """Rank 0's worker connector."""
         return self.ranks[0].worker
 
-    def add(self, request_id: str, prompt_len: int, max_tokens: int, params: dict[str, Any], tag: str = "") -> Any:
+    def add(
+        self,
+        request_id: str,
+        prompt_len: int,
+        max_tokens: int,
+        params: dict[str, Any],
+        tag: str = "",
+        prompt: Sequence[int] | None = None,
+    ) -> Any:
+        """A request of `prompt_len` tokens; with `prompt` (its tokens), its pages are keyed by
+        their tokens instead of by `tag`, so that a prefix-cache hit holds the right KV."""
         from vllm import SamplingParams
         from vllm.v1.request import Request
 
         sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         sampling.extra_args = {"kv_transfer_params": params}
-        request = Request(request_id, list(range(3, 3 + prompt_len)), sampling, None)
+        tokens = list(prompt) if prompt is not None else list(range(3, 3 + prompt_len))
+        if len(tokens) != prompt_len:
+            raise ValueError(f"prompt has {len(tokens)} tokens, not {prompt_len}")
+        if prompt is not None:
+            self.content[request_id] = tuple(tokens)
+        request = Request(request_id, tokens, sampling, None, block_hasher=self.block_hasher)
         self.scheduler.add_request(request)
         self.tags[request_id] = tag or request_id
         self.added[request_id] = time.perf_counter()
@@ -293,11 +323,29 @@ class StandInEngine:
     def block_ids(self, request_id: str) -> list[int]:
         return list(self.scheduler.kv_cache_manager.get_block_ids(request_id)[0])
 
-    def count_bad(self, request_id: str, tag: str, tokens: int) -> int:
-        """Pages of this request, on every rank, that do not hold P's pattern for `tag`."""
+    def page_tag(self, request_id: str, position: int) -> str:
+        """What the KV of the request's block `position` is keyed by: its transfer tag, or (for
+        a request added with its prompt) the tokens up to the block's end."""
+        tokens = self.content.get(request_id)
+        if tokens is None:
+            return self.tags.get(request_id, request_id)
+        end = min((position + 1) * self.ranks[0].pages.block_size, len(tokens))
+        return "kv-" + hashlib.blake2b(repr(tokens[:end]).encode(), digest_size=8).hexdigest()
+
+    def count_bad(self, request_id: str, tokens: int) -> int:
+        """Pages of this request's first `tokens` tokens, on every rank, that do not hold the
+        KV P computed for them."""
         blocks = self.block_ids(request_id)[: -(-tokens // self.ranks[0].pages.block_size)]
-        positions = list(range(len(blocks)))
-        return sum(rank.pages.count_bad(tag, positions, blocks, tokens) for rank in self.ranks)
+        by_tag: dict[str, tuple[list[int], list[int]]] = {}
+        for position, block in enumerate(blocks):
+            positions, ids = by_tag.setdefault(self.page_tag(request_id, position), ([], []))
+            positions.append(position)
+            ids.append(block)
+        return sum(
+            rank.pages.count_bad(tag, positions, ids, tokens)
+            for tag, (positions, ids) in by_tag.items()
+            for rank in self.ranks
+        )
 
     # ---------------------------------------------------------------- stepping
 
@@ -377,18 +425,19 @@ class StandInEngine:
             request = self.scheduler.requests[request_id]
             computed = request.num_computed_tokens - count  # schedule() has already advanced it
             prompt = request.num_prompt_tokens
-            tag = self.tags.get(request_id, request_id)
             if producer and computed < prompt:
                 blocks = self.block_ids(request_id)
                 stop = min(computed + count, prompt)
                 for position in range(computed // size, (stop - 1) // size + 1):
                     first = max(computed, position * size) - position * size
                     last = min(stop, (position + 1) * size) - position * size
-                    work.writes.append((tag, position, blocks[position], first, last))
+                    work.writes.append((self.page_tag(request_id, position), position, blocks[position], first, last))
                 if stop == prompt:
                     work.completed.append(request_id)
             elif not producer and request_id not in self.checked and computed > 0:
-                bad = self.count_bad(request_id, tag, prompt)
+                # the KV D reads and does not compute: loaded, or its prefix cache's (vLLM
+                # recomputes the prompt's last token)
+                bad = self.count_bad(request_id, computed)
                 self.checked[request_id] = bad
                 pages = -(-prompt // size) * len(self.owners) * len(self.ranks)
                 self.emit(ev="checked", id=request_id, pages=pages, bad=bad, page_bytes=self.ranks[0].pages.page_bytes)
