@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from kvflow.errors import BenchError, ConfigError
+from kvflow.integrations.vllm.mapping import SEQUENTIAL_PREFILL_PARAMS
 from kvflow.integrations.vllm.runner import EngineSpec, spec_line
 from kvflow.integrations.vllm.standin.model import EngineOptions, ModelShape
 
@@ -268,14 +269,7 @@ class Pair:
             d.send(op="add", id=rid, prompt_len=tokens, max_tokens=DECODE_TOKENS, tag=tag, params=d_kv)
             flight.d_dispatched = True
             return
-        p_params: dict[str, Any] = {
-            "do_remote_decode": True,
-            "do_remote_prefill": False,
-            "remote_engine_id": None,
-            "remote_block_ids": None,
-            "remote_host": None,
-            "remote_port": None,
-        }
+        p_params: dict[str, Any] = dict(SEQUENTIAL_PREFILL_PARAMS)
         if self.connector == "vllm-push":  # as vLLM's push proxy: D learns P's coordinates up front
             p_params["transfer_id"] = rid
             d_params = {

@@ -86,7 +86,9 @@ class KVFlowConnector(KVConnectorBase_V1):
                 "received KV is written into the request's blocks, which prefix caching shares"
             )
         if role is KVConnectorRole.SCHEDULER:
-            self._book = SchedulerBook(self._block_size, prefix_caching)
+            self._book = SchedulerBook(
+                self._block_size, prefix_caching, producer=self.settings.producer(self.engine_id)
+            )
         else:
             rank = vllm_config.parallel_config.rank
             self._worker = WorkerSide(self.engine_id, rank, self.settings)

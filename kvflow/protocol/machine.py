@@ -119,6 +119,8 @@ class Machine:
         """Whether `condition` of a state-triggered hop is true of this machine now."""
         if condition is Condition.NOTHING_IN_FLIGHT:
             return not self.inflight
+        if condition is Condition.UNCLAIMED:
+            return self.peer is None
         assert_never(condition)
 
     def push_mismatch(self, num_layers: int, extra: Batch | None = None, *, final: bool = False) -> str | None:
