@@ -13,6 +13,7 @@ import pytest
 from vllm.v1.request import RequestStatus
 
 from kvflow.integrations.vllm.mapping import PeerRef, SchedulerBook
+from kvflow.integrations.vllm.standin import EngineOptions, StandInEngine
 from kvflow.protocol.state import Mode
 from tests.vllm_pairs import (
     TOY_PROXY_P_PARAMS,
@@ -48,6 +49,28 @@ def test_p_then_d_with_ps_answer_pulls_the_kv(tensor_parallel: int) -> None:
         for rank in range(tensor_parallel):
             assert kvflow_engine(p, rank).stats()["completed"] == 3
     finally:
+        p.close()
+        d.close()
+
+
+def test_a_second_decode_engine_handed_the_same_answer_is_refused() -> None:
+    p, d = make_pair(p_extra={"port": consecutive_free_ports(1)})
+    other = StandInEngine(
+        EngineOptions(
+            "decode2", "kv_consumer", {"transport": "loopback", "port": 0, "fabric": p.worker.settings.fabric}
+        )
+    )
+    try:
+        p_req, answer = sequential_prefill(p, "twice", 70)
+        first = d.add("d-twice", 70, 4, answer, tag="twice")
+        settle((p, d), [p_req, first])
+        assert d.checked == {"d-twice": 0}
+        second = other.add("d2-twice", 70, 4, answer, tag="twice")  # a replayed answer
+        settle((p, other), [second])
+        assert second.status == RequestStatus.FINISHED_ERROR  # kv_load_failure_policy "fail"
+        assert kvflow_engine(p).stats()["refused_claims"] == 1
+    finally:
+        other.close()
         p.close()
         d.close()
 
