@@ -53,6 +53,8 @@ __all__ = ("CONNECTORS", "Cell", "main", "run")
 CONNECTORS: dict[str, tuple[str, str | None]] = {  # name -> (vLLM class, module path)
     "kvflow": ("KVFlowConnector", "kvflow.integrations.vllm"),
     "kvflow-pull": ("KVFlowConnector", "kvflow.integrations.vllm"),
+    # as vLLM's toy proxy: P with vLLM's own params, then D with P's answer (D pulls)
+    "kvflow-sequential": ("KVFlowConnector", "kvflow.integrations.vllm"),
     "vllm-push": ("NixlPushConnector", None),
     "vllm-pull": ("NixlConnector", None),
 }
@@ -191,7 +193,10 @@ class Pair:
                     connector=cls,
                     module_path=module_path,
                     engine_id="prefill" if name == "P" else "decode",
-                    extra=extra,
+                    # sequential: P names its control address in its answer, so it needs a fixed port
+                    extra={**extra, "port": self.side_ports["P"]}
+                    if connector == "kvflow-sequential" and name == "P"
+                    else extra,
                     model=BENCH_MODEL,
                     num_blocks=blocks,
                     max_model_len=max_model_len,
@@ -249,7 +254,7 @@ class Pair:
     def dispatch(self, flight: Flight, tokens: int) -> None:
         rid, p, d = flight.request_id, self.engines["P"], self.engines["D"]
         tag = rid
-        if self.connector.startswith("kvflow"):
+        if self.connector in ("kvflow", "kvflow-pull"):
             kv = {
                 "transfer_id": rid,
                 "epoch": 1,
