@@ -49,6 +49,7 @@ __all__ = (
     "LayoutMismatch",
     "LedgerError",
     "LegFailed",
+    "NoBackend",
     "PeerProtocolError",
     "PeerUnknown",
     "PeerUnreachable",
@@ -201,6 +202,14 @@ class LegFailed(KVFlowError):
     def __init__(self, leg: str, reason: str) -> None:
         self.leg = leg
         super().__init__(f"{leg} leg failed: {reason}")
+
+
+class NoBackend(KVFlowError):
+    """The router has no healthy backend for `role` (prefill or decode)."""
+
+    def __init__(self, role: str, message: str) -> None:
+        self.role = role
+        super().__init__(message)
 
 
 @contextlib.contextmanager

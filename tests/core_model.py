@@ -45,6 +45,7 @@ class Plan:
     nblocks: int
     batches: list[tuple[int, int, tuple[int, int]]]  # (first position, count, layers)
     p_ttl: float = 30.0  # how long P holds its blocks for this transfer (its lease)
+    unclaimed: bool = False  # pull: P makes the KV ready for whichever peer claims it first
     p_blocks: dict[int, int] = field(default_factory=dict)  # position -> P block
     d_blocks: tuple[int, ...] = ()
     sent: int = 0
@@ -261,7 +262,7 @@ class CorePair:
             first_position=first,
             layers=layers if plan.mode is Mode.PUSH else None,
             mode=plan.mode,
-            peer="D",
+            peer=None if plan.unclaimed else "D",
             deadline=self.net.now + plan.p_ttl,
         )
         self.run("P", actions)

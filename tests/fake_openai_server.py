@@ -15,7 +15,10 @@ serves them at ``GET /requests``.  SIGTERM stops it.  What it does with a reques
 * ``hold_after``: stream that many events, then wait for ``POST /release`` before the rest.
 
 A request whose connection closes before the answer is complete ends with outcome "cancelled".
-``POST /reset`` forgets the records and releases whatever is held.
+A non-streamed answer to a request with ``do_remote_decode`` carries ``kv_transfer_params``, as
+vLLM's does: ``{"do_remote_prefill": true, "from": NAME, "request": N}``.
+``GET /health`` answers 200, or the status last set by ``POST /health`` with ``{"status": N}``.
+``POST /reset`` forgets the records, releases whatever is held and makes the server healthy.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ class State:
         self.name = name
         self.records: list[dict[str, Any]] = []
         self.release = asyncio.Event()
+        self.health = 200
 
 
 STATE = web.AppKey("state", State)
@@ -89,7 +93,11 @@ async def completion(request: web.Request) -> web.StreamResponse:
         if not body.get("stream"):
             record["outcome"] = "answered"
             choice = {"index": 0, "text": f"{state.name}-answer", "finish_reason": "length"}
-            return web.json_response({"id": "cmpl-fake", "object": "text_completion", "choices": [choice]})
+            answer: dict[str, Any] = {"id": "cmpl-fake", "object": "text_completion", "choices": [choice]}
+            if (body.get("kv_transfer_params") or {}).get("do_remote_decode"):
+                number = len(state.records)
+                answer["kv_transfer_params"] = {"do_remote_prefill": True, "from": state.name, "request": number}
+            return web.json_response(answer)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         for index in range(int(how.get("chunks", 3))):
@@ -109,6 +117,16 @@ async def completion(request: web.Request) -> web.StreamResponse:
         record["ended"] = time.time()
 
 
+async def health(request: web.Request) -> web.Response:
+    status = _state(request).health
+    return web.json_response({"status": status}, status=status)
+
+
+async def set_health(request: web.Request) -> web.Response:
+    _state(request).health = int((await request.json())["status"])
+    return web.json_response({"health": _state(request).health})
+
+
 async def requests(request: web.Request) -> web.Response:
     return web.json_response(_state(request).records)
 
@@ -123,6 +141,7 @@ async def reset(request: web.Request) -> web.Response:
     state.release.set()
     state.release = asyncio.Event()
     state.records = []
+    state.health = 200
     return web.json_response({"reset": True})
 
 
@@ -132,6 +151,8 @@ async def serve(name: str) -> None:
     for path in ("/v1/completions", "/v1/chat/completions"):
         app.router.add_post(path, completion)
     app.router.add_get("/requests", requests)
+    app.router.add_get("/health", health)
+    app.router.add_post("/health", set_health)
     app.router.add_post("/release", release)
     app.router.add_post("/reset", reset)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)

@@ -5,7 +5,8 @@ holds; every block is released exactly once; every D success holds exactly P's b
 positions after D's prefix-cache hit, which P never writes); after the faults stop and time
 passes, every transfer has ended and both ledgers are empty.  The same machine runs again
 with per-peer quotas so tight that P refuses many registrations: refusals must keep every
-property.
+property.  Pull transfers are made ready for a known D or, as a sequential router has it, for
+whichever peer claims them first; a stranger's claim is refused.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ import hypothesis.strategies as st
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from kvflow.protocol.actions import SendMessage
 from kvflow.protocol.core import CoreConfig
-from kvflow.protocol.messages import TransferKey
+from kvflow.protocol.messages import Claim, Notice, TransferKey
 from kvflow.protocol.state import Mode, Role
 from tests.core_model import CONFIG, NUM_LAYERS, CorePair, Plan
 
@@ -44,8 +46,11 @@ class CoreProtocol(RuleBasedStateMachine):
         p_extra=st.sampled_from([0, 0, 0, 1]),
         p_ttl=st.sampled_from([3.0, 30.0]),
         hit=st.sampled_from([0, 0, 1, 2, 3]),
+        unclaimed=st.booleans(),
     )
-    def start(self, tid: str, mode: Mode, nblocks: int, split: str, p_extra: int, p_ttl: float, hit: int) -> None:
+    def start(
+        self, tid: str, mode: Mode, nblocks: int, split: str, p_extra: int, p_ttl: float, hit: int, unclaimed: bool
+    ) -> None:
         """The router starts a new attempt (epoch) at a transfer."""
         epoch = self.epochs.get(tid, 0) + 1
         self.epochs[tid] = epoch
@@ -59,7 +64,7 @@ class CoreProtocol(RuleBasedStateMachine):
             batches = [(i, 1, full) for i in range(nblocks)]
         # D's prefix-cache hit: push may hold every position (an empty registration), pull reads one at least
         hit = min(hit, nblocks if mode is Mode.PUSH else nblocks - 1)
-        plan = Plan(key, mode, nblocks, batches, p_ttl=p_ttl, hit=hit)
+        plan = Plan(key, mode, nblocks, batches, p_ttl=p_ttl, hit=hit, unclaimed=unclaimed and mode is Mode.PULL)
         self.current[tid] = plan
         self.pair.plans[key] = plan
         self.p_extra[key] = p_extra
@@ -129,6 +134,22 @@ class CoreProtocol(RuleBasedStateMachine):
         role = Role.PREFILL if side == "P" else Role.DECODE
         if (key, role) in {(m.key, m.role) for m in core.machines()}:
             self.pair.run(side, core.abort(key, role, self.pair.net.now, "test abort in flight"))
+
+    @precondition(lambda self: any(m.mode is Mode.PULL for m in self.pair.p.machines()))
+    @rule(data=st.data())
+    def stranger_claims(self, data: st.DataObject) -> None:
+        """Another engine claims a pull transfer P already has a peer for: it is refused, and
+        the transfer goes on as if nothing had come."""
+        pulls = [m for m in self.pair.p.machines() if m.mode is Mode.PULL and m.peer == "D"]
+        if not pulls:
+            return
+        m = data.draw(st.sampled_from(pulls))
+        before = (m.state, m.peer, m.deadline, self.pair.p.ledger.held_blocks)
+        actions = self.pair.p.receive("X", Claim(m.key), self.pair.net.now)
+        if [(a.peer, type(a.message)) for a in actions if isinstance(a, SendMessage)] != [("X", Notice)]:
+            raise self.pair.violation(f"a second claimant of {m.key} was not refused: {actions}")
+        if len(actions) != 1 or (m.state, m.peer, m.deadline, self.pair.p.ledger.held_blocks) != before:
+            raise self.pair.violation(f"a refused claim of {m.key} changed the transfer: {actions}")
 
     @rule(dt=st.sampled_from([0.1, 0.5, 2.0, 5.0]))
     def time_passes(self, dt: float) -> None:

@@ -384,10 +384,12 @@ async def test_prefill_unreachable(live: Live) -> None:
     try:
         body = {"prompt": "x", "fake": {"D": {"hold": True}}}
         async with live.http.post(url + "/v1/completions", json=body) as response:
-            assert response.status == 502
+            # its health check found it unreachable at start-up: no prefill backend is left
+            assert response.status == 503
             error = (await response.json())["error"]
-        assert error["leg"] == "prefill" and closed in error["message"]
-        assert set(await live.wait_all_ended(live.stack.d)) <= {"cancelled"}
+        assert error["leg"] == "prefill" and "no healthy prefill backend" in error["message"]
+        assert closed in error["message"]
+        assert await live.records(live.stack.d) == []  # nothing was dispatched
     finally:
         stop_clean(process)
 
@@ -395,17 +397,17 @@ async def test_prefill_unreachable(live: Live) -> None:
 # ---------------------------------------------------------------- the pure parts
 
 
-def config(mode: str = "push") -> router.RouterConfig:
-    return router.RouterConfig(
-        router.Backend("http://p:8100", "prefill-0", "tcp://127.0.0.1:5700"),
-        router.Backend("http://d:8200", "decode-0", "tcp://127.0.0.1:5800"),
-        Mode(mode),
-    )
+P_BACKEND = router.Backend("http://p:8100", "prefill-0", "tcp://127.0.0.1:5700")
+D_BACKEND = router.Backend("http://d:8200", "decode-0", "tcp://127.0.0.1:5800")
+
+
+def kvflow_params(transfer_id: str, mode: str = "push") -> dict[str, Any]:
+    return router.kvflow_params(Mode(mode), P_BACKEND, D_BACKEND, transfer_id)
 
 
 @pytest.mark.parametrize("mode", ["push", "pull"])
 def test_kvflow_params_are_what_the_connector_parses(mode: str) -> None:
-    params = router.kvflow_params(config(mode), "abc")
+    params = kvflow_params("abc", mode)
     assert params == expected_params("abc", mode)
     parsed = TransferParams.parse({"kvflow": params})
     assert parsed is not None and parsed.to_params() == params
@@ -413,7 +415,7 @@ def test_kvflow_params_are_what_the_connector_parses(mode: str) -> None:
 
 def test_prefill_body_asks_one_token_without_streaming() -> None:
     body = {"prompt": "p", "max_tokens": 7, "min_tokens": 3, "stream": True, "stream_options": {}, "n": 1}
-    params = router.kvflow_params(config(), "t")
+    params = kvflow_params("t")
     out = router.prefill_body(body, params)
     assert out == {
         "prompt": "p",
@@ -428,7 +430,7 @@ def test_prefill_body_asks_one_token_without_streaming() -> None:
 
 
 def test_decode_body_is_the_client_body_with_params() -> None:
-    params = router.kvflow_params(config(), "t")
+    params = kvflow_params("t")
     body = {"prompt": "p", "stream": True, "kv_transfer_params": {"other": 1}}
     assert router.decode_body(body, params) == {
         "prompt": "p",
@@ -446,20 +448,33 @@ def test_command_line() -> None:
     args = router.parse_args([])
     assert (args.host, args.port, args.mode, args.timeout) == ("127.0.0.1", 8000, "push", 600.0)
     assert (args.prefill, args.prefill_engine, args.prefill_kvflow) == (
-        "http://127.0.0.1:8100",
-        "prefill-0",
-        "tcp://127.0.0.1:5700",
+        ["http://127.0.0.1:8100"],
+        ["prefill-0"],
+        ["tcp://127.0.0.1:5700"],
     )
     assert (args.decode, args.decode_engine, args.decode_kvflow) == (
-        "http://127.0.0.1:8200",
-        "decode-0",
-        "tcp://127.0.0.1:5800",
+        ["http://127.0.0.1:8200"],
+        ["decode-0"],
+        ["tcp://127.0.0.1:5800"],
     )
+    two = ["--prefill", "http://a:1", "--prefill", "http://b:2"]
+    two += ["--prefill-engine", "pa", "--prefill-engine", "pb"]
+    two += ["--prefill-kvflow", "tcp://a:5700", "--prefill-kvflow", "tcp://b:5700", "--mode", "sequential"]
+    built = router.config_from(router.parse_args(two))
+    assert built.prefill == (
+        router.Backend("http://a:1", "pa", "tcp://a:5700"),
+        router.Backend("http://b:2", "pb", "tcp://b:5700"),
+    )
+    assert built.decode == (router.Backend("http://127.0.0.1:8200", "decode-0", "tcp://127.0.0.1:5800"),)
+    assert built.sequential and built.mode is Mode.PULL
     for bad in (
         ["--prefill-kvflow", "127.0.0.1:5700"],
         ["--decode", "localhost:8200"],
         ["--mode", "x"],
         ["--timeout", "0"],
+        ["--health-timeout", "0"],
+        ["--prefill", "http://a:1", "--prefill", "http://b:2"],  # engines and addresses missing
+        ["--decode-engine", "d0", "--decode-engine", "d1"],  # more engines than URLs
     ):
         with pytest.raises(SystemExit):
             router.parse_args(bad)
@@ -545,4 +560,4 @@ def test_run_router_script(tmp_path: Path) -> None:
     assert args[:2] == ["-m", ROUTER_MODULE]
     parsed = router.parse_args(args[2:])
     assert (parsed.port, parsed.mode, parsed.max_body) == (8000, "pull", 1024)
-    assert (parsed.prefill, parsed.decode) == ("http://127.0.0.1:8100", "http://127.0.0.1:8200")
+    assert (parsed.prefill, parsed.decode) == (["http://127.0.0.1:8100"], ["http://127.0.0.1:8200"])

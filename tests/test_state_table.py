@@ -156,7 +156,10 @@ def test_state_triggered_rows_are_reachable_total_and_settle(side: tuple[Mode, R
     reachable = reachable_from(table, initial_state(side[1]))
     for (state, condition), input_ in triggers.items():
         if condition is Condition.NOTHING_IN_FLIGHT:
+            # about the machine's own ops: only an initiator has any
             assert is_initiator(*side), f"{side}: a target has no ops of its own to wait for"
+        elif condition is Condition.UNCLAIMED:  # only pull P makes KV ready for a peer not known
+            assert side == (Mode.PULL, Role.PREFILL), f"{side}: only pull P has unclaimed transfers"
         where = f"{side} {state.name} if {condition.name} -> {input_.name}"
         assert state in reachable, f"{where}: the state is never reached"
         assert (state, input_) in table, f"{where}: the table has no row, so the hop would raise"

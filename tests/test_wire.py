@@ -13,6 +13,7 @@ from kvflow.control import wire
 from kvflow.errors import ConfigError, PeerProtocolError, UnsupportedVersion
 from kvflow.layout import fingerprint, layout_to_wire
 from kvflow.protocol.messages import (
+    Claim,
     ControlMessage,
     Done,
     Goodbye,
@@ -42,6 +43,7 @@ messages: st.SearchStrategy[ControlMessage] = st.one_of(
     st.builds(Notice, keys, st.sampled_from(wire.OUTCOMES), text),
     st.builds(Quiesced, keys),
     st.builds(Done, keys),
+    st.builds(Claim, keys),
     st.builds(Heartbeat, st.lists(keys, max_size=20).map(tuple)),
     st.builds(Goodbye, text),
     st.builds(Reject, text),

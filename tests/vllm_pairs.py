@@ -18,6 +18,7 @@ from vllm.v1.request import Request, RequestStatus
 
 from kvflow.integrations.vllm import worker as worker_side
 from kvflow.integrations.vllm.connector import KVFlowConnector
+from kvflow.integrations.vllm.mapping import SEQUENTIAL_PREFILL_PARAMS
 from kvflow.integrations.vllm.standin import EngineOptions, StandInEngine
 
 BLOCK_SIZE = 32
@@ -160,3 +161,39 @@ def crash(engine: StandInEngine) -> None:
 async def _silence(engine: Any) -> None:
     engine.control.close()  # nothing more goes out or comes in
     engine._state = "closed"  # and the engine stops reacting, as a dead process would
+
+
+# vLLM's toy proxy sends P these params with max_tokens 1, then hands P's answer to D: no
+# kvflow entry anywhere.
+TOY_PROXY_P_PARAMS = SEQUENTIAL_PREFILL_PARAMS
+
+
+def sequential_prefill(p: StandInEngine, rid: str, prompt_len: int, limit: float = 20.0) -> tuple[Any, Any]:
+    """A sequential router's first leg: P runs the request (max_tokens 1) with the toy proxy's
+    params; returns the request and the ``kv_transfer_params`` P's answer carries."""
+    answers: dict[str, Any] = {}
+    previous = p.emit
+
+    def emit(**event: Any) -> None:
+        if event.get("ev") == "params":
+            answers[event["id"]] = event["params"]
+        previous(**event)
+
+    p.emit = emit
+    try:
+        p_req = p.add(f"p-{rid}", prompt_len, 1, dict(TOY_PROXY_P_PARAMS), tag=rid)
+        run((p,), lambda: p_req.request_id in answers, limit)
+    finally:
+        p.emit = previous
+    return p_req, answers[p_req.request_id]
+
+
+def sequential_move(p: StandInEngine, d: StandInEngine, rid: str, prompt_len: int) -> tuple[Any, Any]:
+    """P first, then D with exactly what P answered, as vLLM's toy proxy does; D's pages are
+    checked byte for byte and both engines end empty."""
+    p_req, answer = sequential_prefill(p, rid, prompt_len)
+    d_req = d.add(f"d-{rid}", prompt_len, 4, answer, tag=rid)
+    settle((p, d), [p_req, d_req])
+    assert d.checked.get(d_req.request_id) == 0, f"D did not read P's KV: {d.checked} (P answered {answer})"
+    assert d_req.status == RequestStatus.FINISHED_LENGTH_CAPPED and len(d_req.output_token_ids) == 4
+    return p_req, d_req

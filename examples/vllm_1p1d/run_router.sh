@@ -5,7 +5,7 @@
 # ROUTER_HOST (127.0.0.1) and ROUTER_PORT (8000); PREFILL_URL (http://127.0.0.1:8100),
 # PREFILL_ENGINE (prefill-0), PREFILL_KVFLOW (tcp://127.0.0.1:5700); DECODE_URL
 # (http://127.0.0.1:8200), DECODE_ENGINE (decode-0), DECODE_KVFLOW (tcp://127.0.0.1:5800);
-# MODE (push, or pull); TIMEOUT (600 s, the bound on any one wait).
+# MODE (push, pull, or sequential: P then D with P's answer); TIMEOUT (600 s, the bound on any one wait).
 # Further arguments go to the router (python -m kvflow.integrations.vllm.router --help).
 set -euo pipefail
 

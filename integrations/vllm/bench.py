@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from kvflow.errors import BenchError, ConfigError
+from kvflow.integrations.vllm.mapping import SEQUENTIAL_PREFILL_PARAMS
 from kvflow.integrations.vllm.runner import EngineSpec, spec_line
 from kvflow.integrations.vllm.standin.model import EngineOptions, ModelShape
 
@@ -52,6 +53,8 @@ __all__ = ("CONNECTORS", "Cell", "main", "run")
 CONNECTORS: dict[str, tuple[str, str | None]] = {  # name -> (vLLM class, module path)
     "kvflow": ("KVFlowConnector", "kvflow.integrations.vllm"),
     "kvflow-pull": ("KVFlowConnector", "kvflow.integrations.vllm"),
+    # as vLLM's toy proxy: P with vLLM's own params, then D with P's answer (D pulls)
+    "kvflow-sequential": ("KVFlowConnector", "kvflow.integrations.vllm"),
     "vllm-push": ("NixlPushConnector", None),
     "vllm-pull": ("NixlConnector", None),
 }
@@ -190,7 +193,10 @@ class Pair:
                     connector=cls,
                     module_path=module_path,
                     engine_id="prefill" if name == "P" else "decode",
-                    extra=extra,
+                    # sequential: P names its control address in its answer, so it needs a fixed port
+                    extra={**extra, "port": self.side_ports["P"]}
+                    if connector == "kvflow-sequential" and name == "P"
+                    else extra,
                     model=BENCH_MODEL,
                     num_blocks=blocks,
                     max_model_len=max_model_len,
@@ -248,7 +254,7 @@ class Pair:
     def dispatch(self, flight: Flight, tokens: int) -> None:
         rid, p, d = flight.request_id, self.engines["P"], self.engines["D"]
         tag = rid
-        if self.connector.startswith("kvflow"):
+        if self.connector in ("kvflow", "kvflow-pull"):
             kv = {
                 "transfer_id": rid,
                 "epoch": 1,
@@ -268,14 +274,7 @@ class Pair:
             d.send(op="add", id=rid, prompt_len=tokens, max_tokens=DECODE_TOKENS, tag=tag, params=d_kv)
             flight.d_dispatched = True
             return
-        p_params: dict[str, Any] = {
-            "do_remote_decode": True,
-            "do_remote_prefill": False,
-            "remote_engine_id": None,
-            "remote_block_ids": None,
-            "remote_host": None,
-            "remote_port": None,
-        }
+        p_params: dict[str, Any] = dict(SEQUENTIAL_PREFILL_PARAMS)
         if self.connector == "vllm-push":  # as vLLM's push proxy: D learns P's coordinates up front
             p_params["transfer_id"] = rid
             d_params = {

@@ -87,7 +87,9 @@ class KVFlowConnector(KVConnectorBase_V1):
         # and vLLM shares received blocks only once their load completed (see mapping.py).
         prefix_caching = bool(vllm_config.cache_config.enable_prefix_caching)
         if role is KVConnectorRole.SCHEDULER:
-            self._book = SchedulerBook(self._block_size, prefix_caching)
+            self._book = SchedulerBook(
+                self._block_size, prefix_caching, producer=self.settings.producer(self.engine_id)
+            )
         else:
             rank = vllm_config.parallel_config.rank
             self._worker = WorkerSide(self.engine_id, rank, self.settings)

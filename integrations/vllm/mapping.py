@@ -11,7 +11,18 @@ The router sets, in each request's ``kv_transfer_params``, a ``kvflow`` entry:
      "decode":  {"engine": str, "address": "tcp://host:port"}}
 
 plus vLLM's own flags: ``do_remote_decode`` on the prefill request, ``do_remote_prefill`` on the
-decode request.  Transfers are matched by ``transfer_id``, never by request ids.
+decode request.  Transfers are matched by ``transfer_id``, never by request ids.  In pull mode
+``decode`` may be left out: P then holds its KV for whichever decode engine claims the transfer
+first (see `kvflow.protocol.messages.Claim`).
+
+Sequential routers (vLLM's toy proxy, llm-d's routing sidecar, Dynamo) set no ``kvflow`` entry:
+they send P ``do_remote_decode`` (``remote_*`` None, ``max_tokens`` 1) and hand what P's
+``request_finished`` returned to D.  So P assigns the transfer itself (an unguessable transfer
+id: it is the capability to read the KV), keeps the blocks after the request finishes, and
+returns ``do_remote_prefill`` with a pull-mode ``kvflow`` entry naming P's engine and control
+address; D, given that, pulls.  A decode request whose ``do_remote_prefill`` kvflow cannot
+serve (malformed, another connector's params) is computed locally, but never silently: it is
+logged once with the request id and the reason, and counted in ``counters["unservable"]``.
 
 `SchedulerBook` turns scheduler events into per-step `Orders` for the workers:
 
@@ -35,6 +46,7 @@ from __future__ import annotations
 
 import logging
 import re
+import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,9 +56,20 @@ from kvflow.protocol.state import Mode
 
 log = logging.getLogger("kvflow.vllm")
 
-__all__ = ("Order", "Orders", "PeerRef", "SchedulerBook", "TransferParams", "rank_peer")
+__all__ = ("SEQUENTIAL_PREFILL_PARAMS", "Order", "Orders", "PeerRef", "SchedulerBook", "TransferParams", "rank_peer")
 
 MODES = {mode.value: mode for mode in Mode}  # a mode travels as its value
+
+# What a sequential router (vLLM's toy proxy, tests/v1/kv_connector/nixl_integration/
+# toy_proxy_server.py) sends P, with max_tokens 1, before handing P's answer to D.
+SEQUENTIAL_PREFILL_PARAMS: Mapping[str, Any] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +84,7 @@ class TransferParams:
     epoch: int
     mode: Mode
     prefill: PeerRef
-    decode: PeerRef
+    decode: PeerRef | None  # pull: None when P waits for whichever decode engine claims it
 
     @classmethod
     def parse(cls, params: Mapping[str, Any] | None) -> TransferParams | None:
@@ -81,16 +104,19 @@ class TransferParams:
             raise ConfigError("kv_transfer_params.kvflow.epoch must be a non-negative integer")
         if not isinstance(mode, str) or mode not in MODES:
             raise ConfigError(f"kv_transfer_params.kvflow.mode must be one of {tuple(MODES)}")
-        return cls(tid, epoch, MODES[mode], _peer(raw, "prefill"), _peer(raw, "decode"))
+        decode = None if MODES[mode] is Mode.PULL and raw.get("decode") is None else _peer(raw, "decode")
+        return cls(tid, epoch, MODES[mode], _peer(raw, "prefill"), decode)
 
     def to_params(self) -> dict[str, Any]:
-        return {
+        params: dict[str, Any] = {
             "transfer_id": self.transfer_id,
             "epoch": self.epoch,
             "mode": self.mode.value,
             "prefill": {"engine": self.prefill.engine, "address": self.prefill.address},
-            "decode": {"engine": self.decode.engine, "address": self.decode.address},
         }
+        if self.decode is not None:
+            params["decode"] = {"engine": self.decode.engine, "address": self.decode.address}
+        return params
 
 
 def _peer(raw: Mapping[str, Any], side: str) -> PeerRef:
@@ -159,6 +185,7 @@ class _Tracked:
     params: TransferParams
     prompt_len: int
     producer: bool  # this engine produces the KV (P) for the request
+    assigned: bool = False  # P assigned the transfer itself (a sequential router's request)
     ordered: bool = False  # the expect or ready order went out
     landed: bool = False  # D: the KV arrived (finished_recving)
     delayed_free: bool = False  # vLLM holds the blocks until finished_sending
@@ -167,10 +194,19 @@ class _Tracked:
 class SchedulerBook:
     """The scheduler side's state, one per vLLM engine (scheduler process)."""
 
-    def __init__(self, block_size: int, prefix_caching: bool = False) -> None:
+    def __init__(self, block_size: int, prefix_caching: bool = False, *, producer: PeerRef | None = None) -> None:
         """`prefix_caching`: this engine shares cached blocks between requests.  As D it then
         receives KV only into the blocks after a request's local hit (never into a shared
         block: those are the hit's), and vLLM shares received blocks only once they landed.
+
+        `producer`: this engine's id and the control address its rank-0 worker binds, which
+        P names in the params it returns for a sequential router's request; None when the
+        address is not known before the worker binds (port 0), and such requests are refused.
+
+        ``counters``: ``unservable``, requests whose ``do_remote_prefill`` or
+        ``do_remote_decode`` kvflow could not serve (each logged once, with why) and so were
+        computed locally without a transfer; ``assigned``, transfers this engine assigned
+        itself for a sequential router's request.
 
         :raises ConfigError: a block size that is not positive.
         """
@@ -178,10 +214,12 @@ class SchedulerBook:
             raise ConfigError("block_size must be positive")
         self.block_size = block_size
         self.prefix_caching = prefix_caching
+        self.producer = producer
         self._tracked: dict[str, _Tracked] = {}
         self._loaded: set[str] = set()  # D requests whose one remote load was ordered
         self._pending = Orders()
         self.refused: dict[str, str] = {}  # request id -> why its kvflow params were refused
+        self.counters: dict[str, int] = {"unservable": 0, "assigned": 0}
 
     # ---------------------------------------------------------------- decode side
 
@@ -192,7 +230,7 @@ class SchedulerBook:
         prompt token it has not computed (`computed`: its local prefix-cache hit, whole
         blocks), asynchronously; with only the last token missing (a full hit: vLLM recomputes
         that token anyway) a push transfer loads nothing."""
-        parsed = self._parse(request_id, params) if (params or {}).get("do_remote_prefill") else None
+        parsed = self._parse(request_id, params, receiving=True) if (params or {}).get("do_remote_prefill") else None
         if parsed is None:
             return 0, False
         if request_id in self._loaded:
@@ -217,7 +255,7 @@ class SchedulerBook:
         no load result for it)."""
         if not (params or {}).get("do_remote_prefill"):
             return
-        parsed = self._parse(request_id, params)
+        parsed = self._parse(request_id, params, receiving=True)
         if parsed is None or request_id in self._tracked or request_id in self._loaded:
             return  # refused; called again after the load; or loaded (or released) already
         needed = -(-prompt_len // self.block_size)
@@ -237,9 +275,27 @@ class SchedulerBook:
         """`on_new_request`: remember prefill requests whose KV goes to a remote decoder."""
         if not (params or {}).get("do_remote_decode"):
             return
+        if (params or {}).get("kvflow") is None:
+            assigned = self._assign(request_id)
+            if assigned is not None:
+                self._tracked[request_id] = _Tracked(assigned, prompt_len, producer=True, assigned=True)
+            return
         parsed = self._parse(request_id, params)
         if parsed is not None:
             self._tracked[request_id] = _Tracked(parsed, prompt_len, producer=True)
+
+    def _assign(self, request_id: str) -> TransferParams | None:
+        """A sequential router's request: a fresh pull transfer any one decode engine may claim."""
+        if self.producer is None:
+            self._unservable(
+                request_id,
+                "do_remote_decode without a kvflow entry needs this engine's control address in the "
+                "returned params, unknown with port 0 (set kv_connector_extra_config.port)",
+                "no KV is kept for a decode engine",
+            )
+            return None
+        self.counters["assigned"] += 1
+        return TransferParams(secrets.token_urlsafe(18), 1, Mode.PULL, self.producer, None)
 
     def scheduled(self, request_id: str, computed: int, scheduled: int, block_ids: Sequence[int]) -> None:
         """A step schedules `scheduled` tokens after `computed`: if that completes a tracked
@@ -277,6 +333,16 @@ class SchedulerBook:
                     Order(request_id, tracked.params, reason="prefill request aborted", producer=True)
                 )
             tracked.delayed_free = True
+            if tracked.assigned:
+                if aborted:
+                    return True, None
+                return True, {
+                    "do_remote_prefill": True,
+                    "do_remote_decode": False,
+                    "kvflow": tracked.params.to_params(),
+                    "remote_engine_id": tracked.params.prefill.engine,
+                    "remote_request_id": request_id,
+                }
             return True, {"kvflow": tracked.params.to_params(), "kvflow_prefill_finished": True}
         if tracked.landed:
             self._tracked.pop(request_id)
@@ -315,14 +381,28 @@ class SchedulerBook:
     def tracked(self) -> int:
         return len(self._tracked)
 
-    def _parse(self, request_id: str, params: Mapping[str, Any] | None) -> TransferParams | None:
-        """The request's kvflow params; malformed ones are refused (logged once per request)
-        and the request runs as if it had none: computed locally, never a crash of the
-        scheduler."""
+    def _parse(
+        self, request_id: str, params: Mapping[str, Any] | None, receiving: bool = False
+    ) -> TransferParams | None:
+        """The request's kvflow params; malformed ones, and a remote prefill without a kvflow
+        entry (`receiving`), are refused (logged once per request and counted) and the request
+        runs as if it had none: computed locally, never a crash of the scheduler."""
         try:
-            return TransferParams.parse(params)
+            parsed = TransferParams.parse(params)
+            if parsed is None and receiving:
+                keys = sorted(str(key) for key in (params or {}))[:12]
+                raise ConfigError(
+                    f"kv_transfer_params ask for a remote prefill but hold no kvflow entry (keys {keys}: "
+                    "another connector's params, or a router that dropped P's answer)"
+                )
+            return parsed
         except ConfigError as exc:
-            if request_id not in self.refused:
-                self.refused[request_id] = str(exc)
-                log.error("request %s: %s; it is computed locally", request_id, exc)
+            self._unservable(request_id, str(exc), "it is computed locally")
             return None
+
+    def _unservable(self, request_id: str, why: str, consequence: str) -> None:
+        """Log (once per request) and count a request kvflow cannot serve."""
+        if request_id not in self.refused:
+            self.refused[request_id] = why
+            self.counters["unservable"] += 1
+            log.error("request %s: kvflow cannot serve its kv_transfer_params: %s; %s", request_id, why, consequence)

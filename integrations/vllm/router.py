@@ -1,17 +1,31 @@
-"""A 1P1D router: OpenAI completion requests split over a vLLM prefill server and a decode server.
+"""An xPyD router: OpenAI completion requests split over vLLM prefill servers and decode servers.
 
-Each request goes to the prefill server (P: same prompt, one token) and to the decode server (D:
-the original request) at the same time, both carrying the same kvflow transfer parameters, and
-D's answer is streamed back.  Why at the same time: with push, D registers its blocks while P is
-still prefilling, so P writes the KV the moment it is computed.  Sending D only after P answered
-would put a round trip and D's block allocation back on the critical path.
+Each request goes to one prefill server (P: same prompt, one token) and one decode server (D:
+the original request), each the healthy one of its role with the fewest requests in flight, and
+D's answer is streamed back.  Every backend's ``GET /health`` is checked periodically (each check
+with a deadline); an unhealthy backend is skipped until it answers again, and with none healthy
+for a role the client gets 503 naming the role.  ``GET /backends`` shows what the router sees.
 
-If either leg fails, the other is cancelled (closing its connection makes vLLM abort the request,
-and kvflow the transfer) and the client gets 502 naming the leg.
+Two ways to dispatch (``--mode``):
 
-    python -m kvflow.integrations.vllm.router --prefill http://127.0.0.1:8100 --prefill-engine prefill-0 \\
-        --prefill-kvflow tcp://127.0.0.1:5700 --decode http://127.0.0.1:8200 --decode-engine decode-0 \\
-        --decode-kvflow tcp://127.0.0.1:5800
+* ``push`` (default) or ``pull``: both legs at the same time, carrying the same kvflow transfer
+  parameters.  Why at the same time: with push, D registers its blocks while P is still
+  prefilling, so P writes the KV the moment it is computed.  Sending D only after P answered
+  would put a round trip and D's block allocation back on the critical path.  If either leg
+  fails, the other is cancelled (closing its connection makes vLLM abort the request, and
+  kvflow the transfer) and the client gets 502 naming the leg.
+* ``sequential``: as vLLM's toy proxy, llm-d and Dynamo do: P first, with vLLM's own
+  ``do_remote_decode`` params and no kvflow entry; then D with the ``kv_transfer_params`` of
+  P's answer, from which D pulls the KV.  Any kvflow-served P (with a fixed kvflow port) works
+  behind such a router.
+
+    python -m kvflow.integrations.vllm.router \\
+        --prefill http://10.0.0.1:8100 --prefill-engine prefill-0 --prefill-kvflow tcp://10.0.0.1:5700 \\
+        --prefill http://10.0.0.2:8100 --prefill-engine prefill-1 --prefill-kvflow tcp://10.0.0.2:5700 \\
+        --decode http://10.0.0.3:8200 --decode-engine decode-0 --decode-kvflow tcp://10.0.0.3:5800
+
+Each ``--prefill`` / ``--decode`` names one backend; its ``-engine`` and ``-kvflow`` options are
+given as often, in the same order.
 """
 
 from __future__ import annotations
@@ -29,8 +43,10 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from kvflow.errors import LegFailed
-from kvflow.integrations.vllm.mapping import PeerRef, TransferParams
+from kvflow.errors import ConfigError, LegFailed, NoBackend
+from kvflow.integrations.vllm.backends import Backend as Backend
+from kvflow.integrations.vllm.backends import BackendPool, check_health
+from kvflow.integrations.vllm.mapping import SEQUENTIAL_PREFILL_PARAMS, PeerRef, TransferParams
 from kvflow.protocol.state import Mode
 
 log = logging.getLogger("kvflow.router")
@@ -40,36 +56,39 @@ ERROR_DETAIL_BYTES = 2048  # how much of a failed leg's answer is quoted to the 
 
 
 @dataclass(frozen=True)
-class Backend:
-    url: str  # the vLLM server's HTTP base URL
-    engine: str  # its `engine_id` in --kv-transfer-config
-    kvflow: str  # its kvflow control address (rank 0), tcp://host:port
+class RouterConfig:
+    prefill: tuple[Backend, ...]
+    decode: tuple[Backend, ...]
+    mode: Mode = Mode.PUSH
+    timeout: float = 600.0  # bound on every wait: P's answer, D's head, each chunk of D's body
+    sequential: bool = False  # P first, then D with P's answer (vLLM's toy proxy convention)
+    health_interval: float = 5.0  # seconds between health checks of every backend
+    health_timeout: float = 2.0  # the deadline of one health check
 
 
 @dataclass(frozen=True)
-class RouterConfig:
-    prefill: Backend
-    decode: Backend
-    mode: Mode = Mode.PUSH
-    timeout: float = 600.0  # bound on every wait: P's answer, D's head, each chunk of D's body
+class Pools:
+    prefill: BackendPool
+    decode: BackendPool
 
 
 CONFIG = web.AppKey("config", RouterConfig)
 SESSION = web.AppKey("session", aiohttp.ClientSession)
+POOLS = web.AppKey("pools", Pools)
 
 
 # ---------------------------------------------------------------- pure parts
 
 
-def kvflow_params(config: RouterConfig, transfer_id: str, epoch: int = 1) -> dict[str, Any]:
-    """The ``kvflow`` entry of both legs' ``kv_transfer_params``."""
-    prefill = PeerRef(config.prefill.engine, config.prefill.kvflow)
-    decode = PeerRef(config.decode.engine, config.decode.kvflow)
-    return TransferParams(transfer_id, epoch, config.mode, prefill, decode).to_params()
+def kvflow_params(mode: Mode, prefill: Backend, decode: Backend, transfer_id: str, epoch: int = 1) -> dict[str, Any]:
+    """The ``kvflow`` entry of both legs' ``kv_transfer_params`` (concurrent dispatch)."""
+    p, d = PeerRef(prefill.engine, prefill.kvflow), PeerRef(decode.engine, decode.kvflow)
+    return TransferParams(transfer_id, epoch, mode, p, d).to_params()
 
 
-def prefill_body(body: Mapping[str, Any], params: Mapping[str, Any]) -> dict[str, Any]:
-    """P's request: the same prompt, one token, no streaming; its KV goes to D."""
+def prefill_body(body: Mapping[str, Any], params: Mapping[str, Any] | None) -> dict[str, Any]:
+    """P's request: the same prompt, one token, no streaming; its KV goes to D.  `params`: the
+    kvflow entry (concurrent dispatch), or None for vLLM's own params (sequential)."""
     out = dict(body)
     out["max_tokens"] = 1
     if "max_completion_tokens" in out:
@@ -77,7 +96,10 @@ def prefill_body(body: Mapping[str, Any], params: Mapping[str, Any]) -> dict[str
     out["stream"] = False
     out.pop("stream_options", None)
     out.pop("min_tokens", None)  # vLLM refuses min_tokens > max_tokens
-    out["kv_transfer_params"] = {"do_remote_decode": True, "kvflow": dict(params)}
+    if params is None:
+        out["kv_transfer_params"] = dict(SEQUENTIAL_PREFILL_PARAMS)
+    else:
+        out["kv_transfer_params"] = {"do_remote_decode": True, "kvflow": dict(params)}
     return out
 
 
@@ -88,6 +110,13 @@ def decode_body(body: Mapping[str, Any], params: Mapping[str, Any]) -> dict[str,
     return out
 
 
+def answered_params(answer: Any) -> dict[str, Any] | None:
+    """The ``kv_transfer_params`` of P's answer (what its connector's ``request_finished``
+    returned), handed to D unchanged as vLLM's toy proxy does; None when there are none."""
+    params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
+    return dict(params) if isinstance(params, dict) else None
+
+
 def leg_headers(transfer_id: str, authorization: str | None) -> dict[str, str]:
     headers = {"X-Request-Id": f"kvflow-{transfer_id}"}
     if authorization is not None:
@@ -96,7 +125,7 @@ def leg_headers(transfer_id: str, authorization: str | None) -> dict[str, str]:
 
 
 def error_body(status: int, message: str, leg: str | None = None) -> dict[str, Any]:
-    kind = "bad_gateway" if status == 502 else "invalid_request_error"
+    kind = {502: "bad_gateway", 503: "service_unavailable"}.get(status, "invalid_request_error")
     error: dict[str, Any] = {"message": message, "type": kind, "code": status}
     return {"error": error | {"leg": leg}} if leg else {"error": error}
 
@@ -126,13 +155,13 @@ async def _open(
 
 async def _prefill(
     session: aiohttp.ClientSession, url: str, body: dict[str, Any], headers: dict[str, str], timeout: float
-) -> None:
-    """P's leg: done when P has answered in full, that is when its prefill (and the push) is over."""
+) -> bytes:
+    """P's leg: done when P has answered in full, that is when its prefill (and the push) is
+    over; returns the answer (one token's, small)."""
     response = await _open(session, "prefill", url, body, headers, timeout)
     try:
         async with asyncio.timeout(timeout):
-            while await response.content.readany():  # one token: read and drop
-                pass
+            return await response.read()
     except TimeoutError:
         raise LegFailed("prefill", f"{url} did not finish its answer within {timeout:g} s") from None
     except aiohttp.ClientError as exc:
@@ -153,20 +182,79 @@ async def _cancel(task: asyncio.Task[Any]) -> None:
 
 
 async def proxy(request: web.Request) -> web.StreamResponse:
-    config, session = request.app[CONFIG], request.app[SESSION]
+    config, session, pools = request.app[CONFIG], request.app[SESSION], request.app[POOLS]
     try:
         body = json.loads(await request.read())
     except ValueError as exc:
         return web.json_response(error_body(400, f"request body is not valid JSON: {exc}"), status=400)
     if not isinstance(body, dict):
         return web.json_response(error_body(400, "request body must be a JSON object"), status=400)
-
+    try:
+        p_lease = pools.prefill.acquire()
+    except NoBackend as exc:
+        return web.json_response(error_body(503, str(exc), exc.role), status=503)
+    try:
+        d_lease = pools.decode.acquire()
+    except NoBackend as exc:
+        p_lease.release()
+        return web.json_response(error_body(503, str(exc), exc.role), status=503)
     transfer_id = uuid.uuid4().hex
-    params = kvflow_params(config, transfer_id)
     headers = leg_headers(transfer_id, request.headers.get("Authorization"))
-    p_url, d_url = config.prefill.url + request.path, config.decode.url + request.path
-    p_task = asyncio.create_task(_prefill(session, p_url, prefill_body(body, params), headers, config.timeout))
-    d_task = asyncio.create_task(_open(session, "decode", d_url, decode_body(body, params), headers, config.timeout))
+    p_url, d_url = p_lease.backend.url + request.path, d_lease.backend.url + request.path
+    try:
+        if config.sequential:
+            upstream = await _sequential(session, body, p_url, d_url, headers, transfer_id, config.timeout)
+            p_lease.release()
+        else:
+            params = kvflow_params(config.mode, p_lease.backend, d_lease.backend, transfer_id)
+            p_body, d_body = prefill_body(body, params), decode_body(body, params)
+            upstream = await _concurrent(session, p_body, d_body, p_url, d_url, headers, config.timeout)
+            p_lease.release()
+        return await _relay(request, upstream, transfer_id, config.timeout)
+    except LegFailed as exc:
+        log.warning("%s: %s", transfer_id, exc)
+        return web.json_response(error_body(502, str(exc), exc.leg), status=502)
+    finally:
+        p_lease.release()
+        d_lease.release()
+
+
+async def _sequential(
+    session: aiohttp.ClientSession,
+    body: dict[str, Any],
+    p_url: str,
+    d_url: str,
+    headers: dict[str, str],
+    transfer_id: str,
+    timeout: float,
+) -> aiohttp.ClientResponse:
+    """P, then D with what P answered.  :raises LegFailed: either leg failed."""
+    answer = await _prefill(session, p_url, prefill_body(body, None), headers, timeout)
+    try:
+        params = answered_params(json.loads(answer))
+    except ValueError:
+        raise LegFailed("prefill", f"{p_url} answered with something other than JSON: {answer[:200]!r}") from None
+    if params is None:
+        log.warning("%s: prefill answered without kv_transfer_params: decode computes the prompt again", transfer_id)
+    d_body = dict(body)
+    if params is not None:
+        d_body["kv_transfer_params"] = params
+    return await _open(session, "decode", d_url, d_body, headers, timeout)
+
+
+async def _concurrent(
+    session: aiohttp.ClientSession,
+    p_body: dict[str, Any],
+    d_body: dict[str, Any],
+    p_url: str,
+    d_url: str,
+    headers: dict[str, str],
+    timeout: float,
+) -> aiohttp.ClientResponse:
+    """Both legs at once; D's response once P has answered.  :raises LegFailed: either leg
+    failed (the other is cancelled)."""
+    p_task = asyncio.create_task(_prefill(session, p_url, p_body, headers, timeout))
+    d_task = asyncio.create_task(_open(session, "decode", d_url, d_body, headers, timeout))
     legs_ok = False
     try:
         pending: set[asyncio.Task[Any]] = {p_task, d_task}
@@ -176,13 +264,10 @@ async def proxy(request: web.Request) -> web.StreamResponse:
                 task.result()
         upstream = await d_task
         legs_ok = True
-    except LegFailed as exc:
-        log.warning("%s: %s", transfer_id, exc)
-        return web.json_response(error_body(502, str(exc), exc.leg), status=502)
+        return upstream
     finally:  # a leg failed, or the client went away (aiohttp cancels the handler): stop both
         if not legs_ok:
             await asyncio.gather(_cancel(p_task), _cancel(d_task))
-    return await _relay(request, upstream, transfer_id, config.timeout)
 
 
 async def _relay(
@@ -224,9 +309,24 @@ async def health(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
 
 
+async def backends(request: web.Request) -> web.Response:
+    pools = request.app[POOLS]
+    return web.json_response({"prefill": pools.prefill.describe(), "decode": pools.decode.describe()})
+
+
+async def _check_backends(session: aiohttp.ClientSession, pools: Pools, config: RouterConfig) -> None:
+    """Every backend's health, now and then every `health_interval` seconds, until cancelled."""
+    while True:
+        for pool in (pools.prefill, pools.decode):
+            await check_health(session, pool, config.health_timeout)
+        await asyncio.sleep(config.health_interval)
+
+
 def make_app(config: RouterConfig, max_body: int = 64 << 20) -> web.Application:
+    """:raises ConfigError: a role without backends, or a backend listed twice."""
     app = web.Application(client_max_size=max_body)
     app[CONFIG] = config
+    app[POOLS] = Pools(BackendPool("prefill", config.prefill), BackendPool("decode", config.decode))
 
     async def client(app: web.Application) -> AsyncIterator[None]:
         # No pool cap: a capped pool shared by both legs could be filled with D requests that
@@ -234,12 +334,18 @@ def make_app(config: RouterConfig, max_body: int = 64 << 20) -> web.Application:
         connector = aiohttp.TCPConnector(limit=0)
         async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
             app[SESSION] = session
-            yield
+            checks = asyncio.create_task(_check_backends(session, app[POOLS], config))
+            try:
+                yield
+            finally:
+                checks.cancel()
+                await asyncio.wait({checks})
 
     app.cleanup_ctx.append(client)
     for path in ROUTES:
         app.router.add_post(path, proxy)
     app.router.add_get("/health", health)
+    app.router.add_get("/backends", backends)
     return app
 
 
@@ -265,36 +371,67 @@ def _positive(value: str) -> float:
     return float(value)
 
 
+ROLES = {"prefill": (8100, "prefill-0", 5700), "decode": (8200, "decode-0", 5800)}
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on; 0: any free port")
-    for side, http, engine, kvflow in (("prefill", 8100, "prefill-0", 5700), ("decode", 8200, "decode-0", 5800)):
-        parser.add_argument(f"--{side}", type=_http_url, default=f"http://127.0.0.1:{http}", help="vLLM base URL")
-        parser.add_argument(f"--{side}-engine", default=engine, help="its engine_id in --kv-transfer-config")
+    for side in ROLES:
         parser.add_argument(
-            f"--{side}-kvflow", type=_tcp_address, default=f"tcp://127.0.0.1:{kvflow}", help="its kvflow address"
+            f"--{side}", type=_http_url, action="append", help=f"a {side} backend's vLLM base URL (repeatable)"
         )
-    parser.add_argument("--mode", choices=("push", "pull"), default="push", help="kvflow transfer mode")
+        parser.add_argument(f"--{side}-engine", action="append", help="its engine_id in --kv-transfer-config")
+        parser.add_argument(f"--{side}-kvflow", type=_tcp_address, action="append", help="its kvflow address")
+    parser.add_argument(
+        "--mode",
+        choices=("push", "pull", "sequential"),
+        default="push",
+        help="push or pull: both legs at once with a kvflow entry; sequential: P, then D with P's answer",
+    )
     parser.add_argument("--timeout", type=_positive, default=600.0, help="seconds any one wait may take (default 600)")
+    parser.add_argument("--health-interval", type=_positive, default=5.0, help="seconds between health checks")
+    parser.add_argument("--health-timeout", type=_positive, default=2.0, help="deadline of one health check")
     parser.add_argument("--max-body", type=int, default=64 << 20, help="largest request body in bytes")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    for side, (http, engine, kvflow) in ROLES.items():
+        urls = getattr(args, side) or [f"http://127.0.0.1:{http}"]
+        engines = getattr(args, f"{side}_engine") or ([engine] if len(urls) == 1 else [])
+        addresses = getattr(args, f"{side}_kvflow") or ([f"tcp://127.0.0.1:{kvflow}"] if len(urls) == 1 else [])
+        if not len(urls) == len(engines) == len(addresses):
+            parser.error(f"give --{side}, --{side}-engine and --{side}-kvflow once for each {side} backend")
+        setattr(args, side, urls)
+        setattr(args, f"{side}_engine", engines)
+        setattr(args, f"{side}_kvflow", addresses)
+    return args
+
+
+def config_from(args: argparse.Namespace) -> RouterConfig:
+    """:raises ConfigError: see `make_app`."""
+    prefill = tuple(map(Backend, args.prefill, args.prefill_engine, args.prefill_kvflow))
+    decode = tuple(map(Backend, args.decode, args.decode_engine, args.decode_kvflow))
+    sequential = args.mode == "sequential"
+    mode = Mode.PULL if sequential else Mode(args.mode)
+    return RouterConfig(prefill, decode, mode, args.timeout, sequential, args.health_interval, args.health_timeout)
 
 
 async def serve(args: argparse.Namespace) -> None:
-    config = RouterConfig(
-        Backend(args.prefill, args.prefill_engine, args.prefill_kvflow),
-        Backend(args.decode, args.decode_engine, args.decode_kvflow),
-        Mode(args.mode),
-        args.timeout,
-    )
-    app = make_app(config, args.max_body)
+    """:raises ConfigError: see `make_app`."""
+    app = make_app(config_from(args), args.max_body)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     try:
         await web.TCPSite(runner, args.host, args.port).start()
         host, port = runner.addresses[0][:2]
-        log.info("router listening on http://%s:%d (P %s, D %s, %s)", host, port, args.prefill, args.decode, args.mode)
+        log.info(
+            "router listening on http://%s:%d (P %s, D %s, %s)",
+            host,
+            port,
+            " ".join(args.prefill),
+            " ".join(args.decode),
+            args.mode,
+        )
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -306,7 +443,10 @@ async def serve(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    asyncio.run(serve(parse_args(argv)))
+    try:
+        asyncio.run(serve(parse_args(argv)))
+    except ConfigError as exc:
+        raise SystemExit(f"router: {exc}") from None
 
 
 if __name__ == "__main__":

@@ -95,6 +95,12 @@ class Settings:
     kv_cache_layout: str = ""  # a vLLM KVCacheLayout for kvflow to request; "": the backend's choice
     model_id: str = ""  # the model's identity in the handshake; "": vLLM's model name or path
 
+    def producer(self, engine_id: str) -> PeerRef | None:
+        """This engine as the prefill side names itself to a decode engine it does not know:
+        its id and where its rank-0 worker binds; None with port 0 (any free port, known only
+        once the worker has bound it, in another process)."""
+        return PeerRef(engine_id, f"tcp://{self.host}:{self.port}") if self.port else None
+
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> Settings:
         """:raises ConfigError: an unknown key or a value of the wrong type."""
@@ -322,20 +328,24 @@ class WorkerSide:
                 continue
             params = order.params
             try:
-                peer = rank_peer(params.decode, self.rank)
+                peer = rank_peer(params.decode, self.rank) if params.decode is not None else None
             except ConfigError as exc:  # kvflow never takes the blocks: vLLM frees them
                 self._ready_starts.append((_failed(exc), order.request_id))
                 continue
             key = TransferKey(params.transfer_id, params.epoch)
             self._requests[(key, Role.PREFILL)] = order.request_id
 
-            async def ready(e: Engine, o: Order = order, p: PeerRef = peer) -> Any:
+            async def ready(e: Engine, o: Order = order, p: PeerRef | None = peer) -> Any:
                 await self._wait_for_device(gate)
                 return await e.kv_ready(
-                    o.params.transfer_id, o.params.epoch, block_ids=o.block_ids, mode=Mode.PULL, peer=p.engine
+                    o.params.transfer_id,
+                    o.params.epoch,
+                    block_ids=o.block_ids,
+                    mode=Mode.PULL,
+                    peer=p.engine if p is not None else None,  # None: for whichever D claims it
                 )
 
-            future = self._call_connected(peer, ready)
+            future = self._call_connected(peer, ready) if peer is not None else self._thread().call(ready)
             self._ready_starts.append((future, order.request_id))
             taken.append(future)
         if gate is None:

@@ -33,6 +33,7 @@ import msgpack
 from kvflow.errors import ConfigError, PeerProtocolError, UnsupportedVersion
 from kvflow.layout import layout_from_wire
 from kvflow.protocol.messages import (
+    Claim,
     ControlMessage,
     Done,
     Goodbye,
@@ -58,7 +59,8 @@ __all__ = (
 )
 
 MAGIC = "kvflow"
-VERSION = 4  # 2: a Hello no longer carries a role; 3: the receiver's incarnation; 4: a registration's first position
+# 2: a Hello no longer carries a role; 3: the receiver's incarnation; 4: a registration's first position, Claim
+VERSION = 4
 MAX_FRAME_BYTES = 1 << 20
 MAX_ID = 256  # transfer ids (engine ids: `messages.MAX_ENGINE_ID`)
 MAX_TEXT = 1024  # reasons, addresses
@@ -221,6 +223,11 @@ def _done(body: Any) -> Done:
     return Done(_key(tid, epoch))
 
 
+def _claim(body: Any) -> Claim:
+    tid, epoch = _body(body, 2, "claim")
+    return Claim(_key(tid, epoch))
+
+
 def _heartbeat(body: Any) -> Heartbeat:
     (keys,) = _body(body, 1, "heartbeat")
     pairs = _list(keys, "heartbeat keys", MAX_KEYS)
@@ -242,6 +249,7 @@ _DECODERS: dict[int, Decoder] = {
     6: _done,
     7: _heartbeat,
     8: _goodbye,
+    9: _claim,
 }
 
 
@@ -263,6 +271,8 @@ def _encode_body(message: ControlMessage) -> tuple[int, list[Any]]:
         return 5, [message.key.transfer_id, message.key.epoch]
     if isinstance(message, Done):
         return 6, [message.key.transfer_id, message.key.epoch]
+    if isinstance(message, Claim):
+        return 9, [message.key.transfer_id, message.key.epoch]
     if isinstance(message, Heartbeat):
         return 7, [[[k.transfer_id, k.epoch] for k in message.keys]]
     return 8, [message.reason]

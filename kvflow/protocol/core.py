@@ -27,6 +27,7 @@ from kvflow.protocol.actions import Action, DeclarePeerLost, OpKind, ReleaseBloc
 from kvflow.protocol.inbox import PeerInbox
 from kvflow.protocol.machine import Machine, check_block_ids, next_batch
 from kvflow.protocol.messages import (
+    Claim,
     Done,
     Message,
     Notice,
@@ -140,7 +141,7 @@ class TransferCore:
         m.block_ids, m.expected_batches, m.first_position = ids, expected_batches, first_position
         self.ledger.add(m.owner, ids)
         actions += self._replay_early(m, now)
-        if mode is Mode.PUSH and peer in self._connected and m.state is State.ALLOCATED:
+        if peer in self._connected and m.state is State.ALLOCATED and m.remote_blocks is None:
             actions += self._feed(m, Input.REGISTER, now)
         return actions
 
@@ -159,12 +160,13 @@ class TransferCore:
     ) -> list[Action]:
         """P: KV for block positions ``first_position..`` of `layers` (None: all) is ready in
         `block_ids`.  `final` marks the last batch.  The first call creates the machine unless
-        D's registration already did.
+        D's registration already did.  Pull without a `peer`: the KV waits, until `deadline`,
+        for the first peer to claim the transfer (see `Claim`).
 
         :raises InvalidBatch: bad ids, layers out of range, or overlap with an earlier batch.
         :raises InvalidTransition: the transfer cannot take KV now (e.g. after its last batch).
         :raises StaleEpoch: a newer epoch of the id exists.
-        :raises ConfigError: missing deadline or (pull) peer, or mode differs from the transfer's.
+        :raises ConfigError: missing deadline, or mode differs from the transfer's.
         """
         ids = check_block_ids(block_ids, f"kv_ready {key}", unique=False)
         span = layers if layers is not None else (0, self.num_layers)
@@ -176,8 +178,6 @@ class TransferCore:
         if m is None:
             if deadline is None or deadline <= now:
                 raise ConfigError(f"kv_ready {key}: a new transfer needs a deadline after now")
-            if mode is Mode.PULL and peer is None:
-                raise ConfigError(f"kv_ready {key}: pull mode needs the decode peer")
             self._check_epoch(key, _PREFILL)
         elif m.mode is not mode:
             raise ConfigError(f"kv_ready {key}: transfer is {m.mode.value}, not {mode.value}")
@@ -204,7 +204,7 @@ class TransferCore:
             consumed = Effect.RETURN_BATCH not in transition(mode, _PREFILL, m.state, input_).effects
         if not consumed:
             return actions + self._feed(m, input_, now, returned=ids)
-        if m.peer is None:
+        if m.peer is None and peer is not None:
             self.store.set_peer(m, peer)
         self.store.mark_started(m)
         mismatch = m.push_mismatch(self.num_layers, batch, final=final)
@@ -255,7 +255,7 @@ class TransferCore:
         self._connected.add(peer)
         actions: list[Action] = []
         for m in self.store.machines():
-            if m.peer == peer and m.state is State.ALLOCATED and m.mode is Mode.PUSH:
+            if m.peer == peer and m.state is State.ALLOCATED and m.role is _DECODE:
                 actions += self._feed(m, Input.REGISTER, now)
         return actions
 
@@ -498,6 +498,8 @@ class TransferCore:
             out.append(SendMessage(m.peer, Registration(key, m.block_ids, m.expected_batches, ttl, m.first_position)))
         elif effect is Effect.SEND_READY:
             out.append(SendMessage(m.peer, Ready(key, m.pull_source_blocks())))
+        elif effect is Effect.SEND_CLAIM:
+            out.append(SendMessage(m.peer, Claim(key)))
         elif effect is Effect.SEND_ABORT:
             outcome = m.outcome or outcome_of(m.state) or Outcome.FAILED
             out.append(SendMessage(m.peer, Notice(key, outcome, m.reason or reason)))

@@ -19,6 +19,7 @@ from kvflow.errors import InvalidBatch, InvalidTransition, PeerProtocolError
 from kvflow.protocol.actions import Action, SendMessage
 from kvflow.protocol.machine import Machine, check_block_ids, next_batch
 from kvflow.protocol.messages import (
+    Claim,
     Done,
     Message,
     Notice,
@@ -85,7 +86,11 @@ class PeerInbox:
             return self._on_registration(peer, message, now)
         if isinstance(message, Ready):
             return self._on_ready(peer, message, now)
+        if isinstance(message, Claim):
+            return self._on_claim(peer, message, now)
         key = message.key
+        if isinstance(message, Notice):
+            self._bind_unclaimed(key, peer)  # D gave up before its claim reached this side
         role = _PREFILL if isinstance(message, Done) else None
         m = self._lookup_any(key, peer, role)
         if isinstance(message, Notice):
@@ -182,6 +187,31 @@ class PeerInbox:
         m.batches.append(next_batch(m.key, (), 0, m.block_ids, (0, self.num_layers)))
         return self.feed(m, Input.READY_RECEIVED, now)
 
+    def _on_claim(self, peer: str, claim: Claim, now: float) -> list[Action]:
+        """Pull: `peer` asks for a transfer as its decode side.  The first claimant of a
+        transfer made ready for nobody in particular becomes its peer; a claim from the peer
+        it already has changes nothing; any other claimant is refused with a notice."""
+        key = claim.key
+        m = self.store.get(key, _PREFILL)
+        if m is None:  # D may claim before P's KV is ready here: keep it until it is
+            self._hold_unless_stale(peer, claim, (_PREFILL,), now)
+            return []
+        if m.mode is not Mode.PULL:
+            self.stats.foreign_peer += 1
+            return []
+        if m.peer == peer:
+            return []  # P was told its decode peer, or this is the claimant again
+        if m.peer is not None:
+            self.stats.refused_claims += 1
+            return [SendMessage(peer, Notice(key, Outcome.FAILED, "transfer already claimed by another engine"))]
+        self.store.set_peer(m, peer)
+        return self.remote(m, Input.CLAIM_RECEIVED, now)
+
+    def _bind_unclaimed(self, key: TransferKey, peer: str) -> None:
+        m = self.store.get(key, _PREFILL)
+        if m is not None and m.mode is Mode.PULL and m.peer is None and m.state not in TERMINAL:
+            self.store.set_peer(m, peer)
+
     def lookup(self, key: TransferKey, role: Role) -> Machine | None:
         m = self.store.get(key, role)
         if m is None:
@@ -213,7 +243,9 @@ class PeerInbox:
             self.stats.protocol_violations += 1
             return []
 
-    def _hold_unless_stale(self, peer: str, message: Notice | Ready, roles: tuple[Role, ...], now: float) -> None:
+    def _hold_unless_stale(
+        self, peer: str, message: Notice | Ready | Claim, roles: tuple[Role, ...], now: float
+    ) -> None:
         seen = [e for role in roles for e in self.store.epochs(message.key.transfer_id, role)]
         if seen and max(seen) > message.key.epoch:
             self.stats.stale_epoch += 1

@@ -123,6 +123,8 @@ class Machine:
             if self.role is Role.DECODE:
                 return not self.block_ids
             return self.remote_blocks == ()
+        if condition is Condition.UNCLAIMED:
+            return self.peer is None
         assert_never(condition)
 
     def wanted(self, batch: Batch) -> tuple[int, int] | None:

@@ -21,6 +21,7 @@ from kvflow.errors import ConfigError, PeerProtocolError
 from kvflow.protocol.state import Outcome
 
 __all__ = (
+    "Claim",
     "ControlMessage",
     "Done",
     "Goodbye",
@@ -150,6 +151,19 @@ class Ready:
 
 
 @dataclass(frozen=True, slots=True)
+class Claim:
+    """Pull, D to P: I am the decode side of this transfer; tell me where to read.
+
+    P may have made the KV ready for a decode engine it does not know (a sequential router
+    handed P's answer to D): the first associated peer that claims the exact transfer id and
+    epoch becomes its peer; another claimant is refused.  The transfer id is the capability, so
+    it must be unguessable; the control plane authenticates who claims it.
+    """
+
+    key: TransferKey
+
+
+@dataclass(frozen=True, slots=True)
 class Notice:
     """Either direction: this side gave up on the transfer (`outcome`: ABORTED, FAILED or EXPIRED)."""
 
@@ -172,7 +186,7 @@ class Done:
     key: TransferKey
 
 
-Message = Registration | Ready | Notice | Quiesced | Done  # about one transfer: the core's business
+Message = Registration | Ready | Claim | Notice | Quiesced | Done  # about one transfer: the core's business
 ControlMessage = Message | Hello | Heartbeat | Goodbye | Reject  # everything a control channel carries
 
 

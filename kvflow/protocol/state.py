@@ -25,7 +25,9 @@ Two modes run on identical code:
   them; P WRITEs into them as soon as its KV is ready (either may come first); each WRITE carries
   a notification that D counts.  P is the *initiator* of data movement, D the *target*.
 * pull (vLLM's default flow): P reports ready with its block ids; D READs them and then tells P
-  it is done, so P may release.  D is the initiator, P the target.
+  it is done, so P may release.  D is the initiator, P the target.  D claims the transfer when
+  it allocates, so P may make its KV ready for a decode peer it does not know yet (sequential
+  routers): the first claimant becomes the peer.
 
 Safety: who may release blocks, and when
 ----------------------------------------
@@ -112,6 +114,7 @@ Table = dict[tuple[State, Input], Transition]
 _REMOTE = (
     Input.REGISTRATION_RECEIVED,
     Input.READY_RECEIVED,
+    Input.CLAIM_RECEIVED,
     Input.BATCH_LANDED,
     Input.LAST_BATCH_LANDED,
     Input.PEER_ABORTED,
@@ -370,6 +373,11 @@ PUSH_PREFILL: Table = _merge(
 
 PULL_PREFILL: Table = _merge(
     {
+        # A transfer made ready for a decode peer not known yet (a sequential router hands P's
+        # answer to D): the first peer to claim it becomes its peer, told where to read once
+        # the KV is ready.  Nobody claimed it: nothing can read it, so a fence is never needed.
+        (State.PREFILL_RUNNING, Input.CLAIM_RECEIVED): _t(State.PREFILL_RUNNING),
+        (State.PREFILL_READY, Input.CLAIM_RECEIVED): _t(State.PREFILL_READY, Effect.SEND_READY),
         (State.PREFILL_RUNNING, Input.KV_READY): _t(State.PREFILL_RUNNING),
         (State.PREFILL_RUNNING, Input.PREFILL_FINISHED): _t(State.PREFILL_READY, Effect.SEND_READY),
         # D was never told where to read: release at once.
@@ -392,9 +400,13 @@ PULL_PREFILL: Table = _merge(
     # "Nothing in flight" is always safe to hear.
     _absorbing((State.PREFILL_RUNNING, State.PREFILL_READY), [Input.PEER_QUIESCED]),
     _target_fencing([Input.PEER_QUIESCED, Input.PEER_DONE]),
+    # Gave up before any peer claimed it: nothing can be reading (the UNCLAIMED hop).
+    {(fencing, Input.OPS_DRAINED): _t(done, RELEASE) for fencing, done in FENCING_DONE.items()},
     _fencing_ignores((Input.PEER_ABORTED, Input.PEER_FAILED, Input.DUPLICATE, Input.INCOMPATIBLE)),
     _absorbing(FENCING, (Input.KV_READY, Input.PREFILL_FINISHED), (RETURN_BATCH,)),
     _absorbing(TERMINAL, (Input.KV_READY, Input.PREFILL_FINISHED), (RETURN_BATCH,)),
+    # Claimed after it ended (nobody came before its deadline): tell the claimant at once.
+    _absorbing(_FAILED_STATES, [Input.CLAIM_RECEIVED], (SEND_ABORT,)),
     _terminal_common(
         (
             Input.PEER_ABORTED,
@@ -413,6 +425,8 @@ PULL_PREFILL: Table = _merge(
 
 PULL_DECODE: Table = _merge(
     {
+        # Ask P for the transfer: P may have made it ready without knowing this side.
+        (State.ALLOCATED, Input.REGISTER): _t(State.ALLOCATED, Effect.SEND_CLAIM),
         (State.ALLOCATED, Input.READY_RECEIVED): _t(State.READING, SUBMIT),
         # No READ was issued: release at once, and fence P so it can release too.
         (State.ALLOCATED, Input.ABORT): _t(State.ABORTED, RESOLVE, RELEASE, SEND_ABORT, SEND_QUIESCED),
@@ -484,7 +498,8 @@ STATE_TRIGGERED: Mapping[tuple[Mode, Role], StateTriggers] = {
     # D gives up only from READING, where its one READ is in flight, so today this never
     # fires; it keeps the rule the same for every initiator.
     (Mode.PULL, Role.DECODE): _initiator_drains(),
-    (Mode.PULL, Role.PREFILL): {},
+    # P gave up on a transfer no peer claimed: nobody can be reading it, release at once.
+    (Mode.PULL, Role.PREFILL): {(fencing, Condition.UNCLAIMED): Input.OPS_DRAINED for fencing in FENCING_DONE},
 }
 
 

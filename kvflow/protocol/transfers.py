@@ -17,7 +17,7 @@ from dataclasses import dataclass, fields
 from kvflow.errors import ConfigError, UnknownTransfer
 from kvflow.protocol.ledger import BlockLedger
 from kvflow.protocol.machine import Machine
-from kvflow.protocol.messages import Message, Notice, Ready, TransferKey
+from kvflow.protocol.messages import Claim, Message, Notice, Ready, TransferKey
 from kvflow.protocol.state import ACTIVE, TERMINAL, Mode, Role
 
 __all__ = ("CoreConfig", "CoreStats", "Owner", "TransferStore")
@@ -57,6 +57,7 @@ class CoreStats:
     foreign_peer: int = 0  # about a transfer, but from a peer that is not its peer
     protocol_violations: int = 0  # an input the table does not allow, from a peer
     rejected_registrations: int = 0
+    refused_claims: int = 0  # pull P: a claim for a transfer another peer claimed first
     early_messages: int = 0  # about transfers not started here yet, kept until they start
     capped_renewals: int = 0  # lease renewals cut short by `CoreConfig.max_hold`
     over_quota: int = 0  # peer messages refused by a per-peer quota (`CoreConfig.max_peer_*`)
@@ -234,10 +235,11 @@ class TransferStore:
         held = self._early.setdefault(message.key, [])
         if isinstance(message, Notice):
             # The peer withdrew: a ready message kept before it names blocks it may now reuse,
-            # and this side has answered (or will answer) that nothing of it is in flight.  So
-            # it goes even when the notice itself is over the peer's quota.
-            self._uncount([entry for entry in held if isinstance(entry[1], Ready)])
-            held[:] = [entry for entry in held if not isinstance(entry[1], Ready)]
+            # a claim kept before it asks for a read that will not come, and this side has
+            # answered (or will answer) that nothing of it is in flight.  So they go even when
+            # the notice itself is over the peer's quota.
+            self._uncount([entry for entry in held if isinstance(entry[1], Ready | Claim)])
+            held[:] = [entry for entry in held if not isinstance(entry[1], Ready | Claim)]
         if self._early_by_peer.get(peer, 0) >= self.config.max_peer_early:
             if not held:
                 del self._early[message.key]

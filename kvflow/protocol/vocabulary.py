@@ -49,7 +49,7 @@ class State(enum.Enum):
 
 class Input(enum.Enum):
     # from the embedding engine
-    REGISTER = "register"  # D push: the peer is reachable, send the registration
+    REGISTER = "register"  # D: the peer is reachable: send the registration (push) or the claim (pull)
     KV_READY = "kv_ready"  # P: a batch of KV (a chunk or some layers) is ready
     PREFILL_FINISHED = "prefill_finished"  # P: the last batch is ready
     DELIVERED = "delivered"  # D: the consumer took the blocks
@@ -67,6 +67,7 @@ class Input(enum.Enum):
     # from the peer
     REGISTRATION_RECEIVED = "registration_received"
     READY_RECEIVED = "ready_received"
+    CLAIM_RECEIVED = "claim_received"  # pull P: the transfer's decode peer asks where to read
     BATCH_LANDED = "batch_landed"  # a WRITE notification, more batches expected
     LAST_BATCH_LANDED = "last_batch_landed"
     PEER_ABORTED = "peer_aborted"
@@ -83,6 +84,7 @@ class Effect(enum.Enum):
 
     SEND_REGISTRATION = "send_registration"
     SEND_READY = "send_ready"
+    SEND_CLAIM = "send_claim"  # pull D: ask P for the transfer (P may not know this side yet)
     SUBMIT_PENDING = "submit_pending"  # submit an op for every ready, unsubmitted batch
     SEND_ABORT = "send_abort"  # notice carrying this machine's outcome and reason
     SEND_QUIESCED = "send_quiesced"
@@ -101,6 +103,7 @@ class Condition(enum.Enum):
     NOTHING_IN_FLIGHT = "nothing_in_flight"  # none of this machine's own ops is in flight
     # push: D's registration names no block (a full prefix-cache hit on D): nothing is written
     NOTHING_WANTED = "nothing_wanted"
+    UNCLAIMED = "unclaimed"  # no peer has claimed this transfer: nobody can have an op on it
 
 
 class Outcome(enum.Enum):

@@ -283,7 +283,8 @@ class Engine:
         timeout: float | None = None,
     ) -> TransferHandle:
         """P: KV for these positions (and layers) is ready in `block_ids`; `final` marks the last
-        batch.  Push: written as soon as D's registration is here.  Pull: `peer` is told.
+        batch.  Push: written as soon as D's registration is here.  Pull: `peer` is told (without
+        one, the KV waits for the first peer to claim the transfer).
 
         :raises InvalidBatch, InvalidTransition, StaleEpoch, ConfigError: see `TransferCore.kv_ready`.
         :raises EngineClosed, EngineCrashed: the engine is not running.

@@ -1,0 +1,122 @@
+"""The router's backends: which vLLM servers serve each role, how loaded and how healthy each is.
+
+Why apart from the router: choosing a backend is a decision with rules of its own (least
+loaded first, an unhealthy one skipped until it answers its health check again, none left is an
+error naming the role) that is testable without HTTP, and a backend's description grows with
+deployments (a data-parallel rank, say) without touching how requests are relayed.  Only
+`check_health` does I/O: one ``GET /health`` per backend, each bounded by a deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from kvflow.errors import ConfigError, NoBackend
+
+__all__ = ("Backend", "BackendPool", "Lease", "check_health")
+
+log = logging.getLogger("kvflow.router")
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One vLLM server as the router and the kvflow peers know it."""
+
+    url: str  # the vLLM server's HTTP base URL
+    engine: str  # its `engine_id` in --kv-transfer-config
+    kvflow: str  # its kvflow control address (rank 0), tcp://host:port
+
+
+@dataclass
+class _Slot:
+    backend: Backend
+    in_flight: int = 0
+    healthy: bool = True  # until a health check says otherwise
+    why: str = ""  # what the last failed health check saw
+
+
+@dataclass
+class Lease:
+    """A backend chosen for one leg; `release` (idempotent) ends its count as in flight."""
+
+    backend: Backend
+    _slot: _Slot = field(repr=False)
+    _done: bool = False
+
+    def release(self) -> None:
+        if not self._done:
+            self._done = True
+            self._slot.in_flight -= 1
+
+
+class BackendPool:
+    """The backends of one role (prefill or decode), each with its requests in flight and its
+    health.  Pure: `check_health` feeds it."""
+
+    def __init__(self, role: str, backends: Sequence[Backend]) -> None:
+        """:raises ConfigError: no backend, or one URL listed twice."""
+        if not backends:
+            raise ConfigError(f"the router needs at least one {role} backend")
+        urls = [b.url for b in backends]
+        if len(set(urls)) != len(urls):
+            raise ConfigError(f"a {role} backend is listed twice: {urls}")
+        self.role = role
+        self._slots = [_Slot(b) for b in backends]
+        self._turn = 0  # ties go round-robin, so equal backends share the load
+
+    def __iter__(self) -> Iterator[Backend]:
+        return (slot.backend for slot in self._slots)
+
+    def acquire(self) -> Lease:
+        """The healthy backend with the fewest requests in flight, counted as one more.
+
+        :raises NoBackend: every backend of the role is unhealthy.
+        """
+        healthy = [slot for slot in self._slots if slot.healthy]
+        if not healthy:
+            reasons = "; ".join(f"{s.backend.url}: {s.why}" for s in self._slots)
+            raise NoBackend(self.role, f"no healthy {self.role} backend ({reasons})")
+        fewest = min(slot.in_flight for slot in healthy)
+        ties = [slot for slot in healthy if slot.in_flight == fewest]
+        slot = ties[self._turn % len(ties)]
+        self._turn += 1
+        slot.in_flight += 1
+        return Lease(slot.backend, slot)
+
+    def mark(self, backend: Backend, healthy: bool, why: str = "") -> None:
+        """What a health check found; a change is logged."""
+        for slot in self._slots:
+            if slot.backend == backend:
+                if slot.healthy != healthy:
+                    state = "healthy again" if healthy else f"unhealthy, skipped: {why}"
+                    log.warning("%s backend %s is %s", self.role, backend.url, state)
+                slot.healthy, slot.why = healthy, why
+
+    def describe(self) -> list[dict[str, object]]:
+        return [
+            {"url": s.backend.url, "engine": s.backend.engine, "healthy": s.healthy, "in_flight": s.in_flight}
+            | ({"why": s.why} if not s.healthy else {})
+            for s in self._slots
+        ]
+
+
+async def check_health(session: aiohttp.ClientSession, pool: BackendPool, deadline: float) -> None:
+    """``GET /health`` on every backend of `pool` at once, each within `deadline` seconds:
+    HTTP 200 is healthy, anything else (an error status, no answer in time, no connection) not."""
+
+    async def one(backend: Backend) -> None:
+        try:
+            async with asyncio.timeout(deadline), session.get(backend.url + "/health") as response:
+                status = response.status
+            pool.mark(backend, status == 200, f"GET /health answered HTTP {status}")
+        except TimeoutError:
+            pool.mark(backend, False, f"GET /health: no answer within {deadline:g} s")
+        except aiohttp.ClientError as exc:
+            pool.mark(backend, False, f"GET /health: {exc.__class__.__name__}: {exc}")
+
+    await asyncio.gather(*(one(backend) for backend in pool))

@@ -1,0 +1,182 @@
+"""The xPyD router against four fake OpenAI servers (two P, two D), each in its own process.
+
+Selection (the healthy backend with the fewest requests in flight), health checks (a backend
+failing ``GET /health`` is skipped until it passes again; none left for a role is 503 naming
+it) and the sequential mode (P first with vLLM's own params, then D with P's answer), over real
+HTTP on 127.0.0.1.  Load is made by holding answers, never by timing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import pytest
+import pytest_asyncio
+
+from kvflow.integrations.vllm.mapping import SEQUENTIAL_PREFILL_PARAMS
+from tests.test_router import ROUTER_MODULE, WAIT, Process, start_fake, stop_clean
+
+NAMES = ("P1", "P2", "D1", "D2")
+
+
+def start_router(urls: dict[str, str], mode: str) -> tuple[Process, str]:
+    args = ["-m", ROUTER_MODULE, "--port", "0", "--mode", mode, "--health-interval", "0.1"]
+    for name, url in urls.items():
+        role = "prefill" if name.startswith("P") else "decode"
+        port = 5700 if role == "prefill" else 5800
+        args += [f"--{role}", url, f"--{role}-engine", name.lower(), f"--{role}-kvflow", f"tcp://127.0.0.1:{port}"]
+    process = Process(*args)
+    return process, process.wait_for(r"router listening on (http://\S+)").group(1)
+
+
+@dataclass
+class Stack:
+    urls: dict[str, str]
+    concurrent: str
+    sequential: str
+
+
+@pytest.fixture(scope="module")
+def stack() -> Iterator[Stack]:
+    processes: list[Process] = []
+    try:
+        urls = {}
+        for name in NAMES:
+            process, urls[name] = start_fake(name)
+            processes.append(process)
+        routers = []
+        for mode in ("push", "sequential"):
+            process, url = start_router(urls, mode)
+            processes.append(process)
+            routers.append(url)
+        yield Stack(urls, *routers)
+    finally:
+        for process in reversed(processes):
+            stop_clean(process)
+
+
+@dataclass
+class Live:
+    stack: Stack
+    http: aiohttp.ClientSession
+
+    async def post(self, url: str, body: Any) -> Any:
+        async with self.http.post(url, json=body) as response:
+            assert response.status == 200
+            return await response.json()
+
+    async def records(self, name: str) -> list[dict[str, Any]]:
+        async with self.http.get(self.stack.urls[name] + "/requests") as response:
+            records: list[dict[str, Any]] = await response.json()
+            return records
+
+    async def set_health(self, name: str, status: int) -> None:
+        await self.post(self.stack.urls[name] + "/health", {"status": status})
+
+    async def until(self, what: str, check: Any) -> None:
+        try:
+            async with asyncio.timeout(WAIT):
+                while True:
+                    if await check():
+                        return
+                    await asyncio.sleep(0.02)
+        except TimeoutError:
+            raise AssertionError(f"not within {WAIT}s: {what}") from None
+
+    async def router_sees(self, router: str, healthy: dict[str, bool]) -> None:
+        async def check() -> bool:
+            async with self.http.get(router + "/backends") as response:
+                seen = await response.json()
+            by_engine = {b["engine"]: b["healthy"] for role in ("prefill", "decode") for b in seen[role]}
+            return all(by_engine[name.lower()] is value for name, value in healthy.items())
+
+        await self.until(f"{router} sees {healthy}", check)
+
+    async def complete(self, router: str, body: dict[str, Any]) -> tuple[int, Any]:
+        async with self.http.post(router + "/v1/completions", json=body) as response:
+            return response.status, await response.json()
+
+
+@pytest_asyncio.fixture
+async def live(stack: Stack) -> AsyncIterator[Live]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=WAIT)) as http:
+        live = Live(stack, http)
+        for name in NAMES:
+            await live.post(stack.urls[name] + "/reset", {})
+        everyone = dict.fromkeys(NAMES, True)
+        for router in (stack.concurrent, stack.sequential):
+            await live.router_sees(router, everyone)
+        yield live
+
+
+@pytest.mark.asyncio
+async def test_each_request_goes_to_the_backends_with_the_fewest_in_flight(live: Live) -> None:
+    hold_all = {"prompt": "x", "fake": {name: {"hold": True} for name in NAMES}}
+    first = asyncio.create_task(live.complete(live.stack.concurrent, hold_all))
+
+    async def one_held_per_role(count: int) -> bool:
+        held = [sum(bool(r["held"]) for r in await live.records(name)) for name in NAMES]
+        return sum(held[:2]) == count and sum(held[2:]) == count
+
+    await live.until("the first request is held on a P and a D", lambda: one_held_per_role(1))
+    second = asyncio.create_task(live.complete(live.stack.concurrent, hold_all))
+    await live.until("the second request is held too", lambda: one_held_per_role(2))
+    for name in NAMES:  # each backend got one: the second went where nothing was in flight
+        assert len(await live.records(name)) == 1, name
+        await live.post(live.stack.urls[name] + "/release", {})
+    assert [(await task)[0] for task in (first, second)] == [200, 200]
+
+
+@pytest.mark.asyncio
+async def test_an_unhealthy_backend_is_skipped_until_it_is_healthy_again(live: Live) -> None:
+    router = live.stack.concurrent
+    await live.set_health("P1", 503)
+    await live.router_sees(router, {"P1": False, "P2": True})
+    for _ in range(3):
+        assert (await live.complete(router, {"prompt": "x"}))[0] == 200
+    assert (len(await live.records("P1")), len(await live.records("P2"))) == (0, 3)
+    await live.set_health("P1", 200)
+    await live.router_sees(router, {"P1": True})
+    for _ in range(2):  # nothing in flight: ties go round-robin, so P1 gets one of two
+        assert (await live.complete(router, {"prompt": "x"}))[0] == 200
+    assert len(await live.records("P1")) == 1
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("router", ["concurrent", "sequential"])
+async def test_no_healthy_backend_for_a_role_is_503_naming_it(live: Live, router: str) -> None:
+    url = getattr(live.stack, router)
+    for name in ("D1", "D2"):
+        await live.set_health(name, 500)
+    await live.router_sees(url, {"D1": False, "D2": False, "P1": True})
+    status, answer = await live.complete(url, {"prompt": "x"})
+    assert status == 503
+    assert answer["error"]["leg"] == "decode" and "no healthy decode backend" in answer["error"]["message"]
+    assert "HTTP 500" in answer["error"]["message"]  # what the health check saw
+    for name in NAMES:
+        assert await live.records(name) == [], name  # nothing was dispatched
+
+
+@pytest.mark.asyncio
+async def test_sequential_sends_p_vllms_params_then_d_ps_answer(live: Live) -> None:
+    status, answer = await live.complete(live.stack.sequential, {"prompt": "x", "max_tokens": 9})
+    assert status == 200 and answer["choices"][0]["text"].startswith("D")
+    ((p_name, p),) = [(name, r) for name in ("P1", "P2") for r in await live.records(name)]
+    (d,) = [r for name in ("D1", "D2") for r in await live.records(name)]
+    assert p["body"]["kv_transfer_params"] == SEQUENTIAL_PREFILL_PARAMS and p["body"]["max_tokens"] == 1
+    assert d["body"]["kv_transfer_params"] == {"do_remote_prefill": True, "from": p_name, "request": 1}
+    assert d["body"]["max_tokens"] == 9 and d["arrived"] >= p["ended"]  # D only after P's answer
+    assert d["headers"]["x-request-id"] == p["headers"]["x-request-id"]
+
+
+@pytest.mark.asyncio
+async def test_sequential_with_a_failing_prefill_never_calls_decode(live: Live) -> None:
+    body = {"prompt": "x", "fake": {"P1": {"status": 500}, "P2": {"status": 500}}}
+    status, answer = await live.complete(live.stack.sequential, body)
+    assert status == 502 and answer["error"]["leg"] == "prefill" and "HTTP 500" in answer["error"]["message"]
+    for name in ("D1", "D2"):
+        assert await live.records(name) == []
