@@ -58,7 +58,7 @@ __all__ = (
 )
 
 MAGIC = "kvflow"
-VERSION = 3  # 2: a Hello no longer carries a role; 3: the receiver's incarnation
+VERSION = 4  # 2: a Hello no longer carries a role; 3: the receiver's incarnation; 4: a layout names its heads and ranks
 MAX_FRAME_BYTES = 1 << 20
 MAX_ID = 256  # transfer ids (engine ids: `messages.MAX_ENGINE_ID`)
 MAX_TEXT = 1024  # reasons, addresses
