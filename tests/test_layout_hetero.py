@@ -97,8 +97,11 @@ def expanded(plan: object) -> dict[tuple[int, int], tuple[int, int]]:
     return mapping
 
 
+Case = tuple[KVLayout, KVLayout, list[int], list[int], range]
+
+
 @st.composite
-def cases(draw: st.DrawFn) -> tuple[KVLayout, KVLayout, list[int], list[int], range]:
+def cases(draw: st.DrawFn) -> Case:
     total = draw(st.sampled_from([1, 2, 4]))
     kind = draw(st.sampled_from(KINDS))
     tps = draw(st.tuples(st.sampled_from([1, 2, 4]), st.sampled_from([1, 2, 4])))
@@ -127,7 +130,7 @@ def cases(draw: st.DrawFn) -> tuple[KVLayout, KVLayout, list[int], list[int], ra
 
 @settings(max_examples=300, deadline=None)
 @given(cases())
-def test_the_planner_moves_the_bytes_the_reference_moves(case: tuple[KVLayout, KVLayout, list, list, range]) -> None:
+def test_the_planner_moves_the_bytes_the_reference_moves(case: Case) -> None:
     local, remote, lids, rids, layers = case
     want = reference(local, remote, lids, rids, layers)
     span = (layers.start, layers.stop)

@@ -88,8 +88,11 @@ class KVFlowConnector(KVConnectorBase_V1):
         if role is KVConnectorRole.SCHEDULER:
             self._book = SchedulerBook(self._block_size, prefix_caching)
         else:
-            rank = vllm_config.parallel_config.rank
-            self._worker = WorkerSide(self.engine_id, rank, self.settings)
+            parallel, model = vllm_config.parallel_config, vllm_config.model_config
+            heads = 1 if model.use_mla else model.get_total_num_kv_heads()  # MLA: one latent cache on every rank
+            self._worker = WorkerSide(
+                self.engine_id, parallel.rank, self.settings, parallel.tensor_parallel_size, heads
+            )
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:

@@ -198,11 +198,20 @@ def fingerprint(spec: KVSpec) -> dict[str, int | str]:
     return {name: fields[name] for name in FINGERPRINT_FIELDS}
 
 
+def _overlap(a: tuple[Any, Any], b: tuple[Any, Any]) -> bool:
+    """Whether two (first head, count) ranges share a head (malformed ones: assumed so)."""
+    if not all(type(n) is int for n in (*a, *b)):
+        return True
+    return bool(max(a[0], b[0]) < min(a[0] + a[1], b[0] + b[1]))
+
+
 def check_compatible(local: Mapping[str, Any], remote: Mapping[str, Any]) -> None:
     """Compare two fingerprints: the model's fields (`MODEL_FIELDS`) must be equal; the ranks may
-    hold different KV heads (different tensor parallelism) when the layout keeps a head's tokens
-    together, and their block sizes may differ when one is a multiple of the other; otherwise
-    the rank's fields (`RANK_FIELDS`) must be equal too.
+    hold different KV heads (different tensor parallelism) when they share none (they then move
+    nothing to each other, but may still associate: a rank 0 tells its peers where its other
+    ranks are) or when the layout keeps a head's tokens together, and their block sizes may
+    differ when one is a multiple of the other; otherwise the rank's fields (`RANK_FIELDS`) must
+    be equal too.
 
     :raises LayoutMismatch: naming the first field that differs or is missing, and why it may not.
     """
@@ -212,12 +221,12 @@ def check_compatible(local: Mapping[str, Any], remote: Mapping[str, Any]) -> Non
     sizes = (local.get("block_size"), remote.get("block_size"))
     if not all(type(size) is int and size > 0 for size in sizes):
         raise LayoutMismatch("block_size", *sizes)
-    small, large = sorted(sizes)  # type: ignore[type-var]
+    small, large = sorted(int(size) for size in sizes if size is not None)
     if large % small:
         raise LayoutMismatch("block_size", *sizes, detail="one side's block size must be a multiple of the other's")
     heads = [(fp.get("head_start"), fp.get("num_kv_heads")) for fp in (local, remote)]
     layout = str(local.get("kv_layout"))
-    if heads[0] != heads[1] and not heads_outer(layout):
+    if heads[0] != heads[1] and _overlap(*heads) and not heads_outer(layout):
         raise LayoutMismatch(
             "kv_layout",
             layout,

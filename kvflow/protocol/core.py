@@ -105,8 +105,11 @@ class TransferCore:
         deadline: float,
         now: float,
         expected_batches: int = 1,
+        share: str = "",
     ) -> list[Action]:
-        """D: these destination blocks will receive transfer `key` from `peer`.
+        """D: these destination blocks will receive transfer `key` from `peer`; transfers
+        naming the same non-empty `share` group may hold the same blocks (each writes its own
+        part of them: a tensor-parallel rank's KV heads).
 
         An older, unfinished epoch of the same transfer id is aborted (superseded).
 
@@ -121,11 +124,11 @@ class TransferCore:
         if deadline <= now:
             raise ConfigError(f"deadline {deadline} is not after now {now}")
         self._check_epoch(key, _DECODE)
-        self.ledger.check_free(ids)
+        self.ledger.check_free(ids, share)
         actions = self._supersede(key, _DECODE, now)
         m = self.store.create(key, _DECODE, mode, peer, deadline, now)
         m.block_ids, m.expected_batches = ids, expected_batches
-        self.ledger.add(m.owner, ids)
+        self.ledger.add(m.owner, ids, share)
         actions += self._replay_early(m, now)
         if mode is Mode.PUSH and peer in self._connected and m.state is State.ALLOCATED:
             actions += self._feed(m, Input.REGISTER, now)

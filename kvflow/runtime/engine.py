@@ -178,6 +178,10 @@ class Engine:
         self._peers.associate(self.assoc.connect(peer, address))
         await self._peers.handshakes.wait(peer, limit)
 
+    def peer_layout(self, peer: str) -> KVLayout | None:
+        """The KV layout `peer` announced in its handshake (None: not associated).  Never raises."""
+        return self.assoc.layouts.get(peer)
+
     def peers(self) -> list[str]:
         """The engines associated with this one now.  Never raises."""
         return self.assoc.peers()
@@ -237,8 +241,10 @@ class Engine:
         mode: Mode = Mode.PUSH,
         expected_batches: int = 1,
         timeout: float | None = None,
+        share: str = "",
     ) -> TransferHandle:
-        """D: receive transfer (`transfer_id`, `epoch`) from `peer` into `block_ids`.
+        """D: receive transfer (`transfer_id`, `epoch`) from `peer` into `block_ids` (which
+        other transfers of the same `share` group may hold too: see `BlockLedger`).
 
         In push mode the registration is sent as soon as the peer is connected.
         :raises InvalidBatch, BlockConflict, StaleEpoch, ConfigError: see `TransferCore.expect`.
@@ -255,6 +261,7 @@ class Engine:
             deadline=deadline,
             now=now,
             expected_batches=expected_batches,
+            share=share,
         )
         handle = self._handle(key, Role.DECODE)
         self._run(actions)
