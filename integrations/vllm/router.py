@@ -43,7 +43,22 @@ ERROR_DETAIL_BYTES = 2048  # how much of a failed leg's answer is quoted to the 
 class Backend:
     url: str  # the vLLM server's HTTP base URL
     engine: str  # its `engine_id` in --kv-transfer-config
-    kvflow: str  # its kvflow control address (rank 0), tcp://host:port
+    kvflow: str  # its kvflow control address (rank 0 of DP rank 0), tcp://host:port
+    tp_size: int = 1  # its tensor parallelism
+    dp_rank: int | None = None  # the data-parallel rank to address (None: the server's choice, no DP)
+
+    def peer(self) -> PeerRef:
+        """The kvflow peer: with a DP rank, vLLM's engine id ``<engine>_dp<k>`` and kvflow's ports
+        past the `tp_size` ports of each DP rank before it."""
+        if self.dp_rank is None:
+            return PeerRef(self.engine, self.kvflow, self.tp_size)
+        host, port = self.kvflow.rsplit(":", 1)
+        address = f"{host}:{int(port) + self.dp_rank * self.tp_size}"
+        return PeerRef(f"{self.engine}_dp{self.dp_rank}", address, self.tp_size)
+
+    def headers(self, common: dict[str, str]) -> dict[str, str]:
+        """A leg's headers: vLLM routes a request with ``X-data-parallel-rank`` to that DP rank."""
+        return common if self.dp_rank is None else {**common, "X-data-parallel-rank": str(self.dp_rank)}
 
 
 @dataclass(frozen=True)
@@ -63,9 +78,7 @@ SESSION = web.AppKey("session", aiohttp.ClientSession)
 
 def kvflow_params(config: RouterConfig, transfer_id: str, epoch: int = 1) -> dict[str, Any]:
     """The ``kvflow`` entry of both legs' ``kv_transfer_params``."""
-    prefill = PeerRef(config.prefill.engine, config.prefill.kvflow)
-    decode = PeerRef(config.decode.engine, config.decode.kvflow)
-    return TransferParams(transfer_id, epoch, config.mode, prefill, decode).to_params()
+    return TransferParams(transfer_id, epoch, config.mode, config.prefill.peer(), config.decode.peer()).to_params()
 
 
 def prefill_body(body: Mapping[str, Any], params: Mapping[str, Any]) -> dict[str, Any]:
@@ -165,8 +178,9 @@ async def proxy(request: web.Request) -> web.StreamResponse:
     params = kvflow_params(config, transfer_id)
     headers = leg_headers(transfer_id, request.headers.get("Authorization"))
     p_url, d_url = config.prefill.url + request.path, config.decode.url + request.path
-    p_task = asyncio.create_task(_prefill(session, p_url, prefill_body(body, params), headers, config.timeout))
-    d_task = asyncio.create_task(_open(session, "decode", d_url, decode_body(body, params), headers, config.timeout))
+    p_headers, d_headers = config.prefill.headers(headers), config.decode.headers(headers)
+    p_task = asyncio.create_task(_prefill(session, p_url, prefill_body(body, params), p_headers, config.timeout))
+    d_task = asyncio.create_task(_open(session, "decode", d_url, decode_body(body, params), d_headers, config.timeout))
     legs_ok = False
     try:
         pending: set[asyncio.Task[Any]] = {p_task, d_task}
@@ -275,6 +289,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.add_argument(
             f"--{side}-kvflow", type=_tcp_address, default=f"tcp://127.0.0.1:{kvflow}", help="its kvflow address"
         )
+        parser.add_argument(f"--{side}-tp-size", type=int, default=1, help="its tensor parallelism (default 1)")
+        parser.add_argument(f"--{side}-dp-rank", type=int, default=None, help="the data-parallel rank to address")
     parser.add_argument("--mode", choices=("push", "pull"), default="push", help="kvflow transfer mode")
     parser.add_argument("--timeout", type=_positive, default=600.0, help="seconds any one wait may take (default 600)")
     parser.add_argument("--max-body", type=int, default=64 << 20, help="largest request body in bytes")
@@ -283,8 +299,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 async def serve(args: argparse.Namespace) -> None:
     config = RouterConfig(
-        Backend(args.prefill, args.prefill_engine, args.prefill_kvflow),
-        Backend(args.decode, args.decode_engine, args.decode_kvflow),
+        Backend(args.prefill, args.prefill_engine, args.prefill_kvflow, args.prefill_tp_size, args.prefill_dp_rank),
+        Backend(args.decode, args.decode_engine, args.decode_kvflow, args.decode_tp_size, args.decode_dp_rank),
         Mode(args.mode),
         args.timeout,
     )

@@ -147,9 +147,13 @@ def _setting_value(key: str, value: Any, default: Any) -> Any:
 
 
 class WorkerSide:
-    def __init__(self, engine_id: str, rank: int, settings: Settings, tp_size: int = 1, total_heads: int = 0) -> None:
+    def __init__(
+        self, engine_id: str, rank: int, settings: Settings, tp_size: int = 1, total_heads: int = 0, dp_rank: int = 0
+    ) -> None:
         """`tp_size`: the engine's tensor parallelism; `total_heads`: the model's KV heads (1
-        for MLA's latent cache; 0: this rank's heads times `tp_size`)."""
+        for MLA's latent cache; 0: this rank's heads times `tp_size`); `dp_rank`: the engine's
+        data-parallel rank (its ranks bind ports after the ``dp_rank * tp_size`` before them)."""
+        self.port = settings.port + dp_rank * tp_size if settings.port else 0
         self.base_engine_id = engine_id
         self.engine_id = f"{engine_id}-tp{rank}"
         self.rank = rank
@@ -214,7 +218,7 @@ class WorkerSide:
                     granule=layout.block_len,
                     thread_setup=device.bind_thread,
                 )
-            port = settings.port + self.rank if settings.port else 0
+            port = self.port + self.rank if self.port else 0
             control: ControlChannel = ZmqControl(self.engine_id, bind=f"tcp://{settings.host}:{port}")
             return Engine(self.engine_id, layout, transport, control, config=config)
 
@@ -224,7 +228,7 @@ class WorkerSide:
     def _ranked(self, layout: KVLayout) -> KVLayout:
         """:raises ConfigError: see `ranks.ranked_layout`."""
         self.total_heads = self.total_heads or layout.spec.num_kv_heads * self.tp_size
-        port, host = self.settings.port, self.settings.host
+        port, host = self.port, self.settings.host
         table = tuple(f"tcp://{host}:{port + r}" for r in range(self.tp_size)) if port else ()
         return ranked_layout(layout, self.base_engine_id, self.rank, self.tp_size, self.total_heads, table)
 

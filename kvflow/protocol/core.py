@@ -72,10 +72,11 @@ class TransferCore:
         self._ops: dict[int, Owner] = {}
         self._next_op = 1
         self._connected: set[str] = set()
+        self._ratios: dict[str, int] = {}  # a peer's blocks hold this many of the other side's
         # target blocks of torn-down peers that the peer's late one-sided ops may still reach
         self._unfenced: dict[str, list[Machine]] = {}
         self._holding_for: str | None = None  # set while `peer_lost` keeps target blocks
-        self._inbox = PeerInbox(self.store, self.stats, num_layers, self.feed)
+        self._inbox = PeerInbox(self.store, self.stats, num_layers, self.feed, self._ratios)
 
     # ------------------------------------------------------------------ introspection
 
@@ -197,7 +198,8 @@ class TransferCore:
         if m.peer is None:
             self.store.set_peer(m, peer)
         self.store.mark_started(m)
-        mismatch = m.push_mismatch(self.num_layers, batch, final=final)
+        ratio = self._ratios.get(m.peer, 1) if m.peer is not None else 1
+        mismatch = m.push_mismatch(self.num_layers, batch, final=final, ratio=ratio)
         m.batches.append(batch)
         m.final_seen = final
         self.ledger.add(m.owner, ids)
@@ -240,9 +242,12 @@ class TransferCore:
 
     # ------------------------------------------------------------------ peers and time
 
-    def peer_connected(self, peer: str, now: float) -> list[Action]:
-        """The control channel to `peer` is up: send registrations that were waiting for it."""
+    def peer_connected(self, peer: str, now: float, block_ratio: int = 1) -> list[Action]:
+        """The control channel to `peer` is up: send registrations that were waiting for it.
+        `block_ratio`: the larger of the two sides' block sizes over the smaller (P's blocks land
+        in D's at token offsets, `block_ratio` per D block)."""
         self._connected.add(peer)
+        self._ratios[peer] = max(1, block_ratio)
         actions: list[Action] = []
         for m in self.store.machines():
             if m.peer == peer and m.state is State.ALLOCATED and m.mode is Mode.PUSH:
@@ -259,6 +264,7 @@ class TransferCore:
         side is the *target* of (D in push, P in pull) stay quarantined until `peer_fenced`.
         """
         self._connected.discard(peer)
+        self._ratios.pop(peer, None)
         # What the peer said about transfers not started here refers to blocks its teardown
         # has released: forget it.
         self.store.drop_early_from(peer)
@@ -513,7 +519,8 @@ class TransferCore:
             self._ops[op_id] = m.owner
             m.inflight.add(op_id)
             if m.mode is Mode.PUSH:
-                remote = remote_blocks[batch.first : batch.stop]
+                ratio = self._ratios.get(peer, 1)
+                remote = remote_blocks[batch.first // ratio : -(-batch.stop // ratio)]
                 layers = None if batch.layers == (0, self.num_layers) else batch.layers
                 note = encode_notification(m.key, batch.index)
                 out.append(SubmitOp(op_id, m.key, peer, OpKind.WRITE, batch.block_ids, remote, layers, note))

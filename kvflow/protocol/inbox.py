@@ -45,7 +45,12 @@ class Feed(Protocol):
 class PeerInbox:
     """Refines one core's inbound peer events; holds no state of its own."""
 
-    def __init__(self, store: TransferStore, stats: CoreStats, num_layers: int, feed: Feed) -> None:
+    def __init__(
+        self, store: TransferStore, stats: CoreStats, num_layers: int, feed: Feed, ratios: dict[str, int]
+    ) -> None:
+        """`ratios`: per peer, its block size over this side's or this side's over its (the
+        larger over the smaller), as `TransferCore.peer_connected` was told."""
+        self.ratios = ratios
         self.store = store
         self.stats = stats
         self.config = store.config
@@ -137,7 +142,7 @@ class PeerInbox:
             self.store.set_remote_blocks(m, reg.block_ids)
             m.remote_expected = reg.expected_batches
             self.store.set_deadline(m, min(m.deadline, now + min(reg.ttl, self.config.max_ttl)))
-            problem = m.push_mismatch(self.num_layers)
+            problem = m.push_mismatch(self.num_layers, ratio=self.ratios.get(peer, 1))
         if problem is not None and m.state not in TERMINAL:
             return self.remote(m, Input.INCOMPATIBLE, now, problem)
         return self.feed(m, Input.REGISTRATION_RECEIVED, now, reason=m.reason or "transfer already ended")
@@ -165,7 +170,7 @@ class PeerInbox:
             blocks = check_block_ids(ready.block_ids, "ready", unique=False)
         except InvalidBatch as exc:
             return self.remote(m, Input.INCOMPATIBLE, now, str(exc))
-        if len(blocks) != len(m.block_ids):
+        if -(-len(blocks) // self.ratios.get(peer, 1)) != len(m.block_ids):
             return self.remote(
                 m, Input.INCOMPATIBLE, now, f"P is ready with {len(blocks)} blocks, D expects {len(m.block_ids)}"
             )

@@ -121,12 +121,16 @@ class Machine:
             return not self.inflight
         assert_never(condition)
 
-    def push_mismatch(self, num_layers: int, extra: Batch | None = None, *, final: bool = False) -> str | None:
+    def push_mismatch(
+        self, num_layers: int, extra: Batch | None = None, *, final: bool = False, ratio: int = 1
+    ) -> str | None:
         """Why P's batches cannot fill D's registration, or None if they can (so far).
 
         Checked whenever either side's information changes: D registered `remote_blocks` and
         expects `remote_expected` WRITEs; P's batches (plus `extra`, not yet added) must tile
-        positions x layers exactly once the last one is in (`final`).
+        positions x layers exactly once the last one is in (`final`).  `ratio`: P blocks per D
+        block (D's block size a multiple of P's): P's positions fill D's blocks `ratio` at a time,
+        each batch starting at a D block's first token.
         """
         if self.remote_blocks is None:
             return None
@@ -135,15 +139,17 @@ class Machine:
         if len(batches) > self.remote_expected:
             return f"P has {len(batches)} batches but D expects {self.remote_expected} writes"
         for batch in batches:
-            if batch.stop > registered:
+            if batch.stop > registered * ratio:
                 return f"P's KV reaches block position {batch.stop} but D registered {registered} blocks"
+            if batch.first % ratio:
+                return f"P's batch starts at block position {batch.first}, inside one of D's {ratio}x larger blocks"
         if final or self.final_seen:
             if len(batches) != self.remote_expected:
                 return f"P produced {len(batches)} batches but D expects {self.remote_expected} writes"
-            if sum(b.area for b in batches) != registered * num_layers:
-                return (
-                    f"P's KV covers {sum(b.area for b in batches)} block-layers, D registered {registered * num_layers}"
-                )
+            stop = max(b.stop for b in batches)
+            if -(-stop // ratio) != registered or sum(b.area for b in batches) != stop * num_layers:
+                covered = sum(b.area for b in batches)
+                return f"P's KV covers {covered} block-layers of {stop} blocks, D registered {registered} blocks"
         return None
 
     def pull_source_blocks(self) -> tuple[int, ...]:
