@@ -44,7 +44,7 @@ class Backend:
     url: str  # the vLLM server's HTTP base URL
     engine: str  # its `engine_id` in --kv-transfer-config
     kvflow: str  # its kvflow control address (rank 0 of DP rank 0), tcp://host:port
-    tp_size: int = 1  # its tensor parallelism
+    tp_size: int = 0  # its tensor parallelism (0: not said; each side then assumes the other's equals its own)
     dp_rank: int | None = None  # the data-parallel rank to address (None: the server's choice, no DP)
 
     def peer(self) -> PeerRef:
@@ -53,7 +53,7 @@ class Backend:
         if self.dp_rank is None:
             return PeerRef(self.engine, self.kvflow, self.tp_size)
         host, port = self.kvflow.rsplit(":", 1)
-        address = f"{host}:{int(port) + self.dp_rank * self.tp_size}"
+        address = f"{host}:{int(port) + self.dp_rank * max(1, self.tp_size)}"
         return PeerRef(f"{self.engine}_dp{self.dp_rank}", address, self.tp_size)
 
     def headers(self, common: dict[str, str]) -> dict[str, str]:
@@ -289,7 +289,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.add_argument(
             f"--{side}-kvflow", type=_tcp_address, default=f"tcp://127.0.0.1:{kvflow}", help="its kvflow address"
         )
-        parser.add_argument(f"--{side}-tp-size", type=int, default=1, help="its tensor parallelism (default 1)")
+        parser.add_argument(
+            f"--{side}-tp-size", type=int, default=0, help="its tensor parallelism (needed when P's and D's differ)"
+        )
         parser.add_argument(f"--{side}-dp-rank", type=int, default=None, help="the data-parallel rank to address")
     parser.add_argument("--mode", choices=("push", "pull"), default="push", help="kvflow transfer mode")
     parser.add_argument("--timeout", type=_positive, default=600.0, help="seconds any one wait may take (default 600)")

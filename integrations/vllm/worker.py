@@ -41,7 +41,7 @@ from kvflow.control.zeromq import ZmqControl
 from kvflow.errors import ConfigError, KVFlowError, UnknownTransfer, UsageError
 from kvflow.integrations.vllm.device import Device, Gate, GateWaiter, HostDevice
 from kvflow.integrations.vllm.kv_caches import CacheDescription
-from kvflow.integrations.vllm.mapping import Order, Orders, PeerRef, TransferParams
+from kvflow.integrations.vllm.mapping import Order, Orders, PeerRef
 from kvflow.integrations.vllm.ranks import PairBook, pair_keys, ranked_layout, reach_rank, tp_sizes
 from kvflow.layout import MAX_SPEC_TEXT, KVLayout
 from kvflow.protocol.actions import ReleaseBlocks
@@ -232,10 +232,6 @@ class WorkerSide:
         table = tuple(f"tcp://{host}:{port + r}" for r in range(self.tp_size)) if port else ()
         return ranked_layout(layout, self.base_engine_id, self.rank, self.tp_size, self.total_heads, table)
 
-    def _pair_keys(self, params: TransferParams, role: Role) -> list[tuple[int, TransferKey]]:
-        """:raises ConfigError: see `ranks.pair_keys`."""
-        return pair_keys(params, role, self.rank, self.tp_size, self.total_heads)
-
     @property
     def address(self) -> str:
         return self.thread.engine.control.address if self.thread is not None else ""
@@ -251,7 +247,7 @@ class WorkerSide:
         for order in orders.expect:
             params = order.params
             try:
-                pairs = self._pair_keys(params, Role.DECODE)
+                pairs = pair_keys(params, Role.DECODE, self.rank, self.tp_size, self.total_heads)
             except ConfigError as exc:  # reported as a failed load by the next results()
                 self._failed_starts.append((_failed(exc), order.request_id, order.block_ids, None))
                 continue
@@ -344,7 +340,7 @@ class WorkerSide:
         """P: the pairs this rank feeds for `order`, recorded; none (or params it cannot use):
         kvflow takes no block, and the request is reported sent once vLLM says it finished."""
         try:
-            pairs = self._pair_keys(order.params, Role.PREFILL)
+            pairs = pair_keys(order.params, Role.PREFILL, self.rank, self.tp_size, self.total_heads)
         except ConfigError as exc:
             log.error("%s: could not hand over the KV of %s: %s", self.engine_id, order.request_id, exc)
             pairs = []
@@ -421,7 +417,9 @@ class WorkerSide:
             self._aborted.add(order.request_id)  # its release is then no load failure
         else:
             try:
-                keys = keys or [key for _, key in self._pair_keys(order.params, role)]
+                keys = keys or [
+                    key for _, key in pair_keys(order.params, role, self.rank, self.tp_size, self.total_heads)
+                ]
             except ConfigError:
                 return  # nothing was started with these params
         for key in keys:
