@@ -114,11 +114,12 @@ class ConfigError(KVFlowError, ValueError):
 class LayoutMismatch(KVFlowError):
     """Two peers' KV layouts are incompatible; `field` names the first field that differs."""
 
-    def __init__(self, field: str, local: object, remote: object) -> None:
+    def __init__(self, field: str, local: object, remote: object, detail: str = "") -> None:
         self.field = field
         self.local = local
         self.remote = remote
-        super().__init__(f"kv layout mismatch on {field}: local={local!r} remote={remote!r}")
+        why = f": {detail}" if detail else ""
+        super().__init__(f"kv layout mismatch on {field}: local={local!r} remote={remote!r}{why}")
 
 
 class UnknownTransport(KVFlowError, LookupError):

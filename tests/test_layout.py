@@ -127,7 +127,7 @@ def test_bad_plans_are_refused() -> None:
         plan_transfer(layout, layout, [0, 1], [0])
     with pytest.raises(InvalidBatch, match="layers"):
         plan_transfer(layout, layout, [0], [0], (2, 9))
-    other = make_layout("per-layer", 4, KVSpec(num_layers=3, block_size=4, num_kv_heads=1, head_dim=4, dtype="float16"))
+    other = make_layout("per-layer", 4, KVSpec(num_layers=3, block_size=2, num_kv_heads=1, head_dim=8, dtype="float16"))
     with pytest.raises(LayoutMismatch, match="block_len"):
         plan_transfer(layout, other, [0], [0])
 
@@ -174,7 +174,7 @@ def test_a_page_splits_into_any_number_of_equal_arrays_and_round_trips_the_wire(
     with pytest.raises(ConfigError, match="equal arrays"):
         KVSpec(num_layers=1, block_size=4, num_kv_heads=1, head_dim=3, dtype="int8", arrays_per_layer=5)
     with pytest.raises(ConfigError, match="at most"):
-        layout_from_wire({**layout_to_wire(layout), "spec": [*layout_to_wire(layout)["spec"][:9], "m" * 300, ""]})
+        layout_from_wire({**layout_to_wire(layout), "spec": [*layout_to_wire(layout)["spec"][:9], "m" * 300, "", 0, 0]})
 
 
 def test_invalid_layouts_are_refused_with_the_reason() -> None:

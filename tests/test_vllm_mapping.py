@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given
 
 from kvflow.errors import ConfigError
-from kvflow.integrations.vllm.mapping import Order, Orders, PeerRef, SchedulerBook, TransferParams, rank_peer
+from kvflow.integrations.vllm.mapping import Order, Orders, PeerRef, SchedulerBook, TransferParams
 from kvflow.protocol.state import Mode
 
 BLOCK_SIZE = 4
@@ -188,47 +188,6 @@ def test_a_non_entry_kvflow_value_is_refused_or_none(kv: Any) -> None:
     else:
         with pytest.raises(ConfigError):
             TransferParams.parse({"kvflow": kv})
-
-
-# ==================================================================== rank_peer
-
-
-@pytest.mark.parametrize(
-    ("address", "rank", "expected"),
-    [
-        ("tcp://10.0.0.1:5700", 0, "tcp://10.0.0.1:5700"),
-        ("tcp://10.0.0.1:5700", 3, "tcp://10.0.0.1:5703"),
-        ("tcp://[::1]:5700", 1, "tcp://[::1]:5701"),
-        ("tcp://host.example:0", 2, "tcp://host.example:0"),  # port 0 is no address: left alone
-        ("tcp://host:\u00b2", 1, "tcp://host:\u00b2"),  # not ASCII digits: left alone, never raises
-        ("tcp://host:\u0663", 1, "tcp://host:\u0663"),
-        ("tcp://host:65535", 0, "tcp://host:65535"),
-        ("tcp://host", 2, "tcp://host"),  # no port: nothing to shift
-        ("tcp://host:", 2, "tcp://host:"),
-        ("tcp://host:http", 2, "tcp://host:http"),
-        ("ipc:///tmp/kvflow:5700", 2, "ipc:///tmp/kvflow:5700"),  # only tcp ports are per rank
-        ("", 1, ""),
-    ],
-)
-def test_rank_peer_shifts_tcp_ports_and_names_the_rank(address: str, rank: int, expected: str) -> None:
-    assert rank_peer(PeerRef("eng", address), rank) == PeerRef(f"eng-tp{rank}", expected)
-
-
-@given(
-    host=st.from_regex(r"[a-z0-9.\-]{1,20}", fullmatch=True),
-    port=st.integers(1, 60000),
-    ranks=st.lists(st.integers(0, 64), min_size=1, max_size=8, unique=True),
-)
-def test_rank_peer_gives_each_rank_its_own_engine_and_port(host: str, port: int, ranks: list[int]) -> None:
-    peers = [rank_peer(PeerRef("prefill", f"tcp://{host}:{port}"), rank) for rank in ranks]
-    assert [p.address for p in peers] == [f"tcp://{host}:{port + rank}" for rank in ranks]
-    assert len({p.engine for p in peers}) == len(ranks)
-    assert all(p.engine.startswith("prefill-tp") for p in peers)
-
-
-def test_rank_peer_refuses_a_port_past_65535() -> None:
-    with pytest.raises(ConfigError, match="rank 2 would need port 65536"):
-        rank_peer(PeerRef("eng", "tcp://host:65534"), 2)
 
 
 # ==================================================================== Orders

@@ -93,8 +93,8 @@ def params(p: StandInEngine, d: StandInEngine, transfer_id: str, mode: str = "pu
         "transfer_id": transfer_id,
         "epoch": 1,
         "mode": mode,
-        "prefill": {"engine": "prefill", "address": p.worker.control_address},
-        "decode": {"engine": "decode", "address": d.worker.control_address},
+        "prefill": {"engine": "prefill", "address": p.worker.control_address, "tp_size": p.options.tensor_parallel},
+        "decode": {"engine": "decode", "address": d.worker.control_address, "tp_size": d.options.tensor_parallel},
     }
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from kvflow.errors import ConfigError, NoBackend
+from kvflow.integrations.vllm.mapping import PeerRef
 
 __all__ = ("Backend", "BackendPool", "Lease", "check_health")
 
@@ -29,7 +30,22 @@ class Backend:
 
     url: str  # the vLLM server's HTTP base URL
     engine: str  # its `engine_id` in --kv-transfer-config
-    kvflow: str  # its kvflow control address (rank 0), tcp://host:port
+    kvflow: str  # its kvflow control address (rank 0 of DP rank 0), tcp://host:port
+    tp_size: int = 0  # its tensor parallelism (0: not said; each side then assumes the other's equals its own)
+    dp_rank: int | None = None  # the data-parallel rank to address (None: the server's choice, no DP)
+
+    def peer(self) -> PeerRef:
+        """The kvflow peer: with a DP rank, vLLM's engine id ``<engine>_dp<k>`` and kvflow's ports
+        past the `tp_size` ports of each DP rank before it."""
+        if self.dp_rank is None:
+            return PeerRef(self.engine, self.kvflow, self.tp_size)
+        host, port = self.kvflow.rsplit(":", 1)
+        address = f"{host}:{int(port) + self.dp_rank * max(1, self.tp_size)}"
+        return PeerRef(f"{self.engine}_dp{self.dp_rank}", address, self.tp_size)
+
+    def headers(self, common: dict[str, str]) -> dict[str, str]:
+        """A leg's headers: vLLM routes a request with ``X-data-parallel-rank`` to that DP rank."""
+        return common if self.dp_rank is None else {**common, "X-data-parallel-rank": str(self.dp_rank)}
 
 
 @dataclass

@@ -76,7 +76,14 @@ class KVFlowConnector(KVConnectorBase_V1):
         transfer = vllm_config.kv_transfer_config
         assert transfer is not None  # checked by the base class
         self.settings = Settings.from_extra(transfer.kv_connector_extra_config)
-        self.engine_id = str(transfer.engine_id)
+        # data parallelism: one engine per DP rank, named as vLLM's engine core names it
+        # (``<engine_id>_dp<k>``, which it does itself when it runs DP ranks), its ranks' ports
+        # after the DP ranks' before it (as vLLM's NIXL connector offsets its side channel)
+        parallel = vllm_config.parallel_config
+        self._dp = int(getattr(parallel, "data_parallel_index", parallel.data_parallel_rank) or 0)
+        engine_id, suffix = str(transfer.engine_id), f"_dp{self._dp}"
+        dp_size = int(parallel.data_parallel_size)
+        self.engine_id = engine_id + suffix if dp_size > 1 and not engine_id.endswith(suffix) else engine_id
         check_supported(vllm_config, kv_cache_config)
         self._block_size = vllm_config.cache_config.block_size
         self._book: SchedulerBook | None = None
@@ -87,12 +94,14 @@ class KVFlowConnector(KVConnectorBase_V1):
         # and vLLM shares received blocks only once their load completed (see mapping.py).
         prefix_caching = bool(vllm_config.cache_config.enable_prefix_caching)
         if role is KVConnectorRole.SCHEDULER:
-            self._book = SchedulerBook(
-                self._block_size, prefix_caching, producer=self.settings.producer(self.engine_id)
-            )
+            tp_size = vllm_config.parallel_config.tensor_parallel_size
+            producer = self.settings.producer(self.engine_id, tp_size, self._dp)
+            self._book = SchedulerBook(self._block_size, prefix_caching, producer=producer)
         else:
-            rank = vllm_config.parallel_config.rank
-            self._worker = WorkerSide(self.engine_id, rank, self.settings)
+            parallel, model = vllm_config.parallel_config, vllm_config.model_config
+            heads = 1 if model.use_mla else model.get_total_num_kv_heads()  # MLA: one latent cache on every rank
+            tp_size = parallel.tensor_parallel_size
+            self._worker = WorkerSide(self.engine_id, parallel.rank, self.settings, tp_size, heads, self._dp)
             self._meter = RankMeter(self._worker.engine_id)
 
     @classmethod

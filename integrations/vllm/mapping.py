@@ -7,8 +7,11 @@ lets them be tested exhaustively without vLLM and survive its API churn.
 The router sets, in each request's ``kv_transfer_params``, a ``kvflow`` entry:
 
     {"transfer_id": str, "epoch": int, "mode": "push" | "pull",
-     "prefill": {"engine": str, "address": "tcp://host:port"},
-     "decode":  {"engine": str, "address": "tcp://host:port"}}
+     "prefill": {"engine": str, "address": "tcp://host:port", "tp_size": int},
+     "decode":  {"engine": str, "address": "tcp://host:port", "tp_size": int}}
+
+(the address is the engine's tensor-parallel rank 0; ``tp_size``, optional, is the engine's
+tensor parallelism: see `kvflow.integrations.vllm.ranks` for why it travels with the request)
 
 plus vLLM's own flags: ``do_remote_decode`` on the prefill request, ``do_remote_prefill`` on the
 decode request.  Transfers are matched by ``transfer_id``, never by request ids.  In pull mode
@@ -56,7 +59,7 @@ from kvflow.protocol.state import Mode
 
 log = logging.getLogger("kvflow.vllm")
 
-__all__ = ("SEQUENTIAL_PREFILL_PARAMS", "Order", "Orders", "PeerRef", "SchedulerBook", "TransferParams", "rank_peer")
+__all__ = ("SEQUENTIAL_PREFILL_PARAMS", "Order", "Orders", "PeerRef", "SchedulerBook", "TransferParams")
 
 MODES = {mode.value: mode for mode in Mode}  # a mode travels as its value
 
@@ -76,6 +79,7 @@ SEQUENTIAL_PREFILL_PARAMS: Mapping[str, Any] = {
 class PeerRef:
     engine: str
     address: str
+    tp_size: int = 0  # the engine's tensor parallelism; 0: not said (taken as the local one's)
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,11 +116,18 @@ class TransferParams:
             "transfer_id": self.transfer_id,
             "epoch": self.epoch,
             "mode": self.mode.value,
-            "prefill": {"engine": self.prefill.engine, "address": self.prefill.address},
+            "prefill": _peer_params(self.prefill),
         }
         if self.decode is not None:
-            params["decode"] = {"engine": self.decode.engine, "address": self.decode.address}
+            params["decode"] = _peer_params(self.decode)
         return params
+
+
+def _peer_params(peer: PeerRef) -> dict[str, Any]:
+    entry: dict[str, Any] = {"engine": peer.engine, "address": peer.address}
+    if peer.tp_size:
+        entry["tp_size"] = peer.tp_size
+    return entry
 
 
 def _peer(raw: Mapping[str, Any], side: str) -> PeerRef:
@@ -128,7 +139,10 @@ def _peer(raw: Mapping[str, Any], side: str) -> PeerRef:
         raise ConfigError(
             f"kv_transfer_params.kvflow.{side}.address must be 'tcp://host:port' (port 1..65535), not {address!r:.80}"
         )
-    return PeerRef(entry["engine"], address)
+    tp_size = entry.get("tp_size", 0)
+    if type(tp_size) is not int or not 0 <= tp_size <= 1024:
+        raise ConfigError(f"kv_transfer_params.kvflow.{side}.tp_size must be an integer 1..1024, not {tp_size!r:.40}")
+    return PeerRef(entry["engine"], address, tp_size)
 
 
 _TCP_ADDRESS = re.compile(r"tcp://[^\s/]+:([0-9]{1,5})", re.ASCII)
@@ -139,21 +153,6 @@ def _port_of(address: str) -> int:
     match = _TCP_ADDRESS.fullmatch(address)
     port = int(match.group(1)) if match else 0
     return port if port <= 65535 else 0
-
-
-def rank_peer(peer: PeerRef, rank: int) -> PeerRef:
-    """The peer's engine for tensor-parallel rank `rank`: rank r of an engine is named
-    ``<engine>-tp<r>`` and binds the rank-0 port + r.
-
-    :raises ConfigError: that port would be past 65535.
-    """
-    address = peer.address
-    port = _port_of(address)
-    if port:
-        if port + rank > 65535:
-            raise ConfigError(f"peer {peer.engine!r} at {address}: rank {rank} would need port {port + rank}")
-        address = f"{address.rsplit(':', 1)[0]}:{port + rank}"
-    return PeerRef(f"{peer.engine}-tp{rank}", address)
 
 
 @dataclass(frozen=True, slots=True)

@@ -46,7 +46,7 @@ from aiohttp import web
 from kvflow.errors import ConfigError, LegFailed, NoBackend
 from kvflow.integrations.vllm.backends import Backend as Backend
 from kvflow.integrations.vllm.backends import BackendPool, check_health
-from kvflow.integrations.vllm.mapping import SEQUENTIAL_PREFILL_PARAMS, PeerRef, TransferParams
+from kvflow.integrations.vllm.mapping import SEQUENTIAL_PREFILL_PARAMS, TransferParams
 from kvflow.protocol.state import Mode
 
 log = logging.getLogger("kvflow.router")
@@ -82,8 +82,7 @@ POOLS = web.AppKey("pools", Pools)
 
 def kvflow_params(mode: Mode, prefill: Backend, decode: Backend, transfer_id: str, epoch: int = 1) -> dict[str, Any]:
     """The ``kvflow`` entry of both legs' ``kv_transfer_params`` (concurrent dispatch)."""
-    p, d = PeerRef(prefill.engine, prefill.kvflow), PeerRef(decode.engine, decode.kvflow)
-    return TransferParams(transfer_id, epoch, mode, p, d).to_params()
+    return TransferParams(transfer_id, epoch, mode, prefill.peer(), decode.peer()).to_params()
 
 
 def prefill_body(body: Mapping[str, Any], params: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -201,14 +200,15 @@ async def proxy(request: web.Request) -> web.StreamResponse:
     transfer_id = uuid.uuid4().hex
     headers = leg_headers(transfer_id, request.headers.get("Authorization"))
     p_url, d_url = p_lease.backend.url + request.path, d_lease.backend.url + request.path
+    legs = (p_lease.backend.headers(headers), d_lease.backend.headers(headers))
     try:
         if config.sequential:
-            upstream = await _sequential(session, body, p_url, d_url, headers, transfer_id, config.timeout)
+            upstream = await _sequential(session, body, (p_url, d_url), legs, transfer_id, config.timeout)
             p_lease.release()
         else:
             params = kvflow_params(config.mode, p_lease.backend, d_lease.backend, transfer_id)
             p_body, d_body = prefill_body(body, params), decode_body(body, params)
-            upstream = await _concurrent(session, p_body, d_body, p_url, d_url, headers, config.timeout)
+            upstream = await _concurrent(session, p_body, d_body, (p_url, d_url), legs, config.timeout)
             p_lease.release()
         return await _relay(request, upstream, transfer_id, config.timeout)
     except LegFailed as exc:
@@ -222,14 +222,15 @@ async def proxy(request: web.Request) -> web.StreamResponse:
 async def _sequential(
     session: aiohttp.ClientSession,
     body: dict[str, Any],
-    p_url: str,
-    d_url: str,
-    headers: dict[str, str],
+    urls: tuple[str, str],
+    headers: tuple[dict[str, str], dict[str, str]],
     transfer_id: str,
     timeout: float,
 ) -> aiohttp.ClientResponse:
-    """P, then D with what P answered.  :raises LegFailed: either leg failed."""
-    answer = await _prefill(session, p_url, prefill_body(body, None), headers, timeout)
+    """P, then D with what P answered (`urls` and `headers`: P's, D's).  :raises LegFailed:
+    either leg failed."""
+    (p_url, d_url), (p_headers, d_headers) = urls, headers
+    answer = await _prefill(session, p_url, prefill_body(body, None), p_headers, timeout)
     try:
         params = answered_params(json.loads(answer))
     except ValueError:
@@ -239,22 +240,22 @@ async def _sequential(
     d_body = dict(body)
     if params is not None:
         d_body["kv_transfer_params"] = params
-    return await _open(session, "decode", d_url, d_body, headers, timeout)
+    return await _open(session, "decode", d_url, d_body, d_headers, timeout)
 
 
 async def _concurrent(
     session: aiohttp.ClientSession,
     p_body: dict[str, Any],
     d_body: dict[str, Any],
-    p_url: str,
-    d_url: str,
-    headers: dict[str, str],
+    urls: tuple[str, str],
+    headers: tuple[dict[str, str], dict[str, str]],
     timeout: float,
 ) -> aiohttp.ClientResponse:
-    """Both legs at once; D's response once P has answered.  :raises LegFailed: either leg
-    failed (the other is cancelled)."""
-    p_task = asyncio.create_task(_prefill(session, p_url, p_body, headers, timeout))
-    d_task = asyncio.create_task(_open(session, "decode", d_url, d_body, headers, timeout))
+    """Both legs at once (`urls` and `headers`: P's, D's); D's response once P has answered.
+    :raises LegFailed: either leg failed (the other is cancelled)."""
+    (p_url, d_url), (p_headers, d_headers) = urls, headers
+    p_task = asyncio.create_task(_prefill(session, p_url, p_body, p_headers, timeout))
+    d_task = asyncio.create_task(_open(session, "decode", d_url, d_body, d_headers, timeout))
     legs_ok = False
     try:
         pending: set[asyncio.Task[Any]] = {p_task, d_task}
@@ -384,6 +385,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         )
         parser.add_argument(f"--{side}-engine", action="append", help="its engine_id in --kv-transfer-config")
         parser.add_argument(f"--{side}-kvflow", type=_tcp_address, action="append", help="its kvflow address")
+        parser.add_argument(
+            f"--{side}-tp-size", type=int, action="append", help="its tensor parallelism (when P's and D's differ)"
+        )
+        parser.add_argument(f"--{side}-dp-rank", type=int, action="append", help="the data-parallel rank to address")
     parser.add_argument(
         "--mode",
         choices=("push", "pull", "sequential"),
@@ -404,13 +409,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         setattr(args, side, urls)
         setattr(args, f"{side}_engine", engines)
         setattr(args, f"{side}_kvflow", addresses)
+        for option, default in (("tp_size", 0), ("dp_rank", None)):
+            given = getattr(args, f"{side}_{option}") or [default] * len(urls)
+            if len(given) != len(urls):
+                parser.error(f"give --{side}-{option.replace('_', '-')} once for each {side} backend, or never")
+            setattr(args, f"{side}_{option}", given)
     return args
 
 
 def config_from(args: argparse.Namespace) -> RouterConfig:
     """:raises ConfigError: see `make_app`."""
-    prefill = tuple(map(Backend, args.prefill, args.prefill_engine, args.prefill_kvflow))
-    decode = tuple(map(Backend, args.decode, args.decode_engine, args.decode_kvflow))
+    prefill, decode = (
+        tuple(
+            map(
+                Backend,
+                *(getattr(args, f"{side}{part}") for part in ("", "_engine", "_kvflow", "_tp_size", "_dp_rank")),
+            )
+        )
+        for side in ("prefill", "decode")
+    )
     sequential = args.mode == "sequential"
     mode = Mode.PULL if sequential else Mode(args.mode)
     return RouterConfig(prefill, decode, mode, args.timeout, sequential, args.health_interval, args.health_timeout)

@@ -41,8 +41,9 @@ from kvflow.control.zeromq import ZmqControl
 from kvflow.errors import ConfigError, KVFlowError, UnknownTransfer, UsageError
 from kvflow.integrations.vllm.device import Device, Gate, GateWaiter, HostDevice
 from kvflow.integrations.vllm.kv_caches import CacheDescription
-from kvflow.integrations.vllm.mapping import Order, Orders, PeerRef, rank_peer
-from kvflow.layout import MAX_SPEC_TEXT
+from kvflow.integrations.vllm.mapping import Order, Orders, PeerRef
+from kvflow.integrations.vllm.ranks import PairBook, pair_keys, ranked_layout, reach_rank, tp_sizes
+from kvflow.layout import MAX_SPEC_TEXT, KVLayout
 from kvflow.protocol.actions import ReleaseBlocks
 from kvflow.protocol.core import CoreConfig
 from kvflow.protocol.messages import TransferKey
@@ -95,11 +96,14 @@ class Settings:
     kv_cache_layout: str = ""  # a vLLM KVCacheLayout for kvflow to request; "": the backend's choice
     model_id: str = ""  # the model's identity in the handshake; "": vLLM's model name or path
 
-    def producer(self, engine_id: str) -> PeerRef | None:
+    def producer(self, engine_id: str, tp_size: int = 1, dp_rank: int = 0) -> PeerRef | None:
         """This engine as the prefill side names itself to a decode engine it does not know:
-        its id and where its rank-0 worker binds; None with port 0 (any free port, known only
-        once the worker has bound it, in another process)."""
-        return PeerRef(engine_id, f"tcp://{self.host}:{self.port}") if self.port else None
+        its id, where its rank-0 worker binds (past the ports of the DP ranks before it) and
+        its tensor parallelism; None with port 0 (any free port, known only once the worker
+        has bound it, in another process)."""
+        if not self.port:
+            return None
+        return PeerRef(engine_id, f"tcp://{self.host}:{self.port + dp_rank * tp_size}", tp_size)
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> Settings:
@@ -152,10 +156,20 @@ def _setting_value(key: str, value: Any, default: Any) -> Any:
 
 
 class WorkerSide:
-    def __init__(self, engine_id: str, rank: int, settings: Settings) -> None:
+    def __init__(
+        self, engine_id: str, rank: int, settings: Settings, tp_size: int = 1, total_heads: int = 0, dp_rank: int = 0
+    ) -> None:
+        """`tp_size`: the engine's tensor parallelism; `total_heads`: the model's KV heads (1
+        for MLA's latent cache; 0: this rank's heads times `tp_size`); `dp_rank`: the engine's
+        data-parallel rank (its ranks bind ports after the ``dp_rank * tp_size`` before them)."""
+        self.port = settings.port + dp_rank * tp_size if settings.port else 0
+        self.base_engine_id = engine_id
         self.engine_id = f"{engine_id}-tp{rank}"
         self.rank = rank
+        self.tp_size = tp_size
+        self.total_heads = total_heads
         self.settings = settings
+        self.pairs = PairBook()  # each request's pair transfers on this rank
         self.thread: EngineThread | None = None
         self._requests: dict[tuple[TransferKey, Role], str] = {}
         self._aborted: set[str] = set()  # D requests aborted while their KV was coming
@@ -168,7 +182,7 @@ class WorkerSide:
         self._load_errors: set[int] = set()
         # D registrations handed to the engine: (future, request id, block ids, key)
         self._failed_starts: list[tuple[concurrent.futures.Future[Any], str, tuple[int, ...], TransferKey | None]] = []
-        self._ready_starts: list[tuple[concurrent.futures.Future[Any], str]] = []
+        self._ready_starts: list[tuple[concurrent.futures.Future[Any], str, TransferKey]] = []
         self._connected: dict[str, concurrent.futures.Future[None]] = {}
         self.layer_groups: list[tuple[int, int]] = [(0, 1)]
         self.layer_of: dict[str, int] = {}  # vLLM layer name -> kvflow layer (execution order)
@@ -186,7 +200,7 @@ class WorkerSide:
     def register(self, caches: CacheDescription, device: Device) -> None:
         """Start this rank's engine on its KV memory; every thread it starts uses `device`."""
         settings = self.settings
-        layout = caches.layout
+        layout = self._ranked(caches.layout)
         self.layer_groups = layer_groups(layout.spec.num_layers, settings.push_layer_groups)
         self.layer_of = dict(caches.layer_of)
         self.device = device
@@ -213,12 +227,19 @@ class WorkerSide:
                     granule=layout.block_len,
                     thread_setup=device.bind_thread,
                 )
-            port = settings.port + self.rank if settings.port else 0
+            port = self.port + self.rank if self.port else 0
             control: ControlChannel = ZmqControl(self.engine_id, bind=f"tcp://{settings.host}:{port}")
             return Engine(self.engine_id, layout, transport, control, config=config)
 
         self.thread = EngineThread(factory, name=f"kvflow-{self.engine_id}", thread_setup=device.bind_thread)
         log.info("kvflow engine %s up at %s (pid %d)", self.engine_id, self.address, os.getpid())
+
+    def _ranked(self, layout: KVLayout) -> KVLayout:
+        """:raises ConfigError: see `ranks.ranked_layout`."""
+        self.total_heads = self.total_heads or layout.spec.num_kv_heads * self.tp_size
+        port, host = self.port, self.settings.host
+        table = tuple(f"tcp://{host}:{port + r}" for r in range(self.tp_size)) if port else ()
+        return ranked_layout(layout, self.base_engine_id, self.rank, self.tp_size, self.total_heads, table)
 
     @property
     def address(self) -> str:
@@ -238,60 +259,70 @@ class WorkerSide:
                 taken += self._tell_nothing_wanted(order)
                 continue
             try:
-                peer = rank_peer(params.prefill, self.rank)
+                pairs = pair_keys(params, Role.DECODE, self.rank, self.tp_size, self.total_heads)
             except ConfigError as exc:  # reported as a failed load by the next results()
                 self._failed_starts.append((_failed(exc), order.request_id, order.block_ids, None))
                 continue
-            key = TransferKey(params.transfer_id, params.epoch)
-            self._requests[(key, Role.DECODE)] = order.request_id
-            mode = params.mode
-            future = self._call_connected(
-                peer,
-                lambda e, p=peer, o=order, m=mode: e.expect(
-                    o.params.transfer_id,
-                    o.params.epoch,
-                    peer=p.engine,
-                    block_ids=o.block_ids,
-                    mode=m,
-                    expected_batches=batches if m is Mode.PUSH else 1,
-                    first_position=o.first_position,
-                ),
-            )
-            self._failed_starts.append((future, order.request_id, order.block_ids, key))
-            self._registrations[key] = future
-            taken.append(future)
+            self.pairs.open(order.request_id, Role.DECODE, [key for _, key in pairs], order.block_ids)
+            for source, key in pairs:
+                self._requests[(key, Role.DECODE)] = order.request_id
+                mode = params.mode
+
+                def expect(e: Engine, peer: str, k: TransferKey = key, o: Order = order, m: Mode = mode) -> Any:
+                    # several P ranks may write their own heads into the same blocks
+                    return e.expect(
+                        k.transfer_id,
+                        k.epoch,
+                        peer=peer,
+                        block_ids=o.block_ids,
+                        mode=m,
+                        expected_batches=batches if m is Mode.PUSH else 1,
+                        first_position=o.first_position,
+                        share=f"{o.params.transfer_id}#{o.params.epoch}",
+                    )
+
+                p_tp = tp_sizes(params, Role.DECODE, self.tp_size)[0]
+                future = self._call_rank(params.prefill, p_tp, source, expect, Role.DECODE)
+                self._failed_starts.append((future, order.request_id, order.block_ids, key))
+                self._registrations[key] = future
+                taken.append(future)
         for order in orders.abort:  # after the expects: a request may end in the step it was allocated
             self._abort(order)
         _hand_over(taken)
 
     def _tell_nothing_wanted(self, order: Order) -> list[concurrent.futures.Future[Any]]:
-        """An empty registration: P releases its blocks without a WRITE.  vLLM runs the request
-        without waiting for a load, so nothing is reported to it; should P not be reached, P
-        frees its blocks at its own deadline."""
+        """An empty registration to every P rank feeding this one: P releases its blocks
+        without a WRITE.  vLLM runs the request without waiting for a load, so nothing is
+        reported to it; should P not be reached, P frees its blocks at its own deadline."""
         params = order.params
         try:
-            peer = rank_peer(params.prefill, self.rank)
+            pairs = pair_keys(params, Role.DECODE, self.rank, self.tp_size, self.total_heads)
+            p_tp = tp_sizes(params, Role.DECODE, self.tp_size)[0]
         except ConfigError as exc:
             log.error("%s: cannot tell P that %s needs no KV: %s", self.engine_id, order.request_id, exc)
             return []
-        future = self._call_connected(
-            peer,
-            lambda e: e.expect(
-                params.transfer_id,
-                params.epoch,
-                peer=peer.engine,
-                block_ids=(),
-                expected_batches=0,
-                first_position=order.first_position,
-            ),
-        )
 
         def done(f: concurrent.futures.Future[Any]) -> None:
             if f.exception() is not None:
                 log.error("%s: cannot tell P that %s needs no KV: %s", self.engine_id, order.request_id, f.exception())
 
-        future.add_done_callback(done)
-        return [future]
+        futures = []
+        for source, key in pairs:
+
+            def expect(e: Engine, peer: str, k: TransferKey = key) -> Any:
+                return e.expect(
+                    k.transfer_id,
+                    k.epoch,
+                    peer=peer,
+                    block_ids=(),
+                    expected_batches=0,
+                    first_position=order.first_position,
+                )
+
+            future = self._call_rank(params.prefill, p_tp, source, expect, Role.DECODE)
+            future.add_done_callback(done)
+            futures.append(future)
+        return futures
 
     def save_layer(self, orders: Orders, layer_name: str) -> None:
         """Push: a layer of this step's forward is saved.  Once every layer of a group (and of
@@ -326,28 +357,26 @@ class WorkerSide:
                 taken += self._post_groups(order, len(self.layer_groups), gate)
                 self._groups_sent.pop(order.request_id, None)
                 continue
-            params = order.params
-            try:
-                peer = rank_peer(params.decode, self.rank) if params.decode is not None else None
-            except ConfigError as exc:  # kvflow never takes the blocks: vLLM frees them
-                self._ready_starts.append((_failed(exc), order.request_id))
-                continue
-            key = TransferKey(params.transfer_id, params.epoch)
-            self._requests[(key, Role.PREFILL)] = order.request_id
+            pairs = self._open_sending(order)
+            for target, key in pairs:
 
-            async def ready(e: Engine, o: Order = order, p: PeerRef | None = peer) -> Any:
-                await self._wait_for_device(gate)
-                return await e.kv_ready(
-                    o.params.transfer_id,
-                    o.params.epoch,
-                    block_ids=o.block_ids,
-                    mode=Mode.PULL,
-                    peer=p.engine if p is not None else None,  # None: for whichever D claims it
-                )
+                async def ready(e: Engine, peer: str | None, o: Order = order, k: TransferKey = key) -> Any:
+                    await self._wait_for_device(gate)
+                    # peer None: a sequential router's transfer, for whichever D claims it
+                    return await e.kv_ready(k.transfer_id, k.epoch, block_ids=o.block_ids, mode=Mode.PULL, peer=peer)
 
-            future = self._call_connected(peer, ready) if peer is not None else self._thread().call(ready)
-            self._ready_starts.append((future, order.request_id))
-            taken.append(future)
+                decode = order.params.decode
+                if decode is None:
+
+                    def unbound(e: Engine, r: Any = ready) -> Any:
+                        return r(e, None)
+
+                    future = self._thread().call(unbound)
+                else:
+                    d_tp = tp_sizes(order.params, Role.PREFILL, self.tp_size)[1]
+                    future = self._call_rank(decode, d_tp, target, ready, Role.PREFILL)
+                self._ready_starts.append((future, order.request_id, key))
+                taken.append(future)
         if gate is None:
             _hand_over(taken)
 
@@ -363,24 +392,44 @@ class WorkerSide:
             self._waiter = GateWaiter(self.device, f"kvflow-gates-{self.engine_id}")
         await self._waiter.wait(gate, self.settings.transfer_timeout)
 
+    def _open_sending(self, order: Order) -> list[tuple[int, TransferKey]]:
+        """P: the pairs this rank feeds for `order`, recorded; none (or params it cannot use):
+        kvflow takes no block, and the request is reported sent once vLLM says it finished."""
+        try:
+            pairs = pair_keys(order.params, Role.PREFILL, self.rank, self.tp_size, self.total_heads)
+        except ConfigError as exc:
+            log.error("%s: could not hand over the KV of %s: %s", self.engine_id, order.request_id, exc)
+            pairs = []
+        if not pairs:
+            self._late_frees.add(order.request_id)
+            return []
+        self.pairs.open(order.request_id, Role.PREFILL, [key for _, key in pairs], order.block_ids)
+        for _, key in pairs:
+            self._requests[(key, Role.PREFILL)] = order.request_id
+        return pairs
+
     def _post_groups(self, order: Order, upto: int, gate: Gate | None) -> list[concurrent.futures.Future[Any]]:
-        """Hand the engine layer groups ``[sent, upto)`` of a push order, in order."""
+        """Hand the engine layer groups ``[sent, upto)`` of a push order, in order, for each
+        D rank this rank feeds."""
         first = self._groups_sent.get(order.request_id, 0)
         if first >= upto:
             return []
         self._groups_sent[order.request_id] = upto
-        key = TransferKey(order.params.transfer_id, order.params.epoch)
-        self._requests[(key, Role.PREFILL)] = order.request_id
+        keys = self.pairs.still_open(order.request_id, Role.PREFILL)
+        if first == 0:
+            keys = [key for _, key in self._open_sending(order)]
         futures: list[concurrent.futures.Future[Any]] = []
-        for group in range(first, upto):
+        for key in keys:
+            assert isinstance(key, TransferKey)
+            for group in range(first, upto):
 
-            def post(engine: Engine, group: int = group) -> Awaitable[None]:
-                return self._post_group(engine, key, order, group, gate)
+                def post(engine: Engine, group: int = group, key: TransferKey = key) -> Awaitable[None]:
+                    return self._post_group(engine, key, order, group, gate)
 
-            future = self._thread().call(post)
-            futures.append(future)
-            if group == 0:
-                self._ready_starts.append((future, order.request_id))
+                future = self._thread().call(post)
+                futures.append(future)
+                if group == 0:
+                    self._ready_starts.append((future, order.request_id, key))
         return futures
 
     async def _post_group(self, engine: Engine, key: TransferKey, order: Order, group: int, gate: Gate | None) -> None:
@@ -416,29 +465,40 @@ class WorkerSide:
                 self._broken.discard(key)
 
     def _abort(self, order: Order) -> None:
-        key = TransferKey(order.params.transfer_id, order.params.epoch)
         role = Role.PREFILL if order.producer else Role.DECODE
+        keys = self.pairs.still_open(order.request_id, role)
         if role is Role.DECODE:
-            if (key, role) not in self._requests:
+            if not keys:
                 return  # released already (reported as received), or it never started
             self._aborted.add(order.request_id)  # its release is then no load failure
+        else:
+            try:
+                keys = keys or [
+                    key for _, key in pair_keys(order.params, role, self.rank, self.tp_size, self.total_heads)
+                ]
+            except ConfigError:
+                return  # nothing was started with these params
+        for key in keys:
+            assert isinstance(key, TransferKey)
+            self._abort_pair(key, role, order.reason)
+
+    def _abort_pair(self, key: TransferKey, role: Role, reason: str) -> None:
         registration = self._registrations.get(key) if role is Role.DECODE else None
 
         async def abort(e: Engine) -> None:
             if registration is not None:  # bounded: the handshake has its own timeout
                 await asyncio.wait([asyncio.wrap_future(registration)])
             with contextlib.suppress(UnknownTransfer):  # never started here: nothing to abort
-                await e.abort(key.transfer_id, key.epoch, role, order.reason)
+                await e.abort(key.transfer_id, key.epoch, role, reason)
 
         self._thread().call(abort)
 
-    def _call_connected(self, peer: PeerRef, fn: Any) -> concurrent.futures.Future[Any]:
-        """Run `fn(engine)` after this rank's engine is associated with `peer`."""
+    def _call_rank(self, peer: PeerRef, tp_size: int, rank: int, fn: Any, role: Role) -> concurrent.futures.Future[Any]:
+        """Run `fn(engine, peer rank's engine id)` once associated with rank `rank` of `peer`
+        (see `ranks.reach_rank`)."""
 
         async def run(e: Engine) -> Any:
-            if peer.engine not in e.peers():
-                await e.connect(peer.engine, peer.address)
-            return await fn(e)
+            return await fn(e, await reach_rank(e, peer, tp_size, rank, role))
 
         return self._thread().call(run)
 
@@ -458,22 +518,26 @@ class WorkerSide:
                 continue
             self._failed_starts.remove(start)
             if future.exception() is not None:  # never registered: no block is held by kvflow
-                if key is not None:
-                    self._requests.pop((key, Role.DECODE), None)
-                    self._registrations.pop(key, None)
-                self._aborted.discard(request_id)
                 log.error("%s: could not start receiving %s: %s", self.engine_id, request_id, future.exception())
-                recving.add(request_id)
-                failed.add(request_id)
-                self._load_errors.update(blocks)
-        for future, request_id in list(self._ready_starts):
+                if key is None:  # no pair was opened
+                    self._aborted.discard(request_id)
+                    recving.add(request_id)
+                    failed.add(request_id)
+                    self._load_errors.update(blocks)
+                    continue
+                self._requests.pop((key, Role.DECODE), None)
+                self._registrations.pop(key, None)
+                self._pair_ended(request_id, Role.DECODE, key, recving, failed, hard=True)
+        for ready in list(self._ready_starts):
+            future, request_id, key = ready
             if future.done():
-                self._ready_starts.remove((future, request_id))
+                self._ready_starts.remove(ready)
                 if future.exception() is not None:  # kvflow never took the blocks: vLLM frees them
                     log.error(
                         "%s: could not hand over the KV of %s: %s", self.engine_id, request_id, future.exception()
                     )
-                    self._late_frees.add(request_id)
+                    self._requests.pop((key, Role.PREFILL), None)
+                    self._pair_ended(request_id, Role.PREFILL, key, recving, failed, hard=True)
         for release in self._thread().poll_released() if self.thread else []:
             self._on_release(release, recving, failed)
         for request_id in list(self._late_frees):
@@ -498,7 +562,7 @@ class WorkerSide:
 
     def _sending_ids(self) -> set[str]:
         ids = {request_id for (_, role), request_id in self._requests.items() if role is Role.PREFILL}
-        return ids | self._late_frees | {request_id for _, request_id in self._ready_starts}
+        return ids | self._late_frees | {request_id for _, request_id, _ in self._ready_starts}
 
     def _on_release(self, release: ReleaseBlocks, recving: set[str], failed: set[str]) -> None:
         request_id = self._requests.pop((release.key, release.role), None)
@@ -506,20 +570,42 @@ class WorkerSide:
             self._registrations.pop(release.key, None)
         if request_id is None:
             return
-        if release.role is Role.PREFILL:
+        failed_pair = release.role is Role.DECODE and release.outcome is not Outcome.SUCCEEDED
+        self._pair_ended(request_id, release.role, release.key, recving, failed, failed=failed_pair)
+
+    def _pair_ended(
+        self,
+        request_id: str,
+        role: Role,
+        key: TransferKey,
+        recving: set[str],
+        failed_ids: set[str],
+        *,
+        failed: bool = False,
+        hard: bool = False,
+    ) -> None:
+        """One pair transfer of a request ended (released, or never started: `hard`)."""
+        done = self.pairs.close(request_id, role, key, failed=failed, hard=hard)
+        if done is None:
+            if (failed or hard) and role is Role.DECODE:  # the request fails: end its other pairs now
+                for other in self.pairs.still_open(request_id, role):
+                    assert isinstance(other, TransferKey)
+                    self._abort_pair(other, role, f"another rank's transfer of {request_id} failed")
+            return
+        if role is Role.PREFILL:
             self._late_frees.add(request_id)
             return
-        # D: every rank reports the request once, in finished_recving, whether its KV landed or
-        # failed or the request ended meanwhile: vLLM's aggregator counts the ranks per set, and
-        # frees a finished request's blocks on finished_recving.  (With load failures reported as
-        # invalid blocks, vLLM may fail the request when the first rank fails; the others then
-        # abort, and report here too.)
+        # D: every rank reports the request once, in finished_recving, when all its pairs have
+        # ended, whether its KV landed or failed or the request ended meanwhile: vLLM's
+        # aggregator counts the ranks per set, and frees a finished request's blocks on
+        # finished_recving.  (With load failures reported as invalid blocks, vLLM may fail the
+        # request when the first rank fails; the others then abort, and report here too.)
         recving.add(request_id)
         aborted = request_id in self._aborted
         self._aborted.discard(request_id)
-        if release.outcome is not Outcome.SUCCEEDED and not aborted:
-            failed.add(request_id)
-            self._load_errors.update(release.block_ids)
+        if done.hard or (done.failed and not aborted):
+            failed_ids.add(request_id)
+            self._load_errors.update(done.blocks)
 
     def load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

@@ -59,7 +59,8 @@ __all__ = (
 )
 
 MAGIC = "kvflow"
-# 2: a Hello no longer carries a role; 3: the receiver's incarnation; 4: a registration's first position, Claim
+# 2: a Hello no longer carries a role; 3: the receiver's incarnation; 4: a registration's first position,
+# Claim, a layout names its heads and ranks
 VERSION = 4
 MAX_FRAME_BYTES = 1 << 20
 MAX_ID = 256  # transfer ids (engine ids: `messages.MAX_ENGINE_ID`)

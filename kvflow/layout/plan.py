@@ -5,6 +5,14 @@ vectorised with numpy, and it is where the byte count per RDMA op is decided.  `
 turns (local blocks, remote blocks, layers) into descriptors and **coalesces** runs that are
 contiguous on both sides into one descriptor: with vLLM's block size of 16 a long prompt
 otherwise becomes tens of thousands of small RDMA ops.
+
+Heterogeneous peers (different tensor parallelism, block sizes that are multiples): the ranks
+move the KV heads both hold, and a block of the side with the smaller block size ("fine") lands
+at a token offset in a block of the other ("coarse"): fine block ``i`` is tokens
+``[(i % k) * fine, (i % k + 1) * fine)`` of coarse block ``i // k``, ``k`` the ratio, as vLLM
+maps blocks of different sizes.  Each (layer, head, fine block) is then one run of bytes on each
+side (the layout keeps a head's tokens together), planned vectorised like whole blocks and
+coalesced the same way.
 """
 
 from __future__ import annotations
@@ -17,7 +25,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvflow.errors import InvalidBatch, LayoutMismatch
-from kvflow.layout.spec import KVLayout
+from kvflow.layout.spec import KVLayout, heads_outer
 
 __all__ = ("Descriptor", "DescriptorPlan", "plan_transfer")
 
@@ -87,17 +95,20 @@ def plan_transfer(
         its layout; or `layers` is outside the model.
     :raises LayoutMismatch: the two layouts' block lengths or array counts differ.
     """
+    lids = _as_block_ids(local_blocks, local.num_blocks, "local")
+    rids = _as_block_ids(remote_blocks, remote.num_blocks, "remote")
+    first, stop = layers if layers is not None else (0, local.spec.num_layers)
+    if not 0 <= first < stop <= min(local.spec.num_layers, remote.spec.num_layers):
+        raise InvalidBatch(f"layers {first}..{stop} outside the model's {local.spec.num_layers} layers")
+    ls, rs = local.spec, remote.spec
+    if ls.heads != rs.heads or ls.block_size != rs.block_size:
+        return _plan_sliced(local, remote, lids, rids, (first, stop), coalesce)
     if local.block_len != remote.block_len:
         raise LayoutMismatch("block_len", local.block_len, remote.block_len)
     if local.spec.arrays_per_layer != remote.spec.arrays_per_layer:
         raise LayoutMismatch("arrays_per_layer", local.spec.arrays_per_layer, remote.spec.arrays_per_layer)
-    lids = _as_block_ids(local_blocks, local.num_blocks, "local")
-    rids = _as_block_ids(remote_blocks, remote.num_blocks, "remote")
     if lids.size != rids.size or lids.size == 0:
         raise InvalidBatch(f"need equal, non-empty block lists, got {lids.size} local and {rids.size} remote")
-    first, stop = layers if layers is not None else (0, local.spec.num_layers)
-    if not 0 <= first < stop <= min(local.spec.num_layers, remote.spec.num_layers):
-        raise InvalidBatch(f"layers {first}..{stop} outside the model's {local.spec.num_layers} layers")
 
     pairs = [
         (la, ra)
@@ -109,15 +120,26 @@ def plan_transfer(
     remote_region = np.repeat(np.array([ra.region for _, ra in pairs], dtype=np.int64), n)
     local_offset = np.concatenate([la.offset + lids * la.stride for la, _ in pairs])
     remote_offset = np.concatenate([ra.offset + rids * ra.stride for _, ra in pairs])
-    length = np.full(local_offset.shape, local.block_len, dtype=np.int64)
-    uncoalesced = int(length.size)
+    return _coalesced(local_region, local_offset, remote_region, remote_offset, local.block_len, coalesce)
+
+
+def _coalesced(
+    local_region: npt.NDArray[np.int64],
+    local_offset: npt.NDArray[np.int64],
+    remote_region: npt.NDArray[np.int64],
+    remote_offset: npt.NDArray[np.int64],
+    block: int,
+    coalesce: bool,
+) -> DescriptorPlan:
+    """Runs of `block` bytes as a plan; with `coalesce`, runs contiguous on both sides merged."""
+    uncoalesced = int(local_offset.size)
     if not coalesce or uncoalesced == 1:
+        length = np.full(local_offset.shape, block, dtype=np.int64)
         return DescriptorPlan(local_region, local_offset, remote_region, remote_offset, length, uncoalesced)
 
     order = np.lexsort((local_offset, local_region))
     local_region, local_offset = local_region[order], local_offset[order]
     remote_region, remote_offset = remote_region[order], remote_offset[order]
-    block = local.block_len
     continues = (
         (local_region[1:] == local_region[:-1])
         & (remote_region[1:] == remote_region[:-1])
@@ -134,3 +156,99 @@ def plan_transfer(
         merged_length,
         uncoalesced,
     )
+
+
+@dataclass(frozen=True)
+class _Units:
+    """Per (layer, head, sub-array) of one side: where its run of a block starts
+    (``base + block * stride``), and the bytes of one token of it."""
+
+    region: npt.NDArray[np.int64]
+    base: npt.NDArray[np.int64]
+    stride: npt.NDArray[np.int64]
+    token_bytes: int
+
+
+def _units(layout: KVLayout, layers: tuple[int, int], heads: range, whole: bool) -> _Units:
+    """Where each (layer, head in `heads`, sub-array) of `layout` sits in a block, in the same
+    order on both sides.  `whole`: both sides hold the same heads, so a tokens-outside-heads
+    layout moves every head of a token range at once (one unit per array).
+
+    :raises LayoutMismatch: the layout cannot give a head's tokens as one run of bytes.
+    """
+    spec = layout.spec
+    n_arrays, n_heads, block_len = spec.arrays_per_layer, spec.num_kv_heads, spec.block_len
+    places: list[tuple[int, int]]
+    if not heads_outer(spec.kv_layout):
+        if not whole:
+            raise LayoutMismatch(
+                "kv_layout", spec.kv_layout, spec.kv_layout, detail="tokens outside heads: a head is no run of bytes"
+            )
+        places, per_array = [(j, 0) for j in range(n_arrays)], 1  # each array's block is [tokens, ...]
+    elif n_arrays % n_heads == 0:  # one or more arrays per head (heads outside blocks: LHBNC, BHLNC)
+        per_head = n_arrays // n_heads
+        places = [((h - spec.head_start) * per_head + j, 0) for h in heads for j in range(per_head)]
+        per_array = 1
+    else:  # every array holds all the rank's heads, head-major: [heads, tokens, ...]
+        share = block_len // n_heads
+        places = [(j, (h - spec.head_start) * share) for h in heads for j in range(n_arrays)]
+        per_array = n_heads
+    token_bytes, rest = divmod(block_len, per_array * spec.block_size)
+    if rest:
+        raise LayoutMismatch(
+            "block_len", block_len, per_array * spec.block_size, detail="a block does not split into whole tokens"
+        )
+    rows = [
+        (array.region, array.offset + inner, array.stride)
+        for layer in range(*layers)
+        for array, inner in ((layout.layer_arrays(layer)[j], inner) for j, inner in places)
+    ]
+    region, base, stride = (np.array(column, dtype=np.int64) for column in zip(*rows, strict=True))
+    return _Units(region, base, stride, token_bytes)
+
+
+def _plan_sliced(
+    local: KVLayout,
+    remote: KVLayout,
+    lids: npt.NDArray[np.int64],
+    rids: npt.NDArray[np.int64],
+    layers: tuple[int, int],
+    coalesce: bool,
+) -> DescriptorPlan:
+    """`plan_transfer` between ranks that hold different heads or use different block sizes.
+
+    :raises InvalidBatch: the ranks share no head, or the block lists do not cover each other.
+    :raises LayoutMismatch: block sizes that are not multiples, or layouts that cannot be sliced.
+    """
+    ls, rs = local.spec, remote.spec
+    heads = range(max(ls.head_start, rs.head_start), min(ls.heads.stop, rs.heads.stop))
+    if not heads:
+        raise InvalidBatch(f"the ranks share no KV head (heads {ls.heads} here, {rs.heads} there)")
+    fine_size, coarse_size = sorted((ls.block_size, rs.block_size))
+    ratio, rest = divmod(coarse_size, fine_size)
+    if rest:
+        raise LayoutMismatch("block_size", ls.block_size, rs.block_size, detail="not a multiple of each other")
+    local_fine = ls.block_size == fine_size
+    fine_ids, coarse_ids = (lids, rids) if local_fine else (rids, lids)
+    if fine_ids.size == 0 or -(-fine_ids.size // ratio) != coarse_ids.size:
+        raise InvalidBatch(
+            f"{fine_ids.size} blocks of {fine_size} tokens do not fill {coarse_ids.size} blocks of {coarse_size}"
+        )
+    whole = ls.heads == rs.heads
+    lu, ru = _units(local, layers, heads, whole), _units(remote, layers, heads, whole)
+    if lu.token_bytes != ru.token_bytes or lu.base.size != ru.base.size:
+        raise LayoutMismatch(
+            "arrays_per_layer", ls.arrays_per_layer, rs.arrays_per_layer, detail="a head's runs differ in shape"
+        )
+    index = np.arange(fine_ids.size, dtype=np.int64)
+    token_offset = (index % ratio) * fine_size * lu.token_bytes  # where a fine block starts in its coarse one
+    fine, coarse = (lu, ru) if local_fine else (ru, lu)
+    fine_offset = (fine.base[:, None] + fine.stride[:, None] * fine_ids[None, :]).reshape(-1)
+    coarse_offset = (
+        coarse.base[:, None] + coarse.stride[:, None] * coarse_ids[index // ratio][None, :] + token_offset[None, :]
+    ).reshape(-1)
+    n = fine_ids.size
+    fine_region, coarse_region = np.repeat(fine.region, n), np.repeat(coarse.region, n)
+    if local_fine:
+        return _coalesced(fine_region, fine_offset, coarse_region, coarse_offset, fine_size * lu.token_bytes, coalesce)
+    return _coalesced(coarse_region, coarse_offset, fine_region, fine_offset, fine_size * lu.token_bytes, coalesce)

@@ -9,6 +9,14 @@ into byte ranges.
 `fingerprint` / `check_compatible` let two peers compare the model-level shape of their caches
 and name the first field that differs, before any byte moves; `layout_to_wire` /
 `layout_from_wire` carry a layout through the handshake.
+
+Heterogeneous peers: a rank holds KV heads ``[head_start, head_start + num_kv_heads)`` of the
+model's ``total_kv_heads`` (tensor parallelism splits them; vLLM replicates a head on several
+ranks when there are more ranks than heads), and the two sides' block sizes may differ by an
+integer factor.  `check_compatible` allows both, as long as the layout keeps a head's tokens
+together (`heads_outer`), which is what lets `kvflow.layout.plan` slice heads out of pages.  A
+layout also names its engine's ranks (`KVLayout.ranks`): the handshake tells a peer where the
+owner's other ranks are, so nobody derives them from port numbers.
 """
 
 from __future__ import annotations
@@ -31,12 +39,14 @@ __all__ = (
     "Region",
     "check_compatible",
     "fingerprint",
+    "heads_outer",
     "layout_from_wire",
     "layout_to_wire",
 )
 
-LAYOUT_FORMAT = 2
+LAYOUT_FORMAT = 3  # 3: a rank's head range and its engine's ranks
 MAX_SPEC_TEXT = 256  # characters of a spec's text fields (a model's name or path)
+MAX_RANKS = 1024  # tensor-parallel ranks one layout may name
 
 DTYPE_SIZES: Mapping[str, int] = {
     "float32": 4,
@@ -102,6 +112,8 @@ class KVSpec:
     page_bytes: int = 0  # 0: derived from the fields above
     model: str = ""  # the model's identity: the same weights on both sides
     cache_dtype: str = ""  # how values are encoded when dtype does not tell (vLLM keeps fp8 caches as uint8)
+    head_start: int = 0  # the first of the model's KV heads this rank holds
+    total_kv_heads: int = 0  # the model's KV heads (all ranks together); 0: num_kv_heads
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "block_size", "num_kv_heads", "head_dim", "arrays_per_layer"):
@@ -111,6 +123,13 @@ class KVSpec:
             raise ConfigError(f"kv spec dtype {self.dtype!r} is not one of {sorted(DTYPE_SIZES)}")
         if self.head_dim_v is None:
             object.__setattr__(self, "head_dim_v", self.head_dim)
+        if self.total_kv_heads == 0:
+            object.__setattr__(self, "total_kv_heads", self.num_kv_heads)
+        if not 0 <= self.head_start <= self.head_start + self.num_kv_heads <= self.total_kv_heads:
+            raise ConfigError(
+                f"kv spec heads [{self.head_start}, {self.head_start + self.num_kv_heads}) are not within the "
+                f"model's {self.total_kv_heads} KV heads"
+            )
         if self.value_dim < 0 or self.page_bytes < 0:
             raise ConfigError(f"kv spec head_dim_v and page_bytes must be >= 0, got {self}")
         if self.page_bytes == 0:
@@ -131,27 +150,45 @@ class KVSpec:
         """Bytes of one block in one array."""
         return self.page_bytes // self.arrays_per_layer
 
+    @property
+    def heads(self) -> range:
+        """The model's KV heads this rank holds."""
+        return range(self.head_start, self.head_start + self.num_kv_heads)
 
-FINGERPRINT_FIELDS = (
+
+def heads_outer(kv_layout: str) -> bool:
+    """Whether a layout named `kv_layout` keeps each head's tokens together inside a page (heads
+    outside tokens: HND, vLLM's LBHNC, BLHNC, LHBNC, BHLNC), so that a head's KV for a run of
+    tokens is one run of bytes.  NHD-style names (tokens outside heads) and unknown ones: False."""
+    head, token = kv_layout.find("H"), kv_layout.find("N")
+    return 0 <= head < token
+
+
+MODEL_FIELDS = (  # equal on both sides, always
     "format",
     "model",
     "num_layers",
-    "num_kv_heads",
+    "total_kv_heads",
     "head_dim",
     "head_dim_v",
     "dtype",
     "cache_dtype",
-    "block_size",
     "kv_layout",
+)
+RANK_FIELDS = (  # equal unless the ranks hold different heads or the block sizes differ
+    "num_kv_heads",
+    "head_start",
+    "block_size",
     "page_bytes",
     "arrays_per_layer",
     "block_len",
 )
+FINGERPRINT_FIELDS = MODEL_FIELDS + RANK_FIELDS
 
 
 def fingerprint(spec: KVSpec) -> dict[str, int | str]:
-    """What two peers compare before transferring: every field that must be equal for a byte
-    copy of pages to mean the same KV on both sides."""
+    """What two peers compare before transferring: the model's fields, and the rank's (its heads
+    and block size), which `check_compatible` lets differ where a planner can map them."""
     fields: dict[str, int | str] = {"format": LAYOUT_FORMAT, "head_dim_v": spec.value_dim}
     for name in FINGERPRINT_FIELDS:
         if name not in fields:
@@ -161,30 +198,71 @@ def fingerprint(spec: KVSpec) -> dict[str, int | str]:
     return {name: fields[name] for name in FINGERPRINT_FIELDS}
 
 
-def check_compatible(local: Mapping[str, Any], remote: Mapping[str, Any]) -> None:
-    """Compare two fingerprints field by field, in `FINGERPRINT_FIELDS` order.
+def _overlap(a: tuple[Any, Any], b: tuple[Any, Any]) -> bool:
+    """Whether two (first head, count) ranges share a head (malformed ones: assumed so)."""
+    if not all(type(n) is int for n in (*a, *b)):
+        return True
+    return bool(max(a[0], b[0]) < min(a[0] + a[1], b[0] + b[1]))
 
-    :raises LayoutMismatch: naming the first field that differs or is missing.
+
+def check_compatible(local: Mapping[str, Any], remote: Mapping[str, Any]) -> None:
+    """Compare two fingerprints: the model's fields (`MODEL_FIELDS`) must be equal; the ranks may
+    hold different KV heads (different tensor parallelism) when they share none (they then move
+    nothing to each other, but may still associate: a rank 0 tells its peers where its other
+    ranks are) or when the layout keeps a head's tokens together, and their block sizes may
+    differ when one is a multiple of the other; otherwise the rank's fields (`RANK_FIELDS`) must
+    be equal too.
+
+    :raises LayoutMismatch: naming the first field that differs or is missing, and why it may not.
     """
-    for name in FINGERPRINT_FIELDS:
+    for name in MODEL_FIELDS:
         if local.get(name) != remote.get(name):
             raise LayoutMismatch(name, local.get(name), remote.get(name))
+    sizes = (local.get("block_size"), remote.get("block_size"))
+    if not all(type(size) is int and size > 0 for size in sizes):
+        raise LayoutMismatch("block_size", *sizes)
+    small, large = sorted(int(size) for size in sizes if size is not None)
+    if large % small:
+        raise LayoutMismatch("block_size", *sizes, detail="one side's block size must be a multiple of the other's")
+    heads = [(fp.get("head_start"), fp.get("num_kv_heads")) for fp in (local, remote)]
+    layout = str(local.get("kv_layout"))
+    if heads[0] != heads[1] and _overlap(*heads) and not heads_outer(layout):
+        raise LayoutMismatch(
+            "kv_layout",
+            layout,
+            remote.get("kv_layout"),
+            detail=f"the ranks hold different KV heads (start, count: {heads[0]} here, {heads[1]} there) and "
+            f"layout {layout} keeps tokens outside heads, so a head's KV is not one run of bytes; "
+            "use equal tensor parallelism or a heads-outside-tokens layout (HND: LBHNC, BLHNC, LHBNC, BHLNC)",
+        )
+    if heads[0] == heads[1] and sizes[0] == sizes[1]:
+        for name in RANK_FIELDS:
+            if local.get(name) != remote.get(name):
+                raise LayoutMismatch(name, local.get(name), remote.get(name))
 
 
 @dataclass(frozen=True)
 class KVLayout:
-    """Where a KV cache lives: regions plus, per layer, `arrays_per_layer` block arrays."""
+    """Where a KV cache lives: regions plus, per layer, `arrays_per_layer` block arrays.
+
+    `ranks`: the (engine id, control address) of every tensor-parallel rank of the engine that
+    owns this cache, in rank order, and `rank` this one's index (empty: one rank, or unknown);
+    a peer learns from it which ranks exist and where, instead of assuming its own numbering."""
 
     spec: KVSpec
     num_blocks: int
     regions: tuple[Region, ...]
     arrays: tuple[BlockArray, ...]
+    rank: int = 0
+    ranks: tuple[tuple[str, str], ...] = ()
     _by_layer: tuple[tuple[BlockArray, ...], ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         spec = self.spec
         if self.num_blocks <= 0:
             raise ConfigError(f"layout num_blocks must be > 0, got {self.num_blocks}")
+        if not 0 <= self.rank < max(1, len(self.ranks)):
+            raise ConfigError(f"layout rank {self.rank} is not one of its {len(self.ranks)} ranks")
         by_layer: list[list[BlockArray]] = [[] for _ in range(spec.num_layers)]
         for array in self.arrays:
             if not 0 <= array.layer < spec.num_layers:
@@ -273,8 +351,12 @@ def layout_to_wire(layout: KVLayout) -> dict[str, Any]:
             spec.page_bytes,
             spec.model,
             spec.cache_dtype,
+            spec.head_start,
+            spec.total_kv_heads,
         ],
         "num_blocks": layout.num_blocks,
+        "rank": layout.rank,
+        "ranks": [list(entry) for entry in layout.ranks],
         "regions": [[r.base, r.length, r.memory.value, r.device_id] for r in layout.regions],
         "arrays": [[a.region, a.offset, a.stride, a.layer] for a in layout.arrays],
     }
@@ -296,8 +378,8 @@ def layout_from_wire(data: Mapping[str, Any]) -> KVLayout:
 
     try:
         raw_spec = data["spec"]
-        if not isinstance(raw_spec, list | tuple) or len(raw_spec) != 11:
-            raise ConfigError("layout spec must have 11 fields")
+        if not isinstance(raw_spec, list | tuple) or len(raw_spec) != 13:
+            raise ConfigError("layout spec must have 13 fields")
         texts = [raw_spec[i] for i in (4, 5, 9, 10)]
         if any(not isinstance(text, str) or len(text) > MAX_SPEC_TEXT for text in texts):
             raise ConfigError(
@@ -305,8 +387,11 @@ def layout_from_wire(data: Mapping[str, Any]) -> KVLayout:
                 "characters"
             )
         dtype, kv_layout, model, cache_dtype = texts
-        layers, size, n_heads, dim, per, dim_v, page = ints([raw_spec[i] for i in (0, 1, 2, 3, 6, 7, 8)], 7, "spec")
-        spec = KVSpec(layers, size, n_heads, dim, dtype, kv_layout, per, dim_v, page, model, cache_dtype)
+        numbers = ints([raw_spec[i] for i in (0, 1, 2, 3, 6, 7, 8, 11, 12)], 9, "spec")
+        layers, size, n_heads, dim, per, dim_v, page, head_start, total = numbers
+        spec = KVSpec(
+            layers, size, n_heads, dim, dtype, kv_layout, per, dim_v, page, model, cache_dtype, head_start, total
+        )
         regions = []
         for raw in data["regions"]:
             if not isinstance(raw, list | tuple) or len(raw) != 4 or not isinstance(raw[2], str):
@@ -320,7 +405,20 @@ def layout_from_wire(data: Mapping[str, Any]) -> KVLayout:
         num_blocks = data["num_blocks"]
         if type(num_blocks) is not int:
             raise ConfigError("layout num_blocks must be an integer")
-        return KVLayout(spec, num_blocks, tuple(regions), arrays)
+        rank = ints([data.get("rank", 0)], 1, "rank")[0]
+        raw_ranks = data.get("ranks", [])
+        if not isinstance(raw_ranks, list | tuple) or len(raw_ranks) > MAX_RANKS:
+            raise ConfigError(f"layout ranks must be a list of at most {MAX_RANKS} entries")
+        ranks = []
+        for entry in raw_ranks:
+            if (
+                not isinstance(entry, list | tuple)
+                or len(entry) != 2
+                or not all(isinstance(text, str) and 0 < len(text) <= MAX_SPEC_TEXT for text in entry)
+            ):
+                raise ConfigError("layout rank entry must be [engine id, control address]")
+            ranks.append((entry[0], entry[1]))
+        return KVLayout(spec, num_blocks, tuple(regions), arrays, rank, tuple(ranks))
     except ConfigError:
         raise
     except (KeyError, TypeError, ValueError) as exc:

@@ -73,10 +73,11 @@ class TransferCore:
         self._ops: dict[int, Owner] = {}
         self._next_op = 1
         self._connected: set[str] = set()
+        self._ratios: dict[str, int] = {}  # a peer's blocks hold this many of the other side's
         # target blocks of torn-down peers that the peer's late one-sided ops may still reach
         self._unfenced: dict[str, list[Machine]] = {}
         self._holding_for: str | None = None  # set while `peer_lost` keeps target blocks
-        self._inbox = PeerInbox(self.store, self.stats, num_layers, self.feed)
+        self._inbox = PeerInbox(self.store, self.stats, num_layers, self.feed, self._ratios)
 
     # ------------------------------------------------------------------ introspection
 
@@ -107,13 +108,16 @@ class TransferCore:
         now: float,
         expected_batches: int = 1,
         first_position: int = 0,
+        share: str = "",
     ) -> list[Action]:
         """D: these destination blocks will receive transfer `key` from `peer`, for P's block
-        positions ``first_position..``: D holds the KV of the positions before (a prefix-cache
-        hit), so P writes (pull: D reads) none of them.  Push: `expected_batches` counts P's
-        batches that reach D's positions (each is one WRITE).  No blocks (push only, with
-        `expected_batches` 0): D needs nothing; P is told so and releases at once, and the
-        transfer succeeds here as soon as the registration is sent.
+        positions ``first_position..`` (in D's blocks): D holds the KV of the positions before (a
+        prefix-cache hit), so P writes (pull: D reads) none of them.  Push: `expected_batches`
+        counts P's batches that reach D's positions (each is one WRITE).  No blocks (push only,
+        with `expected_batches` 0): D needs nothing; P is told so and releases at once, and the
+        transfer succeeds here as soon as the registration is sent.  Transfers naming the same
+        non-empty `share` group may hold the same blocks (each writes its own part of them: a
+        tensor-parallel rank's KV heads).
 
         An older, unfinished epoch of the same transfer id is aborted (superseded).
 
@@ -135,11 +139,11 @@ class TransferCore:
         if deadline <= now:
             raise ConfigError(f"deadline {deadline} is not after now {now}")
         self._check_epoch(key, _DECODE)
-        self.ledger.check_free(ids)
+        self.ledger.check_free(ids, share)
         actions = self._supersede(key, _DECODE, now)
         m = self.store.create(key, _DECODE, mode, peer, deadline, now)
         m.block_ids, m.expected_batches, m.first_position = ids, expected_batches, first_position
-        self.ledger.add(m.owner, ids)
+        self.ledger.add(m.owner, ids, share)
         actions += self._replay_early(m, now)
         if peer in self._connected and m.state is State.ALLOCATED and m.remote_blocks is None:
             actions += self._feed(m, Input.REGISTER, now)
@@ -207,7 +211,8 @@ class TransferCore:
         if m.peer is None and peer is not None:
             self.store.set_peer(m, peer)
         self.store.mark_started(m)
-        mismatch = m.push_mismatch(self.num_layers, batch, final=final)
+        ratio = self._ratios.get(m.peer, 1) if m.peer is not None else 1
+        mismatch = m.push_mismatch(self.num_layers, batch, final=final, ratio=ratio)
         m.batches.append(batch)
         m.final_seen = final
         self.ledger.add(m.owner, ids)
@@ -250,9 +255,12 @@ class TransferCore:
 
     # ------------------------------------------------------------------ peers and time
 
-    def peer_connected(self, peer: str, now: float) -> list[Action]:
-        """The control channel to `peer` is up: send registrations that were waiting for it."""
+    def peer_connected(self, peer: str, now: float, block_ratio: int = 1) -> list[Action]:
+        """The control channel to `peer` is up: send registrations that were waiting for it.
+        `block_ratio`: the larger of the two sides' block sizes over the smaller (P's blocks land
+        in D's at token offsets, `block_ratio` per D block)."""
         self._connected.add(peer)
+        self._ratios[peer] = max(1, block_ratio)
         actions: list[Action] = []
         for m in self.store.machines():
             if m.peer == peer and m.state is State.ALLOCATED and m.role is _DECODE:
@@ -269,6 +277,7 @@ class TransferCore:
         side is the *target* of (D in push, P in pull) stay quarantined until `peer_fenced`.
         """
         self._connected.discard(peer)
+        self._ratios.pop(peer, None)
         # What the peer said about transfers not started here refers to blocks its teardown
         # has released: forget it.
         self.store.drop_early_from(peer)
@@ -518,8 +527,9 @@ class TransferCore:
         if peer is None or remote_blocks is None:
             return  # the table submits only once the peer's blocks are known
         writes = 0  # push: the WRITEs of the batches before; D counts them by this ordinal
+        ratio = self._ratios.get(peer, 1)
         for batch in m.batches:
-            span = m.wanted(batch) if m.mode is Mode.PUSH else (batch.first, batch.stop)
+            span = m.wanted(batch, ratio) if m.mode is Mode.PUSH else (batch.first, batch.stop)
             if span is None:  # D holds these positions already: no bytes, no WRITE
                 batch.submitted = True
                 continue
@@ -531,9 +541,9 @@ class TransferCore:
             self._ops[op_id] = m.owner
             m.inflight.add(op_id)
             if m.mode is Mode.PUSH:
-                start, stop = span
+                start, stop = span  # P positions; D's blocks hold `ratio` of them each
                 local = batch.block_ids[start - batch.first : stop - batch.first]
-                remote = remote_blocks[start - m.remote_first : stop - m.remote_first]
+                remote = remote_blocks[start // ratio - m.remote_first : -(-stop // ratio) - m.remote_first]
                 layers = None if batch.layers == (0, self.num_layers) else batch.layers
                 note = encode_notification(m.key, writes - 1)
                 out.append(SubmitOp(op_id, m.key, peer, OpKind.WRITE, local, remote, layers, note))

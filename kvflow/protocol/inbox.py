@@ -46,7 +46,12 @@ class Feed(Protocol):
 class PeerInbox:
     """Refines one core's inbound peer events; holds no state of its own."""
 
-    def __init__(self, store: TransferStore, stats: CoreStats, num_layers: int, feed: Feed) -> None:
+    def __init__(
+        self, store: TransferStore, stats: CoreStats, num_layers: int, feed: Feed, ratios: dict[str, int]
+    ) -> None:
+        """`ratios`: per peer, its block size over this side's or this side's over its (the
+        larger over the smaller), as `TransferCore.peer_connected` was told."""
+        self.ratios = ratios
         self.store = store
         self.stats = stats
         self.config = store.config
@@ -142,7 +147,7 @@ class PeerInbox:
             self.store.set_remote_blocks(m, reg.block_ids)
             m.remote_first, m.remote_expected = reg.first_position, reg.expected_batches
             self.store.set_deadline(m, min(m.deadline, now + min(reg.ttl, self.config.max_ttl)))
-            problem = m.push_mismatch(self.num_layers)
+            problem = m.push_mismatch(self.num_layers, ratio=self.ratios.get(peer, 1))
         if problem is not None and m.state not in TERMINAL:
             return self.remote(m, Input.INCOMPATIBLE, now, problem)
         return self.feed(m, Input.REGISTRATION_RECEIVED, now, reason=m.reason or "transfer already ended")
@@ -173,8 +178,9 @@ class PeerInbox:
             blocks = check_block_ids(ready.block_ids, "ready", unique=False)
         except InvalidBatch as exc:
             return self.remote(m, Input.INCOMPATIBLE, now, str(exc))
+        ratio = self.ratios.get(peer, 1)  # D's blocks hold `ratio` of P's each
         wanted = m.first_position + len(m.block_ids)  # D reads only those after its prefix hit
-        if len(blocks) != wanted:
+        if -(-len(blocks) // ratio) != wanted:
             return self.remote(m, Input.INCOMPATIBLE, now, f"P is ready with {len(blocks)} blocks, D expects {wanted}")
         try:
             transition(m.mode, m.role, m.state, Input.READY_RECEIVED, str(m.key))
@@ -183,7 +189,7 @@ class PeerInbox:
             return []
         if m.state in TERMINAL:  # ended before P was ready: tell P, nothing will be read
             return self.feed(m, Input.READY_RECEIVED, now)
-        self.store.set_remote_blocks(m, blocks[m.first_position :])
+        self.store.set_remote_blocks(m, blocks[m.first_position * ratio :])
         m.batches.append(next_batch(m.key, (), 0, m.block_ids, (0, self.num_layers)))
         return self.feed(m, Input.READY_RECEIVED, now)
 

@@ -7,7 +7,9 @@ peer's WRITE might land in it.  A violation raises here instead of silently corr
 
 Destination blocks (the ones a WRITE or READ lands in) are held *exclusively*.  Source blocks
 may be shared: with prefix caching two prefill requests can hold the same physical block, so
-source holds only count.
+source holds only count.  One exception: holds that name the same *share* group may hold the
+same destination blocks: transfers from several tensor-parallel ranks of a peer each write
+their own KV heads into one request's blocks (disjoint bytes, planned by `kvflow.layout.plan`).
 
 Pure code: no I/O, no clock.
 """
@@ -27,6 +29,7 @@ class _Hold:
     exclusive: bool
     blocks: dict[int, None] = field(default_factory=dict)  # insertion-ordered set
     quarantined: bool = False
+    share: str = ""  # holds with the same non-empty share group may hold the same blocks
 
 
 class BlockLedger:
@@ -35,6 +38,7 @@ class BlockLedger:
     def __init__(self) -> None:
         self._holds: dict[Hashable, _Hold] = {}
         self._exclusive_owner: dict[int, Hashable] = {}
+        self._co_owners: dict[int, list[Hashable]] = {}  # a shared block's other holders
 
     def open(self, owner: Hashable, *, exclusive: bool) -> None:
         """Start an (empty) hold for `owner`.
@@ -45,16 +49,18 @@ class BlockLedger:
             raise LedgerError(f"{owner!r} already holds blocks")
         self._holds[owner] = _Hold(exclusive)
 
-    def check_free(self, blocks: Iterable[int]) -> None:
-        """:raises BlockConflict: a block is held exclusively by someone (nothing changes)."""
+    def check_free(self, blocks: Iterable[int], share: str = "") -> None:
+        """:raises BlockConflict: a block is held exclusively by someone outside the share group
+        `share` (nothing changes)."""
         for block in blocks:
             holder = self._exclusive_owner.get(block)
-            if holder is not None:
+            if holder is not None and not (share and self._holds[holder].share == share):
                 state = "quarantined" if self._holds[holder].quarantined else "held"
                 raise BlockConflict(f"block {block} is {state} by transfer {holder!r}")
 
-    def add(self, owner: Hashable, blocks: Iterable[int]) -> None:
-        """Add blocks to `owner`'s hold (a source block listed twice is held once).
+    def add(self, owner: Hashable, blocks: Iterable[int], share: str = "") -> None:
+        """Add blocks to `owner`'s hold (a source block listed twice is held once); `share`
+        names the group whose exclusive holds may hold the same blocks (the first add decides).
 
         :raises LedgerError: `owner` has no hold.
         :raises BlockConflict: an exclusive hold would share a block (nothing changes).
@@ -62,11 +68,13 @@ class BlockLedger:
         hold = self._hold(owner)
         blocks = list(blocks)
         if hold.exclusive:
-            self.check_free(blocks)
+            hold.share = hold.share or share
+            self.check_free(blocks, hold.share)
             if len(set(blocks)) != len(blocks):
                 raise BlockConflict(f"block list for {owner!r} names a block twice")
             for block in blocks:
-                self._exclusive_owner[block] = owner
+                if self._exclusive_owner.setdefault(block, owner) != owner:
+                    self._co_owners.setdefault(block, []).append(owner)
         hold.blocks.update(dict.fromkeys(blocks))
 
     def quarantine(self, owner: Hashable) -> None:
@@ -86,7 +94,15 @@ class BlockLedger:
             raise LedgerError(f"{owner!r} released blocks it does not hold (double release?)")
         if hold.exclusive:
             for block in hold.blocks:
-                del self._exclusive_owner[block]
+                others = self._co_owners.get(block, [])
+                if owner in others:
+                    others.remove(owner)
+                elif others:
+                    self._exclusive_owner[block] = others.pop(0)
+                else:
+                    del self._exclusive_owner[block]
+                if not others:
+                    self._co_owners.pop(block, None)
         return tuple(hold.blocks)
 
     def holds(self, owner: Hashable) -> bool:

@@ -127,42 +127,52 @@ class Machine:
             return self.peer is None
         assert_never(condition)
 
-    def wanted(self, batch: Batch) -> tuple[int, int] | None:
+    def wanted(self, batch: Batch, ratio: int = 1) -> tuple[int, int] | None:
         """Push P: the block positions ``[start, stop)`` of `batch` that D registered, or None
         when D wants none of them (D holds them already, or needs nothing).  Only what D's
-        registration names is ever written: P's batches count positions from 0."""
+        registration names is ever written: P's batches count positions from 0; D's blocks
+        (and its first position) hold `ratio` of P's positions each."""
         if not self.remote_blocks:
             return None
-        start = max(batch.first, self.remote_first)
-        stop = min(batch.stop, self.remote_first + len(self.remote_blocks))
+        start = max(batch.first, self.remote_first * ratio)
+        stop = min(batch.stop, (self.remote_first + len(self.remote_blocks)) * ratio)
         return (start, stop) if start < stop else None
 
-    def push_mismatch(self, num_layers: int, extra: Batch | None = None, *, final: bool = False) -> str | None:
+    def push_mismatch(
+        self, num_layers: int, extra: Batch | None = None, *, final: bool = False, ratio: int = 1
+    ) -> str | None:
         """Why P's batches cannot fill D's registration, or None if they can (so far).
 
         Checked whenever either side's information changes: D registered `remote_blocks` for
         positions ``remote_first..`` and expects `remote_expected` WRITEs, one per batch of P's
         that reaches those positions (`wanted`); once the last batch is in (`final`), those
         parts must tile D's positions x layers exactly.  An empty registration wants nothing,
-        so nothing of P's can mismatch it.
+        so nothing of P's can mismatch it.  `ratio`: P blocks per D block (D's block size a
+        multiple of P's): P's positions fill D's blocks `ratio` at a time, each batch starting
+        at a D block's first token, and D's last block may be filled in part.
         """
         if not self.remote_blocks:
             return None
         batches = self.batches + ([extra] if extra is not None else [])
         registered = len(self.remote_blocks)
         stop = self.remote_first + registered
-        spans = [(b, span) for b in batches if (span := self.wanted(b)) is not None]
+        spans = [(b, span) for b in batches if (span := self.wanted(b, ratio)) is not None]
         if len(spans) > self.remote_expected:
             return f"P has {len(spans)} batches for D's blocks but D expects {self.remote_expected} writes"
         for batch in batches:
-            if batch.stop > stop:
-                return f"P's KV reaches block position {batch.stop} but D registered positions up to {stop}"
+            if batch.stop > stop * ratio:
+                return f"P's KV reaches block position {batch.stop} but D registered positions up to {stop * ratio}"
+            if batch.first % ratio:
+                return f"P's batch starts at block position {batch.first}, inside one of D's {ratio}x larger blocks"
         if final or self.final_seen:
             if len(spans) != self.remote_expected:
                 return f"P produced {len(spans)} batches for D's blocks but D expects {self.remote_expected} writes"
+            reached = max((hi for _, (_, hi) in spans), default=self.remote_first * ratio)
             covered = sum((hi - lo) * (b.layers[1] - b.layers[0]) for b, (lo, hi) in spans)
-            if covered != registered * num_layers:
-                return f"P's KV covers {covered} of D's block-layers, D registered {registered * num_layers}"
+            if -(-reached // ratio) != stop or covered != (reached - self.remote_first * ratio) * num_layers:
+                return (
+                    f"P's KV covers {covered} block-layers up to position {reached}, D registered {registered} blocks"
+                )
         return None
 
     def pull_source_blocks(self) -> tuple[int, ...]:

@@ -183,6 +183,10 @@ class Engine:
         self._peers.associate(self.assoc.connect(peer, address))
         await self._peers.handshakes.wait(peer, limit)
 
+    def peer_layout(self, peer: str) -> KVLayout | None:
+        """The KV layout `peer` announced in its handshake (None: not associated).  Never raises."""
+        return self.assoc.layouts.get(peer)
+
     def peers(self) -> list[str]:
         """The engines associated with this one now.  Never raises."""
         return self.assoc.peers()
@@ -243,10 +247,12 @@ class Engine:
         expected_batches: int = 1,
         timeout: float | None = None,
         first_position: int = 0,
+        share: str = "",
     ) -> TransferHandle:
         """D: receive transfer (`transfer_id`, `epoch`) from `peer` into `block_ids`, for P's
         block positions from `first_position` on (D holds the ones before).  No blocks (push,
         `expected_batches` 0): D needs nothing, and P releases its blocks without a WRITE.
+        Other transfers of the same `share` group may hold the blocks too: see `BlockLedger`.
 
         In push mode the registration is sent as soon as the peer is connected.
         :raises InvalidBatch, BlockConflict, StaleEpoch, ConfigError: see `TransferCore.expect`.
@@ -264,6 +270,7 @@ class Engine:
             now=now,
             expected_batches=expected_batches,
             first_position=first_position,
+            share=share,
         )
         handle = self._handle(key, Role.DECODE)
         self._run(actions)

@@ -170,7 +170,7 @@ class PeerExecutor:
                 queue.extendleft(reversed(self.assoc.receive(action.peer, action.incarnation, action.hello, now)))
             elif isinstance(action, PeerConnected):
                 self._heard_again(action.peer)
-                self.hooks.run(self.core.peer_connected(action.peer, action.now))
+                self.hooks.run(self.core.peer_connected(action.peer, action.now, self._block_ratio(action.peer)))
             elif isinstance(action, AddRoute):
                 queue.extendleft(reversed(self._add_route(action)))
             elif isinstance(action, AwaitHandshake):
@@ -207,6 +207,15 @@ class PeerExecutor:
     def tear_down(self, peer: str, reason: str) -> None:
         """Tell `peer` why (best effort), end the association, remove it (see `remove_peer`)."""
         self.associate(self.assoc.tear_down(peer, reason))
+
+    def _block_ratio(self, peer: str) -> int:
+        """The larger of our and `peer`'s block sizes over the smaller (1: equal, not multiples,
+        or no layout known)."""
+        remote = self.assoc.layouts.get(peer)
+        if remote is None:
+            return 1
+        small, large = sorted((self.layout.spec.block_size, remote.spec.block_size))
+        return large // small if large % small == 0 else 1
 
     def remove_peer(self, peer: str, reason: str, *, expected: bool, answered: bool = False) -> None:
         """Remove the peer from the transport on the peer thread; once that returned, tell the

@@ -63,7 +63,11 @@ def vllm_config(o: EngineOptions) -> Any:
         cache_config=CacheConfig(
             block_size=o.block_size, enable_prefix_caching=o.prefix_caching, cache_dtype=o.cache_dtype
         ),
-        parallel_config=ParallelConfig(tensor_parallel_size=o.tensor_parallel),
+        parallel_config=ParallelConfig(
+            tensor_parallel_size=o.tensor_parallel,
+            data_parallel_rank=o.data_parallel[0],
+            data_parallel_size=o.data_parallel[1],
+        ),
         kv_transfer_config=transfer,
         device_config=DeviceConfig("cpu"),
     )

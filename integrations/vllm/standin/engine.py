@@ -43,6 +43,7 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 import torch
 
 from kvflow.integrations.vllm.device import Device, set_device_resolver
+from kvflow.integrations.vllm.ranks import heads_of
 from kvflow.integrations.vllm.standin.build import backend_class, layer_specs, vllm_config
 from kvflow.integrations.vllm.standin.kv import LaggingDevice, PagedKV
 from kvflow.integrations.vllm.standin.model import EngineOptions
@@ -226,9 +227,12 @@ class StandInEngine:
             if handshake is not None:
                 assert self.scheduler.connector is not None
                 self.scheduler.connector.set_xfer_handshake_metadata_pp_aware({(0, 0): handshake})
-        shard = rank // max(1, kv_cache_config.kv_tp_replicas)  # MLA: every rank holds the same latent cache
+        model = config.model_config  # MLA: every rank holds the same latent cache, one "head"
+        total = 1 if model.use_mla else model.get_total_num_kv_heads()
+        heads = heads_of(total, o.tensor_parallel, rank)
         group_spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
-        pages = PagedKV([kv_caches[n] for n in self.owners], kv_cache_config.num_blocks, group_spec.block_size, shard)
+        views = [kv_caches[n] for n in self.owners]
+        pages = PagedKV(views, kv_cache_config.num_blocks, group_spec.block_size, heads, total_heads=total)
         return Rank(worker, kv_caches, pages, device)
 
     def _distributed_worker(self) -> Any:

@@ -147,6 +147,7 @@ class EngineOptions:
     max_model_len: int = 1024
     max_num_batched_tokens: int = 1024
     tensor_parallel: int = 1
+    data_parallel: tuple[int, int] = (0, 1)  # (this engine's DP rank, DP size): one DP rank per stand-in
     prefix_caching: bool = False
     async_scheduling: bool = False
     log_stats: bool = False  # the scheduler makes SchedulerStats each step (`vllm serve` does by default)

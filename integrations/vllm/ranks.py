@@ -1,0 +1,234 @@
+"""Which tensor-parallel ranks of P feed which ranks of D, and the transfer id of each pair.
+
+Why its own module: P and D may run different tensor parallelism.  Both sides must agree,
+without talking, on which (P rank, D rank) pairs move bytes and what each pair's transfer is
+called; this is that agreement, as pure functions of the two TP sizes and the model's KV head
+count (no vLLM import, no I/O).
+
+vLLM's rule for heads: rank ``r`` of ``tp`` holds ``max(1, H // tp)`` of the model's ``H`` KV
+heads starting at ``r * H // tp``; with more ranks than heads each head is replicated on
+``tp // H`` consecutive ranks, and MLA's latent cache (``H`` = 1) is on every rank.  D rank
+``d`` receives each head it holds from one P rank holding it; where several do (replicas), D
+ranks are spread over them (``d`` modulo the replicas), so that no P rank sends everything when
+several could.  With equal TP this is rank ``r`` to rank ``r``, under the request's own transfer
+id; otherwise each pair's transfer id is derived from it.
+
+How a rank finds the other side's ranks: the router names the peer engine's rank 0 and, in the
+request's kvflow params, each side's ``tp_size``; every rank announces in its handshake layout
+its engine's rank table (engine id and control address of every rank), so D (push) or P (pull)
+connects to the named rank 0, reads the table, and reaches the ranks it pairs with.  The TP
+sizes travel with the request because P must know, when its prefill ends and before any D rank
+has spoken to it, which pairs it feeds (a P rank that feeds none frees its blocks at once); the
+handshake then confirms them (a peer announcing another rank count is refused, by name).
+
+Pure functions, except `reach_rank`, which runs on a rank's engine thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kvflow.errors import ConfigError
+from kvflow.layout import KVLayout
+from kvflow.protocol.messages import TransferKey
+from kvflow.protocol.state import Role
+
+if TYPE_CHECKING:
+    from kvflow.integrations.vllm.mapping import PeerRef, TransferParams
+    from kvflow.runtime.engine import Engine
+
+__all__ = (
+    "PairBook",
+    "heads_of",
+    "pair_keys",
+    "pair_transfer_id",
+    "ranked_layout",
+    "reach_rank",
+    "sources",
+    "targets",
+    "tp_sizes",
+)
+
+
+def heads_of(total_heads: int, tp: int, rank: int) -> range:
+    """The model's KV heads rank `rank` of `tp` holds, as vLLM shards (and replicates) them.
+
+    :raises ConfigError: a rank outside ``0..tp-1``, or heads that do not split over `tp` ranks.
+    """
+    if total_heads <= 0 or tp <= 0 or not 0 <= rank < tp:
+        raise ConfigError(f"rank {rank} of {tp} ranks with {total_heads} KV heads does not exist")
+    if total_heads % tp and tp % total_heads:
+        raise ConfigError(f"{total_heads} KV heads do not split over {tp} tensor-parallel ranks")
+    first = rank * total_heads // tp
+    return range(first, first + max(1, total_heads // tp))
+
+
+def sources(total_heads: int, p_tp: int, d_tp: int, d_rank: int) -> list[int]:
+    """The P ranks that send D rank `d_rank` its heads, ascending.
+
+    :raises ConfigError: see `heads_of`.
+    """
+    chosen = set()
+    for head in heads_of(total_heads, d_tp, d_rank):
+        replicas = [p for p in range(p_tp) if head in heads_of(total_heads, p_tp, p)]
+        chosen.add(replicas[d_rank % len(replicas)])
+    return sorted(chosen)
+
+
+def targets(total_heads: int, p_tp: int, d_tp: int, p_rank: int) -> list[int]:
+    """The D ranks P rank `p_rank` sends to, ascending (none: it frees its blocks at once).
+
+    :raises ConfigError: see `heads_of`.
+    """
+    return [d for d in range(d_tp) if p_rank in sources(total_heads, p_tp, d_tp, d)]
+
+
+def pair_transfer_id(transfer_id: str, p_tp: int, d_tp: int, p_rank: int, d_rank: int) -> str:
+    """The transfer id of the (P rank, D rank) pair: the request's own with equal TP (rank r to
+    rank r), else derived from it, the same on both sides."""
+    if p_tp == d_tp and p_rank == d_rank:
+        return transfer_id
+    return f"{transfer_id}@p{p_rank}d{d_rank}"
+
+
+@dataclass(slots=True)
+class _Request:
+    open: set[Hashable]
+    blocks: tuple[int, ...]
+    failed: bool = False  # a pair's transfer failed
+    hard: bool = False  # a pair could not even start (a failure even if the request was aborted)
+    keys: list[Hashable] = field(default_factory=list)
+
+
+class PairBook:
+    """A rank's view of each request's pair transfers: the request is done on this rank when
+    every pair feeding (or fed by) it has ended, and has failed when any pair failed."""
+
+    def __init__(self) -> None:
+        self._requests: dict[tuple[str, Hashable], _Request] = {}
+
+    def open(self, request_id: str, role: Hashable, keys: Sequence[Hashable], blocks: Sequence[int]) -> None:
+        self._requests[(request_id, role)] = _Request(set(keys), tuple(blocks), keys=list(keys))
+
+    def still_open(self, request_id: str, role: Hashable) -> list[Hashable]:
+        """The pairs of the request not ended yet, in the order they were opened."""
+        entry = self._requests.get((request_id, role))
+        return [key for key in entry.keys if key in entry.open] if entry is not None else []
+
+    def close(
+        self, request_id: str, role: Hashable, key: Hashable, *, failed: bool = False, hard: bool = False
+    ) -> _Request | None:
+        """One pair ended; the request's record once its last pair has (None before, or for a
+        pair this book does not know)."""
+        entry = self._requests.get((request_id, role))
+        if entry is None or key not in entry.open:
+            return None
+        entry.open.discard(key)
+        entry.failed |= failed or hard
+        entry.hard |= hard
+        if entry.open:
+            return None
+        del self._requests[(request_id, role)]
+        return entry
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+
+def ranked_layout(
+    layout: KVLayout, engine: str, rank: int, tp_size: int, total_heads: int, addresses: Sequence[str]
+) -> KVLayout:
+    """`layout` naming this rank's KV heads and its engine's ranks (``<engine>-tp<r>`` at
+    ``addresses[r]``; none: not announced, which a peer accepts for one rank only), for the
+    handshake.
+
+    :raises ConfigError: this rank's heads are not what vLLM's sharding gives it.
+    """
+    spec = layout.spec
+    heads = heads_of(total_heads, tp_size, rank)
+    if len(heads) != spec.num_kv_heads:
+        raise ConfigError(
+            f"rank {rank} of {tp_size} holds {spec.num_kv_heads} KV heads, vLLM's sharding of {total_heads} "
+            f"gives it {len(heads)}"
+        )
+    ranks = tuple((f"{engine}-tp{r}", address) for r, address in enumerate(addresses))
+    spec = dataclasses.replace(spec, head_start=heads.start, total_kv_heads=total_heads)
+    return dataclasses.replace(layout, spec=spec, rank=rank, ranks=ranks)
+
+
+def tp_sizes(params: TransferParams, role: Role, tp_size: int) -> tuple[int, int]:
+    """(P's, D's) tensor parallelism for a request, on an engine of `tp_size` ranks playing
+    `role`: as its params say, this engine's where they say nothing (the peer's is then checked
+    against its handshake).
+
+    :raises ConfigError: the params give this engine another tensor parallelism, or P
+        assigned the transfer itself and has another tensor parallelism than this engine.
+    """
+    mine = params.decode if role is Role.DECODE else params.prefill
+    if mine is not None and mine.tp_size and mine.tp_size != tp_size:
+        raise ConfigError(
+            f"the request's kv_transfer_params give engine {mine.engine!r} {mine.tp_size} tensor-parallel ranks; "
+            f"it has {tp_size}"
+        )
+    prefill = params.prefill.tp_size or tp_size
+    if params.decode is None:  # a sequential router's pull: P made one transfer per rank, for equal ranks
+        if prefill != tp_size:
+            raise ConfigError(
+                f"a transfer P assigned itself (a sequential router's) needs equal tensor parallelism: "
+                f"engine {params.prefill.engine!r} has {prefill} ranks, this one {tp_size}"
+            )
+        return prefill, tp_size
+    return prefill, params.decode.tp_size or tp_size
+
+
+def pair_keys(
+    params: TransferParams, role: Role, rank: int, tp_size: int, total_heads: int
+) -> list[tuple[int, TransferKey]]:
+    """(the other side's rank, the pair's transfer key) of every pair rank `rank` is part of.
+
+    :raises ConfigError: see `tp_sizes` and `heads_of`.
+    """
+    p_tp, d_tp = tp_sizes(params, role, tp_size)
+    if role is Role.DECODE:
+        ranks = [(p, p, rank) for p in sources(total_heads, p_tp, d_tp, rank)]
+    else:
+        ranks = [(d, rank, d) for d in targets(total_heads, p_tp, d_tp, rank)]
+    return [
+        (other, TransferKey(pair_transfer_id(params.transfer_id, p_tp, d_tp, p, d), params.epoch))
+        for other, p, d in ranks
+    ]
+
+
+async def reach_rank(engine: Engine, peer: PeerRef, tp_size: int, rank: int, role: Role) -> str:
+    """Associate `engine` with rank `rank` of `peer`, found in the rank table `peer`'s rank 0
+    (at the address the router gave) announces in its handshake; its engine id.
+
+    :raises ConfigError: the peer announces another number of ranks than `tp_size`, or D's
+        block size is not a multiple of P's.
+    :raises KVFlowError: a handshake failed (see `Engine.connect`).
+    """
+    first = f"{peer.engine}-tp0"
+    if first not in engine.peers():
+        await engine.connect(first, peer.address)
+    layout = engine.peer_layout(first)
+    table = layout.ranks if layout is not None and layout.ranks else ((first, peer.address),)
+    if len(table) != tp_size:
+        raise ConfigError(
+            f"engine {peer.engine!r} announces {len(table)} tensor-parallel ranks in its handshake; the request's "
+            f"kv_transfer_params (kvflow tp_size) say {tp_size}"
+        )
+    name, address = table[rank]
+    if name not in engine.peers():
+        await engine.connect(name, address)
+    remote = engine.peer_layout(name)
+    if remote is not None:
+        prefill, decode = (remote, engine.layout) if role is Role.DECODE else (engine.layout, remote)
+        if decode.spec.block_size % prefill.spec.block_size:
+            raise ConfigError(
+                f"D's block size ({decode.spec.block_size} tokens) must be a multiple of P's "
+                f"({prefill.spec.block_size}): P's blocks land in D's at token offsets (vLLM --block-size)"
+            )
+    return name

@@ -1,0 +1,91 @@
+"""Which P ranks feed which D ranks, the pair transfer ids, and a request's pairs on one rank
+(`kvflow.integrations.vllm.ranks`): pure code, checked against vLLM's head sharding."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvflow.errors import ConfigError
+from kvflow.integrations.vllm.mapping import PeerRef, TransferParams
+from kvflow.integrations.vllm.ranks import (
+    PairBook,
+    heads_of,
+    pair_keys,
+    pair_transfer_id,
+    sources,
+    targets,
+    tp_sizes,
+)
+from kvflow.protocol.messages import TransferKey
+from kvflow.protocol.state import Mode, Role
+
+SIZES = st.sampled_from([1, 2, 4, 8])
+
+
+def vllm_heads(total: int, tp: int, rank: int) -> range:
+    """vLLM's own rule (ModelConfig.get_num_kv_heads and the attention layer's head slice)."""
+    per_rank = max(1, total // tp)
+    return range(rank * total // tp, rank * total // tp + per_rank)
+
+
+@given(total=SIZES, p_tp=SIZES, d_tp=SIZES)
+def test_every_d_head_comes_from_exactly_one_p_rank_that_holds_it(total: int, p_tp: int, d_tp: int) -> None:
+    for d in range(d_tp):
+        assert heads_of(total, d_tp, d) == vllm_heads(total, d_tp, d)
+        feeding = sources(total, p_tp, d_tp, d)
+        for head in heads_of(total, d_tp, d):
+            holders = [p for p in feeding if head in heads_of(total, p_tp, p)]
+            assert len(holders) == 1, (head, feeding)
+        assert all(set(heads_of(total, p_tp, p)) & set(heads_of(total, d_tp, d)) for p in feeding)
+    for p in range(p_tp):
+        assert targets(total, p_tp, d_tp, p) == [d for d in range(d_tp) if p in sources(total, p_tp, d_tp, d)]
+    if p_tp == d_tp:  # rank r to rank r, under the request's own transfer id
+        assert all(sources(total, p_tp, d_tp, r) == [r] for r in range(d_tp))
+        assert pair_transfer_id("t", p_tp, d_tp, 1, 1) == "t"
+
+
+@given(p_tp=SIZES, d_tp=SIZES)
+def test_an_mla_cache_comes_from_one_p_rank_and_d_ranks_spread_over_p_ranks(p_tp: int, d_tp: int) -> None:
+    chosen = [sources(1, p_tp, d_tp, d) for d in range(d_tp)]
+    assert all(len(c) == 1 for c in chosen)
+    load = [sum(c == [p] for c in chosen) for p in range(p_tp)]
+    assert max(load) - min(load) <= 1  # no P rank sends twice while another could send
+
+
+def test_pair_ids_differ_per_pair_and_bad_sharding_is_refused() -> None:
+    ids = {pair_transfer_id("t", 2, 4, p, d) for p in range(2) for d in range(4)}
+    assert len(ids) == 8 and "t" not in ids
+    with pytest.raises(ConfigError, match="do not split"):
+        heads_of(6, 4, 0)
+    with pytest.raises(ConfigError, match="does not exist"):
+        heads_of(4, 2, 2)
+
+
+def params(p_tp: int = 0, d_tp: int = 0) -> TransferParams:
+    return TransferParams(
+        "t", 3, Mode.PUSH, PeerRef("prefill", "tcp://h:1", p_tp), PeerRef("decode", "tcp://h:2", d_tp)
+    )
+
+
+def test_a_rank_pairs_as_the_params_say_and_refuses_params_that_misname_its_own_size() -> None:
+    assert tp_sizes(params(), Role.DECODE, 2) == (2, 2)  # nothing said: the local size, checked at the handshake
+    assert pair_keys(params(4, 2), Role.DECODE, 1, 2, 8) == [
+        (2, TransferKey("t@p2d1", 3)),
+        (3, TransferKey("t@p3d1", 3)),
+    ]
+    assert pair_keys(params(2, 1), Role.PREFILL, 1, 2, 1) == []  # MLA 2 -> 1: P rank 1 feeds nobody
+    with pytest.raises(ConfigError, match="give engine 'decode' 4 tensor-parallel ranks; it has 2"):
+        pair_keys(params(2, 4), Role.DECODE, 0, 2, 8)
+
+
+def test_a_request_ends_on_a_rank_when_its_last_pair_ends_and_fails_if_any_failed() -> None:
+    book = PairBook()
+    book.open("r", Role.DECODE, ["a", "b"], [4, 5])
+    assert book.close("r", Role.DECODE, "a", failed=True) is None
+    assert book.still_open("r", Role.DECODE) == ["b"]
+    assert book.close("r", Role.DECODE, "zz") is None  # unknown pair: nothing
+    done = book.close("r", Role.DECODE, "b")
+    assert done is not None and done.failed and not done.hard and done.blocks == (4, 5)
+    assert len(book) == 0 and book.close("r", Role.DECODE, "b") is None
