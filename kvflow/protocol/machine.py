@@ -161,7 +161,10 @@ class Machine:
             return f"P has {len(spans)} batches for D's blocks but D expects {self.remote_expected} writes"
         for batch in batches:
             if batch.stop > stop * ratio:
-                return f"P's KV reaches block position {batch.stop} but D registered positions up to {stop * ratio}"
+                return (
+                    f"P's KV reaches block position {batch.stop} but D registered {registered} blocks "
+                    f"(positions up to {stop * ratio})"
+                )
             if batch.first % ratio:
                 return f"P's batch starts at block position {batch.first}, inside one of D's {ratio}x larger blocks"
         if final or self.final_seen:
