@@ -17,8 +17,10 @@ decode request.  Transfers are matched by ``transfer_id``, never by request ids.
 
 * decode (D): `update_state_after_alloc` -> an expect order (register these blocks);
   the request finished or aborted while its KV was still coming -> an abort order, and its
-  blocks are freed late (vLLM's ``delay_free``) once the workers report them released;
-* prefill (P): the step in which a request's prefill completes -> a ready order, carried out by
+  blocks are freed late (vLLM's ``delay_free``) once the workers report them released; ended
+  while still queued, before any allocation -> an abort order that only tells P;
+* prefill (P): ``on_new_request`` -> a claim order (heartbeats tell D the request is queued
+  here, which keeps D waiting); the step in which a request's prefill completes -> a ready order, carried out by
   the workers during that step's forward (push: one WRITE per layer group as its last layer is
   saved; the rest, and pull's ready, at ``wait_for_save``); ``request_finished`` ->
   ``delay_free`` until the workers report the blocks released (``finished_sending``).
@@ -132,6 +134,7 @@ class Order:
     block_ids: tuple[int, ...] = ()
     reason: str = ""
     producer: bool = False  # the order is for the side that produces the KV (P)
+    allocated: bool = True  # D's abort: False when the request ended before it had any block
 
 
 @dataclass(slots=True)
@@ -141,9 +144,10 @@ class Orders:
     expect: list[Order] = field(default_factory=list)
     ready: list[Order] = field(default_factory=list)
     abort: list[Order] = field(default_factory=list)
+    claim: list[Order] = field(default_factory=list)  # P: requests now queued here (see `new_request`)
 
     def __bool__(self) -> bool:
-        return bool(self.expect or self.ready or self.abort)
+        return bool(self.expect or self.ready or self.abort or self.claim)
 
 
 @dataclass(slots=True)
@@ -151,7 +155,7 @@ class _Tracked:
     params: TransferParams
     prompt_len: int
     producer: bool  # this engine produces the KV (P) for the request
-    ordered: bool = False  # the expect or ready order went out
+    ordered: bool = False  # the expect or ready order went out (D: its blocks were allocated)
     landed: bool = False  # D: the KV arrived (finished_recving)
     delayed_free: bool = False  # vLLM holds the blocks until finished_sending
 
@@ -203,7 +207,8 @@ class SchedulerBook:
         parsed = self._parse(request_id, params, receiving=True)
         if parsed is None:
             return
-        if request_id in self._tracked:
+        known = self._tracked.get(request_id)
+        if known is not None and known.ordered:
             return  # called again after the load: nothing new to register
         needed = -(-prompt_len // self.block_size)
         blocks = tuple(block_ids)[:needed]
@@ -214,12 +219,22 @@ class SchedulerBook:
     # ---------------------------------------------------------------- prefill side
 
     def new_request(self, request_id: str, params: Mapping[str, Any] | None, prompt_len: int) -> None:
-        """`on_new_request`: remember prefill requests whose KV goes to a remote decoder."""
-        if not (params or {}).get("do_remote_decode"):
-            return
-        parsed = self._parse(request_id, params)
-        if parsed is not None:
-            self._tracked[request_id] = _Tracked(parsed, prompt_len, producer=True)
+        """`on_new_request`: remember requests with a remote side.
+
+        P (``do_remote_decode``): a claim order goes out, so that P's heartbeats tell D the
+        request is queued here and D keeps waiting for it however long P's queue is.  D
+        (``do_remote_prefill``): remembered before it has blocks, so that if it ends while still
+        queued, P is told (an abort order) instead of holding its KV to its deadline."""
+        params = params or {}
+        if params.get("do_remote_decode"):
+            parsed = self._parse(request_id, params)
+            if parsed is not None:
+                self._tracked[request_id] = _Tracked(parsed, prompt_len, producer=True)
+                self._pending.claim.append(Order(request_id, parsed, producer=True))
+        elif params.get("do_remote_prefill"):
+            parsed = self._parse(request_id, params, receiving=True)
+            if parsed is not None:
+                self._tracked[request_id] = _Tracked(parsed, prompt_len, producer=False)
 
     def scheduled(self, request_id: str, computed: int, scheduled: int, block_ids: Sequence[int]) -> None:
         """A step schedules `scheduled` tokens after `computed`: if that completes a tracked
@@ -261,6 +276,13 @@ class SchedulerBook:
         if tracked.landed:
             self._tracked.pop(request_id)
             return False, None
+        if not tracked.ordered:
+            # Ended while queued, before any block was allocated: kvflow holds nothing of it,
+            # but P may hold its KV (or compute it later): tell P.
+            self._tracked.pop(request_id)
+            reason = "decode request aborted before its blocks were allocated"
+            self._pending.abort.append(Order(request_id, tracked.params, reason=reason, allocated=False))
+            return False, None
         tracked.delayed_free = True
         reason = "decode request aborted" if aborted else "decode request ended before its KV arrived"
         self._pending.abort.append(Order(request_id, tracked.params, reason=reason))
@@ -291,6 +313,15 @@ class SchedulerBook:
         return bool(self._pending) or any(
             t.delayed_free or (t.ordered and not t.producer and not t.landed) for t in self._tracked.values()
         )
+
+    def handing_off(self) -> bool:
+        """`has_pending_block_frees`: a request whose ready order went out has not finished yet.
+
+        vLLM then preempts nothing (it waits a step instead): with async scheduling the step
+        after a request's last prefill chunk is scheduled before that chunk's output is read,
+        while the request still runs, and preempting it would free (and hand to another request)
+        the blocks kvflow is sending from.  The request finishes when that output is read."""
+        return any(t.producer and t.ordered and not t.delayed_free for t in self._tracked.values())
 
     def tracked(self) -> int:
         return len(self._tracked)

@@ -252,6 +252,8 @@ class WorkerSide:
             taken.append(future)
         for order in orders.abort:  # after the expects: a request may end in the step it was allocated
             self._abort(order)
+        for order in orders.claim:
+            self._claim(order)
         _hand_over(taken)
 
     def save_layer(self, orders: Orders, layer_name: str) -> None:
@@ -372,9 +374,45 @@ class WorkerSide:
             if final:
                 self._broken.discard(key)
 
+    def _claim(self, order: Order) -> None:
+        """P: the request is queued here; heartbeats to its decode rank say so until it ends."""
+        params = order.params
+        try:
+            peer = rank_peer(params.decode, self.rank).engine
+        except ConfigError as exc:  # its ready order fails the same way, and is reported then
+            log.error("%s: cannot claim %s: %s", self.engine_id, order.request_id, exc)
+            return
+        self._thread().call(lambda e: e.claim(params.transfer_id, params.epoch, peer=peer))
+
+    def _abort_unallocated(self, order: Order) -> None:
+        """D: the request ended before it had blocks, so nothing was registered: tell P, which
+        may hold its KV (or compute it later), so that it frees it at once."""
+        params = order.params
+        try:
+            peer = rank_peer(params.prefill, self.rank)
+        except ConfigError as exc:
+            log.error("%s: cannot tell P that %s ended: %s", self.engine_id, order.request_id, exc)
+            return
+
+        async def abort(e: Engine) -> None:
+            await e.abort(
+                params.transfer_id, params.epoch, Role.DECODE, order.reason, peer=peer.engine, mode=params.mode
+            )
+
+        def logged(future: concurrent.futures.Future[Any]) -> None:
+            if future.exception() is not None:  # P then frees at its own deadline
+                log.warning(
+                    "%s: could not tell P that %s ended: %s", self.engine_id, order.request_id, future.exception()
+                )
+
+        self._call_connected(peer, abort).add_done_callback(logged)
+
     def _abort(self, order: Order) -> None:
         key = TransferKey(order.params.transfer_id, order.params.epoch)
         role = Role.PREFILL if order.producer else Role.DECODE
+        if role is Role.DECODE and not order.allocated:
+            self._abort_unallocated(order)
+            return
         if role is Role.DECODE:
             if (key, role) not in self._requests:
                 return  # released already (reported as received), or it never started

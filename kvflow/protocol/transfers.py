@@ -86,6 +86,9 @@ class TransferStore:
         # blocks it registered
         self._unstarted = 0
         self._peer_load: dict[str, tuple[int, int]] = {}
+        # P: transfers whose request this engine holds (queued or prefilling), for which peer
+        # and since when: what heartbeats list, and whose notices a peerless transfer takes
+        self._claims: dict[TransferKey, tuple[str, float]] = {}
 
     # ------------------------------------------------------------------ records
 
@@ -245,6 +248,21 @@ class TransferStore:
         held.append((peer, message, now + self.config.retention))
         self._early_by_peer[peer] = self._early_by_peer.get(peer, 0) + 1
         return True
+
+    def claim(self, key: TransferKey, peer: str, now: float) -> None:
+        """Record that this engine holds the request of `key` for `peer` (the first claim counts)."""
+        self._claims.setdefault(key, (peer, now))
+
+    def unclaim(self, key: TransferKey) -> None:
+        self._claims.pop(key, None)
+
+    def claims(self) -> list[tuple[TransferKey, tuple[str, float]]]:
+        return list(self._claims.items())
+
+    def claimant(self, key: TransferKey) -> str | None:
+        """The peer a claim on `key` names, if any."""
+        claim = self._claims.get(key)
+        return claim[0] if claim is not None else None
 
     def has_early(self, key: TransferKey) -> bool:
         return key in self._early
