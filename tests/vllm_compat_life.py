@@ -8,13 +8,15 @@ transport and ZeroMQ, and checks D's pages byte for byte and that both engines e
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
 from vllm.v1.request import RequestStatus
 
 from kvflow.integrations.vllm.standin import StandInEngine
+from kvflow.protocol.state import Outcome
 from tests.vllm_compat_registry import scenario
-from tests.vllm_pairs import BLOCK_SIZE, dispatch, is_finished, kvflow_engine, make_pair, run, settle
+from tests.vllm_pairs import BLOCK_SIZE, crash, dispatch, is_finished, kvflow_engine, make_pair, run, settle
 
 PROMPT = 3 * BLOCK_SIZE + 7
 
@@ -26,35 +28,53 @@ def hold(engines: tuple[StandInEngine, ...], seconds: float) -> None:
     run(engines, lambda: time.monotonic() >= until, limit=seconds + 30.0)
 
 
+def queued_on_p(timeout: float, **extra: object) -> tuple[StandInEngine, StandInEngine, Any, Any]:
+    """P and D, one request dispatched to both: D waits for its KV (registered), P took the
+    request and prefilled one chunk of four, and is then held (its queue is long)."""
+    settings = {"transfer_timeout": timeout, "lease": 1.2, **extra}
+    p, d = make_pair(extra=settings, p_options={"max_num_batched_tokens": 2 * BLOCK_SIZE})
+    try:
+        p_req, d_req = dispatch(p, d, "queued", 4 * BLOCK_SIZE)
+        run((d,), lambda: d_req.status == RequestStatus.WAITING_FOR_REMOTE_KVS and bool(kvflow_engine(d).core.live()))
+        run((p,), lambda: p.steps >= 1)
+        assert p_req.num_computed_tokens == 2 * BLOCK_SIZE
+    except BaseException:
+        d.close()
+        p.close()
+        raise
+    return p, d, p_req, d_req
+
+
 @scenario("p-queue-long")
 def _p_queue_long(fragment: str, caplog: pytest.LogCaptureFixture) -> None:
-    # D waits 2 s for a transfer; P takes its request, prefills one chunk and then is held
-    # (its queue is long) for 3 transfer timeouts, alive and heartbeating.  P's claim renews
-    # D's wait, so the KV still arrives, byte for byte.
+    # D waits 2 s for a transfer; P, alive and heartbeating, holds the request for three times
+    # that.  P's claim renews D's wait, so the KV still arrives, byte for byte.
     timeout = 2.0
-    p, d = make_pair(
-        extra={"transfer_timeout": timeout, "lease": 1.2}, p_options={"max_num_batched_tokens": BLOCK_SIZE}
-    )
+    p, d, p_req, d_req = queued_on_p(timeout)
     try:
-        p_req, d_req = dispatch(p, d, "queued", PROMPT)
-        run((d,), lambda: d_req.status == RequestStatus.WAITING_FOR_REMOTE_KVS and bool(kvflow_engine(d).core.live()))
-        run((p,), lambda: p.steps >= 1)  # P took the request and began its prefill: one chunk of four
-        assert p_req.num_computed_tokens == BLOCK_SIZE
         hold((d,), 3 * timeout)
         assert d_req.status == RequestStatus.WAITING_FOR_REMOTE_KVS, "D gave up while P still held the request"
         settle((p, d), [p_req, d_req])
         assert d.checked == {d_req.request_id: 0}
         assert d_req.status == RequestStatus.FINISHED_LENGTH_CAPPED
-        assert kvflow_engine(d).stats()["capped_renewals"] == 0
     finally:
         d.close()
         p.close()
+    # A P that dies with the request queued renews nothing: D fails at the peer's loss (about a
+    # lease), long before its 60 s transfer deadline.
+    p, d, p_req, d_req = queued_on_p(60.0, fence_timeout=1.0)
+    try:
+        crash(p)
+        settle((d,), [d_req], limit=20.0)
+        assert d_req.status == RequestStatus.FINISHED_ERROR
+    finally:
+        d.close()
 
 
 @scenario("d-abort-before-alloc")
 def _d_abort_before_alloc(fragment: str, caplog: pytest.LogCaptureFixture) -> None:
     # D's request ends while still queued there (never allocated, so never registered).  P has
-    # its KV ready and waits for D's registration: told, it frees its blocks at once, far
+    # its KV ready and waits for D's registration: told, it frees its blocks at once, long
     # before its 600 s transfer deadline.
     p, d = make_pair(extra={"transfer_timeout": 600.0})
     try:
@@ -65,6 +85,14 @@ def _d_abort_before_alloc(fragment: str, caplog: pytest.LogCaptureFixture) -> No
         settle((p, d), [p_req, d_req])
         (ended,) = [m for m in kvflow_engine(p).core.machines() if m.key.transfer_id == "gone"]
         assert ended.reason.startswith("peer aborted: decode request aborted before its blocks"), ended.reason
+        # the other order: D gives up before P has even prefilled; P's KV comes back as soon as
+        # its prefill ends
+        p_req, d_req = dispatch(p, d, "gone-early", PROMPT)
+        d.scheduler.finish_requests(d_req.request_id, RequestStatus.FINISHED_ABORTED)
+        run((d,), lambda: kvflow_engine(p).stats()["early_messages"] == 1)  # D's notice is at P
+        settle((p, d), [p_req, d_req])
+        (ended,) = [m for m in kvflow_engine(p).core.machines() if m.key.transfer_id == "gone-early"]
+        assert ended.outcome is Outcome.ABORTED and ended.reason.startswith("peer aborted"), ended.reason
     finally:
         d.close()
         p.close()
@@ -91,23 +119,49 @@ def _preempt_d_waiting(fragment: str, caplog: pytest.LogCaptureFixture) -> None:
         p.close()
 
 
+def prefill_next_to_a_local_request(scheduling: str) -> tuple[StandInEngine, StandInEngine, Any, list[Any]]:
+    """P serves a local request that keeps decoding (and so needs a block now and then) and
+    three kvflow requests of five blocks, in chunks of two blocks, in a KV cache of six blocks;
+    D is held, so kvflow keeps each finished prefill's blocks.  When the local request needs a
+    block, vLLM preempts the last running request: a kvflow request mid-prefill (sync), or one
+    whose last chunk was just scheduled (async)."""
+    p, d = make_pair(
+        p_options={
+            "num_blocks": 7,
+            "max_num_batched_tokens": 2 * BLOCK_SIZE,
+            "async_scheduling": scheduling == "async",
+        },
+        d_options={"num_blocks": 40},
+        max_model_len=5 * BLOCK_SIZE,
+    )
+    local = p.add("local", BLOCK_SIZE - 1 - (scheduling == "async"), 100, {})
+    pairs = [dispatch(p, d, f"pre{i}", 5 * BLOCK_SIZE - 10 - i) for i in range(3)]
+    return p, d, local, pairs
+
+
 @scenario("preempt-p-prefill")
 def _preempt_p_prefill(fragment: str, caplog: pytest.LogCaptureFixture) -> None:
-    # Requests prefill in chunks on a P whose KV cache holds one and a half; D is held at first, so
-    # kvflow keeps the finished prefills' blocks for it, and vLLM preempts the requests still
-    # prefilling (their blocks go back, their prefill starts over).  kvflow pushes a request's
-    # KV after its last chunk, from the blocks that hold it then: every D request gets P's bytes.
-    p, d = make_pair(
-        p_options={"num_blocks": 7, "max_num_batched_tokens": 2 * BLOCK_SIZE},
-        d_options={"num_blocks": 40},
-        max_model_len=160,
-    )
+    # Sync: a kvflow request is preempted mid-prefill (its blocks go back, its prefill starts
+    # over); kvflow pushes its KV after its last chunk, from the blocks that hold it then.
+    p, d, local, pairs = prefill_next_to_a_local_request("sync")
     try:
-        pairs = [dispatch(p, d, f"pre{i}", PROMPT - i) for i in range(4)]
-        run((p,), lambda: any(p_req.num_preemptions for p_req, _ in pairs))
-        settle((p, d), [r for pair in pairs for r in pair], limit=60.0)
+        run((p,), lambda: pairs[0][0].num_preemptions > 0)
+        assert pairs[0][0].num_computed_tokens == 0 and local.num_preemptions == 0
+        settle((p, d), [local, *(r for pair in pairs for r in pair)], limit=60.0)
         assert d.checked == {d_req.request_id: 0 for _, d_req in pairs}
-        assert all(d_req.status == RequestStatus.FINISHED_LENGTH_CAPPED for _, d_req in pairs)
+    finally:
+        d.close()
+        p.close()
+    # Async: the step after a request's last chunk is scheduled while that request still runs;
+    # preempting it would hand the blocks kvflow sends from to another request.  kvflow has vLLM
+    # wait a step instead (has_pending_block_frees): the request finishes, and the local
+    # request is preempted.
+    p, d, local, pairs = prefill_next_to_a_local_request("async")
+    try:
+        run((p,), lambda: local.num_preemptions > 0 or pairs[0][0].num_preemptions > 0)
+        assert pairs[0][0].num_preemptions == 0, "a request was preempted while its KV was handed off"
+        settle((p, d), [local, *(r for pair in pairs for r in pair)], limit=60.0)
+        assert d.checked == {d_req.request_id: 0 for _, d_req in pairs}
     finally:
         d.close()
         p.close()
