@@ -48,6 +48,7 @@ class Plan:
     p_blocks: dict[int, int] = field(default_factory=dict)  # position -> P block
     d_blocks: tuple[int, ...] = ()
     sent: int = 0
+    withdrawn: bool = False  # D gave up before allocating (and told P): it never registers
 
 
 @dataclass
@@ -278,7 +279,7 @@ class CorePair:
             if plan.key.epoch != latest:
                 continue
             # A late call for a transfer that already ended is absorbed, never refused.
-            if not plan.d_blocks:
+            if not plan.d_blocks and not plan.withdrawn:
                 self.expect(plan, 20.0)
             for _ in range(len(plan.batches)):
                 self.kv_ready(plan, 0)

@@ -309,8 +309,10 @@ class SchedulerBook:
         return orders
 
     def pending_work(self) -> bool:
-        """`has_pending_push_work`: transfers whose end the workers have not reported yet."""
-        return bool(self._pending) or any(
+        """`has_pending_push_work`: transfers whose end the workers have not reported yet (a claim
+        alone is no such work: the claimed request keeps the engine stepping)."""
+        pending = self._pending
+        return bool(pending.expect or pending.ready or pending.abort) or any(
             t.delayed_free or (t.ordered and not t.producer and not t.landed) for t in self._tracked.values()
         )
 
