@@ -53,6 +53,7 @@ class Plan:
     # (all of them, push only: an empty registration)
     hit: int = 0
     allocated: bool = False
+    withdrawn: bool = False  # D gave up before allocating (and told P): it never registers
 
     def wanted_batches(self) -> int:
         """P's batches that reach D's positions: the WRITEs D expects."""
@@ -291,7 +292,7 @@ class CorePair:
             if plan.key.epoch != latest:
                 continue
             # A late call for a transfer that already ended is absorbed, never refused.
-            if not plan.allocated:
+            if not plan.allocated and not plan.withdrawn:
                 self.expect(plan, 20.0)
             for _ in range(len(plan.batches)):
                 self.kv_ready(plan, 0)

@@ -69,11 +69,36 @@ class CoreProtocol(RuleBasedStateMachine):
         self.pair.plans[key] = plan
         self.p_extra[key] = p_extra
 
-    @precondition(lambda self: any(not p.allocated for p in self.current.values()))
+    @precondition(lambda self: any(not p.allocated and not p.withdrawn for p in self.current.values()))
     @rule(data=st.data(), ttl=st.sampled_from([4.0, 20.0]))
     def decode_allocates(self, data: st.DataObject, ttl: float) -> None:
-        plan = data.draw(st.sampled_from([p for p in self.current.values() if not p.allocated]))
+        plan = data.draw(st.sampled_from([p for p in self.current.values() if not p.allocated and not p.withdrawn]))
         self.pair.expect(plan, ttl)
+
+    @precondition(lambda self: any(not p.allocated and not p.withdrawn for p in self.current.values()))
+    @rule(data=st.data(), chance=st.integers(0, 3))
+    def decode_gives_up_before_allocating(self, data: st.DataObject, chance: int) -> None:
+        """D's request ends while queued: D never registers, and tells P."""
+        if chance:
+            return
+        plan = data.draw(st.sampled_from([p for p in self.current.values() if not p.allocated and not p.withdrawn]))
+        plan.withdrawn = True
+        now = self.pair.net.now
+        self.pair.run("D", self.pair.d.abort(plan.key, Role.DECODE, now, "gave up", peer="P", mode=plan.mode))
+
+    @precondition(lambda self: bool(self.current))
+    @rule(data=st.data())
+    def prefill_promises(self, data: st.DataObject) -> None:
+        """P holds the request (queued or prefilling): its heartbeats say so."""
+        plan = data.draw(st.sampled_from(list(self.current.values())))
+        self.pair.p.promise(plan.key, "D", self.pair.net.now)
+
+    @rule(lease=st.sampled_from([1.0, 6.0]))
+    def heartbeats(self, lease: float) -> None:
+        """Both sides beat: D renews P's hold on what it waits for, P renews D's wait on what it promises."""
+        pair, now = self.pair, self.pair.net.now
+        pair.run("D", pair.d.renew("P", pair.p.heartbeat_keys("D", now), now, lease))
+        pair.run("P", pair.p.renew("D", pair.d.heartbeat_keys("P", now), now, lease))
 
     @precondition(lambda self: any(p.sent < len(p.batches) for p in self.current.values()))
     @rule(data=st.data())

@@ -300,6 +300,30 @@ def test_decode_request_ended_while_waiting_is_aborted_and_freed_late(aborted: b
     assert book.tracked() == 0 and not book.pending_work() and not book.take_orders()
 
 
+@pytest.mark.parametrize("aborted", [True, False])
+def test_decode_request_ended_before_allocation_tells_prefill_and_holds_nothing(aborted: bool) -> None:
+    book = SchedulerBook(BLOCK_SIZE)
+    kv = entry("t9")
+    book.new_request("d9", d_params(kv), 40)  # queued on D: no block yet
+    assert book.tracked() == 1 and not book.take_orders() and not book.pending_work()
+    assert book.finished("d9", aborted=aborted) == (False, None)  # nothing of it is held
+    order = expect_one(book.take_orders(), "abort")
+    assert order.params == must_parse({"kvflow": kv}) and not order.allocated and not order.producer
+    assert book.tracked() == 0 and not book.pending_work()
+
+
+def test_decode_request_allocated_after_new_request_registers_once() -> None:
+    book = SchedulerBook(BLOCK_SIZE)
+    kv = entry("t10")
+    book.new_request("d10", d_params(kv), 40)
+    book.allocated("d10", d_params(kv), 40, [1, 2, 3], 40)
+    assert expect_one(book.take_orders(), "expect").block_ids == (1, 2, 3)
+    book.allocated("d10", d_params(kv), 40, [1, 2, 3], 40)  # vLLM calls it again after the load
+    assert not book.take_orders()
+    assert book.finished("d10", aborted=True) == (True, None)  # allocated: freed once released
+    assert expect_one(book.take_orders(), "abort").allocated
+
+
 def test_decode_request_ended_while_waiting_is_untracked_by_a_failed_release() -> None:
     book = SchedulerBook(BLOCK_SIZE)
     waiting_decode(book)
@@ -350,7 +374,11 @@ def test_prefill_request_lifecycle() -> None:
     book = SchedulerBook(BLOCK_SIZE)
     kv = entry("tp", mode="pull")
     book.new_request("p1", p_params(kv), 10)
-    assert book.tracked() == 1 and not book.pending_work() and not book.take_orders()
+    assert book.tracked() == 1 and not book.pending_work()
+    # queued: P's heartbeats will say it holds the request, so that D keeps waiting for it
+    orders = book.take_orders()
+    assert orders.promise == [Order("p1", must_parse({"kvflow": kv}), producer=True)]
+    assert not (orders.expect or orders.ready or orders.abort)
 
     book.scheduled("p1", 0, 6, [3, 4])  # a first chunk: the prefill is not done
     assert not book.take_orders() and not book.pending_work()

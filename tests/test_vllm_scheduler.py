@@ -138,7 +138,7 @@ def test_decode_death_lets_prefill_free_its_blocks() -> None:
     try:
         kv = params(p, d, "t5")
         d.add("d-t5", 2 * BLOCK_SIZE, 4, {"do_remote_prefill": True, "kvflow": kv})
-        run((d,), lambda: d.steps >= 3)  # D's registration is on its way
+        run((d,), lambda: bool(kvflow_engine(d).core.live()))  # D's registration is on its way
         crash(d)
         p_req = p.add("p-t5", 2 * BLOCK_SIZE, 1, {"do_remote_decode": True, "kvflow": kv}, tag="t5")
         settle((p,), [p_req])

@@ -37,7 +37,7 @@ def test_p_then_d_with_ps_answer_pulls_the_kv(tensor_parallel: int) -> None:
         assert answer["do_remote_prefill"] is True and answer["do_remote_decode"] is False
         kv = answer["kvflow"]
         assert kv["mode"] == "pull" and "decode" not in kv
-        assert kv["prefill"] == {"engine": "prefill", "address": f"tcp://127.0.0.1:{port}"}
+        assert kv["prefill"] == {"engine": "prefill", "address": f"tcp://127.0.0.1:{port}", "tp_size": tensor_parallel}
         assert answer["remote_engine_id"] == "prefill" and len(kv["transfer_id"]) >= 22  # unguessable
         d_req = d.add("d-warm", 70, 4, answer, tag="warm")
         settle((p, d), [d_req])

@@ -7,12 +7,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import pytest
 import zmq
 from vllm.v1.request import RequestStatus
 
 from kvflow.integrations.vllm import worker as worker_side
-from kvflow.integrations.vllm.mapping import SchedulerBook
 from kvflow.integrations.vllm.standin import StandInEngine
 from kvflow.integrations.vllm.stats import IN_FLIGHT_STATES, KVFlowConnectorStats
 from kvflow.transports.loopback import FaultPlan, LoopbackFabric
@@ -176,22 +174,21 @@ def test_stats_aggregate_add_up_and_keep_each_ranks_latest_gauges() -> None:
     assert rank1.data["outcomes"] == {"failed": 1}  # the other payload is left as it was
 
 
-def test_scheduler_side_counts_join_the_workers_in_vllms_scheduler_stats(monkeypatch: pytest.MonkeyPatch) -> None:
-    """vLLM's scheduler adds its connector's own stats to the workers'; a scheduler-side book
-    that keeps cumulative ``counters`` has what each gained reported once."""
-    counters = {"unserved_requests": 0}
-    monkeypatch.setattr(SchedulerBook, "counters", counters, raising=False)
+def test_scheduler_side_counts_join_the_workers_in_vllms_scheduler_stats() -> None:
+    """vLLM's scheduler adds its connector's own stats to the workers': what the book's
+    cumulative ``counters`` gained (here a decode request whose params kvflow cannot serve,
+    counted ``unservable``) is reported once, in vLLM's stats, log line and metrics."""
     p, d = make_pair(log_stats=True)
     try:
         loggers = StatLoggers(p, d)
-        counters["unserved_requests"] = 3
+        foreign = {"do_remote_prefill": True, "remote_engine_id": "elsewhere", "remote_block_ids": [1]}
+        local = d.add("d-foreign", 2 * BLOCK_SIZE, 2, foreign)
         p_req, d_req = dispatch(p, d, "t-book", 2 * BLOCK_SIZE)
-        settle((p, d), [p_req, d_req])
-        for engine in (0, 1):
-            assert loggers.total(engine).data["scheduler"] == {"unserved_requests": 3}
-            assert loggers.metric("vllm:kvflow_scheduler_events_total", engine, event="unserved_requests") == 3
-        [line] = loggers.log_lines(0)
-        assert "Scheduler unserved_requests=3" in line, line
+        settle((p, d), [p_req, d_req, local])
+        assert loggers.total(1).data["scheduler"] == {"unservable": 1}
+        assert loggers.metric("vllm:kvflow_scheduler_events_total", 1, event="unservable") == 1
+        assert "Scheduler unservable=1" in "\n".join(loggers.log_lines(1))
+        assert not loggers.total(0).data.get("scheduler")  # P served everything
     finally:
         d.close()
         p.close()

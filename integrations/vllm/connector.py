@@ -158,6 +158,9 @@ class KVFlowConnector(KVConnectorBase_V1):
     def has_pending_push_work(self) -> bool:
         return self._scheduler().pending_work()
 
+    def has_pending_block_frees(self) -> bool:
+        return self._scheduler().handing_off()
+
     # ================================================================ worker side
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

@@ -31,7 +31,8 @@ logged once with the request id and the reason, and counted in ``counters["unser
 
 * decode (D): `update_state_after_alloc` -> an expect order (register these blocks);
   the request finished or aborted while its KV was still coming -> an abort order, and its
-  blocks are freed late (vLLM's ``delay_free``) once the workers report them released;
+  blocks are freed late (vLLM's ``delay_free``) once the workers report them released; ended
+  while still queued, before any allocation -> an abort order that only tells P;
 * decode with prefix caching: D loads only what its local prefix-cache hit lacks.  It
   registers the blocks after the hit and says at which block position they start; P writes
   only those.  vLLM caches blocks loaded asynchronously only once the load completed, so no
@@ -39,7 +40,8 @@ logged once with the request id and the reason, and counted in ``counters["unser
   one with only the prompt's last token, which vLLM recomputes anyway) loads nothing: the
   request runs at once, and an empty registration tells P to release its blocks without a
   WRITE (push; pull loads that last block);
-* prefill (P): the step in which a request's prefill completes -> a ready order, carried out by
+* prefill (P): ``on_new_request`` -> a promise order (heartbeats tell D the request is queued
+  here, which keeps D waiting); the step in which a request's prefill completes -> a ready order, carried out by
   the workers during that step's forward (push: one WRITE per layer group as its last layer is
   saved; the rest, and pull's ready, at ``wait_for_save``); ``request_finished`` ->
   ``delay_free`` until the workers report the blocks released (``finished_sending``).
@@ -165,6 +167,7 @@ class Order:
     reason: str = ""
     producer: bool = False  # the order is for the side that produces the KV (P)
     first_position: int = 0  # expect: the block position of the first block (after D's prefix hit)
+    allocated: bool = True  # D's abort: False when the request ended before it had any block
 
 
 @dataclass(slots=True)
@@ -174,9 +177,10 @@ class Orders:
     expect: list[Order] = field(default_factory=list)
     ready: list[Order] = field(default_factory=list)
     abort: list[Order] = field(default_factory=list)
+    promise: list[Order] = field(default_factory=list)  # P: requests now queued here (see `new_request`)
 
     def __bool__(self) -> bool:
-        return bool(self.expect or self.ready or self.abort)
+        return bool(self.expect or self.ready or self.abort or self.promise)
 
 
 @dataclass(slots=True)
@@ -185,7 +189,7 @@ class _Tracked:
     prompt_len: int
     producer: bool  # this engine produces the KV (P) for the request
     assigned: bool = False  # P assigned the transfer itself (a sequential router's request)
-    ordered: bool = False  # the expect or ready order went out
+    ordered: bool = False  # the expect or ready order went out (D: its blocks were allocated)
     landed: bool = False  # D: the KV arrived (finished_recving)
     delayed_free: bool = False  # vLLM holds the blocks until finished_sending
 
@@ -255,11 +259,15 @@ class SchedulerBook:
         if not (params or {}).get("do_remote_prefill"):
             return
         parsed = self._parse(request_id, params, receiving=True)
-        if parsed is None or request_id in self._tracked or request_id in self._loaded:
-            return  # refused; called again after the load; or loaded (or released) already
+        if parsed is None or request_id in self._loaded:
+            return  # refused; or loaded (or released) already
+        known = self._tracked.get(request_id)
+        if known is not None and known.ordered:
+            return  # called again after the load: nothing new to register
         needed = -(-prompt_len // self.block_size)
         self._loaded.add(request_id)
         if external <= 0:
+            self._tracked.pop(request_id, None)  # remembered at on_new_request: nothing to abort now
             if parsed.mode is Mode.PUSH:
                 self._pending.expect.append(Order(request_id, parsed, (), first_position=needed))
             return
@@ -271,17 +279,28 @@ class SchedulerBook:
     # ---------------------------------------------------------------- prefill side
 
     def new_request(self, request_id: str, params: Mapping[str, Any] | None, prompt_len: int) -> None:
-        """`on_new_request`: remember prefill requests whose KV goes to a remote decoder."""
-        if not (params or {}).get("do_remote_decode"):
-            return
-        if (params or {}).get("kvflow") is None:
-            assigned = self._assign(request_id)
-            if assigned is not None:
-                self._tracked[request_id] = _Tracked(assigned, prompt_len, producer=True, assigned=True)
-            return
-        parsed = self._parse(request_id, params)
-        if parsed is not None:
-            self._tracked[request_id] = _Tracked(parsed, prompt_len, producer=True)
+        """`on_new_request`: remember requests with a remote side.
+
+        P (``do_remote_decode``): a promise order goes out, so that P's heartbeats tell D the
+        request is queued here and D keeps waiting for it however long P's queue is; without a
+        kvflow entry (a sequential router's request) P assigns the transfer itself.  D
+        (``do_remote_prefill``): remembered before it has blocks, so that if it ends while still
+        queued, P is told (an abort order) instead of holding its KV to its deadline."""
+        params = params or {}
+        if params.get("do_remote_decode"):
+            if params.get("kvflow") is None:
+                assigned = self._assign(request_id)
+                if assigned is not None:
+                    self._tracked[request_id] = _Tracked(assigned, prompt_len, producer=True, assigned=True)
+                return
+            parsed = self._parse(request_id, params)
+            if parsed is not None:
+                self._tracked[request_id] = _Tracked(parsed, prompt_len, producer=True)
+                self._pending.promise.append(Order(request_id, parsed, producer=True))
+        elif params.get("do_remote_prefill"):
+            parsed = self._parse(request_id, params, receiving=True)
+            if parsed is not None:
+                self._tracked[request_id] = _Tracked(parsed, prompt_len, producer=False)
 
     def _assign(self, request_id: str) -> TransferParams | None:
         """A sequential router's request: a fresh pull transfer any one decode engine may claim."""
@@ -346,6 +365,13 @@ class SchedulerBook:
         if tracked.landed:
             self._tracked.pop(request_id)
             return False, None
+        if not tracked.ordered:
+            # Ended while queued, before any block was allocated: kvflow holds nothing of it,
+            # but P may hold its KV (or compute it later): tell P.
+            self._tracked.pop(request_id)
+            reason = "decode request aborted before its blocks were allocated"
+            self._pending.abort.append(Order(request_id, tracked.params, reason=reason, allocated=False))
+            return False, None
         tracked.delayed_free = True
         reason = "decode request aborted" if aborted else "decode request ended before its KV arrived"
         self._pending.abort.append(Order(request_id, tracked.params, reason=reason))
@@ -372,10 +398,21 @@ class SchedulerBook:
         return orders
 
     def pending_work(self) -> bool:
-        """`has_pending_push_work`: transfers whose end the workers have not reported yet."""
-        return bool(self._pending) or any(
+        """`has_pending_push_work`: transfers whose end the workers have not reported yet (a promise
+        alone is no such work: the promised request keeps the engine stepping)."""
+        pending = self._pending
+        return bool(pending.expect or pending.ready or pending.abort) or any(
             t.delayed_free or (t.ordered and not t.producer and not t.landed) for t in self._tracked.values()
         )
+
+    def handing_off(self) -> bool:
+        """`has_pending_block_frees`: a request whose ready order went out has not finished yet.
+
+        vLLM then preempts nothing (it waits a step instead): with async scheduling the step
+        after a request's last prefill chunk is scheduled before that chunk's output is read,
+        while the request still runs, and preempting it would free (and hand to another request)
+        the blocks kvflow is sending from.  The request finishes when that output is read."""
+        return any(t.producer and t.ordered and not t.delayed_free for t in self._tracked.values())
 
     def tracked(self) -> int:
         return len(self._tracked)

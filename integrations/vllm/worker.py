@@ -34,6 +34,7 @@ import os
 import time
 from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from kvflow.control.channel import ControlChannel
@@ -288,6 +289,8 @@ class WorkerSide:
                 taken.append(future)
         for order in orders.abort:  # after the expects: a request may end in the step it was allocated
             self._abort(order)
+        for order in orders.promise:
+            self._promise(order)
         _hand_over(taken)
 
     def _tell_nothing_wanted(self, order: Order) -> list[concurrent.futures.Future[Any]]:
@@ -464,8 +467,55 @@ class WorkerSide:
             if final:
                 self._broken.discard(key)
 
+    def _promise(self, order: Order) -> None:
+        """P: the request is queued here; heartbeats to the decode ranks it feeds say so until
+        it ends.  (A sequential router's request has no decode engine yet: nothing to promise.)"""
+        params, decode = order.params, order.params.decode
+        if decode is None:
+            return
+        try:
+            pairs = pair_keys(params, Role.PREFILL, self.rank, self.tp_size, self.total_heads)
+            d_tp = tp_sizes(params, Role.PREFILL, self.tp_size)[1]
+        except ConfigError as exc:  # its ready order fails the same way, and is reported then
+            log.error("%s: cannot promise %s: %s", self.engine_id, order.request_id, exc)
+            return
+        for target, key in pairs:
+
+            def promise(e: Engine, peer: str, k: TransferKey = key) -> Any:
+                return e.promise(k.transfer_id, k.epoch, peer=peer)
+
+            future = self._call_rank(decode, d_tp, target, promise, Role.PREFILL)
+            future.add_done_callback(partial(self._logged, what=f"cannot promise {order.request_id}"))
+
+    def _abort_unallocated(self, order: Order) -> None:
+        """D: the request ended before it had blocks, so nothing was registered: tell the P
+        ranks feeding this one, which may hold its KV (or compute it later), so that they free
+        it at once."""
+        params = order.params
+        try:
+            pairs = pair_keys(params, Role.DECODE, self.rank, self.tp_size, self.total_heads)
+            p_tp = tp_sizes(params, Role.DECODE, self.tp_size)[0]
+        except ConfigError as exc:
+            log.error("%s: cannot tell P that %s ended: %s", self.engine_id, order.request_id, exc)
+            return
+        for source, key in pairs:
+
+            def abort(e: Engine, peer: str, k: TransferKey = key) -> Any:
+                return e.abort(k.transfer_id, k.epoch, Role.DECODE, order.reason, peer=peer, mode=params.mode)
+
+            # on failure P frees at its own deadline
+            future = self._call_rank(params.prefill, p_tp, source, abort, Role.DECODE)
+            future.add_done_callback(partial(self._logged, what=f"could not tell P that {order.request_id} ended"))
+
+    def _logged(self, future: concurrent.futures.Future[Any], what: str) -> None:
+        if future.exception() is not None:
+            log.warning("%s: %s: %s", self.engine_id, what, future.exception())
+
     def _abort(self, order: Order) -> None:
         role = Role.PREFILL if order.producer else Role.DECODE
+        if role is Role.DECODE and not order.allocated:
+            self._abort_unallocated(order)
+            return
         keys = self.pairs.still_open(order.request_id, role)
         if role is Role.DECODE:
             if not keys:

@@ -221,23 +221,44 @@ class TransferCore:
             return actions + self._feed(m, Input.INCOMPATIBLE, now, reason=mismatch)
         return actions + self._feed(m, input_, now)
 
-    def abort(self, key: TransferKey, role: Role, now: float, reason: str = "aborted by caller") -> list[Action]:
+    def abort(
+        self,
+        key: TransferKey,
+        role: Role,
+        now: float,
+        reason: str = "aborted by caller",
+        *,
+        peer: str | None = None,
+        mode: Mode = Mode.PUSH,
+    ) -> list[Action]:
         """Give up on a transfer.  Idempotent once the transfer has ended.
 
         P may abort a transfer it has not seen yet (its request ended before D's registration
         arrived): the transfer is then remembered as aborted, and a registration for it, if one
         comes within `retention`, is answered with the abort and the fence at once.
 
-        :raises UnknownTransfer: D has no such transfer.
-        :raises StaleEpoch: P: a newer epoch of the transfer id exists.
+        D may abort a transfer it never registered (its request ended while still queued, before
+        any block was allocated) when it names the transfer's `peer` and `mode`: the transfer is
+        remembered as aborted and the peer is told, so that P frees its blocks at once instead of
+        holding them to its deadline.
+
+        :raises UnknownTransfer: D has no such transfer and `peer` is None.
+        :raises StaleEpoch: a newer epoch of the transfer id exists.
         """
+        self.store.drop_promise(key)
         m = self.store.get(key, role)
-        if m is None:
-            if role is _DECODE:
-                raise UnknownTransfer(f"no {role.value} transfer {key}")
-            self._check_epoch(key, role)
-            m = self.store.create(key, role, Mode.PUSH, None, now + self.config.retention, now)
-        return self._feed(m, Input.ABORT, now, reason=reason)
+        if m is not None:
+            return self._feed(m, Input.ABORT, now, reason=reason)
+        if role is _DECODE and peer is None:
+            raise UnknownTransfer(f"no {role.value} transfer {key}")
+        self._check_epoch(key, role)
+        if role is _PREFILL:
+            mode, peer = Mode.PUSH, None
+        m = self.store.create(key, role, mode, peer, now + self.config.retention, now)
+        actions = self._feed(m, Input.ABORT, now, reason=reason)
+        if role is _DECODE and peer is not None:  # nothing was registered, so nothing can land
+            actions.append(SendMessage(peer, Notice(key, Outcome.ABORTED, reason)))
+        return actions
 
     def delivered(self, key: TransferKey, now: float) -> list[Action]:
         """D: the consumer has taken the blocks of a NOTIFIED transfer.
@@ -309,24 +330,48 @@ class TransferCore:
         return peer in self._unfenced
 
     def renew(self, peer: str, keys: Sequence[TransferKey], now: float, lease: float) -> list[Action]:
-        """`peer` still waits on these transfers: as P, hold their blocks at least `lease` longer,
-        but never past `max_hold` after the transfer opened here (such a renewal is cut short and
-        counted in `stats.capped_renewals`).  Keys of other peers' transfers, unknown ones and
-        finished ones are ignored."""
+        """`peer` still has these transfers in hand (its heartbeat listed them): hold each one's
+        deadline at least `lease` past `now`, but never past `max_hold` after the transfer
+        opened here (such a renewal is cut short and counted in `stats.capped_renewals`).
+
+        As P this is D waiting on the transfer (P keeps its blocks); as D it is P holding the
+        transfer's request, queued or prefilling (D keeps waiting for the KV).  Keys of other
+        peers' transfers, unknown ones and finished ones are ignored."""
         for key in keys:
-            m = self.store.get(key, _PREFILL)
-            if m is not None and m.peer == peer and m.state in ACTIVE:
-                until = now + lease
-                cap = m.created + self.config.max_hold
-                if until > cap:
-                    self.stats.capped_renewals += 1
-                    until = cap
-                self.store.set_deadline(m, max(m.deadline, until))
+            for role in (_PREFILL, _DECODE):
+                m = self.store.get(key, role)
+                if m is not None and m.peer == peer and m.state in ACTIVE:
+                    until = now + lease
+                    cap = m.created + self.config.max_hold
+                    if until > cap:
+                        self.stats.capped_renewals += 1
+                        until = cap
+                    self.store.set_deadline(m, max(m.deadline, until))
         return []
 
     def waiting_on(self, peer: str) -> tuple[TransferKey, ...]:
         """The transfers this side, as D, still waits on from `peer` (what a heartbeat renews)."""
         return tuple(m.key for m in self.store.machines() if m.role is _DECODE and m.peer == peer and m.state in ACTIVE)
+
+    def promise(self, key: TransferKey, peer: str, now: float) -> None:
+        """P: this engine holds the request of transfer `key` for `peer` (queued or prefilling).
+
+        Until the transfer ends or is aborted here, or `max_hold` has passed, heartbeats to
+        `peer` list it (`heartbeat_keys`), so that D's deadline for it does not run out while
+        the request waits in a long queue.  Repeated promises keep the first one's time."""
+        self.store.promise(key, peer, now)
+
+    def heartbeat_keys(self, peer: str, now: float) -> tuple[TransferKey, ...]:
+        """What a heartbeat to `peer` lists: the transfers this side waits on from it (as D) and
+        those whose request it holds for it (as P).  Claims that ended are dropped."""
+        promised = []
+        for key, (owner, since) in self.store.promises():
+            m = self.store.get(key, _PREFILL)
+            if since + self.config.max_hold <= now or (m is not None and m.state not in ACTIVE):
+                self.store.drop_promise(key)
+            elif owner == peer:
+                promised.append(key)
+        return self.waiting_on(peer) + tuple(promised)
 
     def timer(self, now: float) -> list[Action]:
         """Feed DEADLINE to every machine whose timer has passed; forget old finished ones."""

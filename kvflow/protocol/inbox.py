@@ -231,7 +231,8 @@ class PeerInbox:
         roles = (role,) if role is not None else (_DECODE, _PREFILL)
         candidates = [m for r in roles if (m := self.store.get(key, r)) is not None]
         for m in candidates:
-            if m.peer == peer:
+            # a push P learns its peer from the registration; before it, the promise names it
+            if m.peer == peer or (m.peer is None and self.store.promisee(key) == peer):
                 return m
         if candidates:
             self.stats.foreign_peer += 1

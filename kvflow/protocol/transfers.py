@@ -87,6 +87,9 @@ class TransferStore:
         # blocks it registered
         self._unstarted = 0
         self._peer_load: dict[str, tuple[int, int]] = {}
+        # P: transfers whose request this engine holds (queued or prefilling), for which peer
+        # and since when: what heartbeats list, and whose notices a peerless transfer takes
+        self._promises: dict[TransferKey, tuple[str, float]] = {}
 
     # ------------------------------------------------------------------ records
 
@@ -247,6 +250,21 @@ class TransferStore:
         held.append((peer, message, now + self.config.retention))
         self._early_by_peer[peer] = self._early_by_peer.get(peer, 0) + 1
         return True
+
+    def promise(self, key: TransferKey, peer: str, now: float) -> None:
+        """Record that this engine holds the request of `key` for `peer` (the first promise counts)."""
+        self._promises.setdefault(key, (peer, now))
+
+    def drop_promise(self, key: TransferKey) -> None:
+        self._promises.pop(key, None)
+
+    def promises(self) -> list[tuple[TransferKey, tuple[str, float]]]:
+        return list(self._promises.items())
+
+    def promisee(self, key: TransferKey) -> str | None:
+        """The peer a promise on `key` names, if any."""
+        promise = self._promises.get(key)
+        return promise[0] if promise is not None else None
 
     def has_early(self, key: TransferKey) -> bool:
         return key in self._early

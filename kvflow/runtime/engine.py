@@ -180,7 +180,8 @@ class Engine:
         self._check_open()
         require_engine_id(peer, "peer")
         limit = timeout if timeout is not None else self.config.handshake_timeout
-        self._peers.associate(self.assoc.connect(peer, address))
+        if not self._peers.handshakes.under_way(peer):
+            self._peers.associate(self.assoc.connect(peer, address))
         await self._peers.handshakes.wait(peer, limit)
 
     def peer_layout(self, peer: str) -> KVLayout | None:
@@ -314,17 +315,37 @@ class Engine:
         self._run(actions)
         return handle
 
-    async def abort(self, transfer_id: str, epoch: int, role: Role, reason: str = "aborted by caller") -> None:
+    async def abort(
+        self,
+        transfer_id: str,
+        epoch: int,
+        role: Role,
+        reason: str = "aborted by caller",
+        *,
+        peer: str | None = None,
+        mode: Mode = Mode.PUSH,
+    ) -> None:
         """Give up on a transfer; its blocks come back once no op can touch them.
 
         P may abort a transfer D has not registered yet: a later registration is refused at once.
+        D may abort a transfer it never registered by naming its `peer` (and `mode`): P is told.
 
-        :raises UnknownTransfer: D has no such transfer.
-        :raises StaleEpoch: P: a newer epoch of the transfer id exists.
+        :raises UnknownTransfer: D has no such transfer and `peer` is None.
+        :raises StaleEpoch: a newer epoch of the transfer id exists.
         :raises EngineCrashed: the engine crashed.
         """
         self._check_crashed()
-        self._run(self.core.abort(TransferKey(transfer_id, epoch), role, self._now(), reason))
+        key = TransferKey(transfer_id, epoch)
+        self._run(self.core.abort(key, role, self._now(), reason, peer=peer, mode=mode))
+
+    async def promise(self, transfer_id: str, epoch: int, *, peer: str) -> None:
+        """P: this engine holds the request of the transfer, queued or prefilling, for `peer`;
+        heartbeats say so, which keeps `peer`'s wait for it alive (see `TransferCore.promise`).
+
+        :raises EngineCrashed: the engine crashed.
+        """
+        self._check_crashed()
+        self.core.promise(TransferKey(transfer_id, epoch), peer, self._now())
 
     async def delivered(self, transfer_id: str, epoch: int) -> None:
         """D (with `auto_deliver` off): the consumer took the blocks of a finished transfer.

@@ -33,6 +33,12 @@ class Handshakes:
             else:
                 waiter.set_exception(error)
 
+    def under_way(self, peer: str) -> bool:
+        """Whether a handshake with `peer` is under way (a `connect` then joins it instead of
+        sending a second Hello, which the peer would take for a restart of this engine)."""
+        waiter = self._waiters.get(peer)
+        return waiter is not None and not waiter.done()
+
     async def wait(self, peer: str, timeout: float) -> None:
         """Wait for the handshake with `peer`, if one is under way.
 
@@ -45,6 +51,8 @@ class Handshakes:
         try:
             await asyncio.wait_for(asyncio.shield(waiter), timeout)
         except TimeoutError:
+            if self._waiters.get(peer) is waiter:  # unanswered: the next connect starts over
+                del self._waiters[peer]
             raise TransferTimeout(f"handshake with {peer!r} got no answer within {timeout}s") from None
 
     def close(self, engine_id: str) -> None:

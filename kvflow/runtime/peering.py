@@ -154,7 +154,7 @@ class PeerExecutor:
             if isinstance(action, Deliver):
                 self.hooks.run(self.core.receive(action.peer, action.message, self.hooks.now()))
             elif isinstance(action, SendHeartbeat):
-                self.try_send(action.peer, Heartbeat(self.core.waiting_on(action.peer)))
+                self.try_send(action.peer, Heartbeat(self.core.heartbeat_keys(action.peer, self.hooks.now())))
             elif isinstance(action, SendControl):
                 self.try_send(action.peer, action.message)
             elif isinstance(action, SendHello):

@@ -1,0 +1,187 @@
+"""Lifecycle gaps between a prefill and a decode core: P's promise on a queued request renews D's
+wait, and D's abort of a transfer it never registered reaches P.
+
+Pure cores joined by hand (time is an argument): what P's heartbeats carry, how far they hold
+D's deadline, and what P does when D gives up before allocating any block.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from kvflow.errors import StaleEpoch, UnknownTransfer
+from kvflow.protocol.actions import Action, ReleaseBlocks, Resolve, SendMessage
+from kvflow.protocol.core import CoreConfig, TransferCore
+from kvflow.protocol.messages import Hello, Message, Notice, Quiesced, Registration, TransferKey
+from kvflow.protocol.state import Mode, Outcome, Role, State
+from kvflow.testing import EnginePair
+from kvflow.transports.loopback import LoopbackFabric
+from tests.waiting import eventually
+
+KEY = TransferKey("r", 1)
+CONFIG = CoreConfig(fence_timeout=2.0, retention=30.0, max_hold=20.0)
+
+
+def messages(actions: list[Action]) -> list[Message]:
+    return [a.message for a in actions if isinstance(a, SendMessage)]
+
+
+def released(actions: list[Action]) -> list[int]:
+    return [b for a in actions if isinstance(a, ReleaseBlocks) for b in a.block_ids]
+
+
+def pair() -> tuple[TransferCore, TransferCore]:
+    p, d = TransferCore("P", 2, CONFIG), TransferCore("D", 2, CONFIG)
+    p.peer_connected("D", 0.0)
+    d.peer_connected("P", 0.0)
+    return p, d
+
+
+def registered(p: TransferCore, d: TransferCore, deadline: float = 5.0) -> None:
+    (registration,) = messages(d.expect(KEY, peer="P", mode=Mode.PUSH, block_ids=[1, 2], deadline=deadline, now=0.0))
+    assert isinstance(registration, Registration)
+    p.receive("D", registration, 0.1)
+
+
+# ---------------------------------------------------------------- P's promise renews D's wait
+
+
+def test_a_promised_transfer_keeps_d_waiting_past_its_deadline_while_p_beats() -> None:
+    p, d = pair()
+    registered(p, d)
+    p.promise(KEY, "D", 0.2)
+    for beat in (1.0, 2.0, 3.0, 4.0, 5.0, 6.0):  # P's queue is long: no KV yet, only heartbeats
+        keys = p.heartbeat_keys("D", beat)
+        assert keys == (KEY,)
+        d.renew("P", keys, beat, lease=3.0)
+        p.renew("D", d.heartbeat_keys("P", beat), beat, lease=3.0)  # D's beats hold P's side
+        assert d.timer(beat) == [] and p.timer(beat) == []
+    assert d.machine(KEY, Role.DECODE).state is State.REGISTERED
+    assert d.next_deadline() == 9.0  # a lease past the last beat
+
+
+def test_without_a_promise_d_expires_at_its_deadline() -> None:
+    p, d = pair()
+    registered(p, d)
+    d.renew("P", p.heartbeat_keys("D", 4.0), 4.0, lease=3.0)
+    assert p.heartbeat_keys("D", 4.0) == ()
+    expired = d.timer(5.0)
+    assert [a.outcome for a in expired if isinstance(a, Resolve)] == [Outcome.EXPIRED]
+
+
+def test_promises_never_hold_d_past_max_hold_and_only_renew_the_promisees_transfers() -> None:
+    p, d = pair()
+    registered(p, d)
+    p.promise(KEY, "D", 0.2)
+    d.renew("elsewhere", (KEY,), 4.0, lease=100.0)  # another peer's word renews nothing
+    assert d.next_deadline() == 5.0
+    expired_at = None
+    for beat in range(4, 30, 2):
+        d.renew("P", p.heartbeat_keys("D", float(beat)), float(beat), lease=3.0)
+        if d.timer(float(beat)):
+            expired_at = beat
+            break
+    assert d.machine(KEY, Role.DECODE).outcome is Outcome.EXPIRED
+    assert expired_at == 20  # created at 0, max_hold 20: P's beats at 18 and 20 did not hold it
+    assert d.stats.capped_renewals >= 1
+
+
+def test_a_promise_ends_with_the_transfer_or_after_max_hold() -> None:
+    p, d = pair()
+    p.promise(KEY, "D", 0.0)
+    p.promise(TransferKey("other", 1), "D2", 0.0)
+    assert p.heartbeat_keys("D", 1.0) == (KEY,) and p.heartbeat_keys("D2", 1.0) == (TransferKey("other", 1),)
+    p.abort(KEY, Role.PREFILL, 2.0, "request ended")
+    assert p.heartbeat_keys("D", 3.0) == ()
+    assert p.heartbeat_keys("D2", 20.0) == ()  # max_hold after the promise: dropped
+
+
+# ---------------------------------------------------------------- D gives up before allocating
+
+
+def test_d_aborting_a_transfer_it_never_registered_tells_p() -> None:
+    p, d = pair()
+    actions = d.abort(KEY, Role.DECODE, 1.0, "client went away", peer="P")
+    (notice,) = messages(actions)
+    assert isinstance(notice, Notice) and notice.outcome is Outcome.ABORTED and released(actions) == []
+    # P had its KV ready, waiting for a registration that will never come: its blocks come back now
+    p.kv_ready(KEY, block_ids=[7, 8], now=0.5, peer="D", deadline=60.0)
+    answer = p.receive("D", notice, 1.1)
+    assert released(answer) == [7, 8]
+    assert p.machine(KEY, Role.PREFILL).outcome is Outcome.ABORTED
+    (quiesced,) = messages(answer)
+    assert isinstance(quiesced, Quiesced)
+    assert d.receive("P", quiesced, 1.2) == [] and d.stats.unknown_transfer == 0  # absorbed
+
+
+def test_p_ready_after_d_gave_up_returns_its_blocks_at_once() -> None:
+    p, d = pair()
+    (notice,) = messages(d.abort(KEY, Role.DECODE, 1.0, "client went away", peer="P"))
+    p.receive("D", notice, 1.1)  # P's request is still queued: nothing of it here yet
+    late = p.kv_ready(KEY, block_ids=[7, 8], now=2.0, peer="D", deadline=60.0)
+    assert released(late) == [7, 8]
+    assert p.live() == []
+
+
+def test_a_late_registration_of_an_abandoned_transfer_is_refused_by_d_itself() -> None:
+    p, d = pair()
+    d.abort(KEY, Role.DECODE, 1.0, "client went away", peer="P")
+    assert d.machine(KEY, Role.DECODE).state is State.ABORTED
+    # the epoch is taken: a stale caller cannot register blocks for it any more
+    with pytest.raises(StaleEpoch):
+        d.expect(KEY, peer="P", mode=Mode.PUSH, block_ids=[1], deadline=9.0, now=2.0)
+
+
+def test_d_without_the_peer_still_refuses_an_unknown_abort_and_p_ignores_a_bogus_one() -> None:
+    p, d = pair()
+    with pytest.raises(UnknownTransfer):
+        d.abort(KEY, Role.DECODE, 1.0)
+    registered(p, d)
+    # a notice from a peer that is not the transfer's changes nothing, and is counted
+    p.receive("intruder", Notice(KEY, Outcome.ABORTED, "x"), 1.0)
+    assert p.machine(KEY, Role.PREFILL).state is State.REGISTERED and p.stats.foreign_peer == 1
+
+
+def test_a_push_p_not_yet_registered_takes_the_abort_only_from_the_peer_its_promise_names() -> None:
+    p, d = pair()
+    (notice,) = messages(d.abort(KEY, Role.DECODE, 1.0, "client went away", peer="P"))
+    # push: P's KV is ready before any registration, so P knows its peer only from its promise
+    p.kv_ready(KEY, block_ids=[7, 8], now=0.5, deadline=60.0)
+    p.receive("D", notice, 1.1)
+    assert p.stats.foreign_peer == 1  # unclaimed: not D's to end
+    assert p.machine(KEY, Role.PREFILL).state is State.PREFILL_READY
+    other = TransferKey("s", 1)
+    p.promise(other, "D", 0.0)
+    (notice,) = messages(d.abort(other, Role.DECODE, 1.0, "client went away", peer="P"))
+    p.receive("D", notice, 1.1)  # held: P has nothing of it yet
+    assert released(p.kv_ready(other, block_ids=[3], now=2.0, deadline=60.0)) == [3]
+
+
+# ---------------------------------------------------------------- engines
+
+
+@pytest.mark.asyncio
+async def test_concurrent_connects_to_one_peer_make_one_association() -> None:
+    """D registers several transfers in one step, each connecting to P first: one Hello goes
+    out, else P takes the second for a restart of D and tears the association down."""
+    pair = await EnginePair(LoopbackFabric()).start(connect=False)
+    try:
+        hellos = []
+        sent = pair.d.control.send
+
+        def counting(peer: str, message: object) -> None:
+            if isinstance(message, Hello):
+                hellos.append(peer)
+            sent(peer, message)  # type: ignore[arg-type]
+
+        pair.d.control.send = counting  # type: ignore[method-assign]
+        await asyncio.gather(*(pair.d.connect("P") for _ in range(3)))
+        await pair.d.expect("t", 1, peer="P", block_ids=[1], mode=Mode.PUSH)
+        await eventually(lambda: len(pair.p.core.live()) == 1, "P holds the registration")
+        assert hellos == ["P"]
+        assert pair.d.peers() == ["P"] and pair.p.peers() == ["D"]
+    finally:
+        await pair.d.aclose(drain_timeout=0.1)
+        await pair.p.aclose(drain_timeout=0.1)
