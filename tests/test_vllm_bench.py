@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from kvflow.errors import ConfigError
-from kvflow.integrations.vllm.bench import render, run, summarize
+from kvflow.integrations.vllm.bench import run
+from kvflow.integrations.vllm.bench_report import render, summarize
 from kvflow.integrations.vllm.standin import PagedKV
 from kvflow.tools.cli import main as cli_main
 

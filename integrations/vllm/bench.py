@@ -32,18 +32,18 @@ import os
 import queue
 import secrets
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from kvflow.errors import BenchError, ConfigError
+from kvflow.integrations.vllm.bench_report import Cell, quantile, render, summarize, verdict
 from kvflow.integrations.vllm.runner import EngineSpec, spec_line
 from kvflow.integrations.vllm.standin.model import EngineOptions, ModelShape
 
@@ -84,25 +84,6 @@ class Flight:
     @property
     def done(self) -> bool:
         return self.p_gone and self.d_gone
-
-
-@dataclass
-class Cell:
-    connector: str
-    tokens: int
-    concurrency: int
-    step_ms: float
-    repeat: int
-    requests: int
-    fin_to_recv_ms: list[float] = field(default_factory=list)
-    kv_to_recv_ms: list[float] = field(default_factory=list)
-    d_steps: list[int] = field(default_factory=list)
-    fin_to_sent_ms: list[float] = field(default_factory=list)
-    p_hooks_us: list[float] = field(default_factory=list)  # per P step: time inside connector hooks
-    d_hooks_us: list[float] = field(default_factory=list)
-    bytes_verified: int = 0
-    bad_pages: int = 0
-    failed: int = 0
 
 
 class EngineProcess:
@@ -374,13 +355,6 @@ def _record(cell: Cell, flight: Flight) -> None:
         cell.bytes_verified += flight.pages * flight.page_bytes
 
 
-def _quantile(values: list[float] | list[int], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return float(ordered[min(len(ordered) - 1, int(q * len(ordered)))])
-
-
 def run(
     connectors: list[str],
     tokens: list[int],
@@ -422,89 +396,12 @@ def run(
     return cells
 
 
-def summarize(cells: list[Cell]) -> list[dict[str, Any]]:
-    """One row per (connector, tokens, concurrency, pacing): medians over repeats of each
-    repeat's p50 and p90, and totals."""
-    groups: dict[tuple[str, int, int, float], list[Cell]] = {}
-    for cell in cells:
-        groups.setdefault((cell.connector, cell.tokens, cell.concurrency, cell.step_ms), []).append(cell)
-    rows = []
-    for (connector, n_tokens, conc, pace), group in groups.items():
-
-        def med(metric: str, q: float, group: list[Cell] = group) -> float:
-            return round(statistics.median(_quantile(getattr(c, metric), q) for c in group), 2)
-
-        rows.append(
-            {
-                "connector": connector,
-                "tokens": n_tokens,
-                "concurrency": conc,
-                "step_ms": pace,
-                "fin_to_recv_p50_ms": med("fin_to_recv_ms", 0.5),
-                "fin_to_recv_p90_ms": med("fin_to_recv_ms", 0.9),
-                "kv_to_recv_p50_ms": med("kv_to_recv_ms", 0.5),
-                "d_steps_p50": med("d_steps", 0.5),
-                "d_steps_p90": med("d_steps", 0.9),
-                "fin_to_sent_p50_ms": med("fin_to_sent_ms", 0.5),
-                "p_hooks_p50_us": med("p_hooks_us", 0.5),
-                "p_hooks_p99_us": med("p_hooks_us", 0.99),
-                "d_hooks_p50_us": med("d_hooks_us", 0.5),
-                "d_hooks_p99_us": med("d_hooks_us", 0.99),
-                "requests": sum(c.requests for c in group),
-                "bytes_verified": sum(c.bytes_verified for c in group),
-                "bad_pages": sum(c.bad_pages for c in group),
-                "failed": sum(c.failed for c in group),
-            }
-        )
-    return rows
-
-
-def render(rows: list[dict[str, Any]]) -> str:
-    header = (
-        f"{'connector':<12} {'tokens':>6} {'conc':>4} {'step':>5} | {'fin→recv p50':>12} {'p90':>7} "
-        f"{'kv→recv p50':>11} | {'D steps p50':>11} {'p90':>5} | {'P free p50':>10} | "
-        f"{'P hooks µs p50':>14} {'p99':>6} {'D p50':>6} {'p99':>6} | {'verified':>9} {'bad':>4} {'failed':>6}"
-    )
-    lines = [header, "-" * len(header)]
-    for r in sorted(rows, key=lambda r: (r["tokens"], r["concurrency"], r["step_ms"], r["connector"])):
-        pace = f"{r['step_ms']:g}ms" if r["step_ms"] else "fast"
-        lines.append(
-            f"{r['connector']:<12} {r['tokens']:>6} {r['concurrency']:>4} {pace:>5} | "
-            f"{r['fin_to_recv_p50_ms']:>12.1f} {r['fin_to_recv_p90_ms']:>7.1f} {r['kv_to_recv_p50_ms']:>11.1f} | "
-            f"{r['d_steps_p50']:>11.0f} {r['d_steps_p90']:>5.0f} | {r['fin_to_sent_p50_ms']:>10.1f} | "
-            f"{r['p_hooks_p50_us']:>14.0f} {r['p_hooks_p99_us']:>6.0f} {r['d_hooks_p50_us']:>6.0f} "
-            f"{r['d_hooks_p99_us']:>6.0f} | {r['bytes_verified'] / 2**20:>7.0f}Mi {r['bad_pages']:>4} {r['failed']:>6}"
-        )
-    return "\n".join(lines)
-
-
-def verdict(rows: list[dict[str, Any]], ours: str = "kvflow") -> list[str]:
-    """Per cell: our p50 against the better of vLLM's two connectors."""
-    out = []
-    keyed = {(r["connector"], r["tokens"], r["concurrency"], r["step_ms"]): r for r in rows}
-    for (connector, n_tokens, conc, pace), row in sorted(keyed.items(), key=lambda kv: kv[0][1:]):
-        if connector != ours:
-            continue
-        cells = [(c, n_tokens, conc, pace) for c in ("vllm-push", "vllm-pull")]
-        theirs = [keyed[cell] for cell in cells if cell in keyed]
-        if not theirs:
-            continue
-        best = min(theirs, key=lambda r: r["fin_to_recv_p50_ms"])
-        ratio = row["fin_to_recv_p50_ms"] / best["fin_to_recv_p50_ms"] if best["fin_to_recv_p50_ms"] else float("nan")
-        pace_name = f"{pace:g} ms steps" if pace else "fast steps"
-        out.append(
-            f"{n_tokens} tokens, {conc} in flight, {pace_name}: {ours} p50 {row['fin_to_recv_p50_ms']:.1f} ms vs "
-            f"{best['connector']} {best['fin_to_recv_p50_ms']:.1f} ms ({ratio:.2f}x)"
-        )
-    return out
-
-
 def main(argv_options: dict[str, Any]) -> int:
     """Run, print the table and the per-cell verdict, and write JSON when asked."""
     o = argv_options
 
     def progress(cell: Cell) -> None:
-        p50 = _quantile(cell.fin_to_recv_ms, 0.5)
+        p50 = quantile(cell.fin_to_recv_ms, 0.5)
         pace = f"{cell.step_ms:g}ms" if cell.step_ms else "fast"
         sys.stderr.write(
             f"  {cell.connector:<11} {cell.tokens:>5} tok  c{cell.concurrency}  {pace:>5}  repeat {cell.repeat}: "
