@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from kvflow.protocol.actions import Action, DeclarePeerLost, OpKind, ReleaseBlocks, Resolve, SendMessage, SubmitOp
 from kvflow.protocol.core import CoreConfig, TransferCore
-from kvflow.protocol.messages import Message, TransferKey
+from kvflow.protocol.messages import OPEN_BATCHES, Message, TransferKey
 from kvflow.protocol.state import TERMINAL, Mode, Outcome, Role
 
 NUM_LAYERS = 2
@@ -45,6 +45,7 @@ class Plan:
     nblocks: int
     batches: list[tuple[int, int, tuple[int, int]]]  # (first position, count, layers)
     p_ttl: float = 30.0  # how long P holds its blocks for this transfer (its lease)
+    open_count: bool = False  # push: D registers OPEN_BATCHES, P's last notification says how many
     p_blocks: dict[int, int] = field(default_factory=dict)  # position -> P block
     d_blocks: tuple[int, ...] = ()
     sent: int = 0
@@ -200,6 +201,8 @@ class CorePair:
             return
         plan.d_blocks = tuple(free[: plan.nblocks])
         n_writes = len(plan.batches) if plan.mode is Mode.PUSH else 1
+        if plan.open_count and plan.mode is Mode.PUSH:
+            n_writes = OPEN_BATCHES
         actions = self.d.expect(
             plan.key,
             peer="P",

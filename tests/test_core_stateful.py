@@ -2,7 +2,11 @@
 
 Properties (see `core_model`): no op lands in or reads from a block its transfer no longer
 holds; every block is released exactly once; every D success holds exactly P's bytes; after the
-faults stop and time passes, every transfer has ended and both ledgers are empty.  The same
+faults stop and time passes, every transfer has ended and both ledgers are empty.  Push
+transfers are split by layers, by positions, or both (chunks of positions, each in layer
+groups, as a chunked prefill produces them); D registers the batch count or leaves it open to
+P, and P may leave a gap (a batch it never produces), which must fail the transfer on both
+sides, never pass as a success.  The same
 machine runs again with per-peer quotas so tight that P refuses many registrations: refusals
 must keep every property.
 """
@@ -39,11 +43,23 @@ class CoreProtocol(RuleBasedStateMachine):
         tid=st.sampled_from(TRANSFER_IDS),
         mode=st.sampled_from(Mode),
         nblocks=st.integers(1, 3),
-        split=st.sampled_from(["one", "layers", "positions"]),
+        split=st.sampled_from(["one", "layers", "positions", "chunks"]),
         p_extra=st.sampled_from([0, 0, 0, 1]),
         p_ttl=st.sampled_from([3.0, 30.0]),
+        open_count=st.booleans(),
+        gap=st.sampled_from([None, None, None, None, 0, 1, 2]),
     )
-    def start(self, tid: str, mode: Mode, nblocks: int, split: str, p_extra: int, p_ttl: float) -> None:
+    def start(
+        self,
+        tid: str,
+        mode: Mode,
+        nblocks: int,
+        split: str,
+        p_extra: int,
+        p_ttl: float,
+        open_count: bool,
+        gap: int | None,
+    ) -> None:
         """The router starts a new attempt (epoch) at a transfer."""
         epoch = self.epochs.get(tid, 0) + 1
         self.epochs[tid] = epoch
@@ -53,9 +69,17 @@ class CoreProtocol(RuleBasedStateMachine):
             batches = [(0, nblocks, full)]
         elif split == "layers":
             batches = [(0, nblocks, (layer, layer + 1)) for layer in range(NUM_LAYERS)]
-        else:
+        elif split == "positions":
             batches = [(i, 1, full) for i in range(nblocks)]
-        plan = Plan(key, mode, nblocks, batches, p_ttl=p_ttl)
+        else:  # chunks of up to two positions, each written one layer at a time
+            batches = [
+                (first, min(2, nblocks - first), (layer, layer + 1))
+                for first in range(0, nblocks, 2)
+                for layer in range(NUM_LAYERS)
+            ]
+        if gap is not None and len(batches) > 1:
+            del batches[gap % len(batches)]  # P never produces this batch
+        plan = Plan(key, mode, nblocks, batches, p_ttl=p_ttl, open_count=open_count)
         self.current[tid] = plan
         self.pair.plans[key] = plan
         self.p_extra[key] = p_extra

@@ -45,7 +45,7 @@ from kvflow.integrations.vllm.mapping import Order, Orders, PeerRef, rank_peer
 from kvflow.layout import MAX_SPEC_TEXT
 from kvflow.protocol.actions import ReleaseBlocks
 from kvflow.protocol.core import CoreConfig
-from kvflow.protocol.messages import TransferKey
+from kvflow.protocol.messages import OPEN_BATCHES, TransferKey
 from kvflow.protocol.state import Mode, Outcome, Role
 from kvflow.runtime.engine import Engine, EngineConfig
 from kvflow.runtime.threaded import EngineThread
@@ -225,7 +225,6 @@ class WorkerSide:
         bounded hand-over)."""
         self._saved.clear()  # a new step: its forward has saved no layer yet
         taken = []
-        batches = len(self.layer_groups)
         for order in orders.expect:
             params = order.params
             try:
@@ -244,7 +243,8 @@ class WorkerSide:
                     peer=p.engine,
                     block_ids=o.block_ids,
                     mode=m,
-                    expected_batches=batches if m is Mode.PUSH else 1,
+                    # P decides how many: its token budget splits the prompt into chunks
+                    expected_batches=OPEN_BATCHES if m is Mode.PUSH else 1,
                 ),
             )
             self._failed_starts.append((future, order.request_id, order.block_ids, key))
@@ -336,18 +336,19 @@ class WorkerSide:
 
             future = self._thread().call(post)
             futures.append(future)
-            if group == 0:
+            if group == 0 and order.first == 0:
                 self._ready_starts.append((future, order.request_id))
         return futures
 
     async def _post_group(self, engine: Engine, key: TransferKey, order: Order, group: int, gate: Gate | None) -> None:
-        """On the engine thread: post one layer group after the ones before it.  A failure of the
-        first group leaves kvflow holding nothing (vLLM frees the blocks); a later failure aborts
-        the transfer, whose blocks then come back through the engine's release."""
+        """On the engine thread: post one layer group of one chunk's blocks after the ones before
+        it.  A failure of the transfer's first group (first chunk) leaves kvflow holding nothing
+        (vLLM frees the blocks); a later failure aborts the transfer, whose blocks then come back
+        through the engine's release."""
         previous = self._chains.get(key)
         mine: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._chains[key] = mine
-        final = group == len(self.layer_groups) - 1
+        final = order.final and group == len(self.layer_groups) - 1
         try:
             if previous is not None:
                 await previous
@@ -356,11 +357,16 @@ class WorkerSide:
             try:
                 await self._wait_for_device(gate)
                 await engine.kv_ready(
-                    key.transfer_id, key.epoch, block_ids=order.block_ids, layers=self.layer_groups[group], final=final
+                    key.transfer_id,
+                    key.epoch,
+                    block_ids=order.block_ids,
+                    layers=self.layer_groups[group],
+                    final=final,
+                    first_position=order.first,
                 )
             except KVFlowError as exc:
                 self._broken.add(key)
-                if group == 0:
+                if group == 0 and order.first == 0:
                     raise
                 log.error("%s: layer group %d of %s refused: %s", self.engine_id, group, order.request_id, exc)
                 with contextlib.suppress(KVFlowError):

@@ -58,7 +58,7 @@ __all__ = (
 )
 
 MAGIC = "kvflow"
-VERSION = 3  # 2: a Hello no longer carries a role; 3: the receiver's incarnation
+VERSION = 4  # 2: a Hello no longer carries a role; 3: the receiver's incarnation; 4: open batch counts
 MAX_FRAME_BYTES = 1 << 20
 MAX_ID = 256  # transfer ids (engine ids: `messages.MAX_ENGINE_ID`)
 MAX_TEXT = 1024  # reasons, addresses
@@ -195,7 +195,7 @@ def _registration(body: Any) -> Registration:
     if type(ttl) not in (int, float) or not math.isfinite(ttl) or not 0 < ttl <= 1e6:
         raise _fail("ttl must be a finite number of seconds in (0, 1e6]")
     return Registration(
-        _key(tid, epoch), _blocks(blocks), _int(batches, "expected batches", 1, MAX_BATCHES), float(ttl)
+        _key(tid, epoch), _blocks(blocks), _int(batches, "expected batches", 0, MAX_BATCHES), float(ttl)
     )
 
 

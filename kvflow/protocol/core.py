@@ -27,6 +27,7 @@ from kvflow.protocol.actions import Action, DeclarePeerLost, OpKind, ReleaseBloc
 from kvflow.protocol.inbox import PeerInbox
 from kvflow.protocol.machine import Machine, check_block_ids, next_batch
 from kvflow.protocol.messages import (
+    OPEN_BATCHES,
     Done,
     Message,
     Notice,
@@ -106,7 +107,10 @@ class TransferCore:
         now: float,
         expected_batches: int = 1,
     ) -> list[Action]:
-        """D: these destination blocks will receive transfer `key` from `peer`.
+        """D: these destination blocks will receive transfer `key` from `peer`, in
+        `expected_batches` WRITEs (push: `OPEN_BATCHES` lets P decide how many; P's last
+        WRITE's notification says it is the last, and the transfer completes when every batch
+        up to it has landed).
 
         An older, unfinished epoch of the same transfer id is aborted (superseded).
 
@@ -116,8 +120,14 @@ class TransferCore:
         :raises ConfigError: bad deadline or batch count.
         """
         ids = check_block_ids(block_ids, f"expect {key}", unique=True)
-        if not 1 <= expected_batches <= self.config.max_batches or (mode is Mode.PULL and expected_batches != 1):
-            raise ConfigError(f"expected_batches must be 1..{self.config.max_batches} (1 in pull mode)")
+        open_count = expected_batches == OPEN_BATCHES and mode is Mode.PUSH
+        if not (open_count or 1 <= expected_batches <= self.config.max_batches) or (
+            mode is Mode.PULL and expected_batches != 1
+        ):
+            raise ConfigError(
+                f"expected_batches must be 1..{self.config.max_batches} or OPEN_BATCHES (push), 1 in pull mode; "
+                f"got {expected_batches}"
+            )
         if deadline <= now:
             raise ConfigError(f"deadline {deadline} is not after now {now}")
         self._check_epoch(key, _DECODE)
@@ -512,7 +522,8 @@ class TransferCore:
             if m.mode is Mode.PUSH:
                 remote = remote_blocks[batch.first : batch.stop]
                 layers = None if batch.layers == (0, self.num_layers) else batch.layers
-                note = encode_notification(m.key, batch.index)
+                last = m.final_seen and batch is m.batches[-1]
+                note = encode_notification(m.key, batch.index, last)
                 out.append(SubmitOp(op_id, m.key, peer, OpKind.WRITE, batch.block_ids, remote, layers, note))
             else:
                 out.append(SubmitOp(op_id, m.key, peer, OpKind.READ, m.block_ids, remote_blocks, None, b""))

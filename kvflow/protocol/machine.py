@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import assert_never
 
 from kvflow.errors import InvalidBatch
-from kvflow.protocol.messages import TransferKey
+from kvflow.protocol.messages import OPEN_BATCHES, TransferKey
 from kvflow.protocol.state import Condition, Mode, Outcome, Role, State, initial_state
 
 __all__ = ("Batch", "Machine", "check_block_ids", "next_batch")
@@ -89,9 +89,11 @@ class Machine:
     created: float = 0.0  # when this side opened the transfer: lease renewals stop at created + max_hold
     state: State = field(init=False)
     # decode side: own destination blocks and how many WRITE notifications complete them
+    # (`OPEN_BATCHES`: as many as P's last notification says, kept in `total` once it came)
     block_ids: tuple[int, ...] = ()
     expected_batches: int = 1
     landed: set[int] = field(default_factory=set)
+    total: int | None = None
     # prefill side: batches of ready KV
     batches: list[Batch] = field(default_factory=list)
     final_seen: bool = False
@@ -125,20 +127,23 @@ class Machine:
         """Why P's batches cannot fill D's registration, or None if they can (so far).
 
         Checked whenever either side's information changes: D registered `remote_blocks` and
-        expects `remote_expected` WRITEs; P's batches (plus `extra`, not yet added) must tile
-        positions x layers exactly once the last one is in (`final`).
+        expects `remote_expected` WRITEs (`OPEN_BATCHES`: any number); P's batches (plus
+        `extra`, not yet added) must tile positions x layers exactly once the last one is in
+        (`final`).  Batches never overlap (`next_batch`) and stay within the registration, so
+        covering the registered area is covering every block of every layer once.
         """
         if self.remote_blocks is None:
             return None
         batches = self.batches + ([extra] if extra is not None else [])
         registered = len(self.remote_blocks)
-        if len(batches) > self.remote_expected:
+        counted = self.remote_expected != OPEN_BATCHES
+        if counted and len(batches) > self.remote_expected:
             return f"P has {len(batches)} batches but D expects {self.remote_expected} writes"
         for batch in batches:
             if batch.stop > registered:
                 return f"P's KV reaches block position {batch.stop} but D registered {registered} blocks"
         if final or self.final_seen:
-            if len(batches) != self.remote_expected:
+            if counted and len(batches) != self.remote_expected:
                 return f"P produced {len(batches)} batches but D expects {self.remote_expected} writes"
             if sum(b.area for b in batches) != registered * num_layers:
                 return (
