@@ -58,6 +58,7 @@ CONNECTORS: dict[str, tuple[str, str | None]] = {  # name -> (vLLM class, module
 DECODE_TOKENS = 4
 # 8 layers of 4 KV heads x 64, fp16, 32-token blocks: 32 KiB per layer and block, 8 KiB per token
 BENCH_MODEL = ModelShape(family="opt", layers=8, kv_heads=4, head_dim=64, dtype="float16")
+MIN_BUDGET = 64  # vLLM's token budget is at least its max_num_seqs (the stand-in's 64)
 START_TIMEOUT = 300.0
 FLIGHT_TIMEOUT = 120.0
 
@@ -146,7 +147,8 @@ def _free_port() -> int:
 class Pair:
     """P and D engine processes running one connector, and the router between them."""
 
-    def __init__(self, connector: str, tokens: int, concurrency: int, options: dict[str, Any]) -> None:
+    def __init__(self, connector: str, tokens: int, concurrency: int, options: dict[str, Any], budget: int = 0) -> None:
+        """`budget`: P's token budget per step (``max_num_batched_tokens``); 0: a whole prompt."""
         if connector not in CONNECTORS:
             raise ConfigError(f"unknown connector {connector!r}; choose from {sorted(CONNECTORS)}")
         self.connector = connector
@@ -175,7 +177,7 @@ class Pair:
                     model=BENCH_MODEL,
                     num_blocks=blocks,
                     max_model_len=max_model_len,
-                    max_num_batched_tokens=max_model_len,
+                    max_num_batched_tokens=budget if budget and name == "P" else max_model_len,
                     distributed=True,
                     dist_port=_free_port(),
                     keep_vllm_affinity=options.get("keep_vllm_affinity", False),
@@ -365,8 +367,12 @@ def run(
     warmup: int = 2,
     options: dict[str, Any] | None = None,
     progress: Any = None,
+    long_tokens: int = 0,
+    long_chunks: int = 4,
 ) -> list[Cell]:
-    """Every connector on every (tokens, concurrency, pacing) cell, `repeats` times.
+    """Every connector on every (tokens, concurrency, pacing) cell, `repeats` times; with
+    `long_tokens`, also a long prompt that P prefills in `long_chunks` chunks (its token budget
+    is the prompt / `long_chunks`), on every (concurrency, pacing).
 
     Connectors take turns within each repeat (fresh engine processes for each), so slow drift
     of the machine falls on all of them alike.
@@ -376,23 +382,55 @@ def run(
     unknown = [c for c in connectors if c not in CONNECTORS]
     if unknown:
         raise ConfigError(f"unknown connectors {unknown}; choose from {sorted(CONNECTORS)}")
-    if requests < 1 or repeats < 1 or warmup < 0 or min(tokens) < 1 or min(concurrency) < 1:
+    if requests < 1 or repeats < 1 or warmup < 0 or min(tokens, default=1) < 1 or min(concurrency) < 1:
         raise ConfigError("requests, repeats, tokens and concurrency must be positive; warmup non-negative")
+    budget = -(-long_tokens // long_chunks) if long_tokens > 0 and long_chunks > 0 else 0
+    if long_tokens < 0 or (long_tokens and not MIN_BUDGET <= budget < long_tokens):
+        raise ConfigError(
+            f"a long prompt of {long_tokens} tokens in {long_chunks} chunks needs a token budget of "
+            f"{MIN_BUDGET}..{long_tokens - 1} tokens per chunk, not {budget}"
+        )
     cells: list[Cell] = []
     for repeat in range(repeats):
         for connector in connectors:
-            pair = Pair(connector, max(tokens), max(concurrency), options or {})
-            try:
-                for n_tokens in tokens:
-                    for conc in concurrency:
-                        for pace in step_ms:
-                            cell = Cell(connector, n_tokens, conc, pace, repeat, requests)
-                            pair.run_cell(cell, warmup)
-                            cells.append(cell)
-                            if progress is not None:
-                                progress(cell)
-            finally:
-                pair.close()
+            grid = (repeat, concurrency, step_ms, requests, warmup, progress)
+            if tokens:
+                pair = Pair(connector, max(tokens), max(concurrency), options or {})
+                cells += _run_cells(pair, tokens, 1, *grid)
+            if long_tokens:
+                pair = Pair(connector, long_tokens, max(concurrency), options or {}, budget=budget)
+                cells += _run_cells(pair, [long_tokens], long_chunks, *grid)
+    return cells
+
+
+def _run_cells(
+    pair: Pair,
+    tokens: list[int],
+    chunks: int,
+    repeat: int,
+    concurrency: list[int],
+    step_ms: list[float],
+    requests: int,
+    warmup: int,
+    progress: Any,
+) -> list[Cell]:
+    """One connector's cells on its `pair`, which is closed after them; `chunks`: how many steps
+    P's token budget makes each prefill.
+
+    :raises BenchError: an engine died or a request stalled.
+    """
+    cells = []
+    try:
+        for n_tokens in tokens:
+            for conc in concurrency:
+                for pace in step_ms:
+                    cell = Cell(pair.connector, n_tokens, conc, pace, repeat, requests, chunks=chunks)
+                    pair.run_cell(cell, warmup)
+                    cells.append(cell)
+                    if progress is not None:
+                        progress(cell)
+    finally:
+        pair.close()
     return cells
 
 
@@ -404,7 +442,8 @@ def main(argv_options: dict[str, Any]) -> int:
         p50 = quantile(cell.fin_to_recv_ms, 0.5)
         pace = f"{cell.step_ms:g}ms" if cell.step_ms else "fast"
         sys.stderr.write(
-            f"  {cell.connector:<11} {cell.tokens:>5} tok  c{cell.concurrency}  {pace:>5}  repeat {cell.repeat}: "
+            f"  {cell.connector:<11} {cell.tokens:>5} tok/{cell.chunks}  c{cell.concurrency}  {pace:>5}  "
+            f"repeat {cell.repeat}: "
             f"fin→recv p50 {p50:.1f} ms, failed {cell.failed}\n"
         )
 
@@ -422,6 +461,8 @@ def main(argv_options: dict[str, Any]) -> int:
             "kvflow_settings": dict(o.get("kvflow_settings") or {}),
         },
         progress=progress,
+        long_tokens=o.get("long_tokens", 0),
+        long_chunks=o.get("long_chunks", 4),
     )
     rows = summarize(cells)
     sys.stdout.write(render(rows) + "\n\n" + "\n".join(verdict(rows)) + "\n")
