@@ -91,7 +91,7 @@ class Settings:
     fence_timeout: float = 10.0
     nixl_backends: tuple[str, ...] = ("UCX",)
     fabric: str = "default"  # loopback only
-    push_layer_groups: int = 4  # push: WRITEs per transfer, each posted once its layers are saved
+    push_layer_groups: int = 4  # push: WRITEs per prefill chunk, each posted once its layers are saved
     kv_cache_layout: str = ""  # a vLLM KVCacheLayout for kvflow to request; "": the backend's choice
     model_id: str = ""  # the model's identity in the handshake; "": vLLM's model name or path
 
