@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from kvflow.protocol.actions import Action, DeclarePeerLost, OpKind, ReleaseBlocks, Resolve, SendMessage, SubmitOp
 from kvflow.protocol.core import CoreConfig, TransferCore
-from kvflow.protocol.messages import Message, TransferKey
+from kvflow.protocol.messages import OPEN_BATCHES, Message, TransferKey
 from kvflow.protocol.state import TERMINAL, Mode, Outcome, Role
 
 NUM_LAYERS = 2
@@ -46,6 +46,7 @@ class Plan:
     batches: list[tuple[int, int, tuple[int, int]]]  # (first position, count, layers)
     p_ttl: float = 30.0  # how long P holds its blocks for this transfer (its lease)
     unclaimed: bool = False  # pull: P makes the KV ready for whichever peer claims it first
+    open_count: bool = False  # push: D registers OPEN_BATCHES, P's last notification says how many
     p_blocks: dict[int, int] = field(default_factory=dict)  # position -> P block
     d_blocks: tuple[int, ...] = ()
     sent: int = 0
@@ -213,6 +214,9 @@ class CorePair:
             return
         plan.d_blocks = tuple(free[:wanted])
         plan.allocated = True
+        n_writes = plan.wanted_batches()
+        if plan.open_count and plan.mode is Mode.PUSH:
+            n_writes = OPEN_BATCHES  # also what an empty registration (nothing wanted) says
         actions = self.d.expect(
             plan.key,
             peer="P",
@@ -220,7 +224,7 @@ class CorePair:
             block_ids=plan.d_blocks,
             deadline=self.net.now + ttl,
             now=self.net.now,
-            expected_batches=plan.wanted_batches(),
+            expected_batches=n_writes,
             first_position=plan.hit,
         )
         for block in plan.d_blocks:

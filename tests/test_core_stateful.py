@@ -3,10 +3,14 @@
 Properties (see `core_model`): no op lands in or reads from a block its transfer no longer
 holds; every block is released exactly once; every D success holds exactly P's bytes (for the
 positions after D's prefix-cache hit, which P never writes); after the faults stop and time
-passes, every transfer has ended and both ledgers are empty.  The same machine runs again
-with per-peer quotas so tight that P refuses many registrations: refusals must keep every
-property.  Pull transfers are made ready for a known D or, as a sequential router has it, for
-whichever peer claims them first; a stranger's claim is refused.
+passes, every transfer has ended and both ledgers are empty.  Push transfers are split by
+layers, by positions, or both (chunks of positions, each in layer groups, as a chunked prefill
+produces them); D registers the batch count or leaves it open to P, and P may leave a gap (a
+batch it never produces), which must fail the transfer on both sides, never pass as a
+success.  The same machine runs again with per-peer quotas so tight that P refuses many
+registrations: refusals must keep every property.  Pull transfers are made ready for a known
+D or, as a sequential router has it, for whichever peer claims them first; a stranger's claim
+is refused.
 """
 
 from __future__ import annotations
@@ -42,14 +46,26 @@ class CoreProtocol(RuleBasedStateMachine):
         tid=st.sampled_from(TRANSFER_IDS),
         mode=st.sampled_from(Mode),
         nblocks=st.integers(1, 3),
-        split=st.sampled_from(["one", "layers", "positions"]),
+        split=st.sampled_from(["one", "layers", "positions", "chunks"]),
         p_extra=st.sampled_from([0, 0, 0, 1]),
         p_ttl=st.sampled_from([3.0, 30.0]),
         hit=st.sampled_from([0, 0, 1, 2, 3]),
         unclaimed=st.booleans(),
+        open_count=st.booleans(),
+        gap=st.sampled_from([None, None, None, None, 0, 1, 2]),
     )
     def start(
-        self, tid: str, mode: Mode, nblocks: int, split: str, p_extra: int, p_ttl: float, hit: int, unclaimed: bool
+        self,
+        tid: str,
+        mode: Mode,
+        nblocks: int,
+        split: str,
+        p_extra: int,
+        p_ttl: float,
+        hit: int,
+        unclaimed: bool,
+        open_count: bool,
+        gap: int | None,
     ) -> None:
         """The router starts a new attempt (epoch) at a transfer."""
         epoch = self.epochs.get(tid, 0) + 1
@@ -60,11 +76,20 @@ class CoreProtocol(RuleBasedStateMachine):
             batches = [(0, nblocks, full)]
         elif split == "layers":
             batches = [(0, nblocks, (layer, layer + 1)) for layer in range(NUM_LAYERS)]
-        else:
+        elif split == "positions":
             batches = [(i, 1, full) for i in range(nblocks)]
+        else:  # chunks of up to two positions, each written one layer at a time
+            batches = [
+                (first, min(2, nblocks - first), (layer, layer + 1))
+                for first in range(0, nblocks, 2)
+                for layer in range(NUM_LAYERS)
+            ]
+        if gap is not None and len(batches) > 1:
+            del batches[gap % len(batches)]  # P never produces this batch
         # D's prefix-cache hit: push may hold every position (an empty registration), pull reads one at least
         hit = min(hit, nblocks if mode is Mode.PUSH else nblocks - 1)
-        plan = Plan(key, mode, nblocks, batches, p_ttl=p_ttl, hit=hit, unclaimed=unclaimed and mode is Mode.PULL)
+        unclaimed = unclaimed and mode is Mode.PULL
+        plan = Plan(key, mode, nblocks, batches, p_ttl=p_ttl, hit=hit, unclaimed=unclaimed, open_count=open_count)
         self.current[tid] = plan
         self.pair.plans[key] = plan
         self.p_extra[key] = p_extra

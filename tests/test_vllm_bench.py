@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from kvflow.errors import ConfigError
-from kvflow.integrations.vllm.bench import render, run, summarize
+from kvflow.integrations.vllm.bench import run
+from kvflow.integrations.vllm.bench_report import render, summarize, verdict
 from kvflow.integrations.vllm.standin import PagedKV
 from kvflow.tools.cli import main as cli_main
 
@@ -52,9 +53,26 @@ def test_every_connector_moves_and_verifies_real_bytes() -> None:
     assert sorted(r["connector"] for r in rows) == sorted(connectors)
     for row in rows:
         assert row["failed"] == 0 and row["bad_pages"] == 0, row
-        assert row["bytes_verified"] == 3 * 3 * 8 * 32 * 1024, row  # 3 requests x 3 blocks x 8 layers
+        assert row["bytes_per_request"] == 3 * 8 * 32 * 1024, row  # 3 blocks x 8 layers x 32 KiB
+        assert row["bytes_verified"] == 3 * row["bytes_per_request"], row  # 3 requests
     table = render(rows)
     assert all(name in table for name in connectors)
+
+
+@pytest.mark.timeout(600)  # two pairs of engine processes, on a machine it may share
+def test_a_long_prompt_prefilled_in_chunks_moves_and_is_compared_from_ps_last_step() -> None:
+    """The long-prompt cell alone: P's budget of 64 tokens makes a 256-token prefill four steps."""
+    connectors = ["kvflow", "vllm-pull"]
+    cells = run(connectors, [], [1], [0.0], requests=2, repeats=1, warmup=0, long_tokens=256, long_chunks=4)
+    rows = summarize(cells)
+    assert sorted((r["connector"], r["chunks"]) for r in rows) == [("kvflow", 4), ("vllm-pull", 4)]
+    for row in rows:
+        assert row["failed"] == 0 and row["bad_pages"] == 0, row
+        assert row["bytes_per_request"] == 8 * 8 * 32 * 1024, row  # 8 blocks x 8 layers x 32 KiB
+    (line,) = verdict(rows)
+    assert line.startswith("256 tokens in 4 chunks, 1 in flight, fast steps: kvflow kv→recv p50"), line
+    with pytest.raises(ConfigError, match="token budget of 64..255 tokens per chunk, not 32"):
+        run(connectors, [], [1], [0.0], long_tokens=256, long_chunks=8)
 
 
 def test_the_command_refuses_an_unknown_connector_before_starting_anything() -> None:

@@ -18,7 +18,7 @@ from kvflow.integrations.vllm.mapping import Order, SchedulerBook, TransferParam
 from tests.test_vllm_mapping import entry, must_parse, needed
 
 REQUEST_IDS = ("r0", "r1", "r2")
-TRACKED = {"waiting", "landed", "held", "prefilling", "ordered"}  # states the book must track
+TRACKED = {"waiting", "landed", "held", "prefilling", "ordered", "preempted"}  # states the book must track
 OUTSTANDING = {"waiting", "held"}  # states whose end the workers have not reported yet
 
 
@@ -31,6 +31,7 @@ class Req:
     count: int = 0  # D: tokens it loads
     computed: int = 0  # P: prefill progress; D: its local prefix-cache hit
     told: bool = False  # D, nothing to load: P was told so (an empty registration)
+    sent: int = 0  # P (push): block positions handed over by earlier chunks
 
 
 class BookMachine(RuleBasedStateMachine):
@@ -113,18 +114,41 @@ class BookMachine(RuleBasedStateMachine):
         self.book.new_request(rid, params, prompt_len)
         self.reqs[rid] = Req("P", "prefilling", params, prompt_len)
 
-    @precondition(lambda self: bool(self._in("P", "prefilling", "ordered")))
+    @precondition(lambda self: bool(self._in("P", "prefilling", "ordered", "preempted")))
     @rule(data=st.data(), tokens=st.integers(1, 24), first=st.integers(0, 1000))
     def prefill_scheduled(self, data: st.DataObject, tokens: int, first: int) -> None:
-        rid = data.draw(st.sampled_from(self._in("P", "prefilling", "ordered")))
+        """A chunk (or the whole prompt, or a decode step) is scheduled.  Push: the blocks it
+        fills completely go out now, the rest with a later chunk; pull: all at the end."""
+        rid = data.draw(st.sampled_from(self._in("P", "prefilling", "ordered", "preempted")))
         req = self.reqs[rid]
         n = needed(req.prompt_len, self.block_size)
         blocks = list(range(first, first + n + 1))
         self.book.scheduled(rid, req.computed, tokens, blocks)
         req.computed += tokens
-        if req.state == "prefilling" and req.computed >= req.prompt_len:
-            self.ready.append(Order(rid, must_parse(req.params), tuple(blocks[:n]), producer=True))
+        params = must_parse(req.params)
+        if req.state != "prefilling":
+            return
+        if req.computed >= req.prompt_len:
+            self.ready.append(Order(rid, params, tuple(blocks[req.sent : n]), producer=True, first=req.sent))
             req.state = "ordered"
+        elif req.params["kvflow"]["mode"] == "push" and req.computed // self.block_size > req.sent:
+            full = req.computed // self.block_size
+            self.ready.append(
+                Order(rid, params, tuple(blocks[req.sent : full]), producer=True, first=req.sent, final=False)
+            )
+            req.sent = full
+
+    @precondition(lambda self: bool(self._in("P", "prefilling", "ordered", "preempted")))
+    @rule(data=st.data())
+    def prefill_preempted(self, data: st.DataObject) -> None:
+        """vLLM preempts the request, frees its blocks and recomputes it from the start."""
+        rid = data.draw(st.sampled_from(self._in("P", "prefilling", "ordered", "preempted")))
+        req = self.reqs[rid]
+        self.book.preempted(rid)
+        if req.state != "preempted" and (req.sent or req.state == "ordered"):
+            self.abort.append((rid, must_parse(req.params)))
+            req.state = "preempted"
+        req.computed = 0
 
     # ---------------------------------------------------------------- refused params
 
@@ -156,10 +180,15 @@ class BookMachine(RuleBasedStateMachine):
             assert got == (True, None)
             self.abort.append((rid, parsed))
             req.state = "held"
-        elif req.side == "P" and req.state == "prefilling":
+        elif req.side == "P" and req.state == "prefilling" and not req.sent:
             assert got == (False, None)
             self.abort.append((rid, parsed))
             del self.reqs[rid]
+        elif req.side == "P" and req.state in ("prefilling", "preempted"):  # chunks went out
+            assert got == (True, None)
+            if req.state == "prefilling":
+                self.abort.append((rid, parsed))
+            req.state = "held"
         elif req.side == "P":  # its ready order went out
             assert got == (True, {"kvflow": req.params["kvflow"], "kvflow_prefill_finished": True})
             if aborted:
@@ -196,6 +225,7 @@ class BookMachine(RuleBasedStateMachine):
         assert orders.ready == self.ready
         assert [(o.request_id, o.params) for o in orders.abort] == self.abort
         assert all(o.reason and not o.block_ids for o in orders.abort)
+        assert all(o.block_ids for o in orders.ready)
         self.expect, self.ready, self.abort = [], [], []
         assert not self.book.take_orders()
 

@@ -415,7 +415,8 @@ def test_prefill_aborted_after_its_kv_was_ready_aborts_and_frees_late() -> None:
 def test_prefill_ended_before_its_kv_was_ready_tells_the_peer_and_holds_nothing(aborted: bool) -> None:
     book = SchedulerBook(BLOCK_SIZE)
     book.new_request("p1", p_params(entry("tp")), 10)
-    book.scheduled("p1", 0, 4, [1])
+    book.scheduled("p1", 0, 3, [1])  # a first chunk that fills no block: nothing handed over
+    assert not book.take_orders()
     assert book.finished("p1", aborted=aborted) == (False, None)
     assert book.tracked() == 0 and book.pending_work()  # the abort order is still to go out
     order = expect_one(book.take_orders(), "abort")
@@ -540,3 +541,76 @@ def test_the_book_never_raises_on_any_kvflow_payload(kv: Any) -> None:
     book.finished("d1", aborted=True)
     book.finished("p1", aborted=True)
     assert book.refused == {}
+
+
+def test_push_hands_over_each_chunks_full_blocks_and_the_rest_at_the_end() -> None:
+    """A 14-token prompt (4 blocks of 4) in chunks of 5: the first chunk fills block 0, the
+    second block 1 (block 2 is partly filled: it waits), the final chunk sends blocks 2 and 3."""
+    book = SchedulerBook(BLOCK_SIZE)
+    kv = entry("tp")
+    book.new_request("p1", p_params(kv), 14)
+    blocks = [7, 8, 9, 6]
+    params = must_parse({"kvflow": kv})
+    seen = []
+    for computed in (0, 5, 10):
+        book.scheduled("p1", computed, min(5, 14 - computed), blocks[: -(-(computed + 5) // BLOCK_SIZE)])
+        seen.append(expect_one(book.take_orders(), "ready"))
+    assert seen == [
+        Order("p1", params, (7,), producer=True, first=0, final=False),
+        Order("p1", params, (8,), producer=True, first=1, final=False),
+        Order("p1", params, (9, 6), producer=True, first=2, final=True),
+    ]
+    book.scheduled("p1", 14, 1, blocks)  # decode steps after it: no further order
+    assert not book.take_orders()
+    assert book.finished("p1", aborted=False)[0] is True
+
+
+def test_push_chunk_that_completes_no_block_orders_nothing() -> None:
+    book = SchedulerBook(BLOCK_SIZE)
+    book.new_request("p1", p_params(entry("tp")), 14)
+    book.scheduled("p1", 0, 3, [7])
+    assert not book.take_orders()
+    book.scheduled("p1", 3, 3, [7, 8])  # block 7 now full
+    assert expect_one(book.take_orders(), "ready").block_ids == (7,)
+
+
+def test_pull_orders_once_when_the_prompt_is_complete() -> None:
+    book = SchedulerBook(BLOCK_SIZE)
+    book.new_request("p1", p_params(entry("tp", mode="pull")), 14)
+    book.scheduled("p1", 0, 8, [7, 8])
+    assert not book.take_orders()
+    book.scheduled("p1", 8, 6, [7, 8, 9, 6])
+    order = expect_one(book.take_orders(), "ready")
+    assert order.block_ids == (7, 8, 9, 6) and order.first == 0 and order.final
+
+
+@pytest.mark.parametrize("ended", ["finished", "aborted", "preempted"])
+def test_push_cut_short_after_a_chunk_aborts_and_frees_late(ended: str) -> None:
+    """The workers hold the first chunk's blocks: the transfer is aborted, and vLLM frees only
+    once they report the blocks released.  A preempted request's recomputed chunks go nowhere."""
+    book = SchedulerBook(BLOCK_SIZE)
+    book.new_request("p1", p_params(entry("tp")), 14)
+    book.scheduled("p1", 0, 5, [7, 8])
+    assert expect_one(book.take_orders(), "ready").final is False
+    if ended == "preempted":
+        book.preempted("p1")
+        assert expect_one(book.take_orders(), "abort").reason == "prefill request preempted: vLLM freed its blocks"
+        book.preempted("p1")  # preempted again: nothing more to abort
+        book.scheduled("p1", 0, 14, [3, 4, 5, 6])  # recomputed from scratch after it
+        assert not book.take_orders()
+    assert book.finished("p1", aborted=ended == "aborted") == (True, None)
+    if ended != "preempted":
+        assert expect_one(book.take_orders(), "abort").reason == "prefill request ended mid-prefill"
+    assert book.pending_work()
+    book.output({"p1"}, set(), set())
+    assert book.tracked() == 0 and not book.pending_work()
+
+
+def test_preempted_before_any_block_was_handed_over_starts_over() -> None:
+    book = SchedulerBook(BLOCK_SIZE)
+    book.new_request("p1", p_params(entry("tp")), 14)
+    book.scheduled("p1", 0, 3, [7])
+    book.preempted("p1")
+    assert not book.take_orders()
+    book.scheduled("p1", 0, 14, [3, 4, 5, 6])
+    assert expect_one(book.take_orders(), "ready").block_ids == (3, 4, 5, 6)

@@ -190,11 +190,15 @@ def decode_fails_long_before_its_deadline(p: StandInEngine, d: StandInEngine, ti
         p.close()
 
 
-def test_prefill_and_decode_disagreeing_on_layer_groups_fail_the_transfer_at_once() -> None:
-    p, d = make_pair(
-        extra={"transfer_timeout": 600.0}, p_extra={"push_layer_groups": 1}, d_extra={"push_layer_groups": 2}
-    )
-    decode_fails_long_before_its_deadline(p, d, "t9")
+def test_prefill_and_decode_with_different_layer_groups_still_move() -> None:
+    """How many WRITEs P makes is P's business (its layer groups, its chunks): D leaves the
+    count open, and P's batches must still cover D's blocks x layers exactly."""
+    p, d = make_pair(p_extra={"push_layer_groups": 1}, d_extra={"push_layer_groups": 2})
+    try:
+        move_and_check(p, d, "t9", 2 * BLOCK_SIZE)
+    finally:
+        d.close()
+        p.close()
 
 
 def test_push_over_nixl_moves_the_bytes() -> None:

@@ -14,7 +14,7 @@ from hypothesis import given
 
 from kvflow.errors import ConfigError
 from kvflow.integrations.vllm.kv_caches import describe_kv_caches, layer_index
-from kvflow.integrations.vllm.worker import KV_CACHE_LAYOUTS, Settings, layer_groups
+from kvflow.integrations.vllm.settings import KV_CACHE_LAYOUTS, Settings, layer_groups
 
 
 def test_settings_default_without_extra_config() -> None:

@@ -32,18 +32,18 @@ import os
 import queue
 import secrets
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from kvflow.errors import BenchError, ConfigError
+from kvflow.integrations.vllm.bench_report import Cell, quantile, render, summarize, verdict
 from kvflow.integrations.vllm.mapping import SEQUENTIAL_PREFILL_PARAMS
 from kvflow.integrations.vllm.runner import EngineSpec, spec_line
 from kvflow.integrations.vllm.standin.model import EngineOptions, ModelShape
@@ -61,6 +61,7 @@ CONNECTORS: dict[str, tuple[str, str | None]] = {  # name -> (vLLM class, module
 DECODE_TOKENS = 4
 # 8 layers of 4 KV heads x 64, fp16, 32-token blocks: 32 KiB per layer and block, 8 KiB per token
 BENCH_MODEL = ModelShape(family="opt", layers=8, kv_heads=4, head_dim=64, dtype="float16")
+MIN_BUDGET = 64  # vLLM's token budget is at least its max_num_seqs (the stand-in's 64)
 START_TIMEOUT = 300.0
 FLIGHT_TIMEOUT = 120.0
 
@@ -87,25 +88,6 @@ class Flight:
     @property
     def done(self) -> bool:
         return self.p_gone and self.d_gone
-
-
-@dataclass
-class Cell:
-    connector: str
-    tokens: int
-    concurrency: int
-    step_ms: float
-    repeat: int
-    requests: int
-    fin_to_recv_ms: list[float] = field(default_factory=list)
-    kv_to_recv_ms: list[float] = field(default_factory=list)
-    d_steps: list[int] = field(default_factory=list)
-    fin_to_sent_ms: list[float] = field(default_factory=list)
-    p_hooks_us: list[float] = field(default_factory=list)  # per P step: time inside connector hooks
-    d_hooks_us: list[float] = field(default_factory=list)
-    bytes_verified: int = 0
-    bad_pages: int = 0
-    failed: int = 0
 
 
 class EngineProcess:
@@ -168,7 +150,8 @@ def _free_port() -> int:
 class Pair:
     """P and D engine processes running one connector, and the router between them."""
 
-    def __init__(self, connector: str, tokens: int, concurrency: int, options: dict[str, Any]) -> None:
+    def __init__(self, connector: str, tokens: int, concurrency: int, options: dict[str, Any], budget: int = 0) -> None:
+        """`budget`: P's token budget per step (``max_num_batched_tokens``); 0: a whole prompt."""
         if connector not in CONNECTORS:
             raise ConfigError(f"unknown connector {connector!r}; choose from {sorted(CONNECTORS)}")
         self.connector = connector
@@ -200,7 +183,7 @@ class Pair:
                     model=BENCH_MODEL,
                     num_blocks=blocks,
                     max_model_len=max_model_len,
-                    max_num_batched_tokens=max_model_len,
+                    max_num_batched_tokens=budget if budget and name == "P" else max_model_len,
                     distributed=True,
                     dist_port=_free_port(),
                     keep_vllm_affinity=options.get("keep_vllm_affinity", False),
@@ -373,13 +356,6 @@ def _record(cell: Cell, flight: Flight) -> None:
         cell.bytes_verified += flight.pages * flight.page_bytes
 
 
-def _quantile(values: list[float] | list[int], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return float(ordered[min(len(ordered) - 1, int(q * len(ordered)))])
-
-
 def run(
     connectors: list[str],
     tokens: list[int],
@@ -390,8 +366,12 @@ def run(
     warmup: int = 2,
     options: dict[str, Any] | None = None,
     progress: Any = None,
+    long_tokens: int = 0,
+    long_chunks: int = 4,
 ) -> list[Cell]:
-    """Every connector on every (tokens, concurrency, pacing) cell, `repeats` times.
+    """Every connector on every (tokens, concurrency, pacing) cell, `repeats` times; with
+    `long_tokens`, also a long prompt that P prefills in `long_chunks` chunks (its token budget
+    is the prompt / `long_chunks`), on every (concurrency, pacing).
 
     Connectors take turns within each repeat (fresh engine processes for each), so slow drift
     of the machine falls on all of them alike.
@@ -401,101 +381,56 @@ def run(
     unknown = [c for c in connectors if c not in CONNECTORS]
     if unknown:
         raise ConfigError(f"unknown connectors {unknown}; choose from {sorted(CONNECTORS)}")
-    if requests < 1 or repeats < 1 or warmup < 0 or min(tokens) < 1 or min(concurrency) < 1:
+    if requests < 1 or repeats < 1 or warmup < 0 or min(tokens, default=1) < 1 or min(concurrency) < 1:
         raise ConfigError("requests, repeats, tokens and concurrency must be positive; warmup non-negative")
+    budget = -(-long_tokens // long_chunks) if long_tokens > 0 and long_chunks > 0 else 0
+    if long_tokens < 0 or (long_tokens and not MIN_BUDGET <= budget < long_tokens):
+        raise ConfigError(
+            f"a long prompt of {long_tokens} tokens in {long_chunks} chunks needs a token budget of "
+            f"{MIN_BUDGET}..{long_tokens - 1} tokens per chunk, not {budget}"
+        )
     cells: list[Cell] = []
     for repeat in range(repeats):
         for connector in connectors:
-            pair = Pair(connector, max(tokens), max(concurrency), options or {})
-            try:
-                for n_tokens in tokens:
-                    for conc in concurrency:
-                        for pace in step_ms:
-                            cell = Cell(connector, n_tokens, conc, pace, repeat, requests)
-                            pair.run_cell(cell, warmup)
-                            cells.append(cell)
-                            if progress is not None:
-                                progress(cell)
-            finally:
-                pair.close()
+            grid = (repeat, concurrency, step_ms, requests, warmup, progress)
+            if tokens:
+                pair = Pair(connector, max(tokens), max(concurrency), options or {})
+                cells += _run_cells(pair, tokens, 1, *grid)
+            if long_tokens:
+                pair = Pair(connector, long_tokens, max(concurrency), options or {}, budget=budget)
+                cells += _run_cells(pair, [long_tokens], long_chunks, *grid)
     return cells
 
 
-def summarize(cells: list[Cell]) -> list[dict[str, Any]]:
-    """One row per (connector, tokens, concurrency, pacing): medians over repeats of each
-    repeat's p50 and p90, and totals."""
-    groups: dict[tuple[str, int, int, float], list[Cell]] = {}
-    for cell in cells:
-        groups.setdefault((cell.connector, cell.tokens, cell.concurrency, cell.step_ms), []).append(cell)
-    rows = []
-    for (connector, n_tokens, conc, pace), group in groups.items():
+def _run_cells(
+    pair: Pair,
+    tokens: list[int],
+    chunks: int,
+    repeat: int,
+    concurrency: list[int],
+    step_ms: list[float],
+    requests: int,
+    warmup: int,
+    progress: Any,
+) -> list[Cell]:
+    """One connector's cells on its `pair`, which is closed after them; `chunks`: how many steps
+    P's token budget makes each prefill.
 
-        def med(metric: str, q: float, group: list[Cell] = group) -> float:
-            return round(statistics.median(_quantile(getattr(c, metric), q) for c in group), 2)
-
-        rows.append(
-            {
-                "connector": connector,
-                "tokens": n_tokens,
-                "concurrency": conc,
-                "step_ms": pace,
-                "fin_to_recv_p50_ms": med("fin_to_recv_ms", 0.5),
-                "fin_to_recv_p90_ms": med("fin_to_recv_ms", 0.9),
-                "kv_to_recv_p50_ms": med("kv_to_recv_ms", 0.5),
-                "d_steps_p50": med("d_steps", 0.5),
-                "d_steps_p90": med("d_steps", 0.9),
-                "fin_to_sent_p50_ms": med("fin_to_sent_ms", 0.5),
-                "p_hooks_p50_us": med("p_hooks_us", 0.5),
-                "p_hooks_p99_us": med("p_hooks_us", 0.99),
-                "d_hooks_p50_us": med("d_hooks_us", 0.5),
-                "d_hooks_p99_us": med("d_hooks_us", 0.99),
-                "requests": sum(c.requests for c in group),
-                "bytes_verified": sum(c.bytes_verified for c in group),
-                "bad_pages": sum(c.bad_pages for c in group),
-                "failed": sum(c.failed for c in group),
-            }
-        )
-    return rows
-
-
-def render(rows: list[dict[str, Any]]) -> str:
-    header = (
-        f"{'connector':<12} {'tokens':>6} {'conc':>4} {'step':>5} | {'fin→recv p50':>12} {'p90':>7} "
-        f"{'kv→recv p50':>11} | {'D steps p50':>11} {'p90':>5} | {'P free p50':>10} | "
-        f"{'P hooks µs p50':>14} {'p99':>6} {'D p50':>6} {'p99':>6} | {'verified':>9} {'bad':>4} {'failed':>6}"
-    )
-    lines = [header, "-" * len(header)]
-    for r in sorted(rows, key=lambda r: (r["tokens"], r["concurrency"], r["step_ms"], r["connector"])):
-        pace = f"{r['step_ms']:g}ms" if r["step_ms"] else "fast"
-        lines.append(
-            f"{r['connector']:<12} {r['tokens']:>6} {r['concurrency']:>4} {pace:>5} | "
-            f"{r['fin_to_recv_p50_ms']:>12.1f} {r['fin_to_recv_p90_ms']:>7.1f} {r['kv_to_recv_p50_ms']:>11.1f} | "
-            f"{r['d_steps_p50']:>11.0f} {r['d_steps_p90']:>5.0f} | {r['fin_to_sent_p50_ms']:>10.1f} | "
-            f"{r['p_hooks_p50_us']:>14.0f} {r['p_hooks_p99_us']:>6.0f} {r['d_hooks_p50_us']:>6.0f} "
-            f"{r['d_hooks_p99_us']:>6.0f} | {r['bytes_verified'] / 2**20:>7.0f}Mi {r['bad_pages']:>4} {r['failed']:>6}"
-        )
-    return "\n".join(lines)
-
-
-def verdict(rows: list[dict[str, Any]], ours: str = "kvflow") -> list[str]:
-    """Per cell: our p50 against the better of vLLM's two connectors."""
-    out = []
-    keyed = {(r["connector"], r["tokens"], r["concurrency"], r["step_ms"]): r for r in rows}
-    for (connector, n_tokens, conc, pace), row in sorted(keyed.items(), key=lambda kv: kv[0][1:]):
-        if connector != ours:
-            continue
-        cells = [(c, n_tokens, conc, pace) for c in ("vllm-push", "vllm-pull")]
-        theirs = [keyed[cell] for cell in cells if cell in keyed]
-        if not theirs:
-            continue
-        best = min(theirs, key=lambda r: r["fin_to_recv_p50_ms"])
-        ratio = row["fin_to_recv_p50_ms"] / best["fin_to_recv_p50_ms"] if best["fin_to_recv_p50_ms"] else float("nan")
-        pace_name = f"{pace:g} ms steps" if pace else "fast steps"
-        out.append(
-            f"{n_tokens} tokens, {conc} in flight, {pace_name}: {ours} p50 {row['fin_to_recv_p50_ms']:.1f} ms vs "
-            f"{best['connector']} {best['fin_to_recv_p50_ms']:.1f} ms ({ratio:.2f}x)"
-        )
-    return out
+    :raises BenchError: an engine died or a request stalled.
+    """
+    cells = []
+    try:
+        for n_tokens in tokens:
+            for conc in concurrency:
+                for pace in step_ms:
+                    cell = Cell(pair.connector, n_tokens, conc, pace, repeat, requests, chunks=chunks)
+                    pair.run_cell(cell, warmup)
+                    cells.append(cell)
+                    if progress is not None:
+                        progress(cell)
+    finally:
+        pair.close()
+    return cells
 
 
 def main(argv_options: dict[str, Any]) -> int:
@@ -503,10 +438,11 @@ def main(argv_options: dict[str, Any]) -> int:
     o = argv_options
 
     def progress(cell: Cell) -> None:
-        p50 = _quantile(cell.fin_to_recv_ms, 0.5)
+        p50 = quantile(cell.fin_to_recv_ms, 0.5)
         pace = f"{cell.step_ms:g}ms" if cell.step_ms else "fast"
         sys.stderr.write(
-            f"  {cell.connector:<11} {cell.tokens:>5} tok  c{cell.concurrency}  {pace:>5}  repeat {cell.repeat}: "
+            f"  {cell.connector:<11} {cell.tokens:>5} tok/{cell.chunks}  c{cell.concurrency}  {pace:>5}  "
+            f"repeat {cell.repeat}: "
             f"fin→recv p50 {p50:.1f} ms, failed {cell.failed}\n"
         )
 
@@ -524,6 +460,8 @@ def main(argv_options: dict[str, Any]) -> int:
             "kvflow_settings": dict(o.get("kvflow_settings") or {}),
         },
         progress=progress,
+        long_tokens=o.get("long_tokens", 0),
+        long_chunks=o.get("long_chunks", 4),
     )
     rows = summarize(cells)
     sys.stdout.write(render(rows) + "\n\n" + "\n".join(verdict(rows)) + "\n")

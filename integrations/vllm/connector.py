@@ -135,6 +135,8 @@ class KVFlowConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         book = self._scheduler()
+        for request_id in scheduler_output.preempted_req_ids or ():
+            book.preempted(request_id)
         manager = getattr(self, "_kv_cache_manager", None)
         if manager is not None:
             steps = [(r.req_id, r.num_computed_tokens) for r in scheduler_output.scheduled_new_reqs]

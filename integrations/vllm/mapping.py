@@ -41,10 +41,24 @@ logged once with the request id and the reason, and counted in ``counters["unser
   request runs at once, and an empty registration tells P to release its blocks without a
   WRITE (push; pull loads that last block);
 * prefill (P): ``on_new_request`` -> a promise order (heartbeats tell D the request is queued
-  here, which keeps D waiting); the step in which a request's prefill completes -> a ready order, carried out by
-  the workers during that step's forward (push: one WRITE per layer group as its last layer is
-  saved; the rest, and pull's ready, at ``wait_for_save``); ``request_finished`` ->
-  ``delay_free`` until the workers report the blocks released (``finished_sending``).
+  here, which keeps D waiting).  Push: each step that completes blocks of a request's prompt
+  -> a ready order for those blocks, carried out by the workers during that step's forward
+  (one WRITE per layer group as its last layer is saved; the rest at ``wait_for_save``).  A
+  prompt longer than P's
+  token budget is prefilled in chunks over several steps: each chunk's *full* blocks (every
+  token computed) go in that chunk's step, a partly filled last block waits for the next chunk,
+  and the step that completes the prompt sends the rest, marked final.  So only the last
+  chunk's blocks are on the critical path.  D cannot know how P chunks, so it registers an open
+  batch count (`OPEN_BATCHES`); P's batches must still tile D's blocks x layers exactly.
+  Pull: one ready order in the step that completes the prompt.
+  ``request_finished`` -> ``delay_free`` until the workers report the blocks released
+  (``finished_sending``).
+* preemption (P): vLLM frees a preempted request's blocks without asking the connector and
+  recomputes it from scratch, so blocks already handed to a push may be reused by another
+  request while a WRITE of them is in flight.  A preempted request whose KV the workers already
+  have is aborted (D's transfer fails and its blocks wait for P's fence, so whatever a late
+  WRITE read never passes as KV); its recomputed prefill is not pushed again.  One preempted
+  before any of its blocks were handed over simply starts over.
 """
 
 from __future__ import annotations
@@ -168,6 +182,8 @@ class Order:
     producer: bool = False  # the order is for the side that produces the KV (P)
     first_position: int = 0  # expect: the block position of the first block (after D's prefix hit)
     allocated: bool = True  # D's abort: False when the request ended before it had any block
+    first: int = 0  # ready: the block position of ``block_ids[0]`` in the prompt
+    final: bool = True  # ready: the last of the request's ready orders
 
 
 @dataclass(slots=True)
@@ -189,9 +205,16 @@ class _Tracked:
     prompt_len: int
     producer: bool  # this engine produces the KV (P) for the request
     assigned: bool = False  # P assigned the transfer itself (a sequential router's request)
-    ordered: bool = False  # the expect or ready order went out (D: its blocks were allocated)
+    ordered: bool = False  # the expect or (final) ready order went out (D: its blocks were allocated)
     landed: bool = False  # D: the KV arrived (finished_recving)
     delayed_free: bool = False  # vLLM holds the blocks until finished_sending
+    sent: int = 0  # P: block positions handed to the workers by earlier chunks' ready orders
+    preempted: bool = False  # P: preempted after its workers got KV: the transfer is aborted
+
+    @property
+    def handed_over(self) -> bool:
+        """P: the workers got (some of) the request's KV."""
+        return self.ordered or self.sent > 0
 
 
 class SchedulerBook:
@@ -316,15 +339,45 @@ class SchedulerBook:
         return TransferParams(secrets.token_urlsafe(18), 1, Mode.PULL, self.producer, None)
 
     def scheduled(self, request_id: str, computed: int, scheduled: int, block_ids: Sequence[int]) -> None:
-        """A step schedules `scheduled` tokens after `computed`: if that completes a tracked
-        prefill, its KV is ready after this step's forward."""
+        """A step schedules `scheduled` tokens after `computed`: the KV of the blocks this
+        completes is ready after this step's forward (push: each chunk's full blocks; pull: all
+        of them once the prompt is complete)."""
         tracked = self._tracked.get(request_id)
-        if tracked is None or not tracked.producer or tracked.ordered:
+        if tracked is None or not tracked.producer or tracked.ordered or tracked.preempted:
             return
-        if computed + scheduled >= tracked.prompt_len:
+        done = computed + scheduled
+        push = tracked.params.mode is Mode.PUSH
+        first = tracked.sent
+        if done >= tracked.prompt_len:
             tracked.ordered = True
             needed = -(-tracked.prompt_len // self.block_size)
-            self._pending.ready.append(Order(request_id, tracked.params, tuple(block_ids)[:needed], producer=True))
+            blocks = tuple(block_ids)[first:needed]
+            self._pending.ready.append(Order(request_id, tracked.params, blocks, producer=True, first=first))
+        elif push and done // self.block_size > first:
+            full = done // self.block_size  # blocks whose every token is computed
+            tracked.sent = full
+            blocks = tuple(block_ids)[first:full]
+            self._pending.ready.append(
+                Order(request_id, tracked.params, blocks, producer=True, first=first, final=False)
+            )
+
+    def preempted(self, request_id: str) -> None:
+        """vLLM preempted the request (``SchedulerOutput.preempted_req_ids``) and freed its
+        blocks: a transfer that has some of them is aborted (see the module docstring)."""
+        tracked = self._tracked.get(request_id)
+        if tracked is None or not tracked.producer or tracked.preempted:
+            return
+        if not tracked.handed_over:
+            return  # nothing of it was handed over: its recomputed prefill is pushed as usual
+        tracked.preempted = True
+        self._pending.abort.append(
+            Order(
+                request_id,
+                tracked.params,
+                reason="prefill request preempted: vLLM freed its blocks",
+                producer=True,
+            )
+        )
 
     # ---------------------------------------------------------------- both sides
 
@@ -339,6 +392,15 @@ class SchedulerBook:
         if tracked is None:
             return False, None
         if tracked.producer:
+            if tracked.preempted or (tracked.sent and not tracked.ordered):
+                # Earlier chunks' KV was handed over, but the transfer cannot complete: the
+                # workers hold (or held) those blocks, so vLLM frees late, on finished_sending.
+                if not tracked.preempted:
+                    self._pending.abort.append(
+                        Order(request_id, tracked.params, reason="prefill request ended mid-prefill", producer=True)
+                    )
+                tracked.delayed_free = True
+                return True, None
             if not tracked.ordered:
                 # Finished (or aborted) before its prefill completed: tell the peer, hold nothing.
                 self._tracked.pop(request_id)

@@ -32,9 +32,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Awaitable, Mapping
-from dataclasses import dataclass
-from functools import partial
+from collections.abc import Awaitable
 from typing import Any
 
 from kvflow.control.channel import ControlChannel
@@ -42,31 +40,25 @@ from kvflow.control.zeromq import ZmqControl
 from kvflow.errors import ConfigError, KVFlowError, UnknownTransfer, UsageError
 from kvflow.integrations.vllm.device import Device, Gate, GateWaiter, HostDevice
 from kvflow.integrations.vllm.kv_caches import CacheDescription
-from kvflow.integrations.vllm.mapping import Order, Orders, PeerRef
-from kvflow.integrations.vllm.ranks import PairBook, pair_keys, ranked_layout, reach_rank, tp_sizes
-from kvflow.layout import MAX_SPEC_TEXT, KVLayout
+from kvflow.integrations.vllm.mapping import Order, Orders
+from kvflow.integrations.vllm.notices import PeerNotices
+from kvflow.integrations.vllm.ranks import PairBook, pair_keys, ranked_layout, tp_sizes
+from kvflow.integrations.vllm.settings import Settings, layer_groups
+from kvflow.layout import KVLayout
 from kvflow.protocol.actions import ReleaseBlocks
 from kvflow.protocol.core import CoreConfig
-from kvflow.protocol.messages import TransferKey
+from kvflow.protocol.messages import OPEN_BATCHES, TransferKey
 from kvflow.protocol.state import Mode, Outcome, Role
 from kvflow.runtime.engine import Engine, EngineConfig
 from kvflow.runtime.threaded import EngineThread
 from kvflow.transports.base import Transport
 
-__all__ = ("Settings", "WorkerSide", "layer_groups")
+__all__ = ("Settings", "WorkerSide", "layer_groups")  # Settings, layer_groups: from settings.py
 
 log = logging.getLogger("kvflow.vllm")
 
 _LOOPBACK_FABRICS: dict[str, Any] = {}  # in-process fabrics by name, for tests and simulation
-KV_CACHE_LAYOUTS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")  # vLLM 0.33's KVCacheLayout
 HAND_OVER_WAIT = 0.002  # seconds a hook waits, at most, for the engine thread to take its orders
-
-
-def layer_groups(num_layers: int, groups: int) -> list[tuple[int, int]]:
-    """`groups` contiguous layer ranges covering the model, as even as possible."""
-    groups = max(1, min(groups, num_layers))
-    bounds = [round(i * num_layers / groups) for i in range(groups + 1)]
-    return [(bounds[i], bounds[i + 1]) for i in range(groups)]
 
 
 def _failed(exc: BaseException) -> concurrent.futures.Future[Any]:
@@ -81,82 +73,7 @@ def _hand_over(futures: list[concurrent.futures.Future[Any]]) -> None:
         concurrent.futures.wait(futures, timeout=HAND_OVER_WAIT)
 
 
-@dataclass(frozen=True)
-class Settings:
-    """`kv_connector_extra_config` keys (all optional)."""
-
-    transport: str = "nixl"  # "nixl" | "loopback" (one process, for tests)
-    host: str = "127.0.0.1"  # where this rank's control channel binds
-    port: int = 5700  # rank r binds port + r; 0: any free port
-    transfer_timeout: float = 60.0
-    lease: float = 30.0
-    fence_timeout: float = 10.0
-    nixl_backends: tuple[str, ...] = ("UCX",)
-    fabric: str = "default"  # loopback only
-    push_layer_groups: int = 4  # push: WRITEs per transfer, each posted once its layers are saved
-    kv_cache_layout: str = ""  # a vLLM KVCacheLayout for kvflow to request; "": the backend's choice
-    model_id: str = ""  # the model's identity in the handshake; "": vLLM's model name or path
-
-    def producer(self, engine_id: str, tp_size: int = 1, dp_rank: int = 0) -> PeerRef | None:
-        """This engine as the prefill side names itself to a decode engine it does not know:
-        its id, where its rank-0 worker binds (past the ports of the DP ranks before it) and
-        its tensor parallelism; None with port 0 (any free port, known only once the worker
-        has bound it, in another process)."""
-        if not self.port:
-            return None
-        return PeerRef(engine_id, f"tcp://{self.host}:{self.port + dp_rank * tp_size}", tp_size)
-
-    @classmethod
-    def from_extra(cls, extra: Mapping[str, Any] | None) -> Settings:
-        """:raises ConfigError: an unknown key or a value of the wrong type."""
-        extra = dict(extra or {})
-        fields = cls.__dataclass_fields__
-        unknown = sorted(set(extra) - set(fields))
-        if unknown:
-            raise ConfigError(f"unknown kvflow settings in kv_connector_extra_config: {unknown}")
-        for key, value in extra.items():
-            extra[key] = _setting_value(key, value, fields[key].default)
-        settings = cls(**extra)
-        if settings.transport not in ("nixl", "loopback"):
-            raise ConfigError(f"kvflow transport must be 'nixl' or 'loopback', not {settings.transport!r}")
-        if settings.host in ("", "*", "0.0.0.0", "::", "[::]"):
-            raise ConfigError(
-                f"kvflow host must be an address the peer can reach, not the wildcard {settings.host!r}: "
-                "it is announced to the peer"
-            )
-        if not 0 <= settings.port <= 65535:
-            raise ConfigError(f"kvflow port must be 0..65535, not {settings.port}")
-        for key in ("transfer_timeout", "lease", "fence_timeout", "push_layer_groups"):
-            if getattr(settings, key) <= 0:
-                raise ConfigError(f"kvflow {key} must be positive, not {getattr(settings, key)!r}")
-        if settings.kv_cache_layout and settings.kv_cache_layout not in KV_CACHE_LAYOUTS:
-            raise ConfigError(
-                f"kvflow kv_cache_layout must be one of {list(KV_CACHE_LAYOUTS)} or empty, "
-                f"not {settings.kv_cache_layout!r}"
-            )
-        if len(settings.model_id) > MAX_SPEC_TEXT:
-            raise ConfigError(f"kvflow model_id must be at most {MAX_SPEC_TEXT} characters")
-        return settings
-
-
-def _setting_value(key: str, value: Any, default: Any) -> Any:
-    """`value` in the type of the setting's default (JSON gives ints for floats, lists for tuples).
-
-    :raises ConfigError: a value of another type, naming the key.
-    """
-    if isinstance(default, tuple):
-        if isinstance(value, list | tuple) and all(isinstance(item, str) for item in value):
-            return tuple(value)
-        raise ConfigError(f"kvflow {key} must be a list of strings, not {value!r}")
-    if isinstance(default, float) and type(value) in (int, float):
-        return float(value)
-    if type(value) is not type(default):
-        kind = {int: "an integer", float: "a number", str: "a string"}.get(type(default), type(default).__name__)
-        raise ConfigError(f"kvflow {key} must be {kind}, not {value!r}")
-    return value
-
-
-class WorkerSide:
+class WorkerSide(PeerNotices):
     def __init__(
         self, engine_id: str, rank: int, settings: Settings, tp_size: int = 1, total_heads: int = 0, dp_rank: int = 0
     ) -> None:
@@ -253,7 +170,6 @@ class WorkerSide:
         bounded hand-over)."""
         self._saved.clear()  # a new step: its forward has saved no layer yet
         taken = []
-        batches = len(self.layer_groups)
         for order in orders.expect:
             params = order.params
             if not order.block_ids:  # D needs nothing (a full prefix hit): only P is told
@@ -277,7 +193,8 @@ class WorkerSide:
                         peer=peer,
                         block_ids=o.block_ids,
                         mode=m,
-                        expected_batches=batches if m is Mode.PUSH else 1,
+                        # P decides how many: its token budget splits the prompt into chunks
+                        expected_batches=OPEN_BATCHES if m is Mode.PUSH else 1,
                         first_position=o.first_position,
                         share=f"{o.params.transfer_id}#{o.params.epoch}",
                     )
@@ -292,40 +209,6 @@ class WorkerSide:
         for order in orders.promise:
             self._promise(order)
         _hand_over(taken)
-
-    def _tell_nothing_wanted(self, order: Order) -> list[concurrent.futures.Future[Any]]:
-        """An empty registration to every P rank feeding this one: P releases its blocks
-        without a WRITE.  vLLM runs the request without waiting for a load, so nothing is
-        reported to it; should P not be reached, P frees its blocks at its own deadline."""
-        params = order.params
-        try:
-            pairs = pair_keys(params, Role.DECODE, self.rank, self.tp_size, self.total_heads)
-            p_tp = tp_sizes(params, Role.DECODE, self.tp_size)[0]
-        except ConfigError as exc:
-            log.error("%s: cannot tell P that %s needs no KV: %s", self.engine_id, order.request_id, exc)
-            return []
-
-        def done(f: concurrent.futures.Future[Any]) -> None:
-            if f.exception() is not None:
-                log.error("%s: cannot tell P that %s needs no KV: %s", self.engine_id, order.request_id, f.exception())
-
-        futures = []
-        for source, key in pairs:
-
-            def expect(e: Engine, peer: str, k: TransferKey = key) -> Any:
-                return e.expect(
-                    k.transfer_id,
-                    k.epoch,
-                    peer=peer,
-                    block_ids=(),
-                    expected_batches=0,
-                    first_position=order.first_position,
-                )
-
-            future = self._call_rank(params.prefill, p_tp, source, expect, Role.DECODE)
-            future.add_done_callback(done)
-            futures.append(future)
-        return futures
 
     def save_layer(self, orders: Orders, layer_name: str) -> None:
         """Push: a layer of this step's forward is saved.  Once every layer of a group (and of
@@ -418,9 +301,10 @@ class WorkerSide:
         if first >= upto:
             return []
         self._groups_sent[order.request_id] = upto
-        keys = self.pairs.still_open(order.request_id, Role.PREFILL)
-        if first == 0:
-            keys = [key for _, key in self._open_sending(order)]
+        if first == 0 and order.first == 0:  # the request's first chunk: its pairs open now
+            keys: list[Any] = [key for _, key in self._open_sending(order)]
+        else:
+            keys = self.pairs.still_open(order.request_id, Role.PREFILL)
         futures: list[concurrent.futures.Future[Any]] = []
         for key in keys:
             assert isinstance(key, TransferKey)
@@ -431,18 +315,19 @@ class WorkerSide:
 
                 future = self._thread().call(post)
                 futures.append(future)
-                if group == 0:
+                if group == 0 and order.first == 0:
                     self._ready_starts.append((future, order.request_id, key))
         return futures
 
     async def _post_group(self, engine: Engine, key: TransferKey, order: Order, group: int, gate: Gate | None) -> None:
-        """On the engine thread: post one layer group after the ones before it.  A failure of the
-        first group leaves kvflow holding nothing (vLLM frees the blocks); a later failure aborts
-        the transfer, whose blocks then come back through the engine's release."""
+        """On the engine thread: post one layer group of one chunk's blocks after the ones before
+        it.  A failure of the transfer's first group (first chunk) leaves kvflow holding nothing
+        (vLLM frees the blocks); a later failure aborts the transfer, whose blocks then come back
+        through the engine's release."""
         previous = self._chains.get(key)
         mine: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._chains[key] = mine
-        final = group == len(self.layer_groups) - 1
+        final = order.final and group == len(self.layer_groups) - 1
         try:
             if previous is not None:
                 await previous
@@ -451,11 +336,16 @@ class WorkerSide:
             try:
                 await self._wait_for_device(gate)
                 await engine.kv_ready(
-                    key.transfer_id, key.epoch, block_ids=order.block_ids, layers=self.layer_groups[group], final=final
+                    key.transfer_id,
+                    key.epoch,
+                    block_ids=order.block_ids,
+                    layers=self.layer_groups[group],
+                    final=final,
+                    first_position=order.first,
                 )
             except KVFlowError as exc:
                 self._broken.add(key)
-                if group == 0:
+                if group == 0 and order.first == 0:
                     raise
                 log.error("%s: layer group %d of %s refused: %s", self.engine_id, group, order.request_id, exc)
                 with contextlib.suppress(KVFlowError):
@@ -466,50 +356,6 @@ class WorkerSide:
                 del self._chains[key]
             if final:
                 self._broken.discard(key)
-
-    def _promise(self, order: Order) -> None:
-        """P: the request is queued here; heartbeats to the decode ranks it feeds say so until
-        it ends.  (A sequential router's request has no decode engine yet: nothing to promise.)"""
-        params, decode = order.params, order.params.decode
-        if decode is None:
-            return
-        try:
-            pairs = pair_keys(params, Role.PREFILL, self.rank, self.tp_size, self.total_heads)
-            d_tp = tp_sizes(params, Role.PREFILL, self.tp_size)[1]
-        except ConfigError as exc:  # its ready order fails the same way, and is reported then
-            log.error("%s: cannot promise %s: %s", self.engine_id, order.request_id, exc)
-            return
-        for target, key in pairs:
-
-            def promise(e: Engine, peer: str, k: TransferKey = key) -> Any:
-                return e.promise(k.transfer_id, k.epoch, peer=peer)
-
-            future = self._call_rank(decode, d_tp, target, promise, Role.PREFILL)
-            future.add_done_callback(partial(self._logged, what=f"cannot promise {order.request_id}"))
-
-    def _abort_unallocated(self, order: Order) -> None:
-        """D: the request ended before it had blocks, so nothing was registered: tell the P
-        ranks feeding this one, which may hold its KV (or compute it later), so that they free
-        it at once."""
-        params = order.params
-        try:
-            pairs = pair_keys(params, Role.DECODE, self.rank, self.tp_size, self.total_heads)
-            p_tp = tp_sizes(params, Role.DECODE, self.tp_size)[0]
-        except ConfigError as exc:
-            log.error("%s: cannot tell P that %s ended: %s", self.engine_id, order.request_id, exc)
-            return
-        for source, key in pairs:
-
-            def abort(e: Engine, peer: str, k: TransferKey = key) -> Any:
-                return e.abort(k.transfer_id, k.epoch, Role.DECODE, order.reason, peer=peer, mode=params.mode)
-
-            # on failure P frees at its own deadline
-            future = self._call_rank(params.prefill, p_tp, source, abort, Role.DECODE)
-            future.add_done_callback(partial(self._logged, what=f"could not tell P that {order.request_id} ended"))
-
-    def _logged(self, future: concurrent.futures.Future[Any], what: str) -> None:
-        if future.exception() is not None:
-            log.warning("%s: %s: %s", self.engine_id, what, future.exception())
 
     def _abort(self, order: Order) -> None:
         role = Role.PREFILL if order.producer else Role.DECODE
@@ -542,15 +388,6 @@ class WorkerSide:
                 await e.abort(key.transfer_id, key.epoch, role, reason)
 
         self._thread().call(abort)
-
-    def _call_rank(self, peer: PeerRef, tp_size: int, rank: int, fn: Any, role: Role) -> concurrent.futures.Future[Any]:
-        """Run `fn(engine, peer rank's engine id)` once associated with rank `rank` of `peer`
-        (see `ranks.reach_rank`)."""
-
-        async def run(e: Engine) -> Any:
-            return await fn(e, await reach_rank(e, peer, tp_size, rank, role))
-
-        return self._thread().call(run)
 
     # ---------------------------------------------------------------- results
 

@@ -60,7 +60,7 @@ __all__ = (
 
 MAGIC = "kvflow"
 # 2: a Hello no longer carries a role; 3: the receiver's incarnation; 4: a registration's first position,
-# Claim, a layout names its heads and ranks
+# Claim, a layout names its heads and ranks, open batch counts
 VERSION = 4
 MAX_FRAME_BYTES = 1 << 20
 MAX_ID = 256  # transfer ids (engine ids: `messages.MAX_ENGINE_ID`)
@@ -199,8 +199,8 @@ def _registration(body: Any) -> Registration:
     if type(ttl) not in (int, float) or not math.isfinite(ttl) or not 0 < ttl <= 1e6:
         raise _fail("ttl must be a finite number of seconds in (0, 1e6]")
     ids = _blocks(blocks, allow_empty=True)
-    # no blocks (D needs nothing) exactly when no WRITE is expected
-    expected = _int(batches, "expected batches", 0 if not ids else 1, 0 if not ids else MAX_BATCHES)
+    # no blocks (D needs nothing) exactly when no WRITE is expected; with blocks, 0 is an open count
+    expected = _int(batches, "expected batches", 0, 0 if not ids else MAX_BATCHES)
     return Registration(_key(tid, epoch), ids, expected, float(ttl), _int(first, "first position", 0, MAX_POSITION))
 
 

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from kvflow.errors import ConfigError, InvalidBatch, StaleEpoch, UnknownTransfer
 from kvflow.protocol.actions import Action, DeclarePeerLost, OpKind, ReleaseBlocks, Resolve, SendMessage, SubmitOp
 from kvflow.protocol.inbox import PeerInbox
-from kvflow.protocol.machine import Machine, check_block_ids, next_batch
+from kvflow.protocol.machine import Machine, check_block_ids, check_registration, next_batch
 from kvflow.protocol.messages import (
     Claim,
     Done,
@@ -113,8 +113,10 @@ class TransferCore:
         """D: these destination blocks will receive transfer `key` from `peer`, for P's block
         positions ``first_position..`` (in D's blocks): D holds the KV of the positions before (a
         prefix-cache hit), so P writes (pull: D reads) none of them.  Push: `expected_batches`
-        counts P's batches that reach D's positions (each is one WRITE).  No blocks (push only,
-        with `expected_batches` 0): D needs nothing; P is told so and releases at once, and the
+        counts P's batches that reach D's positions (each is one WRITE); `OPEN_BATCHES` lets P
+        decide how many (P's last WRITE's notification says it is the last, and the transfer
+        completes when every batch up to it has landed).  No blocks (push only, with
+        `expected_batches` 0): D needs nothing; P is told so and releases at once, and the
         transfer succeeds here as soon as the registration is sent.  Transfers naming the same
         non-empty `share` group may hold the same blocks (each writes its own part of them: a
         tensor-parallel rank's KV heads).
@@ -127,15 +129,7 @@ class TransferCore:
         :raises StaleEpoch: this epoch is not newer than one already seen for the id.
         :raises ConfigError: bad deadline or batch count.
         """
-        ids = check_block_ids(block_ids, f"expect {key}", unique=True, allow_empty=mode is Mode.PUSH)
-        if first_position < 0:
-            raise InvalidBatch(f"expect {key}: first position {first_position} is negative")
-        if not ids and expected_batches != 0:
-            raise InvalidBatch(f"expect {key}: block list is empty, but {expected_batches} WRITEs are expected")
-        if ids and (
-            not 1 <= expected_batches <= self.config.max_batches or (mode is Mode.PULL and expected_batches != 1)
-        ):
-            raise ConfigError(f"expected_batches must be 1..{self.config.max_batches} (1 in pull mode)")
+        ids = check_registration(key, block_ids, mode, expected_batches, first_position, self.config.max_batches)
         if deadline <= now:
             raise ConfigError(f"deadline {deadline} is not after now {now}")
         self._check_epoch(key, _DECODE)
@@ -363,15 +357,8 @@ class TransferCore:
 
     def heartbeat_keys(self, peer: str, now: float) -> tuple[TransferKey, ...]:
         """What a heartbeat to `peer` lists: the transfers this side waits on from it (as D) and
-        those whose request it holds for it (as P).  Claims that ended are dropped."""
-        promised = []
-        for key, (owner, since) in self.store.promises():
-            m = self.store.get(key, _PREFILL)
-            if since + self.config.max_hold <= now or (m is not None and m.state not in ACTIVE):
-                self.store.drop_promise(key)
-            elif owner == peer:
-                promised.append(key)
-        return self.waiting_on(peer) + tuple(promised)
+        those whose request it holds for it (as P; promises that ended are dropped)."""
+        return self.waiting_on(peer) + self.store.live_promises(peer, now, self.config.max_hold)
 
     def timer(self, now: float) -> list[Action]:
         """Feed DEADLINE to every machine whose timer has passed; forget old finished ones."""
@@ -590,7 +577,8 @@ class TransferCore:
                 local = batch.block_ids[start - batch.first : stop - batch.first]
                 remote = remote_blocks[start // ratio - m.remote_first : -(-stop // ratio) - m.remote_first]
                 layers = None if batch.layers == (0, self.num_layers) else batch.layers
-                note = encode_notification(m.key, writes - 1)
+                last = m.final_seen and batch is m.batches[-1]
+                note = encode_notification(m.key, writes - 1, last)
                 out.append(SubmitOp(op_id, m.key, peer, OpKind.WRITE, local, remote, layers, note))
             else:
                 out.append(SubmitOp(op_id, m.key, peer, OpKind.READ, m.block_ids, remote_blocks, None, b""))

@@ -19,6 +19,7 @@ from kvflow.errors import InvalidBatch, InvalidTransition, PeerProtocolError
 from kvflow.protocol.actions import Action, SendMessage
 from kvflow.protocol.machine import Machine, check_block_ids, next_batch
 from kvflow.protocol.messages import (
+    OPEN_BATCHES,
     Claim,
     Done,
     Message,
@@ -61,7 +62,7 @@ class PeerInbox:
     def notification(self, peer: str, payload: bytes, now: float) -> list[Action]:
         """A WRITE notification arrived from `peer` (push, on D)."""
         try:
-            key, batch = decode_notification(payload)
+            key, batch, last = decode_notification(payload)
         except PeerProtocolError:
             self.stats.malformed_notifications += 1
             return []
@@ -71,19 +72,41 @@ class PeerInbox:
         if m.mode is not Mode.PUSH or m.peer != peer:
             self.stats.foreign_peer += 1
             return []
-        if batch >= m.expected_batches:
-            return self.remote(m, Input.INCOMPATIBLE, now, f"notification for batch {batch} of {m.expected_batches}")
         if batch in m.landed:
             return self.remote(m, Input.DUPLICATE, now)
-        last = len(m.landed) + 1 == m.expected_batches
-        input_ = Input.LAST_BATCH_LANDED if last else Input.BATCH_LANDED
+        problem = self._count_problem(m, batch, last)
+        if problem is not None:
+            return self.remote(m, Input.INCOMPATIBLE, now, problem)
+        total = batch + 1 if last else m.total if m.expected_batches == OPEN_BATCHES else m.expected_batches
+        done = total is not None and len(m.landed) + 1 == total
+        input_ = Input.LAST_BATCH_LANDED if done else Input.BATCH_LANDED
         try:
             transition(m.mode, m.role, m.state, input_, str(key))
         except InvalidTransition:
             self.stats.protocol_violations += 1
             return []
         m.landed.add(batch)
+        if last:
+            m.total = total
         return self.feed(m, input_, now)
+
+    def _count_problem(self, m: Machine, batch: int, last: bool) -> str | None:
+        """Why batch `batch` (P's last if `last`) cannot belong to D's transfer `m`, or None.
+
+        With a fixed count, batches are 0..count-1 and the last one is count-1.  With an open
+        count, P's last batch fixes the count: no batch may come after it, nor a second last.
+        """
+        fixed = m.expected_batches != OPEN_BATCHES
+        total = m.expected_batches if fixed else m.total
+        if batch >= self.config.max_batches or (total is not None and batch >= total):
+            return f"notification for batch {batch}, but P makes {total or self.config.max_batches}"
+        if last and fixed and batch + 1 != total:
+            return f"P's last batch is batch {batch}, but D expects {total} writes"
+        if last and m.total is not None:
+            return f"P's last batch is batch {batch}, after it said batch {m.total - 1}"
+        if last and any(landed > batch for landed in m.landed):
+            return f"P's last batch is batch {batch}, but batch {max(m.landed)} landed"
+        return None
 
     def receive(self, peer: str, message: Message, now: float) -> list[Action]:
         """A control message from `peer`.  Never raises for anything the peer sent."""
@@ -157,8 +180,12 @@ class PeerInbox:
             check_block_ids(reg.block_ids, "registration", unique=True, allow_empty=True)
         except InvalidBatch as exc:
             return str(exc)
-        low = 1 if reg.block_ids else 0  # no block (D needs nothing) exactly when no WRITE is expected
-        if not low <= reg.expected_batches <= (self.config.max_batches if low else 0) or not reg.ttl > 0:
+        batches = reg.expected_batches
+        # with blocks: a count, or open; without: D needs nothing, and no WRITE comes
+        counted = (
+            (batches == OPEN_BATCHES or 1 <= batches <= self.config.max_batches) if reg.block_ids else batches == 0
+        )
+        if not counted or not reg.ttl > 0:
             return "registration has a bad batch count or time-to-live"
         if reg.first_position < 0:
             return "registration has a negative first position"

@@ -12,11 +12,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import assert_never
 
-from kvflow.errors import InvalidBatch
-from kvflow.protocol.messages import TransferKey
+from kvflow.errors import ConfigError, InvalidBatch
+from kvflow.protocol.messages import OPEN_BATCHES, TransferKey
 from kvflow.protocol.state import Condition, Mode, Outcome, Role, State, initial_state
 
-__all__ = ("Batch", "Machine", "check_block_ids", "next_batch")
+__all__ = ("Batch", "Machine", "check_block_ids", "check_registration", "next_batch")
 
 
 def check_block_ids(block_ids: Sequence[int], what: str, *, unique: bool, allow_empty: bool = False) -> tuple[int, ...]:
@@ -87,10 +87,12 @@ class Machine:
     state: State = field(init=False)
     # decode side: own destination blocks, the block position of the first (D holds the KV of
     # the positions before: a prefix-cache hit), and how many WRITE notifications complete them
+    # (`OPEN_BATCHES`: as many as P's last notification says, kept in `total` once it came)
     block_ids: tuple[int, ...] = ()
     first_position: int = 0
     expected_batches: int = 1
     landed: set[int] = field(default_factory=set)
+    total: int | None = None
     # prefill side: batches of ready KV
     batches: list[Batch] = field(default_factory=list)
     final_seen: bool = False
@@ -144,12 +146,15 @@ class Machine:
         """Why P's batches cannot fill D's registration, or None if they can (so far).
 
         Checked whenever either side's information changes: D registered `remote_blocks` for
-        positions ``remote_first..`` and expects `remote_expected` WRITEs, one per batch of P's
-        that reaches those positions (`wanted`); once the last batch is in (`final`), those
-        parts must tile D's positions x layers exactly.  An empty registration wants nothing,
-        so nothing of P's can mismatch it.  `ratio`: P blocks per D block (D's block size a
-        multiple of P's): P's positions fill D's blocks `ratio` at a time, each batch starting
-        at a D block's first token, and D's last block may be filled in part.
+        positions ``remote_first..`` and expects `remote_expected` WRITEs (`OPEN_BATCHES`: any
+        number), one per batch of P's (plus `extra`, not yet added) that reaches those
+        positions (`wanted`); once the last batch is in (`final`), those parts must tile D's
+        positions x layers exactly.  Batches never overlap (`next_batch`) and stay within the
+        registration, so covering the registered area is covering every block of every layer
+        once.  An empty registration wants nothing, so nothing of P's can mismatch it.
+        `ratio`: P blocks per D block (D's block size a multiple of P's): P's positions fill
+        D's blocks `ratio` at a time, each batch starting at a D block's first token, and D's
+        last block may be filled in part.
         """
         if not self.remote_blocks:
             return None
@@ -157,7 +162,8 @@ class Machine:
         registered = len(self.remote_blocks)
         stop = self.remote_first + registered
         spans = [(b, span) for b in batches if (span := self.wanted(b, ratio)) is not None]
-        if len(spans) > self.remote_expected:
+        counted = self.remote_expected != OPEN_BATCHES
+        if counted and len(spans) > self.remote_expected:
             return f"P has {len(spans)} batches for D's blocks but D expects {self.remote_expected} writes"
         for batch in batches:
             if batch.stop > stop * ratio:
@@ -168,7 +174,7 @@ class Machine:
             if batch.first % ratio:
                 return f"P's batch starts at block position {batch.first}, inside one of D's {ratio}x larger blocks"
         if final or self.final_seen:
-            if len(spans) != self.remote_expected:
+            if counted and len(spans) != self.remote_expected:
                 return f"P produced {len(spans)} batches for D's blocks but D expects {self.remote_expected} writes"
             reached = max((hi for _, (_, hi) in spans), default=self.remote_first * ratio)
             covered = sum((hi - lo) * (b.layers[1] - b.layers[0]) for b, (lo, hi) in spans)
@@ -184,3 +190,27 @@ class Machine:
         for batch in sorted(self.batches, key=lambda b: b.first):
             blocks.extend(batch.block_ids)
         return tuple(blocks)
+
+
+def check_registration(
+    key: TransferKey, block_ids: Sequence[int], mode: Mode, expected_batches: int, first_position: int, max_batches: int
+) -> tuple[int, ...]:
+    """D's registration checked before anything changes: its block ids.
+
+    :raises InvalidBatch: the block list is empty in pull mode (or with WRITEs expected),
+        repeats a block, or has a bad id; a negative first position.
+    :raises ConfigError: a bad batch count.
+    """
+    ids = check_block_ids(block_ids, f"expect {key}", unique=True, allow_empty=mode is Mode.PUSH)
+    if first_position < 0:
+        raise InvalidBatch(f"expect {key}: first position {first_position} is negative")
+    if not ids and expected_batches != 0:
+        raise InvalidBatch(f"expect {key}: block list is empty, but {expected_batches} WRITEs are expected")
+    open_count = expected_batches == OPEN_BATCHES and mode is Mode.PUSH
+    if ids and (
+        not (open_count or 1 <= expected_batches <= max_batches) or (mode is Mode.PULL and expected_batches != 1)
+    ):
+        raise ConfigError(
+            f"expected_batches must be 1..{max_batches} or OPEN_BATCHES (push), 1 in pull mode; got {expected_batches}"
+        )
+    return ids

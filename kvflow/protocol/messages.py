@@ -28,6 +28,7 @@ __all__ = (
     "Heartbeat",
     "Hello",
     "Message",
+    "OPEN_BATCHES",
     "Notice",
     "Quiesced",
     "Ready",
@@ -41,6 +42,9 @@ __all__ = (
 )
 
 NOTIFICATION_TAG = "kvf1"
+# A registration's batch count when D cannot know it (P's token budget splits the prompt into
+# chunks only P sees): P decides, and the notification of its last batch says it is the last.
+OPEN_BATCHES = 0
 MAX_NOTIFICATION_BYTES = 512
 MAX_ENGINE_ID = 128
 ENGINE_ID_CHARACTERS = "letters, digits and . _ : @ + - (not first)"
@@ -127,7 +131,8 @@ class Reject:
 @dataclass(frozen=True, slots=True)
 class Registration:
     """Push, D to P: write this transfer's KV for block positions ``first_position..`` into
-    these blocks, in `expected_batches` WRITEs.
+    these blocks, in `expected_batches` WRITEs (`OPEN_BATCHES`: as many as P makes; P's
+    batches must still tile the blocks x layers exactly).
 
     D already holds the KV of the positions before `first_position` (a prefix-cache hit): P
     writes nothing of them.  No blocks (and no WRITE expected) means D needs nothing at all;
@@ -190,14 +195,15 @@ Message = Registration | Ready | Claim | Notice | Quiesced | Done  # about one t
 ControlMessage = Message | Hello | Heartbeat | Goodbye | Reject  # everything a control channel carries
 
 
-def encode_notification(key: TransferKey, batch: int) -> bytes:
-    """The payload one WRITE carries so that D can count it against the right transfer."""
-    payload: bytes = msgpack.packb([NOTIFICATION_TAG, key.transfer_id, key.epoch, batch])
+def encode_notification(key: TransferKey, batch: int, last: bool = False) -> bytes:
+    """The payload one WRITE carries so that D can count it against the right transfer; `last`
+    marks P's last batch (so D knows the count when it registered `OPEN_BATCHES`)."""
+    payload: bytes = msgpack.packb([NOTIFICATION_TAG, key.transfer_id, key.epoch, batch, last])
     return payload
 
 
-def decode_notification(payload: bytes) -> tuple[TransferKey, int]:
-    """Parse a WRITE notification.
+def decode_notification(payload: bytes) -> tuple[TransferKey, int, bool]:
+    """Parse a WRITE notification: (key, batch index, whether it is P's last batch).
 
     :raises PeerProtocolError: for any payload that is not exactly what `encode_notification`
         produces (wrong size, type, tag, or negative numbers).
@@ -210,7 +216,7 @@ def decode_notification(payload: bytes) -> tuple[TransferKey, int]:
         raise PeerProtocolError(f"notification is not valid msgpack: {type(exc).__name__}") from exc
     if (
         not isinstance(value, list)
-        or len(value) != 4
+        or len(value) != 5
         or value[0] != NOTIFICATION_TAG
         or not isinstance(value[1], str)
         or not value[1]
@@ -218,6 +224,7 @@ def decode_notification(payload: bytes) -> tuple[TransferKey, int]:
         or type(value[3]) is not int
         or value[2] < 0
         or value[3] < 0
+        or type(value[4]) is not bool
     ):
-        raise PeerProtocolError("notification does not have the shape [tag, transfer_id, epoch, batch]")
-    return TransferKey(value[1], value[2]), value[3]
+        raise PeerProtocolError("notification does not have the shape [tag, transfer_id, epoch, batch, last]")
+    return TransferKey(value[1], value[2]), value[3], value[4]

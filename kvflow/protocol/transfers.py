@@ -261,6 +261,18 @@ class TransferStore:
     def promises(self) -> list[tuple[TransferKey, tuple[str, float]]]:
         return list(self._promises.items())
 
+    def live_promises(self, peer: str, now: float, max_hold: float) -> tuple[TransferKey, ...]:
+        """The transfers whose request this side (P) holds for `peer`; promises whose transfer
+        ended here, or older than `max_hold`, are dropped."""
+        promised = []
+        for key, (owner, since) in list(self._promises.items()):
+            m = self.get(key, Role.PREFILL)
+            if since + max_hold <= now or (m is not None and m.state not in ACTIVE):
+                self.drop_promise(key)
+            elif owner == peer:
+                promised.append(key)
+        return tuple(promised)
+
     def promisee(self, key: TransferKey) -> str | None:
         """The peer a promise on `key` names, if any."""
         promise = self._promises.get(key)

@@ -35,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     vllm.add_argument("--tokens", type=_ints, default=[512, 4096], help="prompt lengths (comma-separated)")
     vllm.add_argument("--concurrency", type=_ints, default=[1, 4], help="requests in flight (comma-separated)")
     vllm.add_argument("--step-ms", type=_floats, default=[0.0, 5.0], help="step pacing, 0 = as fast as possible")
+    vllm.add_argument("--long-tokens", type=int, default=2048, help="a long prompt P prefills in chunks (0: none)")
+    vllm.add_argument("--long-chunks", type=int, default=4, help="the long prompt's chunks (P's budget: its share)")
     vllm.add_argument("--requests", type=int, default=20, help="measured requests per cell")
     vllm.add_argument("--repeats", type=int, default=2, help="runs of the whole matrix; medians are reported")
     vllm.add_argument("--warmup", type=int, default=2, help="unmeasured requests before each cell")

@@ -1,0 +1,133 @@
+"""`kvflow bench vllm`'s figures: the per-cell record, its summary, the table and the verdict.
+
+Why its own module: the benchmark's runner (`bench`) drives engine processes and plays the
+router; what is computed from its records, and how it is printed, changes with each new figure.
+Kept apart, each new cell or figure touches one small module, and the summary can be tested
+without starting an engine.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ("Cell", "quantile", "render", "summarize", "verdict")
+
+
+@dataclass
+class Cell:
+    connector: str
+    tokens: int
+    concurrency: int
+    step_ms: float
+    repeat: int
+    requests: int
+    chunks: int = 1  # P's token budget is tokens / chunks: its prefill takes this many steps
+    fin_to_recv_ms: list[float] = field(default_factory=list)
+    kv_to_recv_ms: list[float] = field(default_factory=list)
+    d_steps: list[int] = field(default_factory=list)
+    fin_to_sent_ms: list[float] = field(default_factory=list)
+    p_hooks_us: list[float] = field(default_factory=list)  # per P step: time inside connector hooks
+    d_hooks_us: list[float] = field(default_factory=list)
+    bytes_verified: int = 0
+    bad_pages: int = 0
+    failed: int = 0
+
+
+def quantile(values: list[float] | list[int], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return float(ordered[min(len(ordered) - 1, int(q * len(ordered)))])
+
+
+def summarize(cells: list[Cell]) -> list[dict[str, Any]]:
+    """One row per (connector, tokens, chunks, concurrency, pacing): medians over repeats of
+    each repeat's p50 and p90, and totals; the bytes each request moved (its pages D checked)."""
+    groups: dict[tuple[str, int, int, int, float], list[Cell]] = {}
+    for cell in cells:
+        key = (cell.connector, cell.tokens, cell.chunks, cell.concurrency, cell.step_ms)
+        groups.setdefault(key, []).append(cell)
+    rows = []
+    for (connector, n_tokens, chunks, conc, pace), group in groups.items():
+
+        def med(metric: str, q: float, group: list[Cell] = group) -> float:
+            return round(statistics.median(quantile(getattr(c, metric), q) for c in group), 2)
+
+        rows.append(
+            {
+                "connector": connector,
+                "tokens": n_tokens,
+                "chunks": chunks,
+                "concurrency": conc,
+                "step_ms": pace,
+                "fin_to_recv_p50_ms": med("fin_to_recv_ms", 0.5),
+                "fin_to_recv_p90_ms": med("fin_to_recv_ms", 0.9),
+                "kv_to_recv_p50_ms": med("kv_to_recv_ms", 0.5),
+                "d_steps_p50": med("d_steps", 0.5),
+                "d_steps_p90": med("d_steps", 0.9),
+                "fin_to_sent_p50_ms": med("fin_to_sent_ms", 0.5),
+                "p_hooks_p50_us": med("p_hooks_us", 0.5),
+                "p_hooks_p99_us": med("p_hooks_us", 0.99),
+                "d_hooks_p50_us": med("d_hooks_us", 0.5),
+                "d_hooks_p99_us": med("d_hooks_us", 0.99),
+                "requests": sum(c.requests for c in group),
+                "bytes_verified": sum(c.bytes_verified for c in group),
+                "bytes_per_request": _per_request(group),
+                "bad_pages": sum(c.bad_pages for c in group),
+                "failed": sum(c.failed for c in group),
+            }
+        )
+    return rows
+
+
+def _per_request(group: list[Cell]) -> int:
+    """The bytes one request moved (every request of a cell moves the same prompt)."""
+    landed = sum(c.requests - c.failed for c in group)
+    return sum(c.bytes_verified for c in group) // landed if landed else 0
+
+
+def render(rows: list[dict[str, Any]]) -> str:
+    header = (
+        f"{'connector':<12} {'tokens':>6} {'chunks':>6} {'conc':>4} {'step':>5} | {'fin→recv p50':>12} {'p90':>7} "
+        f"{'kv→recv p50':>11} | {'D steps p50':>11} {'p90':>5} | {'P free p50':>10} | "
+        f"{'P hooks µs p50':>14} {'p99':>6} {'D p50':>6} {'p99':>6} | {'KiB/req':>8} {'verified':>9} {'bad':>4} "
+        f"{'failed':>6}"
+    )
+    lines = [header, "-" * len(header)]
+    for r in sorted(rows, key=lambda r: (r["tokens"], r["chunks"], r["concurrency"], r["step_ms"], r["connector"])):
+        pace = f"{r['step_ms']:g}ms" if r["step_ms"] else "fast"
+        lines.append(
+            f"{r['connector']:<12} {r['tokens']:>6} {r['chunks']:>6} {r['concurrency']:>4} {pace:>5} | "
+            f"{r['fin_to_recv_p50_ms']:>12.1f} {r['fin_to_recv_p90_ms']:>7.1f} {r['kv_to_recv_p50_ms']:>11.1f} | "
+            f"{r['d_steps_p50']:>11.0f} {r['d_steps_p90']:>5.0f} | {r['fin_to_sent_p50_ms']:>10.1f} | "
+            f"{r['p_hooks_p50_us']:>14.0f} {r['p_hooks_p99_us']:>6.0f} {r['d_hooks_p50_us']:>6.0f} "
+            f"{r['d_hooks_p99_us']:>6.0f} | {r['bytes_per_request'] / 2**10:>8.0f} "
+            f"{r['bytes_verified'] / 2**20:>7.0f}Mi {r['bad_pages']:>4} {r['failed']:>6}"
+        )
+    return "\n".join(lines)
+
+
+def verdict(rows: list[dict[str, Any]], ours: str = "kvflow") -> list[str]:
+    """Per cell: our p50 against the better of vLLM's two connectors; for a chunked prefill,
+    from the end of P's last step (``kv→recv``), where pushing earlier chunks pays off."""
+    out = []
+    keyed = {(r["connector"], r["tokens"], r["chunks"], r["concurrency"], r["step_ms"]): r for r in rows}
+    for (connector, n_tokens, chunks, conc, pace), row in sorted(keyed.items(), key=lambda kv: kv[0][1:]):
+        if connector != ours:
+            continue
+        cells = [(c, n_tokens, chunks, conc, pace) for c in ("vllm-push", "vllm-pull")]
+        theirs = [keyed[cell] for cell in cells if cell in keyed]
+        if not theirs:
+            continue
+        metric, name = ("kv_to_recv_p50_ms", "kv→recv") if chunks > 1 else ("fin_to_recv_p50_ms", "fin→recv")
+        best = min(theirs, key=lambda r: r[metric])
+        ratio = row[metric] / best[metric] if best[metric] else float("nan")
+        pace_name = f"{pace:g} ms steps" if pace else "fast steps"
+        prompt = f"{n_tokens} tokens in {chunks} chunks" if chunks > 1 else f"{n_tokens} tokens"
+        out.append(
+            f"{prompt}, {conc} in flight, {pace_name}: {ours} {name} p50 {row[metric]:.1f} ms vs "
+            f"{best['connector']} {best[metric]:.1f} ms ({ratio:.2f}x)"
+        )
+    return out

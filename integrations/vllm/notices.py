@@ -1,0 +1,126 @@
+"""What a worker rank tells its peer's ranks outside a transfer's own bytes.
+
+Why apart from the worker: these are the messages that carry no KV (D needs nothing after a
+full prefix hit; P holds a queued request for D; D's request ended before it had blocks), each
+sent to every rank of the other side this rank pairs with, found through that side's rank 0
+(`ranks.reach_rank`).  None of them waits: a failure is logged, and the peer then falls back on
+its own deadline.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+from functools import partial
+from typing import Any
+
+from kvflow.errors import ConfigError
+from kvflow.integrations.vllm.mapping import Order, PeerRef
+from kvflow.integrations.vllm.ranks import pair_keys, reach_rank, tp_sizes
+from kvflow.protocol.messages import TransferKey
+from kvflow.protocol.state import Role
+from kvflow.runtime.engine import Engine
+from kvflow.runtime.threaded import EngineThread
+
+__all__ = ("PeerNotices",)
+
+log = logging.getLogger("kvflow.vllm")
+
+
+class PeerNotices:
+    """Mixed into `WorkerSide`: the rank's identity, and its engine thread."""
+
+    engine_id: str
+    rank: int
+    tp_size: int
+    total_heads: int
+
+    def _thread(self) -> EngineThread:
+        raise NotImplementedError
+
+    def _tell_nothing_wanted(self, order: Order) -> list[concurrent.futures.Future[Any]]:
+        """An empty registration to every P rank feeding this one: P releases its blocks
+        without a WRITE.  vLLM runs the request without waiting for a load, so nothing is
+        reported to it; should P not be reached, P frees its blocks at its own deadline."""
+        params = order.params
+        try:
+            pairs = pair_keys(params, Role.DECODE, self.rank, self.tp_size, self.total_heads)
+            p_tp = tp_sizes(params, Role.DECODE, self.tp_size)[0]
+        except ConfigError as exc:
+            log.error("%s: cannot tell P that %s needs no KV: %s", self.engine_id, order.request_id, exc)
+            return []
+
+        def done(f: concurrent.futures.Future[Any]) -> None:
+            if f.exception() is not None:
+                log.error("%s: cannot tell P that %s needs no KV: %s", self.engine_id, order.request_id, f.exception())
+
+        futures = []
+        for source, key in pairs:
+
+            def expect(e: Engine, peer: str, k: TransferKey = key) -> Any:
+                return e.expect(
+                    k.transfer_id,
+                    k.epoch,
+                    peer=peer,
+                    block_ids=(),
+                    expected_batches=0,
+                    first_position=order.first_position,
+                )
+
+            future = self._call_rank(params.prefill, p_tp, source, expect, Role.DECODE)
+            future.add_done_callback(done)
+            futures.append(future)
+        return futures
+
+    def _promise(self, order: Order) -> None:
+        """P: the request is queued here; heartbeats to the decode ranks it feeds say so until
+        it ends.  (A sequential router's request has no decode engine yet: nothing to promise.)"""
+        params, decode = order.params, order.params.decode
+        if decode is None:
+            return
+        try:
+            pairs = pair_keys(params, Role.PREFILL, self.rank, self.tp_size, self.total_heads)
+            d_tp = tp_sizes(params, Role.PREFILL, self.tp_size)[1]
+        except ConfigError as exc:  # its ready order fails the same way, and is reported then
+            log.error("%s: cannot promise %s: %s", self.engine_id, order.request_id, exc)
+            return
+        for target, key in pairs:
+
+            def promise(e: Engine, peer: str, k: TransferKey = key) -> Any:
+                return e.promise(k.transfer_id, k.epoch, peer=peer)
+
+            future = self._call_rank(decode, d_tp, target, promise, Role.PREFILL)
+            future.add_done_callback(partial(self._logged, what=f"cannot promise {order.request_id}"))
+
+    def _abort_unallocated(self, order: Order) -> None:
+        """D: the request ended before it had blocks, so nothing was registered: tell the P
+        ranks feeding this one, which may hold its KV (or compute it later), so that they free
+        it at once."""
+        params = order.params
+        try:
+            pairs = pair_keys(params, Role.DECODE, self.rank, self.tp_size, self.total_heads)
+            p_tp = tp_sizes(params, Role.DECODE, self.tp_size)[0]
+        except ConfigError as exc:
+            log.error("%s: cannot tell P that %s ended: %s", self.engine_id, order.request_id, exc)
+            return
+        for source, key in pairs:
+
+            def abort(e: Engine, peer: str, k: TransferKey = key) -> Any:
+                return e.abort(k.transfer_id, k.epoch, Role.DECODE, order.reason, peer=peer, mode=params.mode)
+
+            # on failure P frees at its own deadline
+            future = self._call_rank(params.prefill, p_tp, source, abort, Role.DECODE)
+            future.add_done_callback(partial(self._logged, what=f"could not tell P that {order.request_id} ended"))
+
+    def _logged(self, future: concurrent.futures.Future[Any], what: str) -> None:
+        if future.exception() is not None:
+            log.warning("%s: %s: %s", self.engine_id, what, future.exception())
+
+    def _call_rank(self, peer: PeerRef, tp_size: int, rank: int, fn: Any, role: Role) -> concurrent.futures.Future[Any]:
+        """Run `fn(engine, peer rank's engine id)` once associated with rank `rank` of `peer`
+        (see `ranks.reach_rank`)."""
+
+        async def run(e: Engine) -> Any:
+            return await fn(e, await reach_rank(e, peer, tp_size, rank, role))
+
+        return self._thread().call(run)

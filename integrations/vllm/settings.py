@@ -1,0 +1,102 @@
+"""kvflow's settings in vLLM's ``kv_connector_extra_config``, read and checked once.
+
+Why apart from the worker: the scheduler-side connector reads them too (where P's rank 0
+binds, the layout to ask vLLM for), and a bad value must be refused at start-up with a message
+naming the key, before any engine thread exists.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvflow.errors import ConfigError
+from kvflow.integrations.vllm.mapping import PeerRef
+from kvflow.layout import MAX_SPEC_TEXT
+
+__all__ = ("KV_CACHE_LAYOUTS", "Settings", "layer_groups")
+
+KV_CACHE_LAYOUTS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")  # vLLM 0.33's KVCacheLayout
+
+
+def layer_groups(num_layers: int, groups: int) -> list[tuple[int, int]]:
+    """`groups` contiguous layer ranges covering the model, as even as possible."""
+    groups = max(1, min(groups, num_layers))
+    bounds = [round(i * num_layers / groups) for i in range(groups + 1)]
+    return [(bounds[i], bounds[i + 1]) for i in range(groups)]
+
+
+@dataclass(frozen=True)
+class Settings:
+    """`kv_connector_extra_config` keys (all optional)."""
+
+    transport: str = "nixl"  # "nixl" | "loopback" (one process, for tests)
+    host: str = "127.0.0.1"  # where this rank's control channel binds
+    port: int = 5700  # rank r binds port + r; 0: any free port
+    transfer_timeout: float = 60.0
+    lease: float = 30.0
+    fence_timeout: float = 10.0
+    nixl_backends: tuple[str, ...] = ("UCX",)
+    fabric: str = "default"  # loopback only
+    push_layer_groups: int = 4  # push: WRITEs per prefill chunk, each posted once its layers are saved
+    kv_cache_layout: str = ""  # a vLLM KVCacheLayout for kvflow to request; "": the backend's choice
+    model_id: str = ""  # the model's identity in the handshake; "": vLLM's model name or path
+
+    def producer(self, engine_id: str, tp_size: int = 1, dp_rank: int = 0) -> PeerRef | None:
+        """This engine as the prefill side names itself to a decode engine it does not know:
+        its id, where its rank-0 worker binds (past the ports of the DP ranks before it) and
+        its tensor parallelism; None with port 0 (any free port, known only once the worker
+        has bound it, in another process)."""
+        if not self.port:
+            return None
+        return PeerRef(engine_id, f"tcp://{self.host}:{self.port + dp_rank * tp_size}", tp_size)
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, Any] | None) -> Settings:
+        """:raises ConfigError: an unknown key or a value of the wrong type."""
+        extra = dict(extra or {})
+        fields = cls.__dataclass_fields__
+        unknown = sorted(set(extra) - set(fields))
+        if unknown:
+            raise ConfigError(f"unknown kvflow settings in kv_connector_extra_config: {unknown}")
+        for key, value in extra.items():
+            extra[key] = _setting_value(key, value, fields[key].default)
+        settings = cls(**extra)
+        if settings.transport not in ("nixl", "loopback"):
+            raise ConfigError(f"kvflow transport must be 'nixl' or 'loopback', not {settings.transport!r}")
+        if settings.host in ("", "*", "0.0.0.0", "::", "[::]"):
+            raise ConfigError(
+                f"kvflow host must be an address the peer can reach, not the wildcard {settings.host!r}: "
+                "it is announced to the peer"
+            )
+        if not 0 <= settings.port <= 65535:
+            raise ConfigError(f"kvflow port must be 0..65535, not {settings.port}")
+        for key in ("transfer_timeout", "lease", "fence_timeout", "push_layer_groups"):
+            if getattr(settings, key) <= 0:
+                raise ConfigError(f"kvflow {key} must be positive, not {getattr(settings, key)!r}")
+        if settings.kv_cache_layout and settings.kv_cache_layout not in KV_CACHE_LAYOUTS:
+            raise ConfigError(
+                f"kvflow kv_cache_layout must be one of {list(KV_CACHE_LAYOUTS)} or empty, "
+                f"not {settings.kv_cache_layout!r}"
+            )
+        if len(settings.model_id) > MAX_SPEC_TEXT:
+            raise ConfigError(f"kvflow model_id must be at most {MAX_SPEC_TEXT} characters")
+        return settings
+
+
+def _setting_value(key: str, value: Any, default: Any) -> Any:
+    """`value` in the type of the setting's default (JSON gives ints for floats, lists for tuples).
+
+    :raises ConfigError: a value of another type, naming the key.
+    """
+    if isinstance(default, tuple):
+        if isinstance(value, list | tuple) and all(isinstance(item, str) for item in value):
+            return tuple(value)
+        raise ConfigError(f"kvflow {key} must be a list of strings, not {value!r}")
+    if isinstance(default, float) and type(value) in (int, float):
+        return float(value)
+    if type(value) is not type(default):
+        kind = {int: "an integer", float: "a number", str: "a string"}.get(type(default), type(default).__name__)
+        raise ConfigError(f"kvflow {key} must be {kind}, not {value!r}")
+    return value
