@@ -415,6 +415,7 @@ def test_prefill_aborted_after_its_kv_was_ready_aborts_and_frees_late() -> None:
 def test_prefill_ended_before_its_kv_was_ready_tells_the_peer_and_holds_nothing(aborted: bool) -> None:
     book = SchedulerBook(BLOCK_SIZE)
     book.new_request("p1", p_params(entry("tp")), 10)
+    assert book.take_orders().promise  # P promises the request to D at once
     book.scheduled("p1", 0, 3, [1])  # a first chunk that fills no block: nothing handed over
     assert not book.take_orders()
     assert book.finished("p1", aborted=aborted) == (False, None)
@@ -568,6 +569,7 @@ def test_push_hands_over_each_chunks_full_blocks_and_the_rest_at_the_end() -> No
 def test_push_chunk_that_completes_no_block_orders_nothing() -> None:
     book = SchedulerBook(BLOCK_SIZE)
     book.new_request("p1", p_params(entry("tp")), 14)
+    assert book.take_orders().promise  # P promises the request to D at once
     book.scheduled("p1", 0, 3, [7])
     assert not book.take_orders()
     book.scheduled("p1", 3, 3, [7, 8])  # block 7 now full
@@ -577,6 +579,7 @@ def test_push_chunk_that_completes_no_block_orders_nothing() -> None:
 def test_pull_orders_once_when_the_prompt_is_complete() -> None:
     book = SchedulerBook(BLOCK_SIZE)
     book.new_request("p1", p_params(entry("tp", mode="pull")), 14)
+    assert book.take_orders().promise  # P promises the request to D at once
     book.scheduled("p1", 0, 8, [7, 8])
     assert not book.take_orders()
     book.scheduled("p1", 8, 6, [7, 8, 9, 6])
@@ -609,6 +612,7 @@ def test_push_cut_short_after_a_chunk_aborts_and_frees_late(ended: str) -> None:
 def test_preempted_before_any_block_was_handed_over_starts_over() -> None:
     book = SchedulerBook(BLOCK_SIZE)
     book.new_request("p1", p_params(entry("tp")), 14)
+    assert book.take_orders().promise  # P promises the request to D at once
     book.scheduled("p1", 0, 3, [7])
     book.preempted("p1")
     assert not book.take_orders()

@@ -195,9 +195,10 @@ def test_engine_ids_outside_the_strict_set_are_refused_where_they_come_in(bad: s
 
 
 def test_a_registration_names_no_block_exactly_when_it_expects_no_write() -> None:
-    """An empty registration (D needs nothing) expects no WRITE; blocks without a WRITE, or a
-    WRITE without blocks, or a negative first position, are refused as malformed."""
-    for blocks, batches, first in (([], 1, 0), ([1], 0, 0), ([1], 1, -1), ([1], 1, 2**31)):
+    """An empty registration (D needs nothing) expects no WRITE; a WRITE without blocks, or a
+    negative first position, is refused as malformed (blocks with a count of 0 leave the count
+    open to P: see `OPEN_BATCHES`)."""
+    for blocks, batches, first in (([], 1, 0), ([1], 1, -1), ([1], 1, 2**31)):
         frame = msgpack.packb([wire.MAGIC, wire.VERSION, "a", 1, "b", 1, 2, ["t", 1, blocks, batches, 1.0, first], 0])
         with pytest.raises(PeerProtocolError, match="expected batches|first position|block ids"):
             wire.decode(frame)
