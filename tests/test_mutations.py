@@ -48,7 +48,7 @@ MUTATIONS = {
             (State.PREFILL_READY, Input.DEADLINE): Transition(State.EXPIRED, (R, Effect.SEND_ABORT, Effect.RELEASE)),
             (State.PREFILL_READY, Input.PEER_ABORTED): Transition(State.ABORTED, (R, Effect.RELEASE)),
         },
-        r"P released blocks .* in flight",
+        r"P released blocks .* in flight|read P block \d+ owned by None",
     ),
     # A successful push never gives P's source blocks back.
     "push prefill success without release": (

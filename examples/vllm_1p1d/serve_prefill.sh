@@ -29,6 +29,6 @@ extra=$(printf '{"host":"%s","port":%d}' "$KVFLOW_HOST" "$KVFLOW_PORT")
 config=$(printf '{%s,"kv_role":"kv_producer","engine_id":"%s","kv_connector_extra_config":%s}' \
     "$connector" "$ENGINE_ID" "$extra")
 
-# Prefix caching off: kvflow's D registers every block of the prompt.
+# Prefix caching off on P: kvflow has been tested with it on D only.
 exec vllm serve "$MODEL" --host "$HOST" --port "$PORT" --no-enable-prefix-caching \
     --kv-transfer-config "$config" "$@"

@@ -74,23 +74,28 @@ class PeerNotices:
 
     def _promise(self, order: Order) -> None:
         """P: the request is queued here; heartbeats to the decode ranks it feeds say so until
-        it ends.  (A sequential router's request has no decode engine yet: nothing to promise.)"""
+        it ends.  (A sequential router's request has no decode engine yet: nothing to promise.)
+
+        No connection is opened for it: D connects when it registers, and heartbeats go to
+        associated peers only.  (Opening one here, while D opens its own, made the two
+        handshakes cross and a registration arriving in between be dropped.)"""
         params, decode = order.params, order.params.decode
         if decode is None:
             return
         try:
             pairs = pair_keys(params, Role.PREFILL, self.rank, self.tp_size, self.total_heads)
-            d_tp = tp_sizes(params, Role.PREFILL, self.tp_size)[1]
         except ConfigError as exc:  # its ready order fails the same way, and is reported then
             log.error("%s: cannot promise %s: %s", self.engine_id, order.request_id, exc)
             return
         for target, key in pairs:
+            peer = f"{decode.engine}-tp{target}"  # rank r of an engine is named <engine>-tp<r>
 
-            def promise(e: Engine, peer: str, k: TransferKey = key) -> Any:
+            def promise(e: Engine, k: TransferKey = key, peer: str = peer) -> Any:
                 return e.promise(k.transfer_id, k.epoch, peer=peer)
 
-            future = self._call_rank(decode, d_tp, target, promise, Role.PREFILL)
-            future.add_done_callback(partial(self._logged, what=f"cannot promise {order.request_id}"))
+            self._thread().call(promise).add_done_callback(
+                partial(self._logged, what=f"cannot promise {order.request_id}")
+            )
 
     def _abort_unallocated(self, order: Order) -> None:
         """D: the request ended before it had blocks, so nothing was registered: tell the P
