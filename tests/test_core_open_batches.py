@@ -97,7 +97,8 @@ def test_a_gap_fails_both_sides_with_a_clear_reason() -> None:
     notes = written(p, actions)
     assert len(notes) == 1  # the final batch is never written: it cannot complete the transfer
     (notice,) = [m for m in messages(actions) if isinstance(m, Notice)]
-    assert notice.outcome is Outcome.FAILED and "covers 6 block-layers up to position 4, D registered 4 blocks" in notice.reason
+    assert notice.outcome is Outcome.FAILED
+    assert "covers 6 block-layers up to position 4, D registered 4 blocks" in notice.reason
     assert verdicts(d.receive("P", notice, 2.5)) == [(Role.DECODE, Outcome.FAILED)]
     assert verdicts(d.notification("P", notes[0], 2.6)) == []
 
