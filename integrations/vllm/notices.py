@@ -42,35 +42,18 @@ class PeerNotices:
         """An empty registration to every P rank feeding this one: P releases its blocks
         without a WRITE.  vLLM runs the request without waiting for a load, so nothing is
         reported to it; should P not be reached, P frees its blocks at its own deadline."""
-        params = order.params
-        try:
-            pairs = pair_keys(params, Role.DECODE, self.rank, self.tp_size, self.total_heads)
-            p_tp = tp_sizes(params, Role.DECODE, self.tp_size)[0]
-        except ConfigError as exc:
-            log.error("%s: cannot tell P that %s needs no KV: %s", self.engine_id, order.request_id, exc)
-            return []
 
-        def done(f: concurrent.futures.Future[Any]) -> None:
-            if f.exception() is not None:
-                log.error("%s: cannot tell P that %s needs no KV: %s", self.engine_id, order.request_id, f.exception())
+        def expect(e: Engine, peer: str, key: TransferKey) -> Any:
+            return e.expect(
+                key.transfer_id,
+                key.epoch,
+                peer=peer,
+                block_ids=(),
+                expected_batches=0,
+                first_position=order.first_position,
+            )
 
-        futures = []
-        for source, key in pairs:
-
-            def expect(e: Engine, peer: str, k: TransferKey = key) -> Any:
-                return e.expect(
-                    k.transfer_id,
-                    k.epoch,
-                    peer=peer,
-                    block_ids=(),
-                    expected_batches=0,
-                    first_position=order.first_position,
-                )
-
-            future = self._call_rank(params.prefill, p_tp, source, expect, Role.DECODE)
-            future.add_done_callback(done)
-            futures.append(future)
-        return futures
+        return self._tell_sources(order, f"cannot tell P that {order.request_id} needs no KV", logging.ERROR, expect)
 
     def _promise(self, order: Order) -> None:
         """P: the request is queued here; heartbeats to the decode ranks it feeds say so until
@@ -100,26 +83,39 @@ class PeerNotices:
     def _abort_unallocated(self, order: Order) -> None:
         """D: the request ended before it had blocks, so nothing was registered: tell the P
         ranks feeding this one, which may hold its KV (or compute it later), so that they free
-        it at once."""
+        it at once (on failure P frees at its own deadline)."""
+        params = order.params
+
+        def abort(e: Engine, peer: str, key: TransferKey) -> Any:
+            return e.abort(key.transfer_id, key.epoch, Role.DECODE, order.reason, peer=peer, mode=params.mode)
+
+        self._tell_sources(order, f"could not tell P that {order.request_id} ended", logging.WARNING, abort)
+
+    def _tell_sources(self, order: Order, what: str, level: int, fn: Any) -> list[concurrent.futures.Future[Any]]:
+        """D: run `fn(engine, P rank's engine id, pair key)` for every P rank feeding this one,
+        each once associated with it; params naming no such ranks are logged as errors, a failed
+        call at `level`."""
         params = order.params
         try:
             pairs = pair_keys(params, Role.DECODE, self.rank, self.tp_size, self.total_heads)
             p_tp = tp_sizes(params, Role.DECODE, self.tp_size)[0]
         except ConfigError as exc:
-            log.error("%s: cannot tell P that %s ended: %s", self.engine_id, order.request_id, exc)
-            return
+            log.error("%s: %s: %s", self.engine_id, what, exc)
+            return []
+        futures = []
         for source, key in pairs:
 
-            def abort(e: Engine, peer: str, k: TransferKey = key) -> Any:
-                return e.abort(k.transfer_id, k.epoch, Role.DECODE, order.reason, peer=peer, mode=params.mode)
+            def call(e: Engine, peer: str, k: TransferKey = key) -> Any:
+                return fn(e, peer, k)
 
-            # on failure P frees at its own deadline
-            future = self._call_rank(params.prefill, p_tp, source, abort, Role.DECODE)
-            future.add_done_callback(partial(self._logged, what=f"could not tell P that {order.request_id} ended"))
+            future = self._call_rank(params.prefill, p_tp, source, call, Role.DECODE)
+            future.add_done_callback(partial(self._logged, what=what, level=level))
+            futures.append(future)
+        return futures
 
-    def _logged(self, future: concurrent.futures.Future[Any], what: str) -> None:
+    def _logged(self, future: concurrent.futures.Future[Any], what: str, level: int = logging.WARNING) -> None:
         if future.exception() is not None:
-            log.warning("%s: %s: %s", self.engine_id, what, future.exception())
+            log.log(level, "%s: %s: %s", self.engine_id, what, future.exception())
 
     def _call_rank(self, peer: PeerRef, tp_size: int, rank: int, fn: Any, role: Role) -> concurrent.futures.Future[Any]:
         """Run `fn(engine, peer rank's engine id)` once associated with rank `rank` of `peer`
