@@ -46,6 +46,7 @@ def test_pattern_check_catches_stale_torn_and_misplaced_pages(layout: str) -> No
     assert pages.count_bad("t1", positions, blocks, 84) == 1
 
 
+@pytest.mark.timeout(900)  # three pairs of engine processes, each started again once if it hangs
 def test_every_connector_moves_and_verifies_real_bytes() -> None:
     connectors = ["kvflow", "vllm-push", "vllm-pull"]
     cells = run(connectors, tokens=[96], concurrency=[2], step_ms=[0.0], requests=3, repeats=1, warmup=1)
@@ -78,3 +79,35 @@ def test_a_long_prompt_prefilled_in_chunks_moves_and_is_compared_from_ps_last_st
 def test_the_command_refuses_an_unknown_connector_before_starting_anything() -> None:
     with pytest.raises(ConfigError, match="nope"):
         cli_main(["bench", "vllm", "--connectors", "kvflow,nope", "--requests", "1"])
+
+
+def test_a_pair_that_does_not_start_in_time_is_started_again_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A start that hangs (seen once in CI: engines that never said ready) gets one more try with
+    fresh ports; an engine that exits is not retried, and a second hang is reported."""
+    from kvflow.errors import BenchError
+    from kvflow.integrations.vllm import bench
+
+    attempts: list[str] = []
+
+    def starting(outcomes: list[str]) -> object:
+        def pair(connector: str, *args: object) -> str:
+            attempts.append(connector)
+            outcome = outcomes[len(attempts) - 1]
+            if outcome != "ready":
+                raise BenchError(f"{connector}: {outcome} waiting for engines to start")
+            return "started"
+
+        return pair
+
+    monkeypatch.setattr(bench, "Pair", starting(["timed out", "ready"]))
+    assert bench.start_pair("kvflow", 96, 1, {}) == "started" and len(attempts) == 2  # type: ignore[comparison-overlap]
+    attempts.clear()
+    monkeypatch.setattr(bench, "Pair", starting(["engine P exited while", "ready"]))
+    with pytest.raises(BenchError, match="exited"):
+        bench.start_pair("kvflow", 96, 1, {})
+    assert len(attempts) == 1
+    attempts.clear()
+    monkeypatch.setattr(bench, "Pair", starting(["timed out", "timed out", "ready"]))
+    with pytest.raises(BenchError, match="timed out"):
+        bench.start_pair("kvflow", 96, 1, {})
+    assert len(attempts) == 2

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import queue
 import secrets
@@ -62,7 +63,9 @@ DECODE_TOKENS = 4
 # 8 layers of 4 KV heads x 64, fp16, 32-token blocks: 32 KiB per layer and block, 8 KiB per token
 BENCH_MODEL = ModelShape(family="opt", layers=8, kv_heads=4, head_dim=64, dtype="float16")
 MIN_BUDGET = 64  # vLLM's token budget is at least its max_num_seqs (the stand-in's 64)
-START_TIMEOUT = 300.0
+START_TIMEOUT = 120.0  # per attempt; a pair that does not start in time is started again once
+START_ATTEMPTS = 2
+log = logging.getLogger(__name__)
 FLIGHT_TIMEOUT = 120.0
 
 
@@ -141,10 +144,14 @@ class EngineProcess:
             self.log_path.unlink(missing_ok=True)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _free_ports(count: int) -> list[int]:
+    """`count` distinct free loopback ports: every socket is held until all are chosen, so the
+    kernel cannot hand the same port out twice."""
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in sockets]
 
 
 class Pair:
@@ -161,7 +168,9 @@ class Pair:
         max_model_len = max(8192, tokens + 64)
         # enough for the requests in flight, and (vLLM checks it) for one request of max_model_len
         blocks = max(concurrency * (-(-tokens // 32) + 2) + 64, -(-max_model_len // 32) + 1)
-        self.side_ports = {"P": _free_port(), "D": _free_port()}
+        p_side, d_side, p_dist, d_dist = _free_ports(4)
+        self.side_ports = {"P": p_side, "D": d_side}
+        dist_ports = {"P": p_dist, "D": d_dist}
         extra: dict[str, Any] = {}
         if connector.startswith("kvflow"):
             extra = {"transport": "nixl", "port": 0, "host": "127.0.0.1", **options.get("kvflow_settings", {})}
@@ -185,7 +194,7 @@ class Pair:
                     max_model_len=max_model_len,
                     max_num_batched_tokens=budget if budget and name == "P" else max_model_len,
                     distributed=True,
-                    dist_port=_free_port(),
+                    dist_port=dist_ports[name],
                     keep_vllm_affinity=options.get("keep_vllm_affinity", False),
                     kv_buffer_device="cpu",
                 )
@@ -217,8 +226,8 @@ class Pair:
             name, event = self.events.get(timeout=max(0.0, deadline - time.monotonic()))
         except queue.Empty:
             self.failed = True
-            logs = ", ".join(str(e.log_path) for e in self.engines.values())
-            raise BenchError(f"{self.connector}: timed out waiting for {waiting_for} (logs: {logs})") from None
+            logs = "\n".join(f"--- {e.name} ({e.log_path}):\n{e.log_tail()}" for e in self.engines.values())
+            raise BenchError(f"{self.connector}: timed out waiting for {waiting_for}\n{logs}") from None
         if event["ev"] == "exit":
             self.failed = True
             engine = self.engines[name]
@@ -394,12 +403,30 @@ def run(
         for connector in connectors:
             grid = (repeat, concurrency, step_ms, requests, warmup, progress)
             if tokens:
-                pair = Pair(connector, max(tokens), max(concurrency), options or {})
+                pair = start_pair(connector, max(tokens), max(concurrency), options or {})
                 cells += _run_cells(pair, tokens, 1, *grid)
             if long_tokens:
-                pair = Pair(connector, long_tokens, max(concurrency), options or {}, budget=budget)
+                pair = start_pair(connector, long_tokens, max(concurrency), options or {}, budget=budget)
                 cells += _run_cells(pair, [long_tokens], long_chunks, *grid)
     return cells
+
+
+def start_pair(connector: str, tokens: int, concurrency: int, options: dict[str, Any], budget: int = 0) -> Pair:
+    """A started `Pair`; one that does not come up in `START_TIMEOUT` (its logs are printed) is
+    started again with fresh ports, once.
+
+    :raises ConfigError: an unknown connector.
+    :raises BenchError: the engines did not start.
+    """
+    attempt = 1
+    while True:
+        try:
+            return Pair(connector, tokens, concurrency, options, budget)
+        except BenchError as error:
+            if attempt >= START_ATTEMPTS or "timed out" not in str(error):
+                raise
+            log.warning("%s\nstarting %s again", error, connector)
+            attempt += 1
 
 
 def _run_cells(
