@@ -20,17 +20,20 @@ from kvflow.control.channel import LocalControlHub
 from kvflow.errors import TransportError
 from kvflow.layout import Region, fingerprint
 from kvflow.protocol.association import (
+    EARLY_MESSAGES_KEPT,
     AddTransportPeer,
     Associations,
     HandshakeSettled,
     PeerConnected,
     Redeliver,
     Refused,
+    RenewLeases,
     SendHello,
     TearDown,
+    UnknownSender,
 )
 from kvflow.protocol.core import CoreConfig
-from kvflow.protocol.messages import Goodbye, TransferKey
+from kvflow.protocol.messages import Goodbye, Heartbeat, TransferKey
 from kvflow.protocol.state import Outcome, Role
 from kvflow.runtime.engine import Engine, EngineConfig
 from kvflow.testing import SMALL_SPEC, KVBuffers
@@ -225,6 +228,33 @@ def test_the_answer_to_our_hello_while_its_sender_is_added_waits_for_the_additio
     assert assoc.receive("E", 1, hello("E", "", reply=True), 0.5) == []  # nothing deferred
     assert assoc.transport_peer_added("E", first.pending, 1.0) == [SendHello("E", reply=True, associating=True)]
     assert [type(a) for a in assoc.hello_sent("E", 1.0)] == [HandshakeSettled, PeerConnected]
+
+
+def test_what_a_peer_says_while_we_still_add_it_is_delivered_in_order_once_the_association_is_in_place() -> None:
+    """The peer's side of the association is in place before ours when it answered our Hello (or
+    our transport is slow to add it), and its first message, a pull transfer's ready say, can come
+    before our transport is done: it was dropped as from an unknown peer and the transfer hung."""
+    assoc = Associations("D", fingerprint(SMALL_SPEC), lease=6.0, interval=1.0)
+    first = adding(assoc, "P", 1)
+    key = TransferKey("t1", 1)
+    assert assoc.receive("P", 1, Heartbeat((key,)), 0.5) == []  # kept, not dropped
+    assert assoc.receive("P", 1, Goodbye("done"), 0.6) == []
+    assert assoc.receive("P", 2, Heartbeat([]), 0.6) == [UnknownSender("P")]  # another run of P
+    assert assoc.transport_peer_added("P", first.pending, 1.0) == [SendHello("P", reply=True, associating=True)]
+    decided = assoc.hello_sent("P", 1.1)
+    assert decided[:3] == [HandshakeSettled("P"), PeerConnected("P", 1.1), RenewLeases("P", (key,), 1.1, 6.0)]
+    assert [type(a) for a in decided[3:]] == [TearDown]  # then its goodbye, in the order it was sent
+    assert assoc.peers() == [] and assoc.early == {}
+
+
+def test_early_messages_are_bounded_and_forgotten_with_a_refused_addition() -> None:
+    assoc = Associations("D", fingerprint(SMALL_SPEC), lease=6.0, interval=1.0)
+    first = adding(assoc, "P", 1)
+    for _ in range(EARLY_MESSAGES_KEPT):
+        assert assoc.receive("P", 1, Heartbeat([]), 0.5) == []
+    assert assoc.receive("P", 1, Heartbeat([]), 0.5) == [UnknownSender("P")]  # one too many
+    refused = assoc.pending_refused("P", first.pending, TransportError("no"))
+    assert refused.count(UnknownSender("P")) == EARLY_MESSAGES_KEPT and assoc.early == {}
 
 
 def test_peers_being_added_count_toward_the_limit_and_a_refused_addition_frees_its_place() -> None:

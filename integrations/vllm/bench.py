@@ -226,7 +226,8 @@ class Pair:
             name, event = self.events.get(timeout=max(0.0, deadline - time.monotonic()))
         except queue.Empty:
             self.failed = True
-            logs = "\n".join(f"--- {e.name} ({e.log_path}):\n{e.log_tail()}" for e in self.engines.values())
+            logs = "\n".join(self._describe())
+            logs += "\n" + "\n".join(f"--- {e.name} ({e.log_path}):\n{e.log_tail()}" for e in self.engines.values())
             raise BenchError(f"{self.connector}: timed out waiting for {waiting_for}\n{logs}") from None
         if event["ev"] == "exit":
             self.failed = True
@@ -236,6 +237,22 @@ class Pair:
                 f"(log: {engine.log_path}):\n{engine.log_tail()}"
             )
         return name, event
+
+    def _describe(self) -> list[str]:
+        """What each engine still waits on, asked of the engines themselves (a second at most)."""
+        for engine in self.engines.values():
+            with contextlib.suppress(OSError, ValueError):
+                engine.send(op="describe")
+        said: list[str] = []
+        deadline = time.monotonic() + 1.0
+        while len(said) < len(self.engines):
+            try:
+                _, event = self.events.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            if event["ev"] == "describe":
+                said.append(event["text"])
+        return said
 
     def close(self) -> None:
         for engine in self.engines.values():

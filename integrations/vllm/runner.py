@@ -105,6 +105,8 @@ def serve(spec: EngineSpec, commands: queue.Queue[dict[str, Any] | None], events
             if command["op"] == "add":
                 c = command
                 engine.add(c["id"], c["prompt_len"], c["max_tokens"], c["params"], c["tag"])
+            elif command["op"] == "describe":
+                emit(ev="describe", text=engine.describe())
             elif command["op"] == "pace":
                 engine.step_ms = float(command["step_ms"])
             if engine.busy():

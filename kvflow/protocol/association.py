@@ -25,6 +25,7 @@ from kvflow.layout import KVLayout, check_compatible, layout_from_wire
 from kvflow.protocol.messages import ControlMessage, Goodbye, Heartbeat, Hello, Message, Reject, TransferKey
 
 __all__ = (
+    "EARLY_MESSAGES_KEPT",
     "AddRoute",
     "AddTransportPeer",
     "AssociationAction",
@@ -44,6 +45,10 @@ __all__ = (
     "TearDown",
     "UnknownSender",
 )
+
+# Messages kept per peer between its side of an association and ours being in place: a handful
+# in practice (a transfer's first messages); bounded because a peer decides how many it sends.
+EARLY_MESSAGES_KEPT = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -283,6 +288,9 @@ class Associations:
         # peers the transport is adding (off the loop), and the newest Hello each sent meanwhile
         self.adding: dict[str, PendingHello] = {}
         self.deferred: dict[str, tuple[int, Hello]] = {}
+        # messages a peer sent once associated with us, before our side of the association was in
+        # place (the transport still adding it): delivered, in order, once it is
+        self.early: dict[str, list[ControlMessage]] = {}
 
     def peers(self) -> list[str]:
         return sorted(self.layouts)
@@ -301,6 +309,7 @@ class Associations:
 
     def dropped(self, peer: str) -> None:
         """`peer` is being torn down: forget the association."""
+        self.early.pop(peer, None)
         self.layouts.pop(peer, None)
         self.incarnations.pop(peer, None)
         self.liveness.remove(peer)
@@ -357,7 +366,16 @@ class Associations:
             return [HandshakeSettled(sender, PeerProtocolError(f"{sender!r} refused the handshake: {message.reason}"))]
         known = self.incarnations.get(sender)
         if known is None or known != incarnation:
-            return [UnknownSender(sender)]  # not associated, or an old run
+            adding = self.adding.get(sender)
+            early = (
+                self.early.setdefault(sender, []) if adding is not None and adding.incarnation == incarnation else None
+            )
+            if early is not None and len(early) < EARLY_MESSAGES_KEPT:
+                # The sender's side of the association is in place (it answered, or it started
+                # the handshake) and it already speaks; ours will be in a moment.
+                early.append(message)
+                return []
+            return [UnknownSender(sender)]  # not associated, an old run, or too much too early
         self.liveness.heard(sender, now)
         if isinstance(message, Goodbye):
             self.dropped(sender)
@@ -373,7 +391,8 @@ class Associations:
     def pending_refused(self, peer: str, pending: PendingHello, error: KVFlowError) -> list[AssociationAction]:
         """What a pending Hello needs was refused (the control channel refused its address, or
         the transport what it says about the peer's memory): refuse the peer."""
-        return [*self._refuse(peer, pending.hello, error), *self._added(peer, pending)]
+        dropped = [UnknownSender(peer) for _ in self.early.pop(peer, ())]
+        return [*self._refuse(peer, pending.hello, error), *dropped, *self._added(peer, pending)]
 
     def transport_peer_added(self, peer: str, pending: PendingHello, now: float) -> list[AssociationAction]:
         """The transport accepted the peer: the association begins (once our answer, when the
@@ -394,8 +413,16 @@ class Associations:
         return [] if deferred is None else [Redeliver(peer, *deferred)]
 
     def hello_sent(self, peer: str, now: float) -> list[AssociationAction]:
-        """Our answer to the Hello that started the association with `peer` went out."""
-        return [HandshakeSettled(peer), PeerConnected(peer, now)]
+        """Our answer to the Hello that started the association with `peer` went out: the
+        association is in place, and what the peer said meanwhile is decided now, in order."""
+        actions: list[AssociationAction] = [HandshakeSettled(peer), PeerConnected(peer, now)]
+        incarnation = self.incarnations.get(peer)
+        for message in self.early.pop(peer, ()):
+            if incarnation is None or peer not in self.layouts:
+                actions.append(UnknownSender(peer))  # torn down by an earlier one of them
+            else:
+                actions += self.receive(peer, incarnation, message, now)
+        return actions
 
     def hello_unsent(self, peer: str, error: KVFlowError) -> list[AssociationAction]:
         """Our answer to `peer`'s Hello cannot be sent (the address it gave is unusable, or it is
