@@ -239,7 +239,7 @@ def test_what_a_peer_says_while_we_still_add_it_is_delivered_in_order_once_the_a
     key = TransferKey("t1", 1)
     assert assoc.receive("P", 1, Heartbeat((key,)), 0.5) == []  # kept, not dropped
     assert assoc.receive("P", 1, Goodbye("done"), 0.6) == []
-    assert assoc.receive("P", 2, Heartbeat([]), 0.6) == [UnknownSender("P")]  # another run of P
+    assert assoc.receive("P", 2, Heartbeat(()), 0.6) == [UnknownSender("P")]  # another run of P
     assert assoc.transport_peer_added("P", first.pending, 1.0) == [SendHello("P", reply=True, associating=True)]
     decided = assoc.hello_sent("P", 1.1)
     assert decided[:3] == [HandshakeSettled("P"), PeerConnected("P", 1.1), RenewLeases("P", (key,), 1.1, 6.0)]
@@ -251,8 +251,8 @@ def test_early_messages_are_bounded_and_forgotten_with_a_refused_addition() -> N
     assoc = Associations("D", fingerprint(SMALL_SPEC), lease=6.0, interval=1.0)
     first = adding(assoc, "P", 1)
     for _ in range(EARLY_MESSAGES_KEPT):
-        assert assoc.receive("P", 1, Heartbeat([]), 0.5) == []
-    assert assoc.receive("P", 1, Heartbeat([]), 0.5) == [UnknownSender("P")]  # one too many
+        assert assoc.receive("P", 1, Heartbeat(()), 0.5) == []
+    assert assoc.receive("P", 1, Heartbeat(()), 0.5) == [UnknownSender("P")]  # one too many
     refused = assoc.pending_refused("P", first.pending, TransportError("no"))
     assert refused.count(UnknownSender("P")) == EARLY_MESSAGES_KEPT and assoc.early == {}
 
