@@ -95,7 +95,7 @@ def serve(spec: EngineSpec, commands: queue.Queue[dict[str, Any] | None], events
     )
     try:
         while True:
-            if not _obey(engine, _pending(commands, wait=not engine.busy())):
+            if not obey(engine, pending_commands(commands, wait=not engine.busy())):
                 break
             if engine.busy():
                 engine.step()
@@ -104,7 +104,7 @@ def serve(spec: EngineSpec, commands: queue.Queue[dict[str, Any] | None], events
         emit(ev="closed")
 
 
-def _pending(commands: queue.Queue[dict[str, Any] | None], wait: bool) -> list[dict[str, Any] | None]:
+def pending_commands(commands: queue.Queue[dict[str, Any] | None], wait: bool) -> list[dict[str, Any] | None]:
     """Every command waiting, as vLLM's engine core drains its input queue before a step (an
     idle engine waits a little for the first)."""
     pending: list[dict[str, Any] | None] = []
@@ -116,7 +116,7 @@ def _pending(commands: queue.Queue[dict[str, Any] | None], wait: bool) -> list[d
         return pending
 
 
-def _obey(engine: Any, pending: list[dict[str, Any] | None]) -> bool:
+def obey(engine: Any, pending: list[dict[str, Any] | None]) -> bool:
     """Apply the commands; False once told to stop (or stdin closed)."""
     from kvflow.integrations.vllm.standin.pacing import Pacer
     from kvflow.integrations.vllm.standin.timing import StepModel

@@ -60,9 +60,10 @@ class Pacer:
             head = scheduler.waiting.peek_request()
             tokens = min(head.num_tokens - head.num_computed_tokens, self.budget_tokens)
             stalled = free < -(-tokens // self.block_size)
+        total = int(pool.num_gpu_blocks) - 1  # vLLM's null block is never free, nor anyone's
         return {
-            "used": int(pool.num_gpu_blocks) - free,
-            "total": int(pool.num_gpu_blocks),
+            "used": total - free,
+            "total": total,
             "waiting": waiting,
             "running": running,
             "model_ms": round(modelled_ms, 4),
