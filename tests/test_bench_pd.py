@@ -168,7 +168,7 @@ def test_the_engine_lasts_each_step_as_the_model_says_and_reports_it() -> None:
     assert any(e["model_ms"] == pytest.approx(model.step_ms([Row(100, 1, True)]), abs=1e-3) for e in d_steps)
 
     def at(name: str, kind: str) -> float:
-        return next(e["t"] for e in events[name] if e["ev"] == kind)
+        return float(next(e["t"] for e in events[name] if e["ev"] == kind))
 
     order = [at("P", "scheduled"), at("P", "computed"), at("D", "recving"), at("D", "first"), at("D", "params")]
     assert order == sorted(order)

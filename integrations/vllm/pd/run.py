@@ -11,6 +11,7 @@ request's output length, as vLLM's proxies do; the routing is `bench.Pair`'s.
 
 from __future__ import annotations
 
+import importlib.util
 import queue
 import time
 from dataclasses import dataclass, field
@@ -23,7 +24,7 @@ from kvflow.integrations.vllm.pd.sizing import STANDIN_BLOCK, Sizing
 from kvflow.integrations.vllm.pd.workload import Arrival
 from kvflow.integrations.vllm.standin.timing import StepModel
 
-__all__ = ("Request", "run_system")
+__all__ = ("Request", "run_system", "transport")
 
 REQUEST_TIMEOUT = 300.0  # seconds a request may take from its arrival before the run fails
 
@@ -93,6 +94,17 @@ def _stats(values: list[float]) -> dict[str, float | None]:
     }
 
 
+def transport() -> str:
+    """What moves the bytes between the P and D processes: NIXL over UCX, for every system
+    (vLLM's NIXL connectors need it, and kvflow's vLLM connector crosses processes over it).
+
+    :raises BenchError: NIXL is not installed.
+    """
+    if importlib.util.find_spec("nixl") is None:
+        raise BenchError("kvflow bench pd needs NIXL (pip install nixl): every system moves KV over NIXL-UCX")
+    return "nixl-ucx"
+
+
 def _engines(model: StepModel, sizing: Sizing, max_model_len: int) -> dict[str, dict[str, Any]]:
     common = {
         "model": sizing.shape,
@@ -116,7 +128,8 @@ def run_system(
 
     :raises BenchError: an engine died or a request did not finish in time.
     """
-    options = {"engines": _engines(model, sizing, max_model_len)}
+    transport()
+    options: dict[str, Any] = {"engines": _engines(model, sizing, max_model_len)}
     pair = start_pair(system, max_model_len - 1, 1, options)
     try:
         for engine in pair.engines.values():
@@ -163,18 +176,18 @@ def _run_point(pair: Pair, arrivals: list[Arrival], progress: Any = None) -> dic
         if kind == "step":
             steps[name].add(event, start)
             continue
-        request = live.get(event.get("id", ""))
-        if request is None:
+        mine = live.get(event.get("id", ""))
+        if mine is None:
             continue
-        if name == "P" and kind == "scheduled" and request.scheduled is None:
-            request.scheduled = event["t"]
-        elif name == "D" and kind == "first" and request.first is None:
-            request.first = event["t"]
+        if name == "P" and kind == "scheduled" and mine.scheduled is None:
+            mine.scheduled = event["t"]
+        elif name == "D" and kind == "first" and mine.first is None:
+            mine.first = event["t"]
         elif name == "D" and kind == "params":
-            request.last = event["t"]
-        pair.on_event(name, event, request.flight, request.arrival.prompt)
-        if request.flight.done:
-            done.append(live.pop(request.flight.request_id))
+            mine.last = event["t"]
+        pair.on_event(name, event, mine.flight, mine.arrival.prompt)
+        if mine.flight.done:
+            done.append(live.pop(mine.flight.request_id))
             if progress is not None:
                 progress(1)
     return _cell(done, steps, start, time.perf_counter() - start)
@@ -185,7 +198,11 @@ def _cell(done: list[Request], steps: dict[str, Steps], start: float, duration: 
     failed = sum(
         1
         for r in done
-        if r.flight.recving is None or r.flight.recv_failed or r.flight.bad_pages or not r.flight.pages or r.last is None
+        if r.flight.recving is None
+        or r.flight.recv_failed
+        or r.flight.bad_pages
+        or not r.flight.pages
+        or r.last is None
     )
 
     def values(key: str) -> list[float]:

@@ -53,9 +53,8 @@ class LengthDist:
             median, sigma = (int(extra[0]) if extra else 0), (extra[1] if len(extra) > 1 else 1.0)
             return cls(parts[0], int(parts[1]), int(parts[2]), median, sigma)
         except ValueError as error:
-            raise ConfigError(
-                f"length distribution {text!r}: {error} (uniform:LOW:HIGH, lognormal:LOW:HIGH[:MEDIAN[:SIGMA]], fixed:N)"
-            ) from None
+            forms = "uniform:LOW:HIGH, lognormal:LOW:HIGH[:MEDIAN[:SIGMA]], fixed:N"
+            raise ConfigError(f"length distribution {text!r}: {error} ({forms})") from None
 
     def sample(self, rng: random.Random) -> int:
         if self.kind == "fixed":

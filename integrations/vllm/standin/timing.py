@@ -84,8 +84,12 @@ MODELS = {
     ),
 }  # fmt: skip
 GPUS = {
-    "H200": GpuSpec("H200 SXM", 141.0, 4.8, 989.0, "NVIDIA H200 datasheet: 141 GB HBM3e, 4.8 TB/s, 989 TFLOPS BF16 dense"),
-    "H100": GpuSpec("H100 SXM", 80.0, 3.35, 989.0, "NVIDIA H100 datasheet: 80 GB HBM3, 3.35 TB/s, 989 TFLOPS BF16 dense"),
+    "H200": GpuSpec(
+        "H200 SXM", 141.0, 4.8, 989.0, "NVIDIA H200 datasheet: 141 GB HBM3e, 4.8 TB/s, 989 TFLOPS BF16 dense"
+    ),
+    "H100": GpuSpec(
+        "H100 SXM", 80.0, 3.35, 989.0, "NVIDIA H100 datasheet: 80 GB HBM3, 3.35 TB/s, 989 TFLOPS BF16 dense"
+    ),
 }
 
 
