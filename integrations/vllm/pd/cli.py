@@ -38,7 +38,9 @@ def _floats(text: str) -> list[float]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `kvflow bench pd`."""
-    parser.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS), help="comma-separated, of " + ", ".join(SYSTEMS))
+    parser.add_argument(
+        "--systems", default=",".join(DEFAULT_SYSTEMS), help="comma-separated, of " + ", ".join(SYSTEMS)
+    )
     parser.add_argument("--qps", type=_floats, default=[1.0, 4.0, 8.0], help="request rates (comma-separated)")
     parser.add_argument("--requests", type=int, default=40, help="requests per rate")
     parser.add_argument("--duration", type=float, default=0.0, help="instead of --requests: seconds of arrivals")
@@ -113,6 +115,7 @@ def _describe(model: StepModel, sizing: Any, prompt: LengthDist, output: LengthD
 
     m, g = model.model, model.gpu
     from kvflow.integrations.vllm.pd.run import transport
+
     return {
         "model": {
             "name": m.name, "layers": m.layers, "kv_heads": m.kv_heads, "head_dim": m.head_dim, "dtype": m.dtype,
