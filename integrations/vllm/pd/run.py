@@ -202,6 +202,7 @@ def _cell(done: list[Request], steps: dict[str, Steps], start: float, duration: 
         or r.flight.recv_failed
         or r.flight.bad_pages
         or not r.flight.pages
+        or r.first is None
         or r.last is None
     )
 
