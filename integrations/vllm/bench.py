@@ -39,7 +39,7 @@ import tempfile
 import threading
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +87,7 @@ class Flight:
     p_gone: bool = False
     d_gone: bool = False
     d_dispatched: bool = False
+    decode_tokens: int = DECODE_TOKENS  # D's max_tokens
 
     @property
     def done(self) -> bool:
@@ -198,6 +199,8 @@ class Pair:
                     keep_vllm_affinity=options.get("keep_vllm_affinity", False),
                     kv_buffer_device="cpu",
                 )
+                # a caller's fields for this engine (`kvflow bench pd`: model, blocks, block size)
+                engine_options = replace(engine_options, **options.get("engines", {}).get(name, {}))
                 spec = EngineSpec(engine_options, options.get("nixl_progress_delay_us"))
                 env = dict(os.environ)
                 env.update(
@@ -280,7 +283,7 @@ class Pair:
                 params={"do_remote_decode": True, "kvflow": kv},
             )
             d_kv = {"do_remote_prefill": True, "kvflow": kv}
-            d.send(op="add", id=rid, prompt_len=tokens, max_tokens=DECODE_TOKENS, tag=tag, params=d_kv)
+            d.send(op="add", id=rid, prompt_len=tokens, max_tokens=flight.decode_tokens, tag=tag, params=d_kv)
             flight.d_dispatched = True
             return
         p_params: dict[str, Any] = dict(SEQUENTIAL_PREFILL_PARAMS)
@@ -298,7 +301,7 @@ class Pair:
                 "transfer_id": rid,
             }
             p.send(op="add", id=rid, prompt_len=tokens, max_tokens=1, tag=tag, params=p_params)
-            d.send(op="add", id=rid, prompt_len=tokens, max_tokens=DECODE_TOKENS, tag=tag, params=d_params)
+            d.send(op="add", id=rid, prompt_len=tokens, max_tokens=flight.decode_tokens, tag=tag, params=d_params)
             flight.d_dispatched = True
         else:  # pull: D gets the request once P answers with its kv_transfer_params
             p.send(op="add", id=rid, prompt_len=tokens, max_tokens=1, tag=tag, params=p_params)
@@ -317,7 +320,7 @@ class Pair:
             elif kind == "params" and not flight.d_dispatched and event.get("params"):
                 flight.d_dispatched = True
                 self.engines["D"].send(
-                    op="add", id=flight.request_id, prompt_len=tokens, max_tokens=DECODE_TOKENS,
+                    op="add", id=flight.request_id, prompt_len=tokens, max_tokens=flight.decode_tokens,
                     tag=flight.request_id, params=event["params"],
                 )  # fmt: skip
             elif kind == "params" and not flight.d_dispatched:  # P ended without handing over KV

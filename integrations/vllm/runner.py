@@ -9,7 +9,7 @@ handshake-metadata hand-off).  It steps like vLLM's engine core: back to back wh
 scheduler has requests (``has_pending_push_work`` included).
 
 Run as ``python -m kvflow.integrations.vllm.runner``: the first stdin line is the `EngineSpec`,
-later lines are commands (``add``, ``pace``, ``stop``); events go out on stdout, one JSON object
+later lines are commands (``add``, ``pace``, ``model``, ``stop``); events go out on stdout, one JSON object
 per line, timestamped with ``time.perf_counter`` (CLOCK_MONOTONIC, comparable across processes).
 Everything else the process prints goes to stderr.
 """
@@ -22,7 +22,7 @@ import os
 import queue
 import sys
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from typing import IO, Any
 
@@ -95,25 +95,48 @@ def serve(spec: EngineSpec, commands: queue.Queue[dict[str, Any] | None], events
     )
     try:
         while True:
-            busy = engine.busy()
-            try:
-                command = commands.get_nowait() if busy else commands.get(timeout=0.05)
-            except queue.Empty:
-                command = {"op": "none"}
-            if command is None or command["op"] == "stop":
+            if not obey(engine, pending_commands(commands, wait=not engine.busy()), emit):
                 break
-            if command["op"] == "add":
-                c = command
-                engine.add(c["id"], c["prompt_len"], c["max_tokens"], c["params"], c["tag"])
-            elif command["op"] == "describe":
-                emit(ev="describe", text=engine.describe())
-            elif command["op"] == "pace":
-                engine.step_ms = float(command["step_ms"])
             if engine.busy():
                 engine.step()
     finally:
         engine.close()
         emit(ev="closed")
+
+
+def pending_commands(commands: queue.Queue[dict[str, Any] | None], wait: bool) -> list[dict[str, Any] | None]:
+    """Every command waiting, as vLLM's engine core drains its input queue before a step (an
+    idle engine waits a little for the first)."""
+    pending: list[dict[str, Any] | None] = []
+    try:
+        pending.append(commands.get(timeout=0.05) if wait else commands.get_nowait())
+        while True:
+            pending.append(commands.get_nowait())
+    except queue.Empty:
+        return pending
+
+
+def obey(engine: Any, pending: list[dict[str, Any] | None], emit: Callable[..., None] | None = None) -> bool:
+    """Apply the commands; False once told to stop (or stdin closed).  `emit`: where a
+    ``describe`` command's answer (what the engine still waits on) goes."""
+    from kvflow.integrations.vllm.standin.pacing import Pacer
+    from kvflow.integrations.vllm.standin.timing import StepModel
+
+    for command in pending:
+        if command is None or command["op"] == "stop":
+            return False
+        if command["op"] == "add":
+            c = command
+            engine.add(c["id"], c["prompt_len"], c["max_tokens"], c["params"], c["tag"])
+        elif command["op"] == "describe" and emit is not None:
+            emit(ev="describe", text=engine.describe())
+        elif command["op"] == "pace":
+            engine.step_ms = float(command["step_ms"])
+        elif command["op"] == "model":  # pace every step by the step-time model
+            o = engine.options
+            model = StepModel.from_json(command["model"])
+            engine.pacer = Pacer(model, o.max_num_batched_tokens, engine.config.cache_config.block_size)
+    return True
 
 
 def main() -> None:

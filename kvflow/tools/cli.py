@@ -1,5 +1,5 @@
-"""The `kvflow` command: `kvflow doctor`, `kvflow bench nixl`, `kvflow bench vllm`, `kvflow diagrams`,
-`kvflow soak`.
+"""The `kvflow` command: `kvflow doctor`, `kvflow bench nixl`, `kvflow bench vllm`, `kvflow bench pd`,
+`kvflow diagrams`, `kvflow soak`.
 
 Why one entry point: operators ask "does NIXL work here, with which backends and memory?" and
 "how fast is it here?" before anything else; both answers are one command away.
@@ -61,6 +61,10 @@ def main(argv: list[str] | None = None) -> int:
         metavar="TOKENS",
         help="instead: bytes kvflow moves per request when D's prefix cache holds a shared prefix of TOKENS",
     )
+    pd = targets.add_parser("pd", help="open-loop P/D under load, GPU step times modelled: TTFT/TPOT per system")
+    from kvflow.integrations.vllm.pd.cli import add_arguments as pd_arguments
+
+    pd_arguments(pd)
     _add_soak(commands)
     args = parser.parse_args(argv)
     if args.command == "soak":
@@ -75,6 +79,10 @@ def main(argv: list[str] | None = None) -> int:
 
         sys.stdout.write(render(diagnose()) + "\n")
         return 0
+    if args.target == "pd":
+        from kvflow.integrations.vllm.pd.cli import main as bench_pd
+
+        return bench_pd(args)
     if args.target == "vllm":
         options = {k: v for k, v in vars(args).items() if k not in ("command", "target")}
         if args.prefix_hit:

@@ -47,6 +47,7 @@ from kvflow.integrations.vllm.ranks import heads_of
 from kvflow.integrations.vllm.standin.build import backend_class, layer_specs, vllm_config
 from kvflow.integrations.vllm.standin.kv import LaggingDevice, PagedKV
 from kvflow.integrations.vllm.standin.model import EngineOptions
+from kvflow.integrations.vllm.standin.pacing import Pacer
 
 __all__ = ("SAMPLED", "Rank", "StandInEngine")
 
@@ -121,6 +122,8 @@ class StandInEngine:
         self.config = vllm_config(options)
         self.steps = 0
         self.step_ms = 0.0
+        self.pacer: Pacer | None = None  # paced by a step-time model (`kvflow bench pd`); else by step_ms
+        self.slept = 0.0  # the step's time spent waiting for its pace, not working
         self.step_starts: deque[float] = deque(maxlen=200_000)
         self.most_in_flight = 0
         self.tags: dict[str, str] = {}  # request id -> transfer tag (P writes it, D checks it)
@@ -378,7 +381,7 @@ class StandInEngine:
                     listener(outputs.scheduler_stats)
             for out in outputs.outputs:
                 if out.finish_reason is not None:
-                    self.emit(ev="params", id=out.request_id, params=out.kv_transfer_params)
+                    self.emit(ev="params", id=out.request_id, params=out.kv_transfer_params, t=time.perf_counter())
         for request_id in [r for r in self.live if r not in self.scheduler.requests]:
             self.live.discard(request_id)
             self.emit(ev="gone", id=request_id, t=time.perf_counter())
@@ -391,6 +394,10 @@ class StandInEngine:
         self.steps += 1
         self.step_starts.append(started)
         work = self._plan(so)
+        if self.pacer is not None:
+            self.step_ms, self.slept = self.pacer.plan(so, self.scheduler), 0.0
+            for new in so.scheduled_new_reqs:
+                self.emit(ev="scheduled", id=new.req_id, t=started)
         outputs = []
         for rank in self.ranks:  # one after the other here; in parallel in vLLM
             connector_output = self._run_hooks(rank, so, work, started)
@@ -408,6 +415,11 @@ class StandInEngine:
         self.emit(ev="hooks", s=self.ranks[0].hooks.take())  # rank 0's time inside connector hooks
         for request_id in work.completed:
             self.emit(ev="computed", id=request_id, t=now)
+        if self.pacer is not None:
+            real_ms = (now - started - self.slept) * 1e3
+            self.emit(ev="step", t=started, **self.pacer.report(self.scheduler, self.step_ms, real_ms))
+            for request_id in self.pacer.firsts:  # the step sampled these requests' first tokens
+                self.emit(ev="first", id=request_id, t=now)
         kv = output.kv_connector_output
         if kv is not None:
             for request_id in kv.finished_recving or ():
@@ -505,7 +517,9 @@ class StandInEngine:
                     kernel()
             if self.step_ms > 0:
                 layer_end = started + self.step_ms / 1000 * (layer + 1) / total
-                time.sleep(max(0.0, layer_end - time.perf_counter()))
+                pause = max(0.0, layer_end - time.perf_counter())
+                self.slept += pause
+                time.sleep(pause)
             if not self.options.full_cudagraph:
                 rank.hooks.save_kv_layer(name, rank.kv_caches[name], None)
 
