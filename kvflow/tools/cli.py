@@ -61,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
         metavar="TOKENS",
         help="instead: bytes kvflow moves per request when D's prefix cache holds a shared prefix of TOKENS",
     )
+    pd_report = targets.add_parser("pd-report", help="re-render `kvflow bench pd`'s tables and plots from its results")
+    pd_report.add_argument("results", help="the folder holding results.json (plots are written there), or the file")
+    pd_report.add_argument("--markdown", action="store_true", help="also print the Markdown table")
     _add_soak(commands)
     args = parser.parse_args(argv)
     if args.command == "soak":
@@ -75,6 +78,10 @@ def main(argv: list[str] | None = None) -> int:
 
         sys.stdout.write(render(diagnose()) + "\n")
         return 0
+    if args.target == "pd-report":
+        from kvflow.integrations.vllm.pd.report import rerender
+
+        return rerender(args.results, markdown=args.markdown)
     if args.target == "vllm":
         options = {k: v for k, v in vars(args).items() if k not in ("command", "target")}
         if args.prefix_hit:
