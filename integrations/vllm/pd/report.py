@@ -52,13 +52,19 @@ def write(results: dict[str, Any], folder: str | Path) -> list[Path]:
     """Write ``results.json`` and the plots (`plot`) into `folder`, created if missing.
 
     :returns: the paths written, results.json first.
-    :raises ConfigError: `results` breaks the contract (the key is named); nothing is written.
+    :raises ConfigError: `results` breaks the contract (the key is named), or holds a NaN (not
+        JSON) beyond it, or matplotlib is missing; in the first two cases nothing is written.
+    :raises OSError: a file cannot be written.
     """
     validate(results)
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
     target = folder / RESULTS_FILE
-    target.write_text(json.dumps(results, indent=1, sort_keys=True, allow_nan=False) + "\n")
+    try:
+        text = json.dumps(results, indent=1, sort_keys=True, allow_nan=False)
+    except ValueError as error:  # a NaN or infinity outside the contract's keys: not JSON
+        raise ConfigError(f"results cannot be written as JSON: {error}") from error
+    folder.mkdir(parents=True, exist_ok=True)
+    target.write_text(text + "\n")
     return [target, *plot(results, folder)]
 
 
@@ -66,6 +72,7 @@ def plot(results: dict[str, Any], folder: str | Path) -> list[Path]:
     """Draw the PNGs of `kvflow.integrations.vllm.pd.plots` into `folder` (created if missing).
 
     :raises ConfigError: `results` breaks the contract, or matplotlib (the ``bench`` extra) is missing.
+    :raises OSError: a file cannot be written.
     """
     validate(results)
     try:
@@ -231,10 +238,7 @@ def rerender(path: str | Path, markdown: bool = False, console: Console | None =
     """
     try:
         results = load(path)
-        if console is None:
-            from rich.console import Console
-
-            console = Console()
+        console = console or _console()
         render_table(results, console)
         folder = Path(path) if Path(path).is_dir() else Path(path).parent
         written = plot(results, folder)
@@ -245,6 +249,14 @@ def rerender(path: str | Path, markdown: bool = False, console: Console | None =
         console.print(markdown_table(results), markup=False, highlight=False)
     console.print("plots: " + ", ".join(str(p) for p in written), markup=False, highlight=False)
     return 0
+
+
+def _console() -> Console:
+    try:
+        from rich.console import Console
+    except ModuleNotFoundError as error:
+        raise ConfigError(f"the table needs the bench extra (pip install 'kvflow[bench]'): {error}") from error
+    return Console()
 
 
 def _times(value: float | None) -> str:
