@@ -95,8 +95,8 @@ def make_results(systems: list[str] = SYSTEMS, qps: list[float] = QPS, seed: int
                 "dtype": "bfloat16",
                 "block_size": 16,
                 "kv_bytes_per_token": 262144,
-                "emulated_bytes_per_token": 4096,
-                "scale": 0.015625,
+                "emulated_bytes_per_token": 8192,  # 256 KiB / TP 2 / 16
+                "scale": 16.0,
             },
             "gpu": {"name": "H200", "hbm_gb": 141, "bw_tb_s": 4.8, "tflops": 989, "tp": 2, "sources": ["spec sheet"]},
             "step_model": {
@@ -206,6 +206,8 @@ def test_load_reads_back_what_write_wrote_and_refuses_bad_values(tmp_path: Path)
     with pytest.raises(ConfigError, match="cannot be written as JSON"):
         write({**results, "extra": math.nan}, tmp_path / "nan")
     assert not (tmp_path / "nan").exists()
+    with pytest.raises(ConfigError, match=r"cells\[5\] repeats cells\[1\]: kvflow-pull at QPS 1"):
+        validate({**results, "cells": [*results["cells"][:5], results["cells"][1]]})
     with pytest.raises(ConfigError, match="cells is empty"):
         validate({**results, "cells": []})
     (tmp_path / "broken.json").write_text("{")
@@ -304,9 +306,18 @@ def test_render_table_shows_every_system_the_header_and_ratios_by_hand() -> None
     assert text == printed.getvalue()  # printed as laid out: no row wrapped on a narrow console
     for system in SYSTEMS:
         assert system in text
-    for expected in ("Qwen3-32B", "64 layers", "H200", "TP 2", "scale 1/64", "spec sheet", "published MFU"):
+    for expected in (
+        "Qwen3-32B",
+        "64 layers",
+        "H200",
+        "TP 2",
+        "KV bytes ÷16",
+        "source: spec sheet",
+        "source: roofline",
+    ):
         assert expected in text
     assert "QPS 1" in text and "QPS 4" in text and "900/1800" in text and "0.25/0.00" in text
+    assert "16,000 tokens" in text and "WARNING" not in text
     # 41 / 100 = 0.41, 41 / 82 = 0.50; 30 / 24 = 1.25, 30 / 60 = 0.50
     expected = "kvflow/vLLM at QPS 4: "
     expected += "TTFT p50 0.41× vllm-pull, 0.50× vllm-push"
@@ -325,6 +336,18 @@ def test_render_table_marks_missing_systems_and_ratios() -> None:
     qps4 = text.split("QPS 4", 1)[1].split("kvflow/vLLM", 1)[0]
     (row,) = [line for line in qps4.splitlines() if "vllm-pull" in line]
     assert row.split()[1:4] == ["—", "—", "—"]  # no cell: its figures are dashes
+
+
+def test_render_table_warns_of_failed_requests_and_wrong_pages() -> None:
+    results = make_results()
+    cell_of(results, "vllm-push", 4.0).update(failed=2, completed=10, bad_pages=3)
+    text = render_table(results)
+    assert "WARNING vllm-push at QPS 4: 2 of 12 requests failed, 3 pages arrived wrong" in text
+    assert text.count("WARNING") == 1
+    cell_of(results, "kvflow", 1.0)["bad_pages"] = 1  # every request done, one page wrong
+    text = render_table(results)
+    assert "WARNING kvflow at QPS 1: 0 of 12 requests failed, 1 pages arrived wrong" in text
+    assert text.count("WARNING") == 2
 
 
 def test_markdown_table_has_a_row_per_cell_and_the_ratios() -> None:

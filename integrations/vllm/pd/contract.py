@@ -56,7 +56,7 @@ SCHEMA: dict[str, Any] = {
             "block_size": "int",
             "kv_bytes_per_token": "num",
             "emulated_bytes_per_token": "num",
-            "scale": "num",
+            "scale": "num",  # a real GPU's KV bytes per token over the emulation's
         },
         "gpu": {"name": "str", "hbm_gb": "num", "bw_tb_s": "num", "tflops": "num", "tp": "int", "sources": "strs"},
         "step_model": {
@@ -144,6 +144,11 @@ def validate(results: object) -> dict[str, Any]:
     assert isinstance(results, dict)  # _check refused anything else
     if not results["cells"]:
         raise ConfigError("results: cells is empty: no figure to show")
+    seen: dict[tuple[str, float], int] = {}
+    for i, c in enumerate(results["cells"]):
+        first = seen.setdefault((c["system"], float(c["qps"])), i)
+        if first != i:
+            raise ConfigError(f"results: cells[{i}] repeats cells[{first}]: {c['system']} at QPS {c['qps']:g}")
     return results
 
 
@@ -187,10 +192,8 @@ def cell(results: Mapping[str, Any], system: str, qps: float) -> dict[str, Any] 
 
 
 def scale_text(scale: float) -> str:
-    """The KV scale factor as people say it: ``1/64`` rather than ``0.015625``."""
-    if 0 < scale < 1 and abs(1 / scale - round(1 / scale)) < 1e-9:
-        return f"1/{round(1 / scale)}"
-    return f"{scale:g}"
+    """The model's ``scale`` (a real GPU's KV bytes per token over the emulation's) as a division."""
+    return f"÷{scale:g}"
 
 
 def _check(value: object, spec: object, path: str) -> None:

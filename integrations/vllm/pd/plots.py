@@ -57,7 +57,7 @@ def title(results: Mapping[str, Any], what: str, qps: float | None = None) -> st
     model, gpu = results["config"]["model"], results["config"]["gpu"]
     points = qps_points(results)
     load = f"QPS {qps:g}" if qps is not None else f"QPS {points[0]:g}–{points[-1]:g}"
-    return f"{what}\n{model['name']} on {gpu['name']}, TP {gpu['tp']}, KV scale {scale_text(model['scale'])}, {load}"
+    return f"{what}\n{model['name']} on {gpu['name']}, TP {gpu['tp']}, KV bytes {scale_text(model['scale'])}, {load}"
 
 
 def _latency_vs_qps(results: Mapping[str, Any], metric: str, name: str) -> Figure:
@@ -153,9 +153,10 @@ def blocks(results: Mapping[str, Any]) -> Figure:
             xs, ys = zip(*series, strict=True)
             ax.plot(xs, ys, drawstyle="steps-post", color=colour(results, system), label=system)
         ax.axhline(limit, color="black", linewidth=0.8, linestyle=":")  # not a system: see `system_lines`
+        ax.set_ylim(bottom=0)
         ax.set_ylabel(f"blocks used on {side.upper()} (of {limit})")
         _legend(ax)
-    bottom.set_xlabel("time since the first arrival (s)")
+    bottom.set_xlabel("time since the point started (s)")
     top.set_title(title(results, "KV blocks in use", qps))
     return figure
 

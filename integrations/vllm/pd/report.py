@@ -44,6 +44,7 @@ __all__ = (
     "render_table",
     "rerender",
     "validate",
+    "warnings",
     "write",
 )
 
@@ -96,29 +97,42 @@ def ratio(results: Mapping[str, Any], qps: float, metric: str, baseline: str, ou
 
 
 def header_lines(results: Mapping[str, Any]) -> list[str]:
-    """What was emulated, on what, and where the step model's constants come from."""
+    """What was emulated, on what, and where the step model's constants come from (one source a line)."""
     config = results["config"]
     model, gpu, step = config["model"], config["gpu"], config["step_model"]
     capacity, workload = config["capacity"], config["workload"]
     lines = [
         f"model {model['name']}: {model['layers']} layers, {model['kv_heads']} KV heads x head_dim "
         f"{model['head_dim']}, {model['dtype']}, {model['block_size']} tokens/block, "
-        f"KV {_bytes(model['kv_bytes_per_token'])}/token; "
-        f"emulated {_bytes(model['emulated_bytes_per_token'])}/token (scale {scale_text(model['scale'])})",
+        f"KV {_bytes(model['kv_bytes_per_token'])}/token; emulated {_bytes(model['emulated_bytes_per_token'])}"
+        f"/token (KV bytes {scale_text(model['scale'])})",
         f"GPU {gpu['name']}: {gpu['hbm_gb']:g} GB HBM, {gpu['bw_tb_s']:g} TB/s, {gpu['tflops']:g} TFLOPS, "
-        f"TP {gpu['tp']} (sources: {'; '.join(gpu['sources']) or 'none'})",
+        f"TP {gpu['tp']}",
         f"step model: t_base {step['t_base_ms']:g} ms, eta_mem {step['eta_mem']:g}, MFU {step['mfu']:g}, "
-        f"budget {step['budget_tokens']} tokens/step (sources: {'; '.join(step['sources']) or 'none'})",
-        f"capacity: P {capacity['p_blocks']} blocks, D {capacity['d_blocks']} blocks of "
-        f"{capacity['tokens_per_block']} tokens ({capacity['real_tokens']} real tokens)",
+        f"budget {step['budget_tokens']} tokens/step",
+        *([f"  {step['notes']}"] if step["notes"] else []),
+        *(f"  source: {source}" for source in dict.fromkeys([*gpu["sources"], *step["sources"]])),
+        f"capacity: P {capacity['p_blocks']:,} blocks, D {capacity['d_blocks']:,} blocks of "
+        f"{capacity['tokens_per_block']} tokens; the real engines hold {capacity['real_tokens']:,} tokens",
         f"workload: Poisson arrivals at QPS {', '.join(f'{q:g}' for q in workload['qps'])}; "
         f"{workload['requests_per_point']} requests per point; prompt {_dist(workload['prompt'])} tokens; "
         f"output {_dist(workload['output'])} tokens; seed {workload['seed']}",
         f"transport {config['transport']} on {config['machine']}",
     ]
-    if step["notes"]:
-        lines.insert(3, f"step model notes: {step['notes']}")
     return lines
+
+
+def warnings(results: Mapping[str, Any], qps: float) -> list[str]:
+    """Cells at `qps` whose figures cannot be trusted as they stand: failed requests, wrong pages."""
+    out = []
+    for system in systems(results):
+        found = cell(results, system, qps)
+        if found is not None and (found["failed"] or found["bad_pages"]):
+            out.append(
+                f"WARNING {system} at QPS {qps:g}: {found['failed']} of {found['requests']} requests failed, "
+                f"{found['bad_pages']} pages arrived wrong"
+            )
+    return out
 
 
 def ratio_line(results: Mapping[str, Any], qps: float) -> str:
@@ -183,7 +197,7 @@ def render_table(results: dict[str, Any], console: Console | None = None) -> str
         from rich.text import Text
     except ModuleNotFoundError as error:
         raise ConfigError(f"the table needs the bench extra (pip install 'kvflow[bench]'): {error}") from error
-    parts: list[Any] = [Text("\n".join(header_lines(results)))]
+    parts: list[Any] = []
     for qps in qps_points(results):
         title = f"QPS {qps:g} (times in ms; TTFT split: means)"
         table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
@@ -192,12 +206,13 @@ def render_table(results: dict[str, Any], console: Console | None = None) -> str
         for system in systems(results):
             found = cell(results, system, qps)
             table.add_row(*(_row(found) if found else [system, "—", *("—" for _ in _COLUMNS[2:])]))
-        parts += [Text(""), table, Text(ratio_line(results, qps))]
+        parts += [Text(""), table, *(Text(line) for line in [ratio_line(results, qps), *warnings(results, qps)])]
     group = Group(*parts)
     capture = Console(file=io.StringIO(), width=_WIDTH, color_system=None, force_terminal=False)
     with capture.capture() as captured:
         capture.print(group)
-    text = "\n".join(line.rstrip() for line in captured.get().splitlines()) + "\n"
+    lines = [*header_lines(results), *captured.get().splitlines()]  # the header unwrapped, however long
+    text = "\n".join(line.rstrip() for line in lines) + "\n"
     if console is not None:  # as laid out here, whatever the console's width: rows never wrap
         console.print(text, end="", markup=False, highlight=False, soft_wrap=True)
     return text
@@ -246,8 +261,8 @@ def rerender(path: str | Path, markdown: bool = False, console: Console | None =
         sys.stderr.write(f"kvflow bench pd-report: {error}\n")
         return 2
     if markdown:
-        console.print(markdown_table(results), markup=False, highlight=False)
-    console.print("plots: " + ", ".join(str(p) for p in written), markup=False, highlight=False)
+        console.print(markdown_table(results), markup=False, highlight=False, soft_wrap=True)
+    console.print("plots: " + ", ".join(str(p) for p in written), markup=False, highlight=False, soft_wrap=True)
     return 0
 
 
