@@ -28,6 +28,9 @@ def main(argv: list[str] | None = None) -> int:
     nixl.add_argument("--quick", action="store_true", help="stop at 16 MiB")
     nixl.add_argument("--repeats", type=int, default=None, help="samples per cell (default: by size)")
     nixl.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    pd_report = targets.add_parser("pd-report", help="re-render `kvflow bench pd`'s tables and plots from its results")
+    pd_report.add_argument("results", help="the folder holding results.json (plots are written there), or the file")
+    pd_report.add_argument("--markdown", action="store_true", help="also print the Markdown table")
     vllm = targets.add_parser(
         "vllm", help="P->D latency inside vLLM's Scheduler: kvflow vs vLLM's NixlPushConnector and NixlConnector"
     )
@@ -61,9 +64,6 @@ def main(argv: list[str] | None = None) -> int:
         metavar="TOKENS",
         help="instead: bytes kvflow moves per request when D's prefix cache holds a shared prefix of TOKENS",
     )
-    pd_report = targets.add_parser("pd-report", help="re-render `kvflow bench pd`'s tables and plots from its results")
-    pd_report.add_argument("results", help="the folder holding results.json (plots are written there), or the file")
-    pd_report.add_argument("--markdown", action="store_true", help="also print the Markdown table")
     _add_soak(commands)
     args = parser.parse_args(argv)
     if args.command == "soak":
@@ -72,16 +72,16 @@ def main(argv: list[str] | None = None) -> int:
         from kvflow.tools.diagrams import main as diagrams_main
 
         return diagrams_main(["--check"] if args.check else [])
+    if args.command == "bench" and args.target == "pd-report":
+        from kvflow.integrations.vllm.pd.report import rerender
+
+        return rerender(args.results, markdown=args.markdown)
     os.environ.setdefault("NIXL_LOG_LEVEL", "ERROR")
     if args.command == "doctor":
         from kvflow.tools.doctor import diagnose, render
 
         sys.stdout.write(render(diagnose()) + "\n")
         return 0
-    if args.target == "pd-report":
-        from kvflow.integrations.vllm.pd.report import rerender
-
-        return rerender(args.results, markdown=args.markdown)
     if args.target == "vllm":
         options = {k: v for k, v in vars(args).items() if k not in ("command", "target")}
         if args.prefix_hit:
