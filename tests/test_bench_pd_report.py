@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from matplotlib.lines import Line2D
 from rich.console import Console
@@ -286,6 +286,31 @@ def test_plots_handle_a_missing_cell_an_unknown_system_and_a_wide_spread() -> No
     assert [line.get_label() for line in ax.get_lines()] == ["kvflow", "sglang"]  # none for vllm-pull at QPS 4
     (ax,) = plots.ttft_split(results).axes
     assert all(len(bars) == 2 for bars in ax.containers)
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    keep=st.lists(st.booleans(), min_size=8, max_size=8).filter(any),
+    empty=st.lists(st.booleans(), min_size=8, max_size=8),
+)
+def test_any_subset_of_cells_with_any_statistic_missing_still_renders(keep: list[bool], empty: list[bool]) -> None:
+    """A run cut short, or a system whose requests all failed: every output still renders, with
+    a line, a bar or a row only where there is a figure."""
+    results = make_results()
+    for c, gone in zip(results["cells"], empty, strict=True):
+        if gone:
+            c.update(completed=0, failed=c["requests"])
+            for stats in ("ttft_ms", "tpot_ms", "e2e_ms", "ttft_split_ms"):
+                c[stats] = dict.fromkeys(c[stats])
+            for r in c["per_request"]:
+                r.update(dict.fromkeys(k for k in r if k.endswith("_ms")))
+    results["cells"] = [c for c, kept in zip(results["cells"], keep, strict=True) if kept]
+    validate(results)
+    text = render_table(results)
+    assert all(c["system"] in text for c in results["cells"])
+    assert markdown_table(results).count("\n| ") >= len(results["cells"])
+    for build in plots.FIGURES.values():
+        assert build(results).axes
 
 
 # ---------------------------------------------------------------------- tables
