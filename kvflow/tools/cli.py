@@ -28,6 +28,9 @@ def main(argv: list[str] | None = None) -> int:
     nixl.add_argument("--quick", action="store_true", help="stop at 16 MiB")
     nixl.add_argument("--repeats", type=int, default=None, help="samples per cell (default: by size)")
     nixl.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    pd_report = targets.add_parser("pd-report", help="re-render `kvflow bench pd`'s tables and plots from its results")
+    pd_report.add_argument("results", help="the folder holding results.json (plots are written there), or the file")
+    pd_report.add_argument("--markdown", action="store_true", help="also print the Markdown table")
     vllm = targets.add_parser(
         "vllm", help="P->D latency inside vLLM's Scheduler: kvflow vs vLLM's NixlPushConnector and NixlConnector"
     )
@@ -73,6 +76,10 @@ def main(argv: list[str] | None = None) -> int:
         from kvflow.tools.diagrams import main as diagrams_main
 
         return diagrams_main(["--check"] if args.check else [])
+    if args.command == "bench" and args.target == "pd-report":
+        from kvflow.integrations.vllm.pd.report import rerender
+
+        return rerender(args.results, markdown=args.markdown)
     os.environ.setdefault("NIXL_LOG_LEVEL", "ERROR")
     if args.command == "doctor":
         from kvflow.tools.doctor import diagnose, render
