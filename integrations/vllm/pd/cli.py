@@ -7,9 +7,6 @@ JSON (the contract the report reads) belong with the benchmark, not with the com
 from __future__ import annotations
 
 import argparse
-import contextlib
-import importlib
-import json
 import os
 import platform
 import sys
@@ -26,9 +23,7 @@ if TYPE_CHECKING:
 __all__ = ("add_arguments", "main")
 
 SYSTEMS = ("kvflow", "kvflow-pull", "vllm-pull", "vllm-push")
-# kvflow-pull runs when asked: in these process pairs its requests do not complete (nor in
-# `kvflow bench vllm`), so it is not in the default set
-DEFAULT_SYSTEMS = ("kvflow", "vllm-pull", "vllm-push")
+DEFAULT_SYSTEMS = SYSTEMS
 QUICK = {"qps": [1.0, 4.0], "requests": 8, "prompt_dist": "uniform:128:4096", "output_dist": "uniform:16:64"}
 
 
@@ -157,23 +152,12 @@ def _header(config: dict[str, Any]) -> str:
 
 
 def _publish(results: dict[str, Any], folder: Path) -> None:
-    """The report writes results.json and the plots and renders the table; until it exists here,
-    results.json and one line per cell."""
-    folder.mkdir(parents=True, exist_ok=True)
-    report: Any = None
-    with contextlib.suppress(ModuleNotFoundError):
-        report = importlib.import_module("kvflow.integrations.vllm.pd.report")
-    if report is not None:
-        report.write(results, folder)
-        sys.stdout.write(report.render_table(results) + "\n")
-    else:
-        (folder / "results.json").write_text(json.dumps(results, indent=1))
-        for c in results["cells"]:
-            sys.stdout.write(
-                f"{c['system']:<12} qps {c['qps']:>5g}  TTFT p50 {c['ttft_ms']['p50']} ms  "
-                f"TPOT p50 {c['tpot_ms']['p50']} ms  failed {c['failed']}  bad pages {c['bad_pages']}\n"
-            )
-    sys.stdout.write(f"results: {folder}\n")
+    """results.json, the plots and the table (`pd.report`), and where they are."""
+    from kvflow.integrations.vllm.pd import report
+
+    paths = report.write(results, folder)
+    sys.stdout.write(report.render_table(results) + "\n")
+    sys.stdout.write(f"results: {folder}/ ({', '.join(p.name for p in paths)})\n")
 
 
 class _Progress:

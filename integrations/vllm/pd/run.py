@@ -19,7 +19,7 @@ from typing import Any
 
 from kvflow.errors import BenchError
 from kvflow.integrations.vllm.bench import Flight, Pair, start_pair
-from kvflow.integrations.vllm.bench_report import quantile
+from kvflow.integrations.vllm.pd.contract import percentiles
 from kvflow.integrations.vllm.pd.sizing import STANDIN_BLOCK, Sizing
 from kvflow.integrations.vllm.pd.workload import Arrival
 from kvflow.integrations.vllm.standin.timing import StepModel
@@ -84,14 +84,8 @@ class Steps:
 
 
 def _stats(values: list[float]) -> dict[str, float | None]:
-    if not values:
-        return {"p50": None, "p90": None, "p99": None, "mean": None}
-    return {
-        "p50": round(quantile(values, 0.5), 3),
-        "p90": round(quantile(values, 0.9), 3),
-        "p99": round(quantile(values, 0.99), 3),
-        "mean": round(sum(values) / len(values), 3),
-    }
+    """As the report computes them (`contract.percentiles`), rounded to microseconds."""
+    return {k: None if v is None else round(v, 3) for k, v in percentiles(values).items()}
 
 
 def transport() -> str:
