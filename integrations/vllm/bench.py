@@ -17,7 +17,9 @@ Measured per request (clocks are CLOCK_MONOTONIC, shared by the processes):
 * ``start→recv``: from the start of that step of P (its hooks, the forward and P's own
   connector work in it included) to the same point;
 * D's engine steps from P's ``request_finished`` to ``finished_recving``, P's time to free its
-  blocks (``finished_sending``), and every page D received, checked byte for byte.
+  blocks (``finished_sending``) and P's steps until then (1: the first step boundary vLLM
+  allows, the end of the step after ``request_finished``), and every page D received, checked
+  byte for byte.
 
 Measured per engine step: the time the model runner spends inside the connector's hooks on P
 and on D (every hook call of the step summed: what the connector adds to each step of the
@@ -84,6 +86,7 @@ class Flight:
     recv_failed: bool = False
     d_steps: int = 0
     sent: float | None = None  # P: finished_sending
+    p_steps: int = 0  # P's steps from request_finished to finished_sending
     pages: int = 0
     bad_pages: int = 0
     page_bytes: int = 0
@@ -299,6 +302,8 @@ class Pair:
                 flight.computed, flight.computed_step = event["t"], event.get("started")
             elif kind == "sending":
                 flight.sent = event["t"]
+                if flight.finished is not None:
+                    flight.p_steps = sum(1 for s in event.get("step_starts", ()) if s >= flight.finished)
             elif kind == "gone":
                 flight.p_gone = True
             elif kind == "params" and not flight.d_dispatched and event.get("params"):
@@ -369,6 +374,7 @@ def _record(cell: Cell, flight: Flight) -> None:
         cell.start_to_recv_ms.append((flight.recving - flight.computed_step) * 1e3)
     if flight.sent is not None and flight.finished is not None:
         cell.fin_to_sent_ms.append((flight.sent - flight.finished) * 1e3)
+        cell.p_free_steps.append(flight.p_steps)
     cell.bad_pages += flight.bad_pages
     if landed and not flight.bad_pages:
         cell.bytes_verified += flight.pages * flight.page_bytes

@@ -29,6 +29,7 @@ class Cell:
     start_to_recv_ms: list[float] = field(default_factory=list)  # from the start of P's last prefill step
     d_steps: list[int] = field(default_factory=list)
     fin_to_sent_ms: list[float] = field(default_factory=list)
+    p_free_steps: list[int] = field(default_factory=list)  # P's steps from request_finished to finished_sending
     p_hooks_us: list[float] = field(default_factory=list)  # per P step: time inside connector hooks
     d_hooks_us: list[float] = field(default_factory=list)
     p_hook_us: dict[str, list[float]] = field(default_factory=dict)  # per hook name, per P step it ran in
@@ -72,6 +73,8 @@ def summarize(cells: list[Cell]) -> list[dict[str, Any]]:
                 "d_steps_p50": med("d_steps", 0.5),
                 "d_steps_p90": med("d_steps", 0.9),
                 "fin_to_sent_p50_ms": med("fin_to_sent_ms", 0.5),
+                "p_free_steps_p50": med("p_free_steps", 0.5),
+                "p_free_steps_p90": med("p_free_steps", 0.9),
                 "p_hooks_p50_us": med("p_hooks_us", 0.5),
                 "p_hooks_p99_us": med("p_hooks_us", 0.99),
                 "d_hooks_p50_us": med("d_hooks_us", 0.5),
@@ -109,7 +112,8 @@ def _per_request(group: list[Cell]) -> int:
 def render(rows: list[dict[str, Any]]) -> str:
     header = (
         f"{'connector':<12} {'tokens':>6} {'chunks':>6} {'conc':>4} {'step':>5} | {'fin→recv p50':>12} {'p90':>7} "
-        f"{'kv→recv p50':>11} {'start→recv':>10} | {'D steps p50':>11} {'p90':>5} | {'P free p50':>10} | "
+        f"{'kv→recv p50':>11} {'start→recv':>10} | {'D steps p50':>11} {'p90':>5} | "
+        f"{'P free p50':>10} {'steps':>5} {'p90':>3} | "
         f"{'P hooks µs p50':>14} {'p99':>6} {'D p50':>6} {'p99':>6} | {'KiB/req':>8} {'verified':>9} {'bad':>4} "
         f"{'failed':>6}"
     )
@@ -120,7 +124,8 @@ def render(rows: list[dict[str, Any]]) -> str:
             f"{r['connector']:<12} {r['tokens']:>6} {r['chunks']:>6} {r['concurrency']:>4} {pace:>5} | "
             f"{r['fin_to_recv_p50_ms']:>12.1f} {r['fin_to_recv_p90_ms']:>7.1f} {r['kv_to_recv_p50_ms']:>11.1f} "
             f"{r['start_to_recv_p50_ms']:>10.1f} | "
-            f"{r['d_steps_p50']:>11.0f} {r['d_steps_p90']:>5.0f} | {r['fin_to_sent_p50_ms']:>10.1f} | "
+            f"{r['d_steps_p50']:>11.0f} {r['d_steps_p90']:>5.0f} | {r['fin_to_sent_p50_ms']:>10.1f} "
+            f"{r['p_free_steps_p50']:>5.0f} {r['p_free_steps_p90']:>3.0f} | "
             f"{r['p_hooks_p50_us']:>14.0f} {r['p_hooks_p99_us']:>6.0f} {r['d_hooks_p50_us']:>6.0f} "
             f"{r['d_hooks_p99_us']:>6.0f} | {r['bytes_per_request'] / 2**10:>8.0f} "
             f"{r['bytes_verified'] / 2**20:>7.0f}Mi {r['bad_pages']:>4} {r['failed']:>6}"

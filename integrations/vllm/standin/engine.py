@@ -422,7 +422,8 @@ class StandInEngine:
                 starts = [s for s in self.step_starts if s >= since]
                 self.emit(ev="recving", id=request_id, t=now, failed=failed, step_starts=starts)
             for request_id in kv.finished_sending or ():
-                self.emit(ev="sending", id=request_id, t=now)
+                starts = [s for s in self.step_starts if s >= self.added.get(request_id, started)]
+                self.emit(ev="sending", id=request_id, t=now, step_starts=starts)
         return output
 
     def _plan(self, so: Any) -> _Work:
