@@ -157,6 +157,10 @@ class WorkerSide(PeerNotices):
 
     def start_load(self, orders: Orders) -> None:
         """Expect and abort orders: handed to the engine thread, never waited on."""
+        with self._batch():
+            self._start_load(orders)
+
+    def _start_load(self, orders: Orders) -> None:
         self._saved.clear()  # a new step: its forward has saved no layer yet
         for order in orders.expect:
             params = order.params
@@ -201,6 +205,10 @@ class WorkerSide(PeerNotices):
         the groups before it) is saved, those groups are posted, each WRITE waiting for the
         device to have run the kernels enqueued so far.  A layer whose KV is another's, or that
         kvflow does not know, completes nothing."""
+        with self._batch():
+            self._save_layer(orders, layer_name)
+
+    def _save_layer(self, orders: Orders, layer_name: str) -> None:
         layer = self.layer_of.get(layer_name)
         if layer is None or not orders.ready:
             return
@@ -219,6 +227,10 @@ class WorkerSide(PeerNotices):
         """Ready orders, once the forward that computed their KV is enqueued: pull readiness,
         and every push layer group not posted yet, each waiting for the device (never this
         thread) to have run the forward."""
+        with self._batch():
+            self._save(orders)
+
+    def _save(self, orders: Orders) -> None:
         if not orders.ready:
             return
         gate = self.device.record()
@@ -487,6 +499,10 @@ class WorkerSide(PeerNotices):
         if self._waiter is not None:
             self._waiter.close()
             self._waiter = None
+
+    def _batch(self) -> contextlib.AbstractContextManager[None]:
+        """A hook's calls to the engine thread, started with one wake-up when the hook ends."""
+        return self.thread.batch() if self.thread is not None else contextlib.nullcontext()
 
     def _thread(self) -> EngineThread:
         if self.thread is None:
