@@ -63,11 +63,8 @@ def check_vllm_version(version: str) -> None:
 
 
 class KVFlowMetadata(KVConnectorMetadata):
-    """A step's orders; `idle`: the step schedules no token (no batch waits on its hooks)."""
-
-    def __init__(self, orders: Orders, idle: bool = False) -> None:
+    def __init__(self, orders: Orders) -> None:
         self.orders = orders
-        self.idle = idle
 
 
 class KVFlowConnector(KVConnectorBase_V1):
@@ -148,7 +145,7 @@ class KVFlowConnector(KVConnectorBase_V1):
             for request_id, computed in steps:
                 scheduled = scheduler_output.num_scheduled_tokens.get(request_id, 0)
                 book.scheduled(request_id, computed, scheduled, _group0(manager, request_id))
-        return KVFlowMetadata(book.take_orders(), idle=not scheduler_output.total_num_scheduled_tokens)
+        return KVFlowMetadata(book.take_orders())
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler().finished(request.request_id, aborted=request.status == RequestStatus.FINISHED_ABORTED)
@@ -211,9 +208,7 @@ class KVFlowConnector(KVConnectorBase_V1):
         self._worker_side().save(self._orders())
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
-        idle = isinstance(meta, KVFlowMetadata) and meta.idle
-        sending, recving, failed = self._worker_side().results(finished_req_ids, idle=idle)
+        sending, recving, failed = self._worker_side().results(finished_req_ids)
         return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving, failed_recving=failed)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:

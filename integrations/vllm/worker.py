@@ -14,15 +14,12 @@ per set before it acts, and frees a finished request's blocks then.  P reports a
 rule for delayed frees).
 
 Why the hooks never wait: they run on the model runner's thread, inside every step of the
-batch, so each one only hands the engine thread its work (one wake-up per hook, microseconds)
-and reads its queues; descriptor planning, posting and polling happen on the engine's threads.
+batch, so each one only hands the engine thread its work (a queued call, microseconds) and
+reads its queues; descriptor planning, posting and polling happen on the engine's threads.
 They used to yield the GIL to the engine thread (up to 2 ms per hand-over, and once per step
-while transfers were in flight), which cost P's steps milliseconds.  One yield is kept where no
-batch pays for it: a step that schedules no token (the engine core keeps stepping while kvflow
-has transfers in flight) yields the GIL once in ``get_transfer_results``, so that the engine's
-threads are not left waiting for the interpreter's switch interval (5 ms) at each hand-off
-while the engine core spins.  Measured side by side with `kvflow bench vllm`, shortening the
-switch interval instead did not make the transfers faster on a 2-core host.
+while transfers were in flight), which cost P's steps milliseconds; measured side by side with
+`kvflow bench vllm`, shortening the interpreter's switch interval instead did not make the
+transfers faster on a 2-core host, so the engine's threads take the GIL as Python gives it.
 """
 
 from __future__ import annotations
@@ -32,7 +29,6 @@ import concurrent.futures
 import contextlib
 import logging
 import os
-import time
 from collections.abc import Awaitable
 from typing import Any
 
@@ -388,13 +384,9 @@ class WorkerSide(PeerNotices):
 
     # ---------------------------------------------------------------- results
 
-    def results(self, finished_req_ids: set[str], idle: bool = False) -> tuple[set[str], set[str], set[str]]:
-        """(finished_sending, finished_recving, failed_recving) since the last call.  In an
-        `idle` step (no token scheduled: no batch waits on it) with transfers in flight, the
-        GIL is yielded once to the engine's threads (see the module docstring)."""
+    def results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
+        """(finished_sending, finished_recving, failed_recving) since the last call."""
         self._finished_ids |= finished_req_ids
-        if idle and self._requests:
-            time.sleep(0)
         sending: set[str] = set()
         recving: set[str] = set()
         failed: set[str] = set()
