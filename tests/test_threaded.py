@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 import pytest
 
@@ -67,3 +68,40 @@ def test_engines_on_their_own_threads_serve_calls_from_many_threads() -> None:
         fabric.close()
     with pytest.raises(EngineClosed):
         decode.expect("late", 1, peer="P", block_ids=[1])
+
+
+def test_a_batch_starts_its_calls_together_in_order_when_it_ends() -> None:
+    """What a host engine's hook does: its calls start with one wake-up, after the hook."""
+    fabric, hub = LoopbackFabric(), LocalControlHub()
+    kv = KVBuffers(SMALL_SPEC, 8)
+    thread = EngineThread(lambda: Engine("P", kv.layout, fabric.endpoint("P"), hub.channel("P")))
+    ran: list[str] = []
+
+    def record(name: str) -> Any:
+        async def run(_: Engine) -> str:
+            ran.append(name)
+            if name == "bad":
+                raise InvalidBatch("refused")
+            return name
+
+        return run
+
+    try:
+        with thread.batch():
+            first = thread.call(record("a"))
+            with thread.batch():  # nested: joins the outer batch
+                bad = thread.call(record("bad"))
+            last = thread.call(record("b"))
+            # another thread's call is not batched: it runs now, and the batch's have not
+            elsewhere: list[Any] = []
+            other = threading.Thread(target=lambda: elsewhere.append(thread.call(record("x")).result(timeout=5)))
+            other.start()
+            other.join()
+            assert elsewhere == ["x"] and ran == ["x"]
+        assert first.result(timeout=5) == "a" and last.result(timeout=5) == "b"
+        with pytest.raises(InvalidBatch):
+            bad.result(timeout=5)
+        assert ran == ["x", "a", "bad", "b"]
+    finally:
+        thread.close()
+        fabric.close()

@@ -10,7 +10,7 @@ import torch
 
 from kvflow.errors import ConfigError
 from kvflow.integrations.vllm.bench import run
-from kvflow.integrations.vllm.bench_report import render, summarize, verdict
+from kvflow.integrations.vllm.bench_report import render, render_hooks, summarize, verdict
 from kvflow.integrations.vllm.standin import PagedKV
 from kvflow.tools.cli import main as cli_main
 
@@ -58,6 +58,16 @@ def test_every_connector_moves_and_verifies_real_bytes() -> None:
         assert row["bytes_verified"] == 3 * row["bytes_per_request"], row  # 3 requests
     table = render(rows)
     assert all(name in table for name in connectors)
+    assert "start→recv" in table
+    for row in rows:  # every flight is measured from the start of P's last prefill step too
+        assert row["start_to_recv_p50_ms"] >= row["kv_to_recv_p50_ms"], row
+        for side in ("p_hook_us", "d_hook_us"):  # each hook the model runner calls, per step
+            hooks = row[side]
+            assert {"bind_connector_metadata", "save_kv_layer", "wait_for_save", "get_transfer_results"} <= set(hooks)
+            assert all(v["p50"] <= v["p99"] for v in hooks.values()), hooks
+    hooks_table = render_hooks(rows)
+    assert all(f"{name} 96 tok/1 c2 fast:" in hooks_table for name in connectors)
+    assert "save_kv_layer" in hooks_table
 
 
 @pytest.mark.timeout(600)  # two pairs of engine processes, on a machine it may share

@@ -14,12 +14,16 @@ Measured per request (clocks are CLOCK_MONOTONIC, shared by the processes):
 * ``kv→recv``: from the end of P's forward that computed the last prompt token (the moment
   the KV exists) to the same point; connectors that start sending before ``request_finished``
   are not flattered by this one;
+* ``start→recv``: from the start of that step of P (its hooks, the forward and P's own
+  connector work in it included) to the same point;
 * D's engine steps from P's ``request_finished`` to ``finished_recving``, P's time to free its
-  blocks (``finished_sending``), and every page D received, checked byte for byte.
+  blocks (``finished_sending``) and P's steps until then (1: the first step boundary vLLM
+  allows, the end of the step after ``request_finished``), and every page D received, checked
+  byte for byte.
 
 Measured per engine step: the time the model runner spends inside the connector's hooks on P
 and on D (every hook call of the step summed: what the connector adds to each step of the
-batch, whatever the transfer does in the background).
+batch, whatever the transfer does in the background), in all and per hook name.
 
 Timings are printed and written as JSON, never asserted.
 """
@@ -44,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from kvflow.errors import BenchError, ConfigError
-from kvflow.integrations.vllm.bench_report import Cell, quantile, render, summarize, verdict
+from kvflow.integrations.vllm.bench_report import Cell, quantile, render, render_hooks, summarize, verdict
 from kvflow.integrations.vllm.mapping import SEQUENTIAL_PREFILL_PARAMS
 from kvflow.integrations.vllm.runner import EngineSpec, spec_line
 from kvflow.integrations.vllm.standin.model import EngineOptions, ModelShape
@@ -77,10 +81,12 @@ class Flight:
     dispatched: float
     finished: float | None = None  # P: request_finished
     computed: float | None = None  # P: the forward that completed the prompt ended
+    computed_step: float | None = None  # P: that step started
     recving: float | None = None  # D: finished_recving
     recv_failed: bool = False
     d_steps: int = 0
     sent: float | None = None  # P: finished_sending
+    p_steps: int = 0  # P's steps from request_finished to finished_sending
     pages: int = 0
     bad_pages: int = 0
     page_bytes: int = 0
@@ -177,6 +183,7 @@ class Pair:
             extra = {"transport": "nixl", "port": 0, "host": "127.0.0.1", **options.get("kvflow_settings", {})}
         self.engines: dict[str, EngineProcess] = {}
         self.hooks: dict[str, list[float]] = {"P": [], "D": []}  # µs per step inside connector hooks
+        self.hook_names: dict[str, dict[str, list[float]]] = {"P": {}, "D": {}}  # the same, per hook
         self.failed = False
         try:
             for name, role in (("P", "kv_producer"), ("D", "kv_consumer")):
@@ -312,9 +319,11 @@ class Pair:
             if kind == "request_finished" and flight.finished is None:
                 flight.finished = event["t"]
             elif kind == "computed":
-                flight.computed = event["t"]
+                flight.computed, flight.computed_step = event["t"], event.get("started")
             elif kind == "sending":
                 flight.sent = event["t"]
+                if flight.finished is not None:
+                    flight.p_steps = sum(1 for s in event.get("step_starts", ()) if s >= flight.finished)
             elif kind == "gone":
                 flight.p_gone = True
             elif kind == "params" and not flight.d_dispatched and event.get("params"):
@@ -340,10 +349,11 @@ class Pair:
         for engine in self.engines.values():
             engine.send(op="pace", step_ms=cell.step_ms)
         self._run_flights(warmup, 1, cell.tokens)
-        self.hooks = {"P": [], "D": []}
+        self.hooks, self.hook_names = {"P": [], "D": []}, {"P": {}, "D": {}}
         for flight in self._run_flights(cell.requests, cell.concurrency, cell.tokens):
             _record(cell, flight)
         cell.p_hooks_us, cell.d_hooks_us = self.hooks["P"], self.hooks["D"]
+        cell.p_hook_us, cell.d_hook_us = self.hook_names["P"], self.hook_names["D"]
 
     def _run_flights(self, count: int, concurrency: int, tokens: int) -> list[Flight]:
         flights: dict[str, Flight] = {}
@@ -360,6 +370,8 @@ class Pair:
             name, event = self._next(deadline, f"{len(flights)} requests in flight to complete")
             if event["ev"] == "hooks":
                 self.hooks[name].append(event["s"] * 1e6)
+                for hook, seconds in event.get("by", {}).items():
+                    self.hook_names[name].setdefault(hook, []).append(seconds * 1e6)
             flight_for = flights.get(event.get("id", ""))
             if flight_for is None:
                 continue
@@ -378,8 +390,11 @@ def _record(cell: Cell, flight: Flight) -> None:
         cell.d_steps.append(flight.d_steps)
     if flight.recving is not None and flight.computed is not None:
         cell.kv_to_recv_ms.append((flight.recving - flight.computed) * 1e3)
+    if flight.recving is not None and flight.computed_step is not None:
+        cell.start_to_recv_ms.append((flight.recving - flight.computed_step) * 1e3)
     if flight.sent is not None and flight.finished is not None:
         cell.fin_to_sent_ms.append((flight.sent - flight.finished) * 1e3)
+        cell.p_free_steps.append(flight.p_steps)
     cell.bad_pages += flight.bad_pages
     if landed and not flight.bad_pages:
         cell.bytes_verified += flight.pages * flight.page_bytes
@@ -511,7 +526,7 @@ def main(argv_options: dict[str, Any]) -> int:
         long_chunks=o.get("long_chunks", 4),
     )
     rows = summarize(cells)
-    sys.stdout.write(render(rows) + "\n\n" + "\n".join(verdict(rows)) + "\n")
+    sys.stdout.write(render(rows) + "\n\n" + render_hooks(rows) + "\n\n" + "\n".join(verdict(rows)) + "\n")
     if o.get("json"):
         Path(o["json"]).write_text(
             json.dumps({"options": o, "summary": rows, "cells": [asdict(c) for c in cells]}, indent=1)

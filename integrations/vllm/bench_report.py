@@ -12,7 +12,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ("Cell", "quantile", "render", "summarize", "verdict")
+__all__ = ("Cell", "quantile", "render", "render_hooks", "summarize", "verdict")
 
 
 @dataclass
@@ -26,10 +26,14 @@ class Cell:
     chunks: int = 1  # P's token budget is tokens / chunks: its prefill takes this many steps
     fin_to_recv_ms: list[float] = field(default_factory=list)
     kv_to_recv_ms: list[float] = field(default_factory=list)
+    start_to_recv_ms: list[float] = field(default_factory=list)  # from the start of P's last prefill step
     d_steps: list[int] = field(default_factory=list)
     fin_to_sent_ms: list[float] = field(default_factory=list)
+    p_free_steps: list[int] = field(default_factory=list)  # P's steps from request_finished to finished_sending
     p_hooks_us: list[float] = field(default_factory=list)  # per P step: time inside connector hooks
     d_hooks_us: list[float] = field(default_factory=list)
+    p_hook_us: dict[str, list[float]] = field(default_factory=dict)  # per hook name, per P step it ran in
+    d_hook_us: dict[str, list[float]] = field(default_factory=dict)
     bytes_verified: int = 0
     bad_pages: int = 0
     failed: int = 0
@@ -65,13 +69,18 @@ def summarize(cells: list[Cell]) -> list[dict[str, Any]]:
                 "fin_to_recv_p50_ms": med("fin_to_recv_ms", 0.5),
                 "fin_to_recv_p90_ms": med("fin_to_recv_ms", 0.9),
                 "kv_to_recv_p50_ms": med("kv_to_recv_ms", 0.5),
+                "start_to_recv_p50_ms": med("start_to_recv_ms", 0.5),
                 "d_steps_p50": med("d_steps", 0.5),
                 "d_steps_p90": med("d_steps", 0.9),
                 "fin_to_sent_p50_ms": med("fin_to_sent_ms", 0.5),
+                "p_free_steps_p50": med("p_free_steps", 0.5),
+                "p_free_steps_p90": med("p_free_steps", 0.9),
                 "p_hooks_p50_us": med("p_hooks_us", 0.5),
                 "p_hooks_p99_us": med("p_hooks_us", 0.99),
                 "d_hooks_p50_us": med("d_hooks_us", 0.5),
                 "d_hooks_p99_us": med("d_hooks_us", 0.99),
+                "p_hook_us": _per_hook(group, "p_hook_us"),
+                "d_hook_us": _per_hook(group, "d_hook_us"),
                 "requests": sum(c.requests for c in group),
                 "bytes_verified": sum(c.bytes_verified for c in group),
                 "bytes_per_request": _per_request(group),
@@ -80,6 +89,18 @@ def summarize(cells: list[Cell]) -> list[dict[str, Any]]:
             }
         )
     return rows
+
+
+def _per_hook(group: list[Cell], side: str) -> dict[str, dict[str, float]]:
+    """Per hook name: the median over repeats of each repeat's p50 and p99 (µs per step)."""
+    names = sorted({name for c in group for name in getattr(c, side)})
+    out = {}
+    for name in names:
+        samples = [getattr(c, side).get(name, []) for c in group]
+        out[name] = {
+            f"p{round(q * 100)}": round(statistics.median(quantile(v, q) for v in samples), 1) for q in (0.5, 0.99)
+        }
+    return out
 
 
 def _per_request(group: list[Cell]) -> int:
@@ -91,7 +112,8 @@ def _per_request(group: list[Cell]) -> int:
 def render(rows: list[dict[str, Any]]) -> str:
     header = (
         f"{'connector':<12} {'tokens':>6} {'chunks':>6} {'conc':>4} {'step':>5} | {'fin→recv p50':>12} {'p90':>7} "
-        f"{'kv→recv p50':>11} | {'D steps p50':>11} {'p90':>5} | {'P free p50':>10} | "
+        f"{'kv→recv p50':>11} {'start→recv':>10} | {'D steps p50':>11} {'p90':>5} | "
+        f"{'P free p50':>10} {'steps':>5} {'p90':>3} | "
         f"{'P hooks µs p50':>14} {'p99':>6} {'D p50':>6} {'p99':>6} | {'KiB/req':>8} {'verified':>9} {'bad':>4} "
         f"{'failed':>6}"
     )
@@ -100,12 +122,27 @@ def render(rows: list[dict[str, Any]]) -> str:
         pace = f"{r['step_ms']:g}ms" if r["step_ms"] else "fast"
         lines.append(
             f"{r['connector']:<12} {r['tokens']:>6} {r['chunks']:>6} {r['concurrency']:>4} {pace:>5} | "
-            f"{r['fin_to_recv_p50_ms']:>12.1f} {r['fin_to_recv_p90_ms']:>7.1f} {r['kv_to_recv_p50_ms']:>11.1f} | "
-            f"{r['d_steps_p50']:>11.0f} {r['d_steps_p90']:>5.0f} | {r['fin_to_sent_p50_ms']:>10.1f} | "
+            f"{r['fin_to_recv_p50_ms']:>12.1f} {r['fin_to_recv_p90_ms']:>7.1f} {r['kv_to_recv_p50_ms']:>11.1f} "
+            f"{r['start_to_recv_p50_ms']:>10.1f} | "
+            f"{r['d_steps_p50']:>11.0f} {r['d_steps_p90']:>5.0f} | {r['fin_to_sent_p50_ms']:>10.1f} "
+            f"{r['p_free_steps_p50']:>5.0f} {r['p_free_steps_p90']:>3.0f} | "
             f"{r['p_hooks_p50_us']:>14.0f} {r['p_hooks_p99_us']:>6.0f} {r['d_hooks_p50_us']:>6.0f} "
             f"{r['d_hooks_p99_us']:>6.0f} | {r['bytes_per_request'] / 2**10:>8.0f} "
             f"{r['bytes_verified'] / 2**20:>7.0f}Mi {r['bad_pages']:>4} {r['failed']:>6}"
         )
+    return "\n".join(lines)
+
+
+def render_hooks(rows: list[dict[str, Any]]) -> str:
+    """Per row, each hook's time per engine step on P and on D: p50/p99 µs, the hooks that ran."""
+    lines = ["connector hook time per step, µs p50/p99:"]
+    for r in sorted(rows, key=lambda r: (r["tokens"], r["chunks"], r["concurrency"], r["step_ms"], r["connector"])):
+        pace = f"{r['step_ms']:g}ms" if r["step_ms"] else "fast"
+        lines.append(f"  {r['connector']} {r['tokens']} tok/{r['chunks']} c{r['concurrency']} {pace}:")
+        for side in ("p", "d"):
+            hooks = r.get(f"{side}_hook_us", {})
+            shown = ", ".join(f"{name} {v['p50']:.0f}/{v['p99']:.0f}" for name, v in hooks.items())
+            lines.append(f"    {side.upper()}: {shown or '-'}")
     return "\n".join(lines)
 
 

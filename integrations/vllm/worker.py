@@ -13,15 +13,13 @@ per set before it acts, and frees a finished request's blocks then.  P reports a
 ``finished_sending`` on release, once vLLM has told the worker that request finished (vLLM's
 rule for delayed frees).
 
-Why the hooks yield the GIL: the engine's threads (event loop, writer, NIXL progress) need the
-GIL for a moment at each hand-off of a transfer.  A model-runner thread that keeps it (Python
-work between steps, a CPU forward) makes each of them wait for the interpreter's switch
-interval (5 ms), several times per transfer.  While transfers are in flight, each step's
-``get_transfer_results`` releases the GIL once (``time.sleep(0)``), and a hook that hands the
-engine an order waits up to 2 ms for the engine thread to take it (it usually takes well under
-one: the engine only decides, the WRITE is posted by its writer thread).  Measured with
-`kvflow bench vllm`, 512-token transfers between back-to-back stepping engines went from 28 ms
-to 2-4 ms at the median, and from 930 ms to 4-6 ms at p90.
+Why the hooks never wait: they run on the model runner's thread, inside every step of the
+batch, so each one only hands the engine thread its work (a queued call, microseconds) and
+reads its queues; descriptor planning, posting and polling happen on the engine's threads.
+They used to yield the GIL to the engine thread (up to 2 ms per hand-over, and once per step
+while transfers were in flight), which cost P's steps milliseconds; measured side by side with
+`kvflow bench vllm`, shortening the interpreter's switch interval instead did not make the
+transfers faster on a 2-core host, so the engine's threads take the GIL as Python gives it.
 """
 
 from __future__ import annotations
@@ -31,7 +29,6 @@ import concurrent.futures
 import contextlib
 import logging
 import os
-import time
 from collections.abc import Awaitable
 from typing import Any
 
@@ -58,19 +55,12 @@ __all__ = ("Settings", "WorkerSide", "layer_groups")  # Settings, layer_groups: 
 log = logging.getLogger("kvflow.vllm")
 
 _LOOPBACK_FABRICS: dict[str, Any] = {}  # in-process fabrics by name, for tests and simulation
-HAND_OVER_WAIT = 0.002  # seconds a hook waits, at most, for the engine thread to take its orders
 
 
 def _failed(exc: BaseException) -> concurrent.futures.Future[Any]:
     future: concurrent.futures.Future[Any] = concurrent.futures.Future()
     future.set_exception(exc)
     return future
-
-
-def _hand_over(futures: list[concurrent.futures.Future[Any]]) -> None:
-    """Give the engine thread the GIL until it has taken these orders (bounded: never I/O)."""
-    if futures:
-        concurrent.futures.wait(futures, timeout=HAND_OVER_WAIT)
 
 
 class WorkerSide(PeerNotices):
@@ -166,14 +156,16 @@ class WorkerSide(PeerNotices):
     # ---------------------------------------------------------------- orders
 
     def start_load(self, orders: Orders) -> None:
-        """Expect and abort orders: handed to the engine thread, never waited on (beyond the
-        bounded hand-over)."""
+        """Expect and abort orders: handed to the engine thread, never waited on."""
+        with self._batch():
+            self._start_load(orders)
+
+    def _start_load(self, orders: Orders) -> None:
         self._saved.clear()  # a new step: its forward has saved no layer yet
-        taken = []
         for order in orders.expect:
             params = order.params
             if not order.block_ids:  # D needs nothing (a full prefix hit): only P is told
-                taken += self._tell_nothing_wanted(order)
+                self._tell_nothing_wanted(order)
                 continue
             try:
                 pairs = pair_keys(params, Role.DECODE, self.rank, self.tp_size, self.total_heads)
@@ -203,18 +195,20 @@ class WorkerSide(PeerNotices):
                 future = self._call_rank(params.prefill, p_tp, source, expect, Role.DECODE)
                 self._failed_starts.append((future, order.request_id, order.block_ids, key))
                 self._registrations[key] = future
-                taken.append(future)
         for order in orders.abort:  # after the expects: a request may end in the step it was allocated
             self._abort(order)
         for order in orders.promise:
             self._promise(order)
-        _hand_over(taken)
 
     def save_layer(self, orders: Orders, layer_name: str) -> None:
         """Push: a layer of this step's forward is saved.  Once every layer of a group (and of
         the groups before it) is saved, those groups are posted, each WRITE waiting for the
         device to have run the kernels enqueued so far.  A layer whose KV is another's, or that
         kvflow does not know, completes nothing."""
+        with self._batch():
+            self._save_layer(orders, layer_name)
+
+    def _save_layer(self, orders: Orders, layer_name: str) -> None:
         layer = self.layer_of.get(layer_name)
         if layer is None or not orders.ready:
             return
@@ -226,21 +220,23 @@ class WorkerSide(PeerNotices):
         if not complete or all(self._groups_sent.get(o.request_id, 0) >= complete for o in pushes):
             return
         gate = self.device.record()
-        posted = [future for order in pushes for future in self._post_groups(order, complete, gate)]
-        if gate is None:
-            _hand_over(posted)
+        for order in pushes:
+            self._post_groups(order, complete, gate)
 
     def save(self, orders: Orders) -> None:
         """Ready orders, once the forward that computed their KV is enqueued: pull readiness,
         and every push layer group not posted yet, each waiting for the device (never this
         thread) to have run the forward."""
+        with self._batch():
+            self._save(orders)
+
+    def _save(self, orders: Orders) -> None:
         if not orders.ready:
             return
         gate = self.device.record()
-        taken = []
         for order in orders.ready:
             if order.params.mode is Mode.PUSH:
-                taken += self._post_groups(order, len(self.layer_groups), gate)
+                self._post_groups(order, len(self.layer_groups), gate)
                 self._groups_sent.pop(order.request_id, None)
                 continue
             pairs = self._open_sending(order)
@@ -262,9 +258,6 @@ class WorkerSide(PeerNotices):
                     d_tp = tp_sizes(order.params, Role.PREFILL, self.tp_size)[1]
                     future = self._call_rank(decode, d_tp, target, ready, Role.PREFILL)
                 self._ready_starts.append((future, order.request_id, key))
-                taken.append(future)
-        if gate is None:
-            _hand_over(taken)
 
     async def _wait_for_device(self, gate: Gate | None) -> None:
         """On the engine thread: until the device has run the work before `gate`.
@@ -394,8 +387,6 @@ class WorkerSide(PeerNotices):
     def results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
         """(finished_sending, finished_recving, failed_recving) since the last call."""
         self._finished_ids |= finished_req_ids
-        if self._requests:
-            time.sleep(0)  # let the engine's threads run now (see the module docstring)
         sending: set[str] = set()
         recving: set[str] = set()
         failed: set[str] = set()
@@ -508,6 +499,10 @@ class WorkerSide(PeerNotices):
         if self._waiter is not None:
             self._waiter.close()
             self._waiter = None
+
+    def _batch(self) -> contextlib.AbstractContextManager[None]:
+        """A hook's calls to the engine thread, started with one wake-up when the hook ends."""
+        return self.thread.batch() if self.thread is not None else contextlib.nullcontext()
 
     def _thread(self) -> EngineThread:
         if self.thread is None:

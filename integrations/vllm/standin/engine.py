@@ -55,11 +55,13 @@ SAMPLED = 7  # the token the stand-in model always samples (never EOS)
 
 
 class HookClock:
-    """A worker connector as the model runner calls it: every call timed, the time summed."""
+    """A worker connector as the model runner calls it: every call timed, the time summed, in
+    all and per hook name."""
 
     def __init__(self, worker: Any) -> None:
         self._worker = worker
         self.seconds = 0.0
+        self.by_name: dict[str, float] = {}
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
         method = getattr(self._worker, name)
@@ -69,14 +71,17 @@ class HookClock:
             try:
                 return method(*args, **kwargs)
             finally:
-                self.seconds += time.perf_counter() - started
+                spent = time.perf_counter() - started
+                self.seconds += spent
+                self.by_name[name] = self.by_name.get(name, 0.0) + spent
 
         return timed
 
-    def take(self) -> float:
-        """The time spent in hooks since the last call."""
+    def take(self) -> tuple[float, dict[str, float]]:
+        """The time spent in hooks since the last call: in all, and per hook name."""
         seconds, self.seconds = self.seconds, 0.0
-        return seconds
+        by_name, self.by_name = self.by_name, {}
+        return seconds, by_name
 
 
 @dataclass
@@ -412,9 +417,10 @@ class StandInEngine:
         output = self.aggregator.aggregate(outputs)  # type: ignore[arg-type]
         assert output is not None
         now = time.perf_counter()
-        self.emit(ev="hooks", s=self.ranks[0].hooks.take())  # rank 0's time inside connector hooks
-        for request_id in work.completed:
-            self.emit(ev="computed", id=request_id, t=now)
+        spent, by_name = self.ranks[0].hooks.take()  # rank 0's time inside connector hooks
+        self.emit(ev="hooks", s=spent, by=by_name)
+        for request_id in work.completed:  # `started`: the start of the step that completed it
+            self.emit(ev="computed", id=request_id, t=now, started=started)
         if self.pacer is not None:
             real_ms = (now - started - self.slept) * 1e3
             self.emit(ev="step", t=started, **self.pacer.report(self.scheduler, self.step_ms, real_ms))
@@ -428,7 +434,8 @@ class StandInEngine:
                 starts = [s for s in self.step_starts if s >= since]
                 self.emit(ev="recving", id=request_id, t=now, failed=failed, step_starts=starts)
             for request_id in kv.finished_sending or ():
-                self.emit(ev="sending", id=request_id, t=now)
+                starts = [s for s in self.step_starts if s >= self.added.get(request_id, started)]
+                self.emit(ev="sending", id=request_id, t=now, step_starts=starts)
         return output
 
     def _plan(self, so: Any) -> _Work:
