@@ -36,6 +36,8 @@ class State(enum.Enum):
     NOTIFIED = "notified"  # D: every batch landed (or read); the transfer succeeded
     # push P: every WRITE completed and its blocks are back; the verdict is D's, still to come
     WRITTEN = "written"
+    # push P: D's verdict (done) came before its own WRITEs completed here; blocks still held
+    CONFIRMED = "confirmed"
     DONE = "done"
     # outcome decided, blocks quarantined until the peer's ops are fenced
     ABORTING = "aborting"
