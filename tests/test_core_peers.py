@@ -14,7 +14,7 @@ from kvflow.protocol.messages import Message, Notice, Quiesced, Ready, Registrat
 from kvflow.protocol.state import Mode, Outcome, Role, State
 from kvflow.runtime.engine import Engine, EngineConfig
 from kvflow.testing import SMALL_SPEC, EnginePair, KVBuffers, same_kv
-from kvflow.transports.loopback import LoopbackFabric
+from kvflow.transports.loopback import FaultPlan, LoopbackFabric
 from tests.waiting import eventually
 
 KEY = TransferKey("r", 1)
@@ -279,3 +279,30 @@ def test_decodes_failure_while_writing_waits_for_the_drain() -> None:
     assert verdicts(failed) == [(Role.PREFILL, Outcome.FAILED)] and p.ledger.held_blocks == 2
     drained = p.op_finished(op.op_id, 0.4)
     assert Quiesced(KEY) in messages(drained) and p.ledger.held_blocks == 0
+
+
+@pytest.mark.asyncio
+async def test_between_engines_decodes_done_before_the_writes_completion() -> None:
+    """The loopback fabric reports P's WRITE complete only after D answered: P takes D's Done
+    while still writing, keeps its blocks until the completion comes, then succeeds."""
+    config = EngineConfig(core=CONFIG, transfer_timeout=30.0, drain_timeout=0.5)
+    fabric = LoopbackFabric(faults=FaultPlan(late_completions=True))
+    pair = await EnginePair(fabric, config=config).start()
+    try:
+        pair.p_kv.fill([9, 10], seed=5)
+        waiting = await pair.d.expect("r", 1, peer="P", block_ids=[1, 2])
+        await eventually(lambda: pair.p.stats()["live_transfers"] == 1, "P heard D's registration")
+        sending = await pair.p.kv_ready("r", 1, block_ids=[9, 10])
+        assert (await waiting.wait(5)).ok and same_kv(pair.p_kv, [9, 10], pair.d_kv, [1, 2])
+        machine = pair.p.core.machine(KEY, Role.PREFILL)
+        await eventually(
+            lambda: machine.state is State.CONFIRMED or pair.p.stats()["protocol_violations"] > 0,
+            "P heard D's Done",
+        )
+        assert pair.p.stats()["held_blocks"] == 2  # the WRITE's completion has not come yet
+        assert fabric.release_completions() == 1
+        result = await sending.wait(5)
+        assert result.ok, result
+        assert pair.p.stats()["protocol_violations"] == 0 and pair.p.stats()["held_blocks"] == 0
+    finally:
+        await pair.close()
