@@ -64,6 +64,7 @@ __all__ = (
     "STATE_TRIGGERED",
     "TABLES",
     "TERMINAL",
+    "TRIGGERS_BY_STATE",
     "Effect",
     "Condition",
     "Input",
@@ -77,6 +78,7 @@ __all__ = (
     "outcome_of",
     "state_triggered",
     "transition",
+    "triggers_by_state",
 )
 
 
@@ -534,13 +536,29 @@ def outcome_of(state: State) -> Outcome | None:
     return _OUTCOME.get(state)
 
 
+def triggers_by_state(
+    triggers: Mapping[tuple[State, Condition], Input],
+) -> dict[State, tuple[tuple[Condition, Input], ...]]:
+    """`triggers` grouped by state, each state's rows in `Condition` order: what
+    `state_triggered` walks, so that it looks only at the rows of the machine's state."""
+    return {
+        state: tuple((c, triggers[(state, c)]) for c in Condition if (state, c) in triggers)
+        for state in dict.fromkeys(s for s, _ in triggers)
+    }
+
+
+# Built once from `STATE_TRIGGERED`; `tests/test_state_table.py` checks that it equals it.
+TRIGGERS_BY_STATE: dict[tuple[Mode, Role], dict[State, tuple[tuple[Condition, Input], ...]]] = {
+    side: triggers_by_state(triggers) for side, triggers in STATE_TRIGGERED.items()
+}
+_NO_TRIGGERS: tuple[tuple[Condition, Input], ...] = ()
+
+
 def state_triggered(mode: Mode, role: Role, state: State, holds: Callable[[Condition], bool]) -> Input | None:
     """The input a machine in `state` feeds itself now, if any: the first row of
     `STATE_TRIGGERED` for `state` whose condition `holds`."""
-    triggers = STATE_TRIGGERED[(mode, role)]
-    for condition in Condition:
-        input_ = triggers.get((state, condition))
-        if input_ is not None and holds(condition):
+    for condition, input_ in TRIGGERS_BY_STATE[(mode, role)].get(state, _NO_TRIGGERS):
+        if holds(condition):
             return input_
     return None
 
