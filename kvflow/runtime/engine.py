@@ -500,8 +500,8 @@ class Engine:
         return self._clock() if self._clock is not None else self._running_loop().time()
 
     def _arm_timer(self) -> None:
-        times = [t for t in (self.core.next_deadline(), self.assoc.liveness.next_deadline()) if t is not None]
-        when = min(times, default=None)
+        core, liveness = self.core.next_deadline(), self.assoc.liveness.next_deadline()
+        when = liveness if core is None else core if liveness is None else min(core, liveness)
         if when == self._timer_at:
             return
         self._cancel_timer()
