@@ -2,7 +2,9 @@
 
 Why a model: the properties that matter are about bytes and ownership, not about which state
 names appear.  Ops stay in flight until a rule lands them, so a WRITE can land long after the
-transfer it belongs to was aborted; notifications can be dropped, duplicated and reordered;
+transfer it belongs to was aborted; a WRITE's bytes and notification may land before its issuer
+hears that it completed (shared memory: D may answer before P's loop sees its own completion);
+notifications can be dropped, duplicated and reordered;
 control messages stay ordered (they travel on one reliable connection); the link can be torn
 down.  Every landing checks that its destination and source blocks are still held by the
 transfer that issued it: a block released too early is caught at the moment it would corrupt
@@ -34,6 +36,7 @@ class InvariantViolation(AssertionError):
 class Op:
     issuer: str  # "P" or "D"
     action: SubmitOp
+    landed: bool = False  # its bytes moved, its issuer has not heard it completed yet
 
 
 @dataclass
@@ -156,9 +159,37 @@ class CorePair:
 
     # ---------------------------------------------------------------- the data plane
 
-    def land(self, index: int, *, fail: bool) -> None:
-        """Finish an in-flight op: its bytes land (partly, if it fails) and it completes."""
-        op = self.net.ops.pop(index % len(self.net.ops))
+    def land(self, index: int, *, fail: bool, complete: bool = True) -> None:
+        """Finish an in-flight op: its bytes land (partly, if it fails) and it completes; or,
+        without `complete`, only its bytes and notification land: the op stays in flight for
+        its issuer (and its blocks must stay held) until a later call completes it."""
+        op = self.net.ops[index % len(self.net.ops)]
+        a = op.action
+        if not op.landed:
+            self._move_bytes(op, fail=fail and complete)
+        if not complete and not op.landed:
+            op.landed = True
+            return
+        self.net.ops.remove(op)
+        core = self.p if op.issuer == "P" else self.d
+        failed = fail and not op.landed
+        self.run(op.issuer, core.op_finished(a.op_id, self.net.now, "injected failure" if failed else None))
+
+    def answer_before_completion(self, index: int) -> None:
+        """Land the bytes of an op not landed yet, hand its notification to D at once and D's
+        answers to P, then complete it."""
+        pending = [op for op in self.net.ops if not op.landed]
+        op = pending[index % len(pending)]
+        self.land(self.net.ops.index(op), fail=False, complete=False)
+        if op.action.kind is OpKind.WRITE:
+            self.net.notifications.remove(op.action.notification)
+            self.run("D", self.d.notification("P", op.action.notification, self.net.now))
+        while self.net.to_p:
+            self.deliver("P")
+        if op in self.net.ops:  # an answer may have torn the link down
+            self.land(self.net.ops.index(op), fail=False)
+
+    def _move_bytes(self, op: Op, *, fail: bool) -> None:
         a = op.action
         dst, src = self._dst_blocks(op), self._src_blocks(op)
         layers = range(*(a.layers or (0, NUM_LAYERS)))
@@ -174,8 +205,6 @@ class CorePair:
                 self.d_content[(d, layer)] = self.p_content.get((s, layer))
         if not fail and a.kind is OpKind.WRITE:
             self.net.notifications.append(a.notification)
-        core = self.p if op.issuer == "P" else self.d
-        self.run(op.issuer, core.op_finished(a.op_id, self.net.now, "injected failure" if fail else None))
 
     def notify(self, index: int, *, duplicate: bool) -> None:
         payload = self.net.notifications[index % len(self.net.notifications)]

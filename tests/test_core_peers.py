@@ -14,7 +14,7 @@ from kvflow.protocol.messages import Message, Notice, Quiesced, Ready, Registrat
 from kvflow.protocol.state import Mode, Outcome, Role, State
 from kvflow.runtime.engine import Engine, EngineConfig
 from kvflow.testing import SMALL_SPEC, EnginePair, KVBuffers, same_kv
-from kvflow.transports.loopback import LoopbackFabric
+from kvflow.transports.loopback import FaultPlan, LoopbackFabric
 from tests.waiting import eventually
 
 KEY = TransferKey("r", 1)
@@ -198,3 +198,111 @@ def test_a_prefill_stopped_past_its_fence_timeout_still_takes_decodes_verdict() 
     (done,) = messages(d.notification("P", note, 1.0))
     # P was stopped while D's acknowledgement waited in its queue; P's own timer has not run
     assert verdicts(p.receive("D", done, 0.4 + 3 * CONFIG.fence_timeout)) == [(Role.PREFILL, Outcome.SUCCEEDED)]
+
+
+def writing_push(
+    expected: int = 1, batches: int = 1, final: bool = True
+) -> tuple[TransferCore, TransferCore, list[SubmitOp]]:
+    """D registered for `expected` WRITEs; P submitted one per batch; none completed here yet."""
+    p, d = TransferCore("P", 2, CONFIG), TransferCore("D", 2, CONFIG)
+    d.peer_connected("P", 0.0)
+    p.peer_connected("D", 0.0)
+    (registration,) = messages(
+        d.expect(KEY, peer="P", mode=Mode.PUSH, block_ids=[1, 2], expected_batches=expected, deadline=5.0, now=0.0)
+    )
+    p.receive("D", registration, 0.1)
+    ops: list[SubmitOp] = []
+    for i in range(batches):
+        last = final and i == batches - 1
+        size = 2 // batches
+        ids = [7 + i * size + j for j in range(size)]
+        actions = p.kv_ready(KEY, block_ids=ids, first_position=i * size, now=0.2, final=last, peer="D", deadline=30.0)
+        ops += [a for a in actions if isinstance(a, SubmitOp)]
+    for op in ops:
+        p.op_submitted(op.op_id, 0.3)
+    return p, d, ops
+
+
+def test_decodes_done_before_the_writes_local_completion_is_kept() -> None:
+    """D counts the notification and answers Done before P's loop sees its own WRITE complete
+    (shared memory): the Done is neither a violation nor lost, and the blocks stay held until
+    the WRITE completes here; then P succeeds as if the Done had come after."""
+    p, d, (op,) = writing_push()
+    (done,) = messages(d.notification("P", op.notification, 0.35))
+    early = p.receive("D", done, 0.36)
+    assert early == [] and p.stats.protocol_violations == 0
+    assert p.machine(KEY, Role.PREFILL).state is State.CONFIRMED
+    assert p.ledger.held_blocks == 2  # the transport may still hold the WRITE
+    finished = p.op_finished(op.op_id, 0.4)
+    assert verdicts(finished) == [(Role.PREFILL, Outcome.SUCCEEDED)]
+    assert ReleaseBlocks(KEY, Role.PREFILL, (7, 8), Outcome.SUCCEEDED) in finished
+    assert p.machine(KEY, Role.PREFILL).state is State.DONE and p.ledger.held_blocks == 0
+    assert p.timer(40.0) == []  # no stale "no verdict" failure later
+
+
+def test_done_waits_for_every_batchs_local_completion() -> None:
+    """Two batches, two WRITEs: D's Done (after both notifications) reaches P while both are
+    still in flight here; the first completion releases nothing, the last one finishes."""
+    p, d, (first, second) = writing_push(expected=2, batches=2)
+    d.notification("P", first.notification, 0.35)
+    (done,) = messages(d.notification("P", second.notification, 0.36))
+    assert p.receive("D", done, 0.37) == []
+    assert p.op_finished(first.op_id, 0.4) == [] and p.ledger.held_blocks == 2
+    finished = p.op_finished(second.op_id, 0.5)
+    assert verdicts(finished) == [(Role.PREFILL, Outcome.SUCCEEDED)]
+    assert ReleaseBlocks(KEY, Role.PREFILL, (7, 8), Outcome.SUCCEEDED) in finished
+
+
+def test_done_before_the_last_unwanted_batch() -> None:
+    """D registered one block for one WRITE; P's second batch covers positions D holds.  D's
+    Done comes before P's WRITE completes and before P's prefill finished: P finishes on the
+    completion, and the late batch goes straight back."""
+    p, d = TransferCore("P", 2, CONFIG), TransferCore("D", 2, CONFIG)
+    d.peer_connected("P", 0.0)
+    p.peer_connected("D", 0.0)
+    (registration,) = messages(d.expect(KEY, peer="P", mode=Mode.PUSH, block_ids=[1], deadline=5.0, now=0.0))
+    p.receive("D", registration, 0.1)
+    (op,) = [a for a in p.kv_ready(KEY, block_ids=[7], now=0.2, final=False, peer="D") if isinstance(a, SubmitOp)]
+    p.op_submitted(op.op_id, 0.3)
+    (done,) = messages(d.notification("P", op.notification, 0.35))
+    assert p.receive("D", done, 0.36) == [] and p.stats.protocol_violations == 0
+    assert verdicts(p.op_finished(op.op_id, 0.4)) == [(Role.PREFILL, Outcome.SUCCEEDED)]
+    late = p.kv_ready(KEY, block_ids=[9], first_position=1, now=0.5)
+    assert ReleaseBlocks(KEY, Role.PREFILL, (9,), Outcome.SUCCEEDED) in late and p.ledger.held_blocks == 0
+
+
+def test_decodes_failure_while_writing_waits_for_the_drain() -> None:
+    """D gave up while P's WRITE is in flight: P fails at once but keeps its blocks until the
+    WRITE completes, then fences D."""
+    p, _, (op,) = writing_push()
+    failed = p.receive("D", Notice(KEY, Outcome.FAILED, "boom"), 0.35)
+    assert verdicts(failed) == [(Role.PREFILL, Outcome.FAILED)] and p.ledger.held_blocks == 2
+    drained = p.op_finished(op.op_id, 0.4)
+    assert Quiesced(KEY) in messages(drained) and p.ledger.held_blocks == 0
+
+
+@pytest.mark.asyncio
+async def test_between_engines_decodes_done_before_the_writes_completion() -> None:
+    """The loopback fabric reports P's WRITE complete only after D answered: P takes D's Done
+    while still writing, keeps its blocks until the completion comes, then succeeds."""
+    config = EngineConfig(core=CONFIG, transfer_timeout=30.0, drain_timeout=0.5)
+    fabric = LoopbackFabric(faults=FaultPlan(late_completions=True))
+    pair = await EnginePair(fabric, config=config).start()
+    try:
+        pair.p_kv.fill([9, 10], seed=5)
+        waiting = await pair.d.expect("r", 1, peer="P", block_ids=[1, 2])
+        await eventually(lambda: pair.p.stats()["live_transfers"] == 1, "P heard D's registration")
+        sending = await pair.p.kv_ready("r", 1, block_ids=[9, 10])
+        assert (await waiting.wait(5)).ok and same_kv(pair.p_kv, [9, 10], pair.d_kv, [1, 2])
+        machine = pair.p.core.machine(KEY, Role.PREFILL)
+        await eventually(
+            lambda: machine.state is State.CONFIRMED or pair.p.stats()["protocol_violations"] > 0,
+            "P heard D's Done",
+        )
+        assert pair.p.stats()["held_blocks"] == 2  # the WRITE's completion has not come yet
+        assert fabric.release_completions() == 1
+        result = await sending.wait(5)
+        assert result.ok, result
+        assert pair.p.stats()["protocol_violations"] == 0 and pair.p.stats()["held_blocks"] == 0
+    finally:
+        await pair.close()

@@ -149,9 +149,20 @@ class CoreProtocol(RuleBasedStateMachine):
             self.pair.deliver("P" if self.pair.net.to_p else "D")
 
     @precondition(lambda self: bool(self.pair.net.ops))
-    @rule(index=st.integers(0, 7), fail=st.sampled_from([False, False, False, True]))
-    def op_lands(self, index: int, fail: bool) -> None:
-        self.pair.land(index, fail=fail)
+    @rule(
+        index=st.integers(0, 7),
+        fail=st.sampled_from([False, False, False, True]),
+        complete=st.sampled_from([True, True, False]),
+    )
+    def op_lands(self, index: int, fail: bool, complete: bool) -> None:
+        self.pair.land(index, fail=fail, complete=complete)
+
+    @precondition(lambda self: any(not op.landed for op in self.pair.net.ops))
+    @rule(index=st.integers(0, 7))
+    def peer_answers_before_completion(self, index: int) -> None:
+        """Shared memory: a WRITE's bytes and notification land, D answers, and P hears that
+        answer before its own loop sees the WRITE complete."""
+        self.pair.answer_before_completion(index)
 
     @precondition(lambda self: bool(self.pair.net.notifications))
     @rule(index=st.integers(0, 7), duplicate=st.booleans())

@@ -23,6 +23,7 @@ from kvflow.protocol.state import (
     STATE_TRIGGERED,
     TABLES,
     TERMINAL,
+    TRIGGERS_BY_STATE,
     Condition,
     Effect,
     Input,
@@ -36,6 +37,7 @@ from kvflow.protocol.state import (
     outcome_of,
     state_triggered,
     transition,
+    triggers_by_state,
 )
 
 SIDES = sorted(TABLES, key=lambda k: (k[0].value, k[1].value))
@@ -203,10 +205,27 @@ def test_initiator_giving_up_with_nothing_in_flight_fences_at_once(cause: str) -
     assert core.ledger.held_blocks == 0
 
 
+@pytest.mark.parametrize("side", SIDES, ids=lambda s: f"{s[0].value}-{s[1].value}")
+def test_the_index_the_core_walks_is_the_state_triggered_table(side: tuple[Mode, Role]) -> None:
+    """`state_triggered` walks `TRIGGERS_BY_STATE`, built once: it holds exactly the rows of
+    `STATE_TRIGGERED`, each state's in `Condition` order, so editing one means rebuilding it."""
+    index, triggers = TRIGGERS_BY_STATE[side], STATE_TRIGGERED[side]
+    assert {(state, c): i for state, rows in index.items() for c, i in rows} == triggers
+    for state, rows in index.items():
+        assert [c for c, _ in rows] == [c for c in Condition if (state, c) in triggers]
+        for condition, input_ in rows:
+            only: frozenset[Condition] = frozenset({condition})
+            assert state_triggered(*side, state, only.__contains__) is input_
+    assert index == triggers_by_state(triggers)
+
+
 def test_dropping_the_drain_hop_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The test above fails when the hop is taken out of the table."""
-    for row in list(STATE_TRIGGERED[(Mode.PUSH, Role.PREFILL)]):
-        monkeypatch.delitem(STATE_TRIGGERED[(Mode.PUSH, Role.PREFILL)], row)
+    """The test above fails when the hop is taken out of the table (and out of the index the
+    core walks, rebuilt from it: the test before checks the two agree)."""
+    side = (Mode.PUSH, Role.PREFILL)
+    for row in list(STATE_TRIGGERED[side]):
+        monkeypatch.delitem(STATE_TRIGGERED[side], row)
+    monkeypatch.setitem(TRIGGERS_BY_STATE, side, triggers_by_state(STATE_TRIGGERED[side]))
     for cause in GIVING_UP:
         with pytest.raises(AssertionError):
             test_initiator_giving_up_with_nothing_in_flight_fences_at_once(cause)

@@ -50,7 +50,10 @@ class FaultPlan:
 
     `fail_ops` / `stall_ops` are 1-based op numbers on the fabric.  A failed op lands the first
     half of its descriptors (a torn write) and reports an error.  A stalled op waits for
-    `LoopbackFabric.unstall` (or `stall_for` seconds when > 0).
+    `LoopbackFabric.unstall` (or `stall_for` seconds when > 0).  With `late_completions` a
+    WRITE's notification reaches its target before the initiator hears it completed, and that
+    completion waits for `LoopbackFabric.release_completions` (as on shared memory, where the
+    target may answer before the initiator's loop sees its own completion).
     """
 
     seed: int = 0
@@ -62,6 +65,7 @@ class FaultPlan:
     drop_rate: float = 0.0
     duplicate_rate: float = 0.0
     reorder_rate: float = 0.0
+    late_completions: bool = False
 
 
 @dataclass(slots=True)
@@ -94,6 +98,7 @@ class LoopbackFabric:
         self._link_free: dict[tuple[str, str], float] = {}
         self._ops = 0
         self._held_note: tuple[LoopbackTransport, Notification] | None = None
+        self._late: list[tuple[LoopbackTransport, Completion]] = []  # `FaultPlan.late_completions`
         self._closed = False
         self._manual = manual
         self._open: set[str] = set()  # endpoints attached and not closed: a thread runs while any is
@@ -260,9 +265,22 @@ class LoopbackFabric:
         if op.fail:
             initiator.complete(Completion(op.op_id, "injected op failure"))
             return
+        if op.kind is OpKind.WRITE and self.faults.late_completions:
+            self._late.append((initiator, Completion(op.op_id)))
+            if op.notification:
+                self.notify(target, Notification(initiator.name, op.notification))
+            return
         initiator.complete(Completion(op.op_id))
         if op.kind is OpKind.WRITE and op.notification:
             self.notify(target, Notification(initiator.name, op.notification))
+
+    def release_completions(self) -> int:
+        """Report the completions `FaultPlan.late_completions` held back; how many there were."""
+        with self._lock:
+            late, self._late = self._late, []
+        for initiator, completion in late:
+            initiator.complete(completion)
+        return len(late)
 
     def notify(self, target: LoopbackTransport, note: Notification) -> None:
         """Deliver a notification to `target`, subject to the fault plan's drops, duplicates

@@ -92,6 +92,10 @@ class TransferCore:
         """Machines not yet terminal (including D's NOTIFIED awaiting delivery)."""
         return self.store.live()
 
+    def live_count(self) -> int:
+        """How many machines `live()` would return, without building the list."""
+        return self.store.live_count()
+
     def next_deadline(self) -> float | None:
         return self.store.next_deadline()
 
@@ -277,7 +281,7 @@ class TransferCore:
         self._connected.add(peer)
         self._ratios[peer] = max(1, block_ratio)
         actions: list[Action] = []
-        for m in self.store.machines():
+        for m in self.store.live():
             if m.peer == peer and m.state is State.ALLOCATED and m.role is _DECODE:
                 actions += self._feed(m, Input.REGISTER, now)
         return actions
@@ -299,7 +303,7 @@ class TransferCore:
         actions: list[Action] = []
         self._holding_for = peer if unfenced else None
         try:
-            for m in self.store.machines():
+            for m in self.store.live():
                 if m.peer == peer and m.state not in TERMINAL:
                     unheard = " before its verdict on the written KV" if m.state is State.WRITTEN else ""
                     reason = f"peer {peer} lost{unheard}{f': {why}' if why else ''}"
@@ -345,7 +349,7 @@ class TransferCore:
 
     def waiting_on(self, peer: str) -> tuple[TransferKey, ...]:
         """The transfers this side, as D, still waits on from `peer` (what a heartbeat renews)."""
-        return tuple(m.key for m in self.store.machines() if m.role is _DECODE and m.peer == peer and m.state in ACTIVE)
+        return tuple(m.key for m in self.store.live() if m.role is _DECODE and m.peer == peer and m.state in ACTIVE)
 
     def promise(self, key: TransferKey, peer: str, now: float) -> None:
         """P: this engine holds the request of transfer `key` for `peer` (queued or prefilling).

@@ -64,6 +64,7 @@ __all__ = (
     "STATE_TRIGGERED",
     "TABLES",
     "TERMINAL",
+    "TRIGGERS_BY_STATE",
     "Effect",
     "Condition",
     "Input",
@@ -77,6 +78,7 @@ __all__ = (
     "outcome_of",
     "state_triggered",
     "transition",
+    "triggers_by_state",
 )
 
 
@@ -94,6 +96,7 @@ ACTIVE = frozenset(
         State.PREFILL_RUNNING,
         State.PREFILL_READY,
         State.WRITING,
+        State.CONFIRMED,
         State.READING,
     }
 )
@@ -327,11 +330,24 @@ PUSH_PREFILL: Table = _merge(
         (State.WRITING, Input.LAST_OP_COMPLETED): _t(State.WRITTEN, RELEASE),
         # Nothing was left to write (D holds those positions already): the same, at once.
         (State.WRITING, Input.OPS_DRAINED): _t(State.WRITTEN, RELEASE),
+        # D's verdict overtook this side's own completions (D counts a WRITE's notification
+        # before P's loop sees the WRITE complete): remember it.  The blocks stay held while
+        # the transport may still hold an op; the last completion finishes the transfer as if
+        # the verdict had come after it.  Until then every other input does what it does while
+        # writing.  In REGISTERED, D has every WRITE it expects: P's later batches are unwanted.
+        (State.REGISTERED, Input.PEER_DONE): _t(State.CONFIRMED),
+        (State.WRITING, Input.PEER_DONE): _t(State.CONFIRMED),
+        (State.CONFIRMED, Input.LAST_OP_COMPLETED): _t(State.DONE, RESOLVE, RELEASE),
+        (State.CONFIRMED, Input.OPS_DRAINED): _t(State.DONE, RESOLVE, RELEASE),
+        (State.CONFIRMED, Input.KV_READY): _t(State.CONFIRMED, SUBMIT),
+        (State.CONFIRMED, Input.PREFILL_FINISHED): _t(State.CONFIRMED, SUBMIT),
+        (State.CONFIRMED, Input.PEER_DONE): _t(State.CONFIRMED, IGNORE),
     },
     _push_prefill_unpaired(State.PREFILL_RUNNING),
     _push_prefill_unpaired(State.PREFILL_READY),
     _push_prefill_writing(State.REGISTERED),
     _push_prefill_writing(State.WRITING),
+    _push_prefill_writing(State.CONFIRMED),
     {
         # Writes done and blocks released; waiting for D's verdict, for a fence timeout.
         (State.WRITTEN, Input.PEER_DONE): _t(State.DONE, RESOLVE),
@@ -489,10 +505,12 @@ STATE_TRIGGERED: Mapping[tuple[Mode, Role], StateTriggers] = {
     (Mode.PUSH, Role.DECODE): {(State.REGISTERED, Condition.NOTHING_WANTED): Input.LAST_BATCH_LANDED},
     # P gives up after D's registration with no WRITE in flight (none issued yet, or every
     # batch so far written): the hop fires.  P's last batch needed no WRITE (D holds those
-    # positions): written.  D registered no block: its registration was its verdict.
+    # positions): written.  D's verdict came with nothing of P's in flight: done.  D registered
+    # no block: its registration was its verdict.
     (Mode.PUSH, Role.PREFILL): {
         **_initiator_drains(),
         (State.WRITING, Condition.NOTHING_IN_FLIGHT): Input.OPS_DRAINED,
+        (State.CONFIRMED, Condition.NOTHING_IN_FLIGHT): Input.OPS_DRAINED,
         (State.WRITTEN, Condition.NOTHING_WANTED): Input.PEER_DONE,
     },
     # D gives up only from READING, where its one READ is in flight, so today this never
@@ -518,13 +536,29 @@ def outcome_of(state: State) -> Outcome | None:
     return _OUTCOME.get(state)
 
 
+def triggers_by_state(
+    triggers: Mapping[tuple[State, Condition], Input],
+) -> dict[State, tuple[tuple[Condition, Input], ...]]:
+    """`triggers` grouped by state, each state's rows in `Condition` order: what
+    `state_triggered` walks, so that it looks only at the rows of the machine's state."""
+    return {
+        state: tuple((c, triggers[(state, c)]) for c in Condition if (state, c) in triggers)
+        for state in dict.fromkeys(s for s, _ in triggers)
+    }
+
+
+# Built once from `STATE_TRIGGERED`; `tests/test_state_table.py` checks that it equals it.
+TRIGGERS_BY_STATE: dict[tuple[Mode, Role], dict[State, tuple[tuple[Condition, Input], ...]]] = {
+    side: triggers_by_state(triggers) for side, triggers in STATE_TRIGGERED.items()
+}
+_NO_TRIGGERS: tuple[tuple[Condition, Input], ...] = ()
+
+
 def state_triggered(mode: Mode, role: Role, state: State, holds: Callable[[Condition], bool]) -> Input | None:
     """The input a machine in `state` feeds itself now, if any: the first row of
     `STATE_TRIGGERED` for `state` whose condition `holds`."""
-    triggers = STATE_TRIGGERED[(mode, role)]
-    for condition in Condition:
-        input_ = triggers.get((state, condition))
-        if input_ is not None and holds(condition):
+    for condition, input_ in TRIGGERS_BY_STATE[(mode, role)].get(state, _NO_TRIGGERS):
+        if holds(condition):
             return input_
     return None
 

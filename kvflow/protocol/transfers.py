@@ -76,6 +76,11 @@ class TransferStore:
         self.config = config
         self.ledger = BlockLedger()
         self._machines: dict[Owner, Machine] = {}
+        # the machines not terminal yet, in the order they opened: kept as they open and end
+        # (terminal states are final), so that no action scans the finished ones kept for
+        # `retention`
+        self._live: dict[Owner, Machine] = {}
+        self.visited = 0  # machines handed out by `live()`: what per-action scans cost
         self._epochs: dict[tuple[str, Role], set[int]] = {}
         self._timers: list[tuple[float, int, Owner, int]] = []  # (when, seq, owner, gen); gen GC: forget
         self._seq = 0
@@ -110,8 +115,13 @@ class TransferStore:
         return list(self._machines.values())
 
     def live(self) -> list[Machine]:
-        """Machines not yet terminal (including D's NOTIFIED awaiting delivery)."""
-        return [m for m in self._machines.values() if m.state not in TERMINAL]
+        """Machines not yet terminal (including D's NOTIFIED awaiting delivery), oldest first;
+        as many visited (`visited`) as there are live ones, however many finished are kept."""
+        self.visited += len(self._live)
+        return list(self._live.values())
+
+    def live_count(self) -> int:
+        return len(self._live)
 
     def load(self, peer: str) -> tuple[int, int, int]:
         """Of the live transfers: how many were opened by a peer's registration (not started
@@ -131,6 +141,7 @@ class TransferStore:
     def ended(self, m: Machine) -> None:
         """The transfer has just become terminal: it weighs nothing any more."""
         self._weigh(m, -1)
+        self._live.pop(m.owner, None)
 
     def _reweigh(self, m: Machine, change: Callable[[], None]) -> None:
         live = m.state not in TERMINAL
@@ -169,6 +180,7 @@ class TransferStore:
         Not `started_locally`: a peer's registration opened it."""
         m = Machine(key, role, mode, peer, deadline, now, started_locally=started_locally)
         self._machines[m.owner] = m
+        self._live[m.owner] = m
         self._weigh(m, +1)
         self._epochs.setdefault((key.transfer_id, role), set()).add(key.epoch)
         self.ledger.open(m.owner, exclusive=role is Role.DECODE)
@@ -177,6 +189,7 @@ class TransferStore:
 
     def forget(self, m: Machine) -> None:
         del self._machines[m.owner]
+        self._live.pop(m.owner, None)
         epochs = self._epochs[(m.key.transfer_id, m.role)]
         epochs.discard(m.key.epoch)
         if not epochs:

@@ -10,20 +10,29 @@ from __future__ import annotations
 import enum
 from typing import NamedTuple
 
+
+class _Word(enum.Enum):
+    """Members are singletons compared by identity, so identity is also their hash: the tables
+    are looked up on every input, and `Enum.__hash__` (hashing the name, in Python) showed up
+    first in profiles of the control plane."""
+
+    __hash__ = object.__hash__
+
+
 __all__ = ("Effect", "Condition", "Input", "Mode", "Outcome", "Role", "State", "Transition")
 
 
-class Mode(enum.Enum):
+class Mode(_Word):
     PUSH = "push"
     PULL = "pull"
 
 
-class Role(enum.Enum):
+class Role(_Word):
     PREFILL = "prefill"
     DECODE = "decode"
 
 
-class State(enum.Enum):
+class State(_Word):
     # decode side
     ALLOCATED = "allocated"  # destination blocks held, registration not sent yet
     REGISTERED = "registered"  # push: D sent its registration / P received it, prefill running
@@ -36,6 +45,8 @@ class State(enum.Enum):
     NOTIFIED = "notified"  # D: every batch landed (or read); the transfer succeeded
     # push P: every WRITE completed and its blocks are back; the verdict is D's, still to come
     WRITTEN = "written"
+    # push P: D's verdict (done) came before its own WRITEs completed here; blocks still held
+    CONFIRMED = "confirmed"
     DONE = "done"
     # outcome decided, blocks quarantined until the peer's ops are fenced
     ABORTING = "aborting"
@@ -47,7 +58,7 @@ class State(enum.Enum):
     EXPIRED = "expired"
 
 
-class Input(enum.Enum):
+class Input(_Word):
     # from the embedding engine
     REGISTER = "register"  # D: the peer is reachable: send the registration (push) or the claim (pull)
     KV_READY = "kv_ready"  # P: a batch of KV (a chunk or some layers) is ready
@@ -78,7 +89,7 @@ class Input(enum.Enum):
     INCOMPATIBLE = "incompatible"  # the peer's request cannot be served (sizes, counts, ranges)
 
 
-class Effect(enum.Enum):
+class Effect(_Word):
     """What a table row says to do, by name; the core turns each into concrete `Action`s with
     their payloads (which message, which blocks)."""
 
@@ -97,7 +108,7 @@ class Effect(enum.Enum):
     IGNORE = "ignore"  # a late, duplicate or stray message: count it, do nothing
 
 
-class Condition(enum.Enum):
+class Condition(_Word):
     """A fact about a machine that the tables cannot see and the core can: see `STATE_TRIGGERED`."""
 
     NOTHING_IN_FLIGHT = "nothing_in_flight"  # none of this machine's own ops is in flight
@@ -106,7 +117,7 @@ class Condition(enum.Enum):
     UNCLAIMED = "unclaimed"  # no peer has claimed this transfer: nobody can have an op on it
 
 
-class Outcome(enum.Enum):
+class Outcome(_Word):
     SUCCEEDED = "succeeded"
     ABORTED = "aborted"
     FAILED = "failed"

@@ -361,7 +361,7 @@ class Engine:
         return {
             **asdict(self.core.stats),
             **self.counters,
-            "live_transfers": len(self.core.live()),
+            "live_transfers": self.core.live_count(),
             "held_blocks": self.core.ledger.held_blocks,
             "quarantined_blocks": self.core.ledger.quarantined_blocks,
             # peers whose removal has not succeeded yet: their blocks stay held
@@ -396,7 +396,7 @@ class Engine:
             elif isinstance(action, DeclarePeerLost):
                 self._peers.tear_down(action.peer, action.reason)
         self._arm_timer()
-        if self.core.live():
+        if self.core.live_count():
             self._idle.clear()
         else:
             self._idle.set()
@@ -500,8 +500,8 @@ class Engine:
         return self._clock() if self._clock is not None else self._running_loop().time()
 
     def _arm_timer(self) -> None:
-        times = [t for t in (self.core.next_deadline(), self.assoc.liveness.next_deadline()) if t is not None]
-        when = min(times, default=None)
+        core, liveness = self.core.next_deadline(), self.assoc.liveness.next_deadline()
+        when = liveness if core is None else core if liveness is None else min(core, liveness)
         if when == self._timer_at:
             return
         self._cancel_timer()
@@ -522,7 +522,7 @@ class Engine:
         self._run(self.core.timer(now))
 
     async def _wait_idle(self, limit: float) -> None:
-        if not self.core.live():
+        if not self.core.live_count():
             return
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._idle.wait(), limit)

@@ -1,5 +1,5 @@
 """The `kvflow` command: `kvflow doctor`, `kvflow bench nixl`, `kvflow bench vllm`, `kvflow bench pd`,
-`kvflow diagrams`, `kvflow soak`.
+`kvflow bench engine`, `kvflow diagrams`, `kvflow soak`.
 
 Why one entry point: operators ask "does NIXL work here, with which backends and memory?" and
 "how fast is it here?" before anything else; both answers are one command away.
@@ -68,6 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     from kvflow.integrations.vllm.pd.cli import add_arguments as pd_arguments
 
     pd_arguments(pd)
+    from kvflow.tools.bench_engine import add_arguments as engine_arguments
+
+    engine_arguments(targets.add_parser("engine", help="control-plane transfers/s, latency and memory per transfer"))
     _add_soak(commands)
     args = parser.parse_args(argv)
     if args.command == "soak":
@@ -90,6 +93,11 @@ def main(argv: list[str] | None = None) -> int:
         from kvflow.integrations.vllm.pd.cli import main as bench_pd
 
         return bench_pd(args)
+    if args.target == "engine":
+        from kvflow.tools.bench_engine import config_from
+        from kvflow.tools.bench_engine import main as bench_engine
+
+        return bench_engine(config_from(args), args.json)
     if args.target == "vllm":
         options = {k: v for k, v in vars(args).items() if k not in ("command", "target")}
         if args.prefix_hit:
