@@ -27,6 +27,8 @@ from dataclasses import asdict, dataclass
 from typing import IO, Any
 
 from kvflow.integrations.vllm.standin.model import EngineOptions, ModelShape
+from kvflow.integrations.vllm.standin.pacing import Pacer
+from kvflow.integrations.vllm.standin.timing import StepModel
 
 __all__ = ("EngineSpec", "main", "spec_line")
 
@@ -119,9 +121,6 @@ def pending_commands(commands: queue.Queue[dict[str, Any] | None], wait: bool) -
 def obey(engine: Any, pending: list[dict[str, Any] | None], emit: Callable[..., None] | None = None) -> bool:
     """Apply the commands; False once told to stop (or stdin closed).  `emit`: where a
     ``describe`` command's answer (what the engine still waits on) goes."""
-    from kvflow.integrations.vllm.standin.pacing import Pacer
-    from kvflow.integrations.vllm.standin.timing import StepModel
-
     for command in pending:
         if command is None or command["op"] == "stop":
             return False

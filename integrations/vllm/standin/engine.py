@@ -28,6 +28,7 @@ loaded request, byte for byte, the first time it runs.  Used by the tests and by
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 import threading
 import time
@@ -431,12 +432,18 @@ class StandInEngine:
             for request_id in kv.finished_recving or ():
                 since = self.added.get(request_id, started)
                 failed = request_id in (kv.failed_recving or ())
-                starts = [s for s in self.step_starts if s >= since]
-                self.emit(ev="recving", id=request_id, t=now, failed=failed, step_starts=starts)
+                self.emit(ev="recving", id=request_id, t=now, failed=failed, step_starts=self._starts_since(since))
             for request_id in kv.finished_sending or ():
-                starts = [s for s in self.step_starts if s >= self.added.get(request_id, started)]
+                starts = self._starts_since(self.added.get(request_id, started))
                 self.emit(ev="sending", id=request_id, t=now, step_starts=starts)
         return output
+
+    def _starts_since(self, since: float) -> list[float]:
+        """The starts of the steps begun at or after `since`, oldest first: walked back from the
+        newest (starts only grow), not across every step the engine has kept."""
+        starts = list(itertools.takewhile(lambda start: start >= since, reversed(self.step_starts)))
+        starts.reverse()
+        return starts
 
     def _plan(self, so: Any) -> _Work:
         """The step's prompt tokens P computes (and so writes), the loaded requests D reads for
