@@ -9,8 +9,12 @@ handshake-metadata hand-off).  It steps like vLLM's engine core: back to back wh
 scheduler has requests (``has_pending_push_work`` included).
 
 Run as ``python -m kvflow.integrations.vllm.runner``: the first stdin line is the `EngineSpec`,
-later lines are commands (``add``, ``pace``, ``model``, ``stop``); events go out on stdout, one JSON object
-per line, timestamped with ``time.perf_counter`` (CLOCK_MONOTONIC, comparable across processes).
+later lines are commands (``add``, ``pace``, ``model``, ``host``, ``cpu``, ``describe``, ``stop``); events
+go out on stdout, one JSON object per line, timestamped with ``time.perf_counter``
+(CLOCK_MONOTONIC, comparable across processes).  With ``host`` (`HostLoad`) the engine also does
+a host engine's own work in every step and, while ``spin`` is on, steps back to back even with
+nothing scheduled, as an engine core serving other requests does; ``cpu`` reports the CPU time
+this process and its children (an engine kvflow runs in its own process) have used.
 Everything else the process prints goes to stderr.
 """
 
@@ -22,12 +26,13 @@ import os
 import queue
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from typing import IO, Any
 
 from kvflow.integrations.vllm.standin.model import EngineOptions, ModelShape
-from kvflow.integrations.vllm.standin.pacing import Pacer
+from kvflow.integrations.vllm.standin.pacing import HostLoad, Pacer
 from kvflow.integrations.vllm.standin.timing import StepModel
 
 __all__ = ("EngineSpec", "main", "spec_line")
@@ -35,10 +40,12 @@ __all__ = ("EngineSpec", "main", "spec_line")
 
 @dataclass(frozen=True)
 class EngineSpec:
-    """What one engine process runs: the stand-in engine's options, and NIXL tuning."""
+    """What one engine process runs: the stand-in engine's options, NIXL tuning, and the CPUs
+    it runs on (empty: any)."""
 
     options: EngineOptions
     nixl_progress_delay_us: int | None = None  # NIXL progress-thread delay (stock: 0, busy poll)
+    cpus: tuple[int, ...] = ()
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> EngineSpec:
@@ -48,6 +55,7 @@ class EngineSpec:
         return cls(
             EngineOptions(**options, model=ModelShape(**model, shared=shared)),
             data.get("nixl_progress_delay_us"),
+            tuple(data.get("cpus", ())),
         )
 
 
@@ -97,9 +105,9 @@ def serve(spec: EngineSpec, commands: queue.Queue[dict[str, Any] | None], events
     )
     try:
         while True:
-            if not obey(engine, pending_commands(commands, wait=not engine.busy()), emit):
+            if not obey(engine, pending_commands(commands, wait=not engine.busy() and not engine.spin), emit):
                 break
-            if engine.busy():
+            if engine.busy() or engine.spin:
                 engine.step()
     finally:
         engine.close()
@@ -131,6 +139,11 @@ def obey(engine: Any, pending: list[dict[str, Any] | None], emit: Callable[..., 
             emit(ev="describe", text=engine.describe())
         elif command["op"] == "pace":
             engine.step_ms = float(command["step_ms"])
+        elif command["op"] == "host":  # the host's own work per step; spin: step with nothing scheduled
+            engine.host = HostLoad.from_json(command["load"]) if command.get("load") else None
+            engine.spin = bool(command.get("spin", False))
+        elif command["op"] == "cpu" and emit is not None:
+            emit(ev="cpu", t=time.perf_counter(), own=time.process_time(), children=children_cpu(os.getpid()))
         elif command["op"] == "model":  # pace every step by the step-time model
             o = engine.options
             model = StepModel.from_json(command["model"])
@@ -138,11 +151,35 @@ def obey(engine: Any, pending: list[dict[str, Any] | None], emit: Callable[..., 
     return True
 
 
+def children_cpu(pid: int) -> float:
+    """CPU seconds (user + system) the live child processes of `pid` have used, read from
+    /proc (0 where /proc is not there)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return 0.0
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # gone meanwhile
+        if int(fields[1]) == pid:  # fields after the name: state, ppid, ..., utime (12th), stime
+            total += (int(fields[11]) + int(fields[12])) / ticks
+    return total
+
+
 def main() -> None:
     """Entry point of an engine process (see the module docstring)."""
     events = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # whatever vLLM, NIXL or UCX print goes to stderr
     spec = EngineSpec.from_json(json.loads(sys.stdin.readline()))
+    if spec.cpus:  # before vLLM, torch or NIXL start a thread
+        os.sched_setaffinity(0, spec.cpus)
     commands: queue.Queue[dict[str, Any] | None] = queue.Queue()
     threading.Thread(target=_read_commands, args=(sys.stdin, commands), daemon=True).start()
     serve(spec, commands, events)

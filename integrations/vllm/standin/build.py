@@ -42,14 +42,18 @@ def vllm_config(o: EngineOptions) -> Any:
         max_model_len=o.max_model_len,
         seed=0,
     )
-    transfer = KVTransferConfig(
-        kv_connector=o.connector,
-        kv_connector_module_path=o.module_path,
-        kv_role=o.role,  # type: ignore[arg-type]
-        engine_id=o.engine_id or o.name,
-        kv_connector_extra_config=o.extra,
-        kv_load_failure_policy=o.failure_policy,  # type: ignore[arg-type]
-        kv_buffer_device=o.kv_buffer_device,
+    transfer = (
+        None
+        if not o.connector
+        else KVTransferConfig(
+            kv_connector=o.connector,
+            kv_connector_module_path=o.module_path,
+            kv_role=o.role,  # type: ignore[arg-type]
+            engine_id=o.engine_id or o.name,
+            kv_connector_extra_config=o.extra,
+            kv_load_failure_policy=o.failure_policy,  # type: ignore[arg-type]
+            kv_buffer_device=o.kv_buffer_device,
+        )
     )
     config = VllmConfig(
         model_config=model,

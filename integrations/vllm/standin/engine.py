@@ -48,7 +48,7 @@ from kvflow.integrations.vllm.ranks import heads_of
 from kvflow.integrations.vllm.standin.build import backend_class, layer_specs, vllm_config
 from kvflow.integrations.vllm.standin.kv import LaggingDevice, PagedKV
 from kvflow.integrations.vllm.standin.model import EngineOptions
-from kvflow.integrations.vllm.standin.pacing import Pacer
+from kvflow.integrations.vllm.standin.pacing import HostLoad, Pacer, burn, thread_times
 
 __all__ = ("SAMPLED", "Rank", "StandInEngine")
 
@@ -128,7 +128,10 @@ class StandInEngine:
         self.config = vllm_config(options)
         self.steps = 0
         self.step_ms = 0.0
+        self.spin = False  # step even with nothing scheduled (an engine core busy with other requests)
         self.pacer: Pacer | None = None  # paced by a step-time model (`kvflow bench pd`); else by step_ms
+        self.host: HostLoad | None = None  # the host engine's own work in each step (`kvflow bench host`)
+        self.host_python = 0.0  # seconds the step's host work (`host`) took, interpreter held
         self.slept = 0.0  # the step's time spent waiting for its pace, not working
         self.step_starts: deque[float] = deque(maxlen=200_000)
         self.most_in_flight = 0
@@ -209,7 +212,10 @@ class StandInEngine:
 
         o, config, kv_cache_config = self.options, self.config, self.kv_cache_config
         config.parallel_config.rank = rank  # what a worker process of that rank has
-        if o.distributed:
+        worker: Any = None  # no connector: the engine alone
+        if not o.connector:
+            pass
+        elif o.distributed:
             worker = self._distributed_worker()
         else:
             worker = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kv_cache_config)
@@ -230,8 +236,9 @@ class StandInEngine:
             for tensor in kv_caches.values():
                 _DEVICES[int(tensor.untyped_storage().data_ptr())] = device
             set_device_resolver(_lagging_device_of)
-        worker.register_kv_caches(kv_caches)
-        if o.distributed:
+        if worker is not None:
+            worker.register_kv_caches(kv_caches)
+        if worker is not None and o.distributed:
             handshake = worker.get_handshake_metadata()
             if handshake is not None:
                 assert self.scheduler.connector is not None
@@ -370,7 +377,7 @@ class StandInEngine:
             so = self.scheduler.schedule()
             self._update(so, self._execute(so))
             return
-        if self.scheduler.has_requests():
+        if self.scheduler.has_requests() or self.spin:
             so = self.scheduler.schedule()
             self._in_flight.appendleft((so, self._execute(so)))
             self.most_in_flight = max(self.most_in_flight, len(self._in_flight))
@@ -399,14 +406,20 @@ class StandInEngine:
         started = time.perf_counter()
         self.steps += 1
         self.step_starts.append(started)
+        clock = thread_times() if self.host is not None else None
         work = self._plan(so)
+        self.host_python = 0.0
         if self.pacer is not None:
             self.step_ms, self.slept = self.pacer.plan(so, self.scheduler), 0.0
             for new in so.scheduled_new_reqs:
                 self.emit(ev="scheduled", id=new.req_id, t=started)
         outputs = []
         for rank in self.ranks:  # one after the other here; in parallel in vLLM
-            connector_output = self._run_hooks(rank, so, work, started)
+            if rank.worker is None:  # no connector: the forward alone
+                connector_output = None
+                self._forward(rank, work, range(len(self.layer_names())), started)
+            else:
+                connector_output = self._run_hooks(rank, so, work, started)
             outputs.append(
                 ModelRunnerOutput(
                     req_ids=work.req_ids,
@@ -417,7 +430,16 @@ class StandInEngine:
             )
         output = self.aggregator.aggregate(outputs)  # type: ignore[arg-type]
         assert output is not None
+        busy: dict[str, float] = {}
+        if self.host is not None and clock is not None:  # the device computes, the interpreter is free
+            cpu, queued, busy_until = (b - a for a, b in zip(clock, thread_times(), strict=True))
+            time.sleep(self.host.wait_ms / 1e3)
+            # the step's work before the wait: its wall time, the thread's CPU in it, its waits
+            # for a core (the rest of the wall time it waited for the GIL or blocked)
+            busy = {"busy": busy_until, "cpu": cpu, "queued": queued}
         now = time.perf_counter()
+        if self.host is not None:
+            self.emit(ev="hstep", t=started, dur=now - started, py=self.host_python, **busy)
         spent, by_name = self.ranks[0].hooks.take()  # rank 0's time inside connector hooks
         self.emit(ev="hooks", s=spent, by=by_name)
         for request_id in work.completed:  # `started`: the start of the step that completed it
@@ -520,9 +542,16 @@ class StandInEngine:
         A step of `step_ms` ends no sooner than `step_ms` after it started."""
         names, shared = self.layer_names(), dict(self.shape.shared)
         total = len(names)
+        hooks = rank.worker is not None
+        share = self.host.iterations // total if self.host is not None else 0
         for layer in layers:
             name = names[layer]
-            rank.hooks.wait_for_layer_load(name)
+            if share:  # the forward's own Python for this layer (kernel launches), before its hooks
+                began = time.perf_counter()
+                burn(share)
+                self.host_python += time.perf_counter() - began
+            if hooks:
+                rank.hooks.wait_for_layer_load(name)
             if layer not in shared and work.writes:
                 kernel = self._kernel(rank.pages, self.owners.index(name), work.writes)
                 if rank.device is not None:
@@ -534,7 +563,7 @@ class StandInEngine:
                 pause = max(0.0, layer_end - time.perf_counter())
                 self.slept += pause
                 time.sleep(pause)
-            if not self.options.full_cudagraph:
+            if hooks and not self.options.full_cudagraph:
                 rank.hooks.save_kv_layer(name, rank.kv_caches[name], None)
 
     @staticmethod
@@ -568,7 +597,8 @@ class StandInEngine:
         """What this engine is waiting on, for a test that timed out."""
         requests = [(r, q.status.name) for r, q in self.scheduler.requests.items()]
         lines = [f"{self.options.name}: requests {requests}, in flight {len(self._in_flight)}"]
-        lines.append(f"  pending push work {self.connector.has_pending_push_work()}")
+        if self.connector is not None:
+            lines.append(f"  pending push work {self.connector.has_pending_push_work()}")
         for rank, engine in enumerate(self.kvflow_engines()):
             live = [(m.key.transfer_id, m.role.value, m.state.name) for m in engine.core.live()]
             stats = {k: v for k, v in engine.stats().items() if v}
@@ -577,7 +607,8 @@ class StandInEngine:
 
     def close(self) -> None:
         for rank in self.ranks:
-            rank.worker.shutdown()
+            if rank.worker is not None:
+                rank.worker.shutdown()
             if rank.device is not None:
                 for tensor in rank.kv_caches.values():
                     _DEVICES.pop(int(tensor.untyped_storage().data_ptr()), None)

@@ -135,7 +135,7 @@ class EngineOptions:
     name: str
     role: str
     extra: dict[str, Any] = field(default_factory=dict)  # kv_connector_extra_config
-    connector: str = "KVFlowConnector"
+    connector: str = "KVFlowConnector"  # "": no KV connector (the engine alone)
     module_path: str | None = "kvflow.integrations.vllm"
     engine_id: str = ""
     model: ModelShape = field(default_factory=ModelShape)

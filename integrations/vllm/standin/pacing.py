@@ -1,19 +1,66 @@
 """The stand-in engine paced by the step-time model: what each step's batch is, how long the
-model says it takes, and what the engine's KV cache and queues look like after it.
+model says it takes, and what the engine's KV cache and queues look like after it; and the
+host's own work in a step (`HostLoad`).
 
 Why apart from `timing`: the model is pure arithmetic over rows; this module reads vLLM's
 scheduler output and scheduler (the batch of a step, its block pool, its queues) to feed it and
 to report each step, and `StandInEngine` only asks it for a step's duration and hands it the
 step's measured time.
+
+Why `HostLoad`: what a connector costs the engine it runs in shows in the engine's own Python
+work.  A host engine's step holds the interpreter for a share of the step (scheduling, input
+preparation, the forward's kernel launches, layer by layer) and releases it for the rest (the
+GPU computing, the sampler's wait); `HostLoad` plays that with a fixed amount of pure-Python
+work spread over the forward's layers and a GIL-free wait at the step's end, so that any time
+a connector's threads take the interpreter from it shows as a longer step.
 """
 
 from __future__ import annotations
 
+import threading
+import time
+from dataclasses import dataclass
 from typing import Any
 
 from kvflow.integrations.vllm.standin.timing import Row, StepModel
 
-__all__ = ("Pacer", "rows_of")
+__all__ = ("HostLoad", "Pacer", "burn", "rows_of", "thread_times")
+
+
+def burn(iterations: int) -> int:
+    """Pure-Python work holding the interpreter (released only at its switch interval): the
+    host engine's own Python, in units a caller calibrates to milliseconds."""
+    total = 0
+    for i in range(iterations):
+        total += i & 7
+    return total
+
+
+def thread_times() -> tuple[float, float, float]:
+    """The calling thread's (CPU seconds, seconds it waited for a core): what tells a step that
+    took long because the thread waited for the GIL (neither running nor runnable) from one
+    that waited for a core (runnable, in the kernel's run queue: /proc's schedstat; 0 where
+    the kernel does not keep it)."""
+    cpu = time.thread_time()
+    try:
+        with open(f"/proc/self/task/{threading.get_native_id()}/schedstat") as f:
+            waited = int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        waited = 0.0
+    return cpu, waited, time.perf_counter()
+
+
+@dataclass(frozen=True)
+class HostLoad:
+    """The host's work in every step: `iterations` of `burn` spread over the forward's layers,
+    then `wait_ms` with the interpreter released (the device computing)."""
+
+    iterations: int
+    wait_ms: float
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> HostLoad:
+        return cls(int(data["iterations"]), float(data["wait_ms"]))
 
 
 def rows_of(so: Any, requests: dict[str, Any]) -> list[Row]:
