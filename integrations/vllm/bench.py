@@ -36,6 +36,7 @@ import logging
 import os
 import queue
 import secrets
+import signal
 import socket
 import subprocess
 import sys
@@ -58,10 +59,14 @@ __all__ = ("CONNECTORS", "Cell", "main", "run")
 CONNECTORS: dict[str, tuple[str, str | None]] = {  # name -> (vLLM class, module path)
     "kvflow": ("KVFlowConnector", "kvflow.integrations.vllm"),
     "kvflow-pull": ("KVFlowConnector", "kvflow.integrations.vllm"),
+    # kvflow push with each rank's engine on a thread of the worker's process, not a process of its own
+    "kvflow-thread": ("KVFlowConnector", "kvflow.integrations.vllm"),
     # as vLLM's toy proxy: P with vLLM's own params, then D with P's answer (D pulls)
     "kvflow-sequential": ("KVFlowConnector", "kvflow.integrations.vllm"),
     "vllm-push": ("NixlPushConnector", None),
     "vllm-pull": ("NixlConnector", None),
+    # no KV connector: P and D each compute the prompt (`kvflow bench host`'s baseline)
+    "alone": ("", None),
 }
 DECODE_TOKENS = 4
 # 8 layers of 4 KV heads x 64, fp16, 32-token blocks: 32 KiB per layer and block, 8 KiB per token
@@ -114,6 +119,7 @@ class EngineProcess:
                 stderr=log,
                 text=True,
                 env=env,
+                start_new_session=True,  # its own process group: `pause` stops its children too
             )
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self._stdin = self.proc.stdin
@@ -134,10 +140,21 @@ class EngineProcess:
     def send(self, **command: Any) -> None:
         self._send_line(json.dumps(command))
 
+    def pause(self) -> None:
+        """Stop the process and its children (SIGSTOP to its group): it takes no CPU until
+        `resume`, so that it does not disturb another system measured meanwhile."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGCONT)
+
     def log_tail(self, lines: int = 30) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
     def close(self, keep_log: bool = False) -> None:
+        self.resume()  # a paused process cannot obey `stop`
         with contextlib.suppress(OSError, ValueError):
             self.send(op="stop")
             self._stdin.close()
@@ -181,6 +198,8 @@ class Pair:
         extra: dict[str, Any] = {}
         if connector.startswith("kvflow"):
             extra = {"transport": "nixl", "port": 0, "host": "127.0.0.1", **options.get("kvflow_settings", {})}
+            if connector == "kvflow-thread":
+                extra["engine_process"] = "thread"
         self.engines: dict[str, EngineProcess] = {}
         self.hooks: dict[str, list[float]] = {"P": [], "D": []}  # µs per step inside connector hooks
         self.hook_names: dict[str, dict[str, list[float]]] = {"P": {}, "D": {}}  # the same, per hook
@@ -208,7 +227,7 @@ class Pair:
                 )
                 # a caller's fields for this engine (`kvflow bench pd`: model, blocks, block size)
                 engine_options = replace(engine_options, **options.get("engines", {}).get(name, {}))
-                spec = EngineSpec(engine_options, options.get("nixl_progress_delay_us"))
+                spec = EngineSpec(engine_options, options.get("nixl_progress_delay_us"), options.get("cpus", ()))
                 env = dict(os.environ)
                 env.update(
                     KVFLOW_SECRET=secret,
@@ -224,14 +243,14 @@ class Pair:
             self.ready: dict[str, dict[str, Any]] = {}
             deadline = time.monotonic() + START_TIMEOUT
             while len(self.ready) < 2:
-                name, event = self._next(deadline, "engines to start")
+                name, event = self.next_event(deadline, "engines to start")
                 if event["ev"] == "ready":
                     self.ready[name] = event
         except BaseException:
             self.close()
             raise
 
-    def _next(self, deadline: float, waiting_for: str) -> tuple[str, dict[str, Any]]:
+    def next_event(self, deadline: float, waiting_for: str) -> tuple[str, dict[str, Any]]:
         try:
             name, event = self.events.get(timeout=max(0.0, deadline - time.monotonic()))
         except queue.Empty:
@@ -273,7 +292,12 @@ class Pair:
     def dispatch(self, flight: Flight, tokens: int) -> None:
         rid, p, d = flight.request_id, self.engines["P"], self.engines["D"]
         tag = rid
-        if self.connector in ("kvflow", "kvflow-pull"):
+        if self.connector == "alone":  # no KV moves: each engine computes the prompt
+            p.send(op="add", id=rid, prompt_len=tokens, max_tokens=1, tag=tag, params={})
+            d.send(op="add", id=rid, prompt_len=tokens, max_tokens=flight.decode_tokens, tag=tag, params={})
+            flight.d_dispatched = True
+            return
+        if self.connector in ("kvflow", "kvflow-thread", "kvflow-pull"):
             kv = {
                 "transfer_id": rid,
                 "epoch": 1,
@@ -367,7 +391,7 @@ class Pair:
                 started += 1
             oldest = min(f.dispatched for f in flights.values())
             deadline = time.monotonic() + max(0.0, oldest + FLIGHT_TIMEOUT - time.perf_counter())
-            name, event = self._next(deadline, f"{len(flights)} requests in flight to complete")
+            name, event = self.next_event(deadline, f"{len(flights)} requests in flight to complete")
             if event["ev"] == "hooks":
                 self.hooks[name].append(event["s"] * 1e6)
                 for hook, seconds in event.get("by", {}).items():

@@ -1,5 +1,5 @@
 """The `kvflow` command: `kvflow doctor`, `kvflow bench nixl`, `kvflow bench vllm`, `kvflow bench pd`,
-`kvflow bench engine`, `kvflow diagrams`, `kvflow soak`.
+`kvflow bench host`, `kvflow bench engine`, `kvflow diagrams`, `kvflow soak`.
 
 Why one entry point: operators ask "does NIXL work here, with which backends and memory?" and
 "how fast is it here?" before anything else; both answers are one command away.
@@ -64,6 +64,24 @@ def main(argv: list[str] | None = None) -> int:
         metavar="TOKENS",
         help="instead: bytes kvflow moves per request when D's prefix cache holds a shared prefix of TOKENS",
     )
+    host = targets.add_parser("host", help="what a KV connector costs the engine it runs in: steps/s, step time, CPU")
+    host.add_argument("--systems", type=_names, default=["alone", "kvflow", "vllm-pull"])
+    host.add_argument("--rates", type=_floats, default=[10.0, 100.0, 1000.0], help="transfers/s (comma-separated)")
+    host.add_argument("--duration", type=float, default=5.0, help="seconds of arrivals per (system, rate)")
+    host.add_argument("--python-ms", type=float, default=3.0, help="the host's Python work per step")
+    host.add_argument("--wait-ms", type=float, default=7.0, help="the rest of each step, interpreter released")
+    host.add_argument("--tokens", type=int, default=64, help="prompt length (32-token blocks, 8 layers)")
+    host.add_argument("--layer-groups", type=int, default=4, help="kvflow: WRITEs per request")
+    host.add_argument("--idle", type=float, default=3.0, help="seconds each system sits idle for its idle CPU")
+    host.add_argument("--warmup", type=float, default=1.0, help="seconds of steps before each window")
+    host.add_argument(
+        "--nixl-progress-delay-us", type=int, default=None, help="NIXL progress-thread delay (stock: busy poll)"
+    )
+    host.add_argument("--host-cpus", type=_ints, default=[], help="CPUs of the engines' processes (comma-separated)")
+    host.add_argument(
+        "--engine-cpus", type=_ints, default=[], help="CPUs of kvflow's engine processes and of this driver"
+    )
+    host.add_argument("--json", default=None, help="also write the results to this JSON file")
     pd = targets.add_parser("pd", help="open-loop P/D under load, GPU step times modelled: TTFT/TPOT per system")
     from kvflow.integrations.vllm.pd.cli import add_arguments as pd_arguments
 
@@ -93,6 +111,10 @@ def main(argv: list[str] | None = None) -> int:
         from kvflow.integrations.vllm.pd.cli import main as bench_pd
 
         return bench_pd(args)
+    if args.target == "host":
+        from kvflow.integrations.vllm.bench_host import main as bench_host
+
+        return bench_host(args)
     if args.target == "engine":
         from kvflow.tools.bench_engine import config_from
         from kvflow.tools.bench_engine import main as bench_engine
