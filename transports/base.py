@@ -128,6 +128,12 @@ class Transport(Protocol):
     def set_listener(self, callback: Callable[[], None] | None) -> None:
         """`callback` is called, from any thread, when `poll` may have something new."""
 
+    def expect_traffic(self, active: bool) -> None:
+        """Whether the engine has transfers under way (it says so when that changes; until it
+        does, they are).  While none is, no op or notification is awaited, and a transport
+        that polls its backend may poll lazily (a stray notification then reaches `poll`
+        later); while one is, `poll` must see what arrives promptly.  Never raises."""
+
     def close(self) -> None:
         """Release every registration and handle.  Idempotent; never raises for a backend that
         fails to release something (there is nothing left to do about it)."""

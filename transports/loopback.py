@@ -395,6 +395,9 @@ class LoopbackTransport:
             raise TransportError(f"cannot notify {peer!r}: unknown or dead")
         self.fabric.notify(target, Notification(self.name, payload))
 
+    def expect_traffic(self, active: bool) -> None:
+        return None  # completions and notifications wake the listener when they happen
+
     def set_listener(self, callback: Callable[[], None] | None) -> None:
         self._listener = callback
 

@@ -66,12 +66,16 @@ _MEM_NAMES = {MemoryType.DRAM: "DRAM", MemoryType.VRAM: "VRAM"}
 _SEG_TYPES = {"DRAM_SEG": MemoryType.DRAM, "VRAM_SEG": MemoryType.VRAM}
 
 
-def load_nixl() -> Any:
-    """NIXL's Python API module (`nixl._api`, else a CUDA-specific build of it).
+def load_nixl(cuda: bool = True) -> Any:
+    """NIXL's Python API module (`nixl._api`, else a CUDA-specific build of it).  With `cuda`
+    False (host memory only, which every build moves), a build is imported directly: the `nixl`
+    package picks the build matching the CUDA stack and, on a machine without one, imports
+    torch to find that out (over a second).
 
     :raises TransportUnavailable: NIXL is not installed; the message says how to install it.
     """
-    for name in ("nixl._api", "nixl_cu13._api", "nixl_cu12._api"):
+    names = ("nixl._api", "nixl_cu13._api", "nixl_cu12._api")
+    for name in names if cuda else names[1:] + names[:1]:
         try:
             return importlib.import_module(name)
         except ImportError:
@@ -119,10 +123,14 @@ class NixlTransport:
     """A NIXL agent named `name` with `backends` (UCX by default).
 
     `granule` (the KV block length in bytes) enables ``mode="prepped"``.  `idle_poll` is how
-    often the agent thread looks for notifications while no op of its own is in flight;
-    `inline_poll` how long `submit` polls a posted op before leaving it to the agent thread.
+    often the agent thread looks for notifications while no op of its own is in flight and the
+    engine has transfers under way (`expect_traffic`), `lazy_poll` how often while it has none
+    (NIXL cannot wake a thread when a notification arrives: it is polled, and an idle engine
+    polling every `idle_poll` cost 6 % of a core); `inline_poll` how long `submit` polls a
+    posted op before leaving it to the agent thread.
     `thread_setup` runs first on the agent thread (a GPU host binds it to its device: UCX
-    disables CUDA IPC on a thread with no CUDA device set).
+    disables CUDA IPC on a thread with no CUDA device set).  `cuda` False: this endpoint moves
+    host memory only (see `load_nixl`).
 
     NIXL's own exceptions (`nixl_failures`) become `TransportError` at every call into NIXL;
     anything else raised there is a bug and propagates as it is.
@@ -142,21 +150,25 @@ class NixlTransport:
         mode: str = "direct",
         granule: int | None = None,
         idle_poll: float = 0.0005,
+        lazy_poll: float = 0.05,
         inline_poll: float = 0.0001,
         call_timeout: float = 30.0,
         thread_setup: Callable[[], None] | None = None,
+        cuda: bool = True,
     ) -> None:
         if mode not in ("direct", "prepped") or (mode == "prepped" and not granule):
             raise ConfigError("mode must be 'direct', or 'prepped' with a granule (the block length)")
         self.name = name
         self.mode = mode
         self.granule = granule
-        self._api = load_nixl()
+        self._api = load_nixl(cuda)
         self._failures = nixl_failures(self._api)  # caught on the hot path without a context manager
         self._errors: dict[type[BaseException], type[KVFlowError]] = dict.fromkeys(self._failures, TransportError)
         self._backends = list(backends)
         self._backend_params = backend_params or {}
         self._idle_poll = idle_poll
+        self._lazy_poll = lazy_poll
+        self._traffic = True  # transfers under way, until the engine says otherwise
         self._inline_poll = inline_poll
         self._call_timeout = call_timeout
         self._thread_setup = thread_setup
@@ -208,7 +220,9 @@ class NixlTransport:
         started.set_result(None)
         while True:
             try:
-                job = self._jobs.get(timeout=0 if self._busy() else self._idle_poll)
+                job = self._jobs.get(
+                    timeout=0 if self._busy() else self._idle_poll if self._traffic else self._lazy_poll
+                )
             except queue.Empty:
                 job = None if self._closed else _noop
             if job is None:
@@ -401,6 +415,11 @@ class NixlTransport:
 
     def set_listener(self, callback: Callable[[], None] | None) -> None:
         self._listener = callback
+
+    def expect_traffic(self, active: bool) -> None:
+        was, self._traffic = self._traffic, active
+        if active and not was:
+            self._jobs.put(_noop)  # wake the agent thread from its lazy wait: poll at the idle rate now
 
     def close(self) -> None:
         if self._closed:

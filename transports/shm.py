@@ -293,6 +293,9 @@ class ShmTransport:
             raise TransportError(f"cannot notify {peer!r}: not connected")
         self._notify(target, payload)
 
+    def expect_traffic(self, active: bool) -> None:
+        return None  # completions and notifications wake the listener when they happen
+
     def set_listener(self, callback: Callable[[], None] | None) -> None:
         self._listener = callback
 

@@ -134,6 +134,7 @@ class Engine:
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
         self._drain_scheduled = False
+        self._traffic = True  # what the transport was last told (`Transport.expect_traffic`)
         self._idle = asyncio.Event()
         self._state = "new"
 
@@ -155,6 +156,8 @@ class Engine:
         self.control.start(self._loop, self._guarded_control)
         self._state = "running"
         self._idle.set()
+        self._traffic = False
+        self.transport.expect_traffic(False)
 
     async def __aenter__(self) -> Engine:
         await self.start()
@@ -396,10 +399,14 @@ class Engine:
             elif isinstance(action, DeclarePeerLost):
                 self._peers.tear_down(action.peer, action.reason)
         self._arm_timer()
-        if self.core.live_count():
+        live = bool(self.core.live_count())
+        if live:
             self._idle.clear()
         else:
             self._idle.set()
+        if live != self._traffic:
+            self._traffic = live
+            self.transport.expect_traffic(live)
 
     def _resolve(self, action: Resolve) -> list[Action]:
         result = TransferResult(action.key, action.role, action.outcome, action.reason)
