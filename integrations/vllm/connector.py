@@ -229,10 +229,9 @@ class KVFlowConnector(KVConnectorBase_V1):
 
     @property
     def kvflow_engine(self) -> Engine | None:
-        """This rank's kvflow engine, for inspection (None on the scheduler side or before the
-        KV caches are registered)."""
-        thread = self._worker.thread if self._worker is not None else None
-        return thread.engine if thread is not None else None
+        """This rank's kvflow engine, for inspection (None on the scheduler side, before the KV
+        caches are registered, or when the engine runs in a process of its own)."""
+        return self._worker.engine if self._worker is not None else None
 
     # ================================================================ metrics
 
@@ -241,7 +240,7 @@ class KVFlowConnector(KVConnectorBase_V1):
         engine).  Scheduler side: what the scheduler-side book counted since the previous call,
         if it counts anything (a ``counters`` mapping of cumulative counts)."""
         if self._meter is not None:
-            return self._meter.take(self._worker.thread if self._worker is not None else None)
+            return self._meter.take(self._worker.link if self._worker is not None else None)
         counted = {name: int(value) for name, value in dict(getattr(self._book, "counters", {})).items()}
         gained = counter_deltas(counted, self._scheduler_counted)
         self._scheduler_counted = counted

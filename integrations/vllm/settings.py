@@ -17,6 +17,7 @@ from kvflow.layout import MAX_SPEC_TEXT
 
 __all__ = ("KV_CACHE_LAYOUTS", "Settings", "layer_groups")
 
+ENGINE_PLACES = ("auto", "process", "thread")
 KV_CACHE_LAYOUTS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")  # vLLM 0.33's KVCacheLayout
 
 
@@ -42,6 +43,11 @@ class Settings:
     push_layer_groups: int = 4  # push: WRITEs per prefill chunk, each posted once its layers are saved
     kv_cache_layout: str = ""  # a vLLM KVCacheLayout for kvflow to request; "": the backend's choice
     model_id: str = ""  # the model's identity in the handshake; "": vLLM's model name or path
+    # where each rank's engine runs: "process" (its own, so that its Python never runs in the
+    # host's interpreter), "thread" (of the worker's process), "auto" (a process when it can serve)
+    engine_process: str = "auto"
+    # the CPUs each rank's engine process runs on (Linux CPU numbers); empty: the worker's own
+    engine_cpus: tuple[int, ...] = ()
 
     def producer(self, engine_id: str, tp_size: int = 1, dp_rank: int = 0) -> PeerRef | None:
         """This engine as the prefill side names itself to a decode engine it does not know:
@@ -63,6 +69,10 @@ class Settings:
         for key, value in extra.items():
             extra[key] = _setting_value(key, value, fields[key].default)
         settings = cls(**extra)
+        if settings.engine_process not in ENGINE_PLACES:
+            raise ConfigError(
+                f"kvflow engine_process must be one of {list(ENGINE_PLACES)}, not {settings.engine_process!r}"
+            )
         if settings.transport not in ("nixl", "loopback"):
             raise ConfigError(f"kvflow transport must be 'nixl' or 'loopback', not {settings.transport!r}")
         if settings.host in ("", "*", "0.0.0.0", "::", "[::]"):
@@ -90,6 +100,10 @@ def _setting_value(key: str, value: Any, default: Any) -> Any:
 
     :raises ConfigError: a value of another type, naming the key.
     """
+    if key == "engine_cpus":
+        if isinstance(value, list | tuple) and all(type(item) is int and 0 <= item < 65536 for item in value):
+            return tuple(value)
+        raise ConfigError(f"kvflow {key} must be a list of CPU numbers, not {value!r:.80}")
     if isinstance(default, tuple):
         if isinstance(value, list | tuple) and all(isinstance(item, str) for item in value):
             return tuple(value)

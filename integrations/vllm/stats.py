@@ -42,9 +42,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from vllm.v1.metrics.utils import create_metric_per_engine
 
 from kvflow.errors import KVFlowError
+from kvflow.integrations.vllm.links import EngineLink
 from kvflow.protocol.state import Outcome, State
-from kvflow.runtime.engine import Engine
-from kvflow.runtime.threaded import EngineThread
 
 __all__ = ("IN_FLIGHT_STATES", "KVFlowConnectorStats", "KVFlowPromMetrics", "RankMeter", "counter_deltas")
 
@@ -53,18 +52,6 @@ SAMPLE_KEYS = ("transfer_duration", "post_duration", "bytes_transferred", "num_d
 COUNT_KEYS = ("outcomes", "rejected_frames", "scheduler")
 TERMINAL = {State.ABORTED, State.FAILED, State.EXPIRED}
 IN_FLIGHT_STATES = tuple(state.value for state in State if state not in TERMINAL)
-# the engine's and its core's counters of refused peer messages -> the reason reported
-ENGINE_REJECTIONS = {
-    "messages_from_unknown_peers": "unknown_peer",
-    "notifications_from_unknown": "notification_from_unknown_peer",
-    "stale_epoch": "stale_epoch",
-    "unknown_transfer": "unknown_transfer",
-    "foreign_peer": "foreign_peer",
-    "malformed_notifications": "malformed_notification",
-    "protocol_violations": "protocol_violation",
-    "rejected_registrations": "rejected_registration",
-    "over_quota": "over_quota",
-}
 
 
 def _empty() -> dict[str, Any]:
@@ -171,18 +158,6 @@ class _Snapshot:
     gauges: dict[str, Any]  # {"quarantined_blocks": n, "in_flight": {state: n}}
 
 
-async def _take_snapshot(engine: Engine) -> _Snapshot:
-    """On the engine's loop, where its core may be read."""
-    stats = engine.stats()
-    rejected = {reason: int(stats.get(name, 0)) for name, reason in ENGINE_REJECTIONS.items()}
-    for name, value in dict(getattr(engine.control, "counters", {})).items():
-        if name.startswith("rejected_"):
-            rejected[name.removeprefix("rejected_")] = int(value)
-    in_flight = Counter(machine.state.value for machine in engine.core.live())
-    gauges = {"quarantined_blocks": int(stats["quarantined_blocks"]), "in_flight": dict(in_flight)}
-    return _Snapshot(rejected, gauges)
-
-
 def _stats_of(data: dict[str, Any]) -> KVFlowConnectorStats:
     """Stats around a payload built here (complete and not shared: no copy needed)."""
     stats = object.__new__(KVFlowConnectorStats)
@@ -196,23 +171,23 @@ def _busy(gauges: Mapping[str, Any]) -> bool:
 
 class RankMeter:
     """A worker rank's reports: `take` after each step, on the model runner's thread.  Never
-    blocks: it reads the engine's meter (a lock held for a list swap) and the gauge snapshot
-    asked for at the previous call, and asks for the next one."""
+    blocks: it reads the engine's meter (what its link gathered) and the gauge snapshot asked
+    for at the previous call (the agent's ``snapshot``), and asks for the next one."""
 
     def __init__(self, rank: str) -> None:
         self.rank = rank
-        self._pending: concurrent.futures.Future[_Snapshot] | None = None
+        self._pending: concurrent.futures.Future[dict[str, Any]] | None = None
         self._latest = _Snapshot({}, {"quarantined_blocks": 0, "in_flight": {}})
         self._rejected_reported: dict[str, int] = {}
         self._gauges_reported: dict[str, Any] = self._latest.gauges
         self._next_snapshot = 0.0
 
-    def take(self, thread: EngineThread | None) -> KVFlowConnectorStats | None:
+    def take(self, link: EngineLink | None) -> KVFlowConnectorStats | None:
         """This rank's figures since the previous call; None when there is nothing to say."""
-        if thread is None:
+        if link is None:
             return None
-        reading = thread.engine.meter.take()
-        fresh = self._refresh(thread)
+        reading = link.meter_take()
+        fresh = self._refresh(link)
         if not (fresh or reading.samples or reading.outcomes or reading.dropped):
             return None  # most steps: nothing new to say
         data = _empty()
@@ -233,7 +208,7 @@ class RankMeter:
         stats = _stats_of(data)
         return None if stats.is_empty() else stats
 
-    def _refresh(self, thread: EngineThread) -> bool:
+    def _refresh(self, link: EngineLink) -> bool:
         """Read the snapshot asked for earlier, if it came (True then); ask for the next one at
         most every `SNAPSHOT_INTERVAL` seconds (each wakes the engine's loop)."""
         fresh = False
@@ -241,12 +216,13 @@ class RankMeter:
         if pending is not None and pending.done():
             self._pending = None
             if not pending.cancelled() and pending.exception() is None:
-                self._latest, fresh = pending.result(), True
+                snapshot = pending.result()
+                self._latest, fresh = _Snapshot(snapshot["rejected"], snapshot["gauges"]), True
         now = time.monotonic()
         if self._pending is None and now >= self._next_snapshot:
             self._next_snapshot = now + SNAPSHOT_INTERVAL
-            with contextlib.suppress(KVFlowError):  # the engine thread stopped: the last snapshot stands
-                self._pending = thread.call(_take_snapshot)
+            with contextlib.suppress(KVFlowError):  # the engine stopped: the last snapshot stands
+                self._pending = link.command("snapshot")
         return fresh
 
 

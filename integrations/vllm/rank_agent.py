@@ -1,0 +1,257 @@
+"""The engine side of a vLLM worker rank: what the worker's hooks order, run where its engine runs.
+
+Why apart from the worker: the worker's hooks run on the model runner's thread and only hand
+out orders; each order here is a short sequence of engine calls that may wait (for a
+handshake with the peer's rank, for the device to have written the KV, for the layer group
+before it), so it runs with the engine, on its loop: on the rank's engine thread, or in the
+rank's engine process (`kvflow.runtime.engine_process`), where the host's interpreter is not
+shared.  Every command takes and returns plain data, so the same agent serves both.
+
+No vLLM import: an engine process never loads vLLM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+from kvflow.errors import KVFlowError, UnknownTransfer
+from kvflow.integrations.vllm.device import Device, Gate, GateWaiter, HostDevice
+from kvflow.integrations.vllm.mapping import PeerRef
+from kvflow.integrations.vllm.ranks import reach_rank
+from kvflow.protocol.messages import OPEN_BATCHES, TransferKey
+from kvflow.protocol.state import Mode, Role
+from kvflow.runtime.engine import Engine
+from kvflow.runtime.engine_process import EngineAgent
+
+__all__ = ("ENGINE_REJECTIONS", "RankAgent")
+
+log = logging.getLogger("kvflow.vllm")
+
+# the engine's and its core's counters of refused peer messages -> the reason reported
+ENGINE_REJECTIONS = {
+    "messages_from_unknown_peers": "unknown_peer",
+    "notifications_from_unknown": "notification_from_unknown_peer",
+    "stale_epoch": "stale_epoch",
+    "unknown_transfer": "unknown_transfer",
+    "foreign_peer": "foreign_peer",
+    "malformed_notifications": "malformed_notification",
+    "protocol_violations": "protocol_violation",
+    "rejected_registrations": "rejected_registration",
+    "over_quota": "over_quota",
+}
+
+PeerWire = Sequence[Any]  # [engine, address, tp_size]: a `PeerRef` as plain data
+
+
+def peer_wire(peer: PeerRef) -> list[Any]:
+    return [peer.engine, peer.address, peer.tp_size]
+
+
+def _peer(wire: PeerWire) -> PeerRef:
+    return PeerRef(str(wire[0]), str(wire[1]), int(wire[2]))
+
+
+class RankAgent(EngineAgent):
+    """One rank's engine-side state: each push transfer's posting chain, and D's registrations
+    still under way (an abort waits for them).  `device` and `transfer_timeout`: what a WRITE
+    waits for before it is posted, and for how long."""
+
+    COMMANDS: ClassVar[frozenset[str]] = EngineAgent.COMMANDS | {
+        "expect_blocks",
+        "nothing_wanted",
+        "abort_unallocated",
+        "promise_pair",
+        "ready_pull",
+        "post_group",
+        "abort_pair",
+        "snapshot",
+    }
+
+    def __init__(self, engine: Engine, transfer_timeout: float = 60.0, device: Device | None = None) -> None:
+        super().__init__(engine)
+        self.transfer_timeout = transfer_timeout
+        self.device: Device = device or HostDevice()
+        self._waiter: GateWaiter | None = None
+        # each push transfer's last posted group, and the transfers whose posting failed
+        # part-way (their later groups are skipped)
+        self._chains: dict[TransferKey, asyncio.Future[None]] = {}
+        self._broken: set[TransferKey] = set()
+        self._registrations: dict[TransferKey, asyncio.Future[Any]] = {}  # D: expects not returned yet
+
+    # ---------------------------------------------------------------- D
+
+    async def expect_blocks(
+        self,
+        prefill: PeerWire,
+        p_tp: int,
+        source: int,
+        transfer_id: str,
+        epoch: int,
+        block_ids: list[int],
+        mode: str,
+        first_position: int,
+        share: str,
+    ) -> None:
+        """D: register `block_ids` with P rank `source` once associated with it; several P ranks
+        may write their own heads into the same blocks (`share`).
+
+        :raises KVFlowError: the handshake or the registration failed (see `Engine.expect`).
+        """
+        key = TransferKey(transfer_id, epoch)
+        done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._registrations[key] = done
+        try:
+            peer = await reach_rank(self.engine, _peer(prefill), p_tp, source, Role.DECODE)
+            await self.engine.expect(
+                transfer_id,
+                epoch,
+                peer=peer,
+                block_ids=block_ids,
+                mode=Mode(mode),
+                # P decides how many: its token budget splits the prompt into chunks
+                expected_batches=OPEN_BATCHES if Mode(mode) is Mode.PUSH else 1,
+                first_position=first_position,
+                share=share,
+            )
+        finally:
+            done.set_result(None)
+            if self._registrations.get(key) is done:
+                del self._registrations[key]
+
+    async def nothing_wanted(
+        self, prefill: PeerWire, p_tp: int, source: int, transfer_id: str, epoch: int, first_position: int
+    ) -> None:
+        """D needs no KV (a full prefix hit): an empty registration, and P releases its blocks
+        without a WRITE.  :raises KVFlowError: see `expect_blocks`."""
+        peer = await reach_rank(self.engine, _peer(prefill), p_tp, source, Role.DECODE)
+        await self.engine.expect(
+            transfer_id, epoch, peer=peer, block_ids=(), expected_batches=0, first_position=first_position
+        )
+
+    async def abort_unallocated(
+        self, prefill: PeerWire, p_tp: int, source: int, transfer_id: str, epoch: int, reason: str, mode: str
+    ) -> None:
+        """D's request ended before it had blocks: P is told, so that it frees its KV at once.
+        :raises KVFlowError: the handshake failed or P cannot be told."""
+        peer = await reach_rank(self.engine, _peer(prefill), p_tp, source, Role.DECODE)
+        await self.engine.abort(transfer_id, epoch, Role.DECODE, reason, peer=peer, mode=Mode(mode))
+
+    async def abort_pair(self, transfer_id: str, epoch: int, role: str, reason: str) -> None:
+        """Give up on a pair transfer; D's registration still under way is waited for first
+        (bounded: its handshake has a deadline).  Nothing to abort is no error."""
+        key = TransferKey(transfer_id, epoch)
+        registration = self._registrations.get(key) if Role(role) is Role.DECODE else None
+        if registration is not None:
+            await asyncio.wait([registration])
+        with contextlib.suppress(UnknownTransfer):  # never started here: nothing to abort
+            await self.engine.abort(transfer_id, epoch, Role(role), reason)
+
+    # ---------------------------------------------------------------- P
+
+    async def promise_pair(self, transfer_id: str, epoch: int, peer: str) -> None:
+        """P holds the request for D rank `peer`: heartbeats say so."""
+        await self.engine.promise(transfer_id, epoch, peer=peer)
+
+    async def ready_pull(
+        self,
+        decode: PeerWire | None,
+        d_tp: int,
+        target: int,
+        transfer_id: str,
+        epoch: int,
+        block_ids: list[int],
+        gate: Gate | None = None,
+    ) -> None:
+        """Pull: the KV is ready in `block_ids` once the device has run the work before `gate`;
+        D rank `target` is told (no `decode`: a sequential router's transfer, for whichever D
+        claims it).  :raises KVFlowError: see `Engine.kv_ready`; the device or the handshake failed."""
+        await self._wait_for_device(gate)
+        peer = None if decode is None else await reach_rank(self.engine, _peer(decode), d_tp, target, Role.PREFILL)
+        await self.engine.kv_ready(transfer_id, epoch, block_ids=block_ids, mode=Mode.PULL, peer=peer)
+
+    async def post_group(
+        self,
+        transfer_id: str,
+        epoch: int,
+        block_ids: list[int],
+        group: int,
+        layers: Sequence[int],
+        final: bool,
+        first_position: int,
+        first_of_transfer: bool,
+        gate: Gate | None = None,
+    ) -> None:
+        """Push: layer group `group` (`layers`) of one chunk's blocks, posted after the ones before it once the
+        device has written it.  A failure of the transfer's first group leaves kvflow holding
+        nothing (vLLM frees the blocks): it is raised; a later failure aborts the transfer,
+        whose blocks then come back through the engine's release.
+
+        :raises KVFlowError: the transfer's first group was refused."""
+        key = TransferKey(transfer_id, epoch)
+        previous = self._chains.get(key)
+        mine: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._chains[key] = mine
+        try:
+            if previous is not None:
+                await previous
+            if key in self._broken:
+                return
+            try:
+                await self._wait_for_device(gate)
+                await self.engine.kv_ready(
+                    transfer_id,
+                    epoch,
+                    block_ids=block_ids,
+                    layers=(int(layers[0]), int(layers[1])),
+                    final=final,
+                    first_position=first_position,
+                )
+            except KVFlowError as exc:
+                self._broken.add(key)
+                if first_of_transfer:
+                    raise
+                log.error("%s: layer group %d of %s refused: %s", self.engine.engine_id, group, key, exc)
+                with contextlib.suppress(KVFlowError):
+                    await self.engine.abort(transfer_id, epoch, Role.PREFILL, f"layer group {group}: {exc}")
+        finally:
+            mine.set_result(None)
+            if self._chains.get(key) is mine:
+                del self._chains[key]
+            if final:
+                self._broken.discard(key)
+
+    async def _wait_for_device(self, gate: Gate | None) -> None:
+        """Until the device has run the work before `gate`.
+
+        :raises TransferTimeout: not within the transfer timeout.
+        :raises TransportError: the device reported an error.
+        """
+        if gate is None:
+            return
+        if self._waiter is None:
+            self._waiter = GateWaiter(self.device, f"kvflow-gates-{self.engine.engine_id}")
+        await self._waiter.wait(gate, self.transfer_timeout)
+
+    # ---------------------------------------------------------------- metrics
+
+    async def snapshot(self) -> dict[str, Any]:
+        """This rank's gauges and refusal counters, for vLLM's metrics (plain data)."""
+        engine = self.engine
+        stats = engine.stats()
+        rejected = {reason: int(stats.get(name, 0)) for name, reason in ENGINE_REJECTIONS.items()}
+        for name, value in dict(getattr(engine.control, "counters", {})).items():
+            if name.startswith("rejected_"):
+                rejected[name.removeprefix("rejected_")] = int(value)
+        in_flight = Counter(machine.state.value for machine in engine.core.live())
+        gauges = {"quarantined_blocks": int(stats["quarantined_blocks"]), "in_flight": dict(in_flight)}
+        return {"rejected": rejected, "gauges": gauges}
+
+    def close(self) -> None:
+        if self._waiter is not None:
+            self._waiter.close()
+            self._waiter = None
