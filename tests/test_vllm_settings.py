@@ -63,11 +63,25 @@ def test_settings_refuse_a_bad_push_layer_groups(value: Any) -> None:
         ("nixl_backends", ["UCX", 1]),
         ("fabric", 1),
         ("transport", None),
+        ("engine_process", "yes"),
+        ("engine_process", True),
+        ("engine_cpus", [0, "1"]),
+        ("engine_cpus", [-1]),
+        ("engine_cpus", 3),
+        ("push_group_bytes", -1),
+        ("push_group_bytes", 1.5),
+        ("push_group_bytes", 1 << 41),
     ],
 )
 def test_settings_refuse_a_bad_value_naming_its_key(key: str, value: Any) -> None:
     with pytest.raises(ConfigError, match=key):
         Settings.from_extra({key: value})
+
+
+def test_settings_read_where_the_engine_runs() -> None:
+    settings = Settings.from_extra({"engine_process": "thread", "engine_cpus": [2, 3], "push_group_bytes": 0})
+    assert (settings.engine_process, settings.engine_cpus, settings.push_group_bytes) == ("thread", (2, 3), 0)
+    assert Settings().engine_process == "auto"
 
 
 def test_settings_take_json_integers_for_seconds() -> None:
