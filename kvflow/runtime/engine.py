@@ -443,18 +443,19 @@ class Engine:
             except KVFlowError as exc:
                 error = f"{type(exc).__name__}: {exc}"
             posted = (*size, time.perf_counter() - started)
-            loop.call_soon_threadsafe(self._guard, self.meter.op_posted, op.key, role, *posted)
-            loop.call_soon_threadsafe(self._guard, self._after_submit, op.op_id, error, op.kind, size[0])
+            loop.call_soon_threadsafe(self._guard, self._after_submit, op, role, error, posted)
 
         self._submitter.submit(job)
 
-    def _after_submit(self, op_id: int, error: str | None, kind: OpKind, nbytes: int) -> None:
+    def _after_submit(self, op: SubmitOp, role: Role, error: str | None, posted: tuple[int, int, float]) -> None:
+        """On the loop, once the writer has posted `op` (or failed to): the meter, then the core."""
+        self.meter.op_posted(op.key, role, *posted)
         now = self._now()
         if error is None:
-            self.counters["bytes_written" if kind is OpKind.WRITE else "bytes_read"] += nbytes
-            self._run(self.core.op_submitted(op_id, now))
+            self.counters["bytes_written" if op.kind is OpKind.WRITE else "bytes_read"] += posted[0]
+            self._run(self.core.op_submitted(op.op_id, now))
         else:
-            self._run(self.core.op_finished(op_id, now, error))
+            self._run(self.core.op_finished(op.op_id, now, error))
 
     # ------------------------------------------------------------------ inbound events
 
