@@ -98,3 +98,18 @@ def test_preempted_after_a_chunk_went_out_aborts_the_transfer(async_scheduling: 
     finally:
         d.close()
         p.close()
+
+
+@pytest.mark.parametrize(("prompt", "groups"), [(64, 1), (128, 2), (256, 4), (512, 4)])
+def test_a_chunk_goes_out_in_as_many_layer_groups_as_push_group_bytes_fills(prompt: int, groups: int) -> None:
+    """Every WRITE costs P's engine the same work whatever its size, so a small chunk goes out
+    in fewer of them: at least ``push_group_bytes`` each, at most ``push_layer_groups``.  (A
+    block here holds 128 KiB over the model's four layers.)"""
+    extra = {"push_layer_groups": 4, "push_group_bytes": 256 << 10}
+    p, d = make_pair(extra=extra)
+    try:
+        move_and_check(p, d, f"g{prompt}", prompt)
+        assert landed(d, f"g{prompt}") == groups
+    finally:
+        d.close()
+        p.close()

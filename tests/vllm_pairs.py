@@ -68,7 +68,8 @@ def make_pair(
     parallelism, rank r binds the base port + r, as in a deployment (the router names rank 0)."""
     p_ranks = {**options, **(p_options or {})}.get("tensor_parallel", 1)
     d_ranks = {**options, **(d_options or {})}.get("tensor_parallel", 1)
-    common = {"transport": transport, "fabric": fabric(), **(extra or {})}
+    # every layer group even for the small prompts of tests (the default merges small chunks' groups)
+    common = {"transport": transport, "fabric": fabric(), "push_group_bytes": 0, **(extra or {})}
     p_port = consecutive_free_ports(p_ranks) if max(p_ranks, d_ranks) > 1 else 0
     d_port = consecutive_free_ports(d_ranks) if max(p_ranks, d_ranks) > 1 else 0
     p = StandInEngine(

@@ -40,7 +40,8 @@ class Settings:
     fence_timeout: float = 10.0
     nixl_backends: tuple[str, ...] = ("UCX",)
     fabric: str = "default"  # loopback only
-    push_layer_groups: int = 4  # push: WRITEs per prefill chunk, each posted once its layers are saved
+    push_layer_groups: int = 4  # push: WRITEs per prefill chunk, at most, each posted once its layers are saved
+    push_group_bytes: int = 4 << 20  # ... each moving at least this much (0: always push_layer_groups)
     kv_cache_layout: str = ""  # a vLLM KVCacheLayout for kvflow to request; "": the backend's choice
     model_id: str = ""  # the model's identity in the handshake; "": vLLM's model name or path
     # where each rank's engine runs: "process" (its own, so that its Python never runs in the
@@ -85,6 +86,8 @@ class Settings:
         for key in ("transfer_timeout", "lease", "fence_timeout", "push_layer_groups"):
             if getattr(settings, key) <= 0:
                 raise ConfigError(f"kvflow {key} must be positive, not {getattr(settings, key)!r}")
+        if not 0 <= settings.push_group_bytes <= 1 << 40:
+            raise ConfigError(f"kvflow push_group_bytes must be 0..2**40, not {settings.push_group_bytes!r}")
         if settings.kv_cache_layout and settings.kv_cache_layout not in KV_CACHE_LAYOUTS:
             raise ConfigError(
                 f"kvflow kv_cache_layout must be one of {list(KV_CACHE_LAYOUTS)} or empty, "

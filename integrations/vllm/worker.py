@@ -96,7 +96,10 @@ class WorkerSide(PeerNotices):
         self._failed_starts: list[tuple[concurrent.futures.Future[Any], str, tuple[int, ...], TransferKey | None]] = []
         self._ready_starts: list[tuple[concurrent.futures.Future[Any], str, TransferKey]] = []
         self._connected: dict[str, concurrent.futures.Future[None]] = {}
-        self.layer_groups: list[tuple[int, int]] = [(0, 1)]
+        self.layer_groups: list[tuple[int, int]] = [(0, 1)]  # the most a chunk goes out in (see `_groups`)
+        self._num_layers = 1
+        self._block_bytes = 0
+        self._group_sets: dict[int, list[tuple[int, int]]] = {}
         self.layer_of: dict[str, int] = {}  # vLLM layer name -> kvflow layer (execution order)
         self.device: Device = HostDevice()
         self._saved: set[int] = set()  # kvflow layers saved in this step's forward
@@ -116,6 +119,9 @@ class WorkerSide(PeerNotices):
         settings = self.settings
         layout = self._ranked(caches.layout)
         self.layer_groups = layer_groups(layout.spec.num_layers, settings.push_layer_groups)
+        self._num_layers = layout.spec.num_layers
+        self._block_bytes = layout.block_len * len(layout.arrays)  # one block, every layer
+        self._group_sets = {len(self.layer_groups): self.layer_groups}
         self.layer_of = dict(caches.layer_of)
         self.device = device
         config = EngineConfig(
@@ -270,15 +276,19 @@ class WorkerSide(PeerNotices):
         if layer is None or not orders.ready:
             return
         self._saved.add(layer)
-        complete = 0
-        while complete < len(self.layer_groups) and self._saved.issuperset(range(*self.layer_groups[complete])):
-            complete += 1
-        pushes = [order for order in orders.ready if order.params.mode is Mode.PUSH]
-        if not complete or all(self._groups_sent.get(o.request_id, 0) >= complete for o in pushes):
-            return
-        gate = self.device.record()
-        for order in pushes:
-            self._post_groups(order, complete, gate)
+        gate: Gate | None = None
+        recorded = False
+        for order in orders.ready:
+            if order.params.mode is not Mode.PUSH:
+                continue
+            groups = self._groups(order)
+            complete = self._groups_sent.get(order.request_id, 0)
+            while complete < len(groups) and self._saved.issuperset(range(*groups[complete])):
+                complete += 1
+            if complete > self._groups_sent.get(order.request_id, 0):
+                if not recorded:  # one device event for every group this layer completes
+                    gate, recorded = self.device.record(), True
+                self._post_groups(order, complete, gate)
 
     def save(self, orders: Orders) -> None:
         """Ready orders, once the forward that computed their KV is enqueued: pull readiness,
@@ -293,7 +303,7 @@ class WorkerSide(PeerNotices):
         gate = self.device.record()
         for order in orders.ready:
             if order.params.mode is Mode.PUSH:
-                self._post_groups(order, len(self.layer_groups), gate)
+                self._post_groups(order, len(self._groups(order)), gate)
                 self._groups_sent.pop(order.request_id, None)
                 continue
             pairs = self._open_sending(order)
@@ -340,7 +350,8 @@ class WorkerSide(PeerNotices):
         else:
             keys = self.pairs.still_open(order.request_id, Role.PREFILL)
         futures: list[concurrent.futures.Future[Any]] = []
-        blocks, last = list(order.block_ids), len(self.layer_groups) - 1
+        groups = self._groups(order)
+        blocks, last = list(order.block_ids), len(groups) - 1
         for key in keys:
             assert isinstance(key, TransferKey)
             for group in range(first, upto):
@@ -350,7 +361,7 @@ class WorkerSide(PeerNotices):
                     key.epoch,
                     blocks,
                     group,
-                    list(self.layer_groups[group]),
+                    list(groups[group]),
                     order.final and group == last,
                     order.first,
                     group == 0 and order.first == 0,
@@ -360,6 +371,20 @@ class WorkerSide(PeerNotices):
                 if group == 0 and order.first == 0:
                     self._ready_starts.append((future, order.request_id, key))
         return futures
+
+    def _groups(self, order: Order) -> list[tuple[int, int]]:
+        """The layer groups a push order's blocks go out in: as many as ``push_layer_groups``
+        allows with at least ``push_group_bytes`` in each (one WRITE for a small chunk: every
+        WRITE costs the engine the same work whatever its size, and a small one gains nothing
+        from starting before the forward ends)."""
+        count = len(self.layer_groups)
+        if self.settings.push_group_bytes:
+            wanted = -(-len(order.block_ids) * self._block_bytes // self.settings.push_group_bytes)
+            count = max(1, min(count, wanted))
+        groups = self._group_sets.get(count)
+        if groups is None:
+            groups = self._group_sets[count] = layer_groups(self._num_layers, count)
+        return groups
 
     def _abort(self, order: Order) -> None:
         role = Role.PREFILL if order.producer else Role.DECODE
