@@ -283,6 +283,15 @@ class Pair:
                 said.append(event["text"])
         return said
 
+    def pause(self) -> None:
+        """Stop both engines (and their children) until `resume`: an idle pair takes no CPU."""
+        for engine in self.engines.values():
+            engine.pause()
+
+    def resume(self) -> None:
+        for engine in self.engines.values():
+            engine.resume()
+
     def close(self) -> None:
         for engine in self.engines.values():
             engine.close(keep_log=self.failed)

@@ -305,16 +305,16 @@ def run(o: HostOptions, progress: Any = None) -> dict[str, Any]:
                 engine.send(op="host", load=load, spin=False)
             _warm(pair, system, o)
             idle[system] = _idle(pair, o.idle_s)
-            _pause(pair)
+            pair.pause()
             if progress is not None:
                 progress(f"{system}: started, idle CPU P {_pct(idle[system]['P'])} D {_pct(idle[system]['D'])}")
         for index, rate in enumerate(o.rates):
             order = list(o.systems[index % len(o.systems) :] + o.systems[: index % len(o.systems)])
             for system in order:
                 pair = pairs[system]
-                _resume(pair)
+                pair.resume()
                 row = _summary(_window(pair, system, rate, o, load))
-                _pause(pair)
+                pair.pause()
                 rows.append(row)
                 if progress is not None:
                     p, d = row["engines"]["P"], row["engines"]["D"]
@@ -343,16 +343,6 @@ def _warm(pair: Pair, system: str, o: HostOptions) -> None:
             name, event = pair.next_event(deadline, "the warm-up transfer")
             if event.get("id") == flight.request_id:
                 pair.on_event(name, event, flight, o.tokens)
-
-
-def _pause(pair: Pair) -> None:
-    for engine in pair.engines.values():
-        engine.pause()
-
-
-def _resume(pair: Pair) -> None:
-    for engine in pair.engines.values():
-        engine.resume()
 
 
 def _num(value: float | None) -> str:

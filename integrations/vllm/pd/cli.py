@@ -24,7 +24,7 @@ __all__ = ("add_arguments", "main")
 
 SYSTEMS = ("kvflow", "kvflow-pull", "vllm-pull", "vllm-push")
 DEFAULT_SYSTEMS = SYSTEMS
-QUICK = {"qps": [1.0, 4.0], "requests": 8, "prompt_dist": "uniform:128:4096", "output_dist": "uniform:16:64"}
+QUICK = {"qps": [1.0, 4.0], "requests": 24, "prompt_dist": "uniform:128:4096", "output_dist": "uniform:16:64"}
 
 
 def _floats(text: str) -> list[float]:
@@ -76,7 +76,8 @@ def main(args: argparse.Namespace) -> int:
     :raises ConfigError: a bad option.
     :raises BenchError: an engine died or a request stalled.
     """
-    from kvflow.integrations.vllm.pd.run import run_system
+    from kvflow.integrations.vllm.bench import Pair
+    from kvflow.integrations.vllm.pd.run import run_point, start_system
     from kvflow.integrations.vllm.pd.sizing import STANDIN_BLOCK, size
 
     model, prompt, output, rates, count = _config(args)
@@ -94,10 +95,21 @@ def main(args: argparse.Namespace) -> int:
     sys.stdout.write(_header(config) + "\n")
     total = len(systems) * len(rates) * count
     cells: list[dict[str, Any]] = []
-    with _Progress(total) as progress:
-        for system in systems:
-            progress.label(system)
-            cells += run_system(system, points, model, sizing, max_model_len, progress.advance)
+    pairs: dict[str, Pair] = {}
+    try:
+        with _Progress(total) as progress:
+            for system in systems:
+                progress.label(f"{system}: starting")
+                pairs[system] = start_system(system, model, sizing, max_model_len)
+            for index, (qps, requests) in enumerate(points):
+                turn = index % len(systems)  # each rate starts with the next system
+                for system in systems[turn:] + systems[:turn]:
+                    progress.label(f"{system} at QPS {qps:g}")
+                    cells.append(run_point(pairs[system], qps, requests, progress.advance))
+    finally:
+        for pair in pairs.values():
+            pair.close()
+    cells.sort(key=lambda cell: (systems.index(cell["system"]), rates.index(cell["qps"])))
     results = {"config": config, "cells": cells}
     _publish(results, folder)
     bad = sum(c["failed"] + c["bad_pages"] for c in cells)
@@ -135,7 +147,8 @@ def _describe(model: StepModel, sizing: Any, prompt: LengthDist, output: LengthD
         "systems": systems,
         "transport": transport(),
         "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} CPUs (stand-in engines, modelled GPUs)",
-        "order": "each system's pair started once, its rates in order; systems one after another",
+        "order": "every system's pair started first; at each rate the systems take turns (the first rotating "
+        "from rate to rate), each stopped with SIGSTOP during the others' turns",
     }  # fmt: skip
 
 
@@ -186,7 +199,7 @@ class _Progress:
         if self.bar is not None:
             self.bar.update(self.task, description=name)
         else:
-            sys.stdout.write(f"{name}: starting\n")
+            sys.stdout.write(f"{name}\n")
             sys.stdout.flush()
 
     def advance(self, count: int) -> None:

@@ -3,9 +3,12 @@ open-loop Poisson load at every request rate, and what each request and step did
 
 Why open loop: under load, what push changes is how long requests queue (on P for compute, on D
 for KV); a closed loop would slow its arrivals down whenever a system is slow and hide that.
-Each system's pair is started once and runs the request rates in order (systems one after the
-other); every system sees the same requests at a given rate.  Requests are sent at their
-arrival times by this loop, whatever earlier requests are doing.  P gets max_tokens=1 and D the
+Every system's pair is started first (`start_system`); then at each request rate the systems
+take turns (`run_point`), in an order that rotates from rate to rate, each resumed for its turn
+and stopped (SIGSTOP, its engine processes with it) for the others', so that slow drift of the
+machine falls on all of them alike and an idle pair takes no CPU from the measured one; every
+system sees the same requests at a given rate.  Requests are sent at their arrival times by
+this loop, whatever earlier requests are doing.  P gets max_tokens=1 and D the
 request's output length, as vLLM's proxies do; the routing is `bench.Pair`'s.
 """
 
@@ -24,7 +27,8 @@ from kvflow.integrations.vllm.pd.sizing import STANDIN_BLOCK, Sizing
 from kvflow.integrations.vllm.pd.workload import Arrival
 from kvflow.integrations.vllm.standin.timing import StepModel
 
-__all__ = ("Request", "run_system", "transport")
+__all__ = ("Request", "run_point", "start_system", "transport")
+LEASE = 3600.0  # kvflow's lease in the pairs: a pair stopped for the others' turns keeps its peers
 
 REQUEST_TIMEOUT = 300.0  # seconds a request may take from its arrival before the run fails
 
@@ -109,37 +113,42 @@ def _engines(model: StepModel, sizing: Sizing, max_model_len: int) -> dict[str, 
     return {"P": {**common, "num_blocks": sizing.p_blocks}, "D": {**common, "num_blocks": sizing.d_blocks}}
 
 
-def run_system(
-    system: str,
-    points: list[tuple[float, list[Arrival]]],
-    model: StepModel,
-    sizing: Sizing,
-    max_model_len: int,
-    progress: Any = None,
-) -> list[dict[str, Any]]:
-    """`system`'s pair, started once, under each (qps, requests) point in turn: one cell each.
-    `progress(done, total)` is told of every finished request.
+def start_system(system: str, model: StepModel, sizing: Sizing, max_model_len: int) -> Pair:
+    """`system`'s pair, paced by `model`, its connections made by one unmeasured request, then
+    stopped (`resume` it for its turn).
 
-    :raises BenchError: an engine died or a request did not finish in time.
+    :raises BenchError: NIXL is missing, an engine died or the warm-up request did not finish.
     """
     transport()
-    options: dict[str, Any] = {"engines": _engines(model, sizing, max_model_len)}
+    options: dict[str, Any] = {"engines": _engines(model, sizing, max_model_len), "kvflow_settings": {"lease": LEASE}}
     pair = start_pair(system, max_model_len - 1, 1, options)
     try:
         for engine in pair.engines.values():
             engine.send(op="model", model=model.to_json())
         warm = Arrival("warmup", 0.0, min(256, max_model_len // 2), 2)
         _run_point(pair, [warm])  # connections and handshakes, not measured
-        cells = []
-        for qps, requests in points:
-            cell = _run_point(pair, requests, progress)
-            cells.append({"system": system, "qps": qps, **cell})
-        return cells
+    except BaseException:
+        pair.failed = True
+        pair.close()
+        raise
+    pair.pause()
+    return pair
+
+
+def run_point(pair: Pair, qps: float, requests: list[Arrival], progress: Any = None) -> dict[str, Any]:
+    """One (system, qps) cell: the stopped `pair` resumed for `requests`, then stopped again.
+    `progress(count)` is told of every finished request.
+
+    :raises BenchError: an engine died or a request did not finish in time.
+    """
+    pair.resume()
+    try:
+        return {"system": pair.connector, "qps": qps, **_run_point(pair, requests, progress)}
     except BaseException:
         pair.failed = True
         raise
     finally:
-        pair.close()
+        pair.pause()
 
 
 def _run_point(pair: Pair, arrivals: list[Arrival], progress: Any = None) -> dict[str, Any]:
