@@ -159,18 +159,16 @@ class Server:
     def _readable(self) -> None:
         while True:
             try:
-                data = self.sock.recv(1 << 20)
+                count, frames = self._reader.read(self.sock)
             except BlockingIOError:
                 return
             except OSError:
-                data = b""
-            if not data:  # the host is gone
-                self._close()
-                return
-            try:
-                frames = self._reader.feed(data)
+                count, frames = 0, []
             except KVFlowError as exc:
                 log.error("engine process: %s", exc)
+                self._close()
+                return
+            if not count:  # the host is gone
                 self._close()
                 return
             for frame in frames:
