@@ -202,6 +202,7 @@ class Pair:
                 extra["engine_process"] = "thread"
         self.engines: dict[str, EngineProcess] = {}
         self.hooks: dict[str, list[float]] = {"P": [], "D": []}  # µs per step inside connector hooks
+        self.hooks_cpu: dict[str, list[float]] = {"P": [], "D": []}  # ... of it, the stepping thread's CPU
         self.hook_names: dict[str, dict[str, list[float]]] = {"P": {}, "D": {}}  # the same, per hook
         self.failed = False
         try:
@@ -383,9 +384,11 @@ class Pair:
             engine.send(op="pace", step_ms=cell.step_ms)
         self._run_flights(warmup, 1, cell.tokens)
         self.hooks, self.hook_names = {"P": [], "D": []}, {"P": {}, "D": {}}
+        self.hooks_cpu = {"P": [], "D": []}
         for flight in self._run_flights(cell.requests, cell.concurrency, cell.tokens):
             _record(cell, flight)
         cell.p_hooks_us, cell.d_hooks_us = self.hooks["P"], self.hooks["D"]
+        cell.p_hooks_cpu_us, cell.d_hooks_cpu_us = self.hooks_cpu["P"], self.hooks_cpu["D"]
         cell.p_hook_us, cell.d_hook_us = self.hook_names["P"], self.hook_names["D"]
 
     def _run_flights(self, count: int, concurrency: int, tokens: int) -> list[Flight]:
@@ -403,6 +406,7 @@ class Pair:
             name, event = self.next_event(deadline, f"{len(flights)} requests in flight to complete")
             if event["ev"] == "hooks":
                 self.hooks[name].append(event["s"] * 1e6)
+                self.hooks_cpu[name].append(event.get("cpu", 0.0) * 1e6)
                 for hook, seconds in event.get("by", {}).items():
                     self.hook_names[name].setdefault(hook, []).append(seconds * 1e6)
             flight_for = flights.get(event.get("id", ""))

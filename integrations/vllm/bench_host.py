@@ -104,6 +104,7 @@ class Window:
     rate: float
     steps: dict[str, list[dict[str, float]]] = field(default_factory=lambda: {"P": [], "D": []})
     hooks: dict[str, list[float]] = field(default_factory=lambda: {"P": [], "D": []})  # s per step
+    hooks_cpu: dict[str, list[float]] = field(default_factory=lambda: {"P": [], "D": []})
     cpu: dict[str, list[float]] = field(default_factory=dict)  # engine -> [own, children] seconds used
     seconds: float = 0.0
     flights: list[Flight] = field(default_factory=list)
@@ -194,8 +195,9 @@ def _take(
         if span[0] <= event["t"] <= span[1]:
             window.steps[name].append(event)
         return
-    if kind == "hooks":  # the step's time inside the connector's hooks (rank 0)
+    if kind == "hooks":  # the step's time inside the connector's hooks (rank 0), and its CPU
         window.hooks[name].append(event["s"])
+        window.hooks_cpu[name].append(event.get("cpu", 0.0))
         return
     flight = live.get(event.get("id", ""))
     if flight is None:
@@ -231,6 +233,7 @@ def _summary(window: Window) -> dict[str, Any]:
             # core, and the rest: waits for the GIL (another thread of its process held it)
             "host_cpu_ms": _ms(s["cpu"] for s in steps),
             "hooks_ms": _ms(window.hooks[name]),
+            "hooks_cpu_ms": _ms(window.hooks_cpu[name]),
             "core_wait_ms": _ms(s["queued"] for s in steps),
             "gil_wait_ms": _ms(max(0.0, s["busy"] - s["cpu"] - s["queued"]) for s in steps),
             "cpu_pct": 100 * (own + kids) / wall,
@@ -363,7 +366,7 @@ def render(results: dict[str, Any]) -> str:
         lines += [
             "",
             f"{name}: rate/s  system        | done/s failed | kv→recv p50    p99 | steps/s  loss% | step p50    p99"
-            "   +p99 | host CPU ms/step  +mean | hooks mean    p99 | GIL wait mean    p99 |"
+            "   +p99 | host CPU ms/step  +mean | hooks mean    p99  CPU | GIL wait mean    p99 |"
             " core wait mean    p99 | CPU%",
         ]
         for row in results["rows"]:
@@ -376,7 +379,8 @@ def render(results: dict[str, Any]) -> str:
                 f" {_num(row['kv_to_recv_ms']['p50']):>11} {_num(row['kv_to_recv_ms']['p99']):>6} |"
                 f" {_num(e['steps_per_s']):>7} {loss:>6} | {_num(e['step_ms']['p50']):>8}"
                 f" {_num(e['step_ms']['p99']):>6} {added:>6} | {_ms3(e['host_cpu_ms']['mean']):>16} {cpu_added:>6} |"
-                f" {_ms3(e['hooks_ms']['mean']):>10} {_ms3(e['hooks_ms']['p99']):>6} |"
+                f" {_ms3(e['hooks_ms']['mean']):>10} {_ms3(e['hooks_ms']['p99']):>6}"
+                f" {_ms3(e['hooks_cpu_ms']['mean']):>5} |"
                 f" {_ms3(e['gil_wait_ms']['mean']):>13} {_ms3(e['gil_wait_ms']['p99']):>6} |"
                 f" {_ms3(e['core_wait_ms']['mean']):>14} {_ms3(e['core_wait_ms']['p99']):>6} | {e['cpu_pct']:>4.0f}"
             )
@@ -386,7 +390,8 @@ def render(results: dict[str, Any]) -> str:
         f"layers, then {o['wait_ms']:g} ms with the interpreter released; prompts of {o['tokens']} tokens; "
         "loss, +p99 and +mean host CPU against 'alone' at the same rate.  Of a step's work before its wait: "
         "host CPU is the engine thread's own (kvflow's hooks included), core wait its time runnable without a "
-        "core, GIL wait the rest (another thread of its process held the interpreter)."
+        "core, GIL wait the rest (another thread of its process held the interpreter); hooks: the step's "
+        "time inside the connector's hooks, and the thread's CPU in them."
     )
     if o["host_cpus"] or o["engine_cpus"]:
         lines.append(

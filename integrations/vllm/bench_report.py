@@ -32,6 +32,8 @@ class Cell:
     p_free_steps: list[int] = field(default_factory=list)  # P's steps from request_finished to finished_sending
     p_hooks_us: list[float] = field(default_factory=list)  # per P step: time inside connector hooks
     d_hooks_us: list[float] = field(default_factory=list)
+    p_hooks_cpu_us: list[float] = field(default_factory=list)  # ... of it, the model runner thread's CPU
+    d_hooks_cpu_us: list[float] = field(default_factory=list)
     p_hook_us: dict[str, list[float]] = field(default_factory=dict)  # per hook name, per P step it ran in
     d_hook_us: dict[str, list[float]] = field(default_factory=dict)
     bytes_verified: int = 0
@@ -70,6 +72,7 @@ def summarize(cells: list[Cell]) -> list[dict[str, Any]]:
                 "fin_to_recv_p90_ms": med("fin_to_recv_ms", 0.9),
                 "kv_to_recv_p50_ms": med("kv_to_recv_ms", 0.5),
                 "start_to_recv_p50_ms": med("start_to_recv_ms", 0.5),
+                "start_to_recv_p90_ms": med("start_to_recv_ms", 0.9),
                 "d_steps_p50": med("d_steps", 0.5),
                 "d_steps_p90": med("d_steps", 0.9),
                 "fin_to_sent_p50_ms": med("fin_to_sent_ms", 0.5),
@@ -79,6 +82,8 @@ def summarize(cells: list[Cell]) -> list[dict[str, Any]]:
                 "p_hooks_p99_us": med("p_hooks_us", 0.99),
                 "d_hooks_p50_us": med("d_hooks_us", 0.5),
                 "d_hooks_p99_us": med("d_hooks_us", 0.99),
+                "p_hooks_cpu_p99_us": med("p_hooks_cpu_us", 0.99),
+                "d_hooks_cpu_p99_us": med("d_hooks_cpu_us", 0.99),
                 "p_hook_us": _per_hook(group, "p_hook_us"),
                 "d_hook_us": _per_hook(group, "d_hook_us"),
                 "requests": sum(c.requests for c in group),
@@ -112,10 +117,10 @@ def _per_request(group: list[Cell]) -> int:
 def render(rows: list[dict[str, Any]]) -> str:
     header = (
         f"{'connector':<12} {'tokens':>6} {'chunks':>6} {'conc':>4} {'step':>5} | {'fin→recv p50':>12} {'p90':>7} "
-        f"{'kv→recv p50':>11} {'start→recv':>10} | {'D steps p50':>11} {'p90':>5} | "
+        f"{'kv→recv p50':>11} {'start→recv':>10} {'p90':>6} | {'D steps p50':>11} {'p90':>5} | "
         f"{'P free p50':>10} {'steps':>5} {'p90':>3} | "
-        f"{'P hooks µs p50':>14} {'p99':>6} {'D p50':>6} {'p99':>6} | {'KiB/req':>8} {'verified':>9} {'bad':>4} "
-        f"{'failed':>6}"
+        f"{'P hooks µs p50':>14} {'p99':>6} {'CPU p99':>7} {'D p50':>6} {'p99':>6} {'CPU p99':>7} | "
+        f"{'KiB/req':>8} {'verified':>9} {'bad':>4} {'failed':>6}"
     )
     lines = [header, "-" * len(header)]
     for r in sorted(rows, key=lambda r: (r["tokens"], r["chunks"], r["concurrency"], r["step_ms"], r["connector"])):
@@ -123,11 +128,12 @@ def render(rows: list[dict[str, Any]]) -> str:
         lines.append(
             f"{r['connector']:<12} {r['tokens']:>6} {r['chunks']:>6} {r['concurrency']:>4} {pace:>5} | "
             f"{r['fin_to_recv_p50_ms']:>12.1f} {r['fin_to_recv_p90_ms']:>7.1f} {r['kv_to_recv_p50_ms']:>11.1f} "
-            f"{r['start_to_recv_p50_ms']:>10.1f} | "
+            f"{r['start_to_recv_p50_ms']:>10.1f} {r['start_to_recv_p90_ms']:>6.1f} | "
             f"{r['d_steps_p50']:>11.0f} {r['d_steps_p90']:>5.0f} | {r['fin_to_sent_p50_ms']:>10.1f} "
             f"{r['p_free_steps_p50']:>5.0f} {r['p_free_steps_p90']:>3.0f} | "
-            f"{r['p_hooks_p50_us']:>14.0f} {r['p_hooks_p99_us']:>6.0f} {r['d_hooks_p50_us']:>6.0f} "
-            f"{r['d_hooks_p99_us']:>6.0f} | {r['bytes_per_request'] / 2**10:>8.0f} "
+            f"{r['p_hooks_p50_us']:>14.0f} {r['p_hooks_p99_us']:>6.0f} {r['p_hooks_cpu_p99_us']:>7.0f} "
+            f"{r['d_hooks_p50_us']:>6.0f} {r['d_hooks_p99_us']:>6.0f} {r['d_hooks_cpu_p99_us']:>7.0f} | "
+            f"{r['bytes_per_request'] / 2**10:>8.0f} "
             f"{r['bytes_verified'] / 2**20:>7.0f}Mi {r['bad_pages']:>4} {r['failed']:>6}"
         )
     return "\n".join(lines)
@@ -144,6 +150,10 @@ def render_hooks(rows: list[dict[str, Any]]) -> str:
             shown = ", ".join(f"{name} {v['p50']:.0f}/{v['p99']:.0f}" for name, v in hooks.items())
             lines.append(f"    {side.upper()}: {shown or '-'}")
     return "\n".join(lines)
+
+
+def _ratio(row: dict[str, Any], theirs: dict[str, Any], metric: str) -> str:
+    return f"{row[metric] / theirs[metric]:.2f}x" if theirs[metric] else "-"
 
 
 def verdict(rows: list[dict[str, Any]], ours: str = "kvflow") -> list[str]:
@@ -163,8 +173,11 @@ def verdict(rows: list[dict[str, Any]], ours: str = "kvflow") -> list[str]:
         ratio = row[metric] / best[metric] if best[metric] else float("nan")
         pace_name = f"{pace:g} ms steps" if pace else "fast steps"
         prompt = f"{n_tokens} tokens in {chunks} chunks" if chunks > 1 else f"{n_tokens} tokens"
+        start = min(theirs, key=lambda r: r["start_to_recv_p50_ms"])
         out.append(
             f"{prompt}, {conc} in flight, {pace_name}: {ours} {name} p50 {row[metric]:.1f} ms vs "
-            f"{best['connector']} {best[metric]:.1f} ms ({ratio:.2f}x)"
+            f"{best['connector']} {best[metric]:.1f} ms ({ratio:.2f}x); from the start of P's last step "
+            f"p50 {_ratio(row, start, 'start_to_recv_p50_ms')}, p90 {_ratio(row, start, 'start_to_recv_p90_ms')} "
+            f"of {start['connector']}'s"
         )
     return out

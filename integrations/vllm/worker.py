@@ -61,6 +61,7 @@ __all__ = ("Settings", "WorkerSide", "layer_groups")  # Settings, layer_groups: 
 log = logging.getLogger("kvflow.vllm")
 
 _LOOPBACK_FABRICS: dict[str, Any] = {}  # in-process fabrics by name, for tests and simulation
+INLINE_OP_BYTES = 1 << 20  # in an engine process, ops of up to 1 MiB are posted from its loop
 
 
 def _failed(exc: BaseException) -> concurrent.futures.Future[Any]:
@@ -153,6 +154,8 @@ class WorkerSide(PeerNotices):
         return None
 
     def _start_process(self, layout: KVLayout, config: EngineConfig, bind: str) -> None:
+        # the engine process's loop is kvflow's alone: a small op is posted there (see EngineConfig)
+        config = dataclasses.replace(config, inline_op_bytes=INLINE_OP_BYTES)
         spans = host_memory.share_in_place(layout.regions)
         spec = ProcessSpec(
             self.engine_id,

@@ -41,6 +41,10 @@ class EngineConfig:
     # keep for a poller; beyond it the oldest is dropped and counted (`released_dropped`,
     # `finished_dropped`), so an engine nobody polls does not grow without bound
     results_kept: int = 65_536
+    # a data op moving at most this many bytes is planned and posted on the event loop, when the
+    # writer has nothing queued, instead of on the writer thread: two thread hand-overs cost
+    # more than a small op's planning and post (0: every op on the writer)
+    inline_op_bytes: int = 0
     # runs first on every thread the engine starts (its writer): a GPU host binds it to its device
     thread_setup: Callable[[], None] | None = None
 
@@ -60,5 +64,7 @@ class EngineConfig:
         for bound in ("results_kept", "max_peers"):
             if getattr(self, bound) < 1:
                 raise ConfigError(f"engine config {bound} must be >= 1")
+        if self.inline_op_bytes < 0:
+            raise ConfigError("engine config inline_op_bytes must be >= 0")
         if self.heartbeat_interval is not None and not 0 < self.heartbeat_interval < self.lease:
             raise ConfigError("engine config heartbeat_interval must be in (0, lease)")

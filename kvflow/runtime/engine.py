@@ -432,6 +432,12 @@ class Engine:
         loop = self._running_loop()
         role = Role.PREFILL if op.kind is OpKind.WRITE else Role.DECODE
         self.meter.op_asked(op.key, role, self._now())
+        # a small op is planned and posted here, on the loop, when nothing is queued before it
+        # (no reordering): two thread hand-overs cost more than its planning and post
+        span = self.layout.spec.num_layers if op.layers is None else op.layers[1] - op.layers[0]
+        size = len(op.local_blocks) * span * self.layout.spec.arrays_per_layer * self.layout.block_len
+        inline = size <= self.config.inline_op_bytes and self._submitter.idle()
+        after = loop.call_soon if inline else loop.call_soon_threadsafe
 
         def job() -> None:
             error: str | None = None
@@ -443,9 +449,12 @@ class Engine:
             except KVFlowError as exc:
                 error = f"{type(exc).__name__}: {exc}"
             posted = (*size, time.perf_counter() - started)
-            loop.call_soon_threadsafe(self._guard, self._after_submit, op, role, error, posted)
+            after(self._guard, self._after_submit, op, role, error, posted)
 
-        self._submitter.submit(job)
+        if inline:
+            job()
+        else:
+            self._submitter.submit(job)
 
     def _after_submit(self, op: SubmitOp, role: Role, error: str | None, posted: tuple[int, int, float]) -> None:
         """On the loop, once the writer has posted `op` (or failed to): the meter, then the core."""

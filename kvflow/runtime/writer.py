@@ -26,6 +26,9 @@ class Submitter(Protocol):
     def submit(self, job: Job) -> None:
         """Run `job` soon, after every job submitted before it.  :raises EngineClosed: closed."""
 
+    def idle(self) -> bool:
+        """No job is queued or running (a job run elsewhere now keeps the order).  Never raises."""
+
     def close(self, timeout: float) -> None:
         """Run what is queued, then stop (waiting at most `timeout` seconds)."""
 
@@ -38,6 +41,8 @@ class WriterThread:
         self, name: str, on_error: Callable[[BaseException], None], *, thread_setup: Callable[[], None] | None = None
     ) -> None:
         self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self._pending = 0  # jobs submitted and not finished (under `_count`)
+        self._count = threading.Lock()
         self._on_error = on_error
         self._thread_setup = thread_setup
         self._closed = False
@@ -47,7 +52,12 @@ class WriterThread:
     def submit(self, job: Job) -> None:
         if self._closed:
             raise EngineClosed("writer thread is closed")
+        with self._count:
+            self._pending += 1
         self._jobs.put(job)
+
+    def idle(self) -> bool:
+        return self._pending == 0
 
     def close(self, timeout: float) -> None:
         if self._closed:
@@ -68,6 +78,9 @@ class WriterThread:
                 job()
             except Exception as exc:
                 self._on_error(exc)
+            finally:
+                with self._count:
+                    self._pending -= 1
 
 
 class InlineSubmitter:
@@ -80,6 +93,9 @@ class InlineSubmitter:
         if self._closed:
             raise EngineClosed("submitter is closed")
         job()
+
+    def idle(self) -> bool:
+        return True
 
     def close(self, timeout: float) -> None:
         self._closed = True

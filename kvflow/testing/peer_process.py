@@ -55,9 +55,20 @@ def spec(dtype: str) -> KVSpec:
     return KVSpec(num_layers=2, block_size=16, num_kv_heads=2, head_dim=32, dtype=dtype)
 
 
+_events = sys.stdout  # where the JSON lines go (see `_own_stdout`)
+
+
 def emit(event: str, **fields: Any) -> None:
-    sys.stdout.write(json.dumps({"event": event, **fields}) + "\n")
-    sys.stdout.flush()
+    _events.write(json.dumps({"event": event, **fields}) + "\n")
+    _events.flush()
+
+
+def _own_stdout() -> None:
+    """Keep the process's stdout for the JSON lines alone: what native libraries print (UCX logs
+    its errors on stdout) goes to stderr instead."""
+    global _events
+    _events = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
 
 
 class DroppingShm(ShmTransport):
@@ -234,6 +245,7 @@ if __name__ == "__main__":
     parser.add_argument("--fault-seed", type=int, default=0, help="seed of the injected faults")
     parser.add_argument("--misstamp-every", type=int, default=0, help="every Nth kv_ready stamps another seed")
     arguments = parser.parse_args()
+    _own_stdout()
     kvflow.control.wire.VERSION = arguments.wire_version  # lets a test play a peer of another version
     with contextlib.suppress(SystemExit):  # the "close" command ends the process
         run(Peer(arguments).main())

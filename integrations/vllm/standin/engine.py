@@ -48,41 +48,11 @@ from kvflow.integrations.vllm.ranks import heads_of
 from kvflow.integrations.vllm.standin.build import backend_class, layer_specs, vllm_config
 from kvflow.integrations.vllm.standin.kv import LaggingDevice, PagedKV
 from kvflow.integrations.vllm.standin.model import EngineOptions
-from kvflow.integrations.vllm.standin.pacing import HostLoad, Pacer, burn, thread_times
+from kvflow.integrations.vllm.standin.pacing import HookClock, HostLoad, Pacer, thread_times
 
 __all__ = ("SAMPLED", "Rank", "StandInEngine")
 
 SAMPLED = 7  # the token the stand-in model always samples (never EOS)
-
-
-class HookClock:
-    """A worker connector as the model runner calls it: every call timed, the time summed, in
-    all and per hook name."""
-
-    def __init__(self, worker: Any) -> None:
-        self._worker = worker
-        self.seconds = 0.0
-        self.by_name: dict[str, float] = {}
-
-    def __getattr__(self, name: str) -> Callable[..., Any]:
-        method = getattr(self._worker, name)
-
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            started = time.perf_counter()
-            try:
-                return method(*args, **kwargs)
-            finally:
-                spent = time.perf_counter() - started
-                self.seconds += spent
-                self.by_name[name] = self.by_name.get(name, 0.0) + spent
-
-        return timed
-
-    def take(self) -> tuple[float, dict[str, float]]:
-        """The time spent in hooks since the last call: in all, and per hook name."""
-        seconds, self.seconds = self.seconds, 0.0
-        by_name, self.by_name = self.by_name, {}
-        return seconds, by_name
 
 
 @dataclass
@@ -430,18 +400,12 @@ class StandInEngine:
             )
         output = self.aggregator.aggregate(outputs)  # type: ignore[arg-type]
         assert output is not None
-        busy: dict[str, float] = {}
-        if self.host is not None and clock is not None:  # the device computes, the interpreter is free
-            cpu, queued, busy_until = (b - a for a, b in zip(clock, thread_times(), strict=True))
-            time.sleep(self.host.wait_ms / 1e3)
-            # the step's work before the wait: its wall time, the thread's CPU in it, its waits
-            # for a core (the rest of the wall time it waited for the GIL or blocked)
-            busy = {"busy": busy_until, "cpu": cpu, "queued": queued}
+        busy = self.host.finish(clock) if self.host is not None and clock is not None else None
         now = time.perf_counter()
-        if self.host is not None:
+        if busy is not None:
             self.emit(ev="hstep", t=started, dur=now - started, py=self.host_python, **busy)
-        spent, by_name = self.ranks[0].hooks.take()  # rank 0's time inside connector hooks
-        self.emit(ev="hooks", s=spent, by=by_name)
+        spent, by_name, cpu = self.ranks[0].hooks.take()  # rank 0's time inside connector hooks
+        self.emit(ev="hooks", s=spent, by=by_name, cpu=cpu)
         for request_id in work.completed:  # `started`: the start of the step that completed it
             self.emit(ev="computed", id=request_id, t=now, started=started)
         if self.pacer is not None:
@@ -543,13 +507,10 @@ class StandInEngine:
         names, shared = self.layer_names(), dict(self.shape.shared)
         total = len(names)
         hooks = rank.worker is not None
-        share = self.host.iterations // total if self.host is not None else 0
         for layer in layers:
             name = names[layer]
-            if share:  # the forward's own Python for this layer (kernel launches), before its hooks
-                began = time.perf_counter()
-                burn(share)
-                self.host_python += time.perf_counter() - began
+            if self.host is not None:  # the forward's own Python for this layer (kernel launches)
+                self.host_python += self.host.layer(total)
             if hooks:
                 rank.hooks.wait_for_layer_load(name)
             if layer not in shared and work.writes:

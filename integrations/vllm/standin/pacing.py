@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from kvflow.integrations.vllm.standin.timing import Row, StepModel
 
-__all__ = ("HostLoad", "Pacer", "burn", "rows_of", "thread_times")
+__all__ = ("HookClock", "HostLoad", "Pacer", "burn", "rows_of", "thread_times")
 
 
 def burn(iterations: int) -> int:
@@ -34,6 +35,40 @@ def burn(iterations: int) -> int:
     for i in range(iterations):
         total += i & 7
     return total
+
+
+class HookClock:
+    """A worker connector as the model runner calls it: every call timed, the time summed, in
+    all and per hook name, with the calling thread's CPU time in them (the difference is time
+    the thread lost inside a hook: to a core another process took, or to the GIL)."""
+
+    def __init__(self, worker: Any) -> None:
+        self._worker = worker
+        self.seconds = 0.0
+        self.cpu = 0.0
+        self.by_name: dict[str, float] = {}
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        method = getattr(self._worker, name)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            started, cpu = time.perf_counter(), time.thread_time()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                spent = time.perf_counter() - started
+                self.cpu += time.thread_time() - cpu
+                self.seconds += spent
+                self.by_name[name] = self.by_name.get(name, 0.0) + spent
+
+        return timed
+
+    def take(self) -> tuple[float, dict[str, float], float]:
+        """The time spent in hooks since the last call: in all, per hook name, and as CPU."""
+        seconds, self.seconds = self.seconds, 0.0
+        by_name, self.by_name = self.by_name, {}
+        cpu, self.cpu = self.cpu, 0.0
+        return seconds, by_name, cpu
 
 
 def thread_times() -> tuple[float, float, float]:
@@ -57,6 +92,20 @@ class HostLoad:
 
     iterations: int
     wait_ms: float
+
+    def layer(self, layers: int) -> float:
+        """One of `layers` layers' share of the Python work; the seconds it took."""
+        began = time.perf_counter()
+        burn(self.iterations // layers)
+        return time.perf_counter() - began
+
+    def finish(self, since: tuple[float, float, float]) -> dict[str, float]:
+        """The step's work since `since` (`thread_times`): its wall time (``busy``), the thread's
+        CPU in it and its waits for a core (the rest it waited for the GIL or was blocked); then
+        the wait with the interpreter released (the device computing)."""
+        cpu, queued, busy = (b - a for a, b in zip(since, thread_times(), strict=True))
+        time.sleep(self.wait_ms / 1e3)
+        return {"busy": busy, "cpu": cpu, "queued": queued}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> HostLoad:
