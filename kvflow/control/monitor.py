@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable
+from typing import Any, cast
 
 import zmq
 import zmq.asyncio
@@ -30,21 +31,22 @@ class LinkMonitors:
 
     def __init__(self) -> None:
         self.listener: LinkListener | None = None
-        self._watched: dict[zmq.asyncio.Socket, tuple[zmq.asyncio.Socket, asyncio.Task[None]]] = {}
+        self._watched: dict[zmq.Socket[Any], tuple[zmq.asyncio.Socket, asyncio.Task[None]]] = {}
 
-    def watch(self, sock: zmq.asyncio.Socket, peer: str, loop: asyncio.AbstractEventLoop | None) -> None:
+    def watch(self, sock: zmq.Socket[Any], peer: str, loop: asyncio.AbstractEventLoop | None) -> None:
         """Report the links of `sock` (connected to `peer`) to the listener, if one is set, on
         `loop`.  Never raises: a socket that cannot be monitored is only watched by the lease."""
         if self.listener is None or loop is None:
             return
         try:
-            monitor = sock.get_monitor_socket(EVENTS)
+            # a socket of an asyncio context (as the channel's are) gives an asyncio monitor
+            monitor = cast("zmq.asyncio.Socket", sock.get_monitor_socket(EVENTS))
         except zmq.ZMQError:  # out of sockets: the lease still notices a silent peer
             return
         task = loop.create_task(self._read(monitor, peer), name=f"kvflow-link-{peer}")
         self._watched[sock] = (monitor, task)
 
-    def unwatch(self, sock: zmq.asyncio.Socket) -> None:
+    def unwatch(self, sock: zmq.Socket[Any]) -> None:
         """Stop watching `sock` (before it closes).  Never raises."""
         watched = self._watched.pop(sock, None)
         if watched is None:
