@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import importlib
+import importlib.util
 import queue
 import threading
 import time
@@ -85,8 +86,10 @@ def load_nixl(cuda: bool = True) -> Any:
 
 
 def require() -> None:
-    """:raises TransportUnavailable: NIXL is not installed (used by `load_transport`)."""
-    load_nixl()
+    """:raises TransportUnavailable: NIXL is not installed (used by `load_transport`).  Nothing is
+    imported: the transport imports the build it needs (see `load_nixl`)."""
+    if not any(importlib.util.find_spec(name) for name in ("nixl", "nixl_cu13", "nixl_cu12")):
+        raise TransportUnavailable(f"the NIXL transport needs the 'nixl' package; install it with: {INSTALL_HINT}")
 
 
 def nixl_failures(api: Any) -> tuple[type[Exception], ...]:

@@ -100,7 +100,7 @@ def _move_chunk(fd: int, base: int, offset: int, size: int) -> None:
     view = memoryview(here).cast("B")
     if np.frombuffer(view, np.uint8).any():  # a fresh file reads as zeros already
         os.pwrite(fd, view, offset)
-    flags = mmap.MAP_SHARED | 0x10  # MAP_FIXED
+    flags = mmap.MAP_SHARED | 0x10 | getattr(mmap, "MAP_POPULATE", 0)  # MAP_FIXED, faulted in now
     got = _libc.mmap(base + offset, size, mmap.PROT_READ | mmap.PROT_WRITE, flags, fd, offset)
     if got == _MAP_FAILED or got != base + offset:
         errno = ctypes.get_errno()
@@ -120,7 +120,9 @@ class MappedSpans:
         try:
             for fd, base, length in spans:
                 try:
-                    mapping = mmap.mmap(fd, length, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+                    # populated: every page faulted in now, not by the first WRITE into it
+                    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+                    mapping = mmap.mmap(fd, length, flags, mmap.PROT_READ | mmap.PROT_WRITE)
                 finally:
                     os.close(fd)
                 local = int(np.frombuffer(mapping, np.uint8).ctypes.data)
