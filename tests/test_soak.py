@@ -74,10 +74,13 @@ def test_bad_soak_settings_are_refused_before_anything_starts() -> None:
 
 
 def test_a_long_quiet_run_keeps_memory_descriptors_and_threads_flat() -> None:
-    """Nothing per transfer outlives the transfer: past a warm-up, over hundreds more transfers,
-    each process holds the same descriptors and threads and its RSS stays within a few pages."""
+    """Nothing per transfer outlives the transfer: past a warm-up, over a thousand more transfers,
+    each process holds the same descriptors and threads and its RSS grows by less than a
+    machine's worth per transfer.  (Python's allocator keeps growing its arenas for the first two
+    thousand or so transfers here, with two seconds of finished machines retained; over 1,200
+    transfers the second half was still in that growth, and the test failed on a quiet machine.)"""
     config = SoakConfig(
-        transfers=1200,
+        transfers=3000,
         concurrency=4,
         faults=(),
         transport="shm",
@@ -92,5 +95,6 @@ def test_a_long_quiet_run_keeps_memory_descriptors_and_threads_flat() -> None:
         assert len(samples) >= 16, samples
         warm, half, end = samples[5], samples[len(samples) // 2], samples[-1]
         assert (end["fds"], end["threads"]) == (warm["fds"], warm["threads"]), (side, warm, end)
-        assert end["rss_kib"] - half["rss_kib"] < 512, (side, half, end)  # ~600 transfers in between
+        # ~1,500 transfers in between: under 820 bytes each (as the former 512 KiB over ~600 was)
+        assert end["rss_kib"] - half["rss_kib"] < 1200, (side, half, end)
         assert report["final_stats"][side]["held_blocks"] == 0 and report["final_stats"][side]["live_transfers"] == 0
