@@ -147,6 +147,17 @@ def test_calls_in_a_batch_go_out_together_and_in_order(pair) -> None:  # type: i
     answered(p, leftover)
 
 
+def test_a_lazy_call_goes_with_the_next_call_or_the_next_pump(pair) -> None:  # type: ignore[no-untyped-def]
+    p, _, _, _ = pair
+    promised = p.call("promise", "lazy-1", 1, "decode-0", lazy=True)
+    stats = p.call("stats")  # sent now, with the lazy call ahead of it
+    answered(p, promised, stats)
+    assert promised.result() is None and stats.result()["live_transfers"] == 0
+    alone = p.call("stats", lazy=True)
+    answered(p, alone)  # pumping sends it
+    assert alone.result()["crashed"] == 0
+
+
 def test_an_engine_that_cannot_start_raises_its_error_and_leaves_nothing_running() -> None:
     before = _children()
     with pytest.raises(UnknownTransport, match="warp-drive"):

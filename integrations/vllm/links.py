@@ -30,8 +30,9 @@ class EngineLink(Protocol):
 
     address: str
 
-    def command(self, name: str, *args: Any) -> concurrent.futures.Future[Any]:
-        """Run `RankAgent.<name>(*args)` with the engine; returns at once.
+    def command(self, name: str, *args: Any, lazy: bool = False) -> concurrent.futures.Future[Any]:
+        """Run `RankAgent.<name>(*args)` with the engine; returns at once.  A `lazy` command
+        may wait for the next one that is not, or for the step's results.
         :raises EngineClosed: the engine has stopped."""
 
     def batch(self) -> contextlib.AbstractContextManager[None]:
@@ -60,7 +61,7 @@ class ThreadLink:
         self._options = (transfer_timeout, device)
         self._agent: RankAgent | None = None  # made on the engine thread, by the first command
 
-    def command(self, name: str, *args: Any) -> concurrent.futures.Future[Any]:
+    def command(self, name: str, *args: Any, lazy: bool = False) -> concurrent.futures.Future[Any]:
         def run(engine: Engine) -> Any:
             if self._agent is None:
                 self._agent = RankAgent(engine, *self._options)
@@ -99,8 +100,8 @@ class ProcessLink:
         self.process = process
         self.address = process.address
 
-    def command(self, name: str, *args: Any) -> concurrent.futures.Future[Any]:
-        return self.process.call(name, *args)
+    def command(self, name: str, *args: Any, lazy: bool = False) -> concurrent.futures.Future[Any]:
+        return self.process.call(name, *args, lazy=lazy)
 
     def batch(self) -> contextlib.AbstractContextManager[None]:
         return self.process.batch()

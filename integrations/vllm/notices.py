@@ -61,7 +61,8 @@ class PeerNotices:
             return
         for target, key in pairs:
             peer = f"{decode.engine}-tp{target}"  # rank r of an engine is named <engine>-tp<r>
-            self._link().command("promise_pair", key.transfer_id, key.epoch, peer).add_done_callback(
+            # lazy: a promise may wait for the step's next order or its results (no wake-up of its own)
+            self._link().command("promise_pair", key.transfer_id, key.epoch, peer, lazy=True).add_done_callback(
                 partial(self._logged, what=f"cannot promise {order.request_id}")
             )
 

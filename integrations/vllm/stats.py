@@ -222,7 +222,7 @@ class RankMeter:
         if self._pending is None and now >= self._next_snapshot:
             self._next_snapshot = now + SNAPSHOT_INTERVAL
             with contextlib.suppress(KVFlowError):  # the engine stopped: the last snapshot stands
-                self._pending = link.command("snapshot")
+                self._pending = link.command("snapshot", lazy=True)
         return fresh
 
 

@@ -181,6 +181,7 @@ class EngineProcess:
         self._seq = 0
         self._futures: dict[int, concurrent.futures.Future[Any]] = {}
         self._pending: list[Any] | None = None  # the calls of an open `batch`
+        self._lazy: list[Any] = []  # calls that go with the next one sent
         self._out = bytearray()
         self._reader = FrameReader()
         self._released: deque[ReleaseBlocks] = deque()
@@ -220,9 +221,11 @@ class EngineProcess:
 
     # ---------------------------------------------------------------- calls
 
-    def call(self, name: str, *args: Any) -> concurrent.futures.Future[Any]:
+    def call(self, name: str, *args: Any, lazy: bool = False) -> concurrent.futures.Future[Any]:
         """Run the agent's `name` with `args` (plain data) in the engine process; returns at
-        once.  Inside `batch`, the call is sent when the batch ends.
+        once.  Inside `batch`, the call is sent when the batch ends; a `lazy` one waits for the
+        next call that is not (or the next `pump`): a call that may wait a step costs no system
+        call (and no wake-up of the engine process) of its own.
 
         :raises EngineClosed: the engine process is gone or closing.
         """
@@ -233,7 +236,9 @@ class EngineProcess:
             self._seq += 1
             self._futures[self._seq] = future
             record = ["call", self._seq, name, list(args)]
-            if self._pending is not None:
+            if lazy:
+                self._lazy.append(record)
+            elif self._pending is not None:
                 self._pending.append(record)
             else:
                 self._send([record])
@@ -257,8 +262,10 @@ class EngineProcess:
                     self._send(records)
 
     def _send(self, records: list[Any]) -> None:
-        """Queue a frame and write what the socket takes now (the rest goes with the next
-        write or `pump`); a broken socket marks the child dead."""
+        """Queue a frame (the lazy calls first, in their order) and write what the socket takes
+        now (the rest goes with the next write or `pump`); a broken socket marks the child dead."""
+        if self._lazy:
+            records, self._lazy = self._lazy + records, []
         self._out += encode_frame(records)
         self._flush()
 
@@ -280,6 +287,8 @@ class EngineProcess:
         """Read whatever the child sent (never blocks): resolve calls, queue released blocks,
         gather the meter; a closed socket means the child is gone."""
         with self._lock:
+            if self._lazy and self.dead is None:
+                self._send([])
             self._flush()
             while self.dead is None:
                 try:

@@ -436,7 +436,8 @@ class StandInEngine:
         the first time (checked now, before the step's hooks), the tokens sampled."""
         work = _Work()
         size = self.ranks[0].pages.block_size
-        producer = self.options.role == "kv_producer"
+        # an engine without a connector computes its prompts' KV itself, whatever its role
+        producer = self.options.role == "kv_producer" or not self.options.connector
         for request_id, count in so.num_scheduled_tokens.items():
             request = self.scheduler.requests[request_id]
             computed = request.num_computed_tokens - count  # schedule() has already advanced it
