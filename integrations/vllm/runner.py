@@ -96,6 +96,9 @@ def serve(spec: EngineSpec, commands: queue.Queue[dict[str, Any] | None], events
     if spec.nixl_progress_delay_us is not None:
         _slow_nixl_progress_thread(spec.nixl_progress_delay_us)
     engine = StandInEngine(spec.options, emit)
+    from vllm.utils.gc_utils import freeze_gc_heap
+
+    freeze_gc_heap()  # as vLLM's engine core and GPU worker do once started: the GC skips their heap
     emit(
         ev="ready",
         engine_id=spec.options.engine_id or spec.options.name,

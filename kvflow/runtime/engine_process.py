@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import gc
 import importlib
 import logging
 import os
@@ -124,6 +125,8 @@ class Server:
                     await self.engine.aclose(drain_timeout=0.1)
             return 1
         self.sock.setblocking(False)
+        gc.collect()
+        gc.freeze()  # what start-up made lives as long as the process: the collector skips it
         self._queue(["ready", engine.control.address, os.getpid()])
         loop.add_reader(self.sock.fileno(), self._readable)
         await self._closing

@@ -438,6 +438,7 @@ class StandInEngine:
         size = self.ranks[0].pages.block_size
         # an engine without a connector computes its prompts' KV itself, whatever its role
         producer = self.options.role == "kv_producer" or not self.options.connector
+        verify = self.options.verify_pages
         for request_id, count in so.num_scheduled_tokens.items():
             request = self.scheduler.requests[request_id]
             computed = request.num_computed_tokens - count  # schedule() has already advanced it
@@ -445,13 +446,13 @@ class StandInEngine:
             if producer and computed < prompt:
                 blocks = self.block_ids(request_id)
                 stop = min(computed + count, prompt)
-                for position in range(computed // size, (stop - 1) // size + 1):
+                for position in range(computed // size, (stop - 1) // size + 1) if verify else ():
                     first = max(computed, position * size) - position * size
                     last = min(stop, (position + 1) * size) - position * size
                     work.writes.append((self.page_tag(request_id, position), position, blocks[position], first, last))
                 if stop == prompt:
                     work.completed.append(request_id)
-            elif not producer and request_id not in self.checked and computed > 0:
+            elif verify and not producer and request_id not in self.checked and computed > 0:
                 # the KV D reads and does not compute: loaded, or its prefix cache's (vLLM
                 # recomputes the prompt's last token)
                 bad = self.count_bad(request_id, computed)

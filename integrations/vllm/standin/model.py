@@ -160,4 +160,7 @@ class EngineOptions:
     distributed: bool = False  # a gloo group and vLLM's own worker set-up (one rank per process)
     dist_port: int = 0
     keep_vllm_affinity: bool = False  # keep the CPU pinning vLLM's NIXL worker applies on CPU
+    # P writes a pattern into the KV it computes and D checks every page it loads; off: neither
+    # (a GPU host's CPU does neither: `kvflow bench host` measures the host alone)
+    verify_pages: bool = True
     kv_buffer_device: str = "cuda"  # vLLM's default; the CPU KV caches of the benchmark's NIXL connectors need "cpu"
