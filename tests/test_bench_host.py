@@ -56,7 +56,7 @@ def test_a_windows_summary_splits_each_steps_work_and_the_relative_figures_follo
         window.steps["D"] = list(window.steps["P"])
         window.cpu = {"P": [1.0, 0.5], "D": [1.0, 0.0], "_wall": [10.0, 0.0]}
         window.seconds = 1.0
-    rows = [_summary(alone), _summary(other)]
+    rows = [_summary([alone]), _summary([other])]
     _relative(rows)
     p = rows[1]["engines"]["P"]
     assert p["steps_per_s"] == pytest.approx(50.0) and rows[0]["engines"]["P"]["steps_per_s"] == pytest.approx(100.0)
@@ -66,6 +66,12 @@ def test_a_windows_summary_splits_each_steps_work_and_the_relative_figures_follo
     assert p["added_p99_ms"] == pytest.approx(10.0) and p["added_cpu_ms"] == pytest.approx(1.0)
     assert p["cpu_pct"] == pytest.approx(15.0) and p["children_cpu_pct"] == pytest.approx(5.0)
     assert rows[0]["engines"]["P"]["loss_pct"] is None  # the baseline has nothing to lose to
+    later = Window("alone", 10.0)  # a second turn, later and slower: the turns' samples pool
+    later.steps["P"] = later.steps["D"] = [_step(100 + i * 0.020, 0.020, 0.003, 0.0, 0.003) for i in range(6)]
+    later.cpu, later.seconds = {"P": [1.0, 0.0], "D": [1.0, 0.0], "_wall": [10.0, 0.0]}, 1.0
+    pooled = _summary([alone, later])
+    assert pooled["turns"] == 2 and pooled["engines"]["P"]["steps"] == 17
+    assert pooled["engines"]["P"]["steps_per_s"] == pytest.approx((10 + 5) / (0.1 + 0.1))
 
 
 @pytest.mark.parametrize(
@@ -98,7 +104,7 @@ def test_a_small_run_of_the_command_measures_every_system(tmp_path: Path) -> Non
     out = tmp_path / "host.json"
     code = cli(
         [
-            "bench", "host", "--systems", "alone,kvflow", "--rates", "20", "--duration", "1",
+            "bench", "host", "--systems", "alone,kvflow", "--rates", "20", "--duration", "0.5", "--turns", "2",
             "--idle", "0.3", "--warmup", "0.2", "--python-ms", "1", "--wait-ms", "2", "--json", str(out),
         ]
     )  # fmt: skip

@@ -9,8 +9,10 @@ pure-Python work holding the interpreter, spread over the forward's layers, then
 interpreter released (the GPU computing).  Alone, a step takes its Python share plus the wait;
 whatever a connector takes from the interpreter or the cores shows as longer steps.
 
-Systems, interleaved per transfer rate (each system's pair of processes is started once and
-stopped with SIGSTOP while another is measured, so idle systems cost nothing):
+Systems, interleaved per transfer rate: each takes `turns` turns of `duration_s` at each rate,
+the systems one after the other and the first rotating from turn to turn, and a (system,
+rate)'s figures pool its turns (each system's pair of processes is started once and stopped with
+SIGSTOP while another is measured, so idle systems cost nothing):
 
 * ``alone``: no KV connector (each engine computes its prompts): the baseline;
 * ``kvflow``: kvflow's connector, push, layer group by layer group;
@@ -61,7 +63,8 @@ WINDOW_TIMEOUT = 120.0  # seconds the window's last transfers may take after its
 class HostOptions:
     systems: tuple[str, ...] = SYSTEMS
     rates: tuple[float, ...] = (10.0, 100.0, 1000.0)  # transfers (requests) per second
-    duration_s: float = 5.0  # seconds of arrivals per (system, rate)
+    duration_s: float = 2.0  # seconds of arrivals per turn of a (system, rate)
+    turns: int = 3  # turns of each system per rate, interleaved: slow drift falls on all alike
     python_ms: float = 3.0  # the host's Python work per step, interpreter held
     wait_ms: float = 7.0  # the rest of the step, interpreter released
     tokens: int = 64  # prompt length: blocks of 32 tokens, 8 layers
@@ -78,8 +81,8 @@ class HostOptions:
         unknown = [s for s in self.systems if s not in CONNECTORS]
         if unknown or not self.systems:
             raise ConfigError(f"unknown systems {unknown}; choose from {sorted(CONNECTORS)}")
-        if not self.rates or min(self.rates) <= 0 or self.duration_s <= 0:
-            raise ConfigError("rates and the duration must be positive")
+        if not self.rates or min(self.rates) <= 0 or self.duration_s <= 0 or self.turns < 1:
+            raise ConfigError("rates, the duration and the turns must be positive")
         if self.python_ms < 0 or self.wait_ms < 0 or self.python_ms + self.wait_ms <= 0:
             raise ConfigError("a step needs some work: python_ms and wait_ms non-negative, not both 0")
         if self.tokens < 1 or self.layer_groups < 1 or self.idle_s < 0 or self.warmup_s < 0:
@@ -222,37 +225,48 @@ def _drain(pair: Pair, until: float) -> None:
             raise BenchError(f"{pair.connector}: engine {name} exited (log: {pair.engines[name].log_path})")
 
 
-def _summary(window: Window) -> dict[str, Any]:
+def _summary(windows: list[Window]) -> dict[str, Any]:
+    """One (system, rate)'s figures over its windows (its turns), samples pooled."""
+    window = windows[0]
     engines: dict[str, Any] = {}
-    wall = window.cpu.get("_wall", [0.0])[0] or 1e-9
-    for name, steps in window.steps.items():
-        span = (steps[-1]["t"] - steps[0]["t"]) if len(steps) > 1 else 0.0
-        own, kids = window.cpu.get(name, [0.0, 0.0])
+    wall = sum(w.cpu.get("_wall", [0.0])[0] for w in windows) or 1e-9
+    flights = [f for w in windows for f in w.flights]
+    seconds = sum(w.seconds for w in windows)
+    for name in window.steps:
+        steps = [s for w in windows for s in w.steps[name]]
+        hooks = [h for w in windows for h in w.hooks[name]]
+        hooks_cpu = [h for w in windows for h in w.hooks_cpu[name]]
+        # steps per second of each turn's span between its first and last step
+        intervals = sum(max(0, len(w.steps[name]) - 1) for w in windows)
+        span = sum(w.steps[name][-1]["t"] - w.steps[name][0]["t"] for w in windows if len(w.steps[name]) > 1)
+        own = sum(w.cpu.get(name, [0.0, 0.0])[0] for w in windows)
+        kids = sum(w.cpu.get(name, [0.0, 0.0])[1] for w in windows)
         engines[name] = {
             "steps": len(steps),
-            "steps_per_s": (len(steps) - 1) / span if span > 0 else None,
+            "steps_per_s": intervals / span if span > 0 else None,
             "step_ms": _ms(s["dur"] for s in steps),
             "python_ms": _ms(s["py"] for s in steps),
             # the step's work before its wait, split: the host thread's own CPU, its waits for a
             # core, and the rest: waits for the GIL (another thread of its process held it)
             "host_cpu_ms": _ms(s["cpu"] for s in steps),
-            "hooks_ms": _ms(window.hooks[name]),
-            "hooks_cpu_ms": _ms(window.hooks_cpu[name]),
+            "hooks_ms": _ms(hooks),
+            "hooks_cpu_ms": _ms(hooks_cpu),
             "core_wait_ms": _ms(s["queued"] for s in steps),
             "gil_wait_ms": _ms(max(0.0, s["busy"] - s["cpu"] - s["queued"]) for s in steps),
             "cpu_pct": 100 * (own + kids) / wall,
             "children_cpu_pct": 100 * kids / wall,
         }
     moves = window.system != "alone"
-    failed = sum(1 for f in window.flights if moves and (f.recving is None or f.recv_failed or f.bad_pages))
+    failed = sum(1 for f in flights if moves and (f.recving is None or f.recv_failed or f.bad_pages))
     return {
         "system": window.system,
         "rate": window.rate,
-        "requests": len(window.flights),
-        "achieved_per_s": len(window.flights) / window.seconds if window.seconds > 0 else None,
+        "turns": len(windows),
+        "requests": len(flights),
+        "achieved_per_s": len(flights) / seconds if seconds > 0 else None,
         "failed": failed,
-        "bad_pages": sum(f.bad_pages for f in window.flights) if moves else 0,
-        "kv_to_recv_ms": _ms(_kv_to_recv(f) for f in window.flights if _kv_to_recv(f) is not None),
+        "bad_pages": sum(f.bad_pages for f in flights) if moves else 0,
+        "kv_to_recv_ms": _ms(_kv_to_recv(f) for f in flights if _kv_to_recv(f) is not None),
         "engines": engines,
     }
 
@@ -319,12 +333,16 @@ def run(o: HostOptions, progress: Any = None) -> dict[str, Any]:
             if progress is not None:
                 progress(f"{system}: started, idle CPU P {_pct(idle[system]['P'])} D {_pct(idle[system]['D'])}")
         for index, rate in enumerate(o.rates):
-            order = list(o.systems[index % len(o.systems) :] + o.systems[: index % len(o.systems)])
-            for system in order:
-                pair = pairs[system]
-                pair.resume()
-                row = _summary(_window(pair, system, rate, o, load))
-                pair.pause()
+            turns: dict[str, list[Window]] = {system: [] for system in o.systems}
+            for turn in range(o.turns):  # the systems take turns, the first rotating each time
+                first = (index + turn) % len(o.systems)
+                for system in o.systems[first:] + o.systems[:first]:
+                    pair = pairs[system]
+                    pair.resume()
+                    turns[system].append(_window(pair, system, rate, o, load))
+                    pair.pause()
+            for system in o.systems:
+                row = _summary(turns[system])
                 rows.append(row)
                 if progress is not None:
                     p, d = row["engines"]["P"], row["engines"]["D"]
@@ -418,6 +436,7 @@ def main(args: Any) -> int:
         systems=tuple(args.systems),
         rates=tuple(args.rates),
         duration_s=args.duration,
+        turns=args.turns,
         python_ms=args.python_ms,
         wait_ms=args.wait_ms,
         tokens=args.tokens,
