@@ -63,6 +63,7 @@ log = logging.getLogger(__name__)
 MAX_FRAME = 256 << 20  # one frame's msgpack body, at most
 SOCKET_BUFFER = 4 << 20
 READ_CHUNK = 256 << 10  # bytes read from the socket at a time, into a buffer kept for it
+LAZY_WAIT = 0.05  # seconds a lazy call may wait for another to go with before `pump` sends it
 _LENGTH = struct.Struct(">I")
 
 
@@ -182,6 +183,7 @@ class EngineProcess:
         self._futures: dict[int, concurrent.futures.Future[Any]] = {}
         self._pending: list[Any] | None = None  # the calls of an open `batch`
         self._lazy: list[Any] = []  # calls that go with the next one sent
+        self._lazy_since = 0.0  # when the oldest of them was made
         self._out = bytearray()
         self._reader = FrameReader()
         self._released: deque[ReleaseBlocks] = deque()
@@ -224,8 +226,8 @@ class EngineProcess:
     def call(self, name: str, *args: Any, lazy: bool = False) -> concurrent.futures.Future[Any]:
         """Run the agent's `name` with `args` (plain data) in the engine process; returns at
         once.  Inside `batch`, the call is sent when the batch ends; a `lazy` one waits for the
-        next call that is not (or the next `pump`): a call that may wait a step costs no system
-        call (and no wake-up of the engine process) of its own.
+        next call that is not (or a `pump` at least `LAZY_WAIT` later): a call that may wait
+        costs no system call (and no wake-up of the engine process) of its own.
 
         :raises EngineClosed: the engine process is gone or closing.
         """
@@ -237,6 +239,8 @@ class EngineProcess:
             self._futures[self._seq] = future
             record = ["call", self._seq, name, list(args)]
             if lazy:
+                if not self._lazy:
+                    self._lazy_since = time.monotonic()
                 self._lazy.append(record)
             elif self._pending is not None:
                 self._pending.append(record)
@@ -285,9 +289,10 @@ class EngineProcess:
 
     def pump(self) -> None:
         """Read whatever the child sent (never blocks): resolve calls, queue released blocks,
-        gather the meter; a closed socket means the child is gone."""
+        gather the meter; a closed socket means the child is gone.  Lazy calls waiting longer
+        than `LAZY_WAIT` go out now."""
         with self._lock:
-            if self._lazy and self.dead is None:
+            if self._lazy and self.dead is None and time.monotonic() - self._lazy_since >= LAZY_WAIT:
                 self._send([])
             self._flush()
             while self.dead is None:
@@ -304,6 +309,8 @@ class EngineProcess:
                 for frame in frames:
                     for record in frame:
                         self._take(record)
+                if count < READ_CHUNK:  # the socket is drained (what comes meanwhile waits for the next pump)
+                    break
 
     def _take(self, record: list[Any]) -> None:
         kind = record[0]
@@ -338,8 +345,8 @@ class EngineProcess:
         return released
 
     def meter_take(self) -> MeterReading:
-        """The engine's per-transfer figures since the last call (never blocks)."""
-        self.pump()
+        """The engine's per-transfer figures gathered since the last call (by `pump`, which the
+        host calls each step for its results; never blocks)."""
         with self._lock:
             reading = MeterReading(self._samples, dict(self._outcomes), self._dropped)
             self._samples, self._outcomes, self._dropped = [], Counter(), 0
