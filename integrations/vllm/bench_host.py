@@ -314,7 +314,9 @@ def run(o: HostOptions, progress: Any = None) -> dict[str, Any]:
         for system in o.systems:
             settings: dict[str, Any] = {}
             if system.startswith("kvflow"):
-                settings = {"push_layer_groups": o.layer_groups, "lease": 600.0, "engine_cpus": list(o.engine_cpus)}
+                settings = {"push_layer_groups": o.layer_groups, "lease": 600.0}
+                if o.engine_cpus:
+                    settings["engine_cpus"] = list(o.engine_cpus)
             options = {
                 "kvflow_settings": settings,
                 "nixl_progress_delay_us": o.nixl_progress_delay_us,
