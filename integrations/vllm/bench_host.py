@@ -66,6 +66,7 @@ class HostOptions:
     duration_s: float = 2.0  # seconds of arrivals per turn of a (system, rate)
     turns: int = 3  # turns of each system per rate, interleaved: slow drift falls on all alike
     python_ms: float = 3.0  # the host's Python work per step, interpreter held
+    iterations: int = 0  # that work in `burn` iterations (0: calibrated to python_ms here, now)
     wait_ms: float = 7.0  # the rest of the step, interpreter released
     tokens: int = 64  # prompt length: blocks of 32 tokens, 8 layers
     layer_groups: int = 4  # kvflow: WRITEs per request, each posted once its layers are saved
@@ -85,6 +86,8 @@ class HostOptions:
             raise ConfigError("rates, the duration and the turns must be positive")
         if self.python_ms < 0 or self.wait_ms < 0 or self.python_ms + self.wait_ms <= 0:
             raise ConfigError("a step needs some work: python_ms and wait_ms non-negative, not both 0")
+        if self.iterations < 0:
+            raise ConfigError("iterations must be >= 0")
         if self.tokens < 1 or self.layer_groups < 1 or self.idle_s < 0 or self.warmup_s < 0:
             raise ConfigError("tokens and layer groups must be positive, idle and warm-up times non-negative")
 
@@ -303,7 +306,7 @@ def run(o: HostOptions, progress: Any = None) -> dict[str, Any]:
 
     :raises BenchError: an engine died or a transfer stalled.
     """
-    iterations = calibrate(o.python_ms)
+    iterations = o.iterations or calibrate(o.python_ms)
     load = {"iterations": iterations, "wait_ms": o.wait_ms}
     pairs: dict[str, Pair] = {}
     idle: dict[str, Any] = {}
@@ -440,6 +443,7 @@ def main(args: Any) -> int:
         duration_s=args.duration,
         turns=args.turns,
         python_ms=args.python_ms,
+        iterations=args.iterations,
         wait_ms=args.wait_ms,
         tokens=args.tokens,
         layer_groups=args.layer_groups,

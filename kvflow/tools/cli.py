@@ -71,6 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     host.add_argument("--turns", type=int, default=3, help="turns of each system per rate, interleaved")
     host.add_argument("--python-ms", type=float, default=3.0, help="the host's Python work per step")
     host.add_argument("--wait-ms", type=float, default=7.0, help="the rest of each step, interpreter released")
+    host.add_argument(
+        "--iterations", type=int, default=0, help="the Python work as a count (0: calibrated to --python-ms)"
+    )
     host.add_argument("--tokens", type=int, default=64, help="prompt length (32-token blocks, 8 layers)")
     host.add_argument("--layer-groups", type=int, default=4, help="kvflow: WRITEs per request")
     host.add_argument("--idle", type=float, default=3.0, help="seconds each system sits idle for its idle CPU")
