@@ -217,6 +217,43 @@ def test_an_engine_process_ends_when_its_host_dies() -> None:
                 stream.close()
 
 
+def test_an_engine_process_ends_when_its_host_dies_even_if_its_socket_stays_open() -> None:
+    """The host forks a process that inherits the host's end of the socket (a worker's own child,
+    say), then dies: the socket never closes, and the engine process sees its parent change."""
+    fork = "if os.fork() == 0:\n    import time\n    time.sleep(600)\n    os._exit(0)\n"  # before the pid is told
+    keeper = HOST.replace("print(process.pid, flush=True)", fork + "print(process.pid, flush=True)")
+    host = subprocess.Popen([sys.executable, "-c", keeper], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    child = 0
+    try:
+        assert host.stdout is not None
+        child = int(host.stdout.readline())
+        host.kill()
+        host.wait(timeout=30)
+        until(lambda: not _alive(child), "the engine process to see its host gone")
+    finally:
+        host.kill()
+        host.wait(timeout=30)
+        for stream in (host.stdin, host.stdout):
+            if stream is not None:
+                stream.close()
+        for pid in _children_of(child, parent_gone=host.pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _children_of(child: int, parent_gone: int) -> list[int]:
+    """The keeper the dead host forked: a process whose command line is the host's script."""
+    keepers = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) not in (os.getpid(), child, parent_gone):
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if b"orphan-0" in f.read():
+                        keepers.append(int(entry))
+            except OSError:
+                continue
+    return keepers
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:

@@ -256,7 +256,7 @@ class Pair:
             name, event = self.events.get(timeout=max(0.0, deadline - time.monotonic()))
         except queue.Empty:
             self.failed = True
-            logs = "\n".join(self._describe())
+            logs = "\n".join(self.describe())
             logs += "\n" + "\n".join(f"--- {e.name} ({e.log_path}):\n{e.log_tail()}" for e in self.engines.values())
             raise BenchError(f"{self.connector}: timed out waiting for {waiting_for}\n{logs}") from None
         if event["ev"] == "exit":
@@ -268,7 +268,7 @@ class Pair:
             )
         return name, event
 
-    def _describe(self) -> list[str]:
+    def describe(self) -> list[str]:
         """What each engine still waits on, asked of the engines themselves (a second at most)."""
         for engine in self.engines.values():
             with contextlib.suppress(OSError, ValueError):

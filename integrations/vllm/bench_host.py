@@ -173,7 +173,9 @@ def _window(pair: Pair, system: str, rate: float, o: HostOptions, load: dict[str
             sent += 1
             last_arrival = now
         if live and now - min(f.dispatched for f in live.values()) > WINDOW_TIMEOUT:
-            raise BenchError(f"{system}: a transfer did not finish within {WINDOW_TIMEOUT:.0f} s")
+            stuck = sorted(live)[:8]
+            said = "\n".join(pair.describe())
+            raise BenchError(f"{system}: transfers {stuck} did not finish within {WINDOW_TIMEOUT:.0f} s\n{said}")
         wait = start + sent / rate - now if sent < count else 0.2
         try:
             name, event = pair.events.get(timeout=max(0.0, min(wait, 0.2)))

@@ -227,6 +227,13 @@ class KVFlowConnector(KVConnectorBase_V1):
         """Where this rank's kvflow engine listens (the router passes it to the peer)."""
         return self._worker.address if self._worker is not None else ""
 
+    def describe_engine(self, timeout: float = 2.0) -> str:
+        """What this rank's kvflow engine still waits on, in words, wherever it runs (waits at
+        most `timeout` seconds: for a run that stalled, never for a hook)."""
+        if self._worker is None:
+            return "no kvflow engine (scheduler side)"
+        return self._worker.describe(timeout)
+
     @property
     def kvflow_engine(self) -> Engine | None:
         """This rank's kvflow engine, for inspection (None on the scheduler side, before the KV

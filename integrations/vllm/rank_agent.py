@@ -70,6 +70,7 @@ class RankAgent(EngineAgent):
         "post_group",
         "abort_pair",
         "snapshot",
+        "describe",
     }
 
     def __init__(self, engine: Engine, transfer_timeout: float = 60.0, device: Device | None = None) -> None:
@@ -250,6 +251,14 @@ class RankAgent(EngineAgent):
         in_flight = Counter(machine.state.value for machine in engine.core.live())
         gauges = {"quarantined_blocks": int(stats["quarantined_blocks"]), "in_flight": dict(in_flight)}
         return {"rejected": rejected, "gauges": gauges}
+
+    async def describe(self) -> str:
+        """What the rank's engine still waits on, in words (for a run that stalled)."""
+        engine = self.engine
+        live = [(m.key.transfer_id, m.role.value, m.state.name) for m in engine.core.live()]
+        stats = {k: v for k, v in engine.stats().items() if v}
+        chains = sorted(str(key) for key in self._chains)
+        return f"live {live}, stats {stats}, crashed {engine.crashed}, chains {chains}, peers {engine.peers()}"
 
     def close(self) -> None:
         if self._waiter is not None:

@@ -32,6 +32,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import time
 from typing import Any
 
 from kvflow.control.channel import ControlChannel
@@ -514,6 +515,24 @@ class WorkerSide(PeerNotices):
         if done.hard or (done.failed and not aborted):
             failed_ids.add(request_id)
             self._load_errors.update(done.blocks)
+
+    def describe(self, timeout: float) -> str:
+        """The engine's own account of what it waits on (at most `timeout` seconds), and this
+        rank's: for a run that stalled, never for a hook."""
+        link = self.link
+        mine = f"open pairs {len(self.pairs)}, starts {len(self._failed_starts)}/{len(self._ready_starts)}"
+        if link is None:
+            return f"{self.engine_id}: not started; {mine}"
+        try:
+            future = link.command("describe")
+            deadline = time.monotonic() + timeout
+            while not future.done() and time.monotonic() < deadline:
+                link.poll_released()  # an engine process's answer comes with what it read
+                time.sleep(0.01)
+            said = future.result(timeout=0) if future.done() else f"no answer within {timeout}s"
+        except (KVFlowError, concurrent.futures.TimeoutError) as exc:
+            said = f"cannot tell: {exc}"
+        return f"{self.engine_id}: {said}; {mine}"
 
     def load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

@@ -49,6 +49,7 @@ __all__ = ("SHUTDOWN_TIMEOUT", "EngineAgent", "main")
 log = logging.getLogger(__name__)
 
 SHUTDOWN_TIMEOUT = 20.0
+PARENT_CHECK = 1.0  # seconds between two looks at whether the host is still this process's parent
 
 
 class EngineAgent:
@@ -129,6 +130,7 @@ class Server:
         gc.freeze()  # what start-up made lives as long as the process: the collector skips it
         self._queue(["ready", engine.control.address, os.getpid()])
         loop.add_reader(self.sock.fileno(), self._readable)
+        self._watch_parent(os.getppid())
         await self._closing
         loop.remove_reader(self.sock.fileno())
         self.agent.close()
@@ -207,6 +209,16 @@ class Server:
     def _close(self) -> None:
         if self._closing is not None and not self._closing.done():
             self._closing.set_result(None)
+
+    def _watch_parent(self, parent: int) -> None:
+        """Close once this process's parent is not `parent` any more (the host died and the
+        process was handed to another): the host's socket closing says so first, this says
+        so when something kept it open (a child the host started with it, say)."""
+        if os.getppid() != parent:
+            log.error("engine process: its host (pid %d) is gone", parent)
+            self._close()
+            return
+        asyncio.get_running_loop().call_later(PARENT_CHECK, self._watch_parent, parent)
 
     # ---------------------------------------------------------------- to the host
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 from typing import Any
 
@@ -95,6 +96,10 @@ def main(argv: list[str] | None = None) -> int:
     engine_arguments(targets.add_parser("engine", help="control-plane transfers/s, latency and memory per transfer"))
     _add_soak(commands)
     args = parser.parse_args(argv)
+    if args.command in ("bench", "soak"):
+        # a benchmark stops the engine processes of systems not being measured (SIGSTOP): a
+        # SIGTERM must unwind it like Ctrl-C, so that they are resumed and closed, not left stopped
+        signal.signal(signal.SIGTERM, _interrupted)
     if args.command == "soak":
         return _soak(args)
     if args.command == "diagrams":
@@ -137,6 +142,10 @@ def main(argv: list[str] | None = None) -> int:
 
     bench_main(quick=args.quick, json_path=args.json, repeats=args.repeats)
     return 0
+
+
+def _interrupted(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def _add_soak(commands: Any) -> None:

@@ -166,7 +166,8 @@ def _run_point(pair: Pair, arrivals: list[Arrival], progress: Any = None) -> dic
             pair.dispatch(request.flight, a.prompt)
         oldest = min((r.flight.dispatched for r in live.values()), default=now)
         if live and now - oldest > REQUEST_TIMEOUT:
-            raise BenchError(f"{pair.connector}: a request did not finish within {REQUEST_TIMEOUT:.0f} s")
+            said = "\n".join(pair.describe())
+            raise BenchError(f"{pair.connector}: a request did not finish within {REQUEST_TIMEOUT:.0f} s\n{said}")
         wait = (start + due[0].arrival_s - now) if due else 1.0
         try:
             name, event = pair.events.get(timeout=max(0.0, min(wait, 1.0)))

@@ -562,10 +562,10 @@ class StandInEngine:
         lines = [f"{self.options.name}: requests {requests}, in flight {len(self._in_flight)}"]
         if self.connector is not None:
             lines.append(f"  pending push work {self.connector.has_pending_push_work()}")
-        for rank, engine in enumerate(self.kvflow_engines()):
-            live = [(m.key.transfer_id, m.role.value, m.state.name) for m in engine.core.live()]
-            stats = {k: v for k, v in engine.stats().items() if v}
-            lines.append(f"  rank {rank}: live {live}, stats {stats}, crashed {engine.crashed}")
+        for rank in self.ranks:
+            describe = getattr(rank.worker, "describe_engine", None)  # kvflow's connector only
+            if describe is not None:
+                lines.append(f"  {describe()}")
         return "\n".join(lines)
 
     def close(self) -> None:
