@@ -59,9 +59,9 @@ class WatchedHooks:
         elif event == "c_call" and getattr(arg, "__name__", "") == "sleep":
             self.seen.append("time.sleep")
 
-    def take(self) -> tuple[float, dict[str, float]]:
-        """What the stand-in reads after each step (the time in hooks: not measured here)."""
-        return 0.0, {}
+    def take(self) -> tuple[float, dict[str, float], float]:
+        """What the stand-in reads after each step (the time and CPU in hooks: not measured here)."""
+        return 0.0, {}, 0.0
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
         method = getattr(self._worker, name)
