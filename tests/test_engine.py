@@ -220,6 +220,11 @@ async def test_bad_input_is_refused_and_changes_nothing(pair: EnginePair) -> Non
         await pair.d.expect("x", 1, peer="P", block_ids=[1, 1])
     with pytest.raises(InvalidBatch, match="empty"):
         await pair.d.expect("x", 1, peer="P", block_ids=[])
+    for beyond in (-1, 2**31, True):  # block ids travel as uint32, below 2**31
+        with pytest.raises(InvalidBatch, match=rf"block id {beyond!r} is not an int in 0\.\.2147483647"):
+            await pair.d.expect("x", 1, peer="P", block_ids=[4, beyond])
+        with pytest.raises(InvalidBatch, match=rf"block id {beyond!r} is not an int"):
+            await pair.p.kv_ready("x", 1, block_ids=[beyond], final=True)
     with pytest.raises(BlockConflict, match="block 5 is held"):
         await pair.d.expect("x", 1, peer="P", block_ids=[6, 5])
     assert (pair.d.stats(), pair.d.core.ledger.held_blocks, len(pair.d.core.machines())) == before

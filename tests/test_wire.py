@@ -13,6 +13,7 @@ from kvflow.control import wire
 from kvflow.errors import ConfigError, PeerProtocolError, UnsupportedVersion
 from kvflow.layout import fingerprint, layout_to_wire
 from kvflow.protocol.messages import (
+    MAX_BLOCK_ID,
     Claim,
     ControlMessage,
     Done,
@@ -155,7 +156,8 @@ def test_the_envelope_names_the_receivers_run() -> None:
     for bad in (-1, "1", 1.5, None, wire.MAX_EPOCH + 1):
         with pytest.raises(PeerProtocolError, match="receiver incarnation must be an integer"):
             wire.decode(msgpack.packb([wire.MAGIC, wire.VERSION, "a", 1, "b", 2, 8, ["x"], bad]))
-    nan_ttl = msgpack.packb([wire.MAGIC, wire.VERSION, "a", 1, "b", 1, 2, ["t", 1, [1], 1, float("nan"), 0], 0])
+    nan_body = ["t", 1, wire.pack_blocks((1,)), 1, float("nan"), 0]
+    nan_ttl = msgpack.packb([wire.MAGIC, wire.VERSION, "a", 1, "b", 1, 2, nan_body, 0], use_bin_type=True)
     with pytest.raises(PeerProtocolError, match="ttl"):
         wire.decode(nan_ttl)
     ext = msgpack.packb([wire.MAGIC, wire.VERSION, "a", 1, "b", 1, 5, [msgpack.ExtType(1, b"x"), 1], 0])
@@ -198,9 +200,57 @@ def test_a_registration_names_no_block_exactly_when_it_expects_no_write() -> Non
     """An empty registration (D needs nothing) expects no WRITE; a WRITE without blocks, or a
     negative first position, is refused as malformed (blocks with a count of 0 leave the count
     open to P: see `OPEN_BATCHES`)."""
-    for blocks, batches, first in (([], 1, 0), ([1], 1, -1), ([1], 1, 2**31)):
-        frame = msgpack.packb([wire.MAGIC, wire.VERSION, "a", 1, "b", 1, 2, ["t", 1, blocks, batches, 1.0, first], 0])
+    for blocks, batches, first in (((), 1, 0), ((1,), 1, -1), ((1,), 1, 2**31)):
+        body = ["t", 1, wire.pack_blocks(blocks), batches, 1.0, first]
+        frame = msgpack.packb([wire.MAGIC, wire.VERSION, "a", 1, "b", 1, 2, body, 0], use_bin_type=True)
         with pytest.raises(PeerProtocolError, match="expected batches|first position|block ids"):
             wire.decode(frame)
     empty = wire.Envelope("a", 1, "b", 1, Registration(TransferKey("t", 1), (), 0, 1.0, 3))
     assert wire.decode(wire.encode(empty)) == empty
+
+
+def frame_of(code: int, body: list[object]) -> bytes:
+    return msgpack.packb([wire.MAGIC, wire.VERSION, "a", 1, "b", 1, code, body, 0], use_bin_type=True)
+
+
+def test_block_ids_and_heartbeat_epochs_travel_packed_and_are_checked_as_such() -> None:
+    ready = wire.Envelope("a", 1, "b", 1, Ready(TransferKey("t", 1), (0, 7, MAX_BLOCK_ID)))
+    body = msgpack.unpackb(wire.encode(ready))[7]
+    assert body[2] == bytes([0, 0, 0, 0, 7, 0, 0, 0, 0xFF, 0xFF, 0xFF, 0x7F])  # uint32, little-endian
+    beat = wire.Envelope("a", 1, "b", 1, Heartbeat((TransferKey("x", 1), TransferKey("y", wire.MAX_EPOCH))))
+    assert msgpack.unpackb(wire.encode(beat))[7] == [["x", "y"], bytes([1] + [0] * 7) + bytes([0xFF] * 7 + [0x7F])]
+    # the largest block list there is fits a frame
+    most = wire.Envelope("a", 1, "b", 1, Ready(TransferKey("t", 1), tuple(range(wire.MAX_BLOCKS))))
+    assert wire.decode(wire.encode(most)) == most
+    for blocks, problem in (
+        ([1, 2], "block ids must be packed 4-byte"),  # the list of earlier versions
+        (b"\x01\x00\x00", "block ids must be packed 4-byte"),  # not a whole id
+        (b"\x00" * 4 * (wire.MAX_BLOCKS + 1), "not msgpack|block ids must be packed"),
+        (b"\x00\x00\x00\x80", f"block ids must each be at most {MAX_BLOCK_ID}"),
+        (b"", "block ids must not be empty"),
+    ):
+        with pytest.raises(PeerProtocolError, match=problem):
+            wire.decode(frame_of(3, ["t", 1, blocks]))
+    epoch = bytes(8)
+    for tids, epochs, problem in (
+        (["x"], epoch * 2, "names 1 transfer ids but 2 epochs"),
+        (["x", "y"], epoch, "names 2 transfer ids but 1 epochs"),
+        (["x"], b"\x00" * 7 + b"\x80", f"heartbeat epochs must each be at most {wire.MAX_EPOCH}"),
+        (["x"], [0], "heartbeat epochs must be packed 8-byte"),
+        ([""], epoch, "transfer ids must be strings of 1..256"),
+        ([1], epoch, "transfer ids must be strings of 1..256"),
+        (["x" * 257], epoch, "transfer ids must be strings of 1..256"),
+    ):
+        with pytest.raises(PeerProtocolError, match=problem):
+            wire.decode(frame_of(7, [tids, epochs]))
+
+
+def test_a_value_a_packed_field_cannot_carry_is_refused_when_encoding() -> None:
+    for message in (
+        Ready(TransferKey("t", 1), (2**32,)),
+        Ready(TransferKey("t", 1), (-1,)),
+        Heartbeat((TransferKey("t", 2**64),)),
+        Heartbeat((TransferKey("t", -1),)),
+    ):
+        with pytest.raises(PeerProtocolError, match="cannot pack"):
+            wire.encode(wire.Envelope("a", 1, "b", 1, message))

@@ -18,6 +18,11 @@ channel allows only for an opening Hello and a Reject.  The first eight fields a
 body keep their places across versions (later versions only append), so a peer speaking
 another version can still be told why it is refused.  Authentication (an HMAC over the envelope bytes) is the
 channel's job (`kvflow.control.auth`).
+
+Block ids and heartbeat epochs travel packed, one binary field of little-endian integers
+(uint32 per block id, uint64 per epoch), not a msgpack array of one object per id: a frame's
+decode then costs a few C loops over its bytes rather than a Python check per id, and a block
+list of 131k ids weighs 512 KiB rather than up to 640 KiB.
 """
 
 from __future__ import annotations
@@ -29,10 +34,12 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import msgpack
+import numpy as np
 
 from kvflow.errors import ConfigError, PeerProtocolError, UnsupportedVersion
 from kvflow.layout import layout_from_wire
 from kvflow.protocol.messages import (
+    MAX_BLOCK_ID,
     Claim,
     ControlMessage,
     Done,
@@ -60,8 +67,8 @@ __all__ = (
 
 MAGIC = "kvflow"
 # 2: a Hello no longer carries a role; 3: the receiver's incarnation; 4: a registration's first position,
-# Claim, a layout names its heads and ranks, open batch counts
-VERSION = 4
+# Claim, a layout names its heads and ranks, open batch counts; 5: block ids and heartbeat epochs packed
+VERSION = 5
 MAX_FRAME_BYTES = 1 << 20
 MAX_ID = 256  # transfer ids (engine ids: `messages.MAX_ENGINE_ID`)
 MAX_TEXT = 1024  # reasons, addresses
@@ -71,6 +78,8 @@ MAX_POSITION = (1 << 31) - 1
 MAX_KEYS = 1 << 16
 MAX_METADATA = 1 << 19
 MAX_EPOCH = (1 << 63) - 1
+BLOCK_ID = np.dtype("<u4")  # a packed block id
+EPOCH = np.dtype("<u8")  # a packed heartbeat epoch
 OUTCOMES = (Outcome.ABORTED, Outcome.FAILED, Outcome.EXPIRED)  # a notice never says "succeeded"
 
 
@@ -132,11 +141,28 @@ def _key(tid: Any, epoch: Any) -> TransferKey:
     return TransferKey(_text(tid, "transfer id", MAX_ID, empty=False), _int(epoch, "epoch", 0, MAX_EPOCH))
 
 
+def _packed(value: Any, what: str, dtype: np.dtype[Any], limit: int, high: int) -> list[int]:
+    """The integers a packed field holds: bytes, a whole number of `dtype` items, at most
+    `limit` of them, each at most `high` (all unsigned: none below 0)."""
+    if type(value) is not bytes or len(value) % dtype.itemsize or len(value) > limit * dtype.itemsize:
+        raise _fail(f"{what} must be packed {dtype.itemsize}-byte little-endian integers, at most {limit} of them")
+    items = np.frombuffer(value, dtype=dtype)
+    if items.size and int(items.max()) > high:
+        raise _fail(f"{what} must each be at most {high}")
+    ids: list[int] = items.tolist()
+    return ids
+
+
+def pack_blocks(block_ids: tuple[int, ...]) -> bytes:
+    """Block ids as they travel: little-endian uint32, one after the other."""
+    return np.asarray(block_ids, dtype=BLOCK_ID).tobytes()
+
+
 def _blocks(value: Any, *, allow_empty: bool = False) -> tuple[int, ...]:
-    ids = _list(value, "block ids", MAX_BLOCKS)
+    ids = _packed(value, "block ids", BLOCK_ID, MAX_BLOCKS, MAX_BLOCK_ID)
     if not ids and not allow_empty:
         raise _fail("block ids must not be empty")
-    return tuple(_int(b, "block id", 0, (1 << 31) - 1) for b in ids)
+    return tuple(ids)
 
 
 def _body(value: Any, n: int, what: str) -> list[Any]:
@@ -230,9 +256,14 @@ def _claim(body: Any) -> Claim:
 
 
 def _heartbeat(body: Any) -> Heartbeat:
-    (keys,) = _body(body, 1, "heartbeat")
-    pairs = _list(keys, "heartbeat keys", MAX_KEYS)
-    return Heartbeat(tuple(_key(*_body(pair, 2, "heartbeat key")) for pair in pairs))
+    tids, packed = _body(body, 2, "heartbeat")
+    ids = _list(tids, "heartbeat transfer ids", MAX_KEYS)
+    epochs = _packed(packed, "heartbeat epochs", EPOCH, MAX_KEYS, MAX_EPOCH)
+    if len(epochs) != len(ids):
+        raise _fail(f"heartbeat names {len(ids)} transfer ids but {len(epochs)} epochs")
+    if not all(type(t) is str and 0 < len(t) <= MAX_ID for t in ids):
+        raise _fail(f"heartbeat transfer ids must be strings of 1..{MAX_ID} characters")
+    return Heartbeat(tuple(map(TransferKey, ids, epochs)))
 
 
 def _goodbye(body: Any) -> Goodbye:
@@ -263,9 +294,9 @@ def _encode_body(message: ControlMessage) -> tuple[int, list[Any]]:
     if isinstance(message, Registration):
         k = message.key
         r = message
-        return 2, [k.transfer_id, k.epoch, list(r.block_ids), r.expected_batches, r.ttl, r.first_position]
+        return 2, [k.transfer_id, k.epoch, pack_blocks(r.block_ids), r.expected_batches, r.ttl, r.first_position]
     if isinstance(message, Ready):
-        return 3, [message.key.transfer_id, message.key.epoch, list(message.block_ids)]
+        return 3, [message.key.transfer_id, message.key.epoch, pack_blocks(message.block_ids)]
     if isinstance(message, Notice):
         return 4, [message.key.transfer_id, message.key.epoch, message.outcome.value, message.reason]
     if isinstance(message, Quiesced):
@@ -275,7 +306,8 @@ def _encode_body(message: ControlMessage) -> tuple[int, list[Any]]:
     if isinstance(message, Claim):
         return 9, [message.key.transfer_id, message.key.epoch]
     if isinstance(message, Heartbeat):
-        return 7, [[[k.transfer_id, k.epoch] for k in message.keys]]
+        keys = message.keys
+        return 7, [[k.transfer_id for k in keys], np.fromiter((k.epoch for k in keys), EPOCH, len(keys)).tobytes()]
     return 8, [message.reason]
 
 
@@ -285,9 +317,13 @@ def _encode_body(message: ControlMessage) -> tuple[int, list[Any]]:
 def encode(envelope: Envelope) -> bytes:
     """The frame for an envelope.
 
-    :raises PeerProtocolError: the result would exceed `MAX_FRAME_BYTES`.
+    :raises PeerProtocolError: the result would exceed `MAX_FRAME_BYTES`, or a block id or
+        epoch is outside what its packed field carries.
     """
-    code, body = _encode_body(envelope.message)
+    try:
+        code, body = _encode_body(envelope.message)
+    except (OverflowError, ValueError, TypeError) as exc:  # numpy refusing a value for a packed field
+        raise PeerProtocolError(f"cannot pack {type(envelope.message).__name__}: {exc}") from None
     frame: bytes = msgpack.packb(
         [
             MAGIC,

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import assert_never
 
 from kvflow.errors import ConfigError, InvalidBatch
-from kvflow.protocol.messages import OPEN_BATCHES, TransferKey
+from kvflow.protocol.messages import MAX_BLOCK_ID, OPEN_BATCHES, TransferKey
 from kvflow.protocol.state import Condition, Mode, Outcome, Role, State, initial_state
 
 __all__ = ("Batch", "Machine", "check_block_ids", "check_registration", "next_batch")
@@ -22,15 +22,15 @@ __all__ = ("Batch", "Machine", "check_block_ids", "check_registration", "next_ba
 def check_block_ids(block_ids: Sequence[int], what: str, *, unique: bool, allow_empty: bool = False) -> tuple[int, ...]:
     """Validate a block id list supplied by a caller or a peer.
 
-    :raises InvalidBatch: empty (unless `allow_empty`), non-integer, negative, or (with
-        `unique`) repeated ids.
+    :raises InvalidBatch: empty (unless `allow_empty`), non-integer, negative or above
+        `MAX_BLOCK_ID` (what the wire carries), or (with `unique`) repeated ids.
     """
     ids = tuple(block_ids)
     if not ids and not allow_empty:
         raise InvalidBatch(f"{what}: block list is empty")
     for block in ids:
-        if type(block) is not int or block < 0:
-            raise InvalidBatch(f"{what}: block id {block!r} is not a non-negative int")
+        if type(block) is not int or not 0 <= block <= MAX_BLOCK_ID:
+            raise InvalidBatch(f"{what}: block id {block!r} is not an int in 0..{MAX_BLOCK_ID}")
     if unique and len(set(ids)) != len(ids):
         raise InvalidBatch(f"{what}: block list names a block twice")
     return ids

@@ -28,6 +28,7 @@ __all__ = (
     "Heartbeat",
     "Hello",
     "Message",
+    "MAX_BLOCK_ID",
     "OPEN_BATCHES",
     "Notice",
     "Quiesced",
@@ -47,6 +48,7 @@ NOTIFICATION_TAG = "kvf1"
 OPEN_BATCHES = 0
 MAX_NOTIFICATION_BYTES = 512
 MAX_ENGINE_ID = 128
+MAX_BLOCK_ID = (1 << 31) - 1  # block ids travel as uint32; below 2**31 for every engine's index type
 ENGINE_ID_CHARACTERS = "letters, digits and . _ : @ + - (not first)"
 _ENGINE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+-]*")
 
