@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from kvflow.protocol.core import CoreConfig
+from kvflow.protocol.messages import Done, TransferKey
 from kvflow.runtime.engine import EngineConfig
 from kvflow.testing import EnginePair, ManualClock
 from kvflow.transports.loopback import LoopbackFabric
@@ -66,3 +67,37 @@ async def test_transfers_visit_no_more_machines_when_many_are_in_flight() -> Non
     )
     # a heartbeat lists what D waits on: it visits what is in flight, once per heartbeat
     assert (heartbeat_few, heartbeat_many) == (2, 200)
+
+
+@pytest.mark.asyncio
+async def test_finished_machines_are_kept_at_most_max_finished_and_retention() -> None:
+    """Finished machines absorb late messages for `retention`, but no more than `max_finished`
+    are kept, whatever the rate: the oldest goes first, so memory stays bounded with history."""
+    config = EngineConfig(core=CoreConfig(max_finished=8, retention=30.0), transfer_timeout=60.0, drain_timeout=0.1)
+    clock = ManualClock()
+    pair = await EnginePair(LoopbackFabric(), config=config, clock=clock).start()
+    try:
+        for i in range(20):
+            await move(pair, f"t{i}")
+            clock.advance(1.0)
+        for core in (pair.p.core, pair.d.core):
+            kept = sorted(int(m.key.transfer_id[1:]) for m in core.machines())
+            assert (core.finished_count(), kept) == (8, list(range(12, 20)))
+        assert pair.d.stats()["finished_kept"] == 8
+        # a late message about a kept transfer is absorbed by its machine; one about a
+        # forgotten transfer is one for no known transfer
+        p = pair.p.core
+        ignored, unknown = p.stats.ignored, p.stats.unknown_transfer
+        assert p.receive("D", Done(TransferKey("t19", 1)), clock()) == []
+        assert (p.stats.ignored, p.stats.unknown_transfer) == (ignored + 1, unknown)
+        assert p.receive("D", Done(TransferKey("t0", 1)), clock()) == []
+        assert (p.stats.ignored, p.stats.unknown_transfer) == (ignored + 1, unknown + 1)
+        clock.advance(22.0)  # t12 ended 30 s ago (at 12: the clock is at 42), t13 29 s ago
+        for core in (pair.p.core, pair.d.core):
+            core.timer(clock())
+            assert sorted(int(m.key.transfer_id[1:]) for m in core.machines()) == list(range(13, 20))
+            assert core.next_deadline() == pytest.approx(clock() + 1.0)  # when t13 goes
+            core.timer(clock() + 100.0)
+            assert core.machines() == [] and core.finished_count() == 0
+    finally:
+        await pair.close()

@@ -52,7 +52,7 @@ from kvflow.protocol.state import (
     state_triggered,
     transition,
 )
-from kvflow.protocol.transfers import GC, CoreConfig, CoreStats, Owner, TransferStore
+from kvflow.protocol.transfers import CoreConfig, CoreStats, Owner, TransferStore
 
 __all__ = ("CoreConfig", "CoreStats", "TransferCore")
 
@@ -95,6 +95,10 @@ class TransferCore:
     def live_count(self) -> int:
         """How many machines `live()` would return, without building the list."""
         return self.store.live_count()
+
+    def finished_count(self) -> int:
+        """How many finished machines are kept (at most `CoreConfig.max_finished`)."""
+        return self.store.finished_count()
 
     def next_deadline(self) -> float | None:
         return self.store.next_deadline()
@@ -367,13 +371,10 @@ class TransferCore:
     def timer(self, now: float) -> list[Action]:
         """Feed DEADLINE to every machine whose timer has passed; forget old finished ones."""
         actions: list[Action] = []
+        self._forgotten(self.store.forget_finished(now))
         while (due := self.store.pop_due(now)) is not None:
             when, m, gen = due
             if m is None:
-                continue
-            if gen == GC:
-                if m.state in TERMINAL and m.finished_at is not None:
-                    self._forget(m)
                 continue
             if m.timer_gen == gen and m.timer_at == when:
                 m.timer_at = None
@@ -451,10 +452,11 @@ class TransferCore:
             actions += self._inbox.receive(peer, message, now)
         return actions
 
-    def _forget(self, m: Machine) -> None:
-        self.store.forget(m)
-        for op in m.inflight:
-            self._ops.pop(op, None)
+    def _forgotten(self, machines: list[Machine]) -> None:
+        """The store forgot these finished machines: so do the op records of any still in flight."""
+        for m in machines:
+            for op in m.inflight:
+                self._ops.pop(op, None)
 
     def feed(self, m: Machine, input_: Input, now: float, *, reason: str = "") -> list[Action]:
         """Feed one input to a machine of this core and return what it decides: the single way
@@ -490,13 +492,11 @@ class TransferCore:
         elif target not in FENCING:
             self.store.set_timer(m, None)
         if target in TERMINAL and old not in TERMINAL:
-            self.store.ended(m)
-            m.finished_at = now
+            self._forgotten(self.store.ended(m, now))
             if m.outcome is Outcome.SUCCEEDED or (m.outcome is None and target is State.DONE):
                 self.stats.completed += 1
             else:
                 self.stats.failed += 1
-            self.store.forget_at(m, now + self.config.retention)
 
     def _apply(
         self, m: Machine, effect: Effect, now: float, reason: str, returned: tuple[int, ...], out: list[Action]

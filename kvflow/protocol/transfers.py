@@ -29,6 +29,9 @@ Owner = tuple[TransferKey, Role]
 class CoreConfig:
     fence_timeout: float = 10.0  # wait for a peer's fence (or D's ack) before declaring it lost
     retention: float = 60.0  # keep finished machines this long to absorb late messages
+    # ... but no more than this many: beyond, the oldest finished is forgotten early, so that an
+    # engine's memory (about 2 KiB a finished machine) stays bounded at any rate
+    max_finished: int = 16384
     max_unstarted: int = 4096  # P: registrations for transfers it has not started itself
     max_ttl: float = 3600.0  # cap on a peer-supplied time-to-live
     max_batches: int = 4096
@@ -65,9 +68,6 @@ class CoreStats:
     failed: int = 0
 
 
-GC = -1  # the timer generation of an entry that forgets a finished machine
-
-
 class TransferStore:
     """Machines by (key, role), the epochs seen per (transfer id, role), the deadline heap, the
     block ledger's accounts and the messages held for transfers not started yet."""
@@ -80,9 +80,12 @@ class TransferStore:
         # (terminal states are final), so that no action scans the finished ones kept for
         # `retention`
         self._live: dict[Owner, Machine] = {}
+        # the finished machines kept, in the order they ended (so the oldest is first): they
+        # leave `retention` after they ended, or early once more than `max_finished` are kept
+        self._finished: dict[Owner, Machine] = {}
         self.visited = 0  # machines handed out by `live()`: what per-action scans cost
         self._epochs: dict[tuple[str, Role], set[int]] = {}
-        self._timers: list[tuple[float, int, Owner, int]] = []  # (when, seq, owner, gen); gen GC: forget
+        self._timers: list[tuple[float, int, Owner, int]] = []  # (when, seq, owner, timer generation)
         self._seq = 0
         # messages about transfers not started here yet (a peer's notice or ready came first)
         self._early: dict[TransferKey, list[tuple[str, Message, float]]] = {}
@@ -138,10 +141,33 @@ class TransferStore:
         """This side started the transfer itself (P's KV is ready)."""
         self._reweigh(m, lambda: setattr(m, "started_locally", True))
 
-    def ended(self, m: Machine) -> None:
-        """The transfer has just become terminal: it weighs nothing any more."""
+    def ended(self, m: Machine, now: float) -> list[Machine]:
+        """The transfer has just become terminal at `now`: it weighs nothing any more, and is
+        kept to absorb late messages (`retention`, at most `max_finished` of them).  Returns
+        the finished machines forgotten to make room."""
         self._weigh(m, -1)
         self._live.pop(m.owner, None)
+        m.finished_at = now
+        self._finished[m.owner] = m
+        forgotten = []
+        while len(self._finished) > self.config.max_finished:
+            forgotten.append(next(iter(self._finished.values())))
+            self.forget(forgotten[-1])
+        return forgotten
+
+    def finished_count(self) -> int:
+        return len(self._finished)
+
+    def forget_finished(self, now: float) -> list[Machine]:
+        """Forget (and return) the finished machines that ended `retention` or longer before `now`."""
+        cutoff, forgotten = now - self.config.retention, []
+        while self._finished:
+            oldest = next(iter(self._finished.values()))
+            if oldest.finished_at is None or oldest.finished_at > cutoff:
+                break
+            self.forget(oldest)
+            forgotten.append(oldest)
+        return forgotten
 
     def _reweigh(self, m: Machine, change: Callable[[], None]) -> None:
         live = m.state not in TERMINAL
@@ -190,6 +216,7 @@ class TransferStore:
     def forget(self, m: Machine) -> None:
         del self._machines[m.owner]
         self._live.pop(m.owner, None)
+        self._finished.pop(m.owner, None)
         epochs = self._epochs[(m.key.transfer_id, m.role)]
         epochs.discard(m.key.epoch)
         if not epochs:
@@ -212,22 +239,23 @@ class TransferStore:
         if when is not None:
             self._push(when, m.owner, m.timer_gen)
 
-    def forget_at(self, m: Machine, when: float) -> None:
-        """Have `pop_due` hand the (finished) machine back at `when`, to be forgotten."""
-        self._push(when, m.owner, GC)
-
     def next_deadline(self) -> float | None:
+        """The earliest armed timer, or the moment the oldest finished machine is to be forgotten."""
+        forget = None
+        if self._finished:
+            oldest = next(iter(self._finished.values())).finished_at
+            forget = None if oldest is None else oldest + self.config.retention
         while self._timers:
             when, _, owner, gen = self._timers[0]
             m = self._machines.get(owner)
-            if gen == GC or (m is not None and m.timer_gen == gen and m.timer_at == when):
-                return when
+            if m is not None and m.timer_gen == gen and m.timer_at == when:
+                return when if forget is None else min(when, forget)
             heapq.heappop(self._timers)
-        return None
+        return forget
 
     def pop_due(self, now: float) -> tuple[float, Machine | None, int] | None:
-        """The earliest entry due at `now` (when, its machine if still known, its generation,
-        `GC` for a forget entry), removed from the heap; None when nothing is due."""
+        """The earliest timer entry due at `now` (when, its machine if still known, its
+        generation), removed from the heap; None when nothing is due."""
         if not self._timers or self._timers[0][0] > now:
             return None
         when, _, owner, gen = heapq.heappop(self._timers)
