@@ -83,7 +83,6 @@ async def test_finished_machines_are_kept_at_most_max_finished_and_retention() -
         for core in (pair.p.core, pair.d.core):
             kept = sorted(int(m.key.transfer_id[1:]) for m in core.machines())
             assert (core.finished_count(), kept) == (8, list(range(12, 20)))
-        assert pair.d.stats()["finished_kept"] == 8
         # a late message about a kept transfer is absorbed by its machine; one about a
         # forgotten transfer is one for no known transfer
         p = pair.p.core

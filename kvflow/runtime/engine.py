@@ -365,7 +365,6 @@ class Engine:
             **asdict(self.core.stats),
             **self.counters,
             "live_transfers": self.core.live_count(),
-            "finished_kept": self.core.finished_count(),
             "held_blocks": self.core.ledger.held_blocks,
             "quarantined_blocks": self.core.ledger.quarantined_blocks,
             # peers whose removal has not succeeded yet: their blocks stay held
