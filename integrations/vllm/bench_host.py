@@ -390,7 +390,10 @@ def _pct(idle: dict[str, float]) -> str:
 
 def render(results: dict[str, Any]) -> str:
     """The results as tables: idle CPU per system, then per engine each (rate, system) under load."""
-    lines = ["idle (no steps, no transfers): CPU % of one core (the engine's process and its children)"]
+    lines = [
+        "idle (no steps, no transfers): CPU % of one core (the engine's process and its children;"
+        " alone: vLLM's worker set-up without a connector, its gloo group's threads included)"
+    ]
     lines.append(f"{'system':<14} {'P':>6} {'D':>6}")
     for system, idle in results["idle"].items():
         lines.append(f"{system:<14} {_pct(idle['P']):>6} {_pct(idle['D']):>6}")

@@ -184,7 +184,8 @@ class StandInEngine:
         config.parallel_config.rank = rank  # what a worker process of that rank has
         worker: Any = None  # no connector: the engine alone
         if not o.connector:
-            pass
+            if o.distributed:  # the same set-up (and its threads) as with a connector
+                self._init_distributed()
         elif o.distributed:
             worker = self._distributed_worker()
         else:
@@ -228,6 +229,16 @@ class StandInEngine:
             ensure_kv_transfer_initialized,
             get_kv_transfer_group,
         )
+
+        self._init_distributed()
+        affinity = os.sched_getaffinity(0)
+        ensure_kv_transfer_initialized(self.config, self.kv_cache_config)
+        if not self.options.keep_vllm_affinity:
+            os.sched_setaffinity(0, affinity)
+        return get_kv_transfer_group()
+
+    def _init_distributed(self) -> None:
+        """A one-rank gloo group, as vLLM's worker makes before its connector."""
         from vllm.distributed.parallel_state import ensure_model_parallel_initialized, init_distributed_environment
 
         if self.options.tensor_parallel != 1:
@@ -240,11 +251,6 @@ class StandInEngine:
             backend="gloo",
         )
         ensure_model_parallel_initialized(1, 1)
-        affinity = os.sched_getaffinity(0)
-        ensure_kv_transfer_initialized(self.config, self.kv_cache_config)
-        if not self.options.keep_vllm_affinity:
-            os.sched_setaffinity(0, affinity)
-        return get_kv_transfer_group()
 
     def _watch_request_finished(self) -> None:
         """Timestamp the scheduler connector's request_finished (behaviour unchanged)."""
