@@ -17,7 +17,7 @@ from kvflow.errors import TransportError
 from kvflow.layout import plan_transfer
 from kvflow.protocol.actions import OpKind
 from kvflow.transports.nixl import NixlTransport, load_nixl, nixl_failures
-from tests.test_transport_conformance import Ends, make_ends
+from tests.test_transport_conformance import Ends, make_ends, wait
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -76,6 +76,17 @@ def test_a_bug_under_the_transport_escapes_unmapped(ends: Ends, monkeypatch: pyt
     monkeypatch.setattr(agent, "send_notif", raising(failure("nixlNotAllowedError")("NIXL_ERR_NOT_ALLOWED")))
     with pytest.raises(TransportError, match="NIXL_ERR_NOT_ALLOWED"):
         ends.a.send_notification(ends.b.name, b"x")
+
+
+def test_a_handle_nixl_cannot_release_costs_the_op_nothing(ends: Ends, monkeypatch: pytest.MonkeyPatch) -> None:
+    plan = plan_transfer(ends.a_layout, ends.b_layout, [0], [1])
+    monkeypatch.setattr(
+        load_nixl().nixl_xfer_handle, "release", raising(failure("nixlBackendError")("NIXL_ERR_BACKEND"))
+    )
+    for op_id in (1, 2):  # released in submit or by the agent thread, whichever finishes the op
+        ends.a.submit(op_id, OpKind.WRITE, ends.b.name, plan, b"")
+        done, _ = wait(ends.a)
+        assert [(c.op_id, c.error) for c in done] == [(op_id, None)]
 
 
 def test_nixl_without_any_backend_plugin_is_unavailable(tmp_path: Path) -> None:

@@ -366,8 +366,8 @@ class NixlTransport:
             raise TransportError(f"op {op_id}: peer {peer!r} is not connected")
         local = self._descs(self._regions, plan.local_region, plan.local_offset, plan.length, "local")
         remote = self._descs(target.regions, plan.remote_region, plan.remote_offset, plan.length, f"peer {peer!r}")
-        local_type = _MEM_NAMES[self._regions[int(plan.local_region[0])].memory]
-        remote_type = _MEM_NAMES[target.regions[int(plan.remote_region[0])].memory]
+        local_type = _MEM_NAMES[self._regions[plan.local_region.item(0)].memory]
+        remote_type = _MEM_NAMES[target.regions[plan.remote_region.item(0)].memory]
         indices = self._indices(plan, target) if self.mode == "prepped" else None
         agent, failures = self._agent, self._failures
         # Posted here, on the caller's (writer) thread: NIXL runs in STRICT sync mode, and the
@@ -464,10 +464,10 @@ class NixlTransport:
             pass  # already gone (for instance after a disconnect)
 
     def _release(self, handle: Any) -> None:
-        try:
-            with self._nixl("releasing a handle"):
-                handle.release()
-        except TransportError:
+        # on every op's path: NIXL's own failures caught directly, no context manager per op
+        try:  # noqa: SIM105
+            handle.release()
+        except self._failures:
             pass  # NIXL could not cancel it: nothing more to do from here
 
     def _descs(
