@@ -63,6 +63,7 @@ __all__ = (
     "Envelope",
     "decode",
     "encode",
+    "pack_blocks",
 )
 
 MAGIC = "kvflow"
@@ -154,8 +155,14 @@ def _packed(value: Any, what: str, dtype: np.dtype[Any], limit: int, high: int) 
 
 
 def pack_blocks(block_ids: tuple[int, ...]) -> bytes:
-    """Block ids as they travel: little-endian uint32, one after the other."""
-    return np.asarray(block_ids, dtype=BLOCK_ID).tobytes()
+    """Block ids as they travel: little-endian uint32, one after the other.
+
+    :raises PeerProtocolError: an id is not an integer a uint32 holds.
+    """
+    try:
+        return np.asarray(block_ids, dtype=BLOCK_ID).tobytes()
+    except (OverflowError, ValueError, TypeError) as exc:
+        raise PeerProtocolError(f"cannot pack block ids: {exc}") from None
 
 
 def _blocks(value: Any, *, allow_empty: bool = False) -> tuple[int, ...]:
