@@ -9,6 +9,7 @@ pending, and a dead host takes its engine process with it.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import ctypes
 import os
 import signal
@@ -200,21 +201,28 @@ HOST = textwrap.dedent(
 )
 
 
-def test_an_engine_process_ends_when_its_host_dies() -> None:
-    host = subprocess.Popen([sys.executable, "-c", HOST], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+@contextlib.contextmanager
+def host_running(script: str) -> Iterator[tuple[subprocess.Popen[str], int]]:
+    """A host process running `script`, and the pid of the engine process it started (the
+    script prints it); the host is killed and its pipes closed on the way out."""
+    host = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert host.stdout is not None
-        child = int(host.stdout.readline())
-        assert _alive(child)
-        host.kill()
-        host.wait(timeout=30)
-        until(lambda: not _alive(child), "the orphaned engine process to end")
+        yield host, int(host.stdout.readline())
     finally:
         host.kill()
         host.wait(timeout=30)
         for stream in (host.stdin, host.stdout):
             if stream is not None:
                 stream.close()
+
+
+def test_an_engine_process_ends_when_its_host_dies() -> None:
+    with host_running(HOST) as (host, child):
+        assert _alive(child)
+        host.kill()
+        host.wait(timeout=30)
+        until(lambda: not _alive(child), "the orphaned engine process to end")
 
 
 def test_an_engine_process_ends_when_its_host_dies_even_if_its_socket_stays_open() -> None:
@@ -222,21 +230,15 @@ def test_an_engine_process_ends_when_its_host_dies_even_if_its_socket_stays_open
     say), then dies: the socket never closes, and the engine process sees its parent change."""
     fork = "if os.fork() == 0:\n    import time\n    time.sleep(600)\n    os._exit(0)\n"  # before the pid is told
     keeper = HOST.replace("print(process.pid, flush=True)", fork + "print(process.pid, flush=True)")
-    host = subprocess.Popen([sys.executable, "-c", keeper], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    child = 0
+    host_pid, child = 0, 0
     try:
-        assert host.stdout is not None
-        child = int(host.stdout.readline())
-        host.kill()
-        host.wait(timeout=30)
-        until(lambda: not _alive(child), "the engine process to see its host gone")
+        with host_running(keeper) as (host, child):
+            host_pid = host.pid
+            host.kill()
+            host.wait(timeout=30)
+            until(lambda: not _alive(child), "the engine process to see its host gone")
     finally:
-        host.kill()
-        host.wait(timeout=30)
-        for stream in (host.stdin, host.stdout):
-            if stream is not None:
-                stream.close()
-        for pid in _children_of(child, parent_gone=host.pid):
+        for pid in _children_of(child, parent_gone=host_pid) if host_pid else []:
             os.kill(pid, signal.SIGKILL)
 
 
