@@ -41,11 +41,33 @@ def _vllm_033(fragment: str, caplog: pytest.LogCaptureFixture) -> None:
         check_vllm_version(version)
 
 
+@scenario("vllm-0.32")
+def _vllm_032(fragment: str, caplog: pytest.LogCaptureFixture) -> None:
+    # the real 0.32 engines of tests/test_vllm_real_pd.py load the connector; here: the range
+    for version in ("0.32.0", "0.32.4", "0.32.1rc2"):
+        check_vllm_version(version)
+
+
 @scenario("vllm-other")
 def _vllm_other(fragment: str, caplog: pytest.LogCaptureFixture) -> None:
-    for version in ("0.32.4", "0.34.0", "1.0.0", "not-a-version"):
+    for version in ("0.31.9", "0.34.0", "1.0.0", "not-a-version"):
         with pytest.raises(ConfigError, match=re.escape(fragment)):
             check_vllm_version(version)
+
+
+@scenario("sleep-mode")
+def _sleep_mode(fragment: str, caplog: pytest.LogCaptureFixture) -> None:
+    from kvflow.integrations.vllm.connector import KVFlowConnector, check_no_sleep_mode
+
+    options = EngineOptions("prefill", "kv_producer", {"transport": "loopback", "port": 0}, num_blocks=64)
+    config = vllm_config(options)
+    check_no_sleep_mode(config)  # off: accepted
+    config.model_config.enable_sleep_mode = True  # (vLLM refuses it on a CPU platform before this point)
+    assert not KVFlowConnector.supports_sleep_mode(config.kv_transfer_config)
+    with pytest.raises(ValueError, match=re.escape(fragment)):  # vLLM 0.33 asks the connector
+        config._verify_kv_transfer_compat()
+    with pytest.raises(ConfigError, match=re.escape(fragment)):  # 0.32 does not: the connector refuses
+        check_no_sleep_mode(config)
 
 
 # ---------------------------------------------------------------- layouts

@@ -1,4 +1,4 @@
-"""`KVFlowConnector`: kvflow behind vLLM's KV-connector V1 API (vLLM 0.33.x).
+"""`KVFlowConnector`: kvflow behind vLLM's KV-connector V1 API (vLLM 0.32.x and 0.33.x).
 
 Why a thin facade: vLLM builds one instance per role.  The scheduler-role instance keeps the
 pure `SchedulerBook` (mapping.py) and ships its per-step orders to the workers as connector
@@ -42,24 +42,50 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-__all__ = ("SUPPORTED_VLLM", "KVFlowConnector", "KVFlowMetadata", "check_vllm_version")
+__all__ = (
+    "SLEEP_MODE_UNSUPPORTED",
+    "SUPPORTED_VLLM",
+    "KVFlowConnector",
+    "KVFlowMetadata",
+    "check_no_sleep_mode",
+    "check_vllm_version",
+)
 
-SUPPORTED_VLLM = ">=0.33,<0.34"
+SUPPORTED_VLLM = ">=0.32,<0.34"
+# What a connector sees is the same in both (factory, KV views and layouts, hook order, stats);
+# 0.33 only adds what kvflow does not use (sleep mode's hooks, new scheduler-output fields).
+_SUPPORTED_RELEASES = ((0, 32), (0, 33))
+SLEEP_MODE_UNSUPPORTED = (
+    "kvflow's connector does not support sleep mode: the KV memory it registers with the transport "
+    "would be freed under transfers (start the engine without --enable-sleep-mode)"
+)
 
 
 def check_vllm_version(version: str) -> None:
-    """kvflow reads what vLLM hands a connector (layouts, hook order) as vLLM 0.33 does.
+    """kvflow reads what vLLM hands a connector (layouts, hook order) as vLLM 0.32 and 0.33 do.
 
     :raises ConfigError: another vLLM release.
     """
     from packaging.version import InvalidVersion, Version
 
     try:
-        supported = Version(version).release[:2] == (0, 33)  # pre-releases and dev builds of 0.33 too
+        supported = Version(version).release[:2] in _SUPPORTED_RELEASES  # pre-releases and dev builds too
     except InvalidVersion:
         supported = False
     if not supported:
         raise ConfigError(f"kvflow's connector supports vLLM {SUPPORTED_VLLM}, not vLLM {version}")
+
+
+def check_no_sleep_mode(vllm_config: VllmConfig) -> None:
+    """Sleep mode frees and remaps the KV cache between rollouts; kvflow keeps it registered
+    with the transport and written into by peers, so it refuses the combination at start-up
+    (vLLM 0.33 asks `supports_sleep_mode` itself; 0.32 does not ask, hence this check).
+
+    :raises ConfigError: the engine runs with sleep mode on.
+    """
+    model = getattr(vllm_config, "model_config", None)
+    if model is not None and bool(getattr(model, "enable_sleep_mode", False)):
+        raise ConfigError(SLEEP_MODE_UNSUPPORTED)
 
 
 class KVFlowMetadata(KVConnectorMetadata):
@@ -72,6 +98,7 @@ class KVFlowConnector(KVConnectorBase_V1):
         from vllm import __version__ as vllm_version
 
         check_vllm_version(vllm_version)
+        check_no_sleep_mode(vllm_config)
         super().__init__(vllm_config, role, kv_cache_config)
         transfer = vllm_config.kv_transfer_config
         assert transfer is not None  # checked by the base class
@@ -111,6 +138,25 @@ class KVFlowConnector(KVConnectorBase_V1):
         transfer = vllm_config.kv_transfer_config
         extra = transfer.kv_connector_extra_config if transfer is not None else None
         return Settings.from_extra(extra).kv_cache_layout or None
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: object) -> bool:
+        """No (vLLM 0.33 then refuses ``--enable-sleep-mode`` at start-up): see `check_no_sleep_mode`."""
+        return False
+
+    def unregister_kv_caches(self) -> None:
+        """Never called: sleep mode is refused at start-up.
+
+        :raises UsageError: always, should a vLLM call it anyway.
+        """
+        raise UsageError(SLEEP_MODE_UNSUPPORTED)
+
+    def restore_kv_caches(self) -> None:
+        """Never called: sleep mode is refused at start-up.
+
+        :raises UsageError: always, should a vLLM call it anyway.
+        """
+        raise UsageError(SLEEP_MODE_UNSUPPORTED)
 
     # ================================================================ scheduler side
 
