@@ -1,5 +1,5 @@
 """The `kvflow` command: `kvflow doctor`, `kvflow bench nixl`, `kvflow bench vllm`, `kvflow bench pd`,
-`kvflow bench host`, `kvflow bench engine`, `kvflow diagrams`, `kvflow soak`.
+`kvflow bench host`, `kvflow bench engine`, `kvflow diagrams`, `kvflow soak`, `kvflow serve`.
 
 Why one entry point: operators ask "does NIXL work here, with which backends and memory?" and
 "how fast is it here?" before anything else; both answers are one command away.
@@ -95,7 +95,14 @@ def main(argv: list[str] | None = None) -> int:
 
     engine_arguments(targets.add_parser("engine", help="control-plane transfers/s, latency and memory per transfer"))
     _add_soak(commands)
+    from kvflow.integrations.vllm.serve.cli import add_arguments as serve_arguments
+
+    serve_arguments(commands.add_parser("serve", help="real vLLM servers in P/D with kvflow, the router in front"))
     args = parser.parse_args(argv)
+    if args.command == "serve":
+        from kvflow.integrations.vllm.serve.cli import main as serve_main
+
+        return serve_main(args)
     if args.command in ("bench", "soak"):
         # a benchmark stops the engine processes of systems not being measured (SIGSTOP): a
         # SIGTERM must unwind it like Ctrl-C, so that they are resumed and closed, not left stopped

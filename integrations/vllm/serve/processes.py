@@ -1,0 +1,157 @@
+"""Processes a deployment starts, each in a process group of its own, and stopped as a group.
+
+Why groups: a vLLM OpenAI server is several processes (the API server, its engine core, on
+CPUs the workers it spawns, multiprocessing's resource tracker).  Signalling the API server
+alone can leave the others running, holding gigabytes and ports.  Each server is started as the
+leader of a new session, so its whole tree shares one process group id; stopping sends SIGTERM
+to the group, waits, then SIGKILLs what is left, and reports the group empty only when no
+process of it remains.  Every wait has a deadline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+from kvflow.errors import KVFlowError
+
+__all__ = ("Group", "ServerFailed", "free_port", "group_alive", "http_ok")
+
+LOG_TAIL_BYTES = 6000  # how much of a failed server's log its error quotes
+
+
+class ServerFailed(KVFlowError):
+    """A process of a deployment exited, or did not become healthy by its deadline."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on now (the OS's choice)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def http_ok(url: str, timeout: float = 2.0) -> bool:
+    """Whether GET `url` answers 200 within `timeout` seconds."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as answer:
+            return bool(answer.status == 200)
+    except (OSError, urllib.error.URLError, ValueError):
+        return False
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether any process of group `pgid` remains (zombies of a reaped leader excluded)."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@dataclass
+class Group:
+    """One command run as the leader of a new process group, its output in `log`."""
+
+    name: str
+    argv: Sequence[str]
+    env: Mapping[str, str]
+    log: Path
+    cwd: Path | None = None
+    process: subprocess.Popen[bytes] | None = field(default=None, init=False)
+    _out: IO[bytes] | None = field(default=None, init=False, repr=False)
+
+    def start(self) -> None:
+        """:raises ServerFailed: the command cannot be started."""
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        self._out = open(self.log, "ab")  # noqa: SIM115 (closed in stop)
+        try:
+            self.process = subprocess.Popen(
+                list(self.argv),
+                env=dict(self.env),
+                cwd=self.cwd,
+                stdin=subprocess.DEVNULL,
+                stdout=self._out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # its own session and process group: stopped as one
+            )
+        except OSError as exc:
+            self._out.close()
+            raise ServerFailed(f"{self.name}: cannot start {self.argv[0]}: {exc}") from exc
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid if self.process is not None else 0
+
+    def exited(self) -> int | None:
+        """The leader's exit status, or None while it runs."""
+        return None if self.process is None else self.process.poll()
+
+    def tail(self, limit: int = LOG_TAIL_BYTES) -> str:
+        """The end of the group's log."""
+        try:
+            data = self.log.read_bytes()
+        except OSError:
+            return ""
+        return data[-limit:].decode("utf-8", "replace")
+
+    def wait_until(self, ready: Callable[[], bool], deadline: float, what: str, poll: float = 0.5) -> None:
+        """Poll `ready` until it holds.
+
+        :raises ServerFailed: the leader exited, or `deadline` (a `time.monotonic` value) passed.
+        """
+        while True:
+            status = self.exited()
+            if status is not None:
+                raise ServerFailed(f"{self.name} exited with status {status} before {what}:\n{self.tail()}")
+            if ready():
+                return
+            if time.monotonic() >= deadline:
+                raise ServerFailed(f"{self.name}: no {what} by its deadline:\n{self.tail()}")
+            time.sleep(poll)
+
+    def signal(self, sig: signal.Signals) -> None:
+        """Send `sig` to every process of the group (nothing if it is gone)."""
+        if self.process is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, sig)
+
+    def stop(self, grace: float = 15.0, kill_wait: float = 10.0) -> bool:
+        """SIGTERM to the group, SIGKILL to what is left after `grace` seconds; True when no
+        process of the group remains (waits at most `grace + kill_wait` seconds)."""
+        if self.process is None:
+            return True
+        pgid = self.process.pid
+        self.signal(signal.SIGCONT)  # a stopped group cannot act on SIGTERM
+        self.signal(signal.SIGTERM)
+        empty = self._reap(pgid, time.monotonic() + grace)
+        if not empty:
+            self.signal(signal.SIGKILL)
+            empty = self._reap(pgid, time.monotonic() + kill_wait)
+        if self._out is not None:
+            self._out.close()
+            self._out = None
+        return empty
+
+    def _reap(self, pgid: int, deadline: float) -> bool:
+        assert self.process is not None
+        while True:
+            self.process.poll()  # reaps the leader, so that it does not count as alive
+            if not group_alive(pgid):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.1)
