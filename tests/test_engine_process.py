@@ -182,6 +182,22 @@ def test_a_killed_engine_process_fails_what_was_pending_and_refuses_more() -> No
         p.close()
 
 
+def test_a_connection_reset_while_closing_is_the_engines_crash_not_an_os_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A host stopped as a process group sees its engine process go under it: a reset read
+    while closing ends the wait for the engine's goodbye (no OSError escapes), and the process
+    is still reaped."""
+    p = engine("reset-0", cache())
+
+    def reset(sock: object) -> tuple[int, list[object]]:
+        raise ConnectionResetError(104, "Connection reset by peer")
+
+    monkeypatch.setattr(p._reader, "read", reset)
+    p.close(timeout=5.0)
+    assert not p.alive and p.proc.poll() is not None
+
+
 HOST = textwrap.dedent(
     """
     import os, sys

@@ -400,7 +400,10 @@ class EngineProcess:
                 if self.proc.poll() is not None:
                     raise EngineCrashed([RuntimeError(f"engine process did not {what}: {self._exit_status()}")])
                 continue
-            count, frames = self._reader.read(self._sock)
+            try:
+                count, frames = self._reader.read(self._sock)
+            except OSError as exc:  # e.g. a reset: the process went away with our bytes unread
+                raise EngineCrashed([RuntimeError(f"engine process did not {what}: {exc!r}")]) from exc
             if not count:
                 raise EngineCrashed([RuntimeError(f"engine process did not {what}: {self._exit_status()}")])
             for frame in frames:
