@@ -53,6 +53,7 @@ __all__ = (
     "PeerProtocolError",
     "PeerUnknown",
     "PeerUnreachable",
+    "ServerFailed",
     "StaleEpoch",
     "TransferFailed",
     "TransferTimeout",
@@ -203,6 +204,11 @@ class LegFailed(KVFlowError):
     def __init__(self, leg: str, reason: str) -> None:
         self.leg = leg
         super().__init__(f"{leg} leg failed: {reason}")
+
+
+class ServerFailed(KVFlowError):
+    """A process that kvflow's launcher started (a vLLM server, the router) exited, or did not
+    become healthy by its deadline."""
 
 
 class NoBackend(KVFlowError):

