@@ -31,8 +31,10 @@ def ends() -> Iterator[Ends]:
 
 
 def raising(exc: BaseException) -> Any:
+    # A new instance per call: one instance raised again and again keeps every traceback, and
+    # with them the NIXL handles and agents of the frames, alive until a garbage collection.
     def call(*args: object, **kwargs: object) -> NoReturn:
-        raise exc
+        raise type(exc)(*exc.args)
 
     return call
 
