@@ -131,7 +131,7 @@ def assert_dead(ends: Ends, cause: str) -> None:
         assert type(caught.value.__cause__).__name__ == cause.split(":")[0], name
 
 
-@pytest.mark.parametrize("call", ["check_xfer_state"])
+@pytest.mark.parametrize("call", ["check_xfer_state", "release"])
 def test_a_bug_on_the_agent_thread_fails_the_op_in_flight_and_every_later_call(
     ends: Ends, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, call: str
 ) -> None:
@@ -145,7 +145,10 @@ def test_a_bug_on_the_agent_thread_fails_the_op_in_flight_and_every_later_call(
     monkeypatch.setattr(agent, "transfer", posted)
     monkeypatch.setattr(a, "_inline_poll", 0.0)  # submit never polls the op itself
     bug = RuntimeError(f"{call} went wrong")
-    monkeypatch.setattr(agent, call, raising(bug))
+    if call == "check_xfer_state":
+        monkeypatch.setattr(agent, "check_xfer_state", raising(bug))
+    else:  # the op is done, and releasing its handle fails
+        monkeypatch.setattr(load_nixl().nixl_xfer_handle, "release", raising(bug))
     plan = plan_transfer(ends.a_layout, ends.b_layout, [0], [1])
     with caplog.at_level(logging.ERROR):
         a.submit(1, OpKind.WRITE, ends.b.name, plan, b"")

@@ -276,8 +276,10 @@ class NixlTransport:
             raise TransportError(self._dead_message()) from self._failure
 
     def _progress(self) -> None:
-        """Drive every op in flight and collect notifications (this is also what sends them)."""
-        done: list[Completion] = []
+        """Drive every op in flight and collect notifications (this is also what sends them).
+        An op leaves `_inflight` only once its completion is queued: whatever raises on the
+        way leaves it there, for `_die` to fail."""
+        done = False
         with self._peer_lock:
             for op in list(self._inflight.values()):
                 try:
@@ -289,9 +291,10 @@ class NixlTransport:
                     error = f"NIXL reported the op to {op.peer!r} failed"
                 if state == "PROC":
                     continue
-                del self._inflight[op.op_id]
                 self._release(op.handle)
-                done.append(Completion(op.op_id, None if state == "DONE" else error))
+                del self._inflight[op.op_id]
+                self._completions.append(Completion(op.op_id, None if state == "DONE" else error))
+                done = True
         try:
             with self._nixl("polling notifications"):
                 notes = self._agent.get_new_notifs()
@@ -299,7 +302,6 @@ class NixlTransport:
             notes = {}
         for peer, payloads in notes.items():
             self._notifications.extend(Notification(peer, payload) for payload in payloads)
-        self._completions.extend(done)
         if done or notes:
             self._signal()
 
