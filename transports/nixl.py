@@ -41,6 +41,7 @@ from __future__ import annotations
 import concurrent.futures
 import importlib
 import importlib.util
+import logging
 import queue
 import threading
 import time
@@ -66,6 +67,7 @@ INSTALL_HINT = (
 _MEM_NAMES = {MemoryType.DRAM: "DRAM", MemoryType.VRAM: "VRAM"}
 LIST_ROWS = 128  # descriptor rows built as a list of tuples, not an array (see `_descs`)
 _SEG_TYPES = {"DRAM_SEG": MemoryType.DRAM, "VRAM_SEG": MemoryType.VRAM}
+log = logging.getLogger(__name__)
 
 
 def load_nixl(cuda: bool = True) -> Any:
@@ -137,7 +139,9 @@ class NixlTransport:
     host memory only (see `load_nixl`).
 
     NIXL's own exceptions (`nixl_failures`) become `TransportError` at every call into NIXL;
-    anything else raised there is a bug and propagates as it is.
+    anything else raised there is a bug and propagates as it is.  Raised on the agent thread
+    (by NIXL, kvflow or the listener), it ends that thread: it is logged, every op in flight
+    fails, and every later call raises `TransportError` naming it (see `_die`).
 
     :raises ConfigError: an unknown `mode`, or ``"prepped"`` without a `granule`.
     :raises TransportUnavailable: NIXL is not installed, or finds no backend plugin.
@@ -190,6 +194,8 @@ class NixlTransport:
         self._loaded: dict[str, bytes] = {}
         self._peer_lock = threading.Lock()
         self._closed = False
+        self._failure: BaseException | None = None  # what ended the agent thread, once something has
+        self._death: concurrent.futures.Future[None] = concurrent.futures.Future()  # wakes `_call`s
         self._agent: Any = None
         self._mem_types: frozenset[MemoryType] = frozenset()
         started: concurrent.futures.Future[None] = concurrent.futures.Future()
@@ -222,22 +228,58 @@ class NixlTransport:
             started.set_exception(exc)
             return
         started.set_result(None)
-        while True:
-            try:
-                job = self._jobs.get(
-                    timeout=0 if self._busy() else self._idle_poll if self._traffic else self._lazy_poll
-                )
-            except queue.Empty:
-                job = None if self._closed else _noop
-            if job is None:
-                break
-            job()
-            self._progress()
+        try:
+            while True:
+                try:
+                    job = self._jobs.get(
+                        timeout=0 if self._busy() else self._idle_poll if self._traffic else self._lazy_poll
+                    )
+                except queue.Empty:
+                    job = None if self._closed else _noop
+                if job is None:
+                    break
+                job()
+                self._progress()
+        except BaseException as exc:  # a bug (kvflow's, NIXL's, the listener's): nothing may hang on it
+            self._die(exc)
+            return
         self._teardown()
 
+    def _die(self, exc: BaseException) -> None:
+        """The agent thread's last act after `exc`: every op in flight fails (its handle released,
+        which cancels it), every `_call` waiting or to come and every later `submit` raises
+        `TransportError` naming `exc`, and the agent's resources are released."""
+        log.error("NIXL transport %r: the agent thread died; every op fails from now on", self.name, exc_info=exc)
+        with self._peer_lock:  # a submit registers its op before this, or sees the failure
+            self._failure = exc
+            inflight = list(self._inflight.values())
+            self._inflight.clear()
+        for op in inflight:
+            self._guarded(f"releasing op {op.op_id}", self._release, op.handle)
+            self._completions.append(Completion(op.op_id, self._dead_message()))
+        self._death.set_result(None)
+        self._guarded("tearing down", self._teardown)
+        self._guarded("signalling the listener", self._signal)
+
+    def _guarded(self, what: str, fn: Callable[..., None], *args: Any) -> None:
+        try:
+            fn(*args)
+        except Exception:
+            log.exception("NIXL transport %r: %s after the agent thread died", self.name, what)
+
+    def _dead_message(self) -> str:
+        return f"NIXL agent thread of {self.name!r} died: {type(self._failure).__name__}: {self._failure}"
+
+    def _check_alive(self) -> None:
+        """:raises TransportError: the agent thread died (chained to what ended it)."""
+        if self._failure is not None:
+            raise TransportError(self._dead_message()) from self._failure
+
     def _progress(self) -> None:
-        """Drive every op in flight and collect notifications (this is also what sends them)."""
-        done: list[Completion] = []
+        """Drive every op in flight and collect notifications (this is also what sends them).
+        An op leaves `_inflight` only once its completion is queued: whatever raises on the
+        way leaves it there, for `_die` to fail."""
+        done = False
         with self._peer_lock:
             for op in list(self._inflight.values()):
                 try:
@@ -249,9 +291,10 @@ class NixlTransport:
                     error = f"NIXL reported the op to {op.peer!r} failed"
                 if state == "PROC":
                     continue
-                del self._inflight[op.op_id]
                 self._release(op.handle)
-                done.append(Completion(op.op_id, None if state == "DONE" else error))
+                del self._inflight[op.op_id]
+                self._completions.append(Completion(op.op_id, None if state == "DONE" else error))
+                done = True
         try:
             with self._nixl("polling notifications"):
                 notes = self._agent.get_new_notifs()
@@ -259,15 +302,16 @@ class NixlTransport:
             notes = {}
         for peer, payloads in notes.items():
             self._notifications.extend(Notification(peer, payload) for payload in payloads)
-        self._completions.extend(done)
         if done or notes:
             self._signal()
 
     def _call(self, what: str, fn: Callable[[], Any]) -> Any:
         """Run `fn` on the agent thread and wait for its result.
 
-        :raises TransportError: the transport is closed, `fn` failed, or it took too long.
+        :raises TransportError: the transport is closed, its agent thread died (before or while
+            `fn` waited), `fn` failed, or it took too long.
         """
+        self._check_alive()
         if self._closed:
             raise TransportError(f"NIXL transport {self.name!r} is closed")
         if threading.current_thread() is self._thread:
@@ -281,10 +325,11 @@ class NixlTransport:
                 result.set_exception(exc)
 
         self._jobs.put(job)
-        try:
-            return result.result(timeout=self._call_timeout)
-        except concurrent.futures.TimeoutError:
-            raise TransportError(f"NIXL {what} took longer than {self._call_timeout}s") from None
+        concurrent.futures.wait((result, self._death), self._call_timeout, concurrent.futures.FIRST_COMPLETED)
+        if not result.done():
+            self._check_alive()
+            raise TransportError(f"NIXL {what} took longer than {self._call_timeout}s")
+        return result.result()
 
     def _nixl(self, what: str) -> Any:
         return map_exceptions(self._errors, f"NIXL {what} on {self.name!r}")
@@ -361,6 +406,7 @@ class NixlTransport:
             self._call(f"removing peer {name!r}", remove)
 
     def submit(self, op_id: int, kind: OpKind, peer: str, plan: DescriptorPlan, notification: bytes) -> None:
+        self._check_alive()
         target = self._peers.get(peer)
         if self._closed or target is None:
             raise TransportError(f"op {op_id}: peer {peer!r} is not connected")
@@ -373,6 +419,7 @@ class NixlTransport:
         # Posted here, on the caller's (writer) thread: NIXL runs in STRICT sync mode, and the
         # lock orders this with remove_peer, so nothing is posted to a peer once it is removed.
         with self._peer_lock:
+            self._check_alive()  # else the op would be registered after `_die` and never finish
             if self._peers.get(peer) is not target:
                 raise TransportError(f"op {op_id}: peer {peer!r} was removed")
             handle = None
