@@ -26,7 +26,17 @@ from kvflow.integrations.vllm.connector import check_vllm_version
 from kvflow.integrations.vllm.kv_caches import check_supported
 from kvflow.integrations.vllm.standin import EngineOptions, ModelShape, StandInEngine
 from kvflow.integrations.vllm.standin.build import layer_specs, vllm_config
-from tests.vllm_compat_registry import OUTCOMES, SCENARIOS, bound, moves, refused_at_handshake, rows, scenario
+from tests.vllm_compat_registry import (
+    OUTCOMES,
+    RELEASES,
+    SCENARIOS,
+    bound,
+    moves,
+    refused_at_handshake,
+    releases,
+    rows,
+    scenario,
+)
 from tests.vllm_pairs import BLOCK_SIZE, kvflow_engine
 
 # ---------------------------------------------------------------- vLLM
@@ -324,6 +334,24 @@ def test_every_row_has_a_scenario_and_every_scenario_a_row() -> None:
     assert {outcome for outcome, _ in table.values()} == OUTCOMES
     for row_id, (outcome, fragment) in table.items():
         assert outcome == "moves" or fragment, f"row {row_id} is a refusal that quotes no message"
+
+
+def test_each_row_says_where_it_holds_and_the_real_engine_rows_are_what_its_tests_run() -> None:
+    from tests.vllm_real import REAL_ENGINE_ROWS
+
+    where = releases()
+    assert sorted(where) == sorted(rows())
+    for row_id, shown in where.items():
+        assert shown and shown <= RELEASES, f"row {row_id}: holds on {shown}"
+    assert {row_id for row_id, shown in where.items() if "0.32 engine" in shown} == set(REAL_ENGINE_ROWS)
+    real_tests = {name for module in ("test_vllm_real_pd", "test_vllm_real_nixl") for name in _tests_of(module)}
+    for row_id, tests in REAL_ENGINE_ROWS.items():
+        assert tests and set(tests) <= real_tests, f"row {row_id} names tests that do not exist: {tests}"
+
+
+def _tests_of(module: str) -> set[str]:
+    loaded = importlib.import_module(f"tests.{module}")
+    return {name for name in dir(loaded) if name.startswith("test_")}
 
 
 for _module in sorted(Path(__file__).parent.glob("vllm_compat_*.py")):

@@ -24,15 +24,30 @@ DOC = Path(__file__).resolve().parents[1] / "docs" / "vllm-compatibility.md"
 OUTCOMES = {"moves", "refused at start-up", "refused at the handshake", "computed locally"}
 
 
-def rows() -> dict[str, tuple[str, str]]:
-    """id -> (outcome, the first quoted text of the last column)."""
+RELEASES = {"0.33 stand-in", "0.32 engine"}  # where a row is shown (the table's last column)
+
+
+def _cells() -> dict[str, list[str]]:
     found = {}
     for line in DOC.read_text().splitlines():
         cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
-        if line.startswith("| `") and len(cells) == 5:
-            quoted = re.findall(r"`([^`]+)`", cells[4])
-            found[cells[0].strip("`")] = (cells[3], quoted[0] if quoted else "")
+        if line.startswith("| `") and len(cells) == 6:
+            found[cells[0].strip("`")] = cells
     return found
+
+
+def rows() -> dict[str, tuple[str, str]]:
+    """id -> (outcome, the first quoted text of "what kvflow does")."""
+    found = {}
+    for row_id, cells in _cells().items():
+        quoted = re.findall(r"`([^`]+)`", cells[4])
+        found[row_id] = (cells[3], quoted[0] if quoted else "")
+    return found
+
+
+def releases() -> dict[str, set[str]]:
+    """id -> where the row is shown ("holds on")."""
+    return {row_id: {part.strip() for part in cells[5].split(",")} for row_id, cells in _cells().items()}
 
 
 Scenario = Callable[[str, pytest.LogCaptureFixture], None]

@@ -1,5 +1,5 @@
 """The `kvflow` command: `kvflow doctor`, `kvflow bench nixl`, `kvflow bench vllm`, `kvflow bench pd`,
-`kvflow bench host`, `kvflow bench engine`, `kvflow diagrams`, `kvflow soak`, `kvflow serve`.
+`kvflow bench host`, `kvflow bench engine`, `kvflow diagrams`, `kvflow soak`, `kvflow serve`, `kvflow demo`.
 
 Why one entry point: operators ask "does NIXL work here, with which backends and memory?" and
 "how fast is it here?" before anything else; both answers are one command away.
@@ -98,7 +98,14 @@ def main(argv: list[str] | None = None) -> int:
     from kvflow.integrations.vllm.serve.cli import add_arguments as serve_arguments
 
     serve_arguments(commands.add_parser("serve", help="real vLLM servers in P/D with kvflow, the router in front"))
+    commands.add_parser(
+        "demo", help="real vLLM 1P1D with kvflow: a batch through the router, checked against one engine"
+    )
     args = parser.parse_args(argv)
+    if args.command == "demo":
+        from kvflow.integrations.vllm.serve.demo import main as demo_main
+
+        return demo_main()
     if args.command == "serve":
         from kvflow.integrations.vllm.serve.cli import main as serve_main
 
