@@ -231,7 +231,8 @@ async def proxy(request: web.Request) -> web.StreamResponse:
             upstream = await _sequential(session, body, (p_url, d_url), legs, transfer_id, config.timeout)
             p_lease.release()
         elif config.nixl_push:
-            p_id = ("chatcmpl-" if request.path.endswith("chat/completions") else "cmpl-") + headers["X-Request-Id"]
+            chat, xid = request.path.endswith("chat/completions"), headers["X-Request-Id"]
+            p_id = f"chatcmpl-{xid}" if chat else f"cmpl-{xid}-0"  # a completion's id ends in its prompt's index
             p_body, d_body = prefill_body(body, None), nixl_push_decode_body(body, p_lease.backend, p_id)
             upstream = await _concurrent(session, p_body, d_body, (p_url, d_url), legs, config.timeout)
             p_lease.release()
