@@ -18,6 +18,11 @@ Two ways to dispatch (``--mode``):
   ``do_remote_decode`` params and no kvflow entry; then D with the ``kv_transfer_params`` of
   P's answer, from which D pulls the KV.  Any kvflow-served P (with a fixed kvflow port) works
   behind such a router.
+* ``nixl-push``: for vLLM's ``NixlPushConnector``: both legs at once, P with vLLM's
+  ``do_remote_decode`` params, D told P's engine id and NIXL side channel up front (a P's
+  ``--prefill-kvflow`` is then that side channel, ``VLLM_NIXL_SIDE_CHANNEL_HOST:PORT``), so that
+  D registers its blocks and P writes them once its prefill is done.  Both legs carry the same
+  ``X-Request-Id``: P matches D's registration by that request id.
 
     python -m kvflow.integrations.vllm.router \\
         --prefill http://10.0.0.1:8100 --prefill-engine prefill-0 --prefill-kvflow tcp://10.0.0.1:5700 \\
@@ -64,6 +69,7 @@ class RouterConfig:
     sequential: bool = False  # P first, then D with P's answer (vLLM's toy proxy convention)
     health_interval: float = 5.0  # seconds between health checks of every backend
     health_timeout: float = 2.0  # the deadline of one health check
+    nixl_push: bool = False  # both legs at once with vLLM's NixlPushConnector params
 
 
 @dataclass(frozen=True)
@@ -99,6 +105,25 @@ def prefill_body(body: Mapping[str, Any], params: Mapping[str, Any] | None) -> d
         out["kv_transfer_params"] = dict(SEQUENTIAL_PREFILL_PARAMS)
     else:
         out["kv_transfer_params"] = {"do_remote_decode": True, "kvflow": dict(params)}
+    return out
+
+
+def nixl_push_decode_body(body: Mapping[str, Any], prefill: Backend, request_id: str) -> dict[str, Any]:
+    """D's request for vLLM's NixlPushConnector: the client's, with P's engine id and NIXL side
+    channel (the backend's ``kvflow`` address in this mode), to which D sends its registration,
+    and P's request id (`request_id`: vLLM's, before its random suffix) for D's heartbeats."""
+    host, port = prefill.kvflow.removeprefix("tcp://").rsplit(":", 1)
+    out = dict(body)
+    out["kv_transfer_params"] = {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_engine_id": prefill.engine,
+        "remote_host": host,
+        "remote_port": int(port),
+        "tp_size": max(1, prefill.tp_size),
+        "pp_size": 1,
+        "remote_request_id": request_id,
+    }
     return out
 
 
@@ -204,6 +229,12 @@ async def proxy(request: web.Request) -> web.StreamResponse:
     try:
         if config.sequential:
             upstream = await _sequential(session, body, (p_url, d_url), legs, transfer_id, config.timeout)
+            p_lease.release()
+        elif config.nixl_push:
+            chat, xid = request.path.endswith("chat/completions"), headers["X-Request-Id"]
+            p_id = f"chatcmpl-{xid}" if chat else f"cmpl-{xid}-0"  # a completion's id ends in its prompt's index
+            p_body, d_body = prefill_body(body, None), nixl_push_decode_body(body, p_lease.backend, p_id)
+            upstream = await _concurrent(session, p_body, d_body, (p_url, d_url), legs, config.timeout)
             p_lease.release()
         else:
             params = kvflow_params(config.mode, p_lease.backend, d_lease.backend, transfer_id)
@@ -391,9 +422,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.add_argument(f"--{side}-dp-rank", type=int, action="append", help="the data-parallel rank to address")
     parser.add_argument(
         "--mode",
-        choices=("push", "pull", "sequential"),
+        choices=("push", "pull", "sequential", "nixl-push"),
         default="push",
-        help="push or pull: both legs at once with a kvflow entry; sequential: P, then D with P's answer",
+        help="push or pull: both legs at once with a kvflow entry; sequential: P, then D with P's answer; "
+        "nixl-push: both legs at once for vLLM's NixlPushConnector",
     )
     parser.add_argument("--timeout", type=_positive, default=600.0, help="seconds any one wait may take (default 600)")
     parser.add_argument("--health-interval", type=_positive, default=5.0, help="seconds between health checks")
@@ -428,9 +460,11 @@ def config_from(args: argparse.Namespace) -> RouterConfig:
         )
         for side in ("prefill", "decode")
     )
-    sequential = args.mode == "sequential"
-    mode = Mode.PULL if sequential else Mode(args.mode)
-    return RouterConfig(prefill, decode, mode, args.timeout, sequential, args.health_interval, args.health_timeout)
+    sequential, nixl_push = args.mode == "sequential", args.mode == "nixl-push"
+    mode = Mode.PULL if sequential else Mode.PUSH if nixl_push else Mode(args.mode)
+    return RouterConfig(
+        prefill, decode, mode, args.timeout, sequential, args.health_interval, args.health_timeout, nixl_push
+    )
 
 
 async def serve(args: argparse.Namespace) -> None:

@@ -1,5 +1,6 @@
 """The `kvflow` command: `kvflow doctor`, `kvflow bench nixl`, `kvflow bench vllm`, `kvflow bench pd`,
-`kvflow bench host`, `kvflow bench engine`, `kvflow diagrams`, `kvflow soak`, `kvflow serve`, `kvflow demo`.
+`kvflow bench serve`, `kvflow bench host`, `kvflow bench engine`, `kvflow diagrams`, `kvflow soak`,
+`kvflow serve`, `kvflow demo`.
 
 Why one entry point: operators ask "does NIXL work here, with which backends and memory?" and
 "how fast is it here?" before anything else; both answers are one command away.
@@ -91,6 +92,11 @@ def main(argv: list[str] | None = None) -> int:
     from kvflow.integrations.vllm.pd.cli import add_arguments as pd_arguments
 
     pd_arguments(pd)
+    from kvflow.integrations.vllm.serve.bench_serve import add_arguments as serve_bench_arguments
+
+    serve_bench_arguments(
+        targets.add_parser("serve", help="real vLLM servers 1P1D under open-loop streaming load: kvflow vs vLLM's NIXL")
+    )
     from kvflow.tools.bench_engine import add_arguments as engine_arguments
 
     engine_arguments(targets.add_parser("engine", help="control-plane transfers/s, latency and memory per transfer"))
@@ -134,6 +140,10 @@ def main(argv: list[str] | None = None) -> int:
         from kvflow.integrations.vllm.pd.cli import main as bench_pd
 
         return bench_pd(args)
+    if args.target == "serve":
+        from kvflow.integrations.vllm.serve.bench_serve import main as bench_serve
+
+        return bench_serve(args)
     if args.target == "host":
         from kvflow.integrations.vllm.bench_host import main as bench_host
 

@@ -20,7 +20,7 @@ from kvflow.integrations.vllm.pd.workload import LengthDist, arrivals
 if TYPE_CHECKING:
     from kvflow.integrations.vllm.standin.timing import StepModel
 
-__all__ = ("add_arguments", "main")
+__all__ = ("Progress", "add_arguments", "main")
 
 SYSTEMS = ("kvflow", "kvflow-pull", "vllm-pull", "vllm-push")
 DEFAULT_SYSTEMS = SYSTEMS
@@ -97,7 +97,7 @@ def main(args: argparse.Namespace) -> int:
     cells: list[dict[str, Any]] = []
     pairs: dict[str, Pair] = {}
     try:
-        with _Progress(total) as progress:
+        with Progress(total) as progress:
             for system in systems:
                 progress.label(f"{system}: starting")
                 pairs[system] = start_system(system, model, sizing, max_model_len)
@@ -173,19 +173,19 @@ def _publish(results: dict[str, Any], folder: Path) -> None:
     sys.stdout.write(f"results: {folder}/ ({', '.join(p.name for p in paths)})\n")
 
 
-class _Progress:
-    """A rich progress bar on a terminal, plain lines otherwise."""
+class Progress:
+    """A rich progress bar on a terminal, plain lines otherwise (`kvflow bench serve`'s too)."""
 
-    def __init__(self, total: int) -> None:
+    def __init__(self, total: int, title: str = "bench pd") -> None:
         self.total, self.done, self.name = total, 0, ""
         self.bar: Any = None
         if sys.stdout.isatty():
-            from rich.progress import Progress
+            from rich.progress import Progress as Bar
 
-            self.bar = Progress()
-            self.task = self.bar.add_task("bench pd", total=total)
+            self.bar = Bar()
+            self.task = self.bar.add_task(title, total=total)
 
-    def __enter__(self) -> _Progress:
+    def __enter__(self) -> Progress:
         if self.bar is not None:
             self.bar.start()
         return self

@@ -28,7 +28,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode", type=int, default=1, help="D servers (default 1)")
     parser.add_argument("--connector", choices=CONNECTORS, default="kvflow", help="kvflow, or vLLM's NixlConnector")
     parser.add_argument(
-        "--mode", choices=ROUTER_MODES, default=None, help="router dispatch (default push; sequential for nixl)"
+        "--mode",
+        choices=ROUTER_MODES,
+        default=None,
+        help="router dispatch (default push; sequential for nixl, nixl-push for nixl-push)",
     )
     parser.add_argument("--model", type=Path, default=None, help="a model directory (default: a tiny local one)")
     parser.add_argument("--served-model-name", default=defaults.served_model_name, help="the name clients send")
@@ -67,7 +70,7 @@ def options_from(args: argparse.Namespace) -> ServeOptions:
             settings[key] = json.loads(value)
         except json.JSONDecodeError:
             settings[key] = value
-    mode = args.mode or ("sequential" if args.connector == "nixl" else "push")
+    mode = args.mode or {"nixl": "sequential", "nixl-push": "nixl-push"}.get(args.connector, "push")
     changes: dict[str, Any] = {"run_dir": args.run_dir} if args.run_dir is not None else {}
     options = ServeOptions(
         prefill=args.prefill,

@@ -32,8 +32,9 @@ from kvflow.integrations.vllm.serve.processes import Group, ServerFailed, free_p
 __all__ = ("CONNECTORS", "ROUTER_MODES", "Deployment", "Server", "ServeOptions", "deployment", "vllm_python")
 
 ROOT = Path(__file__).resolve().parents[3]
-CONNECTORS = ("kvflow", "nixl", "none")  # kvflow's connector, vLLM's NixlConnector (pull), no connector
-ROUTER_MODES = ("push", "pull", "sequential")
+CONNECTORS = ("kvflow", "nixl", "nixl-push", "none")  # kvflow's, vLLM's NixlConnector (pull) and NixlPushConnector
+ROUTER_MODES = ("push", "pull", "sequential", "nixl-push")
+NIXL = {"nixl": "NixlConnector", "nixl-push": "NixlPushConnector"}  # connector -> vLLM's class
 
 
 def vllm_python() -> Path:
@@ -77,6 +78,8 @@ class ServeOptions:
             raise ConfigError(f"router mode must be one of {list(ROUTER_MODES)}, not {self.mode!r}")
         if self.connector == "nixl" and self.mode != "sequential":
             raise ConfigError("vLLM's NixlConnector pulls after P answered: use mode 'sequential'")
+        if (self.connector == "nixl-push") != (self.mode == "nixl-push"):
+            raise ConfigError("vLLM's NixlPushConnector and router mode 'nixl-push' go together")
         if self.connector != "none" and not (self.prefill >= 1 and self.decode >= 1):
             raise ConfigError(f"P/D needs at least one P and one D server, not {self.prefill}P{self.decode}D")
         if self.connector == "none" and (self.prefill or self.decode) and not self.reference:
@@ -136,7 +139,7 @@ class Deployment:
             role = name.split("-")[0]
             http = free_port(options.host)
             kvflow = f"tcp://{options.host}:{free_port(options.host)}" if self._uses_kvflow(role) else ""
-            side = free_port(options.host) if options.connector == "nixl" and role != "reference" else 0
+            side = free_port(options.host) if options.connector in NIXL and role != "reference" else 0
             group = Group(name, (), {}, self.run_dir / f"{name}.log", cwd=self.run_dir)
             self.servers.append(
                 Server(name, role, f"http://{options.host}:{http}", kvflow, cpus[index % len(cpus)], group, side)
@@ -154,6 +157,9 @@ class Deployment:
             return None
         if o.connector == "nixl":
             return {"kv_connector": "NixlConnector", "kv_role": "kv_both", "engine_id": server.name}
+        if o.connector == "nixl-push":
+            role = "kv_producer" if server.role == "prefill" else "kv_consumer"
+            return {"kv_connector": NIXL[o.connector], "kv_role": role, "engine_id": server.name}
         host, port = server.kvflow.removeprefix("tcp://").rsplit(":", 1)
         extra = {"host": host, "port": int(port), **dict(o.kvflow_settings)}
         return {
@@ -205,7 +211,7 @@ class Deployment:
         argv += ["--mode", mode, "--health-interval", "1"]
         for server in self.servers:
             if server.role in ("prefill", "decode"):
-                kvflow = server.kvflow or f"tcp://{o.host}:1"  # unused by a sequential router of another connector
+                kvflow = server.kvflow or f"tcp://{o.host}:{server.side_channel or 1}"  # nixl-push: P's side channel
                 argv += [f"--{server.role}", server.url, f"--{server.role}-engine", server.name]
                 argv += [f"--{server.role}-kvflow", kvflow]
         return argv

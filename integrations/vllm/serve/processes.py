@@ -29,10 +29,32 @@ __all__ = ("Group", "ServerFailed", "free_port", "group_alive", "http_ok", "wait
 LOG_TAIL_BYTES = 6000  # how much of a failed server's log its error quotes
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nothing listens on now (the OS's choice)."""
+    """A TCP port nothing listens on now, never the same twice in a process, and below the OS's
+    ephemeral range where there is room: a port the OS hands out for ``bind(0)`` can be handed
+    out again, to any process, before the server it was chosen for binds it (minutes later for
+    a vLLM server starting on a loaded machine); ports below that range are never handed out."""
+    import random
     import socket
 
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 0
+    for _ in range(200 if low > 12000 else 0):
+        port = random.randrange(10000, low)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
