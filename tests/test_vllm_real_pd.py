@@ -164,6 +164,8 @@ def test_a_client_that_disconnects_mid_transfer_leaves_p_and_d_idle(pd: Deployme
             urllib.request.urlopen(request, timeout=3.0)
     for server in (p0, p1, d):
         assert settles(functools.partial(idle, server), SETTLE), server.metrics()
+    for name in ("prefill-0", "prefill-1"):  # frozen, they failed the router's health checks
+        assert settles(functools.partial(router_sees, router, name, True), SETTLE)
     same(complete(router, prompt), reference(pd, prompt))  # and the pair still serves
 
 
@@ -178,7 +180,7 @@ def test_p_killed_mid_request_fails_ds_request_and_the_router_skips_it(pd: Deplo
             pd.kill("prefill-0")  # while D waits for the KV it registered for
         answer: Answer = d_leg.result(timeout=SETTLE)  # D's request ends, with an error
         assert answer.status != 200 or answer.body["choices"][0]["finish_reason"] == "error", answer.body
-        p_leg.result(timeout=SETTLE)
+        assert p_leg.result(timeout=SETTLE).status != 200  # P died under its own request
     assert settles(lambda: idle(d), SETTLE), d.metrics()
     router = pd.add_router("push")
     assert settles(lambda: router_sees(router, "prefill-0", healthy=False), SETTLE)  # its health check failed

@@ -132,6 +132,7 @@ class Deployment:
         self.routers: dict[str, tuple[Group, str]] = {}  # mode -> the router and its URL
         self.router_url = ""  # the router of `options.mode`
         cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0]
+        self.cpus = tuple(cpus)
         names = [f"prefill-{i}" for i in range(options.prefill)] + [f"decode-{i}" for i in range(options.decode)]
         if options.reference:
             names.append("reference")
@@ -161,7 +162,10 @@ class Deployment:
             role = "kv_producer" if server.role == "prefill" else "kv_consumer"
             return {"kv_connector": NIXL[o.connector], "kv_role": role, "engine_id": server.name}
         host, port = server.kvflow.removeprefix("tcp://").rsplit(":", 1)
-        extra = {"host": host, "port": int(port), **dict(o.kvflow_settings)}
+        # vLLM's CPU worker binds itself to its one CPU (VLLM_CPU_OMP_THREADS_BIND); kvflow's
+        # engine process would inherit that binding and starve beside the worker's busy steps
+        # (heartbeats late by a lease, handshakes unanswered), so it gets every CPU here
+        extra = {"host": host, "port": int(port), "engine_cpus": list(self.cpus), **dict(o.kvflow_settings)}
         return {
             "kv_connector": "KVFlowConnector",
             "kv_connector_module_path": "kvflow.integrations.vllm",
