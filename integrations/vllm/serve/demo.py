@@ -21,12 +21,14 @@ from pathlib import Path
 from typing import Any
 
 from kvflow.errors import ConfigError, ServerFailed
+from kvflow.integrations.vllm.serve.client import metric_sum
 from kvflow.integrations.vllm.serve.launcher import Deployment, ServeOptions, Server
 
 __all__ = ("main", "run_check")
 
 LENGTHS = (7, 64, 100, 250, 500, 900, 1500, 33, 160, 400, 77, 1200)  # prompt tokens of the batch
 STEPS = 16  # greedy tokens asked of each request
+SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")  # vLLM's prompt-token sources
 
 
 def _post(url: str, body: dict[str, Any], timeout: float = 300.0) -> dict[str, Any]:
@@ -48,12 +50,9 @@ def _tokens(answer: dict[str, Any]) -> list[int] | None:
 
 
 def _by_source(server: Server) -> dict[str, float]:
-    totals: dict[str, float] = {}
-    for line in server.metrics().splitlines():
-        if line.startswith("vllm:prompt_tokens_by_source_total{"):
-            source = line.split('source="', 1)[1].split('"', 1)[0]
-            totals[source] = totals.get(source, 0.0) + float(line.rsplit(" ", 1)[1])
-    return totals
+    text = server.metrics()
+    name = "vllm:prompt_tokens_by_source_total"
+    return {source: metric_sum(text, name, {"source": source}) for source in SOURCES}
 
 
 def run_check(deployment: Deployment, seed: int = 1) -> tuple[list[dict[str, Any]], dict[str, float]]:
