@@ -7,6 +7,8 @@ naming the key, before any engine thread exists.
 
 from __future__ import annotations
 
+import argparse
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -15,7 +17,7 @@ from kvflow.errors import ConfigError
 from kvflow.integrations.vllm.mapping import PeerRef
 from kvflow.layout import MAX_SPEC_TEXT
 
-__all__ = ("KV_CACHE_LAYOUTS", "Settings", "layer_groups")
+__all__ = ("KV_CACHE_LAYOUTS", "Settings", "layer_groups", "setting_arg")
 
 ENGINE_PLACES = ("auto", "process", "thread")
 KV_CACHE_LAYOUTS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")  # vLLM 0.33's KVCacheLayout
@@ -117,3 +119,18 @@ def _setting_value(key: str, value: Any, default: Any) -> Any:
         kind = {int: "an integer", float: "a number", str: "a string"}.get(type(default), type(default).__name__)
         raise ConfigError(f"kvflow {key} must be {kind}, not {value!r}")
     return value
+
+
+def setting_arg(text: str) -> tuple[str, object]:
+    """One `kv_connector_extra_config` entry given on a command line as ``KEY=JSON`` (a bare
+    string when the value is not JSON), as argparse's `type`.
+
+    Raises argparse.ArgumentTypeError when there is no ``KEY=``.
+    """
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=JSON, got {text!r}")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value  # a bare string

@@ -9,13 +9,14 @@ Why one entry point: operators ask "does NIXL work here, with which backends and
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import sys
 from typing import Any
 
-__all__ = ("main", "setting_arg")
+from kvflow.integrations.vllm.settings import setting_arg
+
+__all__ = ("main",)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -219,17 +220,6 @@ def _soak(args: argparse.Namespace) -> int:
         fuzz_scale=args.fuzz_scale,
     )
     return soak_main(config, json_path=args.json, quiet=args.quiet)
-
-
-def setting_arg(text: str) -> tuple[str, object]:
-    """A ``KEY=JSON`` option (a bare string when the value is not JSON), as argparse's `type`."""
-    key, sep, value = text.partition("=")
-    if not sep or not key:
-        raise argparse.ArgumentTypeError(f"expected KEY=JSON, got {text!r}")
-    try:
-        return key, json.loads(value)
-    except json.JSONDecodeError:
-        return key, value  # a bare string
 
 
 def _names(text: str) -> list[str]:

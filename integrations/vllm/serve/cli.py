@@ -18,7 +18,7 @@ from typing import Any
 
 from kvflow.errors import ConfigError, ServerFailed
 from kvflow.integrations.vllm.serve.launcher import CONNECTORS, ROUTER_MODES, Deployment, ServeOptions
-from kvflow.tools.cli import setting_arg
+from kvflow.integrations.vllm.settings import setting_arg
 
 __all__ = ("add_arguments", "main", "options_from")
 
