@@ -17,7 +17,9 @@ serves them at ``GET /requests``.  SIGTERM stops it.  What it does with a reques
 A request whose connection closes before the answer is complete ends with outcome "cancelled".
 A non-streamed answer to a request with ``do_remote_decode`` carries ``kv_transfer_params``, as
 vLLM's does: ``{"do_remote_prefill": true, "from": NAME, "request": N}``.
-``GET /health`` answers 200, or the status last set by ``POST /health`` with ``{"status": N}``.
+``GET /health`` answers 200, or the status last set by ``POST /health`` with ``{"status": N}``;
+status 0 means no answer at all (each check waits until the health is set again, or the hold
+limit).
 ``POST /reset`` forgets the records, releases whatever is held and makes the server healthy.
 """
 
@@ -42,6 +44,7 @@ class State:
         self.records: list[dict[str, Any]] = []
         self.release = asyncio.Event()
         self.health = 200
+        self.health_set = asyncio.Event()  # set (and replaced) whenever the health changes
 
 
 STATE = web.AppKey("state", State)
@@ -118,12 +121,21 @@ async def completion(request: web.Request) -> web.StreamResponse:
 
 
 async def health(request: web.Request) -> web.Response:
-    status = _state(request).health
-    return web.json_response({"status": status}, status=status)
+    state = _state(request)
+    if state.health == 0:  # unanswered until the health changes
+        async with asyncio.timeout(HOLD_LIMIT):
+            await state.health_set.wait()
+    return web.json_response({"status": state.health}, status=state.health)
+
+
+def _set_health(state: State, status: int) -> None:
+    state.health = status
+    state.health_set.set()
+    state.health_set = asyncio.Event()
 
 
 async def set_health(request: web.Request) -> web.Response:
-    _state(request).health = int((await request.json())["status"])
+    _set_health(_state(request), int((await request.json())["status"]))
     return web.json_response({"health": _state(request).health})
 
 
@@ -141,7 +153,7 @@ async def reset(request: web.Request) -> web.Response:
     state.release.set()
     state.release = asyncio.Event()
     state.records = []
-    state.health = 200
+    _set_health(state, 200)
     return web.json_response({"reset": True})
 
 

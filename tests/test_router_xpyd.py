@@ -1,14 +1,15 @@
 """The xPyD router against four fake OpenAI servers (two P, two D), each in its own process.
 
 Selection (the healthy backend with the fewest requests in flight), health checks (a backend
-failing ``GET /health`` is skipped until it passes again; none left for a role is 503 naming
-it) and the sequential mode (P first with vLLM's own params, then D with P's answer), over real
-HTTP on 127.0.0.1.  Load is made by holding answers, never by timing.
+failing ``GET /health``, or leaving three checks in a row unanswered, is skipped until it passes
+again; none left for a role is 503 naming it) and the sequential mode (P first with vLLM's own
+params, then D with P's answer), over real HTTP on 127.0.0.1.  Load is made by holding answers, never by timing.
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -17,6 +18,8 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
+from kvflow.errors import ConfigError, NoBackend
+from kvflow.integrations.vllm.backends import Backend, BackendPool
 from kvflow.integrations.vllm.mapping import SEQUENTIAL_PREFILL_PARAMS
 from tests.test_router import ROUTER_MODULE, WAIT, Process, start_fake, stop_clean
 
@@ -24,7 +27,7 @@ NAMES = ("P1", "P2", "D1", "D2")
 
 
 def start_router(urls: dict[str, str], mode: str) -> tuple[Process, str]:
-    args = ["-m", ROUTER_MODULE, "--port", "0", "--mode", mode, "--health-interval", "0.1"]
+    args = ["-m", ROUTER_MODULE, "--port", "0", "--mode", mode, "--health-interval", "0.1", "--health-timeout", "1"]
     for name, url in urls.items():
         role = "prefill" if name.startswith("P") else "decode"
         port = 5700 if role == "prefill" else 5800
@@ -87,12 +90,16 @@ class Live:
         except TimeoutError:
             raise AssertionError(f"not within {WAIT}s: {what}") from None
 
+    async def backends(self, router: str) -> dict[str, dict[str, Any]]:
+        """What the router sees of each backend, by name."""
+        async with self.http.get(router + "/backends") as response:
+            seen = await response.json()
+        return {b["engine"].upper(): b for role in ("prefill", "decode") for b in seen[role]}
+
     async def router_sees(self, router: str, healthy: dict[str, bool]) -> None:
         async def check() -> bool:
-            async with self.http.get(router + "/backends") as response:
-                seen = await response.json()
-            by_engine = {b["engine"]: b["healthy"] for role in ("prefill", "decode") for b in seen[role]}
-            return all(by_engine[name.lower()] is value for name, value in healthy.items())
+            seen = await self.backends(router)
+            return all(seen[name]["healthy"] is value for name, value in healthy.items())
 
         await self.until(f"{router} sees {healthy}", check)
 
@@ -144,6 +151,43 @@ async def test_an_unhealthy_backend_is_skipped_until_it_is_healthy_again(live: L
     for _ in range(2):  # nothing in flight: ties go round-robin, so P1 gets one of two
         assert (await live.complete(router, {"prompt": "x"}))[0] == 200
     assert len(await live.records("P1")) == 1
+
+
+@pytest.mark.asyncio
+async def test_a_backend_late_with_its_health_is_kept_until_it_misses_three_checks_in_a_row(live: Live) -> None:
+    router = live.stack.concurrent
+    await live.set_health("P1", 0)  # GET /health is left unanswered
+
+    async def missed_once() -> bool:
+        return bool((await live.backends(router))["P1"].get("misses", 0) >= 1)
+
+    await live.until("P1 has missed a check", missed_once)
+    await live.router_sees(router, {"P1": False})  # the third miss in a row
+    seen = (await live.backends(router))["P1"]
+    assert seen["misses"] >= 3 and re.search(r"no answer within 1 s \((\d+) checks in a row\)", seen["why"])
+    await live.set_health("P1", 200)
+    await live.router_sees(router, {"P1": True})
+    assert "misses" not in (await live.backends(router))["P1"]
+
+
+def test_misses_in_a_row_take_a_backend_out_an_answer_resets_them_an_error_is_at_once() -> None:
+    one, two = Backend("http://a", "a", "tcp://127.0.0.1:1"), Backend("http://b", "b", "tcp://127.0.0.1:2")
+    pool = BackendPool("prefill", [one, two], misses_allowed=3)
+    for _ in range(2):
+        pool.missed(one, "slow")
+    assert [b["healthy"] for b in pool.describe()] == [True, True]
+    pool.mark(one, True)  # an answer in time: the count starts again
+    for _ in range(2):
+        pool.missed(one, "slow")
+    assert pool.describe()[0]["healthy"] and pool.describe()[0]["misses"] == 2
+    pool.missed(one, "slow")
+    assert not pool.describe()[0]["healthy"] and pool.describe()[0]["why"] == "slow (3 checks in a row)"
+    assert pool.acquire().backend == two
+    pool.mark(two, False, "HTTP 503")  # an error answer: out at once
+    with pytest.raises(NoBackend, match="HTTP 503"):
+        pool.acquire()
+    with pytest.raises(ConfigError, match="at least 1"):
+        BackendPool("decode", [one], misses_allowed=0)
 
 
 @pytest.mark.asyncio

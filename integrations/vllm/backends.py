@@ -1,8 +1,9 @@
 """The router's backends: which vLLM servers serve each role, how loaded and how healthy each is.
 
 Why apart from the router: choosing a backend is a decision with rules of its own (least
-loaded first, an unhealthy one skipped until it answers its health check again, none left is an
-error naming the role) that is testable without HTTP, and a backend's description grows with
+loaded first, an unhealthy one skipped until it answers its health check again, one that is
+merely slow to answer kept for a few checks in a row, none left is an error naming the role)
+that is testable without HTTP, and a backend's description grows with
 deployments (a data-parallel rank, say) without touching how requests are relayed.  Only
 `check_health` does I/O: one ``GET /health`` per backend, each bounded by a deadline.
 """
@@ -54,6 +55,7 @@ class _Slot:
     in_flight: int = 0
     healthy: bool = True  # until a health check says otherwise
     why: str = ""  # what the last failed health check saw
+    misses: int = 0  # health checks in a row left unanswered
 
 
 @dataclass
@@ -72,16 +74,25 @@ class Lease:
 
 class BackendPool:
     """The backends of one role (prefill or decode), each with its requests in flight and its
-    health.  Pure: `check_health` feeds it."""
+    health.  Pure: `check_health` feeds it.
 
-    def __init__(self, role: str, backends: Sequence[Backend]) -> None:
-        """:raises ConfigError: no backend, or one URL listed twice."""
+    A backend that answers its health check with an error, or refuses the connection, is
+    skipped at once.  One that does not answer in time is skipped only after `misses_allowed`
+    such checks in a row: a server busy prefilling, on a loaded host, can be late with
+    ``/health`` and still serve, and taking every P out for one late answer turns a slow
+    moment into failed requests (503)."""
+
+    def __init__(self, role: str, backends: Sequence[Backend], misses_allowed: int = 3) -> None:
+        """:raises ConfigError: no backend, one URL listed twice, or `misses_allowed` < 1."""
+        if misses_allowed < 1:
+            raise ConfigError(f"the {role} backends' health misses allowed must be at least 1, not {misses_allowed}")
         if not backends:
             raise ConfigError(f"the router needs at least one {role} backend")
         urls = [b.url for b in backends]
         if len(set(urls)) != len(urls):
             raise ConfigError(f"a {role} backend is listed twice: {urls}")
         self.role = role
+        self.misses_allowed = misses_allowed
         self._slots = [_Slot(b) for b in backends]
         self._turn = 0  # ties go round-robin, so equal backends share the load
 
@@ -105,25 +116,41 @@ class BackendPool:
         return Lease(slot.backend, slot)
 
     def mark(self, backend: Backend, healthy: bool, why: str = "") -> None:
-        """What a health check found; a change is logged."""
+        """What a health check that got an answer (or a refused connection) found; a change is
+        logged."""
         for slot in self._slots:
             if slot.backend == backend:
-                if slot.healthy != healthy:
-                    state = "healthy again" if healthy else f"unhealthy, skipped: {why}"
-                    log.warning("%s backend %s is %s", self.role, backend.url, state)
-                slot.healthy, slot.why = healthy, why
+                slot.misses = 0
+                self._set(slot, healthy, why)
+
+    def missed(self, backend: Backend, why: str) -> None:
+        """A health check left unanswered: the backend is skipped once `misses_allowed` checks
+        in a row were."""
+        for slot in self._slots:
+            if slot.backend == backend:
+                slot.misses += 1
+                if slot.misses >= self.misses_allowed:
+                    self._set(slot, False, f"{why} ({slot.misses} checks in a row)")
+
+    def _set(self, slot: _Slot, healthy: bool, why: str) -> None:
+        if slot.healthy != healthy:
+            state = "healthy again" if healthy else f"unhealthy, skipped: {why}"
+            log.warning("%s backend %s is %s", self.role, slot.backend.url, state)
+        slot.healthy, slot.why = healthy, why
 
     def describe(self) -> list[dict[str, object]]:
         return [
             {"url": s.backend.url, "engine": s.backend.engine, "healthy": s.healthy, "in_flight": s.in_flight}
             | ({"why": s.why} if not s.healthy else {})
+            | ({"misses": s.misses} if s.misses else {})
             for s in self._slots
         ]
 
 
 async def check_health(session: aiohttp.ClientSession, pool: BackendPool, deadline: float) -> None:
     """``GET /health`` on every backend of `pool` at once, each within `deadline` seconds:
-    HTTP 200 is healthy, anything else (an error status, no answer in time, no connection) not."""
+    HTTP 200 is healthy, an error status or a connection that cannot be made is not, and no
+    answer in time (or a connection lost before it) is a miss (`BackendPool.missed`)."""
 
     async def one(backend: Backend) -> None:
         try:
@@ -131,8 +158,10 @@ async def check_health(session: aiohttp.ClientSession, pool: BackendPool, deadli
                 status = response.status
             pool.mark(backend, status == 200, f"GET /health answered HTTP {status}")
         except TimeoutError:
-            pool.mark(backend, False, f"GET /health: no answer within {deadline:g} s")
-        except aiohttp.ClientError as exc:
+            pool.missed(backend, f"GET /health: no answer within {deadline:g} s")
+        except aiohttp.ClientConnectorError as exc:  # refused, unreachable: nothing listens there
             pool.mark(backend, False, f"GET /health: {exc.__class__.__name__}: {exc}")
+        except aiohttp.ClientError as exc:
+            pool.missed(backend, f"GET /health: {exc.__class__.__name__}: {exc}")
 
     await asyncio.gather(*(one(backend) for backend in pool))

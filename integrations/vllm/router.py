@@ -3,8 +3,9 @@
 Each request goes to one prefill server (P: same prompt, one token) and one decode server (D:
 the original request), each the healthy one of its role with the fewest requests in flight, and
 D's answer is streamed back.  Every backend's ``GET /health`` is checked periodically (each check
-with a deadline); an unhealthy backend is skipped until it answers again, and with none healthy
-for a role the client gets 503 naming the role.  ``GET /backends`` shows what the router sees.
+with a deadline); a backend that answers it with an error, refuses the connection, or leaves
+``--health-misses`` checks in a row unanswered is skipped until it answers again, and with none
+healthy for a role the client gets 503 naming the role.  ``GET /backends`` shows what the router sees.
 
 Two ways to dispatch (``--mode``):
 
@@ -70,6 +71,7 @@ class RouterConfig:
     health_interval: float = 5.0  # seconds between health checks of every backend
     health_timeout: float = 2.0  # the deadline of one health check
     nixl_push: bool = False  # both legs at once with vLLM's NixlPushConnector params
+    health_misses: int = 3  # unanswered health checks in a row before a backend is skipped
 
 
 @dataclass(frozen=True)
@@ -358,7 +360,10 @@ def make_app(config: RouterConfig, max_body: int = 64 << 20) -> web.Application:
     """:raises ConfigError: a role without backends, or a backend listed twice."""
     app = web.Application(client_max_size=max_body)
     app[CONFIG] = config
-    app[POOLS] = Pools(BackendPool("prefill", config.prefill), BackendPool("decode", config.decode))
+    app[POOLS] = Pools(
+        BackendPool("prefill", config.prefill, config.health_misses),
+        BackendPool("decode", config.decode, config.health_misses),
+    )
 
     async def client(app: web.Application) -> AsyncIterator[None]:
         # No pool cap: a capped pool shared by both legs could be filled with D requests that
@@ -430,6 +435,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=_positive, default=600.0, help="seconds any one wait may take (default 600)")
     parser.add_argument("--health-interval", type=_positive, default=5.0, help="seconds between health checks")
     parser.add_argument("--health-timeout", type=_positive, default=2.0, help="deadline of one health check")
+    parser.add_argument(
+        "--health-misses",
+        type=int,
+        default=3,
+        help="health checks in a row a backend may leave unanswered before it is skipped (an error answer or a "
+        "refused connection: at once)",
+    )
     parser.add_argument("--max-body", type=int, default=64 << 20, help="largest request body in bytes")
     args = parser.parse_args(argv)
     for side, (http, engine, kvflow) in ROLES.items():
@@ -463,7 +475,15 @@ def config_from(args: argparse.Namespace) -> RouterConfig:
     sequential, nixl_push = args.mode == "sequential", args.mode == "nixl-push"
     mode = Mode.PULL if sequential else Mode.PUSH if nixl_push else Mode(args.mode)
     return RouterConfig(
-        prefill, decode, mode, args.timeout, sequential, args.health_interval, args.health_timeout, nixl_push
+        prefill,
+        decode,
+        mode,
+        args.timeout,
+        sequential,
+        args.health_interval,
+        args.health_timeout,
+        nixl_push,
+        args.health_misses,
     )
 
 
