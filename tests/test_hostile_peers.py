@@ -189,7 +189,7 @@ def test_an_unsent_answer_ends_the_association_it_would_have_completed() -> None
     peers = Associations("P", fingerprint(SMALL_SPEC), lease=6.0, interval=1.0)
     (add,) = peers.receive("M", 1, hello("M", ""), 0.0)
     assert isinstance(add, AddTransportPeer)
-    assert peers.transport_peer_added("M", add.pending, 0.0) == [SendHello("M", reply=True, associating=True)]
+    assert peers.transport_peer_added("M", add.pending, 0.0) == [SendHello("M", reply=True, associating=True, association=1)]
     error = PeerProtocolError("no route")
     assert peers.hello_unsent("M", error) == [
         Refused("M", error),

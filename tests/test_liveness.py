@@ -8,9 +8,10 @@ import asyncio
 import pytest
 
 from kvflow.control.channel import LocalControl
-from kvflow.errors import ConfigError, PeerProtocolError, TransportError
+from kvflow.errors import ConfigError, PeerProtocolError, TransferTimeout, TransportError
 from kvflow.layout import fingerprint, layout_to_wire
 from kvflow.protocol.association import (
+    ATTEMPTS_KEPT,
     AddRoute,
     AddTransportPeer,
     Associations,
@@ -18,6 +19,7 @@ from kvflow.protocol.association import (
     Liveness,
     PeerConnected,
     Refused,
+    RenewLeases,
     SendControl,
     SendHeartbeat,
     SendHello,
@@ -25,10 +27,10 @@ from kvflow.protocol.association import (
     UnknownSender,
 )
 from kvflow.protocol.core import CoreConfig, TransferCore
-from kvflow.protocol.messages import Goodbye, Heartbeat, Hello, Reject, TransferKey
+from kvflow.protocol.messages import ControlMessage, Goodbye, Heartbeat, Hello, Reject, TransferKey
 from kvflow.protocol.state import ACTIVE, Mode, Outcome, Role
 from kvflow.runtime.engine import Engine, EngineConfig
-from kvflow.testing import SMALL_SPEC, EnginePair, KVBuffers
+from kvflow.testing import SMALL_SPEC, EnginePair, KVBuffers, same_kv
 from kvflow.transports.loopback import FaultPlan, LoopbackFabric
 from tests.waiting import eventually
 
@@ -48,9 +50,9 @@ def test_liveness_schedule() -> None:
     assert live.next_deadline() is None
 
 
-def hello(sender: str, *, reply: bool = False, address: str = "") -> Hello:
+def hello(sender: str, *, reply: bool = False, address: str = "", association: int = 0) -> Hello:
     layout = layout_to_wire(KVBuffers(SMALL_SPEC, 8).layout)
-    return Hello(sender, fingerprint(SMALL_SPEC), layout, b"meta", reply, address)
+    return Hello(sender, fingerprint(SMALL_SPEC), layout, b"meta", reply, address, association)
 
 
 def associations() -> Associations:
@@ -85,6 +87,42 @@ def test_a_peer_starting_over_is_torn_down_before_it_is_added_again() -> None:
     assert peers.incarnations == {"P": 2} and peers.peers() == ["P"]
     assert peers.receive("P", 1, Heartbeat(), 2.0) == [UnknownSender("P")]  # the old run is unknown now
     assert peers.receive("P", 2, hello("P", reply=True), 2.0) == [HandshakeSettled("P")]
+
+
+def test_a_hello_sent_again_for_the_association_in_place_is_answered_not_torn_down() -> None:
+    # P's first Hello associated us; its wait for our answer ran out (a loaded host) and it asks
+    # again, with the same number: the association and its transfers stay, P gets its answer.
+    peers = associations()
+    receive(peers, "P", 1, hello("P", association=7), 0.0)
+    ours = peers.ours["P"]
+    assert receive(peers, "P", 1, hello("P", association=7), 1.0) == [
+        SendHello("P", reply=True, best_effort=True, association=ours)
+    ]
+    assert peers.peers() == ["P"] and peers.receive("P", 1, Heartbeat(), 1.5) == [RenewLeases("P", (), 1.5, 6.0)]
+    # A Hello of another association of the same run: P dropped us and started over.
+    again = receive(peers, "P", 1, hello("P", association=8), 2.0)
+    assert [type(a) for a in again] == [TearDown, AddTransportPeer, SendHello, HandshakeSettled, PeerConnected]
+    assert isinstance(again[0], TearDown) and again[0].reason == "peer started a new association"
+    assert peers.theirs["P"] == 8 and peers.ours["P"] != ours  # ours is renumbered with it
+
+
+def test_our_hellos_keep_one_number_per_association_until_it_is_dropped() -> None:
+    peers = associations()
+    first = [a for a in peers.connect("P", "tcp://127.0.0.1:1") if isinstance(a, SendHello)]
+    retry = [a for a in peers.connect("P", "tcp://127.0.0.1:1") if isinstance(a, SendHello)]
+    assert first == retry and first[0].association > 0  # a retry after a timeout: the same association
+    receive(peers, "P", 1, hello("P", reply=True), 1.0)  # the answer: associated, with that number
+    assert peers.ours["P"] == first[0].association
+    peers.tear_down("P", "silent")
+    (after,) = [a for a in peers.connect("P", "tcp://127.0.0.1:1") if isinstance(a, SendHello)]
+    assert after.association != first[0].association
+
+
+def test_attempts_never_answered_are_bounded() -> None:
+    peers = associations()
+    for n in range(ATTEMPTS_KEPT + 10):
+        peers.connect(f"P{n}", "tcp://127.0.0.1:1")
+    assert len(peers.ours) == ATTEMPTS_KEPT and "P0" not in peers.ours and f"P{ATTEMPTS_KEPT + 9}" in peers.ours
 
 
 def test_a_silent_peer_is_told_why_torn_down_and_gets_no_heartbeat() -> None:
@@ -216,6 +254,45 @@ async def test_a_restarted_peer_fails_the_old_transfers_and_serves_new_ones() ->
         await pair.p.aclose(drain_timeout=0.1)  # the old run, whose channel is already gone
         await pair.d.aclose()
         pair.fabric.close()
+
+
+@pytest.mark.asyncio
+async def test_a_handshake_asked_again_after_its_wait_ran_out_keeps_the_association_and_its_transfers() -> None:
+    # D's first wait for P's answer runs out (P's answers are held back, as a loaded host holds
+    # them) and D asks again.  P, associated since D's first Hello and holding KV for D to pull,
+    # answers again instead of starting over: the transfer survives and completes.
+    pair = await EnginePair(LoopbackFabric(), config=EngineConfig(lease=30.0)).start(connect=False)
+    held: list[tuple[str, int, str, ControlMessage]] = []
+    route = pair.hub.route
+
+    def holding(sender: str, incarnation: int, peer: str, message: ControlMessage) -> None:
+        if sender == "P":
+            held.append((sender, incarnation, peer, message))
+        else:
+            route(sender, incarnation, peer, message)
+
+    def answers() -> int:
+        return sum(isinstance(m, Hello) and m.reply for *_, m in held)
+
+    pair.hub.route = holding  # type: ignore[method-assign]
+    try:
+        with pytest.raises(TransferTimeout):
+            await pair.d.connect("P", timeout=0.05)
+        await eventually(lambda: pair.p.peers() == ["D"] and answers() == 1, "P associated, its answer held")
+        pair.p_kv.fill([2], seed=4)
+        sending = await pair.p.kv_ready("r", 1, block_ids=[2], mode=Mode.PULL, peer="D")  # held for D
+        retry = asyncio.create_task(pair.d.connect("P", timeout=30))
+        await eventually(lambda: answers() == 2, "P answered D's second Hello")
+        pair.hub.route = route  # type: ignore[method-assign]
+        for message in held:
+            route(*message)
+        await retry
+        waiting = await pair.d.expect("r", 1, peer="P", block_ids=[1], mode=Mode.PULL, timeout=30)
+        assert (await sending.wait(5)).ok and (await waiting.wait(5)).ok
+        assert pair.p.stats()["failed"] == 0
+        assert same_kv(pair.p_kv, [2], pair.d_kv, [1])
+    finally:
+        await pair.close()
 
 
 def test_core_renewal_holds_p_blocks_a_lease_past_the_heartbeat_and_only_for_its_peer() -> None:

@@ -56,6 +56,7 @@ messages: st.SearchStrategy[ControlMessage] = st.one_of(
         st.binary(max_size=600),
         st.booleans(),
         st.text(max_size=60),
+        st.integers(0, 2**63 - 1),
     ),
 )
 envelopes = st.builds(
@@ -165,13 +166,13 @@ def test_the_envelope_names_the_receivers_run() -> None:
         wire.decode(ext)
     broken_layout = dict(LAYOUT, num_blocks=-1)
     hello = msgpack.packb(
-        [wire.MAGIC, wire.VERSION, "a", 1, "b", 1, 1, ["a", {}, broken_layout, b"", False, ""], 0], use_bin_type=True
+        [wire.MAGIC, wire.VERSION, "a", 1, "b", 1, 1, ["a", {}, broken_layout, b"", False, "", 0], 0], use_bin_type=True
     )
     with pytest.raises(PeerProtocolError, match="layout"):
         wire.decode(hello)
     odd_memory = dict(LAYOUT, regions=[[r[0], r[1], "XRAM", r[3]] for r in LAYOUT["regions"]])
     hello = msgpack.packb(
-        [wire.MAGIC, wire.VERSION, "a", 1, "b", 1, 1, ["a", {}, odd_memory, b"", False, ""], 0], use_bin_type=True
+        [wire.MAGIC, wire.VERSION, "a", 1, "b", 1, 1, ["a", {}, odd_memory, b"", False, "", 0], 0], use_bin_type=True
     )
     with pytest.raises(PeerProtocolError, match=r"layout region memory must be one of \['DRAM', 'VRAM'\], not 'XRAM'"):
         wire.decode(hello)
@@ -183,7 +184,7 @@ BAD_ENGINE_IDS = ["../evil", "a/b", "a\x00b", "", "x" * 129, "-lead", " space", 
 @pytest.mark.parametrize("bad", BAD_ENGINE_IDS)
 def test_engine_ids_outside_the_strict_set_are_refused_where_they_come_in(bad: str) -> None:
     # An engine id becomes part of file and socket names on the receiving host.
-    good_hello = ["P", fingerprint(SMALL_SPEC), LAYOUT, b"", False, ""]
+    good_hello = ["P", fingerprint(SMALL_SPEC), LAYOUT, b"", False, "", 0]
     for field, frame in (
         ("sender", [wire.MAGIC, wire.VERSION, bad, 1, "D", 1, 8, ["bye"], 0]),
         ("receiver", [wire.MAGIC, wire.VERSION, "P", 1, bad, 1, 8, ["bye"], 0]),

@@ -68,8 +68,9 @@ __all__ = (
 
 MAGIC = "kvflow"
 # 2: a Hello no longer carries a role; 3: the receiver's incarnation; 4: a registration's first position,
-# Claim, a layout names its heads and ranks, open batch counts; 5: block ids and heartbeat epochs packed
-VERSION = 5
+# Claim, a layout names its heads and ranks, open batch counts; 5: block ids and heartbeat epochs packed;
+# 6: a Hello names the sender's association
+VERSION = 6
 MAX_FRAME_BYTES = 1 << 20
 MAX_ID = 256  # transfer ids (engine ids: `messages.MAX_ENGINE_ID`)
 MAX_TEXT = 1024  # reasons, addresses
@@ -212,7 +213,7 @@ def _reject(body: Any) -> Reject:
 
 
 def _hello(body: Any) -> Hello:
-    engine_id, fp, layout, metadata, reply, address = _body(body, 6, "hello")
+    engine_id, fp, layout, metadata, reply, address, association = _body(body, 7, "hello")
     if type(metadata) is not bytes or len(metadata) > MAX_METADATA:
         raise _fail(f"transport metadata must be at most {MAX_METADATA} bytes")
     if type(reply) is not bool:
@@ -224,6 +225,7 @@ def _hello(body: Any) -> Hello:
         metadata,
         reply,
         _text(address, "control address"),
+        _int(association, "association", 0, MAX_EPOCH),
     )
 
 
@@ -297,7 +299,7 @@ def _encode_body(message: ControlMessage) -> tuple[int, list[Any]]:
         return 0, [message.reason]
     if isinstance(message, Hello):
         m = message
-        return 1, [m.engine_id, m.fingerprint, m.layout, m.transport_metadata, m.reply, m.control_address]
+        return 1, [m.engine_id, m.fingerprint, m.layout, m.transport_metadata, m.reply, m.control_address, m.association]
     if isinstance(message, Registration):
         k = message.key
         r = message

@@ -2,10 +2,11 @@
 
 Why separate from the transfer core: this is about *peers*, not transfers.  An association
 starts with a Hello each way (KV layouts compared field by field, transport metadata exchanged)
-and lasts for one incarnation of each side.  While it lasts, each side sends a Heartbeat every
+and lasts for one incarnation of each side; each side numbers it, so that a Hello sent again for
+the same association (a retry) is told from one that starts a new association.  While it lasts, each side sends a Heartbeat every
 `heartbeat_interval`; D's heartbeats list the transfers it still waits on, which renews P's lease
 on their blocks.  A peer silent for a whole `lease`, a Goodbye, or a Hello from a new
-incarnation ends the association, and the engine tears the peer down so that nothing of it can
+incarnation or of a new association ends the association, and the engine tears the peer down so that nothing of it can
 land afterwards.  The side that ends an association tells the peer, best effort, with a Goodbye
 naming the reason, so that both sides settle their transfers with each other.
 
@@ -25,6 +26,7 @@ from kvflow.layout import KVLayout, check_compatible, layout_from_wire
 from kvflow.protocol.messages import ControlMessage, Goodbye, Heartbeat, Hello, Message, Reject, TransferKey
 
 __all__ = (
+    "ATTEMPTS_KEPT",
     "EARLY_MESSAGES_KEPT",
     "AddRoute",
     "AddTransportPeer",
@@ -49,6 +51,9 @@ __all__ = (
 # Messages kept per peer between its side of an association and ours being in place: a handful
 # in practice (a transfer's first messages); bounded because a peer decides how many it sends.
 EARLY_MESSAGES_KEPT = 256
+# Our numbers for associations attempted but never answered, kept so that a retry keeps its
+# number: bounded, since every connect to a new name adds one.
+ATTEMPTS_KEPT = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +92,7 @@ class SendHello:
     reply: bool
     best_effort: bool = False
     associating: bool = False
+    association: int = 0  # our number for the association with `peer` (`Hello.association`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -291,6 +297,12 @@ class Associations:
         # messages a peer sent once associated with us, before our side of the association was in
         # place (the transport still adding it): delivered, in order, once it is
         self.early: dict[str, list[ControlMessage]] = {}
+        # our number for each association we hold or are attempting (a handshake that timed out
+        # here may still be answered, or retried: both keep the number), and the peer's number
+        # for each live one; the attempts kept are bounded, live ones first
+        self.ours: dict[str, int] = {}
+        self.theirs: dict[str, int] = {}
+        self._numbered = 0
 
     def peers(self) -> list[str]:
         return sorted(self.layouts)
@@ -305,13 +317,27 @@ class Associations:
             error = PeerProtocolError(f"{self.engine_id!r} is at its limit of {self.max_peers} peers")
             return [AwaitHandshake(peer), HandshakeSettled(peer, error)]
         route: list[AssociationAction] = [AddRoute(peer, address)] if address else []
-        return [*route, AwaitHandshake(peer), SendHello(peer, reply=False)]
+        return [*route, AwaitHandshake(peer), SendHello(peer, reply=False, association=self._number(peer))]
+
+    def _number(self, peer: str) -> int:
+        """Our number for the association with `peer`: the one held or attempted, else a new one."""
+        number = self.ours.get(peer)
+        if number is None:
+            self._numbered += 1
+            number = self.ours[peer] = self._numbered
+            if len(self.ours) > ATTEMPTS_KEPT:  # the oldest attempt never answered goes
+                stale = next((p for p in self.ours if p not in self.layouts and p not in self.adding), None)
+                if stale is not None:
+                    del self.ours[stale]
+        return number
 
     def dropped(self, peer: str) -> None:
         """`peer` is being torn down: forget the association."""
         self.early.pop(peer, None)
         self.layouts.pop(peer, None)
         self.incarnations.pop(peer, None)
+        self.ours.pop(peer, None)  # the next association with it is numbered anew
+        self.theirs.pop(peer, None)
         self.liveness.remove(peer)
 
     def start_cooling(self, peer: str, until: float) -> None:
@@ -399,9 +425,11 @@ class Associations:
         peer started it, is sent: see `hello_sent`)."""
         self.layouts[peer] = pending.layout
         self.incarnations[peer] = pending.incarnation
+        self.theirs[peer] = pending.hello.association
         self.liveness.add(peer, now)
         if not pending.hello.reply:
-            return [SendHello(peer, reply=True, associating=True), *self._added(peer, pending)]
+            answer = SendHello(peer, reply=True, associating=True, association=self._number(peer))
+            return [answer, *self._added(peer, pending)]
         return [*self.hello_sent(peer, now), *self._added(peer, pending)]
 
     def _added(self, peer: str, pending: PendingHello) -> list[AssociationAction]:
@@ -439,6 +467,10 @@ class Associations:
         if hello.reply and known == incarnation:
             # the answer to our Hello, after the peer's own Hello had associated us
             return [HandshakeSettled(sender)]
+        if known == incarnation and self.theirs.get(sender) == hello.association:
+            # the peer asks again for the association in place (its wait for our answer ran
+            # out, or crossed it): answer again; tearing down would lose its transfers with us
+            return [SendHello(sender, reply=True, best_effort=True, association=self._number(sender))]
         adding = self.adding.get(sender)
         if adding is not None:
             if not (hello.reply and adding.incarnation == incarnation):

@@ -96,8 +96,12 @@ class Hello:
     """Handshake: who I am and what my KV cache looks like.
 
     `reply` is False when a side starts an association (and expects a Hello back), True when it
-    answers one.  A new, non-reply Hello from a peer already associated means the peer started
-    over: everything of the old association is torn down first.
+    answers one.  `association` is the sender's number for its association with the receiver,
+    the same in every Hello of one association (a retry after a handshake timed out on the
+    sender's side, an answer) and new once the sender dropped the receiver.  A non-reply Hello
+    from a peer already associated therefore says which it is: with the number of the live
+    association, a retry, answered again; with another, the peer started over, and everything of
+    the old association is torn down first.
     """
 
     engine_id: str
@@ -106,6 +110,7 @@ class Hello:
     transport_metadata: bytes
     reply: bool = False
     control_address: str = ""  # where the peer reaches this engine's control channel, if anywhere
+    association: int = 0
 
 
 @dataclass(frozen=True, slots=True)

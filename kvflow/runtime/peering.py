@@ -391,6 +391,7 @@ class PeerExecutor:
                 self.metadata,
                 action.reply,
                 self.control.address,
+                action.association,
             )
             self.control.send(action.peer, hello)
         except KVFlowError as exc:
