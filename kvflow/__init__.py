@@ -33,6 +33,7 @@ from kvflow.errors import (
     TransportUnavailable,
     UnknownTransfer,
     UnknownTransport,
+    UnsendableMessage,
     UnsupportedVersion,
     UsageError,
 )
@@ -90,6 +91,7 @@ __all__ = (
     "TransportUnavailable",
     "UnknownTransfer",
     "UnknownTransport",
+    "UnsendableMessage",
     "UnsupportedVersion",
     "UsageError",
     "ZmqControl",

@@ -61,6 +61,7 @@ __all__ = (
     "TransportUnavailable",
     "UnknownTransfer",
     "UnknownTransport",
+    "UnsendableMessage",
     "UnsupportedVersion",
     "UsageError",
     "map_exceptions",
@@ -147,6 +148,11 @@ class EngineCrashed(KVFlowError):
 
 class PeerProtocolError(KVFlowError):
     """A peer sent a malformed or unexpected control message or notification."""
+
+
+class UnsendableMessage(PeerProtocolError):
+    """A message this side built cannot be encoded (a frame over the limit, a value the wire
+    cannot carry): the fault of that message, not of the peer or the link."""
 
 
 class UnsupportedVersion(PeerProtocolError):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -15,10 +16,11 @@ import zmq
 
 from kvflow.control import wire
 from kvflow.control.auth import Secret
-from kvflow.control.channel import LocalControlHub, new_incarnation
+from kvflow.control.channel import MAX_CLOCK_SKEW, LocalControlHub, incarnation_ceiling, new_incarnation
 from kvflow.control.zeromq import RECEIVE_QUEUE, YIELD_EVERY, ZmqControl, is_loopback
 from kvflow.errors import ConfigError, EngineClosed, PeerUnknown, PeerUnreachable, TransferTimeout, UsageError
 from kvflow.protocol.messages import (
+    MAX_EPOCH,
     ControlMessage,
     Goodbye,
     Heartbeat,
@@ -107,7 +109,7 @@ def test_incarnations_grow_and_fit_the_wire_for_centuries(monkeypatch: pytest.Mo
     for at in (56 * year, 56 * year + 1000, 71.5 * year, 1100 * year):  # 2026, a microsecond on, 2041, 3070
         monkeypatch.setattr("time.time_ns", lambda at=at: int(at))
         ids.append(new_incarnation())
-    assert ids == sorted(set(ids)) and ids[-1] <= wire.MAX_EPOCH
+    assert ids == sorted(set(ids)) and ids[-1] <= MAX_EPOCH
 
 
 def test_unauthenticated_off_loopback_is_refused() -> None:
@@ -121,6 +123,19 @@ def test_unauthenticated_off_loopback_is_refused() -> None:
     for bad in (0, -1.0, float("nan")):
         with pytest.raises(ConfigError, match="handshake_timeout must be positive"):
             ZmqControl("x", secret=SECRET, handshake_timeout=bad)
+
+
+@pytest.mark.parametrize(
+    "address", ["tcp://prefill.example:5700", "tcp://localhost:5700", "tcp://127.0.0.1;10.0.0.1:5700", "tcp://1.2.3:5"]
+)
+def test_a_route_to_a_host_name_is_refused_before_zeromq_would_resolve_it(address: str) -> None:
+    # libzmq resolves a name with a blocking lookup on its one I/O thread (at every reconnect
+    # too): a slow resolver would stall every peer's control traffic.  Hellos name routes too.
+    control = ZmqControl("x", secret=SECRET)
+    with pytest.raises(ConfigError, match="literal IPv4|not an IP address"):
+        control.add_route("y", address)
+    control.add_route("y", "tcp://10.1.2.3:5700")  # literal addresses, v4 and v6, are fine
+    control.add_route("z", "tcp://[fd00::1]:5700")
 
 
 @pytest.mark.asyncio
@@ -305,6 +320,36 @@ async def test_frames_for_an_earlier_run_of_the_receiver_are_refused() -> None:
         sock.close()
         ctx.term()
         restarted.close()
+
+
+@pytest.mark.asyncio
+async def test_a_frame_from_a_run_no_clock_reads_yet_is_refused_and_the_real_run_still_heard() -> None:
+    # An insider's Hello as "D" with incarnation 2**63 - 1, accepted, would make the real D's
+    # frames (today's clock) replays of an older run until P restarts.
+    got: list[tuple[int, ControlMessage]] = []
+    p = ZmqControl("P", secret=SECRET)
+    p.start(asyncio.get_running_loop(), lambda sender, incarnation, message: got.append((incarnation, message)))
+    ctx = zmq.Context()
+    sock = insider_dealer(ctx, b"D", p.address, SECRET)
+    try:
+        now = new_incarnation()
+        future = incarnation_ceiling(time.time_ns() + 3600 * 10**9)  # a clock an hour past the skew allowed
+        for seq, run in enumerate([MAX_EPOCH, future, now], start=1):
+            frame = wire.encode(wire.Envelope("D", run, "P", seq, Reject(f"run {run}"), 0))
+            sock.send_multipart([frame, SECRET.sign(frame)])
+        await eventually(lambda: p.counters["frames_received"] == 3, "P read every frame")
+        assert p.counters["rejected_future"] == 2, p.counters
+        assert got == [(now, Reject(f"run {now}"))]
+    finally:
+        sock.close()
+        ctx.term()
+        p.close()
+
+
+def test_the_incarnation_ceiling_leaves_room_for_clock_skew_only() -> None:
+    now_ns = time.time_ns()
+    ceiling = incarnation_ceiling(now_ns)
+    assert new_incarnation() < ceiling < ((now_ns // 1000 + (MAX_CLOCK_SKEW + 1) * 1_000_000) << 8)
 
 
 @pytest.mark.asyncio

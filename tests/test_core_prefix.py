@@ -13,7 +13,7 @@ import pytest
 from kvflow.errors import InvalidBatch
 from kvflow.protocol.actions import Action, ReleaseBlocks, Resolve, SendMessage, SubmitOp
 from kvflow.protocol.core import TransferCore
-from kvflow.protocol.messages import Done, Message, Registration, TransferKey
+from kvflow.protocol.messages import MAX_BLOCKS, Done, Message, Registration, TransferKey
 from kvflow.protocol.state import TERMINAL, Mode, Outcome, Role, State
 
 KEY = TransferKey("t", 1)
@@ -107,8 +107,11 @@ def test_an_empty_registration_is_push_only_and_expects_no_write() -> None:
         d.expect(KEY, peer="P", mode=Mode.PULL, block_ids=[], deadline=9.0, now=0.0, expected_batches=0)
     with pytest.raises(InvalidBatch, match="empty"):
         d.expect(KEY, peer="P", mode=Mode.PUSH, block_ids=[], deadline=9.0, now=0.0)
-    with pytest.raises(InvalidBatch, match="negative"):
-        d.expect(KEY, peer="P", mode=Mode.PUSH, block_ids=[1], deadline=9.0, now=0.0, first_position=-1)
+    for position in (-1, 2**31):  # a position travels as an int32
+        with pytest.raises(InvalidBatch, match="first position"):
+            d.expect(KEY, peer="P", mode=Mode.PUSH, block_ids=[1], deadline=9.0, now=0.0, first_position=position)
+    with pytest.raises(InvalidBatch, match="more than one message carries"):
+        d.expect(KEY, peer="P", mode=Mode.PUSH, block_ids=range(MAX_BLOCKS + 1), deadline=9.0, now=0.0)
     assert d.machines() == [] and d.ledger.held_blocks == 0
 
 

@@ -17,7 +17,7 @@ from kvflow.control import wire
 from kvflow.control.auth import Secret
 from kvflow.control.hardening import curve_keys
 from kvflow.control.zeromq import ZmqControl
-from kvflow.errors import PeerProtocolError
+from kvflow.errors import PeerProtocolError, TransferTimeout
 from kvflow.layout import fingerprint, layout_to_wire
 from kvflow.protocol.association import (
     AddTransportPeer,
@@ -164,6 +164,19 @@ async def test_refused_names_do_not_use_up_sockets_and_a_real_peer_still_connect
 
 
 @pytest.mark.asyncio
+async def test_connects_nobody_answers_leave_no_connection_open(zmq_p: Zmq) -> None:
+    # Each request naming a made-up P made D open a connection that stayed after its handshake
+    # ran out: some 340 of them filled the ZeroMQ context ("Too many open files").
+    engine = zmq_p
+    for n in range(40):
+        with pytest.raises(TransferTimeout):
+            await engine.p.connect(f"ghost{n}", "tcp://127.0.0.1:9", timeout=0.01)
+    control = engine.p.control
+    assert isinstance(control, ZmqControl) and control.connections == 0 and engine.p.peers() == []
+    await a_real_peer_still_associates(engine)
+
+
+@pytest.mark.asyncio
 async def test_a_replayed_hello_of_an_earlier_run_changes_nothing() -> None:
     pair = await EnginePair(LoopbackFabric(), config=CONFIG).start()
     try:
@@ -189,7 +202,9 @@ def test_an_unsent_answer_ends_the_association_it_would_have_completed() -> None
     peers = Associations("P", fingerprint(SMALL_SPEC), lease=6.0, interval=1.0)
     (add,) = peers.receive("M", 1, hello("M", ""), 0.0)
     assert isinstance(add, AddTransportPeer)
-    assert peers.transport_peer_added("M", add.pending, 0.0) == [SendHello("M", reply=True, associating=True, association=1)]
+    assert peers.transport_peer_added("M", add.pending, 0.0) == [
+        SendHello("M", reply=True, associating=True, association=1)
+    ]
     error = PeerProtocolError("no route")
     assert peers.hello_unsent("M", error) == [
         Refused("M", error),

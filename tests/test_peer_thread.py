@@ -226,7 +226,9 @@ def test_the_answer_to_our_hello_while_its_sender_is_added_waits_for_the_additio
     assoc = Associations("P", fingerprint(SMALL_SPEC), lease=6.0, interval=1.0)
     first = adding(assoc, "E", 1)
     assert assoc.receive("E", 1, hello("E", "", reply=True), 0.5) == []  # nothing deferred
-    assert assoc.transport_peer_added("E", first.pending, 1.0) == [SendHello("E", reply=True, associating=True, association=1)]
+    assert assoc.transport_peer_added("E", first.pending, 1.0) == [
+        SendHello("E", reply=True, associating=True, association=1)
+    ]
     assert [type(a) for a in assoc.hello_sent("E", 1.0)] == [HandshakeSettled, PeerConnected]
 
 
@@ -240,7 +242,9 @@ def test_what_a_peer_says_while_we_still_add_it_is_delivered_in_order_once_the_a
     assert assoc.receive("P", 1, Heartbeat((key,)), 0.5) == []  # kept, not dropped
     assert assoc.receive("P", 1, Goodbye("done"), 0.6) == []
     assert assoc.receive("P", 2, Heartbeat(()), 0.6) == [UnknownSender("P")]  # another run of P
-    assert assoc.transport_peer_added("P", first.pending, 1.0) == [SendHello("P", reply=True, associating=True, association=1)]
+    assert assoc.transport_peer_added("P", first.pending, 1.0) == [
+        SendHello("P", reply=True, associating=True, association=1)
+    ]
     decided = assoc.hello_sent("P", 1.1)
     assert decided[:3] == [HandshakeSettled("P"), PeerConnected("P", 1.1), RenewLeases("P", (key,), 1.1, 6.0)]
     assert [type(a) for a in decided[3:]] == [TearDown]  # then its goodbye, in the order it was sent

@@ -267,6 +267,16 @@ def test_metadata_without_the_process_id_is_refused(pair: Pair) -> None:
     assert socket.SO_PASSCRED  # the check relies on Linux's credentials passing
 
 
+@pytest.mark.parametrize("peer_id", ["kvflow-a\x00b", "kvflow/../../etc", "kvflow-" + "x" * 80, "other", 7])
+def test_metadata_whose_id_cannot_name_a_file_here_is_refused(pair: Pair, peer_id: object) -> None:
+    # The id becomes part of the peer's directory name: a NUL made os.open raise ValueError,
+    # which escaped as a crash of the engine adding the peer.
+    a, b = pair[0], pair[1]
+    meta = msgpack.unpackb(b.local_metadata())
+    with pytest.raises(TransportError, match="names another endpoint"):
+        a.add_peer(b.name, msgpack.packb(dict(meta, id=peer_id)), [])
+
+
 def test_a_write_to_a_peer_whose_process_was_killed_fails(pair: Pair, prefix: str) -> None:
     a = pair[0]
     child, metadata, region = start_endpoint(prefix)

@@ -14,6 +14,8 @@ from kvflow.errors import ConfigError, PeerProtocolError, UnsupportedVersion
 from kvflow.layout import fingerprint, layout_to_wire
 from kvflow.protocol.messages import (
     MAX_BLOCK_ID,
+    MAX_BLOCKS,
+    MAX_EPOCH,
     Claim,
     ControlMessage,
     Done,
@@ -154,7 +156,7 @@ def test_the_envelope_names_the_receivers_run() -> None:
     without = msgpack.packb([wire.MAGIC, wire.VERSION, "a", 1, "b", 2, 8, ["x"]])  # version 2's layout
     with pytest.raises(PeerProtocolError, match=f"an envelope of version {wire.VERSION} has 9 fields"):
         wire.decode(without)
-    for bad in (-1, "1", 1.5, None, wire.MAX_EPOCH + 1):
+    for bad in (-1, "1", 1.5, None, MAX_EPOCH + 1):
         with pytest.raises(PeerProtocolError, match="receiver incarnation must be an integer"):
             wire.decode(msgpack.packb([wire.MAGIC, wire.VERSION, "a", 1, "b", 2, 8, ["x"], bad]))
     nan_body = ["t", 1, wire.pack_blocks((1,)), 1, float("nan"), 0]
@@ -218,15 +220,15 @@ def test_block_ids_and_heartbeat_epochs_travel_packed_and_are_checked_as_such() 
     ready = wire.Envelope("a", 1, "b", 1, Ready(TransferKey("t", 1), (0, 7, MAX_BLOCK_ID)))
     body = msgpack.unpackb(wire.encode(ready))[7]
     assert body[2] == bytes([0, 0, 0, 0, 7, 0, 0, 0, 0xFF, 0xFF, 0xFF, 0x7F])  # uint32, little-endian
-    beat = wire.Envelope("a", 1, "b", 1, Heartbeat((TransferKey("x", 1), TransferKey("y", wire.MAX_EPOCH))))
+    beat = wire.Envelope("a", 1, "b", 1, Heartbeat((TransferKey("x", 1), TransferKey("y", MAX_EPOCH))))
     assert msgpack.unpackb(wire.encode(beat))[7] == [["x", "y"], bytes([1] + [0] * 7) + bytes([0xFF] * 7 + [0x7F])]
     # the largest block list there is fits a frame
-    most = wire.Envelope("a", 1, "b", 1, Ready(TransferKey("t", 1), tuple(range(wire.MAX_BLOCKS))))
+    most = wire.Envelope("a", 1, "b", 1, Ready(TransferKey("t", 1), tuple(range(MAX_BLOCKS))))
     assert wire.decode(wire.encode(most)) == most
     for blocks, problem in (
         ([1, 2], "block ids must be packed 4-byte"),  # the list of earlier versions
         (b"\x01\x00\x00", "block ids must be packed 4-byte"),  # not a whole id
-        (b"\x00" * 4 * (wire.MAX_BLOCKS + 1), "not msgpack|block ids must be packed"),
+        (b"\x00" * 4 * (MAX_BLOCKS + 1), "not msgpack|block ids must be packed"),
         (b"\x00\x00\x00\x80", f"block ids must each be at most {MAX_BLOCK_ID}"),
         (b"", "block ids must not be empty"),
     ):
@@ -236,7 +238,7 @@ def test_block_ids_and_heartbeat_epochs_travel_packed_and_are_checked_as_such() 
     for tids, epochs, problem in (
         (["x"], epoch * 2, "names 1 transfer ids but 2 epochs"),
         (["x", "y"], epoch, "names 2 transfer ids but 1 epochs"),
-        (["x"], b"\x00" * 7 + b"\x80", f"heartbeat epochs must each be at most {wire.MAX_EPOCH}"),
+        (["x"], b"\x00" * 7 + b"\x80", f"heartbeat epochs must each be at most {MAX_EPOCH}"),
         (["x"], [0], "heartbeat epochs must be packed 8-byte"),
         ([""], epoch, "transfer ids must be strings of 1..256"),
         ([1], epoch, "transfer ids must be strings of 1..256"),

@@ -33,6 +33,7 @@ import ctypes
 import fcntl
 import os
 import queue
+import re
 import socket
 import struct
 import threading
@@ -41,6 +42,7 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeGuard
 
 import msgpack
 import numpy as np
@@ -93,6 +95,16 @@ class _Op:
     cancelled: bool = False
 
 
+PREFIX_CHARACTERS = "letters, digits and . _ -"
+_PREFIX = re.compile(r"kvflow[A-Za-z0-9._-]{0,64}", re.ASCII)
+
+
+def prefix_ok(prefix: object) -> TypeGuard[str]:
+    """Whether `prefix` can start this endpoint's (or a peer's) file names: "kvflow" and plain
+    characters, so that no path built from it leaves /dev/shm or holds a NUL."""
+    return isinstance(prefix, str) and _PREFIX.fullmatch(prefix) is not None
+
+
 def _peer_metadata(name: str, metadata: bytes) -> tuple[str, str, int, list[tuple[str, int, int]]]:
     """Check what `local_metadata` of endpoint `name` produced: (id, notify socket, pid, segments).
 
@@ -109,7 +121,7 @@ def _peer_metadata(name: str, metadata: bytes) -> tuple[str, str, int, list[tupl
     if not isinstance(meta, dict) or meta.get("name") != name:
         raise refuse("metadata names another endpoint")
     peer_id, notify, pid, segs = meta.get("id"), meta.get("notify"), meta.get("pid"), meta.get("segments")
-    if not isinstance(peer_id, str) or "/" in peer_id or not peer_id.startswith("kvflow"):
+    if not prefix_ok(peer_id):  # it becomes part of a path: a NUL or "/" would break out of it
         raise refuse("metadata names another endpoint")
     if not isinstance(notify, str) or not isinstance(segs, list):
         raise refuse("metadata lacks the notification socket or the segments")
@@ -136,14 +148,14 @@ class ShmTransport:
     """
 
     def __init__(self, name: str, *, prefix: str | None = None, fence_timeout: float = 5.0) -> None:
-        """:raises ConfigError: `name` is not a valid engine id, or `prefix` does not start with
-            "kvflow" or holds a "/" (both become part of file names).
+        """:raises ConfigError: `name` is not a valid engine id, or `prefix` is not "kvflow" and
+            plain characters (`prefix_ok`: both become part of file names).
         :raises TransportError: a live endpoint has this prefix and name, or /dev/shm refuses.
         """
         self.name = require_engine_id(name)
         self._id = prefix or f"kvflow-{uuid.uuid4().hex[:12]}"
-        if not self._id.startswith("kvflow") or "/" in self._id or "\0" in self._id:
-            raise ConfigError(f"shared-memory prefix {self._id!r} must start with 'kvflow' and hold no '/'")
+        if not prefix_ok(self._id):
+            raise ConfigError(f"shared-memory prefix {self._id!r} must be 'kvflow' and up to 64 of {PREFIX_CHARACTERS}")
         self._fence_timeout = fence_timeout
         self._files = EndpointFiles(f"{self._id}-{name}")
         self.reclaimed = self._files.reclaimed  # dead endpoints' directories removed on start

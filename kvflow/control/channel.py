@@ -18,18 +18,35 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
+from kvflow.control import wire
 from kvflow.errors import EngineClosed, PeerUnknown, PeerUnreachable
 from kvflow.protocol.messages import ControlMessage
 
-__all__ = ("ControlChannel", "LocalControl", "LocalControlHub", "MessageHandler", "new_incarnation")
+__all__ = (
+    "MAX_CLOCK_SKEW",
+    "ControlChannel",
+    "LocalControl",
+    "LocalControlHub",
+    "MessageHandler",
+    "incarnation_ceiling",
+    "new_incarnation",
+)
 
 MessageHandler = Callable[[str, int, ControlMessage], None]  # (sender, its incarnation, message)
+MAX_CLOCK_SKEW = 300  # seconds one host's clock may run ahead of another's
 
 
 def new_incarnation() -> int:
     """An id for one run of an engine, larger than any earlier run's (clock, in microseconds) and
     unique (random low bits); below 2**63, the wire's limit, until the year 3100."""
     return ((time.time_ns() // 1000) << 8) | secrets.randbits(8)
+
+
+def incarnation_ceiling(now_ns: int) -> int:
+    """The largest incarnation a run started by now can have, with `MAX_CLOCK_SKEW` seconds
+    for hosts' clocks that disagree.  A larger one is no clock reading: accepted, it would make
+    every frame of the sender's real runs look like a replay until the clocks caught up."""
+    return ((now_ns // 1000 + MAX_CLOCK_SKEW * 1_000_000) << 8) | 0xFF
 
 
 class ControlChannel(Protocol):
@@ -148,8 +165,11 @@ class LocalControl:
         return None  # no connection per peer in one process
 
     def send(self, peer: str, message: ControlMessage) -> None:
+        """:raises UnsendableMessage: the message could not cross a process (`wire.encode`): in
+        one process too, so what the wire refuses is refused here alike."""
         if self._closed:
             raise EngineClosed(f"control channel of {self.name!r} is closed")
+        wire.encode(wire.Envelope(self.name, self._incarnation, peer, 0, message))
         self.hub.route(self.name, self._incarnation, peer, message)
 
     def close(self) -> None:

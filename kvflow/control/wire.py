@@ -36,10 +36,14 @@ from typing import Any, TypeVar
 import msgpack
 import numpy as np
 
-from kvflow.errors import ConfigError, PeerProtocolError, UnsupportedVersion
+from kvflow.errors import ConfigError, PeerProtocolError, UnsendableMessage, UnsupportedVersion
 from kvflow.layout import layout_from_wire
 from kvflow.protocol.messages import (
     MAX_BLOCK_ID,
+    MAX_BLOCKS,
+    MAX_EPOCH,
+    MAX_POSITION,
+    MAX_TRANSFER_ID,
     Claim,
     ControlMessage,
     Done,
@@ -72,14 +76,11 @@ MAGIC = "kvflow"
 # 6: a Hello names the sender's association
 VERSION = 6
 MAX_FRAME_BYTES = 1 << 20
-MAX_ID = 256  # transfer ids (engine ids: `messages.MAX_ENGINE_ID`)
+MAX_ID = MAX_TRANSFER_ID  # transfer ids (engine ids: `messages.MAX_ENGINE_ID`)
 MAX_TEXT = 1024  # reasons, addresses
-MAX_BLOCKS = 1 << 17
 MAX_BATCHES = 1 << 16
-MAX_POSITION = (1 << 31) - 1
 MAX_KEYS = 1 << 16
 MAX_METADATA = 1 << 19
-MAX_EPOCH = (1 << 63) - 1
 BLOCK_ID = np.dtype("<u4")  # a packed block id
 EPOCH = np.dtype("<u8")  # a packed heartbeat epoch
 OUTCOMES = (Outcome.ABORTED, Outcome.FAILED, Outcome.EXPIRED)  # a notice never says "succeeded"
@@ -299,7 +300,8 @@ def _encode_body(message: ControlMessage) -> tuple[int, list[Any]]:
         return 0, [message.reason]
     if isinstance(message, Hello):
         m = message
-        return 1, [m.engine_id, m.fingerprint, m.layout, m.transport_metadata, m.reply, m.control_address, m.association]
+        hello = [m.engine_id, m.fingerprint, m.layout, m.transport_metadata, m.reply, m.control_address]
+        return 1, [*hello, m.association]
     if isinstance(message, Registration):
         k = message.key
         r = message
@@ -326,29 +328,30 @@ def _encode_body(message: ControlMessage) -> tuple[int, list[Any]]:
 def encode(envelope: Envelope) -> bytes:
     """The frame for an envelope.
 
-    :raises PeerProtocolError: the result would exceed `MAX_FRAME_BYTES`, or a block id or
-        epoch is outside what its packed field carries.
+    :raises UnsendableMessage: the result would exceed `MAX_FRAME_BYTES`, or a value is outside
+        what its field carries (a block id or epoch past its packed width, an integer past 64
+        bits, text with a lone surrogate).
     """
     try:
         code, body = _encode_body(envelope.message)
-    except (OverflowError, ValueError, TypeError) as exc:  # numpy refusing a value for a packed field
-        raise PeerProtocolError(f"cannot pack {type(envelope.message).__name__}: {exc}") from None
-    frame: bytes = msgpack.packb(
-        [
-            MAGIC,
-            VERSION,
-            envelope.sender,
-            envelope.incarnation,
-            envelope.receiver,
-            envelope.seq,
-            code,
-            body,
-            envelope.receiver_incarnation,
-        ],
-        use_bin_type=True,
-    )
+        frame: bytes = msgpack.packb(
+            [
+                MAGIC,
+                VERSION,
+                envelope.sender,
+                envelope.incarnation,
+                envelope.receiver,
+                envelope.seq,
+                code,
+                body,
+                envelope.receiver_incarnation,
+            ],
+            use_bin_type=True,
+        )
+    except (OverflowError, ValueError, TypeError) as exc:  # numpy or msgpack refusing a value
+        raise UnsendableMessage(f"cannot pack {type(envelope.message).__name__}: {exc}") from None
     if len(frame) > MAX_FRAME_BYTES:
-        raise PeerProtocolError(f"control frame of {len(frame)} bytes exceeds {MAX_FRAME_BYTES}")
+        raise UnsendableMessage(f"control frame of {len(frame)} bytes exceeds {MAX_FRAME_BYTES}")
     return frame
 
 

@@ -49,7 +49,7 @@ import zmq.asyncio
 from zmq.utils import z85
 
 from kvflow.control.auth import MAC_BYTES, ReplayGuard, Secret, secret_from_env
-from kvflow.control.channel import MessageHandler, new_incarnation
+from kvflow.control.channel import MessageHandler, incarnation_ceiling, new_incarnation
 from kvflow.control.hardening import (
     MONITORED,
     ZAP_DOMAIN,
@@ -71,7 +71,7 @@ from kvflow.errors import (
     UnsupportedVersion,
     UsageError,
 )
-from kvflow.protocol.messages import ControlMessage, Hello, Reject, require_engine_id
+from kvflow.protocol.messages import ControlMessage, Hello, Reject, address_problem, require_engine_id
 
 __all__ = ("ENV_SECRET", "ZmqControl", "is_loopback")
 
@@ -176,9 +176,13 @@ class ZmqControl:
         return self._incarnation
 
     def add_route(self, peer: str, address: str) -> None:
-        """:raises ConfigError: `peer` is not a valid engine id, or `address` would carry
-        unauthenticated frames off loopback."""
+        """:raises ConfigError: `peer` is not a valid engine id, `address` is a tcp:// one that is
+        not ``tcp://IP:PORT`` (a host name would be resolved on ZeroMQ's I/O thread), or it
+        would carry unauthenticated frames off loopback."""
         require_engine_id(peer, "peer")
+        problem = address_problem(address) if address.startswith("tcp://") else None
+        if problem is not None:
+            raise ConfigError(f"control address of {peer!r} {problem}, not {address!r:.80}")
         if self.secret is None and not is_loopback(address):
             raise ConfigError(f"refusing to send unauthenticated frames to {address}: set KVFLOW_SECRET")
         if self._routes.get(peer) != address:
@@ -267,7 +271,7 @@ class ZmqControl:
             descriptors), the queue to it is full (it is not reading), or ZeroMQ refused the frame.
         :raises EngineClosed: the channel is closed.
         :raises UsageError: the channel was never started.
-        :raises PeerProtocolError: the message would make a frame over `MAX_FRAME_BYTES`.
+        :raises UnsendableMessage: the message cannot be encoded (see `wire.encode`).
         """
         if self._closed:
             raise EngineClosed(f"control channel of {self.engine_id!r} is closed")
@@ -469,6 +473,9 @@ class ZmqControl:
             if not opening:
                 self._reject(identity, "unbound", "frame names no run of this engine")
                 return
+        if envelope.incarnation > incarnation_ceiling(time.time_ns()):  # it would shut the real sender's runs out
+            self._reject(identity, "future", f"incarnation {envelope.incarnation} is no clock reading yet")
+            return
         if not self._guard.accept(envelope.sender, envelope.incarnation, envelope.seq):
             self._reject(identity, "replayed", "old incarnation or sequence number")
             return

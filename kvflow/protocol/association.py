@@ -3,12 +3,13 @@
 Why separate from the transfer core: this is about *peers*, not transfers.  An association
 starts with a Hello each way (KV layouts compared field by field, transport metadata exchanged)
 and lasts for one incarnation of each side; each side numbers it, so that a Hello sent again for
-the same association (a retry) is told from one that starts a new association.  While it lasts, each side sends a Heartbeat every
-`heartbeat_interval`; D's heartbeats list the transfers it still waits on, which renews P's lease
-on their blocks.  A peer silent for a whole `lease`, a Goodbye, or a Hello from a new
-incarnation or of a new association ends the association, and the engine tears the peer down so that nothing of it can
-land afterwards.  The side that ends an association tells the peer, best effort, with a Goodbye
-naming the reason, so that both sides settle their transfers with each other.
+the same association (a retry) is told from one that starts a new association.  While it
+lasts, each side sends a Heartbeat every `heartbeat_interval`; D's heartbeats list the transfers
+it still waits on, which renews P's lease on their blocks.  A peer silent for a whole `lease`, a
+Goodbye, or a Hello from a new incarnation or of a new association ends the association, and the
+engine tears the peer down so that nothing of it can land afterwards.  The side that ends an
+association tells the peer, best effort, with a Goodbye naming the reason, so that both sides
+settle their transfers with each other.
 
 Why pure, like the core: who may associate, when a peer is lost and in which order the effects
 happen are decisions worth testing without sockets or a loop.  `Associations` takes inputs

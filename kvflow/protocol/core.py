@@ -270,6 +270,17 @@ class TransferCore:
         """
         return self._feed(self.machine(key, _DECODE), Input.DELIVERED, now)
 
+    def unsent(self, key: TransferKey, now: float, reason: str) -> list[Action]:
+        """A message about `key` could not be encoded (a value the wire cannot carry, a frame
+        too large): the transfer fails here, with `reason`, and nothing else does.  Whichever
+        side of it this engine holds is aborted (the peer is told, as for any abort)."""
+        actions: list[Action] = []
+        for role in (_DECODE, _PREFILL):
+            m = self.store.get(key, role)
+            if m is not None and m.state not in TERMINAL:
+                actions += self._feed(m, Input.ABORT, now, reason=reason)
+        return actions
+
     def abort_all(self, now: float, reason: str) -> list[Action]:
         actions: list[Action] = []
         for m in self.live():

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import assert_never
 
 from kvflow.errors import ConfigError, InvalidBatch
-from kvflow.protocol.messages import MAX_BLOCK_ID, OPEN_BATCHES, TransferKey
+from kvflow.protocol.messages import MAX_BLOCK_ID, MAX_BLOCKS, MAX_POSITION, OPEN_BATCHES, TransferKey
 from kvflow.protocol.state import Condition, Mode, Outcome, Role, State, initial_state
 
 __all__ = ("Batch", "Machine", "check_block_ids", "check_registration", "next_batch")
@@ -22,12 +22,14 @@ __all__ = ("Batch", "Machine", "check_block_ids", "check_registration", "next_ba
 def check_block_ids(block_ids: Sequence[int], what: str, *, unique: bool, allow_empty: bool = False) -> tuple[int, ...]:
     """Validate a block id list supplied by a caller or a peer.
 
-    :raises InvalidBatch: empty (unless `allow_empty`), non-integer, negative or above
-        `MAX_BLOCK_ID` (what the wire carries), or (with `unique`) repeated ids.
+    :raises InvalidBatch: empty (unless `allow_empty`), more than `MAX_BLOCKS`, non-integer,
+        negative or above `MAX_BLOCK_ID` (what the wire carries), or (with `unique`) repeated ids.
     """
     ids = tuple(block_ids)
     if not ids and not allow_empty:
         raise InvalidBatch(f"{what}: block list is empty")
+    if len(ids) > MAX_BLOCKS:
+        raise InvalidBatch(f"{what}: {len(ids)} blocks, more than one message carries ({MAX_BLOCKS})")
     for block in ids:
         if type(block) is not int or not 0 <= block <= MAX_BLOCK_ID:
             raise InvalidBatch(f"{what}: block id {block!r} is not an int in 0..{MAX_BLOCK_ID}")
@@ -198,12 +200,12 @@ def check_registration(
     """D's registration checked before anything changes: its block ids.
 
     :raises InvalidBatch: the block list is empty in pull mode (or with WRITEs expected),
-        repeats a block, or has a bad id; a negative first position.
+        repeats a block, or has a bad id; a first position outside 0..`MAX_POSITION`.
     :raises ConfigError: a bad batch count.
     """
     ids = check_block_ids(block_ids, f"expect {key}", unique=True, allow_empty=mode is Mode.PUSH)
-    if first_position < 0:
-        raise InvalidBatch(f"expect {key}: first position {first_position} is negative")
+    if type(first_position) is not int or not 0 <= first_position <= MAX_POSITION:
+        raise InvalidBatch(f"expect {key}: first position {first_position!r} is not an int in 0..{MAX_POSITION}")
     if not ids and expected_batches != 0:
         raise InvalidBatch(f"expect {key}: block list is empty, but {expected_batches} WRITEs are expected")
     open_count = expected_batches == OPEN_BATCHES and mode is Mode.PUSH

@@ -11,6 +11,7 @@ carries a time-to-live in seconds and the receiver turns it into its own deadlin
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +30,10 @@ __all__ = (
     "Hello",
     "Message",
     "MAX_BLOCK_ID",
+    "MAX_BLOCKS",
+    "MAX_EPOCH",
+    "MAX_POSITION",
+    "MAX_TRANSFER_ID",
     "OPEN_BATCHES",
     "Notice",
     "Quiesced",
@@ -39,7 +44,10 @@ __all__ = (
     "decode_notification",
     "encode_notification",
     "engine_id_problem",
+    "address_problem",
     "require_engine_id",
+    "transfer_key",
+    "transfer_key_problem",
 )
 
 NOTIFICATION_TAG = "kvf1"
@@ -48,6 +56,13 @@ NOTIFICATION_TAG = "kvf1"
 OPEN_BATCHES = 0
 MAX_NOTIFICATION_BYTES = 512
 MAX_ENGINE_ID = 128
+# What a transfer key may hold: what the wire carries (`kvflow.control.wire`), checked where a
+# key enters (the local API, the vLLM connector's parameters), so that nothing accepted there
+# can fail to encode later, in a registration or in every heartbeat that lists it.
+MAX_TRANSFER_ID = 256  # characters
+MAX_EPOCH = (1 << 63) - 1  # epochs travel as uint64 in heartbeats, as int64 elsewhere
+MAX_BLOCKS = 1 << 17  # block ids one message names (a registration, a Ready)
+MAX_POSITION = (1 << 31) - 1  # a block position in a prompt
 MAX_BLOCK_ID = (1 << 31) - 1  # block ids travel as uint32; below 2**31 for every engine's index type
 ENGINE_ID_CHARACTERS = "letters, digits and . _ : @ + - (not first)"
 _ENGINE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+-]*")
@@ -67,6 +82,53 @@ def engine_id_problem(value: object) -> str | None:
     if _ENGINE_ID.fullmatch(value) is None:
         return f"may hold only {ENGINE_ID_CHARACTERS}"
     return None
+
+
+_TCP_ADDRESS = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[0-9.]+):([0-9]{1,5})", re.ASCII)
+
+
+def address_problem(address: str) -> str | None:
+    """Why `address` is not ``tcp://IP:PORT`` (an IPv4 address, or an IPv6 one in brackets, and
+    a port 1..65535), or None when it is.
+
+    Why literal addresses only: ZeroMQ resolves a host name with a blocking lookup on its one I/O
+    thread (again at every reconnect), so one slow name stalls every peer's control traffic."""
+    match = _TCP_ADDRESS.fullmatch(address)
+    if match is None:
+        return "must be tcp://IP:PORT with a literal IPv4 address or [IPv6] address (no host name)"
+    try:
+        ipaddress.ip_address(match.group(1).strip("[]"))
+    except ValueError:
+        return f"names {match.group(1)!r}, which is not an IP address"
+    if not 0 < int(match.group(2)) <= 65535:
+        return "must have a port 1..65535"
+    return None
+
+
+def transfer_key_problem(transfer_id: object, epoch: object, limit: int = MAX_TRANSFER_ID) -> str | None:
+    """Why (`transfer_id`, `epoch`) cannot be a transfer key, or None when it can: the id a
+    string of 1..`limit` characters that UTF-8 encodes (no lone surrogate, which JSON can
+    carry), the epoch an integer 0..`MAX_EPOCH`."""
+    if type(transfer_id) is not str or not 0 < len(transfer_id) <= limit:
+        return f"the transfer id must be a string of 1 to {limit} characters"
+    try:
+        transfer_id.encode()
+    except UnicodeEncodeError:
+        return "the transfer id must be text that UTF-8 encodes (it holds a lone surrogate)"
+    if type(epoch) is not int or not 0 <= epoch <= MAX_EPOCH:
+        return f"the epoch must be an integer 0..{MAX_EPOCH} (2**63 - 1)"
+    return None
+
+
+def transfer_key(transfer_id: str, epoch: int) -> TransferKey:
+    """The key of a transfer named locally, checked.
+
+    :raises ConfigError: naming what is wrong with it (see `transfer_key_problem`).
+    """
+    problem = transfer_key_problem(transfer_id, epoch)
+    if problem is not None:
+        raise ConfigError(f"{problem}, not {transfer_id!r:.80}@{epoch!r:.40}")
+    return TransferKey(transfer_id, epoch)
 
 
 def require_engine_id(value: str, what: str = "engine id") -> str:

@@ -31,19 +31,13 @@ from dataclasses import asdict
 from typing import Any
 
 from kvflow.control.channel import ControlChannel
-from kvflow.errors import (
-    EngineClosed,
-    EngineCrashed,
-    KVFlowError,
-    LedgerError,
-    UsageError,
-)
+from kvflow.errors import EngineClosed, EngineCrashed, KVFlowError, LedgerError, UnsendableMessage, UsageError
 from kvflow.layout import KVLayout, fingerprint, plan_transfer
 from kvflow.protocol.actions import Action, DeclarePeerLost, OpKind, ReleaseBlocks, Resolve, SendMessage, SubmitOp
 from kvflow.protocol.association import Associations
 from kvflow.protocol.core import TransferCore
-from kvflow.protocol.messages import ControlMessage, TransferKey, require_engine_id
-from kvflow.protocol.state import Mode, Role
+from kvflow.protocol.messages import ControlMessage, TransferKey, require_engine_id, transfer_key
+from kvflow.protocol.state import Mode, Outcome, Role
 from kvflow.runtime.config import EngineConfig
 from kvflow.runtime.meter import TransferMeter
 from kvflow.runtime.peering import EngineHooks, PeerExecutor
@@ -259,11 +253,11 @@ class Engine:
         Other transfers of the same `share` group may hold the blocks too: see `BlockLedger`.
 
         In push mode the registration is sent as soon as the peer is connected.
-        :raises InvalidBatch, BlockConflict, StaleEpoch, ConfigError: see `TransferCore.expect`.
+        :raises InvalidBatch, BlockConflict, StaleEpoch, ConfigError: see `TransferCore.expect`, `transfer_key`.
         :raises EngineClosed, EngineCrashed: the engine is not running.
         """
         self._check_open()
-        key, now = TransferKey(transfer_id, epoch), self._now()
+        key, now = transfer_key(transfer_id, epoch), self._now()
         deadline = self._deadline(now, timeout)
         actions = self.core.expect(
             key,
@@ -297,11 +291,11 @@ class Engine:
         batch.  Push: written as soon as D's registration is here.  Pull: `peer` is told (without
         one, the KV waits for the first peer to claim the transfer).
 
-        :raises InvalidBatch, InvalidTransition, StaleEpoch, ConfigError: see `TransferCore.kv_ready`.
+        :raises InvalidBatch, InvalidTransition, StaleEpoch, ConfigError: see `TransferCore.kv_ready`, `transfer_key`.
         :raises EngineClosed, EngineCrashed: the engine is not running.
         """
         self._check_open()
-        key, now = TransferKey(transfer_id, epoch), self._now()
+        key, now = transfer_key(transfer_id, epoch), self._now()
         deadline = self._deadline(now, timeout)
         actions = self.core.kv_ready(
             key,
@@ -335,29 +329,29 @@ class Engine:
 
         :raises UnknownTransfer: D has no such transfer and `peer` is None.
         :raises StaleEpoch: a newer epoch of the transfer id exists.
-        :raises EngineCrashed: the engine crashed.
+        :raises ConfigError, EngineCrashed: not a key the wire carries (`transfer_key`); crashed.
         """
         self._check_crashed()
-        key = TransferKey(transfer_id, epoch)
+        key = transfer_key(transfer_id, epoch)
         self._run(self.core.abort(key, role, self._now(), reason, peer=peer, mode=mode))
 
     async def promise(self, transfer_id: str, epoch: int, *, peer: str) -> None:
         """P: this engine holds the request of the transfer, queued or prefilling, for `peer`;
         heartbeats say so, which keeps `peer`'s wait for it alive (see `TransferCore.promise`).
 
-        :raises EngineCrashed: the engine crashed.
+        :raises ConfigError, EngineCrashed: not a key the wire carries (`transfer_key`); crashed.
         """
         self._check_crashed()
-        self.core.promise(TransferKey(transfer_id, epoch), peer, self._now())
+        self.core.promise(transfer_key(transfer_id, epoch), peer, self._now())
 
     async def delivered(self, transfer_id: str, epoch: int) -> None:
         """D (with `auto_deliver` off): the consumer took the blocks of a finished transfer.
 
         :raises UnknownTransfer, InvalidTransition: not a finished D transfer here.
-        :raises EngineCrashed: the engine crashed.
+        :raises ConfigError, EngineCrashed: not a key the wire carries (`transfer_key`); crashed.
         """
         self._check_crashed()
-        self._run(self.core.delivered(TransferKey(transfer_id, epoch), self._now()))
+        self._run(self.core.delivered(transfer_key(transfer_id, epoch), self._now()))
 
     def stats(self) -> dict[str, Any]:
         """Counters of the core, the engine and the ledger.  Never raises."""
@@ -410,6 +404,9 @@ class Engine:
 
     def _resolve(self, action: Resolve) -> list[Action]:
         result = TransferResult(action.key, action.role, action.outcome, action.reason)
+        if action.outcome is Outcome.FAILED or action.outcome is Outcome.EXPIRED:  # an abort is the caller's
+            what = (action.role.value, action.key, action.outcome.value, action.reason)
+            log.warning("%s: %s transfer %s %s: %s", self.engine_id, *what)
         self.meter.resolved(action.key, action.role, action.outcome, self._now())
         self._keep(self.finished, result, "finished_dropped")
         future = self._handles.pop((action.key, action.role), None)
@@ -420,8 +417,10 @@ class Engine:
         return []
 
     def _send(self, action: SendMessage) -> None:
-        error = self._peers.try_send(action.peer, action.message)
-        if error is not None and action.peer in self.assoc.layouts:
+        error, message = self._peers.try_send(action.peer, action.message), action.message
+        if isinstance(error, UnsendableMessage):  # that message's fault: only its transfer fails
+            self._run(self.core.unsent(message.key, self._now(), f"its {type(message).__name__}: {error}"))
+        elif error is not None and action.peer in self.assoc.layouts:
             self._peers.tear_down(action.peer, f"cannot send to it: {error}")
 
     def _submit(self, op: SubmitOp) -> None:

@@ -8,6 +8,7 @@ to that peer, settled once with the association's verdict.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from kvflow.errors import EngineClosed, KVFlowError, TransferTimeout
 
@@ -15,8 +16,11 @@ __all__ = ("Handshakes",)
 
 
 class Handshakes:
-    def __init__(self) -> None:
+    def __init__(self, unanswered: Callable[[str], None] = lambda peer: None) -> None:
+        """`unanswered(peer)` runs when a wait for `peer` ran out with nothing else waiting (so
+        that what was opened for the handshake, a connection and a route, can go)."""
         self._waiters: dict[str, asyncio.Future[None]] = {}
+        self._unanswered = unanswered
 
     def begin(self, peer: str, loop: asyncio.AbstractEventLoop) -> None:
         """A handshake with `peer` is under way (a second `connect` joins the first)."""
@@ -53,6 +57,7 @@ class Handshakes:
         except TimeoutError:
             if self._waiters.get(peer) is waiter:  # unanswered: the next connect starts over
                 del self._waiters[peer]
+                self._unanswered(peer)
             raise TransferTimeout(f"handshake with {peer!r} got no answer within {timeout}s") from None
 
     def close(self, engine_id: str) -> None:

@@ -105,7 +105,8 @@ class PeerExecutor:
         self.core = core
         self.counters = counters
         self.hooks = hooks
-        self.handshakes = Handshakes()  # a local connect waits on these
+        # a local connect waits on these; one left unanswered closes what it opened
+        self.handshakes = Handshakes(lambda peer: self._forget({peer}))
         self.worker = worker  # runs add_peer / remove_peer, in order
         self.metadata = b""  # this endpoint's transport metadata, read once at start
         self.wire_layout = layout_to_wire(layout)  # what every Hello says of our layout
@@ -355,6 +356,9 @@ class PeerExecutor:
                 work()
             except TransportError as exc:
                 error = exc
+            except Exception as exc:  # what a peer advertised broke the transport's code: refuse it
+                log.exception("%s: the transport failed (%s)", self.engine_id, type(exc).__name__)
+                error = TransportError(f"the transport failed: {type(exc).__name__}: {exc}")
             if threading.get_ident() == self._loop_thread:
                 self._outcome(then, subject, error)
             else:

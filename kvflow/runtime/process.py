@@ -47,7 +47,7 @@ from typing import Any
 import msgpack
 
 import kvflow.errors as errors
-from kvflow.errors import EngineClosed, EngineCrashed, KVFlowError, TransferTimeout
+from kvflow.errors import ConfigError, EngineClosed, EngineCrashed, KVFlowError, TransferTimeout
 from kvflow.layout import KVLayout, layout_to_wire
 from kvflow.protocol.actions import ReleaseBlocks
 from kvflow.protocol.messages import TransferKey
@@ -56,7 +56,16 @@ from kvflow.runtime.config import EngineConfig
 from kvflow.runtime.host_memory import SharedSpan
 from kvflow.runtime.meter import MeterReading, TransferSample
 
-__all__ = ("EngineProcess", "FrameReader", "ProcessSpec", "encode_frame", "error_from_record", "error_record")
+__all__ = (
+    "EngineProcess",
+    "FrameReader",
+    "ProcessSpec",
+    "encode_frame",
+    "encode_record",
+    "error_from_record",
+    "error_record",
+    "frame_of",
+)
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +79,26 @@ _LENGTH = struct.Struct(">I")
 def encode_frame(records: Any) -> bytes:
     """One frame: its length, then the msgpack of `records`."""
     body: bytes = msgpack.packb(records, use_bin_type=True)
+    return _LENGTH.pack(len(body)) + body
+
+
+def encode_record(record: Any) -> bytes:
+    """One record of a frame, packed on its own (`frame_of` joins them), so that a record that
+    cannot be packed fails alone, before it is queued with others.
+
+    :raises ConfigError: a value msgpack cannot carry (an integer past 64 bits, a lone surrogate).
+    """
+    try:
+        packed: bytes = msgpack.packb(record, use_bin_type=True)
+    except (OverflowError, ValueError, TypeError) as exc:
+        raise ConfigError(f"cannot send {record[:3]!r:.200} to the engine process: {exc}") from None
+    return packed
+
+
+def frame_of(records: Sequence[bytes]) -> bytes:
+    """The frame of records packed by `encode_record`: the same bytes `encode_frame` makes."""
+    packer = msgpack.Packer(use_bin_type=True)
+    body = packer.pack_array_header(len(records)) + b"".join(records)
     return _LENGTH.pack(len(body)) + body
 
 
@@ -181,8 +210,8 @@ class EngineProcess:
         self._lock = threading.RLock()
         self._seq = 0
         self._futures: dict[int, concurrent.futures.Future[Any]] = {}
-        self._pending: list[Any] | None = None  # the calls of an open `batch`
-        self._lazy: list[Any] = []  # calls that go with the next one sent
+        self._pending: list[bytes] | None = None  # the calls of an open `batch`, packed
+        self._lazy: list[bytes] = []  # calls that go with the next one sent
         self._lazy_since = 0.0  # when the oldest of them was made
         self._out = bytearray()
         self._reader = FrameReader()
@@ -230,14 +259,15 @@ class EngineProcess:
         costs no system call (and no wake-up of the engine process) of its own.
 
         :raises EngineClosed: the engine process is gone or closing.
+        :raises ConfigError: `args` hold a value msgpack cannot carry (nothing is sent).
         """
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
         with self._lock:
             if self.dead is not None:
                 raise EngineClosed(f"engine process of {self.engine_id!r} is gone: {self.dead}")
+            record = encode_record(["call", self._seq + 1, name, list(args)])
             self._seq += 1
             self._futures[self._seq] = future
-            record = ["call", self._seq, name, list(args)]
             if lazy:
                 if not self._lazy:
                     self._lazy_since = time.monotonic()
@@ -265,12 +295,12 @@ class EngineProcess:
                 if records and self.dead is None:
                     self._send(records)
 
-    def _send(self, records: list[Any]) -> None:
+    def _send(self, records: list[bytes]) -> None:
         """Queue a frame (the lazy calls first, in their order) and write what the socket takes
         now (the rest goes with the next write or `pump`); a broken socket marks the child dead."""
         if self._lazy:
             records, self._lazy = self._lazy + records, []
-        self._out += encode_frame(records)
+        self._out += frame_of(records)
         self._flush()
 
     def _flush(self) -> None:
