@@ -12,7 +12,8 @@ serves them at ``GET /requests``.  SIGTERM stops it.  What it does with a reques
 * ``hold``: answer only after ``POST /release`` (at most `HOLD_LIMIT` s, then 504);
 * ``status``: answer with this error status and a JSON error;
 * ``chunks``: with ``"stream": true`` in the body, the number of SSE data events (default 3);
-* ``hold_after``: stream that many events, then wait for ``POST /release`` before the rest.
+* ``hold_after``: stream that many events, then wait for ``POST /release`` before the rest;
+* ``no_params``: answer a ``do_remote_decode`` request without ``kv_transfer_params``.
 
 A request whose connection closes before the answer is complete ends with outcome "cancelled".
 A non-streamed answer to a request with ``do_remote_decode`` carries ``kv_transfer_params``, as
@@ -97,7 +98,7 @@ async def completion(request: web.Request) -> web.StreamResponse:
             record["outcome"] = "answered"
             choice = {"index": 0, "text": f"{state.name}-answer", "finish_reason": "length"}
             answer: dict[str, Any] = {"id": "cmpl-fake", "object": "text_completion", "choices": [choice]}
-            if (body.get("kv_transfer_params") or {}).get("do_remote_decode"):
+            if (body.get("kv_transfer_params") or {}).get("do_remote_decode") and not how.get("no_params"):
                 number = len(state.records)
                 answer["kv_transfer_params"] = {"do_remote_prefill": True, "from": state.name, "request": number}
             return web.json_response(answer)

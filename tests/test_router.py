@@ -459,16 +459,24 @@ def test_command_line() -> None:
     )
     two = ["--prefill", "http://a:1", "--prefill", "http://b:2"]
     two += ["--prefill-engine", "pa", "--prefill-engine", "pb"]
-    two += ["--prefill-kvflow", "tcp://a:5700", "--prefill-kvflow", "tcp://b:5700", "--mode", "sequential"]
+    two += [
+        "--prefill-kvflow",
+        "tcp://10.0.0.1:5700",
+        "--prefill-kvflow",
+        "tcp://10.0.0.2:5700",
+        "--mode",
+        "sequential",
+    ]
     built = router.config_from(router.parse_args(two))
     assert built.prefill == (
-        router.Backend("http://a:1", "pa", "tcp://a:5700"),
-        router.Backend("http://b:2", "pb", "tcp://b:5700"),
+        router.Backend("http://a:1", "pa", "tcp://10.0.0.1:5700"),
+        router.Backend("http://b:2", "pb", "tcp://10.0.0.2:5700"),
     )
     assert built.decode == (router.Backend("http://127.0.0.1:8200", "decode-0", "tcp://127.0.0.1:5800"),)
     assert built.sequential and built.mode is Mode.PULL
     for bad in (
         ["--prefill-kvflow", "127.0.0.1:5700"],
+        ["--prefill-kvflow", "tcp://prefill.example:5700"],  # a name: resolved on ZeroMQ's I/O thread
         ["--decode", "localhost:8200"],
         ["--mode", "x"],
         ["--timeout", "0"],

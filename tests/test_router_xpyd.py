@@ -9,6 +9,7 @@ params, then D with P's answer), over real HTTP on 127.0.0.1.  Load is made by h
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -215,6 +216,22 @@ async def test_sequential_sends_p_vllms_params_then_d_ps_answer(live: Live) -> N
     assert d["body"]["kv_transfer_params"] == {"do_remote_prefill": True, "from": p_name, "request": 1}
     assert d["body"]["max_tokens"] == 9 and d["arrived"] >= p["ended"]  # D only after P's answer
     assert d["headers"]["x-request-id"] == p["headers"]["x-request-id"]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("router", ["concurrent", "sequential"])
+async def test_the_clients_own_kv_transfer_params_never_reach_a_backend(live: Live, router: str) -> None:
+    # Any client may put kv_transfer_params in its body (an epoch of 2**64, a made-up P): the
+    # router's legs carry only what the router (or P's answer) sets, also when P answers none.
+    planted = {"do_remote_prefill": True, "kvflow": {"transfer_id": "x", "epoch": 2**64}}
+    no_params = {name: {"no_params": True} for name in ("P1", "P2")}
+    body = {"prompt": "x", "kv_transfer_params": planted, "fake": no_params}
+    status, _ = await live.complete(getattr(live.stack, router), body)
+    assert status == 200
+    legs = [r["body"] for name in NAMES for r in await live.records(name)]
+    assert len(legs) == 2
+    for leg in legs:
+        assert str(2**64) not in json.dumps(leg.get("kv_transfer_params")), leg
 
 
 @pytest.mark.asyncio

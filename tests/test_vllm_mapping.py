@@ -13,10 +13,29 @@ from typing import Any
 
 import hypothesis.strategies as st
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 
+from kvflow.control import wire
 from kvflow.errors import ConfigError
-from kvflow.integrations.vllm.mapping import Order, Orders, PeerRef, SchedulerBook, TransferParams
+from kvflow.integrations.vllm.mapping import (
+    MAX_REQUEST_TRANSFER_ID,
+    MAX_TP,
+    Order,
+    Orders,
+    PeerRef,
+    SchedulerBook,
+    TransferParams,
+)
+from kvflow.integrations.vllm.ranks import pair_transfer_id
+from kvflow.protocol.messages import (
+    MAX_EPOCH,
+    MAX_TRANSFER_ID,
+    Heartbeat,
+    Ready,
+    Registration,
+    TransferKey,
+    address_problem,
+)
 from kvflow.protocol.state import Mode
 
 BLOCK_SIZE = 4
@@ -90,19 +109,66 @@ def test_parse_defaults_epoch_mode_and_addresses() -> None:
     assert parsed == TransferParams("t", 1, Mode.PUSH, PeerRef("p", ""), PeerRef("d", ""))
 
 
-names = st.text(min_size=1, max_size=12)
-addresses = st.just("") | st.builds(
-    "tcp://{}:{}".format, st.from_regex(r"[a-z0-9.\-]{1,20}|\[::1\]", fullmatch=True), st.integers(1, 65535)
-)
+engine_ids = st.from_regex(r"[A-Za-z0-9][A-Za-z0-9._:@+-]{0,11}", fullmatch=True)
+transfer_ids = st.text(st.characters(exclude_categories=["Cs"]), min_size=1, max_size=MAX_REQUEST_TRANSFER_ID)
+ips = st.ip_addresses().map(lambda ip: f"[{ip}]" if ip.version == 6 else str(ip))
+addresses = st.just("") | st.builds("tcp://{}:{}".format, ips, st.integers(1, 65535))
 valid_entries = st.fixed_dictionaries(
     {
-        "transfer_id": names,
-        "epoch": st.integers(0, 2**40),
+        "transfer_id": transfer_ids,
+        "epoch": st.integers(0, MAX_EPOCH),
         "mode": st.sampled_from(["push", "pull"]),
-        "prefill": st.fixed_dictionaries({"engine": names, "address": addresses}),
-        "decode": st.fixed_dictionaries({"engine": names, "address": addresses}),
+        "prefill": st.fixed_dictionaries({"engine": engine_ids, "address": addresses}),
+        "decode": st.fixed_dictionaries({"engine": engine_ids, "address": addresses}),
     }
 )
+# What any HTTP client may put there: values near and past every bound the wire has.
+hostile_values: st.SearchStrategy[Any] = (
+    st.text(max_size=300)
+    | st.text(st.sampled_from("a\ud800\x00 :/@[]."), max_size=20)
+    | st.integers(-(2**70), 2**70)
+    | st.sampled_from([2**63 - 1, 2**63, 2**64, 2**64 - 1, -1, 0, 1.5, True, None, [], {}])
+)
+FIELDS = ("transfer_id", "epoch", "mode", "prefill.engine", "prefill.address", "prefill.tp_size", "decode.engine")
+near_bounds = st.sampled_from(
+    [2**63 - 1, 2**63, 2**64 - 1, 2**64, 2**70, -1]
+    + ["x" * n for n in (MAX_REQUEST_TRANSFER_ID, MAX_REQUEST_TRANSFER_ID + 1, MAX_TRANSFER_ID, MAX_TRANSFER_ID + 1)]
+)
+
+
+def with_one_hostile(raw: dict[str, Any], field: str, value: Any) -> dict[str, Any]:
+    out = {**raw, "prefill": dict(raw["prefill"]), "decode": dict(raw["decode"])}
+    if "." in field:
+        side, key = field.split(".")
+        out[side][key] = value
+    else:
+        out[field] = value
+    return out
+
+
+# A well-formed entry with one field replaced by what a hostile client might send there.
+hostile_entries = st.builds(with_one_hostile, valid_entries, st.sampled_from(FIELDS), hostile_values | near_bounds)
+
+
+@settings(max_examples=500)
+@given(raw=hostile_entries)
+def test_whatever_the_parser_accepts_the_wire_carries(raw: dict[str, Any]) -> None:
+    # Any HTTP client of vLLM's server sets kv_transfer_params: what the connector accepts must
+    # encode (and decode to itself) in every message that will name it, the pairs' ids included.
+    try:
+        parsed = TransferParams.parse({"kvflow": raw})
+    except ConfigError:
+        return
+    assert parsed is not None
+    pair_id = pair_transfer_id(parsed.transfer_id, MAX_TP, MAX_TP, MAX_TP - 1, MAX_TP - 2)  # the longest suffix
+    keys = (TransferKey(parsed.transfer_id, parsed.epoch), TransferKey(pair_id, parsed.epoch))
+    for peer in (parsed.prefill, parsed.decode):
+        if peer is not None and peer.address:
+            assert address_problem(peer.address) is None
+    for key in keys:
+        for message in (Registration(key, (0, 1), 0, 30.0, 0), Heartbeat((key,)), Ready(key, (2,))):
+            envelope = wire.Envelope(parsed.prefill.engine, 1, "d", 1, message, 1)
+            assert wire.decode(wire.encode(envelope)) == envelope
 
 
 @given(raw=valid_entries)
@@ -127,6 +193,14 @@ def test_valid_params_round_trip_through_to_params(raw: dict[str, Any]) -> None:
         (entry(epoch=1.0), "kvflow.epoch"),
         (entry(epoch=True), "kvflow.epoch"),
         (entry(epoch=None), "kvflow.epoch"),
+        (entry(epoch=2**63), "kvflow.epoch"),  # msgpack carries it, the heartbeat's packed uint64 too,
+        (entry(epoch=2**64), "kvflow.epoch"),  # but not the int64 of a registration; past 64 bits nothing
+        (entry("x" * (MAX_REQUEST_TRANSFER_ID + 1)), "kvflow.transfer_id"),  # no room for a rank pair's suffix
+        (entry("a\ud800b"), "kvflow.transfer_id"),  # JSON's "\ud800": no UTF-8 for it
+        (entry(prefill={"engine": "p\x00"}), "kvflow.prefill.engine"),
+        (entry(prefill={"engine": "p", "address": "tcp://prefill.example:5700"}), "kvflow.prefill.address"),
+        (entry(prefill={"engine": "p", "address": "tcp://127.0.0.1;10.0.0.1:5700"}), "kvflow.prefill.address"),
+        (entry(decode={"engine": "d", "address": "tcp://256.0.0.1:5800"}), "kvflow.decode.address"),
         (entry(mode="PUSH"), "kvflow.mode"),
         (entry(mode=""), "kvflow.mode"),
         (entry(mode=None), "kvflow.mode"),
@@ -618,3 +692,18 @@ def test_preempted_before_any_block_was_handed_over_starts_over() -> None:
     assert not book.take_orders()
     book.scheduled("p1", 0, 14, [3, 4, 5, 6])
     assert expect_one(book.take_orders(), "ready").block_ids == (3, 4, 5, 6)
+
+
+@pytest.mark.parametrize("params", [["do_remote_prefill"], "do_remote_decode", 7, ("kvflow",)])
+def test_kv_transfer_params_that_are_not_a_mapping_are_refused_and_the_request_runs_locally(
+    params: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    # vLLM's offline API hands the connector whatever it was given as kv_transfer_params.
+    book = SchedulerBook(BLOCK_SIZE)
+    with caplog.at_level(logging.ERROR, "kvflow.vllm"):
+        book.new_request("r", params, 10)
+        assert book.matched_tokens("r", params, 10, 0) == (0, False)
+        book.allocated("r", params, 10, [0, 1, 2], 0)
+    assert book.counters["unservable"] == 1 and book.tracked() == 0
+    assert "not a mapping" in book.refused["r"] and "not a mapping" in caplog.text
+    assert book.finished("r", aborted=False) == (False, None)

@@ -31,7 +31,7 @@ class Backend:
 
     url: str  # the vLLM server's HTTP base URL
     engine: str  # its `engine_id` in --kv-transfer-config
-    kvflow: str  # its kvflow control address (rank 0 of DP rank 0), tcp://host:port
+    kvflow: str  # its kvflow control address (rank 0 of DP rank 0), tcp://IP:port
     tp_size: int = 0  # its tensor parallelism (0: not said; each side then assumes the other's equals its own)
     dp_rank: int | None = None  # the data-parallel rank to address (None: the server's choice, no DP)
 

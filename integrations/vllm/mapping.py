@@ -7,8 +7,8 @@ lets them be tested exhaustively without vLLM and survive its API churn.
 The router sets, in each request's ``kv_transfer_params``, a ``kvflow`` entry:
 
     {"transfer_id": str, "epoch": int, "mode": "push" | "pull",
-     "prefill": {"engine": str, "address": "tcp://host:port", "tp_size": int},
-     "decode":  {"engine": str, "address": "tcp://host:port", "tp_size": int}}
+     "prefill": {"engine": str, "address": "tcp://IP:port", "tp_size": int},
+     "decode":  {"engine": str, "address": "tcp://IP:port", "tp_size": int}}
 
 (the address is the engine's tensor-parallel rank 0; ``tp_size``, optional, is the engine's
 tensor parallelism: see `kvflow.integrations.vllm.ranks` for why it travels with the request)
@@ -64,20 +64,32 @@ logged once with the request id and the reason, and counted in ``counters["unser
 from __future__ import annotations
 
 import logging
-import re
 import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvflow.errors import ConfigError
+from kvflow.protocol.messages import MAX_TRANSFER_ID, address_problem, engine_id_problem, transfer_key_problem
 from kvflow.protocol.state import Mode
 
 log = logging.getLogger("kvflow.vllm")
 
-__all__ = ("SEQUENTIAL_PREFILL_PARAMS", "Order", "Orders", "PeerRef", "SchedulerBook", "TransferParams")
+__all__ = (
+    "MAX_REQUEST_TRANSFER_ID",
+    "SEQUENTIAL_PREFILL_PARAMS",
+    "Order",
+    "Orders",
+    "PeerRef",
+    "SchedulerBook",
+    "TransferParams",
+)
 
 MODES = {mode.value: mode for mode in Mode}  # a mode travels as its value
+MAX_TP = 1024  # tensor-parallel ranks a side may announce
+# A request's transfer id leaves room for the rank pair's suffix (`ranks.pair_transfer_id`:
+# "@p<rank>d<rank>", ranks below MAX_TP), so that every pair's id is one the wire carries.
+MAX_REQUEST_TRANSFER_ID = MAX_TRANSFER_ID - len(f"@p{MAX_TP - 1}d{MAX_TP - 1}")
 
 # What a sequential router (vLLM's toy proxy, tests/v1/kv_connector/nixl_integration/
 # toy_proxy_server.py) sends P, with max_tokens 1, before handing P's answer to D.
@@ -110,6 +122,12 @@ class TransferParams:
     def parse(cls, params: Mapping[str, Any] | None) -> TransferParams | None:
         """The kvflow part of a request's ``kv_transfer_params``, or None when it has none.
 
+        Whatever this accepts, the wire carries (any HTTP client of vLLM's server can set these):
+        the transfer id and epoch within `transfer_key_problem`'s bounds (the id short enough for
+        the rank pair's suffix, `pair_transfer_id`), engine ids as `engine_id_problem` wants them,
+        addresses literal IPs (a host name would be resolved by ZeroMQ on its one I/O thread,
+        stalling every peer's control traffic while the resolver is slow).
+
         :raises ConfigError: the entry exists but is malformed (named field).
         """
         raw = (params or {}).get("kvflow")
@@ -118,14 +136,16 @@ class TransferParams:
         if not isinstance(raw, Mapping):
             raise ConfigError("kv_transfer_params.kvflow must be a mapping")
         tid, epoch, mode = raw.get("transfer_id"), raw.get("epoch", 1), raw.get("mode", "push")
-        if not isinstance(tid, str) or not tid:
-            raise ConfigError("kv_transfer_params.kvflow.transfer_id must be a non-empty string")
-        if type(epoch) is not int or epoch < 0:
-            raise ConfigError("kv_transfer_params.kvflow.epoch must be a non-negative integer")
+        for name, problem in (
+            ("transfer_id", transfer_key_problem(tid, 0, MAX_REQUEST_TRANSFER_ID)),
+            ("epoch", transfer_key_problem("t", epoch)),
+        ):
+            if problem is not None:
+                raise ConfigError(f"kv_transfer_params.kvflow.{name}: {problem}")
         if not isinstance(mode, str) or mode not in MODES:
             raise ConfigError(f"kv_transfer_params.kvflow.mode must be one of {tuple(MODES)}")
         decode = None if MODES[mode] is Mode.PULL and raw.get("decode") is None else _peer(raw, "decode")
-        return cls(tid, epoch, MODES[mode], _peer(raw, "prefill"), decode)
+        return cls(str(tid), int(epoch), MODES[mode], _peer(raw, "prefill"), decode)
 
     def to_params(self) -> dict[str, Any]:
         params: dict[str, Any] = {
@@ -148,27 +168,20 @@ def _peer_params(peer: PeerRef) -> dict[str, Any]:
 
 def _peer(raw: Mapping[str, Any], side: str) -> PeerRef:
     entry = raw.get(side)
-    if not isinstance(entry, Mapping) or not isinstance(entry.get("engine"), str) or not entry["engine"]:
-        raise ConfigError(f"kv_transfer_params.kvflow.{side}.engine must be a non-empty string")
+    if not isinstance(entry, Mapping):
+        raise ConfigError(f"kv_transfer_params.kvflow.{side}.engine must be given, in a mapping")
+    problem = engine_id_problem(entry.get("engine"))
+    if problem is not None:
+        raise ConfigError(f"kv_transfer_params.kvflow.{side}.engine {problem}")
     address = entry.get("address", "")
-    if not isinstance(address, str) or (address and not _port_of(address)):
-        raise ConfigError(
-            f"kv_transfer_params.kvflow.{side}.address must be 'tcp://host:port' (port 1..65535), not {address!r:.80}"
-        )
+    if not isinstance(address, str) or (address and address_problem(address) is not None):
+        why = address_problem(address) if isinstance(address, str) else "must be a string"
+        raise ConfigError(f"kv_transfer_params.kvflow.{side}.address {why}, not {address!r:.80}")
     tp_size = entry.get("tp_size", 0)
-    if type(tp_size) is not int or not 0 <= tp_size <= 1024:
-        raise ConfigError(f"kv_transfer_params.kvflow.{side}.tp_size must be an integer 1..1024, not {tp_size!r:.40}")
+    if type(tp_size) is not int or not 0 <= tp_size <= MAX_TP:
+        why = f"must be an integer 1..{MAX_TP}, not {tp_size!r:.40}"
+        raise ConfigError(f"kv_transfer_params.kvflow.{side}.tp_size {why}")
     return PeerRef(entry["engine"], address, tp_size)
-
-
-_TCP_ADDRESS = re.compile(r"tcp://[^\s/]+:([0-9]{1,5})", re.ASCII)
-
-
-def _port_of(address: str) -> int:
-    """The port of a ``tcp://host:port`` address; 0 for anything else or a port out of range."""
-    match = _TCP_ADDRESS.fullmatch(address)
-    port = int(match.group(1)) if match else 0
-    return port if port <= 65535 else 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -256,7 +269,8 @@ class SchedulerBook:
         prompt token it has not computed (`computed`: its local prefix-cache hit, whole
         blocks), asynchronously; with only the last token missing (a full hit: vLLM recomputes
         that token anyway) a push transfer loads nothing."""
-        parsed = self._parse(request_id, params, receiving=True) if (params or {}).get("do_remote_prefill") else None
+        params = self._mapping(request_id, params)
+        parsed = self._parse(request_id, params, receiving=True) if params.get("do_remote_prefill") else None
         if parsed is None:
             return 0, False
         if request_id in self._loaded:
@@ -279,7 +293,8 @@ class SchedulerBook:
         external tokens (a full hit, or vLLM skips the load) D computes the rest itself: P is
         told, once, that D needs nothing (push), and the request is not tracked (vLLM expects
         no load result for it)."""
-        if not (params or {}).get("do_remote_prefill"):
+        params = self._mapping(request_id, params)
+        if not params.get("do_remote_prefill"):
             return
         parsed = self._parse(request_id, params, receiving=True)
         if parsed is None or request_id in self._loaded:
@@ -309,7 +324,7 @@ class SchedulerBook:
         kvflow entry (a sequential router's request) P assigns the transfer itself.  D
         (``do_remote_prefill``): remembered before it has blocks, so that if it ends while still
         queued, P is told (an abort order) instead of holding its KV to its deadline."""
-        params = params or {}
+        params = self._mapping(request_id, params)
         if params.get("do_remote_decode"):
             if params.get("kvflow") is None:
                 assigned = self._assign(request_id)
@@ -497,6 +512,14 @@ class SchedulerBook:
         except ConfigError as exc:
             self._unservable(request_id, str(exc), "it is computed locally")
             return None
+
+    def _mapping(self, request_id: str, params: object) -> Mapping[str, Any]:
+        """vLLM's ``kv_transfer_params`` as a mapping: None is none, and so is anything that is
+        not a mapping (vLLM's offline API passes on what it is given), refused and logged."""
+        if params is None or isinstance(params, Mapping):
+            return params or {}
+        self._unservable(request_id, f"kv_transfer_params is a {type(params).__name__}, not a mapping", "ignored")
+        return {}
 
     def _unservable(self, request_id: str, why: str, consequence: str) -> None:
         """Log (once per request) and count a request kvflow cannot serve."""

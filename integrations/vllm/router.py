@@ -53,6 +53,7 @@ from kvflow.errors import ConfigError, LegFailed, NoBackend
 from kvflow.integrations.vllm.backends import Backend as Backend
 from kvflow.integrations.vllm.backends import BackendPool, check_health
 from kvflow.integrations.vllm.mapping import SEQUENTIAL_PREFILL_PARAMS, TransferParams
+from kvflow.protocol.messages import address_problem
 from kvflow.protocol.state import Mode
 
 log = logging.getLogger("kvflow.router")
@@ -271,6 +272,7 @@ async def _sequential(
     if params is None:
         log.warning("%s: prefill answered without kv_transfer_params: decode computes the prompt again", transfer_id)
     d_body = dict(body)
+    d_body.pop("kv_transfer_params", None)  # the client's own never reach a backend
     if params is not None:
         d_body["kv_transfer_params"] = params
     return await _open(session, "decode", d_url, d_body, d_headers, timeout)
@@ -396,9 +398,9 @@ def _http_url(value: str) -> str:
 
 
 def _tcp_address(value: str) -> str:
-    host, _, port = value.removeprefix("tcp://").rpartition(":")
-    if not value.startswith("tcp://") or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise argparse.ArgumentTypeError(f"{value!r} is not tcp://HOST:PORT")
+    problem = address_problem(value)  # what the connectors accept in the params made from it
+    if problem is not None:
+        raise argparse.ArgumentTypeError(f"{value!r}: a kvflow address {problem}")
     return value
 
 
