@@ -115,6 +115,44 @@ async def test_a_peer_whose_channel_dies_fails_its_transfers_long_before_the_lea
         fabric.close()
 
 
+@pytest.mark.asyncio
+async def test_a_peer_restarted_at_the_same_address_is_noticed_at_the_first_frame_not_at_the_lease() -> None:
+    # P's run ends without a goodbye and a new run binds the same port at once, so D's
+    # connection comes back before D suspects anything.  The new run refuses D's frames for the
+    # old one and says so: D ends that association (and its transfers) at once and associates
+    # with the new run.  Lease and suspicion are 600 s here: nothing else can end it in time.
+    patient = EngineConfig(transfer_timeout=600.0, drain_timeout=1.0, lease=600.0, suspect_timeout=600.0)
+    fabric = LoopbackFabric()
+    kv = {name: KVBuffers(SMALL_SPEC, 8) for name in "PD"}
+    first = ZmqControl("P", secret=SECRET)
+    p = Engine("P", kv["P"].layout, fabric.endpoint("P"), first, config=patient)
+    d = Engine("D", kv["D"].layout, fabric.endpoint("D"), ZmqControl("D", secret=SECRET), config=patient)
+    await p.start()
+    await d.start()
+    again: Engine | None = None
+    try:
+        await d.connect("P", first.address, timeout=5)
+        address = first.address
+        first.close()  # the run is gone: no goodbye
+        fabric._endpoints.pop("P").close()
+        again = Engine("P", kv["P"].layout, fabric.endpoint("P"), ZmqControl("P", bind=address, secret=SECRET))
+        await again.start()
+        waiting = await d.expect("r", 1, peer="P", block_ids=[1, 2])  # its registration goes to the new run
+        result = await waiting.wait(20)
+        assert result.outcome is Outcome.FAILED and "a later run of it says: restarted" in result.reason
+        await d.connect("P", address, timeout=5)  # and D associates with the new run
+        kv["P"].fill([4], seed=2)
+        new = await d.expect("s", 1, peer="P", block_ids=[3])
+        await again.kv_ready("s", 1, block_ids=[4])
+        assert (await new.wait(10)).ok and d.crashed == [] and again.crashed == []
+    finally:
+        await d.aclose()
+        if again is not None:
+            await again.aclose()
+        await p.aclose(drain_timeout=0.1)
+        fabric.close()
+
+
 @pytest.mark.parametrize("transport", ["shm", "nixl-direct"])
 def test_a_killed_prefill_process_fails_the_decode_transfer_within_a_second_not_a_lease(
     prefix: str, transport: str

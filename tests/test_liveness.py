@@ -125,6 +125,18 @@ def test_attempts_never_answered_are_bounded() -> None:
     assert len(peers.ours) == ATTEMPTS_KEPT and "P0" not in peers.ours and f"P{ATTEMPTS_KEPT + 9}" in peers.ours
 
 
+def test_a_reject_from_a_later_run_of_an_associated_peer_ends_the_association() -> None:
+    # P restarted at the same address and refuses what D still sends its earlier run.
+    peers = associations()
+    receive(peers, "P", 1, hello("P"), 0.0)
+    same_run = peers.receive("P", 1, Reject("restarted"), 1.0)  # the run we know: a handshake's verdict only
+    assert [type(a) for a in same_run] == [HandshakeSettled] and peers.peers() == ["P"]
+    ended = peers.receive("P", 2, Reject("restarted"), 1.0)
+    assert [type(a) for a in ended] == [TearDown, HandshakeSettled] and peers.peers() == []
+    assert isinstance(ended[0], TearDown) and ended[0].reason == "a later run of it says: restarted"
+    assert [type(a) for a in peers.receive("Q", 5, Reject("x"), 1.0)] == [HandshakeSettled]  # not associated
+
+
 def test_a_silent_peer_is_told_why_torn_down_and_gets_no_heartbeat() -> None:
     peers = associations()
     receive(peers, "P", 1, hello("P"), 0.0)

@@ -73,13 +73,14 @@ from kvflow.errors import (
 )
 from kvflow.protocol.messages import ControlMessage, Hello, Reject, address_problem, require_engine_id
 
-__all__ = ("ENV_SECRET", "ZmqControl", "is_loopback")
+__all__ = ("ENV_SECRET", "RESTARTED", "ZmqControl", "is_loopback")
 
 log = logging.getLogger(__name__)
 
 ENV_SECRET: Any = object()  # "read the secret from the environment"
 SOCKET_LIMIT = MAX_FRAME_BYTES + 4096  # per part: ZeroMQ drops a connection sending more; we count up to it
 MAX_LOGGED = 4096
+RESTARTED = "restarted: the association this frame is for was with an earlier run of this engine"
 RECEIVE_QUEUE = 128  # messages queued per connection (a frame is at most 2 parts of SOCKET_LIMIT): 256 MiB
 HANDSHAKE_TIMEOUT = 2.0  # seconds a connection may take to authenticate
 YIELD_EVERY = 64  # parts read before the receive loop lets the event loop run
@@ -150,6 +151,7 @@ class ZmqControl:
         self._send_queue = send_queue
         self._seq = 0
         self._guard = ReplayGuard()
+        self._told: dict[str, float] = {}  # peers told that this engine restarted: when
         self._dealers: dict[str, zmq.Socket[bytes]] = {}
         self._ctx: zmq.asyncio.Context | None = None
         self._router: zmq.Socket[bytes] | None = None
@@ -469,6 +471,7 @@ class ZmqControl:
             opening = (isinstance(message, Hello) and not message.reply) or isinstance(message, Reject)
             if envelope.receiver_incarnation != 0:
                 self._reject(identity, "stale", "frame for an earlier run of this engine")
+                self._tell_restarted(identity, envelope.sender)
                 return
             if not opening:
                 self._reject(identity, "unbound", "frame names no run of this engine")
@@ -504,6 +507,18 @@ class ZmqControl:
             )
         elif len(self._logged) >= MAX_LOGGED:  # too many senders to name each: a summary now and then
             self._drops.note("frames", f"{self.counters['rejected']} rejected so far, last {reason}: {detail}")
+
+    def _tell_restarted(self, identity: bytes, peer: str) -> None:
+        """`peer` still speaks to an earlier run of this engine: tell it (a Reject from this
+        run), at most once a second per peer, so that it ends that association at once rather
+        than at its lease, and associates with this run."""
+        now = time.monotonic()
+        if now - self._told.get(peer, -1.0) < 1.0:
+            return
+        if len(self._told) >= MAX_LOGGED:
+            self._told.clear()
+        self._told[peer] = now
+        self._refuse(identity, peer, RESTARTED)
 
     def _refuse(self, identity: bytes, peer: str, reason: str) -> None:
         """Tell a peer of another protocol version why it gets no answer, on the connection its

@@ -390,7 +390,12 @@ class Associations:
         if isinstance(message, Hello):
             return self._on_hello(sender, incarnation, message, now)
         if isinstance(message, Reject):
-            return [HandshakeSettled(sender, PeerProtocolError(f"{sender!r} refused the handshake: {message.reason}"))]
+            refused = HandshakeSettled(sender, PeerProtocolError(f"{sender!r} refused the handshake: {message.reason}"))
+            known = self.incarnations.get(sender)
+            if known is not None and incarnation > known:  # a later run of an associated peer: the old one is gone
+                self.dropped(sender)
+                return [TearDown(sender, f"a later run of it says: {message.reason}", answered=True), refused]
+            return [refused]
         known = self.incarnations.get(sender)
         if known is None or known != incarnation:
             adding = self.adding.get(sender)
