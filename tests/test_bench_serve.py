@@ -19,6 +19,7 @@ from kvflow.integrations.vllm.router import nixl_push_decode_body
 from kvflow.integrations.vllm.serve import serve_report
 from kvflow.integrations.vllm.serve.bench_serve import MODEL, kv_bytes_per_token, plan_phases, rotated
 from kvflow.integrations.vllm.serve.client import Result, deltas, group_usage, metric_sum, prompt_ids
+from kvflow.integrations.vllm.serve.launcher import place
 
 
 def test_all_pairs_together_when_they_fit_else_kvflow_beside_each_other_in_turn() -> None:
@@ -154,3 +155,14 @@ def test_nixl_push_decode_leg_names_p_and_its_side_channel() -> None:
         "pp_size": 1,
         "remote_request_id": "cmpl-kvflow-abc",
     }
+
+
+def test_no_prefill_server_shares_a_cpu_with_a_decode_server_when_there_are_two() -> None:
+    # prefill-0 beside decode-0 on one CPU starved each other's steps (first transfers 20-40 s)
+    names = ["prefill-0", "prefill-1", "decode-0", "reference"]
+    assert place(names, [0, 1]) == [0, 0, 1, 1]
+    assert place(names, [0, 1, 2, 3]) == [0, 1, 2, 3]
+    assert place(["prefill-0", "decode-0", "decode-1"], [4, 5, 6]) == [4, 6, 6]
+    assert place(names, [3]) == [3, 3, 3, 3]  # one CPU: nothing else to do
+    with pytest.raises(ConfigError, match="no CPU"):
+        place(names, [])

