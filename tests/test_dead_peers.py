@@ -92,15 +92,22 @@ async def test_the_channel_reports_a_link_going_down_and_coming_back() -> None:
         b.close()
 
 
-@pytest.mark.asyncio
-async def test_a_peer_whose_channel_dies_fails_its_transfers_long_before_the_lease() -> None:
+async def zmq_pair(config: EngineConfig) -> tuple[LoopbackFabric, dict[str, KVBuffers], ZmqControl, Engine, Engine]:
+    """P and D over authenticated ZeroMQ on one loopback fabric, started: (fabric, their KV,
+    P's control channel, P, D)."""
     fabric = LoopbackFabric()
     kv = {name: KVBuffers(SMALL_SPEC, 8) for name in "PD"}
     p_control = ZmqControl("P", secret=SECRET)
-    p = Engine("P", kv["P"].layout, fabric.endpoint("P"), p_control, config=LONG_LEASE)
-    d = Engine("D", kv["D"].layout, fabric.endpoint("D"), ZmqControl("D", secret=SECRET), config=LONG_LEASE)
+    p = Engine("P", kv["P"].layout, fabric.endpoint("P"), p_control, config=config)
+    d = Engine("D", kv["D"].layout, fabric.endpoint("D"), ZmqControl("D", secret=SECRET), config=config)
     await p.start()
     await d.start()
+    return fabric, kv, p_control, p, d
+
+
+@pytest.mark.asyncio
+async def test_a_peer_whose_channel_dies_fails_its_transfers_long_before_the_lease() -> None:
+    fabric, kv, p_control, p, d = await zmq_pair(LONG_LEASE)
     try:
         await d.connect("P", p_control.address, timeout=5)
         waiting = await d.expect("r", 1, peer="P", block_ids=[1, 2])
@@ -122,13 +129,7 @@ async def test_a_peer_restarted_at_the_same_address_is_noticed_at_the_first_fram
     # old one and says so: D ends that association (and its transfers) at once and associates
     # with the new run.  Lease and suspicion are 600 s here: nothing else can end it in time.
     patient = EngineConfig(transfer_timeout=600.0, drain_timeout=1.0, lease=600.0, suspect_timeout=600.0)
-    fabric = LoopbackFabric()
-    kv = {name: KVBuffers(SMALL_SPEC, 8) for name in "PD"}
-    first = ZmqControl("P", secret=SECRET)
-    p = Engine("P", kv["P"].layout, fabric.endpoint("P"), first, config=patient)
-    d = Engine("D", kv["D"].layout, fabric.endpoint("D"), ZmqControl("D", secret=SECRET), config=patient)
-    await p.start()
-    await d.start()
+    fabric, kv, first, p, d = await zmq_pair(patient)
     again: Engine | None = None
     try:
         await d.connect("P", first.address, timeout=5)
