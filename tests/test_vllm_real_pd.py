@@ -160,10 +160,12 @@ def test_a_client_that_disconnects_mid_transfer_leaves_p_and_d_idle(pd: Deployme
     same(complete(router, prompt), reference(pd, prompt))  # and the pair still serves
 
 
-def test_p_killed_mid_request_fails_ds_request_and_the_router_skips_it(pd: Deployment) -> None:
-    """D's request for the dead P's KV ends with an error, and D keeps serving through the P
-    still up.  (P restarted at the same address is not here: its first transfer to D is lost
-    when both sides open the new association at once; see docs/vllm.md.)"""
+def test_p_killed_mid_request_fails_ds_request_the_router_skips_it_and_d_takes_its_kv_once_it_is_back(
+    pd: Deployment,
+) -> None:
+    """D's request for the dead P's KV ends with an error, D keeps serving through the P still
+    up, and once P is started again at the same address (a new run: both sides open the new
+    association at once) D takes its KV again."""
     p0, d = pd.server("prefill-0"), pd.server("decode-0")
     [prompt] = prompts(61, [150])
     p_body, d_body = direct(pd, "prefill-0", prompt)
@@ -180,6 +182,14 @@ def test_p_killed_mid_request_fails_ds_request_and_the_router_skips_it(pd: Deplo
     assert settles(lambda: router_sees(router, "prefill-0", healthy=False), SETTLE)  # its health check failed
     for prompt in prompts(62, [20, 70, 130]):  # so it sends every request to the P still up
         transferred(pd, asking(router, prompt, reference(pd, prompt)), len(prompt))
+    pd.restart("prefill-0")  # and once it is back, D takes its KV again
+    [prompt] = prompts(63, [90])
+    p_body, d_body = direct(pd, "prefill-0", prompt)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        p_leg = pool.submit(post, f"{p0.url}/v1/completions", p_body, 120.0)
+        want = reference(pd, prompt)
+        transferred(pd, lambda: same(post(f"{d.url}/v1/completions", d_body), want), len(prompt))
+        assert p_leg.result(timeout=SETTLE).status == 200
 
 
 def test_d_killed_p_frees_the_blocks_it_held_for_d_within_its_lease(pd: Deployment) -> None:
