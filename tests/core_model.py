@@ -126,7 +126,9 @@ class CorePair:
                 raise self.violation(f"{side} released block {block} for {action.key}, owner {owners.get(block)}")
         for op in self.net.ops:
             a = op.action
-            if a.key != action.key:
+            if a.key != action.key or (side == "D" and op.landed and a.kind is OpKind.WRITE):
+                # P's WRITE whose bytes (and notification) have landed writes nothing more into
+                # D's blocks; only its issuer, P, has yet to see it complete, and holds its own
                 continue
             touched = self._dst_blocks(op) if side == "D" else self._src_blocks(op)
             if set(touched) & set(action.block_ids):
