@@ -70,7 +70,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvflow.errors import ConfigError
-from kvflow.protocol.messages import MAX_TRANSFER_ID, address_problem, engine_id_problem, transfer_key_problem
+from kvflow.protocol.messages import (
+    MAX_TRANSFER_ID,
+    address_problem,
+    engine_id_problem,
+    epoch_problem,
+    transfer_id_problem,
+)
 from kvflow.protocol.state import Mode
 
 log = logging.getLogger("kvflow.vllm")
@@ -123,7 +129,7 @@ class TransferParams:
         """The kvflow part of a request's ``kv_transfer_params``, or None when it has none.
 
         Whatever this accepts, the wire carries (any HTTP client of vLLM's server can set these):
-        the transfer id and epoch within `transfer_key_problem`'s bounds (the id short enough for
+        the transfer id and epoch within the protocol's bounds (the id short enough for
         the rank pair's suffix, `pair_transfer_id`), engine ids as `engine_id_problem` wants them,
         addresses literal IPs (a host name would be resolved by ZeroMQ on its one I/O thread,
         stalling every peer's control traffic while the resolver is slow).
@@ -137,8 +143,8 @@ class TransferParams:
             raise ConfigError("kv_transfer_params.kvflow must be a mapping")
         tid, epoch, mode = raw.get("transfer_id"), raw.get("epoch", 1), raw.get("mode", "push")
         for name, problem in (
-            ("transfer_id", transfer_key_problem(tid, 0, MAX_REQUEST_TRANSFER_ID)),
-            ("epoch", transfer_key_problem("t", epoch)),
+            ("transfer_id", transfer_id_problem(tid, MAX_REQUEST_TRANSFER_ID)),
+            ("epoch", epoch_problem(epoch)),
         ):
             if problem is not None:
                 raise ConfigError(f"kv_transfer_params.kvflow.{name}: {problem}")
@@ -174,8 +180,8 @@ def _peer(raw: Mapping[str, Any], side: str) -> PeerRef:
     if problem is not None:
         raise ConfigError(f"kv_transfer_params.kvflow.{side}.engine {problem}")
     address = entry.get("address", "")
-    if not isinstance(address, str) or (address and address_problem(address) is not None):
-        why = address_problem(address) if isinstance(address, str) else "must be a string"
+    why = "must be a string" if not isinstance(address, str) else address_problem(address) if address else None
+    if why is not None:
         raise ConfigError(f"kv_transfer_params.kvflow.{side}.address {why}, not {address!r:.80}")
     tp_size = entry.get("tp_size", 0)
     if type(tp_size) is not int or not 0 <= tp_size <= MAX_TP:

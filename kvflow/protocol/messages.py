@@ -45,7 +45,9 @@ __all__ = (
     "encode_notification",
     "engine_id_problem",
     "address_problem",
+    "epoch_problem",
     "require_engine_id",
+    "transfer_id_problem",
     "transfer_key",
     "transfer_key_problem",
 )
@@ -105,19 +107,28 @@ def address_problem(address: str) -> str | None:
     return None
 
 
-def transfer_key_problem(transfer_id: object, epoch: object, limit: int = MAX_TRANSFER_ID) -> str | None:
-    """Why (`transfer_id`, `epoch`) cannot be a transfer key, or None when it can: the id a
-    string of 1..`limit` characters that UTF-8 encodes (no lone surrogate, which JSON can
-    carry), the epoch an integer 0..`MAX_EPOCH`."""
+def transfer_id_problem(transfer_id: object, limit: int = MAX_TRANSFER_ID) -> str | None:
+    """Why `transfer_id` cannot name a transfer, or None when it can: a string of 1..`limit`
+    characters that UTF-8 encodes (no lone surrogate, which JSON can carry)."""
     if type(transfer_id) is not str or not 0 < len(transfer_id) <= limit:
         return f"the transfer id must be a string of 1 to {limit} characters"
     try:
         transfer_id.encode()
     except UnicodeEncodeError:
         return "the transfer id must be text that UTF-8 encodes (it holds a lone surrogate)"
+    return None
+
+
+def epoch_problem(epoch: object) -> str | None:
+    """Why `epoch` cannot be a transfer's epoch, or None when it can: an integer 0..`MAX_EPOCH`."""
     if type(epoch) is not int or not 0 <= epoch <= MAX_EPOCH:
         return f"the epoch must be an integer 0..{MAX_EPOCH} (2**63 - 1)"
     return None
+
+
+def transfer_key_problem(transfer_id: object, epoch: object) -> str | None:
+    """Why (`transfer_id`, `epoch`) cannot be a transfer key, or None when it can."""
+    return transfer_id_problem(transfer_id) or epoch_problem(epoch)
 
 
 def transfer_key(transfer_id: str, epoch: int) -> TransferKey:
