@@ -73,6 +73,7 @@ class RouterConfig:
     health_timeout: float = 2.0  # the deadline of one health check
     nixl_push: bool = False  # both legs at once with vLLM's NixlPushConnector params
     health_misses: int = 3  # unanswered health checks in a row before a backend is skipped
+    backend_keepalive: float = 2.0  # seconds an idle connection to a backend is reused; see make_app
 
 
 @dataclass(frozen=True)
@@ -369,8 +370,11 @@ def make_app(config: RouterConfig, max_body: int = 64 << 20) -> web.Application:
 
     async def client(app: web.Application) -> AsyncIterator[None]:
         # No pool cap: a capped pool shared by both legs could be filled with D requests that
-        # wait for P requests which cannot get a connection.
-        connector = aiohttp.TCPConnector(limit=0)
+        # wait for P requests which cannot get a connection.  Idle connections are reused for
+        # less time than the backends keep them (vLLM's server closes them after 5 s,
+        # VLLM_HTTP_TIMEOUT_KEEP_ALIVE; aiohttp would reuse them for 15 s): a request sent on a
+        # connection the server is closing at that moment fails with "Server disconnected".
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=config.backend_keepalive)
         async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
             app[SESSION] = session
             checks = asyncio.create_task(_check_backends(session, app[POOLS], config))
@@ -444,6 +448,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="health checks in a row a backend may leave unanswered before it is skipped (an error answer or a "
         "refused connection: at once)",
     )
+    parser.add_argument(
+        "--backend-keepalive",
+        type=_positive,
+        default=2.0,
+        help="seconds an idle connection to a backend is reused; keep it below the backends' own keep-alive "
+        "(vLLM: VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s)",
+    )
     parser.add_argument("--max-body", type=int, default=64 << 20, help="largest request body in bytes")
     args = parser.parse_args(argv)
     for side, (http, engine, kvflow) in ROLES.items():
@@ -486,6 +497,7 @@ def config_from(args: argparse.Namespace) -> RouterConfig:
         args.health_timeout,
         nixl_push,
         args.health_misses,
+        args.backend_keepalive,
     )
 
 

@@ -129,7 +129,7 @@ async def _one(
 async def _run(
     url: str, model: str, arrivals: list[Arrival], salt: str, timeout: float, done: Callable[[int], None] | None
 ) -> list[Result]:
-    connector = aiohttp.TCPConnector(limit=0)
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=2.0)  # servers close idle ones after 5 s
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
         start = time.perf_counter()
 
