@@ -11,7 +11,7 @@ import asyncio
 
 import pytest
 
-from kvflow.errors import StaleEpoch, UnknownTransfer
+from kvflow.errors import ConfigError, StaleEpoch, UnknownTransfer
 from kvflow.protocol.actions import Action, ReleaseBlocks, Resolve, SendMessage
 from kvflow.protocol.core import CoreConfig, TransferCore
 from kvflow.protocol.messages import Hello, Message, Notice, Quiesced, Registration, TransferKey
@@ -185,3 +185,28 @@ async def test_concurrent_connects_to_one_peer_make_one_association() -> None:
     finally:
         await pair.d.aclose(drain_timeout=0.1)
         await pair.p.aclose(drain_timeout=0.1)
+
+
+# ---------------------------------------------------------------- a push transfer is bound to its D
+
+
+def test_a_registration_from_an_engine_other_than_the_promised_d_is_refused_and_the_d_still_registers() -> None:
+    p, d = pair()
+    p.peer_connected("X", 0.0)
+    p.promise(KEY, "D", 0.0)  # P holds the request for D: another engine knowing the id cannot take it
+    answer = messages(p.receive("X", Registration(KEY, (5, 6), 1, 5.0), 0.05))
+    assert answer == [Notice(KEY, Outcome.FAILED, "transfer is for another engine"), Quiesced(KEY)]
+    with pytest.raises(UnknownTransfer):  # no machine was made for it
+        p.machine(KEY, Role.PREFILL)
+    assert p.stats.foreign_peer == 1
+    registered(p, d)
+    assert p.machine(KEY, Role.PREFILL).peer == "D"
+
+
+def test_p_ready_for_d_refuses_a_transfer_another_engine_registered_first() -> None:
+    p, _ = pair()
+    p.peer_connected("X", 0.0)
+    p.receive("X", Registration(KEY, (5, 6), 1, 5.0), 0.05)  # before P had the request: not refusable then
+    with pytest.raises(ConfigError, match="peer is X, not D"):
+        p.kv_ready(KEY, block_ids=[7, 8], now=0.5, peer="D")
+    assert p.machine(KEY, Role.PREFILL).batches == []  # nothing of P's is X's to write into

@@ -18,7 +18,7 @@ from kvflow.errors import ConfigError
 from kvflow.integrations.vllm.links import EngineLink
 from kvflow.integrations.vllm.mapping import Order
 from kvflow.integrations.vllm.rank_agent import peer_wire
-from kvflow.integrations.vllm.ranks import pair_keys, tp_sizes
+from kvflow.integrations.vllm.ranks import pair_keys, rank_name, tp_sizes
 from kvflow.protocol.state import Role
 
 __all__ = ("PeerNotices",)
@@ -60,7 +60,7 @@ class PeerNotices:
             log.error("%s: cannot promise %s: %s", self.engine_id, order.request_id, exc)
             return
         for target, key in pairs:
-            peer = f"{decode.engine}-tp{target}"  # rank r of an engine is named <engine>-tp<r>
+            peer = rank_name(decode.engine, target)
             # lazy: a promise may wait for the step's next order or its results (no wake-up of its own)
             self._link().command("promise_pair", key.transfer_id, key.epoch, peer, lazy=True).add_done_callback(
                 partial(self._logged, what=f"cannot promise {order.request_id}")

@@ -186,9 +186,11 @@ class RankAgent(EngineAgent):
         first_position: int,
         first_of_transfer: bool,
         gate: Gate | None = None,
+        peer: str | None = None,
     ) -> None:
         """Push: layer group `group` (`layers`) of one chunk's blocks, posted after the ones before it once the
-        device has written it.  A failure of the transfer's first group leaves kvflow holding
+        device has written it, for D rank `peer` only (a registration from any other engine is
+        refused).  A failure of the transfer's first group leaves kvflow holding
         nothing (vLLM frees the blocks): it is raised; a later failure aborts the transfer,
         whose blocks then come back through the engine's release.
 
@@ -211,6 +213,7 @@ class RankAgent(EngineAgent):
                     layers=(int(layers[0]), int(layers[1])),
                     final=final,
                     first_position=first_position,
+                    peer=peer,
                 )
             except KVFlowError as exc:
                 self._broken.add(key)

@@ -45,6 +45,7 @@ __all__ = (
     "heads_of",
     "pair_keys",
     "pair_transfer_id",
+    "rank_name",
     "ranked_layout",
     "reach_rank",
     "sources",
@@ -154,7 +155,7 @@ def ranked_layout(
             f"rank {rank} of {tp_size} holds {spec.num_kv_heads} KV heads, vLLM's sharding of {total_heads} "
             f"gives it {len(heads)}"
         )
-    ranks = tuple((f"{engine}-tp{r}", address) for r, address in enumerate(addresses))
+    ranks = tuple((rank_name(engine, r), address) for r, address in enumerate(addresses))
     spec = dataclasses.replace(spec, head_start=heads.start, total_kv_heads=total_heads)
     return dataclasses.replace(layout, spec=spec, rank=rank, ranks=ranks)
 
@@ -182,6 +183,11 @@ def tp_sizes(params: TransferParams, role: Role, tp_size: int) -> tuple[int, int
             )
         return prefill, tp_size
     return prefill, params.decode.tp_size or tp_size
+
+
+def rank_name(engine: str, rank: int) -> str:
+    """The kvflow engine id of rank `rank` of vLLM engine `engine`: each rank is a peer of its own."""
+    return f"{engine}-tp{rank}"
 
 
 def pair_keys(

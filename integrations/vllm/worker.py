@@ -44,7 +44,7 @@ from kvflow.integrations.vllm.links import EngineLink, ProcessLink, ThreadLink
 from kvflow.integrations.vllm.mapping import Order, Orders
 from kvflow.integrations.vllm.notices import PeerNotices
 from kvflow.integrations.vllm.rank_agent import peer_wire
-from kvflow.integrations.vllm.ranks import PairBook, pair_keys, ranked_layout, tp_sizes
+from kvflow.integrations.vllm.ranks import PairBook, pair_keys, rank_name, ranked_layout, tp_sizes
 from kvflow.integrations.vllm.settings import Settings, layer_groups
 from kvflow.layout import KVLayout
 from kvflow.protocol.actions import ReleaseBlocks
@@ -80,7 +80,7 @@ class WorkerSide(PeerNotices):
         data-parallel rank (its ranks bind ports after the ``dp_rank * tp_size`` before them)."""
         self.port = settings.port + dp_rank * tp_size if settings.port else 0
         self.base_engine_id = engine_id
-        self.engine_id = f"{engine_id}-tp{rank}"
+        self.engine_id = rank_name(engine_id, rank)
         self.rank = rank
         self.tp_size = tp_size
         self.total_heads = total_heads
@@ -356,6 +356,7 @@ class WorkerSide(PeerNotices):
         futures: list[concurrent.futures.Future[Any]] = []
         groups = self._groups(order)
         blocks, last = list(order.block_ids), len(groups) - 1
+        bound = self._decode_ranks(order)
         for key in keys:
             assert isinstance(key, TransferKey)
             for group in range(first, upto):
@@ -370,11 +371,24 @@ class WorkerSide(PeerNotices):
                     order.first,
                     group == 0 and order.first == 0,
                     gate,
+                    bound.get(key),
                 )
                 futures.append(future)
                 if group == 0 and order.first == 0:
                     self._ready_starts.append((future, order.request_id, key))
         return futures
+
+    def _decode_ranks(self, order: Order) -> dict[TransferKey, str]:
+        """P: the D rank each of this rank's pairs for `order` is for, as the params name it: the
+        KV goes to that rank only, never to whichever engine registered the transfer id first."""
+        decode = order.params.decode
+        if decode is None:
+            return {}
+        try:
+            pairs = pair_keys(order.params, Role.PREFILL, self.rank, self.tp_size, self.total_heads)
+        except ConfigError:  # its pairs were refused when they opened, and reported then
+            return {}
+        return {key: rank_name(decode.engine, target) for target, key in pairs}
 
     def _groups(self, order: Order) -> list[tuple[int, int]]:
         """The layer groups a push order's blocks go out in: as many as ``push_layer_groups``

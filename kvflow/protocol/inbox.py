@@ -144,9 +144,13 @@ class PeerInbox:
         if m is None:
             problem = self._registration_problem(reg)
             newer = [e for e in self.store.epochs(key.transfer_id, _PREFILL) if e > key.epoch]
+            promisee = self.store.promisee(key)
             if newer:
                 self.stats.stale_epoch += 1
                 problem = f"epoch {key.epoch} is older than {max(newer)}"
+            elif promisee not in (None, peer):  # P holds this request for another D
+                self.stats.foreign_peer += 1
+                problem = "transfer is for another engine"
             elif problem is None:
                 problem = self._quota_problem(peer, len(reg.block_ids), opens=True)
             if problem is not None:
