@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 
 import pytest
@@ -23,7 +24,7 @@ from kvflow.errors import (
 )
 from kvflow.layout import KVSpec
 from kvflow.protocol.core import CoreConfig
-from kvflow.protocol.messages import Goodbye, TransferKey, encode_notification
+from kvflow.protocol.messages import Goodbye, TransferKey, encode_notification, id_tag
 from kvflow.protocol.state import Mode, Outcome, Role, State
 from kvflow.runtime.engine import Engine, EngineConfig
 from kvflow.testing import EnginePair, KVBuffers, ManualClock, same_kv
@@ -451,3 +452,16 @@ async def test_released_and_finished_keep_only_the_newest_records_when_nobody_po
 def test_results_kept_must_be_positive() -> None:
     with pytest.raises(ConfigError, match="results_kept"):
         EngineConfig(results_kept=0)
+
+
+@pytest.mark.asyncio
+async def test_a_failed_transfer_is_logged_by_its_ids_tag_never_by_the_id(
+    pair: EnginePair, caplog: pytest.LogCaptureFixture
+) -> None:
+    secret = "capability-3f9a61c0d2"  # whoever knows a transfer id can ask for its KV
+    with caplog.at_level(logging.DEBUG, logger="kvflow"):
+        waiting = await pair.d.expect(secret, 1, peer="P", block_ids=[1], timeout=0.1)
+        assert (await waiting.wait(2)).outcome is Outcome.EXPIRED
+        await settle(pair)
+    said = "\n".join(record.getMessage() for record in caplog.records)
+    assert f"{id_tag(secret)}@1 expired" in said and secret not in said

@@ -15,7 +15,7 @@ import pytest
 from kvflow.errors import InvalidTransition
 from kvflow.protocol.actions import Action, ReleaseBlocks, SendMessage, SubmitOp
 from kvflow.protocol.core import TransferCore
-from kvflow.protocol.messages import Notice, Quiesced, Registration, TransferKey
+from kvflow.protocol.messages import Notice, Quiesced, Registration, TransferKey, id_tag
 from kvflow.protocol.state import (
     ACTIVE,
     FENCING,
@@ -82,7 +82,7 @@ def check_pair(side: tuple[Mode, Role], state: State, input_: Input) -> None:
         assert (repr(m), core.ledger.held_blocks, repr(core.stats)) == before
         assert m.state is state
         message = str(caught.value)
-        assert state.name in message and input_.name in message and "t@1" in message
+        assert state.name in message and input_.name in message and f"{id_tag('t')}@1" in message
     else:
         core._feed(m, input_, 1.0)
         assert m.state is settled(side, expected.target, m.holds)

@@ -145,8 +145,11 @@ def answered_params(answer: Any) -> dict[str, Any] | None:
     return dict(params) if isinstance(params, dict) else None
 
 
-def leg_headers(transfer_id: str, authorization: str | None) -> dict[str, str]:
-    headers = {"X-Request-Id": f"kvflow-{transfer_id}"}
+def leg_headers(request_id: str, authorization: str | None) -> dict[str, str]:
+    """Both legs' headers: one ``X-Request-Id`` (`request_id`: the router's own name for the
+    request, in its log lines too, never the transfer id, which is a capability: whoever knows it
+    can ask P for that transfer's KV) and the client's ``Authorization``."""
+    headers = {"X-Request-Id": f"kvflow-{request_id}"}
     if authorization is not None:
         headers["Authorization"] = authorization
     return headers
@@ -226,13 +229,13 @@ async def proxy(request: web.Request) -> web.StreamResponse:
     except NoBackend as exc:
         p_lease.release()
         return web.json_response(error_body(503, str(exc), exc.role), status=503)
-    transfer_id = uuid.uuid4().hex
-    headers = leg_headers(transfer_id, request.headers.get("Authorization"))
+    transfer_id, request_id = uuid.uuid4().hex, uuid.uuid4().hex
+    headers = leg_headers(request_id, request.headers.get("Authorization"))
     p_url, d_url = p_lease.backend.url + request.path, d_lease.backend.url + request.path
     legs = (p_lease.backend.headers(headers), d_lease.backend.headers(headers))
     try:
         if config.sequential:
-            upstream = await _sequential(session, body, (p_url, d_url), legs, transfer_id, config.timeout)
+            upstream = await _sequential(session, body, (p_url, d_url), legs, request_id, config.timeout)
             p_lease.release()
         elif config.nixl_push:
             chat, xid = request.path.endswith("chat/completions"), headers["X-Request-Id"]
@@ -245,9 +248,9 @@ async def proxy(request: web.Request) -> web.StreamResponse:
             p_body, d_body = prefill_body(body, params), decode_body(body, params)
             upstream = await _concurrent(session, p_body, d_body, (p_url, d_url), legs, config.timeout)
             p_lease.release()
-        return await _relay(request, upstream, transfer_id, config.timeout)
+        return await _relay(request, upstream, request_id, config.timeout)
     except LegFailed as exc:
-        log.warning("%s: %s", transfer_id, exc)
+        log.warning("%s: %s", request_id, exc)
         return web.json_response(error_body(502, str(exc), exc.leg), status=502)
     finally:
         p_lease.release()
@@ -259,11 +262,11 @@ async def _sequential(
     body: dict[str, Any],
     urls: tuple[str, str],
     headers: tuple[dict[str, str], dict[str, str]],
-    transfer_id: str,
+    request_id: str,
     timeout: float,
 ) -> aiohttp.ClientResponse:
-    """P, then D with what P answered (`urls` and `headers`: P's, D's).  :raises LegFailed:
-    either leg failed."""
+    """P, then D with what P answered (`urls` and `headers`: P's, D's; `request_id`: for the
+    log).  :raises LegFailed: either leg failed."""
     (p_url, d_url), (p_headers, d_headers) = urls, headers
     answer = await _prefill(session, p_url, prefill_body(body, None), p_headers, timeout)
     try:
@@ -271,7 +274,7 @@ async def _sequential(
     except ValueError:
         raise LegFailed("prefill", f"{p_url} answered with something other than JSON: {answer[:200]!r}") from None
     if params is None:
-        log.warning("%s: prefill answered without kv_transfer_params: decode computes the prompt again", transfer_id)
+        log.warning("%s: prefill answered without kv_transfer_params: decode computes the prompt again", request_id)
     d_body = dict(body)
     d_body.pop("kv_transfer_params", None)  # the client's own never reach a backend
     if params is not None:
@@ -308,7 +311,7 @@ async def _concurrent(
 
 
 async def _relay(
-    request: web.Request, upstream: aiohttp.ClientResponse, transfer_id: str, timeout: float
+    request: web.Request, upstream: aiohttp.ClientResponse, request_id: str, timeout: float
 ) -> web.StreamResponse:
     """D's answer to the client, chunk by chunk as it arrives."""
     response = web.StreamResponse(status=upstream.status)
@@ -328,7 +331,7 @@ async def _relay(
     except (TimeoutError, aiohttp.ClientError, ConnectionError) as exc:
         # Headers are out: all that is left is to end the connection, so the client sees a
         # truncated answer rather than a clean end.
-        log.warning("%s: answer cut short: %s", transfer_id, exc.__class__.__name__)
+        log.warning("%s: answer cut short: %s", request_id, exc.__class__.__name__)
         if request.transport is not None:
             request.transport.close()
         return response
@@ -338,7 +341,7 @@ async def _relay(
         else:
             upstream.close()  # D stops generating for a client that is gone
     await response.write_eof()
-    log.info("%s: HTTP %d", transfer_id, upstream.status)
+    log.info("%s: HTTP %d", request_id, upstream.status)
     return response
 
 

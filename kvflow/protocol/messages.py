@@ -11,6 +11,7 @@ carries a time-to-live in seconds and the receiver turns it into its own deadlin
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import re
 from dataclasses import dataclass
@@ -46,6 +47,7 @@ __all__ = (
     "engine_id_problem",
     "address_problem",
     "epoch_problem",
+    "id_tag",
     "require_engine_id",
     "transfer_id_problem",
     "transfer_key",
@@ -161,7 +163,15 @@ class TransferKey:
     epoch: int
 
     def __str__(self) -> str:
-        return f"{self.transfer_id}@{self.epoch}"
+        """How the key appears in logs and error messages: a digest of the id, never the id
+        itself (a capability: who knows it can ask for the transfer's KV), and the epoch."""
+        return f"{id_tag(self.transfer_id)}@{self.epoch}"
+
+
+def id_tag(transfer_id: str) -> str:
+    """The name a transfer id goes by in logs: ``t-`` and 12 hex digits of its BLAKE2b digest
+    (the same on every engine, so P's and D's lines about one transfer can be matched)."""
+    return "t-" + hashlib.blake2b(transfer_id.encode("utf-8", "surrogatepass"), digest_size=6).hexdigest()
 
 
 @dataclass(frozen=True, slots=True)
