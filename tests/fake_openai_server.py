@@ -96,7 +96,8 @@ async def completion(request: web.Request) -> web.StreamResponse:
             return web.json_response({"error": {"message": f"{state.name} told to fail"}}, status=how["status"])
         if not body.get("stream"):
             record["outcome"] = "answered"
-            choice = {"index": 0, "text": f"{state.name}-answer", "finish_reason": "length"}
+            text = f"{state.name}-answer" + "x" * int(how.get("bloat", 0))  # "bloat": pad by that many bytes
+            choice = {"index": 0, "text": text, "finish_reason": "length"}
             answer: dict[str, Any] = {"id": "cmpl-fake", "object": "text_completion", "choices": [choice]}
             if (body.get("kv_transfer_params") or {}).get("do_remote_decode") and not how.get("no_params"):
                 number = len(state.records)

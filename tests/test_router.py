@@ -348,7 +348,14 @@ async def test_a_client_going_away_cancels_both_legs(live: Live) -> None:
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize(("data", "message"), [(b"{not json", "not valid JSON"), (b"[1, 2]", "a JSON object")])
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (b"{not json", "not valid JSON"),
+        (b"[1, 2]", "a JSON object"),
+        (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+    ],
+)
 async def test_bad_input_is_refused_and_not_dispatched(live: Live, data: bytes, message: str) -> None:
     url = live.stack.router + "/v1/completions"
     async with live.http.post(url, data=data, headers={"Content-Type": "application/json"}) as response:
@@ -359,6 +366,15 @@ async def test_bad_input_is_refused_and_not_dispatched(live: Live, data: bytes, 
         assert response.status == 200
     for server in (live.stack.p, live.stack.d):
         assert [r["body"]["prompt"] for r in await live.records(server)] == ["after"]
+
+
+@pytest.mark.asyncio
+async def test_a_prefill_answer_larger_than_the_router_holds_fails_the_leg(live: Live) -> None:
+    body = {"prompt": "x", "fake": {"P": {"bloat": router.MAX_PREFILL_ANSWER + 1000}}}
+    async with live.http.post(live.stack.router + "/v1/completions", json=body) as response:
+        assert response.status == 502
+        error = (await response.json())["error"]
+    assert error["leg"] == "prefill" and f"more than {router.MAX_PREFILL_ANSWER} bytes" in error["message"]
 
 
 @pytest.mark.asyncio

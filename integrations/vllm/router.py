@@ -60,6 +60,7 @@ log = logging.getLogger("kvflow.router")
 
 ROUTES = ("/v1/completions", "/v1/chat/completions")
 ERROR_DETAIL_BYTES = 2048  # how much of a failed leg's answer is quoted to the client
+MAX_PREFILL_ANSWER = 1 << 20  # bytes of P's answer (one token's) the router holds; more fails the leg
 
 
 @dataclass(frozen=True)
@@ -190,9 +191,14 @@ async def _prefill(
     """P's leg: done when P has answered in full, that is when its prefill (and the push) is
     over; returns the answer (one token's, small)."""
     response = await _open(session, "prefill", url, body, headers, timeout)
+    answer = bytearray()
     try:
         async with asyncio.timeout(timeout):
-            return await response.read()
+            while chunk := await response.content.readany():
+                answer += chunk
+                if len(answer) > MAX_PREFILL_ANSWER:  # an endless answer must not grow the router
+                    raise LegFailed("prefill", f"{url} answered more than {MAX_PREFILL_ANSWER} bytes")
+            return bytes(answer)
     except TimeoutError:
         raise LegFailed("prefill", f"{url} did not finish its answer within {timeout:g} s") from None
     except aiohttp.ClientError as exc:
@@ -218,6 +224,8 @@ async def proxy(request: web.Request) -> web.StreamResponse:
         body = json.loads(await request.read())
     except ValueError as exc:
         return web.json_response(error_body(400, f"request body is not valid JSON: {exc}"), status=400)
+    except RecursionError:
+        return web.json_response(error_body(400, "request body is JSON nested too deeply"), status=400)
     if not isinstance(body, dict):
         return web.json_response(error_body(400, "request body must be a JSON object"), status=400)
     try:
@@ -271,7 +279,7 @@ async def _sequential(
     answer = await _prefill(session, p_url, prefill_body(body, None), p_headers, timeout)
     try:
         params = answered_params(json.loads(answer))
-    except ValueError:
+    except (ValueError, RecursionError):
         raise LegFailed("prefill", f"{p_url} answered with something other than JSON: {answer[:200]!r}") from None
     if params is None:
         log.warning("%s: prefill answered without kv_transfer_params: decode computes the prompt again", request_id)
