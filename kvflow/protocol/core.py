@@ -36,7 +36,6 @@ from kvflow.protocol.messages import (
     Registration,
     TransferKey,
     encode_notification,
-    id_tag,
 )
 from kvflow.protocol.state import (
     ACTIVE,
@@ -447,7 +446,7 @@ class TransferCore:
     def _check_epoch(self, key: TransferKey, role: Role) -> None:
         seen = self.store.epochs(key.transfer_id, role)
         if seen and max(seen) >= key.epoch:
-            raise StaleEpoch(f"{role.value} transfer {id_tag(key.transfer_id)} already has epoch {max(seen)}")
+            raise StaleEpoch(f"{role.value} transfer {key}: the id already has epoch {max(seen)}")
 
     def _supersede(self, key: TransferKey, role: Role, now: float) -> list[Action]:
         actions: list[Action] = []
