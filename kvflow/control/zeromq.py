@@ -86,6 +86,17 @@ HANDSHAKE_TIMEOUT = 2.0  # seconds a connection may take to authenticate
 YIELD_EVERY = 64  # parts read before the receive loop lets the event loop run
 YIELD_AFTER = 0.005  # seconds of receiving before it does
 FORGET_LINGER_MS = 200  # a forgotten peer's last frames (a Goodbye, a Reject) get this long to leave
+# TCP keepalive on every control connection: one whose other end is gone without a word (its
+# FIN lost behind a cut link, its host dead) is probed after this much silence and closed when
+# the probes go unanswered or are answered with a reset: within 10 + 3 x 5 = 25 s, where it
+# would otherwise stay open for good (a descriptor per link flap).
+KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 10, 5, 3
+# ZMTP heartbeats on every connection the ROUTER accepted: one that answers nothing for the
+# timeout is closed by libzmq.  A connection a peer's earlier association left behind (its
+# routing id handed over to the new one) was otherwise kept open by libzmq after the kernel
+# had closed it: a descriptor per link flap.  Only inbound connections: a peer's frames still
+# in flight on our own DEALERs are never dropped by it.
+HEARTBEAT_EVERY_MS, HEARTBEAT_TIMEOUT_MS = 5_000, 30_000
 
 
 class _Reader:
@@ -234,6 +245,8 @@ class ZmqControl:
         router: zmq.Socket[bytes] = zmq.Socket(self._ctx, zmq.ROUTER)  # plain: see the module's header
         self._harden(router)
         router.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        router.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_EVERY_MS)
+        router.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
         router.setsockopt(zmq.RCVHWM, min(self._send_queue, RECEIVE_QUEUE))
         if self._keys is not None:
             router.setsockopt(zmq.CURVE_SERVER, 1)
@@ -304,6 +317,10 @@ class ZmqControl:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, SOCKET_LIMIT)
         sock.setsockopt(zmq.HANDSHAKE_IVL, self._handshake_ms)
+        sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+        sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, KEEPALIVE_IDLE_S)
+        sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, KEEPALIVE_INTERVAL_S)
+        sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, KEEPALIVE_PROBES)
 
     def _dealer(self, peer: str, address: str) -> zmq.Socket[bytes]:
         """A new DEALER connecting to `peer` at `address`, and its reader task.
