@@ -70,6 +70,8 @@ def test_a_secret_given_is_kept_and_on_loopback_none_is_made(tmp_path: Path, mon
     assert not (there.run_dir / "kvflow.secret").exists()
 
 
-def test_a_host_for_a_server_the_deployment_does_not_have_is_refused_by_name(tmp_path: Path) -> None:
+def test_a_host_for_a_server_the_deployment_lacks_or_not_at_a_literal_ip_is_refused_by_name(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"prefill-1"):
         Deployment(options(tmp_path, hosts={"prefill-1": Host("10.232.0.1")}))
+    with pytest.raises(ConfigError, match=r"decode-0: 'gpu-box-2' is not a literal IPv4 address"):
+        Deployment(options(tmp_path, hosts={"decode-0": Host("gpu-box-2")}))

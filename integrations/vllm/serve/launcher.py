@@ -20,6 +20,7 @@ the launcher writes one into the run folder unless ``KVFLOW_SECRET(_FILE)`` is s
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import secrets
@@ -122,6 +123,11 @@ class ServeOptions:
         unknown = sorted(set(self.hosts) - names - ({"reference"} if self.reference else set()))
         if unknown:
             raise ConfigError(f"hosts named for servers this deployment does not have: {unknown}")
+        for name, host in self.hosts.items():
+            try:  # kvflow's addresses take literal IPs only (no name resolved on ZeroMQ's I/O thread)
+                ipaddress.IPv4Address(host.address)
+            except ValueError:
+                raise ConfigError(f"host of {name}: {host.address!r} is not a literal IPv4 address") from None
 
 
 @dataclass
