@@ -143,8 +143,10 @@ class Server:
     side_channel: int = 0  # NixlConnector's handshake port
     host: Host | None = None  # None: beside the router
 
-    def metrics(self, timeout: float = 5.0) -> str:
-        """Its Prometheus ``/metrics`` text.
+    def metrics(self, timeout: float = 30.0) -> str:
+        """Its Prometheus ``/metrics`` text (a deadline well past what a loaded host takes: a
+        decode server of the CPU build beside spinning NIXL engines on two cores once took
+        longer than 5 s).
 
         :raises ServerFailed: it does not answer.
         """
