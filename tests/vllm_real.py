@@ -205,9 +205,13 @@ def asking(base: str, prompt: list[int], want: list[int]) -> Callable[[], None]:
 
 
 def router_sees(router: str, engine: str, healthy: bool) -> bool:
-    """Whether kvflow's router at `router` holds backend `engine` healthy (or not)."""
-    with urllib.request.urlopen(f"{router}/backends", timeout=5.0) as answer:
-        pools = json.loads(answer.read())
+    """Whether kvflow's router at `router` holds backend `engine` healthy (or not); a router
+    late to answer on a loaded host is "not yet" (callers poll with a deadline)."""
+    try:
+        with urllib.request.urlopen(f"{router}/backends", timeout=30.0) as answer:
+            pools = json.loads(answer.read())
+    except OSError:
+        return False
     return any(b["engine"] == engine and b["healthy"] is healthy for side in pools.values() for b in side)
 
 
