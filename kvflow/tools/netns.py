@@ -25,6 +25,7 @@ import shutil
 import subprocess
 import uuid
 from types import TracebackType
+from typing import Self
 
 from kvflow.errors import ConfigError
 
@@ -60,10 +61,29 @@ class _Namespaces:
         self.devices: dict[str, str] = {}
         self.addresses: dict[str, str] = {}
 
+    def __enter__(self) -> Self:
+        """:raises ConfigError: a namespace, a link or an address could not be set up."""
+        try:
+            self._make()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
     def __exit__(
         self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
     ) -> None:
         self.close()
+
+    def _make(self) -> None:
+        raise NotImplementedError
+
+    def _bring_up(self, name: str) -> None:
+        """Host `name`'s address on its interface, and the interface and loopback up, in its namespace."""
+        ns, device = self.namespaces[name], self.devices[name]
+        _run("-n", ns, "addr", "add", f"{self.addresses[name]}/24", "dev", device)
+        _run("-n", ns, "link", "set", device, "up")
+        _run("-n", ns, "link", "set", "lo", "up")
 
     def close(self) -> None:
         """Delete every namespace (the veth pairs go with them).  Never raises."""
@@ -93,22 +113,14 @@ class TwoHosts(_Namespaces):
         self.devices = {side: f"{self.tag}{side}" for side in ("p", "d")}
         self.addresses = dict(_ADDRESSES)
 
-    def __enter__(self) -> TwoHosts:
-        """:raises ConfigError: a namespace, the link or an address could not be set up."""
-        try:
-            for ns in self.namespaces.values():
-                _run("netns", "add", ns)
-            p, d = self.devices["p"], self.devices["d"]
-            _run("link", "add", p, "netns", self.namespaces["p"], "type", "veth", "peer", d)
-            _run("link", "set", d, "netns", self.namespaces["d"])
-            for side, ns in self.namespaces.items():
-                _run("-n", ns, "addr", "add", f"{_ADDRESSES[side]}/24", "dev", self.devices[side])
-                _run("-n", ns, "link", "set", self.devices[side], "up")
-                _run("-n", ns, "link", "set", "lo", "up")
-        except BaseException:
-            self.close()
-            raise
-        return self
+    def _make(self) -> None:
+        for ns in self.namespaces.values():
+            _run("netns", "add", ns)
+        p, d = self.devices["p"], self.devices["d"]
+        _run("link", "add", p, "netns", self.namespaces["p"], "type", "veth", "peer", d)
+        _run("link", "set", d, "netns", self.namespaces["d"])
+        for side in self.namespaces:
+            self._bring_up(side)
 
     def cut(self) -> None:
         """Take the link down (P's end): packets stop both ways, sockets stay open.
@@ -144,24 +156,16 @@ class BridgedHosts(_Namespaces):
         self.devices = {name: f"{self.tag}{index}" for index, name in enumerate(names)}
         self.addresses = {name: f"{self.SUBNET}.{index + 1}" for index, name in enumerate(names)}
 
-    def __enter__(self) -> BridgedHosts:
-        """:raises ConfigError: a namespace, the bridge, a link or an address could not be set up."""
-        try:
-            _run("link", "add", self.bridge, "type", "bridge")
-            _run("addr", "add", f"{self.HERE}/24", "dev", self.bridge)
-            _run("link", "set", self.bridge, "up")
-            for name, ns in self.namespaces.items():
-                device, outside = self.devices[name], f"{self.devices[name]}h"
-                _run("netns", "add", ns)
-                _run("link", "add", device, "netns", ns, "type", "veth", "peer", outside)
-                _run("link", "set", outside, "master", self.bridge, "up")
-                _run("-n", ns, "addr", "add", f"{self.addresses[name]}/24", "dev", device)
-                _run("-n", ns, "link", "set", device, "up")
-                _run("-n", ns, "link", "set", "lo", "up")
-        except BaseException:
-            self.close()
-            raise
-        return self
+    def _make(self) -> None:
+        _run("link", "add", self.bridge, "type", "bridge")
+        _run("addr", "add", f"{self.HERE}/24", "dev", self.bridge)
+        _run("link", "set", self.bridge, "up")
+        for name, ns in self.namespaces.items():
+            device, outside = self.devices[name], f"{self.devices[name]}h"
+            _run("netns", "add", ns)
+            _run("link", "add", device, "netns", ns, "type", "veth", "peer", outside)
+            _run("link", "set", outside, "master", self.bridge, "up")
+            self._bring_up(name)
 
     def close(self) -> None:
         """Delete every namespace and the bridge.  Never raises."""
