@@ -143,6 +143,11 @@ class Server:
     side_channel: int = 0  # NixlConnector's handshake port
     host: Host | None = None  # None: beside the router
 
+    @property
+    def address(self) -> str:
+        """The IP address it listens on (HTTP, kvflow, NIXL's side channel)."""
+        return self.url.removeprefix("http://").rsplit(":", 1)[0]
+
     def metrics(self, timeout: float = 30.0) -> str:
         """Its Prometheus ``/metrics`` text (a deadline well past what a loaded host takes: a
         decode server of the CPU build beside spinning NIXL engines on two cores once took
@@ -243,7 +248,7 @@ class Deployment:
         o = self.options
         assert self.model is not None
         budget = o.prefill_batched_tokens if server.role == "prefill" else o.decode_batched_tokens
-        address, port = server.url.removeprefix("http://").rsplit(":", 1)
+        port = server.url.rsplit(":", 1)[1]
         argv = [
             *(server.host.command if server.host else ()),
             str(o.python),
@@ -256,7 +261,7 @@ class Deployment:
             "--served-model-name",
             o.served_model_name,
             "--host",
-            address,
+            server.address,
             "--port",
             port,
         ]
@@ -284,8 +289,10 @@ class Deployment:
             "PYTHONUNBUFFERED": "1",
         }
         if server.side_channel:
-            host = server.host.address if server.host else o.host
-            env |= {"VLLM_NIXL_SIDE_CHANNEL_HOST": host, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(server.side_channel)}
+            env |= {
+                "VLLM_NIXL_SIDE_CHANNEL_HOST": server.address,
+                "VLLM_NIXL_SIDE_CHANNEL_PORT": str(server.side_channel),
+            }
         if self._off_loopback() and not {"KVFLOW_SECRET", "KVFLOW_SECRET_FILE"} & set(env):
             env["KVFLOW_SECRET_FILE"] = str(self._secret_file())
         return env | dict(server.host.env if server.host else {})
@@ -310,8 +317,8 @@ class Deployment:
         argv += ["--mode", mode, "--health-interval", "1"]
         for server in self.servers:
             if server.role in ("prefill", "decode"):
-                address = server.host.address if server.host else o.host
-                kvflow = server.kvflow or f"tcp://{address}:{server.side_channel or 1}"  # nixl-push: P's side channel
+                # nixl-push: a P's side channel stands in for its kvflow address
+                kvflow = server.kvflow or f"tcp://{server.address}:{server.side_channel or 1}"
                 argv += [f"--{server.role}", server.url, f"--{server.role}-engine", server.name]
                 argv += [f"--{server.role}-kvflow", kvflow]
         return argv
