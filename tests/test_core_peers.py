@@ -147,7 +147,7 @@ def test_a_greedy_peers_early_messages_cannot_push_out_anothers() -> None:
         d.receive("G", Notice(TransferKey(f"g{i}", 1), Outcome.ABORTED, "spam"), 0.1)
     actions = d.expect(KEY, peer="P", mode=Mode.PULL, block_ids=[1], deadline=10.0, now=0.2)
     assert [a.remote_blocks for a in actions if isinstance(a, SubmitOp)] == [(7,)]  # P's ready was kept
-    assert d.store.early_from("G") == QUOTA.max_peer_early
+    assert d.store.early.count_from("G") == (QUOTA.max_peer_early, 0)
     assert d.stats.over_quota == 2 * QUOTA.max_unstarted - QUOTA.max_peer_early
 
 

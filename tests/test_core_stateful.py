@@ -25,6 +25,7 @@ from kvflow.protocol.actions import SendMessage
 from kvflow.protocol.core import CoreConfig
 from kvflow.protocol.messages import Claim, Notice, TransferKey
 from kvflow.protocol.state import Mode, Role
+from kvflow.protocol.transfers import Load
 from tests.core_model import CONFIG, NUM_LAYERS, CorePair, Plan
 
 EXAMPLES = int(os.environ.get("KVFLOW_STATEFUL_EXAMPLES", "300"))
@@ -234,10 +235,12 @@ class CoreProtocol(RuleBasedStateMachine):
                 raise pair.violation(f"D ledger disagrees on block {block}: {pair.d.ledger.holder_of(block)}")
         for name, core, peer in (("P", pair.p, "D"), ("D", pair.d, "P")):
             live = core.live()
-            weighed = (
+            weighed = Load(
                 sum(not m.started_locally for m in live),
+                sum(len(m.remote_blocks or ()) for m in live if m.peer is not None),
                 sum(m.peer == peer for m in live),
                 sum(len(m.remote_blocks or ()) for m in live if m.peer == peer),
+                sum(m.peer == peer and not m.started_locally for m in live),
             )
             if core.store.load(peer) != weighed:  # what the quotas are checked against
                 raise pair.violation(f"{name} weighs its transfers {core.store.load(peer)}, they weigh {weighed}")

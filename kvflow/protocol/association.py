@@ -24,10 +24,12 @@ from dataclasses import dataclass
 
 from kvflow.errors import KVFlowError, LayoutMismatch, PeerProtocolError
 from kvflow.layout import KVLayout, check_compatible, layout_from_wire
+from kvflow.protocol.early import message_blocks
 from kvflow.protocol.messages import ControlMessage, Goodbye, Heartbeat, Hello, Message, Reject, TransferKey
 
 __all__ = (
     "ATTEMPTS_KEPT",
+    "EARLY_BLOCKS_KEPT",
     "EARLY_MESSAGES_KEPT",
     "AddRoute",
     "AddTransportPeer",
@@ -52,6 +54,7 @@ __all__ = (
 # Messages kept per peer between its side of an association and ours being in place: a handful
 # in practice (a transfer's first messages); bounded because a peer decides how many it sends.
 EARLY_MESSAGES_KEPT = 256
+EARLY_BLOCKS_KEPT = 262_144  # ... and the block ids they may carry in all (a Python int each)
 # Our numbers for associations attempted but never answered, kept so that a retry keeps its
 # number: bounded, since every connect to a new name adds one.
 ATTEMPTS_KEPT = 1024
@@ -402,7 +405,8 @@ class Associations:
             early = (
                 self.early.setdefault(sender, []) if adding is not None and adding.incarnation == incarnation else None
             )
-            if early is not None and len(early) < EARLY_MESSAGES_KEPT:
+            blocks = sum(map(message_blocks, early or ())) + message_blocks(message)
+            if early is not None and len(early) < EARLY_MESSAGES_KEPT and blocks <= EARLY_BLOCKS_KEPT:
                 # The sender's side of the association is in place (it answered, or it started
                 # the handshake) and it already speaks; ours will be in a moment.
                 early.append(message)

@@ -314,7 +314,7 @@ class TransferCore:
         self._ratios.pop(peer, None)
         # What the peer said about transfers not started here refers to blocks its teardown
         # has released: forget it.
-        self.store.drop_early_from(peer)
+        self.store.early.drop_from(peer)
         actions: list[Action] = []
         self._holding_for = peer if unfenced else None
         try:
@@ -459,7 +459,7 @@ class TransferCore:
     def _replay_early(self, m: Machine, now: float) -> list[Action]:
         """Feed what the peer said before this transfer started here, in the order it came."""
         actions: list[Action] = []
-        for peer, message in self.store.pop_early(m.key, now):
+        for peer, message in self.store.early.pop(m.key, now):
             actions += self._inbox.receive(peer, message, now)
         return actions
 

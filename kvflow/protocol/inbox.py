@@ -17,6 +17,7 @@ from typing import Protocol
 
 from kvflow.errors import InvalidBatch, InvalidTransition, PeerProtocolError
 from kvflow.protocol.actions import Action, SendMessage
+from kvflow.protocol.early import heaviest
 from kvflow.protocol.machine import Machine, check_block_ids, next_batch
 from kvflow.protocol.messages import (
     OPEN_BATCHES,
@@ -131,7 +132,7 @@ class PeerInbox:
                 return [SendMessage(peer, Quiesced(key))]
             return self.remote(m, input_, now, reason)
         if m is None:
-            if isinstance(message, Quiesced) and self.store.has_early(key):
+            if isinstance(message, Quiesced) and self.store.early.has(key):
                 self._hold(peer, message, now)  # it follows a notice kept above
             return []
         if isinstance(message, Quiesced):
@@ -153,11 +154,16 @@ class PeerInbox:
                 problem = "transfer is for another engine"
             elif problem is None:
                 problem = self._quota_problem(peer, len(reg.block_ids), opens=True)
+            pushed_out: list[Action] = []
+            if problem is None and self.store.load(peer).unstarted >= self.config.max_unstarted:
+                problem, pushed_out = self._make_room(peer, now)
             if problem is not None:
                 self.stats.rejected_registrations += 1
                 return [SendMessage(peer, Notice(key, Outcome.FAILED, problem)), SendMessage(peer, Quiesced(key))]
             deadline = now + min(reg.ttl, self.config.max_ttl)
             m = self.store.create(key, _PREFILL, Mode.PUSH, peer, deadline, now, started_locally=False)
+            if pushed_out:  # room was made: the registration goes on as any other would
+                return pushed_out + self._on_registration(peer, reg, now)
         if m.mode is not Mode.PUSH or m.peer not in (None, peer):
             self.stats.foreign_peer += 1
             return []
@@ -291,23 +297,38 @@ class PeerInbox:
         self._hold(peer, message, now)
 
     def _hold(self, peer: str, message: Message, now: float) -> None:
-        if self.store.hold_early(peer, message, now):
+        if self.store.early.hold(peer, message, now):
             self.stats.early_messages += 1
         else:
-            self.stats.over_quota += 1  # the peer has max_peer_early messages held already
+            self.stats.over_quota += 1  # beyond the peer's max_peer_early, or its share of the pools
 
     def _quota_problem(self, peer: str, blocks: int, *, opens: bool) -> str | None:
         """Why a registration from `peer` naming `blocks` blocks (and opening a transfer here,
-        if `opens`) goes beyond what P keeps for all peers or for this one, or None; a refusal
-        beyond a peer's quota is counted in `over_quota`."""
-        unstarted, transfers, held = self.store.load(peer)
-        if opens and unstarted >= self.config.max_unstarted:
-            return "too many registrations for transfers not started here"
+        if `opens`) goes beyond the peer's quotas or what P keeps for all peers, or None; every
+        refusal is counted in `over_quota`."""
+        load, config = self.store.load(peer), self.config
         problem = None
-        if opens and transfers >= self.config.max_peer_transfers:
-            problem = f"over quota: {transfers} live transfers with this peer (max_peer_transfers)"
-        elif held + blocks > self.config.max_peer_blocks:
-            problem = f"over quota: {held + blocks} blocks registered by this peer (max_peer_blocks)"
+        if opens and load.transfers >= config.max_peer_transfers:
+            problem = f"over quota: {load.transfers} live transfers with this peer (max_peer_transfers)"
+        elif load.blocks + blocks > config.max_peer_blocks:
+            problem = f"over quota: {load.blocks + blocks} blocks registered by this peer (max_peer_blocks)"
+        elif load.registered + blocks > config.max_registered_blocks:
+            problem = f"over quota: {load.registered + blocks} blocks registered by all peers (max_registered_blocks)"
         if problem is not None:
             self.stats.over_quota += 1
         return problem
+
+    def _make_room(self, peer: str, now: float) -> tuple[str | None, list[Action]]:
+        """The registrations P keeps for transfers it has not started are all taken: the
+        newest of the heaviest holder's goes (it expires, as at its time-to-live) when `peer`
+        holds fewer, else `peer` is refused (why, counted in `over_quota`)."""
+        opened = self.store.openers()
+        victim = heaviest(opened, opened.get(peer, 0), 1)
+        m = None if victim is None else self.store.newest_unstarted(victim)
+        if m is None:
+            self.stats.over_quota += 1
+            limit = self.config.max_unstarted
+            return f"too many registrations for transfers not started here (max_unstarted {limit})", []
+        self.store.early.pushed_out += 1
+        reason = f"pushed out: registrations full, and {victim!r} held the most of them"
+        return None, self.feed(m, Input.DEADLINE, now, reason=reason)

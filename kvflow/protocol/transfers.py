@@ -13,11 +13,13 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable
 from dataclasses import dataclass, fields
+from typing import NamedTuple
 
 from kvflow.errors import ConfigError, UnknownTransfer
+from kvflow.protocol.early import EarlyMessages
 from kvflow.protocol.ledger import BlockLedger
 from kvflow.protocol.machine import Machine
-from kvflow.protocol.messages import Claim, Message, Notice, Ready, TransferKey
+from kvflow.protocol.messages import TransferKey
 from kvflow.protocol.state import ACTIVE, TERMINAL, Mode, Role
 
 __all__ = ("CoreConfig", "CoreStats", "Owner", "TransferStore")
@@ -44,6 +46,12 @@ class CoreConfig:
     max_peer_transfers: int = 1024
     max_peer_blocks: int = 262144
     max_peer_early: int = 1024
+    # What all peers share: the registrations for transfers not started here (`max_unstarted`,
+    # above), the blocks live registrations name, and the block ids of messages held early (a
+    # Python int each, about 36 bytes).  A full pool of registrations or early messages pushes
+    # out the heaviest holder's newest registration or oldest message for a lighter peer's.
+    max_registered_blocks: int = 2_097_152
+    max_early_blocks: int = 1_048_576
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -68,6 +76,16 @@ class CoreStats:
     failed: int = 0
 
 
+class Load(NamedTuple):
+    """What the live transfers weigh: in all, and for one peer."""
+
+    unstarted: int  # transfers a peer's registration opened (not started here)
+    registered: int  # blocks the registrations of every peer name
+    transfers: int  # the peer's live transfers
+    blocks: int  # the blocks the peer's registrations name
+    opened: int  # the transfers the peer's registrations opened
+
+
 class TransferStore:
     """Machines by (key, role), the epochs seen per (transfer id, role), the deadline heap, the
     block ledger's accounts and the messages held for transfers not started yet."""
@@ -88,13 +106,14 @@ class TransferStore:
         self._timers: list[tuple[float, int, Owner, int]] = []  # (when, seq, owner, timer generation)
         self._seq = 0
         # messages about transfers not started here yet (a peer's notice or ready came first)
-        self._early: dict[TransferKey, list[tuple[str, Message, float]]] = {}
-        self._early_by_peer: dict[str, int] = {}  # how many of those each peer sent
+        c = config
+        self.early = EarlyMessages(c.retention, c.max_unstarted, c.max_peer_early, c.max_early_blocks)
         # what the live transfers weigh, kept as they change (so that a quota check is O(1)):
-        # how many a peer's registration opened, and per peer its live transfers and the
-        # blocks it registered
+        # how many a peer's registration opened, the blocks registrations name, and per peer
+        # its live transfers, the blocks it registered and the transfers its registrations opened
         self._unstarted = 0
-        self._peer_load: dict[str, tuple[int, int]] = {}
+        self._registered = 0
+        self._peer_load: dict[str, tuple[int, int, int]] = {}
         # P: transfers whose request this engine holds (queued or prefilling), for which peer
         # and since when: what heartbeats list, and whose notices a peerless transfer takes
         self._promises: dict[TransferKey, tuple[str, float]] = {}
@@ -126,10 +145,17 @@ class TransferStore:
     def live_count(self) -> int:
         return len(self._live)
 
-    def load(self, peer: str) -> tuple[int, int, int]:
-        """Of the live transfers: how many were opened by a peer's registration (not started
-        here), how many are with `peer`, and how many blocks `peer` registered."""
-        return (self._unstarted, *self._peer_load.get(peer, (0, 0)))
+    def load(self, peer: str) -> Load:
+        """What the live transfers weigh, in all and for `peer`."""
+        return Load(self._unstarted, self._registered, *self._peer_load.get(peer, (0, 0, 0)))
+
+    def openers(self) -> dict[str, int]:
+        """Per peer, the live transfers its registrations opened (not started here)."""
+        return {peer: load[2] for peer, load in self._peer_load.items() if load[2]}
+
+    def newest_unstarted(self, peer: str) -> Machine | None:
+        """The live transfer `peer`'s registration opened last, not started here."""
+        return next((m for m in reversed(self._live.values()) if m.peer == peer and not m.started_locally), None)
 
     def set_peer(self, m: Machine, peer: str | None) -> None:
         self._reweigh(m, lambda: setattr(m, "peer", peer))
@@ -178,11 +204,13 @@ class TransferStore:
             self._weigh(m, +1)
 
     def _weigh(self, m: Machine, sign: int) -> None:
-        self._unstarted += sign * (not m.started_locally)
+        unstarted, blocks = sign * (not m.started_locally), sign * len(m.remote_blocks or ())
+        self._unstarted += unstarted
         if m.peer is not None:
-            transfers, blocks = self._peer_load.get(m.peer, (0, 0))
-            load = (transfers + sign, blocks + sign * len(m.remote_blocks or ()))
-            if load == (0, 0):
+            self._registered += blocks
+            transfers, held, opened = self._peer_load.get(m.peer, (0, 0, 0))
+            load = (transfers + sign, held + blocks, opened + unstarted)
+            if load == (0, 0, 0):
                 self._peer_load.pop(m.peer, None)
             else:
                 self._peer_load[m.peer] = load
@@ -265,32 +293,7 @@ class TransferStore:
         self._seq += 1
         heapq.heappush(self._timers, (when, self._seq, owner, gen))
 
-    # ------------------------------------------------------------------ early messages
-
-    def hold_early(self, peer: str, message: Message, now: float) -> bool:
-        """Keep, for `retention` seconds, a message about a transfer not started here yet: the
-        peer may legitimately be ahead (pull: P is ready before D allocates; either side gave
-        up before the other started).  Bounded: the oldest transfers' messages go first, and a
-        peer that already has `max_peer_early` messages held gets no more kept (False)."""
-        for old, held in list(self._early.items()):
-            if held[0][2] > now and len(self._early) < self.config.max_unstarted:
-                break
-            self._uncount(self._early.pop(old))
-        held = self._early.setdefault(message.key, [])
-        if isinstance(message, Notice):
-            # The peer withdrew: a ready message kept before it names blocks it may now reuse,
-            # a claim kept before it asks for a read that will not come, and this side has
-            # answered (or will answer) that nothing of it is in flight.  So they go even when
-            # the notice itself is over the peer's quota.
-            self._uncount([entry for entry in held if isinstance(entry[1], Ready | Claim)])
-            held[:] = [entry for entry in held if not isinstance(entry[1], Ready | Claim)]
-        if self._early_by_peer.get(peer, 0) >= self.config.max_peer_early:
-            if not held:
-                del self._early[message.key]
-            return False
-        held.append((peer, message, now + self.config.retention))
-        self._early_by_peer[peer] = self._early_by_peer.get(peer, 0) + 1
-        return True
+    # ------------------------------------------------------------------ promises
 
     def promise(self, key: TransferKey, peer: str, now: float) -> None:
         """Record that this engine holds the request of `key` for `peer` (the first promise counts)."""
@@ -318,29 +321,3 @@ class TransferStore:
         """The peer a promise on `key` names, if any."""
         promise = self._promises.get(key)
         return promise[0] if promise is not None else None
-
-    def has_early(self, key: TransferKey) -> bool:
-        return key in self._early
-
-    def early_from(self, peer: str) -> int:
-        """How many messages of `peer` are held for transfers not started here."""
-        return self._early_by_peer.get(peer, 0)
-
-    def pop_early(self, key: TransferKey, now: float) -> list[tuple[str, Message]]:
-        """Take what peers said about `key` before it started here and is still fresh, in order."""
-        held = self._early.pop(key, [])
-        self._uncount(held)
-        return [(peer, message) for peer, message, until in held if until > now]
-
-    def drop_early_from(self, peer: str) -> None:
-        """Forget what `peer` said about transfers not started here (it was torn down)."""
-        for key in [key for key, held in self._early.items() if held[0][0] == peer]:
-            self._uncount(self._early.pop(key))
-
-    def _uncount(self, entries: list[tuple[str, Message, float]]) -> None:
-        for peer, _, _ in entries:
-            left = self._early_by_peer[peer] - 1
-            if left:
-                self._early_by_peer[peer] = left
-            else:
-                del self._early_by_peer[peer]
