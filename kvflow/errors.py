@@ -51,6 +51,7 @@ __all__ = (
     "LegFailed",
     "NoBackend",
     "PeerProtocolError",
+    "PeerNotAllowed",
     "PeerUnknown",
     "PeerUnreachable",
     "ServerFailed",
@@ -163,6 +164,11 @@ class UnsupportedVersion(PeerProtocolError):
         self.sender = sender
         self.supported = supported
         super().__init__(f"{sender!r} speaks control protocol version {version!r}; this engine speaks {supported}")
+
+
+class PeerNotAllowed(KVFlowError):
+    """The deployment does not permit this peer: its engine id or its control address is not
+    on the engine's allow-list (`kvflow.protocol.admission.PeerAllowList`)."""
 
 
 class PeerUnknown(KVFlowError):

@@ -7,10 +7,7 @@ and leave everything else as it was.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 import pytest
-import pytest_asyncio
 import zmq
 
 from kvflow.control import wire
@@ -88,14 +85,6 @@ class Zmq:
                 sock.close()
             self.ctx.term()
             self.fabric.close()
-
-
-@pytest_asyncio.fixture
-async def zmq_p() -> AsyncIterator[Zmq]:
-    engine = Zmq()
-    await engine.p.start()
-    yield engine
-    await engine.close()
 
 
 async def a_real_peer_still_associates(engine: Zmq) -> None:

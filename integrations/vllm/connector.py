@@ -123,7 +123,9 @@ class KVFlowConnector(KVConnectorBase_V1):
         if role is KVConnectorRole.SCHEDULER:
             tp_size = vllm_config.parallel_config.tensor_parallel_size
             producer = self.settings.producer(self.engine_id, tp_size, self._dp)
-            self._book = SchedulerBook(self._block_size, prefix_caching, producer=producer)
+            self._book = SchedulerBook(
+                self._block_size, prefix_caching, producer=producer, allowed=self.settings.allow_list()
+            )
         else:
             parallel, model = vllm_config.parallel_config, vllm_config.model_config
             heads = 1 if model.use_mla else model.get_total_num_kv_heads()  # MLA: one latent cache on every rank

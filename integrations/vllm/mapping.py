@@ -70,6 +70,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvflow.errors import ConfigError
+from kvflow.protocol.admission import PeerAllowList
 from kvflow.protocol.messages import (
     MAX_TRANSFER_ID,
     address_problem,
@@ -239,7 +240,14 @@ class _Tracked:
 class SchedulerBook:
     """The scheduler side's state, one per vLLM engine (scheduler process)."""
 
-    def __init__(self, block_size: int, prefix_caching: bool = False, *, producer: PeerRef | None = None) -> None:
+    def __init__(
+        self,
+        block_size: int,
+        prefix_caching: bool = False,
+        *,
+        producer: PeerRef | None = None,
+        allowed: PeerAllowList | None = None,
+    ) -> None:
         """`prefix_caching`: this engine shares cached blocks between requests.  As D it then
         receives KV only into the blocks after a request's local hit (never into a shared
         block: those are the hit's), and vLLM shares received blocks only once they landed.
@@ -247,6 +255,9 @@ class SchedulerBook:
         `producer`: this engine's id and the control address its rank-0 worker binds, which
         P names in the params it returns for a sequential router's request; None when the
         address is not known before the worker binds (port 0), and such requests are refused.
+
+        `allowed`: the engines and networks this engine may transfer with; a request whose
+        params name another peer is refused like malformed params (default: `PeerAllowList()`).
 
         ``counters``: ``unservable``, requests whose ``do_remote_prefill`` or
         ``do_remote_decode`` kvflow could not serve (each logged once, with why) and so were
@@ -260,6 +271,7 @@ class SchedulerBook:
         self.block_size = block_size
         self.prefix_caching = prefix_caching
         self.producer = producer
+        self.allowed = allowed or PeerAllowList()
         self._tracked: dict[str, _Tracked] = {}
         self._loaded: set[str] = set()  # D requests whose one remote load was ordered
         self._pending = Orders()
@@ -514,6 +526,10 @@ class SchedulerBook:
                     f"kv_transfer_params ask for a remote prefill but hold no kvflow entry (keys {keys}: "
                     "another connector's params, or a router that dropped P's answer)"
                 )
+            peer = None if parsed is None else parsed.prefill if receiving else parsed.decode
+            problem = None if peer is None else self.allowed.problem(peer.engine, peer.address)
+            if problem is not None:
+                raise ConfigError(f"kv_transfer_params name a peer this engine may not transfer with: {problem}")
             return parsed
         except ConfigError as exc:
             self._unservable(request_id, str(exc), "it is computed locally")

@@ -16,6 +16,7 @@ from typing import Any
 from kvflow.errors import ConfigError
 from kvflow.integrations.vllm.mapping import PeerRef
 from kvflow.layout import MAX_SPEC_TEXT
+from kvflow.protocol.admission import DEFAULT_NETWORKS, PeerAllowList
 
 __all__ = ("KV_CACHE_LAYOUTS", "Settings", "layer_groups", "setting_arg")
 
@@ -51,6 +52,16 @@ class Settings:
     engine_process: str = "auto"
     # the CPUs each rank's engine process runs on (Linux CPU numbers); empty: the worker's own
     engine_cpus: tuple[int, ...] = ()
+    # the engines this one may transfer with (shell-style patterns of engine ids) and the
+    # networks of the control addresses it may dial, whatever a request's params name
+    allowed_peers: tuple[str, ...] = ("*",)
+    allowed_networks: tuple[str, ...] = DEFAULT_NETWORKS
+
+    def allow_list(self, ranks: bool = False) -> PeerAllowList:
+        """The allow-list of vLLM engine ids, or (`ranks`) of the kvflow engines of their
+        ranks (`ranks.rank_name`).  Never raises: `from_extra` checked both."""
+        patterns = tuple(f"{p}-tp[0-9]*" for p in self.allowed_peers) if ranks else self.allowed_peers
+        return PeerAllowList(patterns, self.allowed_networks)
 
     def producer(self, engine_id: str, tp_size: int = 1, dp_rank: int = 0) -> PeerRef | None:
         """This engine as the prefill side names itself to a decode engine it does not know:
@@ -95,6 +106,7 @@ class Settings:
                 f"kvflow kv_cache_layout must be one of {list(KV_CACHE_LAYOUTS)} or empty, "
                 f"not {settings.kv_cache_layout!r}"
             )
+        settings.allow_list(ranks=True)  # raises ConfigError, naming the entry
         if len(settings.model_id) > MAX_SPEC_TEXT:
             raise ConfigError(f"kvflow model_id must be at most {MAX_SPEC_TEXT} characters")
         return settings

@@ -130,6 +130,7 @@ class WorkerSide(PeerNotices):
             core=CoreConfig(fence_timeout=settings.fence_timeout),
             transfer_timeout=settings.transfer_timeout,
             lease=settings.lease,
+            allowed_peers=settings.allow_list(ranks=True),
         )
         port = self.port + self.rank if self.port else 0
         bind = f"tcp://{settings.host}:{port}"

@@ -22,8 +22,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvflow.errors import KVFlowError, LayoutMismatch, PeerProtocolError
+from kvflow.errors import KVFlowError, LayoutMismatch, PeerNotAllowed, PeerProtocolError
 from kvflow.layout import KVLayout, check_compatible, layout_from_wire
+from kvflow.protocol.admission import PeerAllowList
 from kvflow.protocol.early import message_blocks
 from kvflow.protocol.messages import ControlMessage, Goodbye, Heartbeat, Hello, Message, Reject, TransferKey
 
@@ -287,8 +288,10 @@ class Associations:
         interval: float,
         max_peers: int = 256,
         confirm: float = 1.0,
+        allowed: PeerAllowList | None = None,
     ) -> None:
         self.engine_id = engine_id
+        self.allowed = allowed or PeerAllowList()  # whom this engine may associate with and dial
         self.max_peers = max_peers  # each association costs sockets and transport state: bounded
         self.fingerprint = fingerprint
         self.layouts: dict[str, KVLayout] = {}
@@ -317,8 +320,9 @@ class Associations:
         """Start a handshake with `peer` (nothing to do when already associated)."""
         if peer in self.layouts:
             return []
-        if self._full(peer):
-            error = PeerProtocolError(f"{self.engine_id!r} is at its limit of {self.max_peers} peers")
+        problem = self.allowed.problem(peer, address)
+        if problem is not None or self._full(peer):
+            error: KVFlowError = PeerNotAllowed(problem) if problem else self._full_error()
             return [AwaitHandshake(peer), HandshakeSettled(peer, error)]
         route: list[AssociationAction] = [AddRoute(peer, address)] if address else []
         return [*route, AwaitHandshake(peer), SendHello(peer, reply=False, association=self._number(peer))]
@@ -490,9 +494,11 @@ class Associations:
             # a Hello of an earlier run, replayed: the live association is not the sender's to end,
             # and the run it speaks for is not there to hear an answer
             return [Refused(sender, PeerProtocolError(f"hello from an earlier run of {sender!r} ({incarnation})"))]
-        if self._full(sender):
-            # no answer: a Reject would cost the very resources the limit bounds
-            error = PeerProtocolError(f"{self.engine_id!r} is at its limit of {self.max_peers} peers")
+        problem = self.allowed.problem(sender, hello.control_address)
+        if problem is not None or self._full(sender):
+            # no answer: a Reject would cost the very resources the limit bounds, and would go
+            # to an address the deployment does not permit
+            error = PeerNotAllowed(problem) if problem else self._full_error()
             return [Refused(sender, error), HandshakeSettled(sender, error)]
         try:
             if sender in self.cooling:
@@ -507,6 +513,9 @@ class Associations:
         if hello.control_address:
             return [AddRoute(sender, hello.control_address, pending)]
         return self._associate(sender, pending, now)
+
+    def _full_error(self) -> KVFlowError:
+        return PeerProtocolError(f"{self.engine_id!r} is at its limit of {self.max_peers} peers")
 
     def _full(self, peer: str) -> bool:
         known = peer in self.layouts or peer in self.adding

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvflow.errors import ConfigError
+from kvflow.protocol.admission import PeerAllowList
 from kvflow.protocol.core import CoreConfig
 
 __all__ = ("EngineConfig",)
@@ -37,6 +38,10 @@ class EngineConfig:
     # the most peers associated at once; a Hello beyond it is refused (each association holds a
     # control socket and transport state: a process can hold only so many)
     max_peers: int = 256
+    # the engines this one may associate with and the networks of the control addresses it may
+    # dial, whoever names them (a local `connect`, a request's parameters, a peer's Hello);
+    # default: any engine id on loopback, link-local and private networks
+    allowed_peers: PeerAllowList = field(default_factory=PeerAllowList)
     # how many released-block and finished-transfer records `Engine.released` / `Engine.finished`
     # keep for a poller; beyond it the oldest is dropped and counted (`released_dropped`,
     # `finished_dropped`), so an engine nobody polls does not grow without bound

@@ -92,15 +92,9 @@ class Engine:
         )
         self._clock = clock
         self._on_release = on_release
-        interval = self.config.heartbeat_interval or self.config.lease / 6
-        self.assoc = Associations(
-            engine_id,
-            fingerprint(layout.spec),
-            self.config.lease,
-            interval,
-            self.config.max_peers,
-            self.config.suspect_timeout,
-        )
+        cfg, interval = self.config, self.config.heartbeat_interval or self.config.lease / 6
+        peering = (cfg.lease, interval, cfg.max_peers, cfg.suspect_timeout, cfg.allowed_peers)
+        self.assoc = Associations(engine_id, fingerprint(layout.spec), *peering)
         hooks = EngineHooks(
             self._run,
             self._now,
@@ -169,6 +163,7 @@ class Engine:
         :raises TransferTimeout: no answer within `timeout` (default: the config's).
         :raises PeerUnknown: the control channel has no route to the peer.
         :raises PeerUnreachable: the control channel cannot send to the peer now.
+        :raises PeerNotAllowed: `peer` or `address` is not on the config's `allowed_peers`.
         :raises ConfigError: `peer` is not a valid engine id, or the control channel refuses
             `address` (for instance, unauthenticated off loopback).
         :raises EngineClosed: the engine is not running, or closed during the handshake.

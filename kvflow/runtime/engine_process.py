@@ -35,6 +35,7 @@ from kvflow.control.zeromq import ZmqControl
 from kvflow.errors import ConfigError, KVFlowError
 from kvflow.layout import layout_from_wire
 from kvflow.protocol.actions import ReleaseBlocks
+from kvflow.protocol.admission import PeerAllowList
 from kvflow.protocol.core import CoreConfig
 from kvflow.protocol.state import Mode, Role
 from kvflow.runtime.config import EngineConfig
@@ -153,7 +154,8 @@ class Server:
         layout = dataclasses.replace(layout, regions=tuple(mapped.translate(r) for r in layout.regions))
         self.mapped = mapped  # the mappings live as long as the engine
         raw = dict(spec["config"])
-        config = EngineConfig(**{**raw, "core": CoreConfig(**raw["core"])})
+        allowed = PeerAllowList(tuple(raw["allowed_peers"]["engines"]), tuple(raw["allowed_peers"]["networks"]))
+        config = EngineConfig(**{**raw, "core": CoreConfig(**raw["core"]), "allowed_peers": allowed})
         transport = load_transport(spec["transport"])(spec["engine_id"], **spec["transport_options"])
         control = ZmqControl(spec["engine_id"], bind=spec["bind"])
         self.engine = Engine(spec["engine_id"], layout, transport, control, config=config, on_release=self._released)

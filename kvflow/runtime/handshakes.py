@@ -29,8 +29,10 @@ class Handshakes:
             self._waiters[peer] = loop.create_future()
 
     def settle(self, peer: str, error: KVFlowError | None) -> None:
-        """The handshake with `peer` succeeded (`error` None) or failed with `error`."""
-        waiter = self._waiters.pop(peer, None)
+        """The handshake with `peer` succeeded (`error` None) or failed with `error`.  The
+        verdict stays for the `wait` of the `connect` that began it, which may come after: a
+        handshake refused at once (a peer not permitted, the peer limit) settles before it."""
+        waiter = self._waiters.get(peer)
         if waiter is not None and not waiter.done():
             if error is None:
                 waiter.set_result(None)
@@ -52,6 +54,10 @@ class Handshakes:
         waiter = self._waiters.get(peer)
         if waiter is None:
             return  # already associated
+        if waiter.done():
+            del self._waiters[peer]
+            waiter.result()  # raises the error it failed with
+            return
         try:
             await asyncio.wait_for(asyncio.shield(waiter), timeout)
         except TimeoutError:
@@ -59,6 +65,9 @@ class Handshakes:
                 del self._waiters[peer]
                 self._unanswered(peer)
             raise TransferTimeout(f"handshake with {peer!r} got no answer within {timeout}s") from None
+        finally:
+            if self._waiters.get(peer) is waiter and waiter.done():
+                del self._waiters[peer]
 
     def close(self, engine_id: str) -> None:
         """The engine closes: every handshake still under way fails with `EngineClosed`."""

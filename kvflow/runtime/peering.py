@@ -55,6 +55,7 @@ from kvflow.protocol.association import (
 from kvflow.protocol.core import TransferCore
 from kvflow.protocol.messages import ControlMessage, Goodbye, Heartbeat, Hello
 from kvflow.runtime.config import EngineConfig
+from kvflow.runtime.descriptors import headroom_problem
 from kvflow.runtime.handshakes import Handshakes
 from kvflow.runtime.writer import Submitter
 from kvflow.transports.base import Transport
@@ -331,8 +332,13 @@ class PeerExecutor:
         return [] if action.pending is None else self.assoc.route_added(action.peer, action.pending, self.hooks.now())
 
     def _add_transport_peer(self, action: AddTransportPeer) -> None:
-        """Add the peer on the peer thread; a transport refusing its metadata refuses the peer."""
+        """Add the peer on the peer thread; a transport refusing its metadata refuses the peer,
+        and so does a process short of file descriptors."""
         pending = action.pending
+        problem = headroom_problem()
+        if problem is not None:
+            self.associate(self.assoc.pending_refused(action.peer, pending, TransportError(problem)))
+            return
         self._off_loop(
             lambda: self.transport.add_peer(action.peer, pending.hello.transport_metadata, pending.layout.regions),
             self._added,
