@@ -32,3 +32,16 @@ def test_bench_engine_runs_every_cell_and_writes_json(tmp_path: Path, capsys: py
 def test_bench_engine_refuses_bad_options_naming_them(option: list[str], problem: str) -> None:
     with pytest.raises(BenchError, match=problem):
         main(["bench", "engine", "--quick", *option])
+
+
+def test_bench_frames_decodes_the_largest_frame_of_each_kind(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvflow.tools.bench_frames import main as bench_frames
+
+    out = tmp_path / "frames.json"
+    assert bench_frames(repeats=1, json_path=str(out)) == 0
+    rows = json.loads(out.read_text())
+    assert [row["frame"].split(",")[0] for row in rows] == ["ready", "registration", "heartbeat", "heartbeat"]
+    assert all(0 < row["bytes"] <= 1 << 20 and row["best_ms"] > 0 for row in rows)
+    assert "ns/byte" in capsys.readouterr().out

@@ -7,6 +7,7 @@ import asyncio
 
 import pytest
 
+from kvflow.control import wire
 from kvflow.control.channel import LocalControl
 from kvflow.errors import ConfigError, PeerProtocolError, TransferTimeout, TransportError
 from kvflow.layout import fingerprint, layout_to_wire
@@ -27,7 +28,7 @@ from kvflow.protocol.association import (
     UnknownSender,
 )
 from kvflow.protocol.core import CoreConfig, TransferCore
-from kvflow.protocol.messages import ControlMessage, Goodbye, Heartbeat, Hello, Reject, TransferKey
+from kvflow.protocol.messages import MAX_HEARTBEAT_KEYS, ControlMessage, Goodbye, Heartbeat, Hello, Reject, TransferKey
 from kvflow.protocol.state import ACTIVE, Mode, Outcome, Role
 from kvflow.runtime.engine import Engine, EngineConfig
 from kvflow.testing import SMALL_SPEC, EnginePair, KVBuffers, same_kv
@@ -382,5 +383,32 @@ async def test_the_side_that_tears_a_peer_down_tells_it_why() -> None:
         await eventually(lambda: pair.d.peers() == [], "D hears why and drops P", timeout=5.0)
         result = await waiting.wait(5)
         assert result.outcome is not Outcome.SUCCEEDED
+    finally:
+        await pair.close()
+
+
+@pytest.mark.asyncio
+async def test_a_heartbeat_naming_more_keys_than_a_frame_carries_goes_out_as_several() -> None:
+    # One heartbeat names at most MAX_HEARTBEAT_KEYS keys (decoding a key costs the receiver a
+    # Python object, so the cap bounds its loop's work per frame); P holding more requests for
+    # D than that still says so of every one.
+    pair = await EnginePair(LoopbackFabric(), config=EngineConfig(lease=600.0, heartbeat_interval=0.05)).start()
+    beats: list[Heartbeat] = []
+    route = pair.hub.route
+
+    def recording(sender: str, incarnation: int, peer: str, message: ControlMessage) -> None:
+        if isinstance(message, Heartbeat) and sender == "P":
+            beats.append(wire.decode(wire.encode(wire.Envelope(sender, 1, peer, 1, message))).message)  # type: ignore[arg-type]
+        route(sender, incarnation, peer, message)
+
+    pair.hub.route = recording  # type: ignore[method-assign]
+    try:
+        promised = {TransferKey(f"r{i}", 1) for i in range(MAX_HEARTBEAT_KEYS + 904)}
+        for key in promised:
+            await pair.p.promise(key.transfer_id, key.epoch, peer="D")
+        await eventually(
+            lambda: promised <= {key for beat in beats for key in beat.keys}, "every promise in a heartbeat"
+        )
+        assert all(len(beat.keys) <= MAX_HEARTBEAT_KEYS for beat in beats) and pair.p.crashed == []
     finally:
         await pair.close()

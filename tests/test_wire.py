@@ -243,6 +243,9 @@ def test_block_ids_and_heartbeat_epochs_travel_packed_and_are_checked_as_such() 
         ([""], epoch, "transfer ids must be strings of 1..256"),
         ([1], epoch, "transfer ids must be strings of 1..256"),
         (["x" * 257], epoch, "transfer ids must be strings of 1..256"),
+        (["x", 1], epoch * 2, "transfer ids must be strings of 1..256"),
+        # one heartbeat names at most 4,096 keys: decoding a key costs a Python object
+        (["x"] * 4097, epoch * 4097, "at most 4096 items"),
     ):
         with pytest.raises(PeerProtocolError, match=problem):
             wire.decode(frame_of(7, [tids, epochs]))

@@ -42,6 +42,7 @@ from kvflow.protocol.messages import (
     MAX_BLOCK_ID,
     MAX_BLOCKS,
     MAX_EPOCH,
+    MAX_HEARTBEAT_KEYS,
     MAX_POSITION,
     MAX_TRANSFER_ID,
     Claim,
@@ -79,7 +80,7 @@ MAX_FRAME_BYTES = 1 << 20
 MAX_ID = MAX_TRANSFER_ID  # transfer ids (engine ids: `messages.MAX_ENGINE_ID`)
 MAX_TEXT = 1024  # reasons, addresses
 MAX_BATCHES = 1 << 16
-MAX_KEYS = 1 << 16
+MAX_KEYS = MAX_HEARTBEAT_KEYS
 MAX_METADATA = 1 << 19
 BLOCK_ID = np.dtype("<u4")  # a packed block id
 EPOCH = np.dtype("<u8")  # a packed heartbeat epoch
@@ -271,7 +272,8 @@ def _heartbeat(body: Any) -> Heartbeat:
     epochs = _packed(packed, "heartbeat epochs", EPOCH, MAX_KEYS, MAX_EPOCH)
     if len(epochs) != len(ids):
         raise _fail(f"heartbeat names {len(ids)} transfer ids but {len(epochs)} epochs")
-    if not all(type(t) is str and 0 < len(t) <= MAX_ID for t in ids):
+    # checked at C speed, not a Python step per key
+    if ids and (set(map(type, ids)) != {str} or min(map(len, ids)) == 0 or max(map(len, ids)) > MAX_ID):
         raise _fail(f"heartbeat transfer ids must be strings of 1..{MAX_ID} characters")
     return Heartbeat(tuple(map(TransferKey, ids, epochs)))
 

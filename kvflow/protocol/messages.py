@@ -66,6 +66,9 @@ MAX_ENGINE_ID = 128
 MAX_TRANSFER_ID = 256  # characters
 MAX_EPOCH = (1 << 63) - 1  # epochs travel as uint64 in heartbeats, as int64 elsewhere
 MAX_BLOCKS = 1 << 17  # block ids one message names (a registration, a Ready)
+# transfer keys one heartbeat names (a sender with more sends several): what decoding one costs
+# is a Python object per key, so the cap bounds the loop's work per frame (about 2 ms)
+MAX_HEARTBEAT_KEYS = 4096
 MAX_POSITION = (1 << 31) - 1  # a block position in a prompt
 MAX_BLOCK_ID = (1 << 31) - 1  # block ids travel as uint32; below 2**31 for every engine's index type
 ENGINE_ID_CHARACTERS = "letters, digits and . _ : @ + - (not first)"

@@ -53,7 +53,7 @@ from kvflow.protocol.association import (
     UnknownSender,
 )
 from kvflow.protocol.core import TransferCore
-from kvflow.protocol.messages import ControlMessage, Goodbye, Heartbeat, Hello
+from kvflow.protocol.messages import MAX_HEARTBEAT_KEYS, ControlMessage, Goodbye, Heartbeat, Hello
 from kvflow.runtime.config import EngineConfig
 from kvflow.runtime.descriptors import headroom_problem
 from kvflow.runtime.handshakes import Handshakes
@@ -156,7 +156,9 @@ class PeerExecutor:
             if isinstance(action, Deliver):
                 self.hooks.run(self.core.receive(action.peer, action.message, self.hooks.now()))
             elif isinstance(action, SendHeartbeat):
-                self.try_send(action.peer, Heartbeat(self.core.heartbeat_keys(action.peer, self.hooks.now())))
+                keys = self.core.heartbeat_keys(action.peer, self.hooks.now())
+                for start in range(0, max(len(keys), 1), MAX_HEARTBEAT_KEYS):  # what one frame may name
+                    self.try_send(action.peer, Heartbeat(keys[start : start + MAX_HEARTBEAT_KEYS]))
             elif isinstance(action, SendControl):
                 self.try_send(action.peer, action.message)
             elif isinstance(action, SendHello):

@@ -1,6 +1,6 @@
 """The `kvflow` command: `kvflow doctor`, `kvflow bench nixl`, `kvflow bench vllm`, `kvflow bench pd`,
-`kvflow bench serve`, `kvflow bench host`, `kvflow bench engine`, `kvflow diagrams`, `kvflow soak`,
-`kvflow serve`, `kvflow demo`.
+`kvflow bench serve`, `kvflow bench host`, `kvflow bench engine`, `kvflow bench frames`, `kvflow diagrams`,
+`kvflow soak`, `kvflow serve`, `kvflow demo`.
 
 Why one entry point: operators ask "does NIXL work here, with which backends and memory?" and
 "how fast is it here?" before anything else; both answers are one command away.
@@ -101,6 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     from kvflow.tools.bench_engine import add_arguments as engine_arguments
 
     engine_arguments(targets.add_parser("engine", help="control-plane transfers/s, latency and memory per transfer"))
+    from kvflow.tools.bench_frames import add_arguments as frames_arguments
+
+    frames_arguments(targets.add_parser("frames", help="what the costliest control frames cost to decode"))
     _add_soak(commands)
     from kvflow.integrations.vllm.serve.cli import add_arguments as serve_arguments
 
@@ -127,6 +130,10 @@ def main(argv: list[str] | None = None) -> int:
         from kvflow.tools.diagrams import main as diagrams_main
 
         return diagrams_main(["--check"] if args.check else [])
+    if args.command == "bench" and args.target == "frames":
+        from kvflow.tools.bench_frames import main as bench_frames
+
+        return bench_frames(args.repeats, args.json)
     if args.command == "bench" and args.target == "pd-report":
         from kvflow.integrations.vllm.pd.report import rerender
 
