@@ -74,8 +74,8 @@ __all__ = (
 MAGIC = "kvflow"
 # 2: a Hello no longer carries a role; 3: the receiver's incarnation; 4: a registration's first position,
 # Claim, a layout names its heads and ranks, open batch counts; 5: block ids and heartbeat epochs packed;
-# 6: a Hello names the sender's association
-VERSION = 6
+# 6: a Hello names the sender's association; 7: a heartbeat names at most 4,096 keys
+VERSION = 7
 MAX_FRAME_BYTES = 1 << 20
 MAX_ID = MAX_TRANSFER_ID  # transfer ids (engine ids: `messages.MAX_ENGINE_ID`)
 MAX_TEXT = 1024  # reasons, addresses
