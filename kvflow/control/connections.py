@@ -1,4 +1,4 @@
-"""The ROUTER's connections, counted on a thread of the channel.
+"""The ROUTER's connections, counted on a thread of the channel, and the descriptors they take.
 
 Why a thread: a stranger can open connections as fast as the kernel completes them, and each one
 is two or three socket-monitor events (accepted, handshake failed, disconnected); at the
@@ -13,11 +13,21 @@ for each batch; it waits `GAP` between batches, so it wakes at most 100 times a 
 the rate.  libzmq blocks its I/O thread while the monitor's queue (1,000 events) is full, so a
 reader pacing itself also paces libzmq's accept retries at the limit: after a batch of
 `BURST` events or more (only that retry loop produces them) it waits `PAUSE`.
+
+Why raise the descriptor limit (`raise_descriptor_limit`): ZeroMQ has no cap on connections;
+each one a stranger opens holds a descriptor until `handshake_timeout` runs out and libzmq has
+closed it (measured: about 4 s each with the 2 s default), so a flood holds its rate times
+that long.  A soft limit of 1,024 (a common default) is reached at 300 connections a second
+from one process; then libzmq's accepts fail and are retried on every turn of its I/O thread,
+and every descriptor freed goes to whoever asks first.  The hard limit is what the operator
+allows; the soft one is raised to it when a channel starts, up to `DESCRIPTORS` (more than the
+28,000 ephemeral ports of one source address can hold open to one port).
 """
 
 from __future__ import annotations
 
 import logging
+import resource
 import threading
 from collections import Counter
 from typing import Any
@@ -26,7 +36,7 @@ import zmq
 
 from kvflow.control.hardening import DropLog
 
-__all__ = ("BURST", "GAP", "PAUSE", "ConnectionWatch")
+__all__ = ("BURST", "DESCRIPTORS", "GAP", "PAUSE", "ConnectionWatch", "raise_descriptor_limit")
 
 log = logging.getLogger("kvflow.control.zeromq")
 
@@ -36,6 +46,7 @@ BURST = 200  # events in one batch (one `GAP`) that only libzmq's accept retries
 PAUSE = 0.1  # seconds the thread waits after such a batch
 BATCH = 4096  # events read at most in one batch
 JOIN_S = 2.0  # how long close() waits for the thread
+DESCRIPTORS = 1 << 16  # the soft limit is raised to the hard one, but not above this
 
 _EVENTS: dict[int, tuple[str, str]] = {
     zmq.EVENT_ACCEPT_FAILED: ("accept_failed", "a connection could not be accepted (out of descriptors?)"),
@@ -129,3 +140,26 @@ class ConnectionWatch:
             name, detail = _EVENTS[kind]
             self._drops.note(name, f"{detail} ({total} so far)")
         return read
+
+
+def raise_descriptor_limit() -> None:
+    """Raise this process's soft descriptor limit to its hard one (at most `DESCRIPTORS`), and
+    log it when it did.  Never raises: a limit that cannot be raised is logged and kept."""
+    try:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        target = DESCRIPTORS if hard == resource.RLIM_INFINITY else min(hard, DESCRIPTORS)
+        if soft != resource.RLIM_INFINITY and soft < target:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            log.info(
+                "raised the open-files limit from %d to %d: a connection flood holds one per connection", soft, target
+            )
+            soft = target
+    except (OSError, ValueError) as exc:
+        log.warning("cannot raise the open-files limit: %s", exc)
+        return
+    if soft < 4096:
+        log.warning(
+            "open-files limit %d: a stranger opening %d connections a second keeps every descriptor busy",
+            soft,
+            soft // 2,
+        )

@@ -50,7 +50,7 @@ from zmq.utils import z85
 
 from kvflow.control.auth import MAC_BYTES, ReplayGuard, Secret, secret_from_env
 from kvflow.control.channel import MessageHandler, incarnation_ceiling, new_incarnation
-from kvflow.control.connections import ConnectionWatch
+from kvflow.control.connections import ConnectionWatch, raise_descriptor_limit
 from kvflow.control.hardening import (
     MONITORED,
     ZAP_DOMAIN,
@@ -244,6 +244,7 @@ class ZmqControl:
         """
         if self._ctx is not None:
             raise UsageError(f"control channel of {self.engine_id!r} already started")
+        raise_descriptor_limit()
         self._ctx = zmq.asyncio.Context()
         self._loop = loop
         if self._keys is not None:  # the ZAP handler must listen before the first handshake
