@@ -6,6 +6,7 @@ import asyncio
 import logging
 import random
 import selectors
+import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -181,6 +182,7 @@ def test_a_connection_flood_costs_the_event_loop_no_turn_per_connection() -> Non
         turns = loop.run_until_complete(flood())
     finally:
         loop.close()
+    assert not [t for t in threading.enumerate() if t.name == "kvflow-connections-P"]  # stopped with the channel
     assert turns < connections // 10, f"the loop turned {turns} times for about {3 * connections} connection events"
 
 
