@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import selectors
+import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -33,7 +35,7 @@ from kvflow.protocol.messages import (
 from kvflow.protocol.state import Mode, Outcome, Role, State
 from kvflow.runtime.engine import Engine, EngineConfig
 from kvflow.testing import SMALL_SPEC, KVBuffers, same_kv
-from kvflow.testing.fuzz import insider_dealer
+from kvflow.testing.fuzz import connection_flood, insider_dealer
 from kvflow.transports.loopback import LoopbackFabric
 from tests.waiting import eventually
 
@@ -136,6 +138,52 @@ def test_a_route_to_a_host_name_is_refused_before_zeromq_would_resolve_it(addres
         control.add_route("y", address)
     control.add_route("y", "tcp://10.1.2.3:5700")  # literal addresses, v4 and v6, are fine
     control.add_route("z", "tcp://[fd00::1]:5700")
+
+
+class CountingSelector(selectors.DefaultSelector):
+    """The loop's selector, counting its turns (each turn of an asyncio loop selects once)."""
+
+    turns = 0
+
+    def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
+        self.turns += 1
+        return super().select(timeout)
+
+
+def test_a_connection_flood_costs_the_event_loop_no_turn_per_connection() -> None:
+    # Each stranger's connection is three monitor events (accepted, handshake failed when the
+    # 0.2 s handshake interval runs out, disconnected).  They are counted off the loop: the
+    # loop, waiting for the flood to end, turns a few times, not once per event.
+    connections = 300
+    selector = CountingSelector()
+    loop = asyncio.SelectorEventLoop(selector)
+    control = ZmqControl("P", secret=SECRET, handshake_timeout=0.2)
+
+    async def flood() -> int:
+        control.start(asyncio.get_running_loop(), lambda *message: None)
+        try:
+            before = selector.turns
+            stats = await asyncio.get_running_loop().run_in_executor(
+                None, lambda: connection_flood(control.address, connections=connections, hold=30.0)
+            )
+            turns = selector.turns - before
+            opened = stats.sent  # a connect the kernel's full backlog held past its timeout was not
+            assert opened >= connections // 2 and stats.refused == connections  # each one closed by P
+            counted = lambda: control.counters["rejected_handshake"] == opened  # noqa: E731
+            await eventually(counted, "every connection is counted")
+            assert control.counters["connections_accepted"] == opened
+            await eventually(lambda: control.counters["connections_open"] == 0, "every connection is closed")
+            return turns
+        finally:
+            control.close()
+            await asyncio.sleep(0)  # the cancelled ZAP handler ends
+
+    try:
+        turns = loop.run_until_complete(flood())
+    finally:
+        loop.close()
+    assert not [t for t in threading.enumerate() if t.name == "kvflow-connections-P"]  # stopped with the channel
+    assert turns < connections // 10, f"the loop turned {turns} times for about {3 * connections} connection events"
 
 
 @pytest.mark.asyncio

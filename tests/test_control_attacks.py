@@ -9,8 +9,10 @@ attack's rate, the transfer's latency and P's memory and descriptors at the end.
 
 from __future__ import annotations
 
+import json
 import os
 import resource
+import subprocess
 import sys
 import threading
 import time
@@ -22,7 +24,7 @@ from typing import Any
 import pytest
 
 from kvflow.testing import fuzz
-from tests.test_cross_process import PeerProcess, start_pair
+from tests.test_cross_process import ROOT, SECRET, PeerProcess, start_pair
 from tests.test_cross_process import prefix as prefix  # the fixture: unique shared-memory names
 
 MiB = 1 << 20
@@ -154,6 +156,9 @@ def fd_limit(limit: int) -> Iterator[None]:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
+FLOOD_DESCRIPTORS = 4096  # the flooding process's limit
+
+
 def test_idle_connections_do_not_take_every_descriptor(prefix: str) -> None:
     limit = 400
     with fd_limit(limit):
@@ -177,6 +182,57 @@ def test_idle_connections_do_not_take_every_descriptor(prefix: str) -> None:
         assert control.get("accept_failed", 0) == 0
         report("connection flood", stats, latency, p, control)
     finally:
+        d.close()
+        p.close()
+
+
+def test_a_genuine_peer_associates_during_a_flood_as_fast_as_a_process_can_open_connections(prefix: str) -> None:
+    # P starts with the soft limit many hosts default to (1,024): the flood (its own process,
+    # raw TCP connects as fast as it can, each held until P closes it) holds more at once than
+    # that, here 500-800 connections a second times the handshake timeout.  P must not run out
+    # of descriptors (its accepts would fail, it could not open a socket to D), and a real peer
+    # must associate and move KV in the middle of the flood.
+    _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard < 2 * FLOOD_DESCRIPTORS:
+        pytest.skip(f"a hard descriptor limit of {hard} leaves P no room above the flood's {FLOOD_DESCRIPTORS}")
+    with fd_limit(1024):
+        p = PeerProcess("P", f"{prefix}-p")
+    d = PeerProcess("D", f"{prefix}-d")
+    with fd_limit(FLOOD_DESCRIPTORS):  # the attacker's own: what it can hold open
+        flood = subprocess.Popen(
+            [sys.executable, "-m", "kvflow.testing.fuzz_process", "--address", p.address, "--scale", "6000"]
+            + ["--attack", "connection_flood"],
+            cwd=ROOT,
+            env=dict(os.environ, KVFLOW_SECRET=SECRET, PYTHONPATH=str(ROOT)),
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+    try:
+        peak = Peak(p.proc.pid)
+        assert flood.stdout is not None
+        assert json.loads(flood.stdout.readline())["event"] == "begin"
+        deadline = time.monotonic() + 60
+        while peak.fds < 900 and flood.poll() is None:  # the flood holds the most P had room for
+            assert time.monotonic() < deadline, f"P holds {peak.fds} descriptors"
+            time.sleep(0.01)
+        assert flood.poll() is None, "the flood ended before P held 900 descriptors"
+        connected = d.ask("connected", 40, cmd="connect", peer="P", address=p.address, timeout=30.0)
+        assert connected["event"] == "connected", connected
+        latency = transfer(p, d, "r", seed=1)
+        during = peak.fds
+        end = json.loads(flood.stdout.readline())
+        assert flood.wait(timeout=60) == 0
+        peak.stop()
+        control = p.ask("stats", cmd="stats")["control"]
+        assert control.get("accept_failed", 0) == 0, f"P ran out of descriptors ({peak.fds} at the peak)"
+        stats = fuzz.AttackStats("connection_flood", end["sent"], end["refused"], end["duration"])
+        report(f"connection flood (P at {during} fds meanwhile, {peak.fds} at the peak)", stats, latency, p, control)
+    finally:
+        if flood.poll() is None:
+            flood.kill()
+            flood.wait(timeout=10)
+        if flood.stdout is not None:
+            flood.stdout.close()
         d.close()
         p.close()
 

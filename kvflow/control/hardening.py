@@ -8,9 +8,8 @@ CURVE a connection is authenticated during ZeroMQ's handshake, before any messag
 the server's and the clients' key pairs are derived from the shared secret (HKDF, `Secret.derive`),
 so only holders of the secret know the server's public key, and our ZAP handler admits only the
 derived client key.  A stranger gets a TCP connection that is closed when the handshake interval
-runs out, and nothing else.  ZeroMQ reports each connection's fate on a monitor socket; it is
-counted here (accepted, open, handshakes failed or refused, accepts failed) and logged at most
-once per interval per kind.
+runs out, and nothing else.  ZeroMQ reports each connection's fate on a monitor socket, counted
+on a thread (`kvflow.control.connections`) and logged here at most once per interval per kind.
 """
 
 from __future__ import annotations
@@ -19,14 +18,12 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import zmq
 import zmq.asyncio
 from zmq.utils import z85
-from zmq.utils.monitor import parse_monitor_message
 
 from kvflow.control.auth import Secret
 
@@ -37,7 +34,6 @@ __all__ = (
     "DropLog",
     "curve_keys",
     "serve_zap",
-    "watch_connections",
     "zap_reply",
 )
 
@@ -121,39 +117,3 @@ class DropLog:
         more = self._quiet.pop(kind, 0)
         since = f" ({more} more since the last report)" if more else ""
         log.warning("%s: control plane dropped %s: %s%s", self._owner, kind, detail, since)
-
-
-_EVENTS: dict[int, tuple[str, str]] = {
-    zmq.EVENT_ACCEPT_FAILED: ("accept_failed", "a connection could not be accepted (out of descriptors?)"),
-    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: ("rejected_handshake", "a connection that did not complete the handshake"),
-    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: ("rejected_handshake_protocol", "a connection that broke the handshake"),
-    zmq.EVENT_HANDSHAKE_FAILED_AUTH: ("rejected_handshake_auth", "a connection whose key is not admitted"),
-}
-
-
-async def watch_connections(sock: zmq.asyncio.Socket, counters: Counter[str], drops: DropLog) -> None:
-    """Count the ROUTER's connection events from its monitor socket `sock` until it closes:
-    `connections_accepted`, `connections_open` (a gauge) and the drops in `_EVENTS`."""
-    while True:
-        await asyncio.sleep(0)  # queued events come without a turn of the loop: let others run
-        try:
-            frames = await sock.recv_multipart()
-        except zmq.ZMQError:
-            if sock.closed:
-                return
-            await asyncio.sleep(0.01)  # not expected: do not spin
-            continue
-        try:
-            event: Mapping[str, Any] = parse_monitor_message(frames)
-        except (ValueError, TypeError, IndexError):  # pyzmq's parser on a message it does not know
-            continue
-        kind = event["event"]
-        if kind == zmq.EVENT_ACCEPTED:
-            counters["connections_accepted"] += 1
-            counters["connections_open"] += 1
-        elif kind == zmq.EVENT_DISCONNECTED:
-            counters["connections_open"] = max(counters["connections_open"] - 1, 0)
-        elif kind in _EVENTS:
-            name, detail = _EVENTS[kind]
-            counters[name] += 1
-            drops.note(name, f"{detail} ({counters[name]} so far)")

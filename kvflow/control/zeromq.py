@@ -41,7 +41,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Mapping
-from typing import Any, cast
+from typing import Any
 from urllib.parse import urlsplit
 
 import zmq
@@ -50,6 +50,7 @@ from zmq.utils import z85
 
 from kvflow.control.auth import MAC_BYTES, ReplayGuard, Secret, secret_from_env
 from kvflow.control.channel import MessageHandler, incarnation_ceiling, new_incarnation
+from kvflow.control.connections import ConnectionWatch, raise_descriptor_limit
 from kvflow.control.hardening import (
     MONITORED,
     ZAP_DOMAIN,
@@ -58,7 +59,6 @@ from kvflow.control.hardening import (
     DropLog,
     curve_keys,
     serve_zap,
-    watch_connections,
 )
 from kvflow.control.monitor import LinkListener, LinkMonitors
 from kvflow.control.wire import MAX_FRAME_BYTES, Envelope, decode, encode
@@ -167,12 +167,13 @@ class ZmqControl:
         self._ctx: zmq.asyncio.Context | None = None
         self._router: zmq.Socket[bytes] | None = None
         self._readers: dict[zmq.Socket[bytes], _Reader] = {}  # the sockets the loop watches
-        self._helpers: list[zmq.asyncio.Socket] = []  # the ZAP handler's and the monitor's sockets
+        self._helpers: list[zmq.asyncio.Socket] = []  # the ZAP handler's socket
+        self._watch_connections: ConnectionWatch | None = None  # the ROUTER's monitor, on a thread
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._handler: MessageHandler | None = None
         self._closed = False
-        self.counters: Counter[str] = Counter()
+        self._counters: Counter[str] = Counter()
         self._logged: set[tuple[bytes, str]] = set()
         self._drops = DropLog(self.engine_id)
         self.links = LinkMonitors()  # reports the DEALERs' connections once a listener is set
@@ -187,6 +188,15 @@ class ZmqControl:
     @property
     def incarnation(self) -> int:
         return self._incarnation
+
+    @property
+    def counters(self) -> Counter[str]:
+        """What the channel counted; the connection counts are the monitor thread's totals,
+        read now (`kvflow.control.connections`)."""
+        if self._watch_connections is not None:
+            for name, value in self._watch_connections.counts().items():
+                self._counters[name] = value
+        return self._counters
 
     def add_route(self, peer: str, address: str) -> None:
         """:raises ConfigError: `peer` is not a valid engine id, `address` is a tcp:// one that is
@@ -214,7 +224,7 @@ class ZmqControl:
             self.links.unwatch(dealer)
             self._unwatch(dealer)
             dealer.close(linger=FORGET_LINGER_MS)
-            self.counters["connections_forgotten"] += 1
+            self._counters["connections_forgotten"] += 1
         if peer not in self._configured:
             self._routes.pop(peer, None)
 
@@ -234,6 +244,7 @@ class ZmqControl:
         """
         if self._ctx is not None:
             raise UsageError(f"control channel of {self.engine_id!r} already started")
+        raise_descriptor_limit()
         self._ctx = zmq.asyncio.Context()
         self._loop = loop
         if self._keys is not None:  # the ZAP handler must listen before the first handshake
@@ -241,7 +252,7 @@ class ZmqControl:
             zap.setsockopt(zmq.LINGER, 0)
             zap.bind(ZAP_ENDPOINT)
             self._helpers.append(zap)
-            self._spawn(serve_zap(zap, frozenset([z85.decode(self._keys.client_public)]), self.counters))
+            self._spawn(serve_zap(zap, frozenset([z85.decode(self._keys.client_public)]), self._counters))
         router: zmq.Socket[bytes] = zmq.Socket(self._ctx, zmq.ROUTER)  # plain: see the module's header
         self._harden(router)
         router.setsockopt(zmq.ROUTER_HANDOVER, 1)
@@ -252,12 +263,11 @@ class ZmqControl:
             router.setsockopt(zmq.CURVE_SERVER, 1)
             router.setsockopt(zmq.CURVE_SECRETKEY, self._keys.server_secret)
             router.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN.encode())
-        monitor = cast("zmq.asyncio.Socket", router.get_monitor_socket(MONITORED))  # of the asyncio context
-        self._helpers.append(monitor)
-        self._spawn(watch_connections(monitor, self.counters, self._drops))
+        self._watch_connections = ConnectionWatch.start(router, self._ctx, MONITORED, self.engine_id)
         try:
             router.bind(self._bind)
         except zmq.ZMQError as exc:
+            self._watch_connections.close()
             router.close(linger=0)
             raise ConfigError(f"cannot bind the control channel to {self._bind}: {exc}") from exc
         self._router = router
@@ -305,13 +315,13 @@ class ZmqControl:
         try:
             dealer.send_multipart([frame, mac], flags=zmq.NOBLOCK)
         except zmq.Again:
-            self.counters["send_queue_full"] += 1
+            self._counters["send_queue_full"] += 1
             raise PeerUnreachable(f"control queue to {peer!r} is full: the peer is not reading") from None
         except zmq.ZMQError as exc:
             raise PeerUnreachable(f"cannot send to {peer!r}: {exc}") from None
         finally:
             self._after_send(dealer)
-        self.counters["frames_sent"] += 1
+        self._counters["frames_sent"] += 1
 
     def _harden(self, sock: zmq.Socket[bytes]) -> None:
         sock.setsockopt(zmq.LINGER, 0)
@@ -368,6 +378,8 @@ class ZmqControl:
             with contextlib.suppress(zmq.ZMQError):
                 self._router.disable_monitor()
             self._router.close(linger=0)
+        if self._watch_connections is not None:
+            self._watch_connections.close()
         for helper in self._helpers:
             helper.close(linger=0)
         if self._ctx is not None:
@@ -453,7 +465,7 @@ class ZmqControl:
             self._loop.call_later(0.01, self._drain, sock)
 
     def _on_frames(self, frames: list[bytes]) -> None:
-        self.counters["frames_received"] += 1
+        self._counters["frames_received"] += 1
         if len(frames) != 3:
             self._reject(frames[0] if frames else b"", "shape", f"{len(frames)} parts")
             return
@@ -506,13 +518,13 @@ class ZmqControl:
             except ConfigError as exc:
                 self._reject(identity, "route", str(exc))
                 return
-        self.counters["messages_delivered"] += 1
+        self._counters["messages_delivered"] += 1
         if self._handler is not None:
             self._handler(envelope.sender, envelope.incarnation, message)
 
     def _reject(self, identity: bytes, reason: str, detail: str) -> None:
-        self.counters[f"rejected_{reason}"] += 1
-        self.counters["rejected"] += 1
+        self._counters[f"rejected_{reason}"] += 1
+        self._counters["rejected"] += 1
         if (identity, reason) not in self._logged and len(self._logged) < MAX_LOGGED:
             self._logged.add((identity, reason))
             log.warning(
@@ -523,7 +535,7 @@ class ZmqControl:
                 detail,
             )
         elif len(self._logged) >= MAX_LOGGED:  # too many senders to name each: a summary now and then
-            self._drops.note("frames", f"{self.counters['rejected']} rejected so far, last {reason}: {detail}")
+            self._drops.note("frames", f"{self._counters['rejected']} rejected so far, last {reason}: {detail}")
 
     def _tell_restarted(self, identity: bytes, peer: str) -> None:
         """`peer` still speaks to an earlier run of this engine: tell it (a Reject from this

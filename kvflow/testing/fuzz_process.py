@@ -137,11 +137,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--address", required=True, help="the target's control address, tcp://host:port")
     parser.add_argument("--scale", type=int, default=1000, help="frames, parts or connections per attack")
     parser.add_argument("--no-curve", action="store_true", help="the target does not use CURVE")
+    parser.add_argument("--attack", choices=ATTACKS, action="append", help="run only this attack (repeatable)")
     args = parser.parse_args(argv)
     secret = secret_from_env()
     if secret is None:
         raise ConfigError("the insider attacks need KVFLOW_SECRET")
     for name, attack in _plan(args.address, args.scale, secret, not args.no_curve):
+        if args.attack and name not in args.attack:
+            continue
         _emit(event="begin", attack=name, t=time.monotonic())
         try:
             stats = attack()
