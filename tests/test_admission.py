@@ -186,3 +186,38 @@ async def test_a_process_short_of_descriptors_refuses_a_new_peer_and_serves_the_
     assert engine.p.crashed == [] and engine.p.peers() == [] and engine.p.stats()["peers_refused"] == 1
     await associate(engine, "D2")  # with room again, a peer associates
     assert engine.p.stats()["peers_refused"] == 1 and engine.p.crashed == []
+
+
+# ---------------------------------------------------------------- names a request makes up
+
+
+def test_an_engine_never_associates_with_itself() -> None:
+    assoc = Associations("D", {}, 30.0, 5.0)
+    (settled,) = [a for a in assoc.connect("D", "tcp://127.0.0.1:5800") if isinstance(a, HandshakeSettled)]
+    assert isinstance(settled.error, PeerNotAllowed) and "this engine" in str(settled.error)
+
+
+def test_a_connect_naming_another_engine_at_an_associated_peers_address_is_refused() -> None:
+    # A second connection under our identity to that address would take the live one's place
+    # at the peer's socket (ZeroMQ's handover), dropping what it carries: a request naming a
+    # made-up engine at P's address made D tear its association with P down at a fence timeout.
+    assoc = Associations("D", {}, 30.0, 5.0)
+    address = "tcp://127.0.0.1:5700"
+    assoc.connect("P", address)
+    assoc.layouts["P"] = None  # type: ignore[assignment]  # P associated
+    actions = assoc.connect("rogue", address)
+    (settled,) = [a for a in actions if isinstance(a, HandshakeSettled)]
+    assert isinstance(settled.error, PeerNotAllowed) and "control address of 'P'" in str(settled.error)
+    assert not [a for a in actions if isinstance(a, AddRoute)]
+    assert [type(a) for a in assoc.connect("Q", "tcp://127.0.0.1:5701")][0] is AddRoute  # another address
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [{"do_remote_prefill": True, "do_remote_decode": True}, {"do_remote_prefill": "tcp://[::1]:9"}],
+    ids=["both roles", "not a boolean"],
+)
+def test_the_connector_refuses_params_that_are_not_one_role(flags: dict[str, object]) -> None:
+    book = SchedulerBook(16)
+    assert book.matched_tokens("r", {**params(), **flags}, 64, 0) == (0, False)
+    assert "not one role" in book.refused["r"]

@@ -538,10 +538,18 @@ class SchedulerBook:
     def _mapping(self, request_id: str, params: object) -> Mapping[str, Any]:
         """vLLM's ``kv_transfer_params`` as a mapping: None is none, and so is anything that is
         not a mapping (vLLM's offline API passes on what it is given), refused and logged."""
-        if params is None or isinstance(params, Mapping):
-            return params or {}
-        self._unservable(request_id, f"kv_transfer_params is a {type(params).__name__}, not a mapping", "ignored")
-        return {}
+        if params is not None and not isinstance(params, Mapping):
+            self._unservable(request_id, f"kv_transfer_params is a {type(params).__name__}, not a mapping", "ignored")
+            return {}
+        params = params or {}
+        flags = [params.get(flag) for flag in ("do_remote_prefill", "do_remote_decode")]
+        if any(flag not in (None, True, False) for flag in flags) or all(flags):
+            # a request is P's (remote decode) or D's (remote prefill), never both, and vLLM
+            # reads the flags as truths: anything but a boolean is refused as a whole
+            why = f"do_remote_prefill {flags[0]!r:.40} and do_remote_decode {flags[1]!r:.40} are not one role"
+            self._unservable(request_id, why, "it is computed locally")
+            return {}
+        return params
 
     def _unservable(self, request_id: str, why: str, consequence: str) -> None:
         """Log (once per request) and count a request kvflow cannot serve."""

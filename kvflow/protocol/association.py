@@ -307,6 +307,8 @@ class Associations:
         # our number for each association we hold or are attempting (a handshake that timed out
         # here may still be answered, or retried: both keep the number), and the peer's number
         # for each live one; the attempts kept are bounded, live ones first
+        # the control address each peer was last routed at (kept for live ones; attempts bounded)
+        self.addresses: dict[str, str] = {}
         self.ours: dict[str, int] = {}
         self.theirs: dict[str, int] = {}
         self._numbered = 0
@@ -320,12 +322,24 @@ class Associations:
         """Start a handshake with `peer` (nothing to do when already associated)."""
         if peer in self.layouts:
             return []
-        problem = self.allowed.problem(peer, address)
+        problem = self._not_permitted(peer, address, local=True)
         if problem is not None or self._full(peer):
             error: KVFlowError = PeerNotAllowed(problem) if problem else self._full_error()
             return [AwaitHandshake(peer), HandshakeSettled(peer, error)]
-        route: list[AssociationAction] = [AddRoute(peer, address)] if address else []
-        return [*route, AwaitHandshake(peer), SendHello(peer, reply=False, association=self._number(peer))]
+        return [
+            *self._route(peer, address),
+            AwaitHandshake(peer),
+            SendHello(peer, False, association=self._number(peer)),
+        ]
+
+    def _route(self, peer: str, address: str, pending: PendingHello | None = None) -> list[AssociationAction]:
+        if not address:
+            return []
+        self.addresses[peer] = address
+        if len(self.addresses) > ATTEMPTS_KEPT:
+            for stale in [p for p in self.addresses if p not in self.layouts and p not in self.adding and p != peer]:
+                del self.addresses[stale]
+        return [AddRoute(peer, address, pending)]
 
     def _number(self, peer: str) -> int:
         """Our number for the association with `peer`: the one held or attempted, else a new one."""
@@ -346,6 +360,7 @@ class Associations:
         self.incarnations.pop(peer, None)
         self.ours.pop(peer, None)  # the next association with it is numbered anew
         self.theirs.pop(peer, None)
+        self.addresses.pop(peer, None)
         self.liveness.remove(peer)
 
     def start_cooling(self, peer: str, until: float) -> None:
@@ -494,7 +509,7 @@ class Associations:
             # a Hello of an earlier run, replayed: the live association is not the sender's to end,
             # and the run it speaks for is not there to hear an answer
             return [Refused(sender, PeerProtocolError(f"hello from an earlier run of {sender!r} ({incarnation})"))]
-        problem = self.allowed.problem(sender, hello.control_address)
+        problem = self._not_permitted(sender, hello.control_address)
         if problem is not None or self._full(sender):
             # no answer: a Reject would cost the very resources the limit bounds, and would go
             # to an address the deployment does not permit
@@ -511,8 +526,19 @@ class Associations:
         except KVFlowError as exc:
             return self._refuse(sender, hello, exc)
         if hello.control_address:
-            return [AddRoute(sender, hello.control_address, pending)]
+            return self._route(sender, hello.control_address, pending)
         return self._associate(sender, pending, now)
+
+    def _not_permitted(self, peer: str, address: str, *, local: bool = False) -> str | None:
+        if peer == self.engine_id:
+            return f"{peer!r} is this engine: an engine does not transfer with itself"
+        # A second name for an associated peer's address (a request naming a made-up engine
+        # there) would open a second connection under our identity, which the peer's socket
+        # hands our live connection's place to: the live one is dropped with what it carries.
+        owner = next((p for p, a in self.addresses.items() if a == address and p in self.layouts), None)
+        if local and address and owner not in (None, peer):
+            return f"{address!r:.80} is the control address of {owner!r}, not of {peer!r}"
+        return self.allowed.problem(peer, address)
 
     def _full_error(self) -> KVFlowError:
         return PeerProtocolError(f"{self.engine_id!r} is at its limit of {self.max_peers} peers")
