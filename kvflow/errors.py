@@ -54,6 +54,7 @@ __all__ = (
     "PeerNotAllowed",
     "PeerUnknown",
     "PeerUnreachable",
+    "RequestRefused",
     "ServerFailed",
     "StaleEpoch",
     "TransferFailed",
@@ -216,6 +217,16 @@ class LegFailed(KVFlowError):
     def __init__(self, leg: str, reason: str) -> None:
         self.leg = leg
         super().__init__(f"{leg} leg failed: {reason}")
+
+
+class RequestRefused(KVFlowError):
+    """The router refused a client's request at one of its limits (`limit`: the option that
+    sets it) before the request was dispatched; `status` is the HTTP status the client gets."""
+
+    def __init__(self, status: int, limit: str, message: str) -> None:
+        self.status = status
+        self.limit = limit
+        super().__init__(message)
 
 
 class ServerFailed(KVFlowError):

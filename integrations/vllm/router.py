@@ -32,6 +32,10 @@ Two ways to dispatch (``--mode``):
 
 Each ``--prefill`` / ``--decode`` names one backend; its ``-engine`` and ``-kvflow`` options are
 given as often, in the same order.
+
+What a client can make it hold is bounded (`http_limits`, ``GET /limits``): a request's head
+within ``--header-timeout``, its body within ``--body-timeout`` (408), ``--max-body`` (413) and the
+``--body-budget`` of all bodies in flight (503), connections at ``--max-connections``.
 """
 
 from __future__ import annotations
@@ -49,9 +53,11 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from kvflow.errors import ConfigError, LegFailed, NoBackend
+from kvflow.errors import ConfigError, LegFailed, NoBackend, RequestRefused
+from kvflow.integrations.vllm import http_limits
 from kvflow.integrations.vllm.backends import Backend as Backend
 from kvflow.integrations.vllm.backends import BackendPool, check_health
+from kvflow.integrations.vllm.http_limits import LIMITS, ClientLimits, Limits, middleware
 from kvflow.integrations.vllm.mapping import SEQUENTIAL_PREFILL_PARAMS, TransferParams
 from kvflow.protocol.messages import address_problem
 from kvflow.protocol.state import Mode
@@ -75,6 +81,7 @@ class RouterConfig:
     nixl_push: bool = False  # both legs at once with vLLM's NixlPushConnector params
     health_misses: int = 3  # unanswered health checks in a row before a backend is skipped
     backend_keepalive: float = 2.0  # seconds an idle connection to a backend is reused; see make_app
+    limits: Limits = Limits()  # what a client can make the router hold (http_limits)
 
 
 @dataclass(frozen=True)
@@ -219,9 +226,14 @@ async def _cancel(task: asyncio.Task[Any]) -> None:
 
 
 async def proxy(request: web.Request) -> web.StreamResponse:
-    config, session, pools = request.app[CONFIG], request.app[SESSION], request.app[POOLS]
+    config, pools = request.app[CONFIG], request.app[POOLS]
     try:
-        body = json.loads(await request.read())
+        held = await request.app[LIMITS].body(request)  # against --body-budget until both legs are sent
+        body = held.json()
+    except RequestRefused as exc:
+        response = web.json_response(error_body(exc.status, str(exc)), status=exc.status)
+        response.force_close()  # the rest of its body is not read
+        return response
     except ValueError as exc:
         return web.json_response(error_body(400, f"request body is not valid JSON: {exc}"), status=400)
     except RecursionError:
@@ -237,25 +249,13 @@ async def proxy(request: web.Request) -> web.StreamResponse:
     except NoBackend as exc:
         p_lease.release()
         return web.json_response(error_body(503, str(exc), exc.role), status=503)
-    transfer_id, request_id = uuid.uuid4().hex, uuid.uuid4().hex
+    request_id = uuid.uuid4().hex
     headers = leg_headers(request_id, request.headers.get("Authorization"))
-    p_url, d_url = p_lease.backend.url + request.path, d_lease.backend.url + request.path
-    legs = (p_lease.backend.headers(headers), d_lease.backend.headers(headers))
     try:
-        if config.sequential:
-            upstream = await _sequential(session, body, (p_url, d_url), legs, request_id, config.timeout)
-            p_lease.release()
-        elif config.nixl_push:
-            chat, xid = request.path.endswith("chat/completions"), headers["X-Request-Id"]
-            p_id = f"chatcmpl-{xid}" if chat else f"cmpl-{xid}-0"  # a completion's id ends in its prompt's index
-            p_body, d_body = prefill_body(body, None), nixl_push_decode_body(body, p_lease.backend, p_id)
-            upstream = await _concurrent(session, p_body, d_body, (p_url, d_url), legs, config.timeout)
-            p_lease.release()
-        else:
-            params = kvflow_params(config.mode, p_lease.backend, d_lease.backend, transfer_id)
-            p_body, d_body = prefill_body(body, params), decode_body(body, params)
-            upstream = await _concurrent(session, p_body, d_body, (p_url, d_url), legs, config.timeout)
-            p_lease.release()
+        upstream = await _dispatch(request, body, (p_lease.backend, d_lease.backend), headers, request_id)
+        del body  # not held while D's answer streams, nor its share of the budget (else given back
+        held.release()  # when the handler ends: http_limits.middleware)
+        p_lease.release()
         return await _relay(request, upstream, request_id, config.timeout)
     except LegFailed as exc:
         log.warning("%s: %s", request_id, exc)
@@ -263,6 +263,27 @@ async def proxy(request: web.Request) -> web.StreamResponse:
     finally:
         p_lease.release()
         d_lease.release()
+
+
+async def _dispatch(
+    request: web.Request, body: dict[str, Any], backends: tuple[Backend, Backend], headers: dict[str, str], rid: str
+) -> aiohttp.ClientResponse:
+    """Both legs, as the config says (`backends`: P, D; `rid`: the request id); D's response once P
+    has answered.  The legs' bodies end with this call.  :raises LegFailed: either leg failed."""
+    config, session, path = request.app[CONFIG], request.app[SESSION], request.path
+    prefill, decode = backends
+    urls = (prefill.url + path, decode.url + path)
+    legs = (prefill.headers(headers), decode.headers(headers))
+    if config.sequential:
+        return await _sequential(session, body, urls, legs, rid, config.timeout)
+    if config.nixl_push:
+        xid = headers["X-Request-Id"]  # a completion's id ends in its prompt's index:
+        p_id = f"chatcmpl-{xid}" if path.endswith("chat/completions") else f"cmpl-{xid}-0"
+        p_body, d_body = prefill_body(body, None), nixl_push_decode_body(body, prefill, p_id)
+    else:
+        params = kvflow_params(config.mode, prefill, decode, uuid.uuid4().hex)  # a new transfer id
+        p_body, d_body = prefill_body(body, params), decode_body(body, params)
+    return await _concurrent(session, p_body, d_body, urls, legs, config.timeout)
 
 
 async def _sequential(
@@ -370,10 +391,11 @@ async def _check_backends(session: aiohttp.ClientSession, pools: Pools, config: 
         await asyncio.sleep(config.health_interval)
 
 
-def make_app(config: RouterConfig, max_body: int = 64 << 20) -> web.Application:
+def make_app(config: RouterConfig) -> web.Application:
     """:raises ConfigError: a role without backends, or a backend listed twice."""
-    app = web.Application(client_max_size=max_body)
+    app = web.Application(client_max_size=config.limits.max_body, middlewares=[middleware])
     app[CONFIG] = config
+    app[LIMITS] = ClientLimits(config.limits)
     app[POOLS] = Pools(
         BackendPool("prefill", config.prefill, config.health_misses),
         BackendPool("decode", config.decode, config.health_misses),
@@ -400,6 +422,7 @@ def make_app(config: RouterConfig, max_body: int = 64 << 20) -> web.Application:
         app.router.add_post(path, proxy)
     app.router.add_get("/health", health)
     app.router.add_get("/backends", backends)
+    app.router.add_get("/limits", http_limits.describe)
     return app
 
 
@@ -419,12 +442,7 @@ def _tcp_address(value: str) -> str:
     return value
 
 
-def _positive(value: str) -> float:
-    if not float(value) > 0:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a positive number of seconds")
-    return float(value)
-
-
+_positive = http_limits.positive(float, "number of seconds")
 ROLES = {"prefill": (8100, "prefill-0", 5700), "decode": (8200, "decode-0", 5800)}
 
 
@@ -466,8 +484,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="seconds an idle connection to a backend is reused; keep it below the backends' own keep-alive "
         "(vLLM: VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s)",
     )
-    parser.add_argument("--max-body", type=int, default=64 << 20, help="largest request body in bytes")
+    http_limits.add_arguments(parser)
     args = parser.parse_args(argv)
+    try:
+        http_limits.limits_from(args)
+    except ConfigError as exc:
+        parser.error(str(exc))
     for side, (http, engine, kvflow) in ROLES.items():
         urls = getattr(args, side) or [f"http://127.0.0.1:{http}"]
         engines = getattr(args, f"{side}_engine") or ([engine] if len(urls) == 1 else [])
@@ -509,24 +531,23 @@ def config_from(args: argparse.Namespace) -> RouterConfig:
         nixl_push,
         args.health_misses,
         args.backend_keepalive,
+        http_limits.limits_from(args),
     )
 
 
 async def serve(args: argparse.Namespace) -> None:
     """:raises ConfigError: see `make_app`."""
-    app = make_app(config_from(args), args.max_body)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-    await runner.setup()
+    runner, site = await http_limits.start(make_app(config_from(args)), args.host, args.port)
     try:
-        await web.TCPSite(runner, args.host, args.port).start()
-        host, port = runner.addresses[0][:2]
+        host, port = site.address
         log.info(
-            "router listening on http://%s:%d (P %s, D %s, %s)",
+            "router listening on http://%s:%d (P %s, D %s, %s; at most %d client connections)",
             host,
             port,
             " ".join(args.prefill),
             " ".join(args.decode),
             args.mode,
+            runner.app[LIMITS].max_connections,
         )
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()

@@ -1,0 +1,412 @@
+"""What a client can make the router hold is bounded (integrations/vllm/http_limits.py).
+
+The router runs as its own process (``python -m kvflow.integrations.vllm.router``) on 127.0.0.1,
+with small limits, in front of two backends served in the test's own event loop.  Clients are
+raw sockets where the point is what they leave unsent.  Every wait is on an outcome (a closed
+connection, an answer, a count at ``GET /limits``) with a generous deadline, never on time
+passing: a limit of 0.5 s only has to act at some point within `WAIT`.  Each test here fails on
+the router before these limits (slow heads, idle and surplus connections were kept; a slow body
+or one over the budget was waited for).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import pytest
+import pytest_asyncio
+from aiohttp import web
+
+from kvflow.integrations.vllm import http_limits, router
+from kvflow.integrations.vllm.backends import Backend
+from tests.test_router import ROUTER_MODULE, WAIT, Process, stop_clean
+
+ANSWER = {"id": "cmpl-1", "choices": [{"index": 0, "text": "x", "finish_reason": "length"}]}
+
+
+@dataclass
+class Backends:
+    """P and D in this process: each answers a completion at once, or once released when its
+    body asks to be held (``"hold": "P"`` or ``"D"``); D streams its answer when asked to, its
+    first event at once."""
+
+    p_url: str = ""
+    d_url: str = ""
+    arrived: list[str] = field(default_factory=list)  # "P" or "D", per request, as they came
+    release: dict[str, asyncio.Event] = field(default_factory=lambda: {"P": asyncio.Event(), "D": asyncio.Event()})
+
+    def handler(self, name: str) -> Callable[[web.Request], Any]:
+        async def completion(request: web.Request) -> web.StreamResponse:
+            body = await request.json()
+            self.arrived.append(name)
+            if not body.get("stream") or name == "P":
+                if body.get("hold") == name:
+                    await self.release[name].wait()
+                return web.json_response(ANSWER)
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await response.prepare(request)
+            await response.write(b"data: first\n\n")
+            if body.get("hold") == name:
+                await self.release[name].wait()
+            await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+            return response
+
+        return completion
+
+
+async def _health(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+@pytest_asyncio.fixture
+async def backends() -> AsyncIterator[Backends]:
+    found = Backends()
+    runners = []
+    for name in ("P", "D"):
+        app = web.Application()
+        app.router.add_post("/v1/completions", found.handler(name))
+        app.router.add_get("/health", _health)
+        runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        runners.append(runner)
+        setattr(found, f"{name.lower()}_url", f"http://127.0.0.1:{runner.addresses[0][1]}")
+    try:
+        yield found
+    finally:
+        for event in found.release.values():
+            event.set()
+        for runner in runners:
+            await runner.cleanup()
+
+
+@dataclass
+class Router:
+    process: Process
+    url: str
+    http: aiohttp.ClientSession
+
+    @property
+    def address(self) -> tuple[str, int]:
+        host, port = self.url.removeprefix("http://").rsplit(":", 1)
+        return host, int(port)
+
+    async def connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        return await asyncio.open_connection(*self.address)
+
+    async def limits(self) -> dict[str, Any]:
+        async with self.http.get(self.url + "/limits") as response:
+            assert response.status == 200
+            answer: dict[str, Any] = await response.json()
+            return answer
+
+    async def complete(self, **extra: Any) -> tuple[int, bytes]:
+        body = {"prompt": "x", "max_tokens": 1} | extra
+        async with self.http.post(self.url + "/v1/completions", json=body) as response:
+            return response.status, await response.read()
+
+
+@pytest_asyncio.fixture
+async def start(backends: Backends) -> AsyncIterator[Callable[..., Any]]:
+    """Start the router in front of `backends` with these options; stopped (and its output checked) after."""
+    started: list[Router] = []
+
+    async def starting(*options: str) -> Router:
+        args = ["-m", ROUTER_MODULE, "--port", "0", "--health-interval", "1000", *options]
+        args += ["--prefill", backends.p_url, "--decode", backends.d_url]
+        process = Process(*args)
+        url = (await asyncio.to_thread(process.wait_for, r"router listening on (http://\S+)")).group(1)
+        http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=WAIT))
+        started.append(Router(process, url, http))
+        return started[-1]
+
+    try:
+        yield starting
+    finally:
+        for one in started:
+            await one.http.close()
+            await asyncio.to_thread(stop_clean, one.process)
+
+
+async def until(check: Callable[[], Any], what: str) -> None:
+    """Wait for `check()` (sync or async) to be true, for at most `WAIT` s."""
+    try:
+        async with asyncio.timeout(WAIT):
+            while True:
+                result = check()
+                if asyncio.iscoroutine(result):
+                    result = await result
+                if result:
+                    return
+                await asyncio.sleep(0.02)
+    except TimeoutError:
+        raise AssertionError(f"not within {WAIT} s: {what}") from None
+
+
+async def ended(reader: asyncio.StreamReader, what: str) -> bytes:
+    """What the router still sent on a connection before closing it; fails if it stays open."""
+    try:
+        return await asyncio.wait_for(reader.read(), WAIT)
+    except (ConnectionResetError, BrokenPipeError):
+        return b""
+    except TimeoutError:
+        raise AssertionError(f"{what}: still open after {WAIT} s") from None
+
+
+async def answer(reader: asyncio.StreamReader, what: str) -> tuple[int, dict[str, Any]]:
+    """One answer with a Content-Length (the router's JSON ones): its status and body."""
+    try:
+        async with asyncio.timeout(WAIT):
+            head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1")
+            match = re.search(r"(?im)^content-length:\s*(\d+)", head)
+            assert match, head
+            body = await reader.readexactly(int(match.group(1)))
+    except TimeoutError:
+        raise AssertionError(f"{what}: no answer within {WAIT} s") from None
+    return int(head.split()[1]), json.loads(body)
+
+
+def get(path: str) -> bytes:
+    return f"GET {path} HTTP/1.1\r\nHost: router\r\n\r\n".encode()
+
+
+def post_head(length: int | None) -> bytes:
+    framing = "Transfer-Encoding: chunked" if length is None else f"Content-Length: {length}"
+    return f"POST /v1/completions HTTP/1.1\r\nHost: router\r\n{framing}\r\n\r\n".encode()
+
+
+def padded(size: int, **extra: Any) -> bytes:
+    """A completion body of exactly `size` bytes."""
+    body = json.dumps({"prompt": "", "max_tokens": 1} | extra).encode()
+    return body.replace(b'"prompt": ""', b'"prompt": "' + b"x" * (size - len(body)) + b'"')
+
+
+# ---------------------------------------------------------------- the header deadline
+
+
+@pytest.mark.asyncio
+async def test_a_connection_slow_with_its_head_is_closed_while_another_is_answered(start: Any) -> None:
+    live = await start("--header-timeout", "0.5")
+    reader, writer = await live.connect()
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: router\r\nX-Slow: ")
+
+    async def trickle() -> None:  # a byte of one header line every 0.1 s: busy, but never done
+        while not reader.at_eof() and not writer.is_closing():  # (aiohttp's own bound: 8190 bytes a line)
+            writer.write(b"x")
+            await asyncio.sleep(0.1)
+
+    slow = asyncio.create_task(trickle())
+    try:
+        assert (await live.complete())[0] == 200  # on a connection of its own, while the slow one trickles
+        assert await ended(reader, "a connection trickling its head") == b""
+    finally:
+        slow.cancel()
+        writer.close()
+    assert (await live.complete())[0] == 200
+    assert (await live.limits())["refused"]["header_timeout"] == 1
+
+
+@pytest.mark.asyncio
+async def test_an_idle_connection_is_closed(start: Any) -> None:
+    live = await start("--header-timeout", "0.5")
+    kept, kept_writer = await live.connect()
+    kept_writer.write(get("/health"))
+    assert (await answer(kept, "GET /health"))[0] == 200  # and kept alive: HTTP/1.1
+    silent, silent_writer = await live.connect()  # sends nothing at all
+    try:
+        assert await ended(kept, "an idle keep-alive connection") == b""
+        assert await ended(silent, "a connection that never sent a byte") == b""
+    finally:
+        kept_writer.close()
+        silent_writer.close()
+    limits = await live.limits()
+    assert limits["refused"]["idle"] >= 2 and limits["refused"]["header_timeout"] == 0
+
+
+# ---------------------------------------------------------------- bodies
+
+
+@pytest.mark.asyncio
+async def test_a_slow_body_gets_408(start: Any) -> None:
+    live = await start("--body-timeout", "0.5")
+    reader, writer = await live.connect()
+    writer.write(post_head(1000) + b'{"prompt": "')
+
+    async def trickle() -> None:  # a byte every 0.1 s: 1000 would take 100 s
+        while not writer.is_closing():
+            writer.write(b"x")
+            await asyncio.sleep(0.1)
+
+    slow = asyncio.create_task(trickle())
+    try:
+        status, body = await answer(reader, "a body trickling in")
+    finally:
+        slow.cancel()
+        writer.close()
+    assert status == 408
+    assert "--body-timeout" in body["error"]["message"] and "0.5 s" in body["error"]["message"]
+    assert (await live.complete())[0] == 200
+    assert (await live.limits())["refused"]["body_timeout"] == 1
+
+
+@pytest.mark.asyncio
+async def test_bodies_over_the_budget_get_503_and_the_budget_comes_back(start: Any, backends: Backends) -> None:
+    live = await start("--body-budget", "65536", "--max-body", "65536")
+    held = asyncio.create_task(live.http.post(live.url + "/v1/completions", data=padded(40_000, hold="P")))
+    try:
+        await until(lambda: "P" in backends.arrived, "the first request at P")  # its 40,000 bytes in flight
+
+        # its Content-Length alone: 40,000 more would exceed 65,536, refused before any body is sent
+        reader, writer = await live.connect()
+        writer.write(post_head(40_000))
+        status, body = await answer(reader, "a body over the budget, by its Content-Length")
+        writer.close()
+        assert status == 503 and "--body-budget" in body["error"]["message"]
+
+        # chunked: refused at the chunk that would exceed it
+        reader, writer = await live.connect()
+        writer.write(post_head(None) + f"{30_000:x}\r\n".encode() + padded(30_000) + b"\r\n")
+        status, body = await answer(reader, "a chunked body over the budget")
+        writer.close()
+        assert status == 503 and "--body-budget" in body["error"]["message"]
+
+        backends.release["P"].set()
+        async with await held as response:
+            assert response.status == 200
+    finally:
+        held.cancel()
+    # the budget is back: the same body passes now
+    async with live.http.post(live.url + "/v1/completions", data=padded(40_000)) as response:
+        assert response.status == 200
+    limits = await live.limits()
+    assert limits["refused"]["body_budget"] == 2 and limits["body_bytes_in_flight"] == 0
+
+
+@pytest.mark.asyncio
+async def test_the_budget_is_held_until_both_legs_are_sent_not_while_d_streams(start: Any, backends: Backends) -> None:
+    live = await start()
+    held = asyncio.create_task(live.http.post(live.url + "/v1/completions", data=padded(10_000, hold="P")))
+    try:
+        await until(lambda: "P" in backends.arrived, "the request at P")
+        assert (await live.limits())["body_bytes_in_flight"] == 10_000  # P has not answered yet
+        backends.release["P"].set()
+        async with await held as response:
+            assert response.status == 200
+    finally:
+        held.cancel()
+    body = padded(10_000, hold="D", stream=True)
+    async with live.http.post(live.url + "/v1/completions", data=body) as response:
+        assert await response.content.readuntil(b"\n\n") == b"data: first\n\n"  # D's answer streams
+        assert (await live.limits())["body_bytes_in_flight"] == 0
+        backends.release["D"].set()
+        assert await response.read() == b"data: [DONE]\n\n"
+
+
+@pytest.mark.asyncio
+async def test_a_body_over_max_body_gets_413_before_it_is_read(start: Any) -> None:
+    live = await start("--max-body", "1000")
+    reader, writer = await live.connect()
+    writer.write(post_head(1001))  # and no body
+    status, body = await answer(reader, "a body over --max-body")
+    writer.close()
+    assert status == 413 and "--max-body" in body["error"]["message"]
+    reader, writer = await live.connect()
+    writer.write(post_head(None) + f"{1001:x}\r\n".encode() + padded(1001) + b"\r\n")  # chunked: as it is read
+    status, body = await answer(reader, "a chunked body over --max-body")
+    writer.close()
+    assert status == 413 and "--max-body" in body["error"]["message"]
+    assert (await live.limits())["refused"]["body_too_large"] == 2
+
+
+# ---------------------------------------------------------------- connections
+
+
+@pytest.mark.asyncio
+async def test_connections_over_the_limit_are_refused_while_the_others_are_served(start: Any) -> None:
+    live = await start("--max-connections", "3")
+    await live.http.close()  # its pool would take a connection of the three
+    connections = [await live.connect() for _ in range(3)]
+    for reader, writer in connections:
+        writer.write(get("/health"))
+        assert (await answer(reader, "one of the three"))[0] == 200
+    for _ in range(4):
+        over, over_writer = await live.connect()  # the kernel accepts it; the router closes it
+        assert await ended(over, "a connection over --max-connections") == b""
+        over_writer.close()
+    for reader, writer in connections:  # the three are still served
+        writer.write(get("/health"))
+        assert (await answer(reader, "one of the three, again"))[0] == 200
+    reader, writer = connections[0]
+    writer.write(get("/limits"))
+    status, limits = await answer(reader, "GET /limits")
+    assert status == 200 and limits["refused"]["connections"] == 4 and limits["connections"] == 3
+    assert limits["limits"]["max_connections"] == 3
+    writer.close()
+
+    async def a_new_one_is_served() -> bool:
+        reader, writer = await live.connect()
+        try:
+            writer.write(get("/health"))
+            status: bytes = await asyncio.wait_for(reader.readuntil(b"\r\n"), WAIT)
+            return status.startswith(b"HTTP/1.1 200")
+        except (ConnectionError, asyncio.IncompleteReadError):
+            return False
+        finally:
+            writer.close()
+
+    await until(a_new_one_is_served, "a connection once one of the three is closed")
+    for _, writer in connections[1:]:
+        writer.close()
+    output = "".join(live.process.output)
+    assert output.count("refused a connection") == 1, output  # the rest within 10 s: one line, later
+
+
+# ---------------------------------------------------------------- configuration
+
+
+def test_each_limit_has_an_option_and_refuses_a_non_positive_value(capsys: pytest.CaptureFixture[str]) -> None:
+    assert router.config_from(router.parse_args([])).limits == http_limits.Limits()
+    given = ["--header-timeout", "1.5", "--body-timeout", "2", "--body-budget", "4096", "--max-body", "1024"]
+    given += ["--max-connections", "7"]
+    assert router.config_from(router.parse_args(given)).limits == http_limits.Limits(1.5, 2.0, 4096, 1024, 7)
+    for option in ("--header-timeout", "--body-timeout", "--body-budget", "--max-body", "--max-connections"):
+        for value in ("0", "-1", "x"):
+            with pytest.raises(SystemExit):
+                router.parse_args([option, value])
+            assert f"argument {option}: {value!r} is not a positive" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        router.parse_args(["--body-budget", "1000", "--max-body", "2000"])
+    assert "never fits" in capsys.readouterr().err
+
+
+def test_the_default_connection_limit_leaves_descriptors_for_the_backends() -> None:
+    # each connection in flight: its own descriptor and one to each of P and D; 64 kept back
+    assert http_limits.default_max_connections(1024) == (1024 - 64) // 3 == 320
+    assert http_limits.default_max_connections(65) == 1
+    assert http_limits.default_max_connections() >= 1
+
+
+@pytest.mark.asyncio
+async def test_the_site_serves_on_its_own_listener_and_closes_it() -> None:
+    """`LimitedSite` keeps its listening server itself (no attribute of aiohttp's BaseSite
+    written), and the runner's cleanup stops it."""
+    backend = Backend("http://127.0.0.1:9", "p", "tcp://127.0.0.1:5700")
+    config = router.RouterConfig((backend,), (backend,), health_interval=1000)
+    runner, site = await http_limits.start(router.make_app(config), "127.0.0.1", 0)
+    try:
+        host, port = site.address
+        assert port != 0 and site.name == f"http://127.0.0.1:{port}"
+        async with aiohttp.ClientSession() as http, http.get(f"http://{host}:{port}/limits") as response:
+            assert response.status == 200
+            assert (await response.json())["limits"]["header_timeout"] == 10.0
+    finally:
+        await runner.cleanup()
+    with pytest.raises(OSError):
+        await asyncio.open_connection(host, port)
