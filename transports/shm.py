@@ -18,7 +18,8 @@ A peer's mappings stay alive while a copy into or out of them runs: `remove_peer
 peer removed, waits for the copy in progress to it, and only then unmaps.  An op to a peer whose
 process ended (its owner lock is free) fails instead of writing into memory nobody reads.
 
-Who may talk to whom: segments are 0600 files of this user.  The notification socket is an
+Who may talk to whom: segments are 0600 files of this user, opened only if they are regular
+files (never blocking on a FIFO a process of the user left there).  The notification socket is an
 abstract Unix socket, which any local process can reach, so each datagram is checked against
 the credentials the kernel attaches to it (``SO_PASSCRED``): it must come from the pid the peer
 announced in its metadata (exchanged in the authenticated handshake) and from this process's
@@ -37,7 +38,6 @@ import re
 import socket
 import struct
 import threading
-import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -58,7 +58,9 @@ from kvflow.transports.shm_files import (
     EndpointFiles,
     Segment,
     bump_generation,
+    flock_within,
     map_segment,
+    open_regular,
     peer_directory,
     read_generation,
     segment_name_ok,
@@ -144,7 +146,8 @@ class ShmTransport:
 
     `prefix` names this endpoint's files (default: a random one); a process restarted with the
     same prefix and name takes over the files its dead predecessor left.  `fence_timeout` bounds
-    how long `remove_peer` waits for a peer's op into this endpoint to finish.
+    how long `remove_peer` waits for a peer's op into this endpoint to finish (and an op for the
+    peer's fence lock, which a hostile peer could hold for ever).
     """
 
     def __init__(self, name: str, *, prefix: str | None = None, fence_timeout: float = 5.0) -> None:
@@ -222,7 +225,7 @@ class ShmTransport:
 
     def add_peer(self, name: str, metadata: bytes, regions: Sequence[Region]) -> None:
         """:raises TransportError: the peer's name or metadata is not acceptable, or its memory
-        or fence files cannot be opened."""
+        or fence files are not regular files of this user or cannot be opened."""
         problem = engine_id_problem(name)
         if problem is not None:  # the name becomes part of the peer's lock and generation paths
             raise TransportError(f"cannot attach to peer {name!r}: its name {problem}")
@@ -234,12 +237,12 @@ class ShmTransport:
             try:
                 for seg_name, base, size in segs:
                     mapped.append((base, size, map_segment(directory / seg_name, size, create=False)))
-                fds.append(os.open(directory / "owner", os.O_RDONLY))
-                fds.append(os.open(directory / "lock", os.O_RDONLY))
-                fds.append(os.open(directory / f"gen-{self.name}", os.O_RDWR | os.O_CREAT, 0o600))
-                fds.append(os.open(self._files.generation_path(name), os.O_RDWR | os.O_CREAT, 0o600))
+                fds.append(open_regular(directory / "owner", os.O_RDONLY))
+                fds.append(open_regular(directory / "lock", os.O_RDONLY))
+                fds.append(open_regular(directory / f"gen-{self.name}", os.O_RDWR | os.O_CREAT))
+                fds.append(open_regular(self._files.generation_path(name), os.O_RDWR | os.O_CREAT))
                 generation = read_generation(fds[2])
-            except OSError as exc:  # the segment is gone, or not ours to open
+            except (OSError, TransportError) as exc:  # gone, not ours to open, or not what it should be
                 raise TransportError(f"cannot attach to peer {name!r}: {exc}") from exc
             for region in regions:
                 if not any(b <= region.base and region.base + region.length <= b + n for b, n, _ in mapped):
@@ -361,7 +364,8 @@ class ShmTransport:
         else:
             fcntl.flock(op.peer.owner_fd, fcntl.LOCK_UN)
             raise TransportError(f"peer {op.peer.name!r} is gone (its process ended)")
-        fcntl.flock(op.peer.lock_fd, fcntl.LOCK_SH)
+        if not flock_within(op.peer.lock_fd, fcntl.LOCK_SH, self._fence_timeout):
+            raise TransportError(f"peer {op.peer.name!r} held its fence lock past the fence timeout")
         try:
             if read_generation(op.peer.gen_fd) != op.peer.generation:
                 raise TransportError(f"peer {op.peer.name!r} has fenced this endpoint")
@@ -414,27 +418,19 @@ class ShmTransport:
             self._copy_done.wait()
 
     def _fence(self, name: str, peer: _Peer | None) -> None:
-        deadline = time.monotonic() + self._fence_timeout
-        pause = 0.0001
-        while True:
-            try:
-                fcntl.flock(self._files.lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise TransportError(f"peer {name!r} kept an op into this memory past the fence timeout") from None
-                time.sleep(pause)  # a peer's copy into this memory is running: it ends, or the peer dies
-                pause = min(pause * 2, 0.01)
+        # a peer's copy into this memory may be running: it ends, or the peer dies
+        if not flock_within(self._files.lock_fd, fcntl.LOCK_EX, self._fence_timeout):
+            raise TransportError(f"peer {name!r} kept an op into this memory past the fence timeout")
         try:
             if peer is not None:
                 bump_generation(peer.fence_fd)
             else:
-                fd = os.open(self._files.generation_path(name), os.O_RDWR | os.O_CREAT, 0o600)
+                fd = open_regular(self._files.generation_path(name), os.O_RDWR | os.O_CREAT)
                 try:
                     bump_generation(fd)
                 finally:
                     os.close(fd)
-        except OSError as exc:
+        except (OSError, TransportError) as exc:
             raise TransportError(f"cannot fence {name!r}: {exc}") from exc
         finally:
             fcntl.flock(self._files.lock_fd, fcntl.LOCK_UN)

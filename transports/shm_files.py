@@ -15,6 +15,11 @@ Creating a directory and reclaiming dead ones happen under one lock file per use
 ``/dev/shm/kvflow-<uid>.reclaim`` (never removed: it is what makes the two exclusive), so a
 directory is never seen half made: one with no ``owner`` file was left by a creator that died.
 Every start reclaims the directories of this user whose owner is dead; `close` removes its own.
+
+Any process of the user can put anything in /dev/shm, so every file here is opened with
+`open_regular`: never following a link, never blocking (opening a FIFO for reading waits for a
+writer forever), and refused unless it is a regular file of this user.  A directory whose
+``owner`` is something else was not made by an endpoint: reclaim removes it, saying so.
 """
 
 from __future__ import annotations
@@ -22,10 +27,12 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import logging
 import mmap
 import os
 import re
 import shutil
+import stat
 import struct
 import time
 from dataclasses import dataclass
@@ -42,7 +49,9 @@ __all__ = (
     "EndpointFiles",
     "Segment",
     "bump_generation",
+    "flock_within",
     "map_segment",
+    "open_regular",
     "peer_directory",
     "read_generation",
     "segment_name_ok",
@@ -52,6 +61,9 @@ SHM_DIR = Path("/dev/shm")
 SUFFIX = ".kvflow"
 _SEGMENT = re.compile(r"seg-[0-9]{1,6}")
 _GENERATION = struct.Struct("<Q")
+_NEVER_BLOCK = os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NOCTTY
+
+log = logging.getLogger("kvflow.shm")
 
 
 @dataclass(eq=False)
@@ -75,14 +87,46 @@ def segment_name_ok(name: object) -> bool:
     return isinstance(name, str) and _SEGMENT.fullmatch(name) is not None
 
 
+def _kind(mode: int) -> str:
+    kinds = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISDIR, "a directory"), (stat.S_ISSOCK, "a socket"))
+    return next((what for test, what in kinds if test(mode)), "a device" if not stat.S_ISREG(mode) else "a file")
+
+
+def open_regular(path: Path, flags: int) -> int:
+    """Open `path` with `flags` (and mode 0600 if it is created), only if it is a regular file of
+    this user: a symbolic link is not followed, and nothing (a FIFO) can make the open block.
+
+    :raises TransportError: `path` is a symbolic link, or not a regular file of this user (the
+        message names it and what it is).
+    :raises OSError: it cannot be opened (it does not exist, say).
+    """
+    try:
+        fd = os.open(path, flags | _NEVER_BLOCK, 0o600)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise TransportError(f"{path} is a symbolic link, not a regular file of this user") from None
+        raise
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise TransportError(f"{path} is {_kind(info.st_mode)}, not a regular file of this user")
+        if info.st_uid != os.getuid():
+            raise TransportError(f"{path} belongs to user {info.st_uid}, not a regular file of this user")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def map_segment(path: Path, size: int, *, create: bool) -> Segment:
     """Map `size` bytes of the segment file `path`, creating it (0600) when `create`.
 
     :raises OSError: the file cannot be opened, created or mapped.
-    :raises TransportError: an existing segment is smaller than `size`.
+    :raises TransportError: an existing segment is smaller than `size`, or not a regular file
+        of this user.
     """
     flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-    fd = os.open(path, flags, 0o600)
+    fd = open_regular(path, flags)
     try:
         if create:
             os.ftruncate(fd, size)
@@ -111,33 +155,53 @@ def bump_generation(fd: int) -> None:
     os.pwrite(fd, _GENERATION.pack(read_generation(fd) + 1), 0)
 
 
+def flock_within(fd: int, operation: int, timeout: float) -> bool:
+    """Take the ``flock`` `operation` (shared or exclusive) on `fd`; False if another process
+    held a conflicting lock for `timeout` seconds (it may never let go: a stopped or hostile
+    process), True once taken.
+
+    :raises OSError: the lock cannot be taken at all.
+    """
+    deadline, pause = time.monotonic() + timeout, 0.0001
+    while True:
+        try:
+            fcntl.flock(fd, operation | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(pause)  # its holder ends what it does, dies, or the deadline passes
+            pause = min(pause * 2, 0.01)
+
+
 def _user_lock(timeout: float = 10.0) -> int:
     """The user lock, held (its fd); another start or reclaim holds it for a scan of /dev/shm.
 
+    :raises TransportError: something else than a regular file of this user is in its place.
     :raises OSError: it cannot be opened, or was not free within `timeout` (a stopped process
         of this user holds it).
     """
-    fd = os.open(SHM_DIR / f"kvflow-{os.getuid()}.reclaim", os.O_RDWR | os.O_CREAT, 0o600)
-    deadline, pause = time.monotonic() + timeout, 0.0005
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return fd
-        except BlockingIOError:
-            if time.monotonic() > deadline:
-                os.close(fd)
-                raise TimeoutError(errno.ETIMEDOUT, "another process holds the kvflow user lock") from None
-            time.sleep(pause)
-            pause = min(pause * 2, 0.05)
+    path = SHM_DIR / f"kvflow-{os.getuid()}.reclaim"
+    try:
+        fd = open_regular(path, os.O_RDWR | os.O_CREAT)
+    except TransportError as exc:
+        raise TransportError(f"{exc}; kvflow needs it as the lock of this user's endpoints: remove it") from None
+    if not flock_within(fd, fcntl.LOCK_EX, timeout):
+        os.close(fd)
+        raise TimeoutError(errno.ETIMEDOUT, "another process holds the kvflow user lock")
+    return fd
 
 
 def _reclaim_if_dead(directory: Path) -> bool:
     """Remove `directory` if its owner is dead (its ``owner`` lock is free, or it has none).
     Called with the user lock held."""
     try:
-        fd = os.open(directory / "owner", os.O_RDONLY)
+        fd = open_regular(directory / "owner", os.O_RDONLY)
     except FileNotFoundError:
         fd = -1  # its creator died before making it: nobody owns it
+    except TransportError as exc:  # an endpoint makes a regular file: this is nobody's
+        log.warning("removing %s: its owner file is not an endpoint's (%s)", directory, exc)
+        fd = -1
     except OSError:
         return False
     try:
@@ -184,19 +248,35 @@ class EndpointFiles:
             raise TransportError(f"cannot lock {SHM_DIR} to create {self.directory.name}: {exc}") from exc
         try:
             self.reclaimed = _reclaim_all()
-            try:
-                self.directory.mkdir(mode=0o700)
-            except FileExistsError:
-                raise TransportError(f"a live endpoint owns {self.directory}") from None
-            self._owner = os.open(self.directory / "owner", os.O_RDWR | os.O_CREAT, 0o600)
-            fcntl.flock(self._owner, fcntl.LOCK_EX)
-            os.write(self._owner, f"{os.getpid()}\n".encode())
-            self.lock_fd = os.open(self.directory / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+            self._make()
         except OSError as exc:
-            shutil.rmtree(self.directory, ignore_errors=True)
             raise TransportError(f"cannot create {self.directory}: {exc}") from exc
         finally:
             os.close(lock)
+
+    def _make(self) -> None:
+        """Make the directory and its owner and lock files (the user lock held)."""
+        try:
+            self.directory.mkdir(mode=0o700)
+        except FileExistsError:
+            mode = self.directory.lstat().st_mode
+            if not stat.S_ISDIR(mode):
+                raise TransportError(
+                    f"{self.directory} is {_kind(mode)}, not an endpoint's directory: remove it"
+                ) from None
+            raise TransportError(f"a live endpoint owns {self.directory}") from None
+        fds: list[int] = []
+        try:  # the directory is new, but a process of this user may have put something in it
+            fds.append(open_regular(self.directory / "owner", os.O_RDWR | os.O_CREAT | os.O_EXCL))
+            fcntl.flock(fds[0], fcntl.LOCK_EX)
+            os.write(fds[0], f"{os.getpid()}\n".encode())
+            fds.append(open_regular(self.directory / "lock", os.O_RDWR | os.O_CREAT | os.O_EXCL))
+        except (OSError, TransportError) as exc:
+            shutil.rmtree(self.directory, ignore_errors=True)
+            for fd in fds:
+                os.close(fd)
+            raise TransportError(f"cannot create {self.directory}: {exc}") from exc
+        self._owner, self.lock_fd = fds
 
     def segment_path(self, index: int) -> Path:
         return self.directory / f"seg-{index}"

@@ -1,0 +1,172 @@
+"""The shared-memory transport against a hostile peer or a same-user process: files that are not
+what they should be (a FIFO blocks whoever opens it), and a fence lock held for ever.  Whatever
+they do, the engine refuses the peer (or fails the op) with a `TransportError` naming why, and
+never hangs."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from kvflow.errors import TransportError
+from kvflow.layout.buffers import region_of
+from kvflow.protocol.actions import OpKind
+from kvflow.transports import shm_files
+from kvflow.transports.base import Completion
+from kvflow.transports.shm import ShmTransport
+from tests.test_shm import whole
+
+SIZE = 1 << 16
+HANG = 30.0  # how long a call that should return at once may take before it counts as hung
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[ShmTransport, ShmTransport]]:
+    tag = uuid.uuid4().hex[:8]
+    a, b = ShmTransport(f"a{tag}"), ShmTransport(f"b{tag}")
+    b.register_regions([region_of(b.allocate(SIZE))])
+    yield a, b
+    a.close()
+    b.close()
+
+
+def outcome(call: Callable[[], object]) -> BaseException | None:
+    """Run `call` on a thread; what it raised (None: it returned).  A call still running after
+    `HANG` fails the test instead of hanging it."""
+    result: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            call()
+        except BaseException as exc:
+            result.append(exc)
+        else:
+            result.append(None)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(HANG)
+    assert result, f"still blocked after {HANG}s"
+    return result[0]
+
+
+def unblock(fifo: Path) -> None:
+    """Give a FIFO a writer, so that a reader blocked opening it (the code before the fix) goes on."""
+    try:
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+    except OSError as exc:
+        assert exc.errno in (errno.ENXIO, errno.ENOENT)  # nobody is blocked on it
+
+
+# ---------------------------------------------------------------------- files that are not files
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", ["fifo", "symlink"])
+@pytest.mark.parametrize("file", ["owner", "lock", "gen"])
+def test_a_peer_file_that_is_not_a_regular_file_refuses_the_peer_without_blocking(
+    pair: tuple[ShmTransport, ShmTransport], file: str, kind: str, tmp_path: Path
+) -> None:
+    a, b = pair
+    path = b._files.directory / (f"gen-{a.name}" if file == "gen" else file)
+    path.unlink(missing_ok=True)  # b keeps its own descriptors: only a newcomer sees the impostor
+    if kind == "fifo":
+        os.mkfifo(path, 0o600)
+    else:
+        (tmp_path / "elsewhere").write_bytes(b"")
+        path.symlink_to(tmp_path / "elsewhere")
+    try:
+        refused = outcome(lambda: a.add_peer(b.name, b.local_metadata(), []))
+    finally:
+        if kind == "fifo":
+            unblock(path)
+    assert isinstance(refused, TransportError), refused
+    assert path.name in str(refused) and ("regular file" in str(refused) or "symbolic link" in str(refused))
+
+
+@pytest.fixture
+def private_shm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A /dev/shm of this test's own: what is planted there cannot disturb another kvflow start."""
+    monkeypatch.setattr(shm_files, "SHM_DIR", tmp_path)
+    return tmp_path
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", ["fifo", "symlink", "directory"])
+def test_a_planted_owner_file_neither_blocks_nor_fails_a_start(private_shm: Path, kind: str) -> None:
+    planted = private_shm / "kvflow-planted-P.kvflow"
+    planted.mkdir(mode=0o700)
+    owner = planted / "owner"
+    {"fifo": lambda: os.mkfifo(owner, 0o600), "symlink": lambda: owner.symlink_to("/dev/null"),
+     "directory": lambda: owner.mkdir()}[kind]()  # fmt: skip
+    started: list[ShmTransport] = []
+    try:
+        failed = outcome(lambda: started.append(ShmTransport("Q", prefix=f"kvflow-{uuid.uuid4().hex[:8]}")))
+    finally:
+        if kind == "fifo":
+            unblock(owner)
+    assert failed is None, failed
+    (endpoint,) = started
+    try:
+        assert endpoint.reclaimed == 1 and not planted.exists()  # it is nobody's: reclaimed
+    finally:
+        endpoint.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", ["fifo", "symlink"])
+def test_a_planted_user_lock_refuses_a_start_naming_it(private_shm: Path, kind: str) -> None:
+    lock = private_shm / f"kvflow-{os.getuid()}.reclaim"
+    if kind == "fifo":
+        os.mkfifo(lock, 0o600)
+    else:
+        lock.symlink_to(private_shm / "elsewhere")
+    try:
+        failed = outcome(lambda: ShmTransport("Q", prefix=f"kvflow-{uuid.uuid4().hex[:8]}").close())
+    finally:
+        if kind == "fifo":
+            unblock(lock)
+    assert isinstance(failed, TransportError), failed
+    assert lock.name in str(failed)
+
+
+@pytest.mark.timeout(120)
+def test_a_planted_file_in_a_new_endpoints_place_is_named(private_shm: Path) -> None:
+    prefix = f"kvflow-{uuid.uuid4().hex[:8]}"
+    os.mkfifo(private_shm / f"{prefix}-Q.kvflow", 0o600)
+    failed = outcome(lambda: ShmTransport("Q", prefix=prefix).close())
+    assert isinstance(failed, TransportError) and "not an endpoint's directory" in str(failed), failed
+
+
+@pytest.mark.timeout(120)
+def test_a_peer_holding_its_fence_lock_fails_the_op_instead_of_wedging_the_writer() -> None:
+    tag = uuid.uuid4().hex[:8]
+    a, b = ShmTransport(f"a{tag}", fence_timeout=0.5), ShmTransport(f"b{tag}")
+    held = os.open(b._files.directory / "lock", os.O_RDONLY)  # as a peer that never lets go would
+    try:
+        source, target = a.allocate(SIZE), b.allocate(SIZE)
+        a.register_regions([region_of(source)])
+        a.add_peer(b.name, b.local_metadata(), [region_of(target)])
+        fcntl.flock(held, fcntl.LOCK_EX)
+        a.submit(1, OpKind.WRITE, b.name, whole(SIZE), b"")
+        done: list[Completion] = []
+        assert outcome(lambda: done.extend(_completions(a))) is None
+        ((op_id, error),) = [(c.op_id, c.error) for c in done]
+        assert op_id == 1 and error is not None and "fence lock" in error
+    finally:
+        os.close(held)  # lets the writer of the code before the fix go on
+        a.close()
+        b.close()
+
+
+def _completions(endpoint: ShmTransport) -> list[Completion]:
+    while not (done := endpoint.poll()[0]):
+        threading.Event().wait(0.001)
+    return list(done)
