@@ -1,7 +1,8 @@
-"""The shared-memory transport against a hostile peer or a same-user process: files that are not
-what they should be (a FIFO blocks whoever opens it), and a fence lock held for ever.  Whatever
-they do, the engine refuses the peer (or fails the op) with a `TransportError` naming why, and
-never hangs."""
+"""The shared-memory transport against a hostile peer or a same-user process: a Hello advertising
+more memory than any engine has, files that are not what they should be (a FIFO blocks whoever
+opens it), a fence lock held for ever, and a notification address that names somebody else's
+socket.  Whatever they do, the engine refuses the peer (or fails the op) with a `TransportError`
+naming why, and never hangs."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import msgpack
 import pytest
 
 from kvflow.errors import TransportError
@@ -35,6 +37,16 @@ def pair() -> Iterator[tuple[ShmTransport, ShmTransport]]:
     yield a, b
     a.close()
     b.close()
+
+
+def maps() -> int:
+    """Mappings of shared memory (kvflow's memfds, or files under /dev/shm) in this process."""
+    with open("/proc/self/maps") as lines:
+        return sum(1 for line in lines if "/memfd:" in line or "/dev/shm/" in line)
+
+
+def fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
 
 
 def outcome(call: Callable[[], object]) -> BaseException | None:
@@ -63,6 +75,63 @@ def unblock(fifo: Path) -> None:
         os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
     except OSError as exc:
         assert exc.errno in (errno.ENXIO, errno.ENOENT)  # nobody is blocked on it
+
+
+# ---------------------------------------------------------------------- what a Hello advertises
+
+
+def test_a_hello_advertising_19000_segments_is_refused_before_anything_is_mapped(
+    pair: tuple[ShmTransport, ShmTransport],
+) -> None:
+    a, b = pair
+    meta = msgpack.unpackb(b.local_metadata())
+    ((name, base, size),) = meta["segments"]
+    hostile = msgpack.packb(dict(meta, segments=[[name, base, size]] * 19_000))
+    before = (maps(), fds())
+    with pytest.raises(TransportError, match="19000 segments"):
+        a.add_peer(b.name, hostile, [])
+    assert (maps(), fds()) == before
+
+
+def test_a_peer_advertising_more_bytes_than_the_bound_is_refused() -> None:
+    tag = uuid.uuid4().hex[:8]
+    a, b = ShmTransport(f"a{tag}", max_peer_bytes=3 * SIZE), ShmTransport(f"b{tag}")
+    try:
+        for _ in range(4):
+            b.allocate(SIZE)
+        with pytest.raises(TransportError, match=f"{4 * SIZE} bytes"):
+            a.add_peer(b.name, b.local_metadata(), [])
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.parametrize("shape", ["duplicate", "overlapping", "past the address space"])
+def test_segments_that_cannot_be_a_peers_memory_are_refused(
+    pair: tuple[ShmTransport, ShmTransport], shape: str
+) -> None:
+    a, b = pair
+    meta = msgpack.unpackb(b.local_metadata())
+    ((name, base, size),) = meta["segments"]
+    b.allocate(SIZE)
+    segments = {
+        "duplicate": [[name, base, size], [name, base + size, size]],
+        "overlapping": [[name, base, size], ["seg-1", base + size // 2, size]],
+        "past the address space": [[name, (1 << 64) - size // 2, size]],
+    }[shape]
+    with pytest.raises(TransportError, match=shape):
+        a.add_peer(b.name, msgpack.packb(dict(meta, segments=segments)), [])
+
+
+@pytest.mark.parametrize("notify", ["/dev/log", "\0/dev/log", "\0kvflow-other-b-notify", "", "{own}", "{own}\0"])
+def test_a_notification_address_not_the_peers_own_is_refused(
+    pair: tuple[ShmTransport, ShmTransport], notify: str
+) -> None:
+    a, b = pair
+    meta = msgpack.unpackb(b.local_metadata())
+    notify = notify.replace("{own}", f"\0{meta['id']}-{a.name}-notify")  # the right form, another name
+    with pytest.raises(TransportError, match="notification socket"):
+        a.add_peer(b.name, msgpack.packb(dict(meta, notify=notify)), [])
 
 
 # ---------------------------------------------------------------------- files that are not files

@@ -34,7 +34,6 @@ import ctypes
 import fcntl
 import os
 import queue
-import re
 import socket
 import struct
 import threading
@@ -42,7 +41,6 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TypeGuard
 
 import msgpack
 import numpy as np
@@ -63,10 +61,17 @@ from kvflow.transports.shm_files import (
     open_regular,
     peer_directory,
     read_generation,
-    segment_name_ok,
+)
+from kvflow.transports.shm_peer import (
+    DEFAULT_MAX_SEGMENTS,
+    PREFIX_CHARACTERS,
+    check_metadata,
+    host_memory,
+    notify_address,
+    prefix_ok,
 )
 
-__all__ = ("SHM_DIR", "ShmTransport")
+__all__ = ("DEFAULT_MAX_SEGMENTS", "PREFIX_CHARACTERS", "SHM_DIR", "ShmTransport", "prefix_ok")
 
 _UCRED = struct.Struct("iII")  # struct ucred: pid, uid, gid
 
@@ -97,62 +102,29 @@ class _Op:
     cancelled: bool = False
 
 
-PREFIX_CHARACTERS = "letters, digits and . _ -"
-_PREFIX = re.compile(r"kvflow[A-Za-z0-9._-]{0,64}", re.ASCII)
-
-
-def prefix_ok(prefix: object) -> TypeGuard[str]:
-    """Whether `prefix` can start this endpoint's (or a peer's) file names: "kvflow" and plain
-    characters, so that no path built from it leaves /dev/shm or holds a NUL."""
-    return isinstance(prefix, str) and _PREFIX.fullmatch(prefix) is not None
-
-
-def _peer_metadata(name: str, metadata: bytes) -> tuple[str, str, int, list[tuple[str, int, int]]]:
-    """Check what `local_metadata` of endpoint `name` produced: (id, notify socket, pid, segments).
-
-    :raises TransportError: anything else (not msgpack, another shape, another endpoint's).
-    """
-
-    def refuse(why: str) -> TransportError:
-        return TransportError(f"cannot attach to peer {name!r}: {why}")
-
-    try:
-        meta = msgpack.unpackb(metadata, raw=False, max_ext_len=0)
-    except (ValueError, msgpack.UnpackException) as exc:  # what msgpack raises for bytes it cannot read
-        raise refuse(f"metadata is not msgpack ({type(exc).__name__})") from exc
-    if not isinstance(meta, dict) or meta.get("name") != name:
-        raise refuse("metadata names another endpoint")
-    peer_id, notify, pid, segs = meta.get("id"), meta.get("notify"), meta.get("pid"), meta.get("segments")
-    if not prefix_ok(peer_id):  # it becomes part of a path: a NUL or "/" would break out of it
-        raise refuse("metadata names another endpoint")
-    if not isinstance(notify, str) or not isinstance(segs, list):
-        raise refuse("metadata lacks the notification socket or the segments")
-    if type(pid) is not int or pid <= 0:
-        raise refuse("metadata lacks the process id")
-    out = []
-    for seg in segs:
-        numbers = isinstance(seg, list) and len(seg) == 3 and type(seg[1]) is int and type(seg[2]) is int
-        if not numbers or seg[1] < 0 or seg[2] <= 0:
-            raise refuse(f"segment {seg!r} is not [name, base, size > 0]")
-        seg_name, base, size = seg
-        if not segment_name_ok(seg_name):
-            raise refuse(f"segment {seg_name!r} is not the peer's")
-        out.append((seg_name, base, size))
-    return peer_id, notify, pid, out
-
-
 class ShmTransport:
     """Endpoint `name` of the shared-memory transport.  Allocate KV buffers with `allocate`.
 
     `prefix` names this endpoint's files (default: a random one); a process restarted with the
     same prefix and name takes over the files its dead predecessor left.  `fence_timeout` bounds
     how long `remove_peer` waits for a peer's op into this endpoint to finish (and an op for the
-    peer's fence lock, which a hostile peer could hold for ever).
+    peer's fence lock, which a hostile peer could hold for ever).  A peer advertising more
+    than `max_peer_segments` segments or `max_peer_bytes` bytes in all (default: the host's
+    memory) is refused.
     """
 
-    def __init__(self, name: str, *, prefix: str | None = None, fence_timeout: float = 5.0) -> None:
-        """:raises ConfigError: `name` is not a valid engine id, or `prefix` is not "kvflow" and
-            plain characters (`prefix_ok`: both become part of file names).
+    def __init__(
+        self,
+        name: str,
+        *,
+        prefix: str | None = None,
+        fence_timeout: float = 5.0,
+        max_peer_segments: int = DEFAULT_MAX_SEGMENTS,
+        max_peer_bytes: int | None = None,
+    ) -> None:
+        """:raises ConfigError: `name` is not a valid engine id, `prefix` is not "kvflow" and
+            plain characters (`prefix_ok`: both become part of file names), or a bound is not a
+            positive number.
         :raises TransportError: a live endpoint has this prefix and name, or /dev/shm refuses.
         """
         self.name = require_engine_id(name)
@@ -160,13 +132,18 @@ class ShmTransport:
         if not prefix_ok(self._id):
             raise ConfigError(f"shared-memory prefix {self._id!r} must be 'kvflow' and up to 64 of {PREFIX_CHARACTERS}")
         self._fence_timeout = fence_timeout
+        self._max_segments = max_peer_segments
+        self._max_bytes = host_memory() if max_peer_bytes is None else max_peer_bytes
+        for what, value in (("max_peer_segments", max_peer_segments), ("max_peer_bytes", self._max_bytes)):
+            if not value > 0:
+                raise ConfigError(f"shared-memory {what} must be positive, not {value!r}")
         self._files = EndpointFiles(f"{self._id}-{name}")
         self.reclaimed = self._files.reclaimed  # dead endpoints' directories removed on start
         self.rejected_notifications = 0  # datagrams dropped: not from a peer's announced process
         self._segments: list[Segment] = []
         self._regions: list[Region] = []
         self._peers: dict[str, _Peer] = {}
-        self._notify_name = f"\0{self._id}-{name}-notify"
+        self._notify_name = notify_address(self._id, name)
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         try:
             self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
@@ -224,19 +201,22 @@ class ShmTransport:
     # ------------------------------------------------------------------ peers
 
     def add_peer(self, name: str, metadata: bytes, regions: Sequence[Region]) -> None:
-        """:raises TransportError: the peer's name or metadata is not acceptable, or its memory
-        or fence files are not regular files of this user or cannot be opened."""
+        """:raises TransportError: the peer's name or metadata is not acceptable (more segments
+        or bytes than the bounds, a notification address not its own: `shm_peer.check_metadata`),
+        or its memory or fence files are not regular files of this user or cannot be opened."""
         problem = engine_id_problem(name)
         if problem is not None:  # the name becomes part of the peer's lock and generation paths
             raise TransportError(f"cannot attach to peer {name!r}: its name {problem}")
-        peer_id, notify, pid, segs = _peer_metadata(name, metadata)
-        directory = peer_directory(peer_id, name)
+        meta = check_metadata(name, metadata, self._max_segments, self._max_bytes)
+        directory = peer_directory(meta.id, name)
         mapped: list[tuple[int, int, Segment]] = []
         fds: list[int] = []
         try:
             try:
-                for seg_name, base, size in segs:
-                    mapped.append((base, size, map_segment(directory / seg_name, size, create=False)))
+                for entry in meta.segments:
+                    mapped.append(
+                        (entry.base, entry.size, map_segment(directory / entry.name, entry.size, create=False))
+                    )
                 fds.append(open_regular(directory / "owner", os.O_RDONLY))
                 fds.append(open_regular(directory / "lock", os.O_RDONLY))
                 fds.append(open_regular(directory / f"gen-{self.name}", os.O_RDWR | os.O_CREAT))
@@ -251,7 +231,7 @@ class ShmTransport:
             _release(mapped, fds)
             raise
         owner, lock, gen, fence = fds
-        peer = _Peer(name, notify, pid, owner, lock, gen, generation, mapped, list(regions), fence_fd=fence)
+        peer = _Peer(name, meta.notify, meta.pid, owner, lock, gen, generation, mapped, list(regions), fence_fd=fence)
         with self._state:
             if self._closed:
                 _release(mapped, fds)

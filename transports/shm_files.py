@@ -59,7 +59,7 @@ __all__ = (
 
 SHM_DIR = Path("/dev/shm")
 SUFFIX = ".kvflow"
-_SEGMENT = re.compile(r"seg-[0-9]{1,6}")
+_SEGMENT = re.compile(r"seg-(0|[1-9][0-9]{0,5})")  # one name per index
 _GENERATION = struct.Struct("<Q")
 _NEVER_BLOCK = os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NOCTTY
 
