@@ -1,20 +1,25 @@
 """The shared-memory transport against a hostile peer or a same-user process: a Hello advertising
 more memory than any engine has, files that are not what they should be (a FIFO blocks whoever
-opens it), a fence lock held for ever, and a notification address that names somebody else's
-socket.  Whatever they do, the engine refuses the peer (or fails the op) with a `TransportError`
-naming why, and never hangs."""
+opens it), a peer shrinking memory the other side mapped (SIGBUS), and a notification address
+that names somebody else's socket.  Whatever they do, the engine refuses the peer with a
+`TransportError` naming why, and neither hangs nor dies."""
 
 from __future__ import annotations
 
 import errno
 import fcntl
 import os
+import signal
+import subprocess
+import sys
+import textwrap
 import threading
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import msgpack
+import numpy as np
 import pytest
 
 from kvflow.errors import TransportError
@@ -22,9 +27,10 @@ from kvflow.layout.buffers import region_of
 from kvflow.protocol.actions import OpKind
 from kvflow.transports import shm_files
 from kvflow.transports.base import Completion
-from kvflow.transports.shm import ShmTransport
+from kvflow.transports.shm import SHM_DIR, ShmTransport
 from tests.test_shm import whole
 
+ROOT = Path(__file__).resolve().parent.parent
 SIZE = 1 << 16
 HANG = 30.0  # how long a call that should return at once may take before it counts as hung
 
@@ -235,7 +241,145 @@ def test_a_peer_holding_its_fence_lock_fails_the_op_instead_of_wedging_the_write
         b.close()
 
 
+# ---------------------------------------------------------------------- shrinking mapped memory
+
+PEER = """
+    import os, sys
+    from pathlib import Path
+    from kvflow.transports.shm import ShmTransport
+    from kvflow.layout.buffers import region_of
+    t = ShmTransport("P", prefix=sys.argv[1])
+    memory = t.allocate(1 << 20)
+    print(t.local_metadata().hex(), region_of(memory).base, flush=True)
+    sys.stdin.readline()
+    # Shrink everything that holds this memory: the files of its directory, and descriptors.
+    tried, shrunk = 0, 0
+    targets = [str(p) for p in Path("/dev/shm").glob(sys.argv[1] + "-P.kvflow/seg-*")]
+    for fd in os.listdir("/proc/self/fd"):
+        link = os.readlink(f"/proc/self/fd/{fd}") if os.path.exists(f"/proc/self/fd/{fd}") else ""
+        if "memfd:" in link or "/seg-" in link:
+            targets.append(int(fd))
+    for target in targets:
+        tried += 1
+        try:
+            os.truncate(target, 0)
+            shrunk += 1
+        except OSError:
+            pass
+    print(tried, shrunk, flush=True)
+    sys.stdin.read()
+    t.close()
+"""
+
+VICTIM = """
+    import sys, time
+    import numpy as np
+    from kvflow.layout import DescriptorPlan, Region
+    from kvflow.layout.buffers import region_of
+    from kvflow.protocol.actions import OpKind
+    from kvflow.transports.shm import ShmTransport
+    metadata, base = bytes.fromhex(sys.argv[1]), int(sys.argv[2])
+    size = 1 << 20
+    t = ShmTransport("V")
+    memory = t.allocate(size)
+    t.register_regions([region_of(memory)])
+    t.add_peer("P", metadata, [Region(base, size)])
+    col = lambda v: np.array([v], dtype=np.int64)
+    plan = DescriptorPlan(col(0), col(0), col(0), col(0), col(size), 1)
+
+    def write(op_id):
+        t.submit(op_id, OpKind.WRITE, "P", plan, b"")
+        deadline = time.monotonic() + 60
+        while not (done := t.poll()[0]):
+            assert time.monotonic() < deadline, "no completion"
+            time.sleep(0.001)
+        return done
+
+    print("wrote", write(1), flush=True)
+    sys.stdin.readline()
+    print("wrote", write(2), flush=True)
+    t.close()
+"""
+
+
+def child(code: str, *args: str) -> subprocess.Popen[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code), *args],
+        env=env,
+        text=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
+
+
+@pytest.mark.timeout(180)
+def test_a_peer_shrinking_its_memory_cannot_kill_the_engine_that_mapped_it() -> None:
+    prefix = f"kvflow-shmtest-{uuid.uuid4().hex[:8]}"
+    peer = child(PEER, prefix)
+    assert peer.stdin is not None and peer.stdout is not None
+    metadata, base = peer.stdout.readline().split()
+    victim = child(VICTIM, metadata, base)
+    assert victim.stdin is not None and victim.stdout is not None
+    try:
+        assert victim.stdout.readline().startswith("wrote")  # mapped, and written once
+        peer.stdin.write("shrink\n")
+        peer.stdin.flush()
+        tried, shrunk = map(int, peer.stdout.readline().split())
+        victim.stdin.write("again\n")
+        victim.stdin.flush()
+        second = victim.stdout.readline()
+        victim.stdin.close()
+        code = victim.wait(timeout=60)
+        assert code != -signal.SIGBUS, "the peer's truncation killed the engine that mapped its memory"
+        assert (code, shrunk) == (0, 0) and tried >= 1 and second.startswith("wrote"), second
+    finally:
+        for process in (victim, peer):
+            if process.poll() is None:
+                process.kill()
+            process.wait(timeout=60)
+            for pipe in (process.stdin, process.stdout):
+                if pipe is not None and not pipe.closed:
+                    pipe.close()
+
+
+def test_a_segment_that_is_not_sealed_against_shrinking_is_refused(pair: tuple[ShmTransport, ShmTransport]) -> None:
+    a, b = pair
+    (segment,) = b._segments
+    unsealed = os.memfd_create("unsealed", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(unsealed, SIZE)
+        os.dup2(unsealed, segment.fd)  # b hands out an unsealed file for its segment from now on
+    finally:
+        os.close(unsealed)
+    before = (maps(), fds())
+    with pytest.raises(TransportError, match="not sealed against shrinking"):
+        a.add_peer(b.name, b.local_metadata(), [])
+    assert (maps(), fds()) == before
+
+
+def test_a_write_still_lands_in_a_sealed_segment(pair: tuple[ShmTransport, ShmTransport]) -> None:
+    a, b = pair
+    source = a.allocate(SIZE)
+    source[:] = np.arange(SIZE, dtype=np.uint64).astype(np.uint8)
+    a.register_regions([region_of(source)])
+    (target,) = b._segments
+    a.add_peer(b.name, b.local_metadata(), [region_of(target.view)])
+    a.submit(1, OpKind.WRITE, b.name, whole(SIZE), b"")
+    done: list[Completion] = []
+    assert outcome(lambda: done.extend(_completions(a))) is None
+    assert np.array_equal(target.view, source)
+    with pytest.raises(OSError):
+        os.ftruncate(target.fd, 0)
+
+
 def _completions(endpoint: ShmTransport) -> list[Completion]:
     while not (done := endpoint.poll()[0]):
         threading.Event().wait(0.001)
     return list(done)
+
+
+def test_segments_leave_nothing_in_dev_shm(pair: tuple[ShmTransport, ShmTransport]) -> None:
+    b = pair[1]
+    assert not list(b._files.directory.glob("seg-*"))
+    assert Path("/dev/shm") == SHM_DIR

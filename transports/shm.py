@@ -1,11 +1,12 @@
 """Shared-memory transport: one-sided WRITEs and READs between processes on one host.
 
 Why: engines in different processes need a data plane that moves real bytes without NIXL, for
-tests and for single-host deployments.  KV buffers live in POSIX shared memory (files under
-/dev/shm that both processes map; `kvflow.transports.shm_files` says which, who owns them and
-how a dead owner's are reclaimed).  The initiator copies straight into (or out of) the peer's
-mapping on a worker thread, as an RDMA NIC would; a WRITE's notification then goes to the
-peer's Unix datagram socket, after the bytes.
+tests and for single-host deployments.  KV buffers live in shared memory: sealed memfds that
+both processes map, handed to a peer over the notification socket (`kvflow.transports.shm_peer`
+says why, and what a peer's metadata may advertise; `kvflow.transports.shm_files` which files
+under /dev/shm record who owns an endpoint, and how a dead owner's are reclaimed).  The
+initiator copies straight into (or out of) the peer's mapping on a worker thread, as an RDMA NIC
+would; a WRITE's notification then goes to the peer's Unix datagram socket, after the bytes.
 
 Fencing, as the transport contract requires: each endpoint has a lock file and, per peer, a
 generation counter.  An op takes the *target's* lock shared and checks that the generation it
@@ -18,10 +19,11 @@ A peer's mappings stay alive while a copy into or out of them runs: `remove_peer
 peer removed, waits for the copy in progress to it, and only then unmaps.  An op to a peer whose
 process ended (its owner lock is free) fails instead of writing into memory nobody reads.
 
-Who may talk to whom: segments are 0600 files of this user, opened only if they are regular
-files (never blocking on a FIFO a process of the user left there).  The notification socket is an
-abstract Unix socket, which any local process can reach, so each datagram is checked against
-the credentials the kernel attaches to it (``SO_PASSCRED``): it must come from the pid the peer
+Who may talk to whom: segments are handed only to processes of this user that ask, and the
+files under /dev/shm are 0600 files of this user, opened only if they are regular files (never
+blocking on a FIFO a process of the user left there).  The notification socket is an abstract
+Unix socket, which any local process can reach, so each datagram is checked against the
+credentials the kernel attaches to it (``SO_PASSCRED``): it must come from the pid the peer
 announced in its metadata (exchanged in the authenticated handshake) and from this process's
 uid.  Anything else is dropped and counted in `rejected_notifications`.  Both processes must see
 the same pid namespace; root, which may forge credentials, is not defended against.
@@ -35,7 +37,6 @@ import fcntl
 import os
 import queue
 import socket
-import struct
 import threading
 import uuid
 from collections import deque
@@ -56,8 +57,9 @@ from kvflow.transports.shm_files import (
     EndpointFiles,
     Segment,
     bump_generation,
+    create_segment,
     flock_within,
-    map_segment,
+    map_received,
     open_regular,
     peer_directory,
     read_generation,
@@ -65,15 +67,17 @@ from kvflow.transports.shm_files import (
 from kvflow.transports.shm_peer import (
     DEFAULT_MAX_SEGMENTS,
     PREFIX_CHARACTERS,
+    UCRED,
+    SegmentEntry,
+    answer_request,
     check_metadata,
     host_memory,
     notify_address,
     prefix_ok,
+    receive_segments,
 )
 
 __all__ = ("DEFAULT_MAX_SEGMENTS", "PREFIX_CHARACTERS", "SHM_DIR", "ShmTransport", "prefix_ok")
-
-_UCRED = struct.Struct("iII")  # struct ucred: pid, uid, gid
 
 
 @dataclass(eq=False)
@@ -108,9 +112,10 @@ class ShmTransport:
     `prefix` names this endpoint's files (default: a random one); a process restarted with the
     same prefix and name takes over the files its dead predecessor left.  `fence_timeout` bounds
     how long `remove_peer` waits for a peer's op into this endpoint to finish (and an op for the
-    peer's fence lock, which a hostile peer could hold for ever).  A peer advertising more
-    than `max_peer_segments` segments or `max_peer_bytes` bytes in all (default: the host's
-    memory) is refused.
+    peer's fence lock, which a hostile peer could hold for ever), `attach_timeout` how long
+    `add_peer` waits for the peer to hand over its segments.  A peer advertising more than
+    `max_peer_segments` segments or `max_peer_bytes` bytes in all (default: the host's memory)
+    is refused.
     """
 
     def __init__(
@@ -119,6 +124,7 @@ class ShmTransport:
         *,
         prefix: str | None = None,
         fence_timeout: float = 5.0,
+        attach_timeout: float = 10.0,
         max_peer_segments: int = DEFAULT_MAX_SEGMENTS,
         max_peer_bytes: int | None = None,
     ) -> None:
@@ -132,9 +138,11 @@ class ShmTransport:
         if not prefix_ok(self._id):
             raise ConfigError(f"shared-memory prefix {self._id!r} must be 'kvflow' and up to 64 of {PREFIX_CHARACTERS}")
         self._fence_timeout = fence_timeout
+        self._attach_timeout = attach_timeout
         self._max_segments = max_peer_segments
         self._max_bytes = host_memory() if max_peer_bytes is None else max_peer_bytes
-        for what, value in (("max_peer_segments", max_peer_segments), ("max_peer_bytes", self._max_bytes)):
+        for what, value in (("attach_timeout", attach_timeout), ("max_peer_segments", max_peer_segments),
+                            ("max_peer_bytes", self._max_bytes)):  # fmt: skip
             if not value > 0:
                 raise ConfigError(f"shared-memory {what} must be positive, not {value!r}")
         self._files = EndpointFiles(f"{self._id}-{name}")
@@ -144,12 +152,15 @@ class ShmTransport:
         self._regions: list[Region] = []
         self._peers: dict[str, _Peer] = {}
         self._notify_name = notify_address(self._id, name)
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+        self._answers = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+        self._answers.setblocking(False)  # answering a peer's request for segments never waits
         try:
             self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
             self._sock.bind(self._notify_name)
         except OSError as exc:
             self._sock.close()
+            self._answers.close()
             self._files.close()
             raise TransportError(f"cannot bind the notification socket of {name!r}: {exc}") from exc
         self._sock.settimeout(0.2)
@@ -171,10 +182,13 @@ class ShmTransport:
     def allocate(self, nbytes: int) -> npt.NDArray[np.uint8]:
         """A zeroed byte array in a new shared segment, to build KV buffers (and regions) on.
 
-        :raises TransportError: the segment cannot be created.
+        :raises TransportError: `nbytes` is not a positive integer, or the segment cannot be
+            created.
         """
+        if type(nbytes) is not int or nbytes <= 0:
+            raise TransportError(f"a shared segment needs a positive number of bytes, not {nbytes!r}")
         try:
-            segment = map_segment(self._files.segment_path(len(self._segments)), nbytes, create=True)
+            segment = create_segment(f"{self._id}-{self.name}-seg-{len(self._segments)}", nbytes)
         except OSError as exc:
             raise TransportError(f"cannot create a shared segment of {nbytes} bytes: {exc.strerror}") from exc
         self._segments.append(segment)
@@ -193,7 +207,7 @@ class ShmTransport:
         self._regions.extend(regions)
 
     def local_metadata(self) -> bytes:
-        segments = [[s.path.name, s.base, s.size] for s in list(self._segments)]
+        segments = [[f"seg-{i}", s.base, s.size] for i, s in enumerate(list(self._segments))]
         meta = {"name": self.name, "notify": self._notify_name, "id": self._id, "pid": os.getpid()}
         payload: bytes = msgpack.packb({**meta, "segments": segments}, use_bin_type=True)
         return payload
@@ -203,7 +217,8 @@ class ShmTransport:
     def add_peer(self, name: str, metadata: bytes, regions: Sequence[Region]) -> None:
         """:raises TransportError: the peer's name or metadata is not acceptable (more segments
         or bytes than the bounds, a notification address not its own: `shm_peer.check_metadata`),
-        or its memory or fence files are not regular files of this user or cannot be opened."""
+        its fence files are not regular files of this user or cannot be opened, or it did not
+        hand over sealed segments within `attach_timeout`."""
         problem = engine_id_problem(name)
         if problem is not None:  # the name becomes part of the peer's lock and generation paths
             raise TransportError(f"cannot attach to peer {name!r}: its name {problem}")
@@ -211,17 +226,18 @@ class ShmTransport:
         directory = peer_directory(meta.id, name)
         mapped: list[tuple[int, int, Segment]] = []
         fds: list[int] = []
+
+        def take(entry: SegmentEntry, fd: int) -> None:
+            mapped.append((entry.base, entry.size, map_received(fd, entry.name, entry.size)))
+
         try:
             try:
-                for entry in meta.segments:
-                    mapped.append(
-                        (entry.base, entry.size, map_segment(directory / entry.name, entry.size, create=False))
-                    )
                 fds.append(open_regular(directory / "owner", os.O_RDONLY))
                 fds.append(open_regular(directory / "lock", os.O_RDONLY))
                 fds.append(open_regular(directory / f"gen-{self.name}", os.O_RDWR | os.O_CREAT))
                 fds.append(open_regular(self._files.generation_path(name), os.O_RDWR | os.O_CREAT))
                 generation = read_generation(fds[2])
+                receive_segments(meta, self._attach_timeout, take)
             except (OSError, TransportError) as exc:  # gone, not ours to open, or not what it should be
                 raise TransportError(f"cannot attach to peer {name!r}: {exc}") from exc
             for region in regions:
@@ -307,8 +323,12 @@ class ShmTransport:
         self._worker.join(timeout=5)
         self._reader.join(timeout=5)
         self._sock.close()
+        self._answers.close()
         for peer in peers:
             _release(peer.segments, _files_of(peer))
+        for segment in self._segments:  # its views stay mapped; nobody can ask for it any more
+            with contextlib.suppress(OSError):
+                os.close(segment.fd)
         self._files.close()
 
     # ------------------------------------------------------------------ threads
@@ -355,32 +375,37 @@ class ShmTransport:
             fcntl.flock(op.peer.lock_fd, fcntl.LOCK_UN)
 
     def _read(self) -> None:
-        space = socket.CMSG_SPACE(_UCRED.size)
+        space = socket.CMSG_SPACE(UCRED.size)
         uid = os.getuid()
         while not self._closed:
             try:
-                data, ancillary, _, _ = self._sock.recvmsg(65536, space)
+                data, ancillary, _, address = self._sock.recvmsg(65536, space)
             except TimeoutError:
                 continue
             except OSError:
                 return
             pid = next(
                 (
-                    _UCRED.unpack(payload[: _UCRED.size])
+                    UCRED.unpack(payload[: UCRED.size])
                     for level, kind, payload in ancillary
-                    if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS and len(payload) >= _UCRED.size
+                    if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS and len(payload) >= UCRED.size
                 ),
                 (0, -1, -1),
             )
             try:
-                sender, payload = msgpack.unpackb(data, raw=False, max_ext_len=0)
-            except Exception:
-                sender, payload = None, None  # not one of ours
+                message = msgpack.unpackb(data, raw=False, max_ext_len=0)
+            except Exception:  # whatever msgpack raises: not one of ours
+                message = None
+            if isinstance(message, dict) and pid[1] == uid:  # a process of this user asks for segments
+                answer_request(self._answers, address, message, self._segments)
+                continue
+            sender, payload = message if isinstance(message, list) and len(message) == 2 else (None, None)
             with self._state:  # atomic with remove_peer: nothing of a removed peer is queued after it
                 peer = self._peers.get(sender) if isinstance(sender, str) else None
-                genuine = peer is not None and isinstance(payload, bytes) and pid[:2] == (peer.pid, uid)
-                if genuine:
-                    self._notifications.append(Notification(sender, payload))
+                genuine = False
+                if peer is not None and isinstance(payload, bytes) and pid[:2] == (peer.pid, uid):
+                    self._notifications.append(Notification(peer.name, payload))
+                    genuine = True
                 else:
                     self.rejected_notifications += 1
             if genuine:

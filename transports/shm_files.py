@@ -8,8 +8,13 @@ Each endpoint keeps everything in one directory, ``/dev/shm/<prefix>-<name>.kvfl
   kernel drops the lock when the process dies, so "the lock can be taken" means "the owner is
   dead" (a child forked without exec inherits the lock and keeps the directory alive with it);
 * ``lock``: the fence lock peers take shared around each op, and the owner exclusively to fence;
-* ``gen-<initiator>``: the owner's fence generation for each initiator, 8 bytes;
-* ``seg-<n>``: the KV segments.
+* ``gen-<initiator>``: the owner's fence generation for each initiator, 8 bytes.
+
+The KV segments are not files there but sealed memfds (`create_segment`, `map_received`): a
+file under /dev/shm can be shrunk by its owner or any process of the user, and the next copy
+into a mapping of the vanished pages kills the process that mapped it with SIGBUS.  A memfd
+sealed with ``F_SEAL_SHRINK`` cannot shrink, and it vanishes with the last process that holds
+or maps it, so a killed endpoint leaves no KV memory behind for reclaim to find.
 
 Creating a directory and reclaiming dead ones happen under one lock file per user,
 ``/dev/shm/kvflow-<uid>.reclaim`` (never removed: it is what makes the two exclusive), so a
@@ -49,8 +54,9 @@ __all__ = (
     "EndpointFiles",
     "Segment",
     "bump_generation",
+    "create_segment",
     "flock_within",
-    "map_segment",
+    "map_received",
     "open_regular",
     "peer_directory",
     "read_generation",
@@ -62,16 +68,18 @@ SUFFIX = ".kvflow"
 _SEGMENT = re.compile(r"seg-(0|[1-9][0-9]{0,5})")  # one name per index
 _GENERATION = struct.Struct("<Q")
 _NEVER_BLOCK = os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NOCTTY
+_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 log = logging.getLogger("kvflow.shm")
 
 
 @dataclass(eq=False)
 class Segment:
-    path: Path
+    name: str
     size: int
     mapping: mmap.mmap
     view: npt.NDArray[np.uint8]
+    fd: int = -1  # an endpoint's own segment: the sealed memfd, to hand to its peers
 
     @property
     def base(self) -> int:
@@ -80,10 +88,14 @@ class Segment:
     def close(self) -> None:
         del self.view
         self.mapping.close()
+        if self.fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
+            self.fd = -1
 
 
 def segment_name_ok(name: object) -> bool:
-    """Whether a peer's segment name is one `EndpointFiles.segment_path` makes (no path tricks)."""
+    """Whether a peer's segment name is one an endpoint gives its segments ("seg-<index>")."""
     return isinstance(name, str) and _SEGMENT.fullmatch(name) is not None
 
 
@@ -118,24 +130,44 @@ def open_regular(path: Path, flags: int) -> int:
     return fd
 
 
-def map_segment(path: Path, size: int, *, create: bool) -> Segment:
-    """Map `size` bytes of the segment file `path`, creating it (0600) when `create`.
+def create_segment(name: str, size: int) -> Segment:
+    """A new segment of `size` bytes: a memfd `name` (as /proc shows it) sealed against shrinking
+    and growing, mapped.
 
-    :raises OSError: the file cannot be opened, created or mapped.
-    :raises TransportError: an existing segment is smaller than `size`, or not a regular file
-        of this user.
+    :raises OSError: the kernel refuses the memfd, its size or the mapping.
     """
-    flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-    fd = open_regular(path, flags)
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
-        if create:
-            os.ftruncate(fd, size)
-        elif os.fstat(fd).st_size < size:
-            raise TransportError(f"shared segment {path.name} is smaller than advertised")
+        os.ftruncate(fd, size)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
         mapping = mmap.mmap(fd, size)
-    finally:
+    except BaseException:
         os.close(fd)
-    return Segment(path, size, mapping, np.frombuffer(mapping, dtype=np.uint8))
+        raise
+    return Segment(name, size, mapping, np.frombuffer(mapping, dtype=np.uint8), fd)
+
+
+def map_received(fd: int, name: str, size: int) -> Segment:
+    """Map `size` bytes of the peer's segment `name`, the descriptor `fd` it handed over (left
+    open), once it is known not to shrink under the mapping.
+
+    :raises TransportError: `fd` is not a regular file of this user, is not sealed against
+        shrinking (``F_SEAL_SHRINK``), or is smaller than `size`.
+    :raises OSError: it cannot be mapped.
+    """
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
+        raise TransportError(f"segment {name} is {_kind(info.st_mode)}, not a regular file of this user")
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:
+        seals = 0  # a file that cannot be sealed at all
+    if not seals & fcntl.F_SEAL_SHRINK:
+        raise TransportError(f"segment {name} is not sealed against shrinking")
+    if info.st_size < size:
+        raise TransportError(f"segment {name} is smaller than advertised ({info.st_size} < {size} bytes)")
+    mapping = mmap.mmap(fd, size)
+    return Segment(name, size, mapping, np.frombuffer(mapping, dtype=np.uint8))
 
 
 def read_generation(fd: int) -> int:
@@ -277,9 +309,6 @@ class EndpointFiles:
                 os.close(fd)
             raise TransportError(f"cannot create {self.directory}: {exc}") from exc
         self._owner, self.lock_fd = fds
-
-    def segment_path(self, index: int) -> Path:
-        return self.directory / f"seg-{index}"
 
     def generation_path(self, initiator: str) -> Path:
         return self.directory / f"gen-{initiator}"
