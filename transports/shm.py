@@ -327,8 +327,9 @@ class ShmTransport:
         for peer in peers:
             _release(peer.segments, _files_of(peer))
         for segment in self._segments:  # its views stay mapped; nobody can ask for it any more
+            fd, segment.fd = segment.fd, -1
             with contextlib.suppress(OSError):
-                os.close(segment.fd)
+                os.close(fd)
         self._files.close()
 
     # ------------------------------------------------------------------ threads
