@@ -167,6 +167,22 @@ def test_a_peer_file_that_is_not_a_regular_file_refuses_the_peer_without_blockin
     assert path.name in str(refused) and ("regular file" in str(refused) or "symbolic link" in str(refused))
 
 
+def test_a_peer_directory_that_is_a_symbolic_link_refuses_the_peer(pair: tuple[ShmTransport, ShmTransport]) -> None:
+    a, b = pair
+    real = b._files.directory
+    moved = real.with_name(f"{real.name}-moved")
+    real.rename(moved)  # b keeps its descriptors; a newcomer finds a link where its directory was
+    real.symlink_to(moved)
+    try:
+        before = (maps(), fds())
+        with pytest.raises(TransportError, match="is a symbolic link") as refused:
+            a.add_peer(b.name, b.local_metadata(), [])
+        assert real.name in str(refused.value) and (maps(), fds()) == before
+    finally:
+        real.unlink()
+        moved.rename(real)
+
+
 @pytest.fixture
 def private_shm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A /dev/shm of this test's own: what is planted there cannot disturb another kvflow start."""

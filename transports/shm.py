@@ -60,6 +60,7 @@ from kvflow.transports.shm_files import (
     create_segment,
     flock_within,
     map_received,
+    open_directory,
     open_regular,
     peer_directory,
     read_generation,
@@ -232,9 +233,13 @@ class ShmTransport:
 
         try:
             try:
-                fds.append(open_regular(directory / "owner", os.O_RDONLY))
-                fds.append(open_regular(directory / "lock", os.O_RDONLY))
-                fds.append(open_regular(directory / f"gen-{self.name}", os.O_RDWR | os.O_CREAT))
+                folder = open_directory(directory)  # its files are opened through it: no link swapped in
+                try:
+                    for file, flags in (("owner", os.O_RDONLY), ("lock", os.O_RDONLY),
+                                        (f"gen-{self.name}", os.O_RDWR | os.O_CREAT)):  # fmt: skip
+                        fds.append(open_regular(directory / file, flags, directory=folder))
+                finally:
+                    os.close(folder)
                 fds.append(open_regular(self._files.generation_path(name), os.O_RDWR | os.O_CREAT))
                 generation = read_generation(fds[2])
                 receive_segments(meta, self._attach_timeout, take)

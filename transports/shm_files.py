@@ -40,6 +40,7 @@ import shutil
 import stat
 import struct
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,6 +58,7 @@ __all__ = (
     "create_segment",
     "flock_within",
     "map_received",
+    "open_directory",
     "open_regular",
     "peer_directory",
     "read_generation",
@@ -100,34 +102,60 @@ def segment_name_ok(name: object) -> bool:
 
 
 def _kind(mode: int) -> str:
-    kinds = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISDIR, "a directory"), (stat.S_ISSOCK, "a socket"))
+    kinds = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISDIR, "a directory"), (stat.S_ISSOCK, "a socket"),
+             (stat.S_ISLNK, "a symbolic link"))  # fmt: skip
     return next((what for test, what in kinds if test(mode)), "a device" if not stat.S_ISREG(mode) else "a file")
 
 
-def open_regular(path: Path, flags: int) -> int:
+def open_regular(path: Path, flags: int, *, directory: int | None = None) -> int:
     """Open `path` with `flags` (and mode 0600 if it is created), only if it is a regular file of
     this user: a symbolic link is not followed, and nothing (a FIFO) can make the open block.
+    With `directory` (a descriptor from `open_directory`), `path` is its entry `path.name`.
 
     :raises TransportError: `path` is a symbolic link, or not a regular file of this user (the
         message names it and what it is).
     :raises OSError: it cannot be opened (it does not exist, say).
     """
+    fd = _open(path, path if directory is None else path.name, flags, directory)
+    return _open_checked(path, fd, stat.S_ISREG)
+
+
+def open_directory(path: Path) -> int:
+    """A descriptor of the directory `path`, only if it is one of this user and not a symbolic
+    link, for `open_regular` to open its files through (a link swapped in later is not followed).
+
+    :raises TransportError: `path` is a symbolic link, or not a directory of this user.
+    :raises OSError: it cannot be opened (it does not exist, say).
+    """
     try:
-        fd = os.open(path, flags | _NEVER_BLOCK, 0o600)
+        fd = _open(path, path, os.O_RDONLY | os.O_DIRECTORY, None)
+    except NotADirectoryError:
+        raise TransportError(f"{path} is {_kind(path.lstat().st_mode)}, not a directory of this user") from None
+    return _open_checked(path, fd, stat.S_ISDIR)
+
+
+def _open(path: Path, name: Path | str, flags: int, directory: int | None) -> int:
+    try:
+        return os.open(name, flags | _NEVER_BLOCK, 0o600, dir_fd=directory)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
-            raise TransportError(f"{path} is a symbolic link, not a regular file of this user") from None
+            raise TransportError(f"{path} is a symbolic link, not what an endpoint makes") from None
         raise
+
+
+def _open_checked(path: Path, opened: int, kind: Callable[[int], bool]) -> int:
+    """`opened`, the descriptor of `path`, if it is of `kind` and this user's; else closed."""
     try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise TransportError(f"{path} is {_kind(info.st_mode)}, not a regular file of this user")
+        info = os.fstat(opened)
+        what = "a regular file" if kind is stat.S_ISREG else "a directory"
+        if not kind(info.st_mode):
+            raise TransportError(f"{path} is {_kind(info.st_mode)}, not {what} of this user")
         if info.st_uid != os.getuid():
-            raise TransportError(f"{path} belongs to user {info.st_uid}, not a regular file of this user")
+            raise TransportError(f"{path} belongs to user {info.st_uid}, not {what} of this user")
     except BaseException:
-        os.close(fd)
+        os.close(opened)
         raise
-    return fd
+    return opened
 
 
 def create_segment(name: str, size: int) -> Segment:
