@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import gc
 import os
 import signal
 import subprocess
@@ -46,14 +47,13 @@ def pair() -> Iterator[tuple[ShmTransport, ShmTransport]]:
     b.close()
 
 
-def maps() -> int:
-    """Mappings of shared memory (kvflow's memfds, or files under /dev/shm) in this process."""
+def held() -> tuple[int, int]:
+    """Mappings of shared memory (kvflow's memfds, or files under /dev/shm) and descriptors this
+    process holds, once what earlier tests left for the garbage collector is gone."""
+    gc.collect()
     with open("/proc/self/maps") as lines:
-        return sum(1 for line in lines if "/memfd:" in line or "/dev/shm/" in line)
-
-
-def fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
+        mappings = sum(1 for line in lines if "/memfd:" in line or "/dev/shm/" in line)
+    return mappings, len(os.listdir("/proc/self/fd"))
 
 
 def outcome(call: Callable[[], object]) -> BaseException | None:
@@ -94,10 +94,10 @@ def test_a_hello_advertising_19000_segments_is_refused_before_anything_is_mapped
     meta = msgpack.unpackb(b.local_metadata())
     ((name, base, size),) = meta["segments"]
     hostile = msgpack.packb(dict(meta, segments=[[name, base, size]] * 19_000))
-    before = (maps(), fds())
+    before = held()
     with pytest.raises(TransportError, match="19000 segments"):
         a.add_peer(b.name, hostile, [])
-    assert (maps(), fds()) == before
+    assert held() == before
 
 
 def test_a_peer_advertising_more_bytes_than_the_bound_is_refused() -> None:
@@ -174,10 +174,10 @@ def test_a_peer_directory_that_is_a_symbolic_link_refuses_the_peer(pair: tuple[S
     real.rename(moved)  # b keeps its descriptors; a newcomer finds a link where its directory was
     real.symlink_to(moved)
     try:
-        before = (maps(), fds())
+        before = held()
         with pytest.raises(TransportError, match="is a symbolic link") as refused:
             a.add_peer(b.name, b.local_metadata(), [])
-        assert real.name in str(refused.value) and (maps(), fds()) == before
+        assert real.name in str(refused.value) and held() == before
     finally:
         real.unlink()
         moved.rename(real)
@@ -369,10 +369,10 @@ def test_a_segment_that_is_not_sealed_against_shrinking_is_refused(pair: tuple[S
         os.dup2(unsealed, segment.fd)  # b hands out an unsealed file for its segment from now on
     finally:
         os.close(unsealed)
-    before = (maps(), fds())
+    before = held()
     with pytest.raises(TransportError, match="not sealed against shrinking"):
         a.add_peer(b.name, b.local_metadata(), [])
-    assert (maps(), fds()) == before
+    assert held() == before
 
 
 def test_a_write_still_lands_in_a_sealed_segment(pair: tuple[ShmTransport, ShmTransport]) -> None:
