@@ -194,9 +194,8 @@ def test_shm_refuses_metadata_of_another_shape_or_a_vanished_segment() -> None:
             with pytest.raises(TransportError, match=refusal):
                 ends.a.add_peer(ends.b.name, msgpack.packb(changed), ends.b_layout.regions)
         vanished = dict(meta, segments=[["seg-999", base, size]])
-        with pytest.raises(TransportError, match="No such file") as caught:
+        with pytest.raises(TransportError, match="has no segment seg-999"):
             ends.a.add_peer(ends.b.name, msgpack.packb(vanished), ends.b_layout.regions)
-        assert isinstance(caught.value.__cause__, FileNotFoundError)
     finally:
         for close in ends.closers:
             close()

@@ -1,11 +1,12 @@
 """Shared-memory transport: one-sided WRITEs and READs between processes on one host.
 
 Why: engines in different processes need a data plane that moves real bytes without NIXL, for
-tests and for single-host deployments.  KV buffers live in POSIX shared memory (files under
-/dev/shm that both processes map; `kvflow.transports.shm_files` says which, who owns them and
-how a dead owner's are reclaimed).  The initiator copies straight into (or out of) the peer's
-mapping on a worker thread, as an RDMA NIC would; a WRITE's notification then goes to the
-peer's Unix datagram socket, after the bytes.
+tests and for single-host deployments.  KV buffers live in shared memory: sealed memfds that
+both processes map, handed to a peer over the notification socket (`kvflow.transports.shm_peer`
+says why, and what a peer's metadata may advertise; `kvflow.transports.shm_files` which files
+under /dev/shm record who owns an endpoint, and how a dead owner's are reclaimed).  The
+initiator copies straight into (or out of) the peer's mapping on a worker thread, as an RDMA NIC
+would; a WRITE's notification then goes to the peer's Unix datagram socket, after the bytes.
 
 Fencing, as the transport contract requires: each endpoint has a lock file and, per peer, a
 generation counter.  An op takes the *target's* lock shared and checks that the generation it
@@ -18,9 +19,11 @@ A peer's mappings stay alive while a copy into or out of them runs: `remove_peer
 peer removed, waits for the copy in progress to it, and only then unmaps.  An op to a peer whose
 process ended (its owner lock is free) fails instead of writing into memory nobody reads.
 
-Who may talk to whom: segments are 0600 files of this user.  The notification socket is an
-abstract Unix socket, which any local process can reach, so each datagram is checked against
-the credentials the kernel attaches to it (``SO_PASSCRED``): it must come from the pid the peer
+Who may talk to whom: segments are handed only to processes of this user that ask, and the
+files under /dev/shm are 0600 files of this user, opened only if they are regular files (never
+blocking on a FIFO a process of the user left there).  The notification socket is an abstract
+Unix socket, which any local process can reach, so each datagram is checked against the
+credentials the kernel attaches to it (``SO_PASSCRED``): it must come from the pid the peer
 announced in its metadata (exchanged in the authenticated handshake) and from this process's
 uid.  Anything else is dropped and counted in `rejected_notifications`.  Both processes must see
 the same pid namespace; root, which may forge credentials, is not defended against.
@@ -33,16 +36,12 @@ import ctypes
 import fcntl
 import os
 import queue
-import re
 import socket
-import struct
 import threading
-import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TypeGuard
 
 import msgpack
 import numpy as np
@@ -58,15 +57,28 @@ from kvflow.transports.shm_files import (
     EndpointFiles,
     Segment,
     bump_generation,
-    map_segment,
+    create_segment,
+    flock_within,
+    map_received,
+    open_directory,
+    open_regular,
     peer_directory,
     read_generation,
-    segment_name_ok,
+)
+from kvflow.transports.shm_peer import (
+    DEFAULT_MAX_SEGMENTS,
+    PREFIX_CHARACTERS,
+    UCRED,
+    SegmentEntry,
+    answer_request,
+    check_metadata,
+    host_memory,
+    notify_address,
+    prefix_ok,
+    receive_segments,
 )
 
-__all__ = ("SHM_DIR", "ShmTransport")
-
-_UCRED = struct.Struct("iII")  # struct ucred: pid, uid, gid
+__all__ = ("DEFAULT_MAX_SEGMENTS", "PREFIX_CHARACTERS", "SHM_DIR", "ShmTransport", "prefix_ok")
 
 
 @dataclass(eq=False)
@@ -95,61 +107,31 @@ class _Op:
     cancelled: bool = False
 
 
-PREFIX_CHARACTERS = "letters, digits and . _ -"
-_PREFIX = re.compile(r"kvflow[A-Za-z0-9._-]{0,64}", re.ASCII)
-
-
-def prefix_ok(prefix: object) -> TypeGuard[str]:
-    """Whether `prefix` can start this endpoint's (or a peer's) file names: "kvflow" and plain
-    characters, so that no path built from it leaves /dev/shm or holds a NUL."""
-    return isinstance(prefix, str) and _PREFIX.fullmatch(prefix) is not None
-
-
-def _peer_metadata(name: str, metadata: bytes) -> tuple[str, str, int, list[tuple[str, int, int]]]:
-    """Check what `local_metadata` of endpoint `name` produced: (id, notify socket, pid, segments).
-
-    :raises TransportError: anything else (not msgpack, another shape, another endpoint's).
-    """
-
-    def refuse(why: str) -> TransportError:
-        return TransportError(f"cannot attach to peer {name!r}: {why}")
-
-    try:
-        meta = msgpack.unpackb(metadata, raw=False, max_ext_len=0)
-    except (ValueError, msgpack.UnpackException) as exc:  # what msgpack raises for bytes it cannot read
-        raise refuse(f"metadata is not msgpack ({type(exc).__name__})") from exc
-    if not isinstance(meta, dict) or meta.get("name") != name:
-        raise refuse("metadata names another endpoint")
-    peer_id, notify, pid, segs = meta.get("id"), meta.get("notify"), meta.get("pid"), meta.get("segments")
-    if not prefix_ok(peer_id):  # it becomes part of a path: a NUL or "/" would break out of it
-        raise refuse("metadata names another endpoint")
-    if not isinstance(notify, str) or not isinstance(segs, list):
-        raise refuse("metadata lacks the notification socket or the segments")
-    if type(pid) is not int or pid <= 0:
-        raise refuse("metadata lacks the process id")
-    out = []
-    for seg in segs:
-        numbers = isinstance(seg, list) and len(seg) == 3 and type(seg[1]) is int and type(seg[2]) is int
-        if not numbers or seg[1] < 0 or seg[2] <= 0:
-            raise refuse(f"segment {seg!r} is not [name, base, size > 0]")
-        seg_name, base, size = seg
-        if not segment_name_ok(seg_name):
-            raise refuse(f"segment {seg_name!r} is not the peer's")
-        out.append((seg_name, base, size))
-    return peer_id, notify, pid, out
-
-
 class ShmTransport:
     """Endpoint `name` of the shared-memory transport.  Allocate KV buffers with `allocate`.
 
     `prefix` names this endpoint's files (default: a random one); a process restarted with the
     same prefix and name takes over the files its dead predecessor left.  `fence_timeout` bounds
-    how long `remove_peer` waits for a peer's op into this endpoint to finish.
+    how long `remove_peer` waits for a peer's op into this endpoint to finish (and an op for the
+    peer's fence lock, which a hostile peer could hold for ever), `attach_timeout` how long
+    `add_peer` waits for the peer to hand over its segments.  A peer advertising more than
+    `max_peer_segments` segments or `max_peer_bytes` bytes in all (default: the host's memory)
+    is refused.
     """
 
-    def __init__(self, name: str, *, prefix: str | None = None, fence_timeout: float = 5.0) -> None:
-        """:raises ConfigError: `name` is not a valid engine id, or `prefix` is not "kvflow" and
-            plain characters (`prefix_ok`: both become part of file names).
+    def __init__(
+        self,
+        name: str,
+        *,
+        prefix: str | None = None,
+        fence_timeout: float = 5.0,
+        attach_timeout: float = 10.0,
+        max_peer_segments: int = DEFAULT_MAX_SEGMENTS,
+        max_peer_bytes: int | None = None,
+    ) -> None:
+        """:raises ConfigError: `name` is not a valid engine id, `prefix` is not "kvflow" and
+            plain characters (`prefix_ok`: both become part of file names), or a bound is not a
+            positive number.
         :raises TransportError: a live endpoint has this prefix and name, or /dev/shm refuses.
         """
         self.name = require_engine_id(name)
@@ -157,19 +139,29 @@ class ShmTransport:
         if not prefix_ok(self._id):
             raise ConfigError(f"shared-memory prefix {self._id!r} must be 'kvflow' and up to 64 of {PREFIX_CHARACTERS}")
         self._fence_timeout = fence_timeout
+        self._attach_timeout = attach_timeout
+        self._max_segments = max_peer_segments
+        self._max_bytes = host_memory() if max_peer_bytes is None else max_peer_bytes
+        for what, value in (("attach_timeout", attach_timeout), ("max_peer_segments", max_peer_segments),
+                            ("max_peer_bytes", self._max_bytes)):  # fmt: skip
+            if not value > 0:
+                raise ConfigError(f"shared-memory {what} must be positive, not {value!r}")
         self._files = EndpointFiles(f"{self._id}-{name}")
         self.reclaimed = self._files.reclaimed  # dead endpoints' directories removed on start
         self.rejected_notifications = 0  # datagrams dropped: not from a peer's announced process
         self._segments: list[Segment] = []
         self._regions: list[Region] = []
         self._peers: dict[str, _Peer] = {}
-        self._notify_name = f"\0{self._id}-{name}-notify"
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._notify_name = notify_address(self._id, name)
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+        self._answers = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+        self._answers.setblocking(False)  # answering a peer's request for segments never waits
         try:
             self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
             self._sock.bind(self._notify_name)
         except OSError as exc:
             self._sock.close()
+            self._answers.close()
             self._files.close()
             raise TransportError(f"cannot bind the notification socket of {name!r}: {exc}") from exc
         self._sock.settimeout(0.2)
@@ -191,10 +183,13 @@ class ShmTransport:
     def allocate(self, nbytes: int) -> npt.NDArray[np.uint8]:
         """A zeroed byte array in a new shared segment, to build KV buffers (and regions) on.
 
-        :raises TransportError: the segment cannot be created.
+        :raises TransportError: `nbytes` is not a positive integer, or the segment cannot be
+            created.
         """
+        if type(nbytes) is not int or nbytes <= 0:
+            raise TransportError(f"a shared segment needs a positive number of bytes, not {nbytes!r}")
         try:
-            segment = map_segment(self._files.segment_path(len(self._segments)), nbytes, create=True)
+            segment = create_segment(f"{self._id}-{self.name}-seg-{len(self._segments)}", nbytes)
         except OSError as exc:
             raise TransportError(f"cannot create a shared segment of {nbytes} bytes: {exc.strerror}") from exc
         self._segments.append(segment)
@@ -213,7 +208,7 @@ class ShmTransport:
         self._regions.extend(regions)
 
     def local_metadata(self) -> bytes:
-        segments = [[s.path.name, s.base, s.size] for s in list(self._segments)]
+        segments = [[f"seg-{i}", s.base, s.size] for i, s in enumerate(list(self._segments))]
         meta = {"name": self.name, "notify": self._notify_name, "id": self._id, "pid": os.getpid()}
         payload: bytes = msgpack.packb({**meta, "segments": segments}, use_bin_type=True)
         return payload
@@ -221,25 +216,34 @@ class ShmTransport:
     # ------------------------------------------------------------------ peers
 
     def add_peer(self, name: str, metadata: bytes, regions: Sequence[Region]) -> None:
-        """:raises TransportError: the peer's name or metadata is not acceptable, or its memory
-        or fence files cannot be opened."""
+        """:raises TransportError: the peer's name or metadata is not acceptable (more segments
+        or bytes than the bounds, a notification address not its own: `shm_peer.check_metadata`),
+        its fence files are not regular files of this user or cannot be opened, or it did not
+        hand over sealed segments within `attach_timeout`."""
         problem = engine_id_problem(name)
         if problem is not None:  # the name becomes part of the peer's lock and generation paths
             raise TransportError(f"cannot attach to peer {name!r}: its name {problem}")
-        peer_id, notify, pid, segs = _peer_metadata(name, metadata)
-        directory = peer_directory(peer_id, name)
+        meta = check_metadata(name, metadata, self._max_segments, self._max_bytes)
+        directory = peer_directory(meta.id, name)
         mapped: list[tuple[int, int, Segment]] = []
         fds: list[int] = []
+
+        def take(entry: SegmentEntry, fd: int) -> None:
+            mapped.append((entry.base, entry.size, map_received(fd, entry.name, entry.size)))
+
         try:
             try:
-                for seg_name, base, size in segs:
-                    mapped.append((base, size, map_segment(directory / seg_name, size, create=False)))
-                fds.append(os.open(directory / "owner", os.O_RDONLY))
-                fds.append(os.open(directory / "lock", os.O_RDONLY))
-                fds.append(os.open(directory / f"gen-{self.name}", os.O_RDWR | os.O_CREAT, 0o600))
-                fds.append(os.open(self._files.generation_path(name), os.O_RDWR | os.O_CREAT, 0o600))
+                folder = open_directory(directory)  # its files are opened through it: no link swapped in
+                try:
+                    for file, flags in (("owner", os.O_RDONLY), ("lock", os.O_RDONLY),
+                                        (f"gen-{self.name}", os.O_RDWR | os.O_CREAT)):  # fmt: skip
+                        fds.append(open_regular(directory / file, flags, directory=folder))
+                finally:
+                    os.close(folder)
+                fds.append(open_regular(self._files.generation_path(name), os.O_RDWR | os.O_CREAT))
                 generation = read_generation(fds[2])
-            except OSError as exc:  # the segment is gone, or not ours to open
+                receive_segments(meta, self._attach_timeout, take)
+            except (OSError, TransportError) as exc:  # gone, not ours to open, or not what it should be
                 raise TransportError(f"cannot attach to peer {name!r}: {exc}") from exc
             for region in regions:
                 if not any(b <= region.base and region.base + region.length <= b + n for b, n, _ in mapped):
@@ -248,7 +252,7 @@ class ShmTransport:
             _release(mapped, fds)
             raise
         owner, lock, gen, fence = fds
-        peer = _Peer(name, notify, pid, owner, lock, gen, generation, mapped, list(regions), fence_fd=fence)
+        peer = _Peer(name, meta.notify, meta.pid, owner, lock, gen, generation, mapped, list(regions), fence_fd=fence)
         with self._state:
             if self._closed:
                 _release(mapped, fds)
@@ -324,8 +328,13 @@ class ShmTransport:
         self._worker.join(timeout=5)
         self._reader.join(timeout=5)
         self._sock.close()
+        self._answers.close()
         for peer in peers:
             _release(peer.segments, _files_of(peer))
+        for segment in self._segments:  # its views stay mapped; nobody can ask for it any more
+            fd, segment.fd = segment.fd, -1
+            with contextlib.suppress(OSError):
+                os.close(fd)
         self._files.close()
 
     # ------------------------------------------------------------------ threads
@@ -361,7 +370,8 @@ class ShmTransport:
         else:
             fcntl.flock(op.peer.owner_fd, fcntl.LOCK_UN)
             raise TransportError(f"peer {op.peer.name!r} is gone (its process ended)")
-        fcntl.flock(op.peer.lock_fd, fcntl.LOCK_SH)
+        if not flock_within(op.peer.lock_fd, fcntl.LOCK_SH, self._fence_timeout):
+            raise TransportError(f"peer {op.peer.name!r} held its fence lock past the fence timeout")
         try:
             if read_generation(op.peer.gen_fd) != op.peer.generation:
                 raise TransportError(f"peer {op.peer.name!r} has fenced this endpoint")
@@ -371,32 +381,37 @@ class ShmTransport:
             fcntl.flock(op.peer.lock_fd, fcntl.LOCK_UN)
 
     def _read(self) -> None:
-        space = socket.CMSG_SPACE(_UCRED.size)
+        space = socket.CMSG_SPACE(UCRED.size)
         uid = os.getuid()
         while not self._closed:
             try:
-                data, ancillary, _, _ = self._sock.recvmsg(65536, space)
+                data, ancillary, _, address = self._sock.recvmsg(65536, space)
             except TimeoutError:
                 continue
             except OSError:
                 return
             pid = next(
                 (
-                    _UCRED.unpack(payload[: _UCRED.size])
+                    UCRED.unpack(payload[: UCRED.size])
                     for level, kind, payload in ancillary
-                    if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS and len(payload) >= _UCRED.size
+                    if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS and len(payload) >= UCRED.size
                 ),
                 (0, -1, -1),
             )
             try:
-                sender, payload = msgpack.unpackb(data, raw=False, max_ext_len=0)
-            except Exception:
-                sender, payload = None, None  # not one of ours
+                message = msgpack.unpackb(data, raw=False, max_ext_len=0)
+            except Exception:  # whatever msgpack raises: not one of ours
+                message = None
+            if isinstance(message, dict) and pid[1] == uid:  # a process of this user asks for segments
+                answer_request(self._answers, address, message, self._segments)
+                continue
+            sender, payload = message if isinstance(message, list) and len(message) == 2 else (None, None)
             with self._state:  # atomic with remove_peer: nothing of a removed peer is queued after it
                 peer = self._peers.get(sender) if isinstance(sender, str) else None
-                genuine = peer is not None and isinstance(payload, bytes) and pid[:2] == (peer.pid, uid)
-                if genuine:
-                    self._notifications.append(Notification(sender, payload))
+                genuine = False
+                if peer is not None and isinstance(payload, bytes) and pid[:2] == (peer.pid, uid):
+                    self._notifications.append(Notification(peer.name, payload))
+                    genuine = True
                 else:
                     self.rejected_notifications += 1
             if genuine:
@@ -414,27 +429,19 @@ class ShmTransport:
             self._copy_done.wait()
 
     def _fence(self, name: str, peer: _Peer | None) -> None:
-        deadline = time.monotonic() + self._fence_timeout
-        pause = 0.0001
-        while True:
-            try:
-                fcntl.flock(self._files.lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise TransportError(f"peer {name!r} kept an op into this memory past the fence timeout") from None
-                time.sleep(pause)  # a peer's copy into this memory is running: it ends, or the peer dies
-                pause = min(pause * 2, 0.01)
+        # a peer's copy into this memory may be running: it ends, or the peer dies
+        if not flock_within(self._files.lock_fd, fcntl.LOCK_EX, self._fence_timeout):
+            raise TransportError(f"peer {name!r} kept an op into this memory past the fence timeout")
         try:
             if peer is not None:
                 bump_generation(peer.fence_fd)
             else:
-                fd = os.open(self._files.generation_path(name), os.O_RDWR | os.O_CREAT, 0o600)
+                fd = open_regular(self._files.generation_path(name), os.O_RDWR | os.O_CREAT)
                 try:
                     bump_generation(fd)
                 finally:
                     os.close(fd)
-        except OSError as exc:
+        except (OSError, TransportError) as exc:
             raise TransportError(f"cannot fence {name!r}: {exc}") from exc
         finally:
             fcntl.flock(self._files.lock_fd, fcntl.LOCK_UN)

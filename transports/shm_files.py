@@ -8,13 +8,23 @@ Each endpoint keeps everything in one directory, ``/dev/shm/<prefix>-<name>.kvfl
   kernel drops the lock when the process dies, so "the lock can be taken" means "the owner is
   dead" (a child forked without exec inherits the lock and keeps the directory alive with it);
 * ``lock``: the fence lock peers take shared around each op, and the owner exclusively to fence;
-* ``gen-<initiator>``: the owner's fence generation for each initiator, 8 bytes;
-* ``seg-<n>``: the KV segments.
+* ``gen-<initiator>``: the owner's fence generation for each initiator, 8 bytes.
+
+The KV segments are not files there but sealed memfds (`create_segment`, `map_received`): a
+file under /dev/shm can be shrunk by its owner or any process of the user, and the next copy
+into a mapping of the vanished pages kills the process that mapped it with SIGBUS.  A memfd
+sealed with ``F_SEAL_SHRINK`` cannot shrink, and it vanishes with the last process that holds
+or maps it, so a killed endpoint leaves no KV memory behind for reclaim to find.
 
 Creating a directory and reclaiming dead ones happen under one lock file per user,
 ``/dev/shm/kvflow-<uid>.reclaim`` (never removed: it is what makes the two exclusive), so a
 directory is never seen half made: one with no ``owner`` file was left by a creator that died.
 Every start reclaims the directories of this user whose owner is dead; `close` removes its own.
+
+Any process of the user can put anything in /dev/shm, so every file here is opened with
+`open_regular`: never following a link, never blocking (opening a FIFO for reading waits for a
+writer forever), and refused unless it is a regular file of this user.  A directory whose
+``owner`` is something else was not made by an endpoint: reclaim removes it, saying so.
 """
 
 from __future__ import annotations
@@ -22,12 +32,15 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import logging
 import mmap
 import os
 import re
 import shutil
+import stat
 import struct
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,7 +55,11 @@ __all__ = (
     "EndpointFiles",
     "Segment",
     "bump_generation",
-    "map_segment",
+    "create_segment",
+    "flock_within",
+    "map_received",
+    "open_directory",
+    "open_regular",
     "peer_directory",
     "read_generation",
     "segment_name_ok",
@@ -50,16 +67,21 @@ __all__ = (
 
 SHM_DIR = Path("/dev/shm")
 SUFFIX = ".kvflow"
-_SEGMENT = re.compile(r"seg-[0-9]{1,6}")
+_SEGMENT = re.compile(r"seg-(0|[1-9][0-9]{0,5})")  # one name per index
 _GENERATION = struct.Struct("<Q")
+_NEVER_BLOCK = os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NOCTTY
+_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
+log = logging.getLogger("kvflow.shm")
 
 
 @dataclass(eq=False)
 class Segment:
-    path: Path
+    name: str
     size: int
     mapping: mmap.mmap
     view: npt.NDArray[np.uint8]
+    fd: int = -1  # an endpoint's own segment: the sealed memfd, to hand to its peers
 
     @property
     def base(self) -> int:
@@ -68,30 +90,112 @@ class Segment:
     def close(self) -> None:
         del self.view
         self.mapping.close()
+        if self.fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
+            self.fd = -1
 
 
 def segment_name_ok(name: object) -> bool:
-    """Whether a peer's segment name is one `EndpointFiles.segment_path` makes (no path tricks)."""
+    """Whether a peer's segment name is one an endpoint gives its segments ("seg-<index>")."""
     return isinstance(name, str) and _SEGMENT.fullmatch(name) is not None
 
 
-def map_segment(path: Path, size: int, *, create: bool) -> Segment:
-    """Map `size` bytes of the segment file `path`, creating it (0600) when `create`.
+def _kind(mode: int) -> str:
+    kinds = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISDIR, "a directory"), (stat.S_ISSOCK, "a socket"),
+             (stat.S_ISLNK, "a symbolic link"))  # fmt: skip
+    return next((what for test, what in kinds if test(mode)), "a device" if not stat.S_ISREG(mode) else "a file")
 
-    :raises OSError: the file cannot be opened, created or mapped.
-    :raises TransportError: an existing segment is smaller than `size`.
+
+def open_regular(path: Path, flags: int, *, directory: int | None = None) -> int:
+    """Open `path` with `flags` (and mode 0600 if it is created), only if it is a regular file of
+    this user: a symbolic link is not followed, and nothing (a FIFO) can make the open block.
+    With `directory` (a descriptor from `open_directory`), `path` is its entry `path.name`.
+
+    :raises TransportError: `path` is a symbolic link, or not a regular file of this user (the
+        message names it and what it is).
+    :raises OSError: it cannot be opened (it does not exist, say).
     """
-    flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-    fd = os.open(path, flags, 0o600)
+    fd = _open(path, path if directory is None else path.name, flags, directory)
+    return _open_checked(path, fd, stat.S_ISREG)
+
+
+def open_directory(path: Path) -> int:
+    """A descriptor of the directory `path`, only if it is one of this user and not a symbolic
+    link, for `open_regular` to open its files through (a link swapped in later is not followed).
+
+    :raises TransportError: `path` is a symbolic link, or not a directory of this user.
+    :raises OSError: it cannot be opened (it does not exist, say).
+    """
     try:
-        if create:
-            os.ftruncate(fd, size)
-        elif os.fstat(fd).st_size < size:
-            raise TransportError(f"shared segment {path.name} is smaller than advertised")
+        fd = _open(path, path, os.O_RDONLY | os.O_DIRECTORY, None)
+    except NotADirectoryError:
+        raise TransportError(f"{path} is {_kind(path.lstat().st_mode)}, not a directory of this user") from None
+    return _open_checked(path, fd, stat.S_ISDIR)
+
+
+def _open(path: Path, name: Path | str, flags: int, directory: int | None) -> int:
+    try:
+        return os.open(name, flags | _NEVER_BLOCK, 0o600, dir_fd=directory)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise TransportError(f"{path} is a symbolic link, not what an endpoint makes") from None
+        raise
+
+
+def _open_checked(path: Path, opened: int, kind: Callable[[int], bool]) -> int:
+    """`opened`, the descriptor of `path`, if it is of `kind` and this user's; else closed."""
+    try:
+        info = os.fstat(opened)
+        what = "a regular file" if kind is stat.S_ISREG else "a directory"
+        if not kind(info.st_mode):
+            raise TransportError(f"{path} is {_kind(info.st_mode)}, not {what} of this user")
+        if info.st_uid != os.getuid():
+            raise TransportError(f"{path} belongs to user {info.st_uid}, not {what} of this user")
+    except BaseException:
+        os.close(opened)
+        raise
+    return opened
+
+
+def create_segment(name: str, size: int) -> Segment:
+    """A new segment of `size` bytes: a memfd `name` (as /proc shows it) sealed against shrinking
+    and growing, mapped.
+
+    :raises OSError: the kernel refuses the memfd, its size or the mapping.
+    """
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, size)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
         mapping = mmap.mmap(fd, size)
-    finally:
+    except BaseException:
         os.close(fd)
-    return Segment(path, size, mapping, np.frombuffer(mapping, dtype=np.uint8))
+        raise
+    return Segment(name, size, mapping, np.frombuffer(mapping, dtype=np.uint8), fd)
+
+
+def map_received(fd: int, name: str, size: int) -> Segment:
+    """Map `size` bytes of the peer's segment `name`, the descriptor `fd` it handed over (left
+    open), once it is known not to shrink under the mapping.
+
+    :raises TransportError: `fd` is not a regular file of this user, is not sealed against
+        shrinking (``F_SEAL_SHRINK``), or is smaller than `size`.
+    :raises OSError: it cannot be mapped.
+    """
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
+        raise TransportError(f"segment {name} is {_kind(info.st_mode)}, not a regular file of this user")
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:
+        seals = 0  # a file that cannot be sealed at all
+    if not seals & fcntl.F_SEAL_SHRINK:
+        raise TransportError(f"segment {name} is not sealed against shrinking")
+    if info.st_size < size:
+        raise TransportError(f"segment {name} is smaller than advertised ({info.st_size} < {size} bytes)")
+    mapping = mmap.mmap(fd, size)
+    return Segment(name, size, mapping, np.frombuffer(mapping, dtype=np.uint8))
 
 
 def read_generation(fd: int) -> int:
@@ -111,33 +215,53 @@ def bump_generation(fd: int) -> None:
     os.pwrite(fd, _GENERATION.pack(read_generation(fd) + 1), 0)
 
 
+def flock_within(fd: int, operation: int, timeout: float) -> bool:
+    """Take the ``flock`` `operation` (shared or exclusive) on `fd`; False if another process
+    held a conflicting lock for `timeout` seconds (it may never let go: a stopped or hostile
+    process), True once taken.
+
+    :raises OSError: the lock cannot be taken at all.
+    """
+    deadline, pause = time.monotonic() + timeout, 0.0001
+    while True:
+        try:
+            fcntl.flock(fd, operation | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(pause)  # its holder ends what it does, dies, or the deadline passes
+            pause = min(pause * 2, 0.01)
+
+
 def _user_lock(timeout: float = 10.0) -> int:
     """The user lock, held (its fd); another start or reclaim holds it for a scan of /dev/shm.
 
+    :raises TransportError: something else than a regular file of this user is in its place.
     :raises OSError: it cannot be opened, or was not free within `timeout` (a stopped process
         of this user holds it).
     """
-    fd = os.open(SHM_DIR / f"kvflow-{os.getuid()}.reclaim", os.O_RDWR | os.O_CREAT, 0o600)
-    deadline, pause = time.monotonic() + timeout, 0.0005
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return fd
-        except BlockingIOError:
-            if time.monotonic() > deadline:
-                os.close(fd)
-                raise TimeoutError(errno.ETIMEDOUT, "another process holds the kvflow user lock") from None
-            time.sleep(pause)
-            pause = min(pause * 2, 0.05)
+    path = SHM_DIR / f"kvflow-{os.getuid()}.reclaim"
+    try:
+        fd = open_regular(path, os.O_RDWR | os.O_CREAT)
+    except TransportError as exc:
+        raise TransportError(f"{exc}; kvflow needs it as the lock of this user's endpoints: remove it") from None
+    if not flock_within(fd, fcntl.LOCK_EX, timeout):
+        os.close(fd)
+        raise TimeoutError(errno.ETIMEDOUT, "another process holds the kvflow user lock")
+    return fd
 
 
 def _reclaim_if_dead(directory: Path) -> bool:
     """Remove `directory` if its owner is dead (its ``owner`` lock is free, or it has none).
     Called with the user lock held."""
     try:
-        fd = os.open(directory / "owner", os.O_RDONLY)
+        fd = open_regular(directory / "owner", os.O_RDONLY)
     except FileNotFoundError:
         fd = -1  # its creator died before making it: nobody owns it
+    except TransportError as exc:  # an endpoint makes a regular file: this is nobody's
+        log.warning("removing %s: its owner file is not an endpoint's (%s)", directory, exc)
+        fd = -1
     except OSError:
         return False
     try:
@@ -184,22 +308,35 @@ class EndpointFiles:
             raise TransportError(f"cannot lock {SHM_DIR} to create {self.directory.name}: {exc}") from exc
         try:
             self.reclaimed = _reclaim_all()
-            try:
-                self.directory.mkdir(mode=0o700)
-            except FileExistsError:
-                raise TransportError(f"a live endpoint owns {self.directory}") from None
-            self._owner = os.open(self.directory / "owner", os.O_RDWR | os.O_CREAT, 0o600)
-            fcntl.flock(self._owner, fcntl.LOCK_EX)
-            os.write(self._owner, f"{os.getpid()}\n".encode())
-            self.lock_fd = os.open(self.directory / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+            self._make()
         except OSError as exc:
-            shutil.rmtree(self.directory, ignore_errors=True)
             raise TransportError(f"cannot create {self.directory}: {exc}") from exc
         finally:
             os.close(lock)
 
-    def segment_path(self, index: int) -> Path:
-        return self.directory / f"seg-{index}"
+    def _make(self) -> None:
+        """Make the directory and its owner and lock files (the user lock held)."""
+        try:
+            self.directory.mkdir(mode=0o700)
+        except FileExistsError:
+            mode = self.directory.lstat().st_mode
+            if not stat.S_ISDIR(mode):
+                raise TransportError(
+                    f"{self.directory} is {_kind(mode)}, not an endpoint's directory: remove it"
+                ) from None
+            raise TransportError(f"a live endpoint owns {self.directory}") from None
+        fds: list[int] = []
+        try:  # the directory is new, but a process of this user may have put something in it
+            fds.append(open_regular(self.directory / "owner", os.O_RDWR | os.O_CREAT | os.O_EXCL))
+            fcntl.flock(fds[0], fcntl.LOCK_EX)
+            os.write(fds[0], f"{os.getpid()}\n".encode())
+            fds.append(open_regular(self.directory / "lock", os.O_RDWR | os.O_CREAT | os.O_EXCL))
+        except (OSError, TransportError) as exc:
+            shutil.rmtree(self.directory, ignore_errors=True)
+            for fd in fds:
+                os.close(fd)
+            raise TransportError(f"cannot create {self.directory}: {exc}") from exc
+        self._owner, self.lock_fd = fds
 
     def generation_path(self, initiator: str) -> Path:
         return self.directory / f"gen-{initiator}"
