@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import re
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ import pytest_asyncio
 from kvflow.errors import ConfigError, NoBackend
 from kvflow.integrations.vllm.backends import Backend, BackendPool
 from kvflow.integrations.vllm.mapping import SEQUENTIAL_PREFILL_PARAMS
+from kvflow.testing.params_fuzz import hostile_params
 from tests.test_router import ROUTER_MODULE, WAIT, Process, start_fake, stop_clean
 
 NAMES = ("P1", "P2", "D1", "D2")
@@ -232,6 +234,32 @@ async def test_the_clients_own_kv_transfer_params_never_reach_a_backend(live: Li
     assert len(legs) == 2
     for leg in legs:
         assert str(2**64) not in json.dumps(leg.get("kv_transfer_params")), leg
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("router", ["concurrent", "sequential"])
+async def test_no_hostile_kv_transfer_params_reach_a_backend_or_fail_a_request(live: Live, router: str) -> None:
+    # A live fuzz: every client writes its own kv_transfer_params (any JSON: `params_fuzz`),
+    # each marked so that whatever of them a leg carried would show.
+    genuine = {
+        "do_remote_prefill": True,
+        "kvflow": {
+            "transfer_id": "MARK-t",
+            "epoch": 1,
+            "mode": "push",
+            "prefill": {"engine": "MARK-p", "address": "tcp://127.0.0.1:5700"},
+            "decode": {"engine": "MARK-d", "address": "tcp://127.0.0.1:5800"},
+        },
+    }
+    rng = random.Random(3)
+    no_params = {name: {"no_params": True} for name in ("P1", "P2")}  # P's answer carries none
+    for n in range(30):
+        body = {"prompt": "x", "kv_transfer_params": hostile_params(genuine, rng), "fake": no_params if n % 2 else {}}
+        status, _ = await live.complete(getattr(live.stack, router), body)
+        assert status == 200
+    legs = [r["body"] for name in NAMES for r in await live.records(name)]
+    assert len(legs) == 60
+    assert not [leg for leg in legs if "MARK" in json.dumps(leg.get("kv_transfer_params"))]
 
 
 @pytest.mark.asyncio
