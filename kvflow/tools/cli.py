@@ -9,9 +9,11 @@ Why one entry point: operators ask "does NIXL work here, with which backends and
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import sys
+from pathlib import Path
 from typing import Any
 
 from kvflow.integrations.vllm.settings import setting_arg
@@ -201,8 +203,13 @@ def _add_soak(commands: Any) -> None:
     soak.add_argument("--seed", type=int, default=0)
     soak.add_argument("--json", default=None, help="also write the report to this JSON file")
     soak.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
-    soak.add_argument("--fuzz", action="store_true", help="also run kvflow.testing.fuzz's control-port attacks on P")
-    soak.add_argument("--fuzz-scale", type=int, default=1000)
+    soak.add_argument(
+        "--fuzz",
+        action="store_true",
+        help="also run kvflow.testing.fuzz's control-port attacks on P, then hostile kv_transfer_params "
+        "through the connector on vLLM's scheduler (kvflow.integrations.vllm.params_soak)",
+    )
+    soak.add_argument("--fuzz-scale", type=int, default=1000, help="attacks, and random kv_transfer_params per side")
 
 
 def _soak(args: argparse.Namespace) -> int:
@@ -226,7 +233,17 @@ def _soak(args: argparse.Namespace) -> int:
         fuzz=args.fuzz,
         fuzz_scale=args.fuzz_scale,
     )
-    return soak_main(config, json_path=args.json, quiet=args.quiet)
+    status = soak_main(config, json_path=args.json, quiet=args.quiet)
+    if args.fuzz:  # and hostile kv_transfer_params through the connector, on vLLM's scheduler
+        from kvflow.integrations.vllm.params_soak import run_params_soak
+
+        params = run_params_soak(args.fuzz_scale, seed=args.seed)
+        sys.stdout.write("kv_transfer_params fuzz: " + json.dumps(params.as_dict()) + "\n")
+        if args.json:
+            path = Path(args.json)
+            path.with_name(path.stem + "-params" + path.suffix).write_text(json.dumps(params.as_dict(), indent=2))
+        status = status or (0 if params.ok else 1)
+    return status
 
 
 def _names(text: str) -> list[str]:

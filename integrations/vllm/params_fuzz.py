@@ -5,7 +5,7 @@ and a router may pass them on.  Values like these once crashed an engine for goo
 2**64), tore down an association (an id of 1 MiB), stalled every peer (a host name), filled
 the ZeroMQ context (made-up peers) or raised in the scheduler (params that are not a mapping).
 `hostile_params` mutates a genuine set of params a few fields at a time, with those values and
-random ones, so that the tests and ``kvflow soak --params-fuzz`` can feed them through the
+random ones, so that the tests and ``kvflow soak --fuzz`` can feed them through the
 connector and the router while a genuine transfer runs.  Deterministic for a given `random.Random`.
 """
 
