@@ -132,6 +132,7 @@ def test_every_thread_kvflow_starts_is_bound_to_the_device(transport: str) -> No
             engine_id = f"{engine.options.name}-tp0"
             started = {t.name for t in threading.enumerate() if t.name.startswith("kvflow") and engine_id in t.name}
             expected = {f"kvflow-{engine_id}", f"kvflow-writer-{engine_id}", f"kvflow-peers-{engine_id}"}
+            expected |= {f"kvflow-connections-{engine_id}"}  # the control channel's connection monitor
             expected |= {f"kvflow-nixl-{engine_id}"} if transport == "nixl" else set()
             expected |= {f"kvflow-gates-{engine_id}"} if engine is p else set()  # only P waits for gates
             assert started == expected and started <= device.bound, (started, device.bound)

@@ -203,7 +203,7 @@ class WorkerSide(PeerNotices):
                     granule=layout.block_len,
                     thread_setup=device.bind_thread,
                 )
-            control: ControlChannel = ZmqControl(self.engine_id, bind=bind)
+            control: ControlChannel = ZmqControl(self.engine_id, bind=bind, thread_setup=device.bind_thread)
             return Engine(self.engine_id, layout, transport, control, config=config)
 
         self.thread = EngineThread(factory, name=f"kvflow-{self.engine_id}", thread_setup=device.bind_thread)

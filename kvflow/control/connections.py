@@ -30,6 +30,7 @@ import logging
 import resource
 import threading
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -61,9 +62,10 @@ class ConnectionWatch:
     watch's thread alone, which closes it) until `close`: `connections_accepted`,
     `connections_open` (a gauge) and the drops in `_EVENTS`, each logged by a `DropLog`."""
 
-    def __init__(self, monitor: zmq.Socket[bytes], owner: str) -> None:
-        """Starts the thread; `start` sets up the monitor first."""
+    def __init__(self, monitor: zmq.Socket[bytes], owner: str, thread_setup: Callable[[], None] | None = None) -> None:
+        """Starts the thread, which runs `thread_setup` first; `start` sets up the monitor first."""
         self._monitor = monitor
+        self._thread_setup = thread_setup
         self._drops = DropLog(owner)
         self._lock = threading.Lock()
         self._counts: Counter[str] = Counter()
@@ -73,7 +75,14 @@ class ConnectionWatch:
         self._thread.start()
 
     @classmethod
-    def start(cls, sock: zmq.Socket[bytes], ctx: zmq.Context[Any], events: int, owner: str) -> ConnectionWatch:
+    def start(
+        cls,
+        sock: zmq.Socket[bytes],
+        ctx: zmq.Context[Any],
+        events: int,
+        owner: str,
+        thread_setup: Callable[[], None] | None = None,
+    ) -> ConnectionWatch:
         """Monitor `events` of `sock` (of context `ctx`) and count them on a new thread.
 
         :raises zmq.ZMQError: the monitor cannot be set up (out of descriptors)."""
@@ -81,7 +90,7 @@ class ConnectionWatch:
         sock.monitor(endpoint, events)
         monitor: zmq.Socket[bytes] = zmq.Socket(ctx, zmq.PAIR)  # plain: used by the watch's thread alone
         monitor.connect(endpoint)
-        return cls(monitor, owner)
+        return cls(monitor, owner, thread_setup)
 
     def counts(self) -> dict[str, int]:
         """The totals so far (a copy; from any thread).  Never raises."""
@@ -100,6 +109,11 @@ class ConnectionWatch:
     def _run(self) -> None:
         sock = self._monitor
         try:
+            if self._thread_setup is not None:
+                try:
+                    self._thread_setup()
+                except Exception:  # the host's set-up: counting needs no device, so go on
+                    log.exception("the connection monitor thread's set-up failed")
             while not self._stop.is_set():
                 if not sock.poll(POLL_MS):
                     continue

@@ -40,7 +40,7 @@ import ipaddress
 import logging
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -141,9 +141,11 @@ class ZmqControl:
         send_queue: int = 10_000,
         curve: bool = True,
         handshake_timeout: float = HANDSHAKE_TIMEOUT,
+        thread_setup: Callable[[], None] | None = None,
     ) -> None:
         """With a secret and `curve`, connections are CURVE-authenticated with keys derived from
         the secret (every engine of a deployment must agree on `curve`); frames are signed either way.
+        `thread_setup` runs first on the thread the channel starts (a GPU host binds it to its device).
 
         :raises ConfigError: `engine_id` is not a valid engine id, an unauthenticated channel
             would listen off loopback, or `handshake_timeout` is not positive."""
@@ -156,6 +158,7 @@ class ZmqControl:
         self._keys: CurveKeys | None = curve_keys(self.secret) if self.secret is not None and curve else None
         self._handshake_ms = max(int(handshake_timeout * 1000), 1)
         self._bind = bind
+        self._thread_setup = thread_setup
         self._address = ""
         self._incarnation = new_incarnation()
         self._routes: dict[str, str] = {}
@@ -263,7 +266,9 @@ class ZmqControl:
             router.setsockopt(zmq.CURVE_SERVER, 1)
             router.setsockopt(zmq.CURVE_SECRETKEY, self._keys.server_secret)
             router.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN.encode())
-        self._watch_connections = ConnectionWatch.start(router, self._ctx, MONITORED, self.engine_id)
+        self._watch_connections = ConnectionWatch.start(
+            router, self._ctx, MONITORED, self.engine_id, self._thread_setup
+        )
         try:
             router.bind(self._bind)
         except zmq.ZMQError as exc:
