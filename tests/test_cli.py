@@ -1,4 +1,4 @@
-"""`kvflow doctor` and `kvflow bench nixl` run, and say what they should (no timing asserted)."""
+"""`kvflow doctor`, `kvflow bench nixl` and `kvflow soak --fuzz` run, and say what they should."""
 
 from __future__ import annotations
 
@@ -39,3 +39,27 @@ def test_console_script_is_installed() -> None:
     kvflow = Path(sys.executable).parent / "kvflow"
     result = subprocess.run([str(kvflow), "doctor"], capture_output=True, text=True, timeout=120, check=True)
     assert "UCX" in result.stdout
+
+
+def test_soak_fuzz_also_sends_hostile_kv_transfer_params_and_reports_them(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import kvflow.tools.soak as soak
+
+    ran: list[object] = []
+
+    def transfers_soak(config: object, json_path: str | None, quiet: bool) -> int:  # tested apart
+        ran.append(config)
+        return 0
+
+    monkeypatch.setattr(soak, "main", transfers_soak)
+    out = tmp_path / "soak.json"
+    assert main(["soak", "--transfers", "1", "--fuzz", "--fuzz-scale", "3", "--json", str(out), "--quiet"]) == 0
+    assert len(ran) == 1
+    line = next(text for text in capsys.readouterr().out.splitlines() if text.startswith("kv_transfer_params fuzz: "))
+    printed = json.loads(line.removeprefix("kv_transfer_params fuzz: "))
+    assert (
+        printed["ok"]
+        and printed["hostile"] > 1000
+        and printed == json.loads((tmp_path / "soak-params.json").read_text())
+    )
