@@ -54,7 +54,10 @@ def test_soak_fuzz_also_sends_hostile_kv_transfer_params_and_reports_them(
 
     monkeypatch.setattr(soak, "main", transfers_soak)
     out = tmp_path / "soak.json"
-    assert main(["soak", "--transfers", "1", "--fuzz", "--fuzz-scale", "3", "--json", str(out), "--quiet"]) == 0
+    assert (
+        main(["soak", "--transfers", "1", "--fuzz", "--fuzz-scale", "3", "--ttl", "8", "--json", str(out), "--quiet"])
+        == 0
+    )
     assert len(ran) == 1
     line = next(text for text in capsys.readouterr().out.splitlines() if text.startswith("kv_transfer_params fuzz: "))
     printed = json.loads(line.removeprefix("kv_transfer_params fuzz: "))

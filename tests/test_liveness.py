@@ -407,7 +407,7 @@ async def test_a_heartbeat_naming_more_keys_than_a_frame_carries_goes_out_as_sev
         for key in promised:
             await pair.p.promise(key.transfer_id, key.epoch, peer="D")
         await eventually(
-            lambda: promised <= {key for beat in beats for key in beat.keys}, "every promise in a heartbeat"
+            lambda: promised <= {key for beat in beats for key in beat.keys}, "every promise in a heartbeat", timeout=60
         )
         assert all(len(beat.keys) <= MAX_HEARTBEAT_KEYS for beat in beats) and pair.p.crashed == []
     finally:

@@ -18,7 +18,9 @@ from kvflow.integrations.vllm.params_soak import run_params_soak
 
 
 def test_hostile_kv_transfer_params_change_nothing_for_genuine_transfers() -> None:
-    report = run_params_soak(60, seed=7)
+    # few batches, each waiting out a deadline long enough that a genuine transfer amid one
+    # meets it however loaded the machine (they take about 0.1 s where it is quiet)
+    report = run_params_soak(60, seed=7, genuine_every=200, transfer_timeout=8.0)
     assert report.ok, report.as_dict()
-    assert report.genuine >= 20 and report.genuine_ok == report.genuine
+    assert report.genuine >= 8 and report.genuine_ok == report.genuine
     assert report.refused > report.hostile // 2  # most were refused where they entered, each logged

@@ -84,7 +84,12 @@ def _params(p: StandInEngine, d: StandInEngine, transfer_id: str) -> dict[str, A
 
 
 def run_params_soak(
-    random_variants: int, *, seed: int = 0, genuine_every: int = 50, limit: float = 600.0
+    random_variants: int,
+    *,
+    seed: int = 0,
+    genuine_every: int = 50,
+    transfer_timeout: float = 2.0,
+    limit: float = 600.0,
 ) -> ParamsSoakReport:
     """Send P and D each the sweep of hostile values and `random_variants` random ones; a
     genuine transfer every `genuine_every` hostile requests.  The report says what held.
@@ -95,7 +100,8 @@ def run_params_soak(
 
     start = time.monotonic()
     fabric = f"params-soak-{seed}-{time.monotonic_ns()}"
-    common = {"transport": "loopback", "fabric": fabric, "port": 0, "transfer_timeout": 2.0, "push_group_bytes": 0}
+    common = {"transport": "loopback", "fabric": fabric, "port": 0, "push_group_bytes": 0}
+    common["transfer_timeout"] = transfer_timeout  # a hostile transfer only one side holds fails then
     refusals = _Refusals()
     logging.getLogger("kvflow.vllm").addHandler(refusals)
     p = StandInEngine(EngineOptions("prefill", "kv_producer", dict(common)))

@@ -237,7 +237,7 @@ def _soak(args: argparse.Namespace) -> int:
     if args.fuzz:  # and hostile kv_transfer_params through the connector, on vLLM's scheduler
         from kvflow.integrations.vllm.params_soak import run_params_soak
 
-        params = run_params_soak(args.fuzz_scale, seed=args.seed)
+        params = run_params_soak(args.fuzz_scale, seed=args.seed, transfer_timeout=args.ttl)
         sys.stdout.write("kv_transfer_params fuzz: " + json.dumps(params.as_dict()) + "\n")
         if args.json:
             path = Path(args.json)
