@@ -40,6 +40,7 @@ def test_names_at_their_quota_cannot_keep_a_lighter_peer_out_of_the_registration
     assert notice.key == TransferKey("G0-3", 1) and "pushed out" in notice.reason
     assert p.machine(TransferKey("genuine", 1), Role.PREFILL).state is State.REGISTERED
     assert p.machine(TransferKey("G0-3", 1), Role.PREFILL).outcome is Outcome.EXPIRED
+    assert p.stats.pushed_out == 1
     # the heaviest holder itself is refused rather than pushing out others
     refused = register(p, "G1", "G1-more")
     assert refused and isinstance(refused[0][1], Notice) and "max_peer_transfers" in refused[0][1].reason
@@ -75,6 +76,7 @@ def test_names_filling_the_early_pool_do_not_push_out_a_genuine_early_ready() ->
             d.receive(name, Notice(TransferKey(f"{name}-{i}", 1), Outcome.ABORTED, "spam"), 0.1)
     assert d.store.early.totals()[0] == POOL.max_unstarted  # full, the newcomers pushed out others
     assert d.store.early.count_from("P") == (1, 1)
+    assert d.stats.pushed_out == d.store.early.pushed_out > 0  # counted where the engine's stats show it
     actions = d.expect(key, peer="P", mode=Mode.PULL, block_ids=[1], deadline=10.0, now=0.2)
     assert any(getattr(a, "remote_blocks", None) == (7,) for a in actions)  # P's ready was kept
 

@@ -304,11 +304,11 @@ class Associations:
         # messages a peer sent once associated with us, before our side of the association was in
         # place (the transport still adding it): delivered, in order, once it is
         self.early: dict[str, list[ControlMessage]] = {}
+        # the control address each peer was last routed at (kept for live ones; attempts bounded)
+        self.addresses: dict[str, str] = {}
         # our number for each association we hold or are attempting (a handshake that timed out
         # here may still be answered, or retried: both keep the number), and the peer's number
         # for each live one; the attempts kept are bounded, live ones first
-        # the control address each peer was last routed at (kept for live ones; attempts bounded)
-        self.addresses: dict[str, str] = {}
         self.ours: dict[str, int] = {}
         self.theirs: dict[str, int] = {}
         self._numbered = 0
@@ -535,9 +535,10 @@ class Associations:
         # A second name for an associated peer's address (a request naming a made-up engine
         # there) would open a second connection under our identity, which the peer's socket
         # hands our live connection's place to: the live one is dropped with what it carries.
-        owner = next((p for p, a in self.addresses.items() if a == address and p in self.layouts), None)
-        if local and address and owner not in (None, peer):
-            return f"{address!r:.80} is the control address of {owner!r}, not of {peer!r}"
+        if local and address:
+            owner = next((p for p, a in self.addresses.items() if a == address and p in self.layouts), peer)
+            if owner != peer:
+                return f"{address!r:.80} is the control address of {owner!r}, not of {peer!r}"
         return self.allowed.problem(peer, address)
 
     def _full_error(self) -> KVFlowError:

@@ -297,10 +297,13 @@ class PeerInbox:
         self._hold(peer, message, now)
 
     def _hold(self, peer: str, message: Message, now: float) -> None:
-        if self.store.early.hold(peer, message, now):
+        early = self.store.early
+        pushed_out = early.pushed_out
+        if early.hold(peer, message, now):
             self.stats.early_messages += 1
         else:
             self.stats.over_quota += 1  # beyond the peer's max_peer_early, or its share of the pools
+        self.stats.pushed_out += early.pushed_out - pushed_out
 
     def _quota_problem(self, peer: str, blocks: int, *, opens: bool) -> str | None:
         """Why a registration from `peer` naming `blocks` blocks (and opening a transfer here,
@@ -329,6 +332,6 @@ class PeerInbox:
             self.stats.over_quota += 1
             limit = self.config.max_unstarted
             return f"too many registrations for transfers not started here (max_unstarted {limit})", []
-        self.store.early.pushed_out += 1
+        self.stats.pushed_out += 1
         reason = f"pushed out: registrations full, and {victim!r} held the most of them"
         return None, self.feed(m, Input.DEADLINE, now, reason=reason)

@@ -72,6 +72,7 @@ class CoreStats:
     early_messages: int = 0  # about transfers not started here yet, kept until they start
     capped_renewals: int = 0  # lease renewals cut short by `CoreConfig.max_hold`
     over_quota: int = 0  # peer messages refused by a per-peer quota (`CoreConfig.max_peer_*`)
+    pushed_out: int = 0  # registrations and early messages of the heaviest peer dropped for a lighter one's
     completed: int = 0
     failed: int = 0
 
