@@ -21,9 +21,29 @@ import statistics
 import time
 from typing import Any
 
-from kvflow.integrations.vllm.standin import EngineOptions, StandInEngine
+from kvflow.integrations.vllm.params_soak import StandInPair
 
 KINDS = ("benign", "refused", "one-sided")
+
+
+def batch(pair: StandInPair, kind: str, n: int, size: int) -> float:
+    """One batch of `kind` with a genuine transfer among it: that transfer's ms."""
+    genuine = pair.genuine(f"g-{kind}-{n}")
+    for i in range(size):
+        rid = f"{kind}{n}-{i}"
+        d_params: dict[str, Any] = {}
+        p_params: dict[str, Any] = {}
+        if kind == "refused":
+            d_params = {"do_remote_prefill": True, "kvflow": pair.params(rid, epoch=2**64)}
+            p_params = {"do_remote_decode": True, "kvflow": pair.params(rid, epoch=2**64)}
+        elif kind == "one-sided":  # valid, but P and D name different transfers
+            d_params = {"do_remote_prefill": True, "kvflow": pair.params("D" + rid)}
+            p_params = {"do_remote_decode": True, "kvflow": pair.params("P" + rid)}
+        pair.add(pair.d, f"d-{rid}", 20 + i % 40, 4, d_params, rid)
+        pair.add(pair.p, f"p-{rid}", 20 + i % 40, 1, p_params, rid)
+    pair.settle(time.monotonic() + 600)
+    (ms,) = pair.ms([genuine])
+    return ms
 
 
 def main() -> None:
@@ -31,66 +51,20 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4, help="batches of each kind, taking turns")
     parser.add_argument("--batch", type=int, default=50, help="requests at each side per batch")
     args = parser.parse_args()
-    from vllm.v1.request import RequestStatus
-
     logging.getLogger("kvflow").setLevel(logging.CRITICAL)  # every refusal is logged: not what is timed
-    common = {"transport": "loopback", "fabric": "latency", "port": 0, "transfer_timeout": 2.0, "push_group_bytes": 0}
-    p = StandInEngine(EngineOptions("prefill", "kv_producer", dict(common)))
-    d = StandInEngine(EngineOptions("decode", "kv_consumer", dict(common), failure_policy="fail"))
-    landed: dict[str, float] = {}
-    d.emit = lambda **e: (
-        landed.__setitem__(e["id"], e["t"]) if e.get("ev") == "recving" and not e.get("failed") else None
-    )
-    requests: list[Any] = []
-
-    def params(tid: str, **changes: Any) -> dict[str, Any]:
-        kv: dict[str, Any] = {"transfer_id": tid, "epoch": 1, "mode": "push", **changes}
-        kv["prefill"] = {"engine": "prefill", "address": p.worker.control_address, "tp_size": 1}
-        kv["decode"] = {"engine": "decode", "address": d.worker.control_address, "tp_size": 1}
-        return kv
-
-    def settle() -> None:
-        while not (all(r.status >= RequestStatus.FINISHED_STOPPED for r in requests) and p.idle() and d.idle()):
-            for engine in (p, d):
-                if engine.busy():
-                    engine.step()
-            time.sleep(0.001)
-
-    def batch(kind: str, n: int) -> float:
-        tid = f"g-{kind}-{n}"
-        requests.append(d.add(f"d-{tid}", 70, 4, {"do_remote_prefill": True, "kvflow": params(tid)}, tag=tid))
-        requests.append(p.add(f"p-{tid}", 70, 1, {"do_remote_decode": True, "kvflow": params(tid)}, tag=tid))
-        for i in range(args.batch):
-            rid = f"{kind}{n}-{i}"
-            if kind == "benign":
-                d_params, p_params = {}, {}
-            elif kind == "refused":
-                d_params = {"do_remote_prefill": True, "kvflow": params(rid, epoch=2**64)}
-                p_params = {"do_remote_decode": True, "kvflow": params(rid, epoch=2**64)}
-            else:  # valid, but P and D name different transfers
-                d_params = {"do_remote_prefill": True, "kvflow": params("D" + rid)}
-                p_params = {"do_remote_decode": True, "kvflow": params("P" + rid)}
-            requests.append(d.add(f"d-{rid}", 20 + i % 40, 4, d_params, tag=rid))
-            requests.append(p.add(f"p-{rid}", 20 + i % 40, 1, p_params, tag=rid))
-        settle()
-        return (landed[f"d-{tid}"] - d.added[f"d-{tid}"]) * 1e3
-
+    pair = StandInPair("latency", 2.0)
     try:
         times: dict[str, list[float]] = {kind: [] for kind in KINDS}
         for n in range(args.rounds):
             for kind in KINDS:
-                times[kind].append(batch(kind, n))
+                times[kind].append(batch(pair, kind, n, args.batch))
     finally:
-        p.close()
-        d.close()
-    print(
-        json.dumps(
-            {
-                kind: {"ms": [round(t, 1) for t in ts], "median_ms": round(statistics.median(ts), 1)}
-                for kind, ts in times.items()
-            }
-        )
-    )
+        pair.close()
+    summary = {
+        kind: {"ms": [round(t, 1) for t in ts], "median_ms": round(statistics.median(ts), 1)}
+        for kind, ts in times.items()
+    }
+    print(json.dumps(summary))
 
 
 if __name__ == "__main__":

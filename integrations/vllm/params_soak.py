@@ -24,7 +24,7 @@ from typing import Any
 from kvflow.integrations.vllm.params_fuzz import hostile_params, single_field_variants
 from kvflow.integrations.vllm.standin import EngineOptions, StandInEngine
 
-__all__ = ("ParamsSoakReport", "run_params_soak")
+__all__ = ("ParamsSoakReport", "StandInPair", "run_params_soak")
 
 UNSERVABLE = "kvflow cannot serve its kv_transfer_params"
 QUIET = 3  # genuine transfers first, alone
@@ -75,12 +75,70 @@ class _Refusals(logging.Handler):
             self.ids.add(text.split(":", 1)[0].removeprefix("request "))
 
 
-def _params(p: StandInEngine, d: StandInEngine, transfer_id: str) -> dict[str, Any]:
-    ends = {"prefill": (p, "prefill"), "decode": (d, "decode")}
-    kv: dict[str, Any] = {"transfer_id": transfer_id, "epoch": 1, "mode": "push"}
-    for role, (engine, name) in ends.items():
-        kv[role] = {"engine": name, "address": engine.worker.control_address, "tp_size": 1}
-    return kv
+class StandInPair:
+    """Stand-in P and D with kvflow's connector (bytes over the loopback transport, real
+    ZeroMQ), the requests added to them, and when each D request's KV landed."""
+
+    def __init__(self, fabric: str, transfer_timeout: float) -> None:
+        """:raises KVFlowError: an engine could not start."""
+        common = {"transport": "loopback", "fabric": fabric, "port": 0, "push_group_bytes": 0}
+        common["transfer_timeout"] = transfer_timeout  # a transfer only one side holds fails then
+        self.p = StandInEngine(EngineOptions("prefill", "kv_producer", dict(common)))
+        try:
+            self.d = StandInEngine(EngineOptions("decode", "kv_consumer", dict(common), failure_policy="fail"))
+        except BaseException:
+            self.p.close()
+            raise
+        self.requests: list[Any] = []
+        self.landed: dict[str, float] = {}  # D request id -> when its KV arrived (the stand-in's clock)
+        self.d.emit = self._event
+
+    def _event(self, **fields: Any) -> None:
+        if fields.get("ev") == "recving" and not fields.get("failed"):
+            self.landed[str(fields["id"])] = float(fields["t"])
+
+    def params(self, transfer_id: str, **changes: Any) -> dict[str, Any]:
+        """The kvflow entry of a transfer between the two, with `changes` made to it."""
+        kv: dict[str, Any] = {"transfer_id": transfer_id, "epoch": 1, "mode": "push", **changes}
+        for role, engine in (("prefill", self.p), ("decode", self.d)):
+            kv[role] = {"engine": role, "address": engine.worker.control_address, "tp_size": 1}
+        return kv
+
+    def add(self, engine: StandInEngine, request_id: str, prompt_len: int, tokens: int, params: Any, tag: str) -> None:
+        self.requests.append(engine.add(request_id, prompt_len, tokens, params, tag=tag))
+
+    def genuine(self, transfer_id: str) -> str:
+        """Both legs of a genuine transfer, as a router sends them; D's request id."""
+        kv = self.params(transfer_id)
+        self.add(self.d, f"d-{transfer_id}", 70, 4, {"do_remote_prefill": True, "kvflow": kv}, transfer_id)
+        self.add(self.p, f"p-{transfer_id}", 70, 1, {"do_remote_decode": True, "kvflow": kv}, transfer_id)
+        return f"d-{transfer_id}"
+
+    def unfinished(self) -> int:
+        return sum(not is_finished(r) for r in self.requests)
+
+    def settle(self, deadline: float) -> None:
+        """Step both engines, as their engine cores would, until every request ended and both
+        idle, or `deadline` (a `time.monotonic` reading) passed."""
+        while time.monotonic() < deadline and not (not self.unfinished() and self.p.idle() and self.d.idle()):
+            for engine in (self.p, self.d):
+                if engine.busy():
+                    engine.step()
+            time.sleep(0.001)
+
+    def ms(self, request_ids: list[str]) -> list[float]:
+        """From adding each of these D requests until its KV landed, in ms (those that landed)."""
+        return [(self.landed[rid] - self.d.added[rid]) * 1e3 for rid in request_ids if rid in self.landed]
+
+    def close(self) -> None:
+        self.p.close()
+        self.d.close()
+
+
+def is_finished(request: Any) -> bool:
+    from vllm.v1.request import RequestStatus
+
+    return bool(request.status >= RequestStatus.FINISHED_STOPPED)
 
 
 def run_params_soak(
@@ -96,27 +154,14 @@ def run_params_soak(
 
     :raises KVFlowError: the stand-in engines could not start.
     """
-    from vllm.v1.request import RequestStatus
-
     start = time.monotonic()
-    fabric = f"params-soak-{seed}-{time.monotonic_ns()}"
-    common = {"transport": "loopback", "fabric": fabric, "port": 0, "push_group_bytes": 0}
-    common["transfer_timeout"] = transfer_timeout  # a hostile transfer only one side holds fails then
+    pair = StandInPair(f"params-soak-{seed}-{time.monotonic_ns()}", transfer_timeout)
+    p, d = pair.p, pair.d
+    report = ParamsSoakReport()
     refusals = _Refusals()
     logging.getLogger("kvflow.vllm").addHandler(refusals)
-    p = StandInEngine(EngineOptions("prefill", "kv_producer", dict(common)))
-    d = StandInEngine(EngineOptions("decode", "kv_consumer", dict(common), failure_policy="fail"))
-    report = ParamsSoakReport()
-    landed: dict[str, float] = {}  # D request id -> when its KV arrived (the stand-in's clock)
-
-    def event(**fields: Any) -> None:
-        if fields.get("ev") == "recving" and not fields.get("failed"):
-            landed[str(fields["id"])] = float(fields["t"])
-
-    d.emit = event
     try:
         rng = random.Random(seed)
-        requests: list[Any] = []
         genuine: list[str] = []
         quiet: list[str] = []
         benign: list[str] = []
@@ -124,42 +169,26 @@ def run_params_soak(
         sides = ((d, "do_remote_prefill", 4), (p, "do_remote_decode", 1))
         variants = {}
         for engine, flag, _ in sides:
-            template = {flag: True, "kvflow": _params(p, d, "TID")}
+            template = {flag: True, "kvflow": pair.params("TID")}
             variants[engine.options.name] = single_field_variants(template) + [
                 hostile_params(template, rng, mappings_only=True) for _ in range(random_variants)
             ]
         deadline = time.monotonic() + limit
-
-        def settle() -> None:  # step both engines, as their engine cores would, until all ended
-            while time.monotonic() < deadline and not (
-                all(r.status >= RequestStatus.FINISHED_STOPPED for r in requests) and p.idle() and d.idle()
-            ):
-                for engine in (p, d):
-                    if engine.busy():
-                        engine.step()
-                time.sleep(0.001)
-
-        def genuine_pair(tid: str) -> str:
-            kv = _params(p, d, tid)
-            requests.append(d.add(f"d-{tid}", 70, 4, {"do_remote_prefill": True, "kvflow": kv}, tag=tid))
-            requests.append(p.add(f"p-{tid}", 70, 1, {"do_remote_decode": True, "kvflow": kv}, tag=tid))
-            return f"d-{tid}"
-
         for n in range(QUIET):  # what a genuine transfer takes with nothing else going on
-            quiet.append(genuine_pair(f"q{n}"))
-            settle()
+            quiet.append(pair.genuine(f"q{n}"))
+            pair.settle(deadline)
         for n in range(genuine_every):  # the same load, benign: requests without params amid one
             if n == genuine_every // 2:
-                benign.append(genuine_pair(f"b{n}"))
+                benign.append(pair.genuine(f"b{n}"))
             for engine, _, tokens in sides:
-                requests.append(engine.add(f"{engine.options.name}-b{n}", 20 + n % 40, tokens, {}, tag=f"b{n}"))
+                pair.add(engine, f"{engine.options.name}-b{n}", 20 + n % 40, tokens, {}, f"b{n}")
                 local.add(f"{engine.options.name}-b{n}")
-        settle()
+        pair.settle(deadline)
         total = len(variants["decode"])
         for batch in range(0, total, genuine_every):  # a genuine pair amid each batch of hostile ones
             for n in range(batch, min(batch + genuine_every, total)):
                 if n == batch + genuine_every // 2 or n == batch:
-                    genuine.append(genuine_pair(f"g{n}"))
+                    genuine.append(pair.genuine(f"g{n}"))
                 for engine, _, tokens in sides:
                     crafted: Any = variants[engine.options.name][n]
                     inner = crafted.get("kvflow") if isinstance(crafted, dict) else None
@@ -168,26 +197,22 @@ def run_params_soak(
                     rid = f"{engine.options.name}-h{n}"
                     if not (isinstance(crafted, dict) and crafted.get("do_remote_prefill")):
                         local.add(rid)  # not a remote prefill: D computes it (the stand-in does not)
-                    requests.append(engine.add(rid, 20 + n % 40, tokens, crafted, tag=f"h{n}"))
+                    pair.add(engine, rid, 20 + n % 40, tokens, crafted, f"h{n}")
                     report.hostile += 1
-            settle()
+            pair.settle(deadline)
         genuine += quiet + benign
         report.genuine = len(genuine)
-        report.unfinished = sum(r.status < RequestStatus.FINISHED_STOPPED for r in requests)
+        report.unfinished = pair.unfinished()
         report.refused = len(refusals.ids)
         report.genuine_ok = sum(d.checked.get(rid) == 0 for rid in genuine)
         report.misread = sorted(
             rid for rid, bad in d.checked.items() if bad and rid not in refusals.ids and rid not in local
         )
-
-        def ms(ids: list[str]) -> list[float]:
-            return [(landed[rid] - d.added[rid]) * 1e3 for rid in ids if rid in landed]
-
-        amid = ms([rid for rid in genuine if rid not in quiet and rid not in benign])
+        amid = pair.ms([rid for rid in genuine if rid not in quiet and rid not in benign])
         if amid:
             report.genuine_ms_p50, report.genuine_ms_max = statistics.median(amid), max(amid)
-        report.quiet_ms_p50 = statistics.median(ms(quiet) or [0.0])
-        report.benign_ms = statistics.median(ms(benign) or [0.0])
+        report.quiet_ms_p50 = statistics.median(pair.ms(quiet) or [0.0])
+        report.benign_ms = statistics.median(pair.ms(benign) or [0.0])
         for engine in (p, d):
             name = engine.options.name
             (kv_engine,) = engine.kvflow_engines()
@@ -200,7 +225,6 @@ def run_params_soak(
             report.peers[name] = kv_engine.peers()
     finally:
         logging.getLogger("kvflow.vllm").removeHandler(refusals)
-        p.close()
-        d.close()
+        pair.close()
     report.seconds = time.monotonic() - start
     return report
