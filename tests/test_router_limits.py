@@ -215,7 +215,7 @@ async def test_a_connection_slow_with_its_head_is_closed_while_another_is_answer
 
 @pytest.mark.asyncio
 async def test_an_idle_connection_is_closed(start: Any) -> None:
-    live = await start("--header-timeout", "0.5")
+    live = await start("--header-timeout", "0.5", "--idle-timeout", "0.5")
     kept, kept_writer = await live.connect()
     kept_writer.write(get("/health"))
     assert (await answer(kept, "GET /health"))[0] == 200  # and kept alive: HTTP/1.1
@@ -228,6 +228,39 @@ async def test_an_idle_connection_is_closed(start: Any) -> None:
         silent_writer.close()
     limits = await live.limits()
     assert limits["refused"]["idle"] >= 2 and limits["refused"]["header_timeout"] == 0
+
+
+@pytest.mark.asyncio
+async def test_a_kept_alive_connection_outlives_the_header_deadline_and_serves_its_next_request(start: Any) -> None:
+    """A client sends its next request on a pooled connection without knowing the server is
+    closing it; a server that gives up on idle connections first makes such a request fail."""
+    live = await start("--header-timeout", "0.3")  # the idle deadline: its default, 75 s
+    kept, kept_writer = await live.connect()
+    kept_writer.write(get("/health"))
+    assert (await answer(kept, "GET /health"))[0] == 200
+    silent, silent_writer = await live.connect()  # opened after that answer: its header deadline comes later
+    try:
+        assert await ended(silent, "a connection that never sent a byte") == b""
+        assert not kept.at_eof()
+        kept_writer.write(get("/health"))
+        assert (await answer(kept, "the next request on the kept-alive connection"))[0] == 200
+    finally:
+        kept_writer.close()
+        silent_writer.close()
+
+
+@pytest.mark.asyncio
+async def test_the_next_head_on_a_kept_alive_connection_has_the_header_deadline(start: Any) -> None:
+    live = await start("--header-timeout", "0.3")
+    kept, kept_writer = await live.connect()
+    kept_writer.write(get("/health"))
+    assert (await answer(kept, "GET /health"))[0] == 200
+    kept_writer.write(b"GET /health HTTP/1.1\r\nHost: rou")  # and no more of it
+    try:
+        assert await ended(kept, "a kept-alive connection slow with its next head") == b""
+    finally:
+        kept_writer.close()
+    assert (await live.limits())["refused"]["header_timeout"] == 1
 
 
 # ---------------------------------------------------------------- bodies
@@ -374,9 +407,10 @@ async def test_connections_over_the_limit_are_refused_while_the_others_are_serve
 def test_each_limit_has_an_option_and_refuses_a_non_positive_value(capsys: pytest.CaptureFixture[str]) -> None:
     assert router.config_from(router.parse_args([])).limits == http_limits.Limits()
     given = ["--header-timeout", "1.5", "--body-timeout", "2", "--body-budget", "4096", "--max-body", "1024"]
-    given += ["--max-connections", "7"]
-    assert router.config_from(router.parse_args(given)).limits == http_limits.Limits(1.5, 2.0, 4096, 1024, 7)
-    for option in ("--header-timeout", "--body-timeout", "--body-budget", "--max-body", "--max-connections"):
+    given += ["--max-connections", "7", "--idle-timeout", "3"]
+    assert router.config_from(router.parse_args(given)).limits == http_limits.Limits(1.5, 2.0, 4096, 1024, 7, 3.0)
+    options = ("--header-timeout", "--body-timeout", "--body-budget", "--max-body", "--max-connections")
+    for option in (*options, "--idle-timeout"):
         for value in ("0", "-1", "x"):
             with pytest.raises(SystemExit):
                 router.parse_args([option, value])

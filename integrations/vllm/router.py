@@ -34,7 +34,8 @@ Each ``--prefill`` / ``--decode`` names one backend; its ``-engine`` and ``-kvfl
 given as often, in the same order.
 
 What a client can make it hold is bounded (`http_limits`, ``GET /limits``): a request's head
-within ``--header-timeout``, its body within ``--body-timeout`` (408), ``--max-body`` (413) and the
+within ``--header-timeout`` (a kept-alive connection waits for its next request at most
+``--idle-timeout``), its body within ``--body-timeout`` (408), ``--max-body`` (413) and the
 ``--body-budget`` of all bodies in flight (503), connections at ``--max-connections``.
 """
 
