@@ -240,18 +240,32 @@ def _unmovable(fragment: str, caplog: pytest.LogCaptureFixture) -> None:
 # ---------------------------------------------------------------- dtypes and identity
 
 
-def _moves_in(model_dtype: str, cache_dtype: str, stored: str) -> None:
+def _moves_in(model_dtype: str, cache_dtype: str, stored: str, encoding: str, d_cache_dtype: str = "") -> None:
+    """P's cache in `cache_dtype`, D's in `d_cache_dtype` (the same when not given): both are
+    stored as `stored`, the fingerprint names `encoding`, and the KV moves."""
+
     def inspect(p: StandInEngine, d: StandInEngine) -> None:
-        spec = kvflow_engine(p).layout.spec
-        assert (spec.dtype, spec.cache_dtype) == (stored, cache_dtype)
+        for engine in (p, d):
+            spec = kvflow_engine(engine).layout.spec
+            assert (spec.dtype, spec.cache_dtype) == (stored, encoding)
 
-    moves(f"t-{cache_dtype}", inspect=inspect, model=ModelShape(dtype=model_dtype), cache_dtype=cache_dtype)
+    p_options, d_options = {"cache_dtype": cache_dtype}, {"cache_dtype": d_cache_dtype or cache_dtype}
+    model = ModelShape(dtype=model_dtype)
+    moves(f"t-{cache_dtype}", inspect=inspect, model=model, p_options=p_options, d_options=d_options)
 
 
-SCENARIOS["dtype-bf16"] = bound(_moves_in, model_dtype="bfloat16", cache_dtype="auto", stored="bfloat16")
-SCENARIOS["dtype-fp16"] = bound(_moves_in, model_dtype="float16", cache_dtype="auto", stored="float16")
+SCENARIOS["dtype-bf16"] = bound(_moves_in, model_dtype="bfloat16", cache_dtype="auto", stored="bfloat16", encoding="")
+SCENARIOS["dtype-fp16"] = bound(_moves_in, model_dtype="float16", cache_dtype="auto", stored="float16", encoding="")
 for _dtype, _stored in (("fp8_e4m3", "uint8"), ("fp8_e5m2", "uint8"), ("fp8_inc", "float8_e4m3fn")):
-    SCENARIOS[f"dtype-{_dtype}"] = bound(_moves_in, model_dtype="bfloat16", cache_dtype=_dtype, stored=_stored)
+    SCENARIOS[f"dtype-{_dtype}"] = bound(
+        _moves_in, model_dtype="bfloat16", cache_dtype=_dtype, stored=_stored, encoding=_dtype
+    )
+SCENARIOS["dtype-fp8-alias"] = bound(
+    _moves_in, model_dtype="bfloat16", cache_dtype="fp8", d_cache_dtype="fp8_e4m3", stored="uint8", encoding="fp8_e4m3"
+)
+SCENARIOS["dtype-auto-named"] = bound(
+    _moves_in, model_dtype="bfloat16", cache_dtype="auto", d_cache_dtype="bfloat16", stored="bfloat16", encoding=""
+)
 
 
 @scenario("fp8-mismatch")

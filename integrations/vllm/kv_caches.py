@@ -39,6 +39,20 @@ log = logging.getLogger("kvflow.vllm")
 
 _INTEGER = re.compile(r"^[0-9]+$")
 
+# vLLM's `--kv-cache-dtype` names of one encoding: "fp8" is fp8_e4m3 (vLLM's CacheConfig says so,
+# on CUDA and ROCm alike); an unquantized cache is stored in its own dtype, which the layout
+# compares already, whether it was named or came from the model ("auto").
+_SAME_ENCODING = {"fp8": "fp8_e4m3"}
+_UNQUANTIZED = frozenset({"auto", "float16", "half", "bfloat16", "float32", "float"})
+
+
+def cache_encoding(cache_dtype: str) -> str:
+    """How a cache's values are encoded, whatever vLLM option string named it: "" where the
+    storage dtype tells (unquantized), else the canonical name of the quantized encoding."""
+    if cache_dtype in _UNQUANTIZED:
+        return ""
+    return _SAME_ENCODING.get(cache_dtype, cache_dtype)
+
 
 def layer_index(name: str) -> int:
     """The decoder layer a vLLM layer name belongs to: its one integer part
@@ -205,7 +219,7 @@ def describe_kv_caches(
         head_dim_v=spec.head_size_v,
         page_bytes=run_bytes * count,
         model=model,
-        cache_dtype=cache_dtype,
+        cache_dtype=cache_encoding(cache_dtype),
     )
     layout = KVLayout(kv_spec, num_blocks, tuple(regions.values()), tuple(arrays))
     return CacheDescription(layout, {name: layer for layer, name in enumerate(names)})
