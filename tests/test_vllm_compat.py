@@ -187,6 +187,7 @@ def _hybrid_off(fragment: str, caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING, logger="kvflow.vllm"):  # a prompt longer than the 64-token window
         moves("t-gemma", 5 * BLOCK_SIZE, inspect, model=ModelShape(family="gemma2"))
     assert fragment in caplog.text
+    assert "kvflow: 2 of the 4 layers are sliding-window" in caplog.text  # Gemma 2 alternates them
 
 
 @scenario("hybrid-hma-on")

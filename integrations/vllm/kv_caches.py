@@ -134,14 +134,24 @@ def check_supported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | No
     shapes = {(s.page_size_bytes, s.num_heads, s.head_size, s.head_size_v, s.dtype) for s in specs.values()}
     if len(shapes) > 1:
         raise ConfigError(f"kvflow needs one KV page shape for every layer; this model's layers have {len(shapes)}")
-    windowed = sorted(n for n, s in specs.items() if getattr(s, "sliding_window", None) is not None)
-    if windowed:
+    if any(getattr(s, "sliding_window", None) is not None for s in specs.values()):
         log.warning(
-            "kvflow: %d sliding-window layers keep (and kvflow moves) the KV of every token: vLLM's hybrid KV "
-            "cache manager is off, since kvflow does not support it (first: %s)",
-            len(windowed),
-            windowed[0],
+            "kvflow: %s layers are sliding-window layers, which keep (and kvflow moves) the KV of every token: "
+            "vLLM's hybrid KV "
+            "cache manager is off, since kvflow does not support it",
+            _sliding_layers(vllm_config, len(specs)),
         )
+
+
+def _sliding_layers(vllm_config: VllmConfig, layers: int) -> str:
+    """How many of the model's layers use sliding-window attention, in words.  With the hybrid
+    manager off vLLM merges every layer's spec into one that carries the window, so the specs
+    cannot tell; the model's ``layer_types`` (Gemma 2/3, gpt-oss) can."""
+    hf_config = getattr(vllm_config.model_config, "hf_text_config", None)
+    types = getattr(hf_config, "layer_types", None)
+    if not isinstance(types, (list, tuple)):
+        return f"some of the {layers}"
+    return f"{sum(kind == 'sliding_attention' for kind in types)} of the {len(types)}"
 
 
 @dataclass(frozen=True)
