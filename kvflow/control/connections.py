@@ -16,8 +16,8 @@ reader pacing itself also paces libzmq's accept retries at the limit: after a ba
 
 Why raise the descriptor limit (`raise_descriptor_limit`): ZeroMQ has no cap on connections;
 each one a stranger opens holds a descriptor until `handshake_timeout` runs out and libzmq has
-closed it (measured: about 4 s each with the 2 s default), so a flood holds its rate times
-that long.  A soft limit of 1,024 (a common default) is reached at 300 connections a second
+closed it (`kvflow bench floods`: 2.0 s each with the 2 s default), so a flood holds its rate
+times that long.  A soft limit of 1,024 (a common default) is reached at 500 connections a second
 from one process; then libzmq's accepts fail and are retried on every turn of its I/O thread,
 and every descriptor freed goes to whoever asks first.  The hard limit is what the operator
 allows; the soft one is raised to it when a channel starts, up to `DESCRIPTORS` (more than the

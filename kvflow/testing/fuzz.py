@@ -48,12 +48,14 @@ GREETING = 64  # bytes of a ZMTP 3 greeting
 class AttackStats:
     """What an attack did: `sent` frames, parts or connections; `refused`, those the target
     visibly turned down (connections it closed, handshakes it failed, sends ZeroMQ would not
-    queue); `duration` in seconds."""
+    queue); `duration` in seconds; `opened`, for a connection flood, the seconds until its last
+    connection was opened (the rest of `duration` waits for the target to close them)."""
 
     attack: str
     sent: int
     refused: int
     duration: float
+    opened: float = 0.0
 
     @property
     def rate(self) -> float:
@@ -238,13 +240,14 @@ def connection_flood(
             selector.register(sock, selectors.EVENT_READ)
             if i % 64 == 0:
                 reap(0)
+        opened_in = time.monotonic() - start
         while opened:
             reap(0.05)
     finally:
         for sock in opened:
             sock.close()
         selector.close()
-    return AttackStats("connection_flood", sent, refused, time.monotonic() - start)
+    return AttackStats("connection_flood", sent, refused, time.monotonic() - start, opened_in)
 
 
 def squat_identity(

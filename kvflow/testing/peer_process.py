@@ -14,6 +14,7 @@ wrote.  `kv_ready` may add ``"final": false`` and ``"first": position`` (one bat
 fills its blocks with the seed's pattern, the same bytes for the same seed, position and layer.
     {"cmd": "digest", "blocks": [1, 2]}          -> {"event": "digest", "sha256": ...}
     {"cmd": "stats"}                             -> {"event": "stats", ...}
+    {"cmd": "threads"}                           -> {"event": "threads", "names": {native id: name}}
     {"cmd": "close"}                             -> {"event": "closed"}, then the process exits
 
 Events: {"event": "ready", "address": ..., "pid": ...} once started, {"event": "result", ...} when
@@ -29,6 +30,7 @@ import contextlib
 import hashlib
 import json
 import os
+import resource
 import sys
 import threading
 from typing import Any
@@ -205,6 +207,8 @@ class Peer:
                 {"dropped_notifications": self.transport.dropped} if isinstance(self.transport, DroppingShm) else {}
             )
             emit("stats", **e.stats(), **dropped, peers=e.peers(), control=dict(e.control.counters))
+        elif kind == "threads":  # /proc names Python's threads after the process: these are their names
+            emit("threads", names={str(t.native_id): t.name for t in threading.enumerate()})
         elif kind == "close":
             await e.aclose()
             emit("closed")
@@ -249,7 +253,10 @@ if __name__ == "__main__":
     parser.add_argument("--drop-notifications", type=float, default=0.0, help="shm: lose this fraction of them")
     parser.add_argument("--fault-seed", type=int, default=0, help="seed of the injected faults")
     parser.add_argument("--misstamp-every", type=int, default=0, help="every Nth kv_ready stamps another seed")
+    parser.add_argument("--nofile", type=int, default=0, help="soft and hard open-files limit (0: inherited)")
     arguments = parser.parse_args()
+    if arguments.nofile:  # soft and hard alike: the channel raises a soft limit to the hard one
+        resource.setrlimit(resource.RLIMIT_NOFILE, (arguments.nofile, arguments.nofile))
     _own_stdout()
     kvflow.control.wire.VERSION = arguments.wire_version  # lets a test play a peer of another version
     with contextlib.suppress(SystemExit):  # the "close" command ends the process

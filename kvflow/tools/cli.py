@@ -1,5 +1,6 @@
 """The `kvflow` command: `kvflow doctor`, `kvflow bench nixl`, `kvflow bench vllm`, `kvflow bench pd`,
-`kvflow bench serve`, `kvflow bench host`, `kvflow bench engine`, `kvflow bench frames`, `kvflow diagrams`,
+`kvflow bench serve`, `kvflow bench host`, `kvflow bench engine`, `kvflow bench frames`,
+`kvflow bench floods`, `kvflow diagrams`,
 `kvflow soak`, `kvflow serve`, `kvflow demo`.
 
 Why one entry point: operators ask "does NIXL work here, with which backends and memory?" and
@@ -106,6 +107,11 @@ def main(argv: list[str] | None = None) -> int:
     from kvflow.tools.bench_frames import add_arguments as frames_arguments
 
     frames_arguments(targets.add_parser("frames", help="what the costliest control frames cost to decode"))
+    from kvflow.tools.bench_floods import add_arguments as floods_arguments
+
+    floods_arguments(
+        targets.add_parser("floods", help="a stranger's connection flood: CPU per engine thread, a genuine connect")
+    )
     _add_soak(commands)
     from kvflow.integrations.vllm.serve.cli import add_arguments as serve_arguments
 
@@ -136,6 +142,10 @@ def main(argv: list[str] | None = None) -> int:
         from kvflow.tools.bench_frames import main as bench_frames
 
         return bench_frames(args.repeats, args.json)
+    if args.command == "bench" and args.target == "floods":
+        from kvflow.tools.bench_floods import main as bench_floods
+
+        return bench_floods(args)
     if args.command == "bench" and args.target == "pd-report":
         from kvflow.integrations.vllm.pd.report import rerender
 

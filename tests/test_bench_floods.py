@@ -1,0 +1,58 @@
+"""`kvflow bench floods` at a tiny scale, through the CLI: a real engine process is flooded, its
+threads are listed with their CPU, the genuine peer's transfer completes, and the JSON report
+holds what the table prints (no timing asserted)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvflow.errors import BenchError
+from kvflow.tools.cli import main
+
+
+def flood(tmp_path: Path, *options: str) -> dict[str, object]:
+    out = tmp_path / "floods.json"
+    assert main(["bench", "floods", "--connections", "200", "--runs", "1", *options, "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["config"]["connections"] == 200 and len(report["runs"]) == 1
+    run: dict[str, object] = report["runs"][0]
+    return run
+
+
+def test_a_flood_is_counted_by_the_engine_and_a_genuine_peer_moves_kv_meanwhile(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = flood(tmp_path)
+    assert 0 < run["connections"] <= 200  # type: ignore[operator]
+    control = run["control"]
+    assert isinstance(control, dict)
+    assert control["connections_accepted"] > 0 and control["rejected_handshake"] > 0  # the engine saw them
+    genuine = run["genuine"]
+    assert isinstance(genuine, dict) and genuine["completed"] is True and genuine["connected"] == "connected"
+    threads = run["threads"]
+    assert isinstance(threads, list)
+    names = {t["name"] for t in threads}
+    assert {"loop (MainThread)", "kvflow-connections-P", "ZMQbg/IO/0"} <= names, names
+    assert all(t["cpu_pct"] >= 0 for t in threads)
+    descriptors = run["p_descriptors"]
+    assert isinstance(descriptors, dict) and descriptors["peak"] > descriptors["before"] > 0
+    load = run["load"]
+    assert isinstance(load, dict) and len(load["start"]) == len(load["end"]) == 3
+    table = capsys.readouterr().out
+    assert "conn/s" in table and "accept_failed" in table and "yes" in table
+
+
+def test_at_a_descriptor_limit_the_engine_holds_no_more_and_the_genuine_peer_still_connects(tmp_path: Path) -> None:
+    run = flood(tmp_path, "--nofile", "128")  # 200 connections cannot all be held
+    descriptors = run["p_descriptors"]
+    assert run["nofile"] == 128 and isinstance(descriptors, dict) and descriptors["peak"] <= 128
+    genuine = run["genuine"]
+    assert isinstance(genuine, dict) and genuine["completed"] is True
+
+
+def test_bench_floods_refuses_bad_settings() -> None:
+    with pytest.raises(BenchError, match="--connections"):
+        main(["bench", "floods", "--connections", "0"])
