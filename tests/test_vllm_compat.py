@@ -160,6 +160,17 @@ def _mla(fragment: str, caplog: pytest.LogCaptureFixture) -> None:
     moves("t-mla", inspect=inspect, model=ModelShape(family="deepseek_v3"), backend="TRITON_MLA")
 
 
+@scenario("mla-two-modules")
+def _mla_two_modules(fragment: str, caplog: pytest.LogCaptureFixture) -> None:
+    def inspect(p: StandInEngine, d: StandInEngine) -> None:
+        names = [f"model.layers.{layer}.self_attn.{module}.attn" for layer in range(3) for module in range(2)]
+        for engine in (p, d):  # in execution order, as vLLM's extract_layer_index numbers them
+            assert engine.ranks[0].worker._worker.layer_of == {name: k for k, name in enumerate(names)}
+
+    longcat = ModelShape(family="deepseek_v3", layers=3, attention_modules=2)
+    moves("t-longcat", inspect=inspect, model=longcat, backend="TRITON_MLA")
+
+
 @scenario("mla-tp2")
 def _mla_tp2(fragment: str, caplog: pytest.LogCaptureFixture) -> None:
     def inspect(p: StandInEngine, d: StandInEngine) -> None:

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given
 
 from kvflow.errors import ConfigError
-from kvflow.integrations.vllm.kv_caches import describe_kv_caches, layer_index
+from kvflow.integrations.vllm.kv_caches import describe_kv_caches, layer_position
 from kvflow.integrations.vllm.settings import KV_CACHE_LAYOUTS, Settings, layer_groups
 
 
@@ -126,16 +126,21 @@ def test_the_layouts_kvflow_may_request_are_vllms() -> None:
 
 @pytest.mark.parametrize(
     ("name", "index"),
-    [("model.layers.7.self_attn.attn", 7), ("model.decoder.layers.0.self_attn.attn", 0), ("layers.61.mtp.attn", 61)],
+    [
+        ("model.layers.7.self_attn.attn", (7, 0)),
+        ("model.decoder.layers.0.self_attn.attn", (0, 0)),
+        ("layers.61.mtp.attn", (61, 0)),
+        ("model.layers.3.self_attn.1.attn", (3, 1)),  # LongCat-Flash: two attention modules a layer
+    ],
 )
-def test_a_layer_is_known_by_the_index_in_its_name(name: str, index: int) -> None:
-    assert layer_index(name) == index
+def test_a_layer_is_known_by_the_indices_in_its_name(name: str, index: tuple[int, int]) -> None:
+    assert layer_position(name) == index
 
 
-@pytest.mark.parametrize("name", ["lm_head.attn", "model.layers.1.experts.3.attn", "model.layers.x.attn", "model.²"])
-def test_a_layer_name_without_one_index_is_refused(name: str) -> None:
+@pytest.mark.parametrize("name", ["lm_head.attn", "model.layers.1.experts.3.attn.2", "model.layers.x.attn", "model.²"])
+def test_a_layer_name_without_one_or_two_indices_is_refused(name: str) -> None:
     with pytest.raises(ConfigError, match="which layer"):
-        layer_index(name)
+        layer_position(name)
 
 
 def test_views_that_are_not_what_vllms_config_says_are_refused() -> None:

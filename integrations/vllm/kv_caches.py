@@ -5,8 +5,8 @@ a strided view per layer (``[blocks, heads, tokens, K+V]`` in the layout the eng
 resolved), several layers possibly sharing a buffer, KV-sharing layers aliasing another layer's
 view, and with some backends blocks split into kernel blocks.  `describe_kv_caches` reads the
 views' strides and turns each layer into kvflow block arrays over the buffers, whatever the
-layout, and names the layers in execution order (by the index in their names, not the order of
-vLLM's dict).
+layout, and names the layers in execution order (by the layer and attention-module indices in
+their names, not the order of vLLM's dict).
 
 What kvflow cannot move is refused at start-up, in the connector's constructor, with an error
 naming the feature (`check_supported`): several KV cache groups (vLLM's hybrid KV cache manager),
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheConfig
 
-__all__ = ("CacheDescription", "check_supported", "describe_kv_caches", "layer_index")
+__all__ = ("CacheDescription", "check_supported", "describe_kv_caches", "layer_position")
 
 log = logging.getLogger("kvflow.vllm")
 
@@ -54,16 +54,22 @@ def cache_encoding(cache_dtype: str) -> str:
     return _SAME_ENCODING.get(cache_dtype, cache_dtype)
 
 
-def layer_index(name: str) -> int:
-    """The decoder layer a vLLM layer name belongs to: its one integer part
-    (``model.layers.7.self_attn.attn`` -> 7), as vLLM reads it.
+def layer_position(name: str) -> tuple[int, int]:
+    """Where a vLLM attention layer runs: its decoder layer and the attention module within it,
+    from the integer parts of its name as vLLM's `extract_layer_index` reads them
+    (``model.layers.7.self_attn.attn`` -> (7, 0); LongCat-Flash's two attention modules per
+    layer, ``model.layers.7.self_attn.1.attn`` -> (7, 1)).  vLLM itself accepts a second
+    integer only in a model with several attention modules per layer.
 
-    :raises ConfigError: the name has no integer part, or several.
+    :raises ConfigError: the name has no integer part, or more than two.
     """
     numbers = [int(part) for part in name.split(".") if _INTEGER.match(part)]
-    if len(numbers) != 1:
-        raise ConfigError(f"cannot tell which layer KV cache {name!r} belongs to: it needs one integer part")
-    return numbers[0]
+    if not 1 <= len(numbers) <= 2:
+        raise ConfigError(
+            f"cannot tell which layer KV cache {name!r} belongs to: it needs one integer part (the layer), "
+            "or two (the layer and its attention module)"
+        )
+    return numbers[0], numbers[1] if len(numbers) == 2 else 0
 
 
 def _kind(spec: Any) -> str:
@@ -172,7 +178,7 @@ def describe_kv_caches(
 ) -> CacheDescription:
     """kvflow's layout for the per-layer views vLLM registers.
 
-    Layers are numbered in execution order (by `layer_index`); a layer whose KV is another's
+    Layers are numbered in execution order (by `layer_position`); a layer whose KV is another's
     (KV sharing) is left out, as vLLM's allocation leaves it out of every `KVCacheTensor`.
 
     :raises ConfigError: a view does not match vLLM's spec for its layer, two layers start at the
@@ -182,7 +188,7 @@ def describe_kv_caches(
 
     specs = _layer_specs(kv_cache_config)
     owners = {name for tensor in kv_cache_config.kv_cache_tensors for name in tensor.layers}
-    names = sorted((n for n in kv_caches if n in owners), key=lambda n: (layer_index(n), n))
+    names = sorted((n for n in kv_caches if n in owners), key=lambda n: (layer_position(n), n))
     if not names:
         raise ConfigError("no KV caches to register")
     num_blocks = kv_cache_config.num_blocks

@@ -485,7 +485,7 @@ class StandInEngine:
             worker.bind_connector_metadata(meta)
             if so.has_sync_kv_loads:
                 worker.start_load_kv(get_forward_context())
-            self._forward(rank, work, range(self.shape.layers), started)
+            self._forward(rank, work, range(self.shape.attention_layers), started)
             if v2:
                 worker.finish_forward()  # then Model Runner V2 samples, before the post-forward hooks
             if not so.has_sync_kv_loads:
@@ -503,7 +503,7 @@ class StandInEngine:
                 kv_connector_worker_meta=worker.build_connector_worker_meta(),
             )
             if speculative:  # the drafter runs, then the deferred finalize
-                self._forward(rank, work, range(self.shape.layers, len(self.layer_names())), started)
+                self._forward(rank, work, range(self.shape.attention_layers, len(self.layer_names())), started)
                 worker.wait_for_save()
             worker.clear_connector_metadata()
         return output

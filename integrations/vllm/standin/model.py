@@ -34,7 +34,9 @@ class ModelShape:
     qwen3: GQA; deepseek_v3: MLA (one 576-wide latent per token); gemma2: sliding-window and
     full-attention layers in turn; opt: multi-head attention.  `draft_layers` adds EAGLE-style
     draft layers after the model's (speculative decoding); `shared` lists (layer, target) pairs
-    of layers that attend over another layer's KV (KV sharing).
+    of layers that attend over another layer's KV (KV sharing); `attention_modules` is the number
+    of attention modules in one decoder layer (LongCat-Flash: 2, named ``model.layers.L.self_attn.M.attn``).
+    Layers in `shared` and in the specs count attention modules, draft layers after them.
     """
 
     family: str = "qwen3"
@@ -44,6 +46,12 @@ class ModelShape:
     dtype: str = "bfloat16"
     draft_layers: int = 0
     shared: tuple[tuple[int, int], ...] = ()
+    attention_modules: int = 1
+
+    @property
+    def attention_layers(self) -> int:
+        """The model's attention modules (not counting draft layers)."""
+        return self.layers * self.attention_modules
 
     def config(self, max_model_len: int) -> dict[str, Any]:
         if self.family not in FAMILIES:
@@ -109,11 +117,16 @@ class ModelShape:
 
     def layer_name(self, layer: int) -> str:
         decoder = "model.decoder.layers" if self.family == "opt" else "model.layers"
+        if layer >= self.attention_layers:  # a draft layer: numbered after the model's
+            return f"{decoder}.{layer - self.attention_layers + self.layers}.self_attn.attn"
+        if self.attention_modules > 1:
+            index, module = divmod(layer, self.attention_modules)
+            return f"{decoder}.{index}.self_attn.{module}.attn"
         return f"{decoder}.{layer}.self_attn.attn"
 
     def layer_names(self) -> list[str]:
         """Every attention layer, in execution order (draft layers last)."""
-        return [self.layer_name(i) for i in range(self.layers + self.draft_layers)]
+        return [self.layer_name(i) for i in range(self.attention_layers + self.draft_layers)]
 
     def model_dir(self, max_model_len: int) -> str:
         """A directory holding only this config.json; its path depends only on the config, so
