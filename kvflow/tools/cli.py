@@ -1,6 +1,6 @@
 """The `kvflow` command: `kvflow doctor`, `kvflow bench nixl`, `kvflow bench vllm`, `kvflow bench pd`,
-`kvflow bench serve`, `kvflow bench host`, `kvflow bench engine`, `kvflow bench frames`, `kvflow diagrams`,
-`kvflow soak`, `kvflow serve`, `kvflow demo`.
+`kvflow bench serve`, `kvflow bench host`, `kvflow bench engine`, `kvflow bench frames`, `kvflow bench router`,
+`kvflow diagrams`, `kvflow soak`, `kvflow serve`, `kvflow demo`.
 
 Why one entry point: operators ask "does NIXL work here, with which backends and memory?" and
 "how fast is it here?" before anything else; both answers are one command away.
@@ -106,6 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     from kvflow.tools.bench_frames import add_arguments as frames_arguments
 
     frames_arguments(targets.add_parser("frames", help="what the costliest control frames cost to decode"))
+    from kvflow.tools.bench_router import add_arguments as router_arguments
+
+    router_arguments(targets.add_parser("router", help="what hostile HTTP clients can make the P/D router hold"))
     _add_soak(commands)
     from kvflow.integrations.vllm.serve.cli import add_arguments as serve_arguments
 
@@ -136,6 +139,11 @@ def main(argv: list[str] | None = None) -> int:
         from kvflow.tools.bench_frames import main as bench_frames
 
         return bench_frames(args.repeats, args.json)
+    if args.command == "bench" and args.target == "router":
+        from kvflow.tools.bench_router import config_from as router_config
+        from kvflow.tools.bench_router import main as bench_router
+
+        return bench_router(router_config(args), args.json)
     if args.command == "bench" and args.target == "pd-report":
         from kvflow.integrations.vllm.pd.report import rerender
 
