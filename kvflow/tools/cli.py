@@ -1,6 +1,6 @@
 """The `kvflow` command: `kvflow doctor`, `kvflow bench nixl`, `kvflow bench vllm`, `kvflow bench pd`,
 `kvflow bench serve`, `kvflow bench host`, `kvflow bench engine`, `kvflow bench frames`,
-`kvflow bench floods`, `kvflow diagrams`,
+`kvflow bench floods`, `kvflow bench router`, `kvflow diagrams`,
 `kvflow soak`, `kvflow serve`, `kvflow demo`.
 
 Why one entry point: operators ask "does NIXL work here, with which backends and memory?" and
@@ -112,6 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     floods_arguments(
         targets.add_parser("floods", help="a stranger's connection flood: CPU per engine thread, a genuine connect")
     )
+    from kvflow.tools.bench_router import add_arguments as router_arguments
+
+    router_arguments(targets.add_parser("router", help="what hostile HTTP clients can make the P/D router hold"))
     _add_soak(commands)
     from kvflow.integrations.vllm.serve.cli import add_arguments as serve_arguments
 
@@ -146,6 +149,11 @@ def main(argv: list[str] | None = None) -> int:
         from kvflow.tools.bench_floods import main as bench_floods
 
         return bench_floods(args)
+    if args.command == "bench" and args.target == "router":
+        from kvflow.tools.bench_router import config_from as router_config
+        from kvflow.tools.bench_router import main as bench_router
+
+        return bench_router(router_config(args), args.json)
     if args.command == "bench" and args.target == "pd-report":
         from kvflow.integrations.vllm.pd.report import rerender
 
