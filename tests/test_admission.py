@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import resource
+from dataclasses import replace
 
 import pytest
 from hypothesis import given
@@ -18,8 +19,10 @@ from kvflow.control.zeromq import ZmqControl
 from kvflow.errors import ConfigError, PeerNotAllowed, PeerProtocolError
 from kvflow.integrations.vllm.mapping import SchedulerBook
 from kvflow.integrations.vllm.settings import Settings
+from kvflow.layout import fingerprint
 from kvflow.protocol.admission import PeerAllowList
 from kvflow.protocol.association import AddRoute, Associations, HandshakeSettled, Refused, SendHello
+from kvflow.protocol.messages import Hello
 from kvflow.runtime.engine import Engine, EngineConfig
 from kvflow.testing import SMALL_SPEC, KVBuffers
 from tests.test_hostile_peers import CONFIG, SECRET, Zmq, hello, signed
@@ -106,6 +109,25 @@ def test_a_hello_from_a_peer_not_permitted_is_refused_without_an_answer() -> Non
         refused, settled = actions
         assert isinstance(refused, Refused) and isinstance(settled, HandshakeSettled)
         assert isinstance(refused.error, PeerNotAllowed) and assoc.adding == {}
+
+
+def test_a_lasting_refusal_abandons_what_waits_for_the_peer_and_a_passing_one_does_not() -> None:
+    """Refused for good (not permitted, another layout), the peer's transfers here can never be
+    served: they fail at once.  Refused for now (the peer limit, a teardown cooling off), the
+    peer's next handshake may well succeed: they wait."""
+
+    def refusal(assoc: Associations, message: Hello) -> Refused:
+        (refused,) = [a for a in assoc.receive("D1", 1, message, 0.0) if isinstance(a, Refused)]
+        return refused
+
+    ours = fingerprint(SMALL_SPEC)
+    assert refusal(Associations("P", ours, 30.0, 5.0, allowed=PeerAllowList(("Q*",))), hello("D1", "")).abandon
+    other = replace(hello("D1", ""), fingerprint={**ours, "model": "another"})
+    assert refusal(Associations("P", ours, 30.0, 5.0), other).abandon
+    assert not refusal(Associations("P", ours, 30.0, 5.0, max_peers=0), hello("D1", "")).abandon
+    cooling = Associations("P", ours, 30.0, 5.0)
+    cooling.start_cooling("D1", 10.0)
+    assert not refusal(cooling, hello("D1", "")).abandon
 
 
 # ---------------------------------------------------------------- an engine over ZeroMQ

@@ -103,9 +103,10 @@ def _mla_tp_unequal(fragment: str, caplog: pytest.LogCaptureFixture) -> None:
 
 @scenario("tp-nhd-unequal")
 def _tp_nhd_unequal(fragment: str, caplog: pytest.LogCaptureFixture) -> None:
-    refused_at_handshake(
-        fragment, caplog, kv_cache_layout="LBNHC", p_options={"tensor_parallel": 2}, d_options={"tensor_parallel": 1}
-    )
+    # D is refused by P's rank 0, which frees its blocks at once; P's rank 1, which D never
+    # reaches (its address comes in rank 0's handshake), frees them at its transfer deadline
+    tp = {"p_options": {"tensor_parallel": 2}, "d_options": {"tensor_parallel": 1}}
+    refused_at_handshake(fragment, caplog, p_deadline=3.0, kv_cache_layout="LBNHC", **tp)
 
 
 @scenario("block-size-multiple")

@@ -79,10 +79,14 @@ def moves(tid: str, prompt: int = 3 * BLOCK_SIZE + 7, inspect: Inspect | None = 
         p.close()
 
 
-def refused_at_handshake(fragment: str, caplog: pytest.LogCaptureFixture, **options: Any) -> None:
-    """D's request fails at once, naming `fragment`; P, which never hears from D, frees its
-    blocks at its transfer deadline (3 s here)."""
-    options["extra"] = {"transfer_timeout": 3.0, **options.get("extra", {})}
+def refused_at_handshake(
+    fragment: str, caplog: pytest.LogCaptureFixture, p_deadline: float | None = None, **options: Any
+) -> None:
+    """D's request fails at once, naming `fragment`, and P frees its blocks at once too: its
+    transfer deadline (600 s here) is not what ends P's request.  With `p_deadline`, P's request
+    ends at that deadline (P ranks D never reaches hear nothing of the refusal)."""
+    deadline = 600.0 if p_deadline is None else p_deadline
+    options["extra"] = {"transfer_timeout": deadline, **options.get("extra", {})}
     p, d = make_pair(**options)
     try:
         with caplog.at_level(logging.ERROR, logger="kvflow.vllm"):

@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 from kvflow.errors import KVFlowError, UnknownTransfer
 from kvflow.integrations.vllm.device import Device, Gate, GateWaiter, HostDevice
 from kvflow.integrations.vllm.mapping import PeerRef
-from kvflow.integrations.vllm.ranks import reach_rank
+from kvflow.integrations.vllm.ranks import BlockSizeMismatch, reach_rank
 from kvflow.protocol.messages import OPEN_BATCHES, TransferKey
 from kvflow.protocol.state import Mode, Role
 from kvflow.runtime.engine import Engine
@@ -107,7 +107,7 @@ class RankAgent(EngineAgent):
         done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._registrations[key] = done
         try:
-            peer = await reach_rank(self.engine, _peer(prefill), p_tp, source, Role.DECODE)
+            peer = await self._reach_prefill(prefill, p_tp, source, key, Mode(mode))
             await self.engine.expect(
                 transfer_id,
                 epoch,
@@ -129,10 +129,21 @@ class RankAgent(EngineAgent):
     ) -> None:
         """D needs no KV (a full prefix hit): an empty registration, and P releases its blocks
         without a WRITE.  :raises KVFlowError: see `expect_blocks`."""
-        peer = await reach_rank(self.engine, _peer(prefill), p_tp, source, Role.DECODE)
+        peer = await self._reach_prefill(prefill, p_tp, source, TransferKey(transfer_id, epoch), Mode.PUSH)
         await self.engine.expect(
             transfer_id, epoch, peer=peer, block_ids=(), expected_batches=0, first_position=first_position
         )
+
+    async def _reach_prefill(self, prefill: PeerWire, p_tp: int, source: int, key: TransferKey, mode: Mode) -> str:
+        """P rank `source`'s engine id, associated.  One this transfer cannot use (block sizes
+        that do not tile) is told at once, so that P frees the request's blocks now instead of
+        at its deadline.  :raises KVFlowError: see `reach_rank`."""
+        try:
+            return await reach_rank(self.engine, _peer(prefill), p_tp, source, Role.DECODE)
+        except BlockSizeMismatch as exc:
+            with contextlib.suppress(KVFlowError):  # best effort: P's deadline ends it otherwise
+                await self.engine.abort(key.transfer_id, key.epoch, Role.DECODE, str(exc), peer=exc.peer, mode=mode)
+            raise
 
     async def abort_unallocated(
         self, prefill: PeerWire, p_tp: int, source: int, transfer_id: str, epoch: int, reason: str, mode: str

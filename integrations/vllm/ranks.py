@@ -47,6 +47,7 @@ __all__ = (
     "pair_transfer_id",
     "rank_name",
     "ranked_layout",
+    "BlockSizeMismatch",
     "reach_rank",
     "sources",
     "targets",
@@ -208,12 +209,21 @@ def pair_keys(
     ]
 
 
+class BlockSizeMismatch(ConfigError):
+    """D's block size is not a multiple of P's: found once associated with `peer`, which then
+    still waits for the transfer unless told."""
+
+    def __init__(self, message: str, peer: str) -> None:
+        super().__init__(message)
+        self.peer = peer
+
+
 async def reach_rank(engine: Engine, peer: PeerRef, tp_size: int, rank: int, role: Role) -> str:
     """Associate `engine` with rank `rank` of `peer`, found in the rank table `peer`'s rank 0
     (at the address the router gave) announces in its handshake; its engine id.
 
-    :raises ConfigError: the peer announces another number of ranks than `tp_size`, or D's
-        block size is not a multiple of P's.
+    :raises ConfigError: the peer announces another number of ranks than `tp_size`.
+    :raises BlockSizeMismatch: D's block size is not a multiple of P's.
     :raises KVFlowError: a handshake failed (see `Engine.connect`).
     """
     first = f"{peer.engine}-tp0"
@@ -233,8 +243,9 @@ async def reach_rank(engine: Engine, peer: PeerRef, tp_size: int, rank: int, rol
     if remote is not None:
         prefill, decode = (remote, engine.layout) if role is Role.DECODE else (engine.layout, remote)
         if decode.spec.block_size % prefill.spec.block_size:
-            raise ConfigError(
+            raise BlockSizeMismatch(
                 f"D's block size ({decode.spec.block_size} tokens) must be a multiple of P's "
-                f"({prefill.spec.block_size}): P's blocks land in D's at token offsets (vLLM --block-size)"
+                f"({prefill.spec.block_size}): P's blocks land in D's at token offsets (vLLM --block-size)",
+                name,
             )
     return name

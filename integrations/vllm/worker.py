@@ -63,6 +63,10 @@ log = logging.getLogger("kvflow.vllm")
 
 _LOOPBACK_FABRICS: dict[str, Any] = {}  # in-process fabrics by name, for tests and simulation
 INLINE_OP_BYTES = 1 << 20  # in an engine process, ops of up to 1 MiB are posted from its loop
+# At shutdown a rank's engine lets its transfers finish this long (a WRITE in flight, a
+# registration on its way), then aborts the rest, telling their peers: one waiting for a peer
+# that never comes must not hold vLLM's shutdown for the 30 s an engine drains by default.
+SHUTDOWN_DRAIN = 2.0
 
 
 def _failed(exc: BaseException) -> concurrent.futures.Future[Any]:
@@ -131,6 +135,7 @@ class WorkerSide(PeerNotices):
             transfer_timeout=settings.transfer_timeout,
             lease=settings.lease,
             allowed_peers=settings.allow_list(ranks=True),
+            drain_timeout=SHUTDOWN_DRAIN,
         )
         port = self.port + self.rank if self.port else 0
         bind = f"tcp://{settings.host}:{port}"
@@ -556,7 +561,8 @@ class WorkerSide(PeerNotices):
     def close(self) -> None:
         if self.link is not None:
             try:
-                self.link.close(timeout=30)
+                # the drain, fences of WRITEs aborted then, peers' removals: bounded, and below this
+                self.link.close(timeout=SHUTDOWN_DRAIN + self.settings.fence_timeout + 20)
             except KVFlowError as exc:
                 log.error("%s: engine closed with errors: %s", self.engine_id, exc)
             self.link = self.thread = None

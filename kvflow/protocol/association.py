@@ -22,7 +22,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvflow.errors import KVFlowError, LayoutMismatch, PeerNotAllowed, PeerProtocolError
+from kvflow.errors import (
+    ConfigError,
+    KVFlowError,
+    LayoutMismatch,
+    PeerNotAllowed,
+    PeerProtocolError,
+    UnsupportedVersion,
+)
 from kvflow.layout import KVLayout, check_compatible, layout_from_wire
 from kvflow.protocol.admission import PeerAllowList
 from kvflow.protocol.early import message_blocks
@@ -178,10 +185,14 @@ class PeerConnected:
 
 @dataclass(frozen=True, slots=True)
 class Refused:
-    """A Hello from `peer` was refused, for the log."""
+    """A Hello from `peer` was refused, for the log.  With `abandon` the refusal is for good (the
+    layouts differ, the deployment does not permit the peer) and the peer is not associated:
+    the transfers waiting for it here can never be served, so they fail now (`peer_lost`)
+    instead of holding their blocks until their deadlines."""
 
     peer: str
     error: KVFlowError
+    abandon: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -514,7 +525,7 @@ class Associations:
             # no answer: a Reject would cost the very resources the limit bounds, and would go
             # to an address the deployment does not permit
             error = PeerNotAllowed(problem) if problem else self._full_error()
-            return [Refused(sender, error), HandshakeSettled(sender, error)]
+            return [Refused(sender, error, abandon=problem is not None), HandshakeSettled(sender, error)]
         try:
             if sender in self.cooling:
                 wait = self.cooling[sender] - now
@@ -549,7 +560,8 @@ class Associations:
         return not known and len(self.layouts) + len(self.adding) >= self.max_peers
 
     def _refuse(self, sender: str, hello: Hello, error: KVFlowError) -> list[AssociationAction]:
-        actions: list[AssociationAction] = [Refused(sender, error)]
+        lasting = isinstance(error, LayoutMismatch | ConfigError | PeerNotAllowed | UnsupportedVersion)
+        actions: list[AssociationAction] = [Refused(sender, error, abandon=lasting and sender not in self.layouts)]
         if not hello.reply:
             if isinstance(error, LayoutMismatch):  # our Hello lets the peer name the field too
                 actions.append(SendHello(sender, reply=True, best_effort=True))

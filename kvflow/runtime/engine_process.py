@@ -137,7 +137,8 @@ class Server:
         self.agent.close()
         crashes: list[str] = []
         try:
-            await asyncio.wait_for(engine.aclose(drain_timeout=SHUTDOWN_TIMEOUT / 2), SHUTDOWN_TIMEOUT)
+            drain = min(engine.config.drain_timeout, SHUTDOWN_TIMEOUT / 2)  # the host asked for less, or this
+            await asyncio.wait_for(engine.aclose(drain_timeout=drain), SHUTDOWN_TIMEOUT)
         except KVFlowError as exc:
             crashes.append(f"{type(exc).__name__}: {exc}")
         except TimeoutError:
