@@ -68,17 +68,21 @@ def address(layout: KVLayout, layer: int, head: int, token: int, byte: int, bloc
 
 
 def reference(
-    local: KVLayout, remote: KVLayout, lids: list[int], rids: list[int], layers: range
+    local: KVLayout, remote: KVLayout, lids: list[int], rids: list[int], layers: range, fine_start: int = 0
 ) -> dict[tuple[int, int], tuple[int, int]]:
+    """Byte -> byte, token by token; the fine side's first block lands `fine_start` fine blocks
+    into the coarse side's first block."""
     heads = range(
         max(local.spec.head_start, remote.spec.head_start), min(local.spec.heads.stop, remote.spec.heads.stop)
     )
     fine = min(local.spec.block_size, remote.spec.block_size)
-    fine_ids = lids if local.spec.block_size == fine else rids
+    local_fine = local.spec.block_size == fine
+    fine_ids = lids if local_fine else rids
+    shift = fine_start * fine  # the coarse side's tokens before the first fine block's
     mapping = {}
     for token in range(len(fine_ids) * fine):
-        lb, lt = divmod(token, local.spec.block_size)
-        rb, rt = divmod(token, remote.spec.block_size)
+        lb, lt = divmod(token + (0 if local_fine else shift), local.spec.block_size)
+        rb, rt = divmod(token + (shift if local_fine else 0), remote.spec.block_size)
         for layer in layers:
             for head in heads:
                 for byte in range(local.spec.head_dim):
@@ -97,7 +101,7 @@ def expanded(plan: object) -> dict[tuple[int, int], tuple[int, int]]:
     return mapping
 
 
-Case = tuple[KVLayout, KVLayout, list[int], list[int], range]
+Case = tuple[KVLayout, KVLayout, list[int], list[int], range, int]
 
 
 @st.composite
@@ -120,22 +124,23 @@ def cases(draw: st.DrawFn) -> Case:
     local = build(sides[0], total, token_bytes, layers, num_blocks, 0x1000)
     remote = build(sides[1], total, token_bytes, layers, num_blocks, 0x9000)
     n_fine = draw(st.integers(1, 5))
-    n_coarse = -(-n_fine // ratio)
+    fine_start = draw(st.integers(0, ratio - 1))  # a chunk of P's may end inside a block of D's
+    n_coarse = -(-(fine_start + n_fine) // ratio)
     fine_ids = draw(st.permutations(range(num_blocks)))[:n_fine]
     coarse_ids = draw(st.permutations(range(num_blocks)))[:n_coarse]
     lids, rids = (fine_ids, coarse_ids) if local_fine else (coarse_ids, fine_ids)
     first = draw(st.integers(0, layers - 1))
-    return local, remote, list(lids), list(rids), range(first, draw(st.integers(first + 1, layers)))
+    return local, remote, list(lids), list(rids), range(first, draw(st.integers(first + 1, layers))), fine_start
 
 
 @settings(max_examples=300, deadline=None)
 @given(cases())
 def test_the_planner_moves_the_bytes_the_reference_moves(case: Case) -> None:
-    local, remote, lids, rids, layers = case
-    want = reference(local, remote, lids, rids, layers)
+    local, remote, lids, rids, layers, start = case
+    want = reference(local, remote, lids, rids, layers, start)
     span = (layers.start, layers.stop)
-    coalesced = plan_transfer(local, remote, lids, rids, span)
-    per_run = plan_transfer(local, remote, lids, rids, span, coalesce=False)
+    coalesced = plan_transfer(local, remote, lids, rids, span, fine_start=start)
+    per_run = plan_transfer(local, remote, lids, rids, span, coalesce=False, fine_start=start)
     assert expanded(per_run) == want
     assert expanded(coalesced) == want
     assert len(coalesced) <= len(per_run) == coalesced.uncoalesced
@@ -176,3 +181,21 @@ def test_what_cannot_be_sliced_is_refused_with_the_reason() -> None:
     near = build(Side("LBHNC", 4, 0, 4, False), 4, 2, 1, 4, 0x1000)
     with pytest.raises(InvalidBatch, match="share no KV head"):
         plan_transfer(near, far, [0], [0])
+    with pytest.raises(InvalidBatch, match="fine_start"):
+        plan_transfer(p, wide, [0, 1], [0], fine_start=2)  # a 4-token block sits at 0 or 1 of an 8-token one
+    with pytest.raises(InvalidBatch, match="fine_start"):
+        plan_transfer(p, p, [0], [1], fine_start=1)  # equal block sizes: no position inside
+
+
+@pytest.mark.parametrize("kind", ["LBNHC", "LBHNC"])
+def test_two_chunks_meeting_inside_a_coarse_block_fill_it_byte_for_byte(kind: str) -> None:
+    """P's token budget ends a chunk inside one of D's blocks (twice P's): the first batch fills
+    its first half, the next batch its second half from fine position 1, and together they
+    write every byte of D's three blocks once, as one batch of the five P blocks would (in an
+    HND page a P block's tokens lie strided inside D's, one run per head)."""
+    p = build(Side(kind, 1, 0, 4, False), 2, 2, 2, 8, 0x1000)
+    d = build(Side(kind, 1, 0, 8, False), 2, 2, 2, 8, 0x9000)
+    first = expanded(plan_transfer(p, d, [0, 1, 2], [5, 6]))
+    second = expanded(plan_transfer(p, d, [3, 4], [6, 7], fine_start=1))
+    assert not set(first.values()) & set(second.values()), "a byte of D's written twice"
+    assert {**first, **second} == reference(p, d, [0, 1, 2, 3, 4], [5, 6, 7], range(2))

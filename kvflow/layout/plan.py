@@ -10,9 +10,11 @@ Heterogeneous peers (different tensor parallelism, block sizes that are multiple
 move the KV heads both hold, and a block of the side with the smaller block size ("fine") lands
 at a token offset in a block of the other ("coarse"): fine block ``i`` is tokens
 ``[(i % k) * fine, (i % k + 1) * fine)`` of coarse block ``i // k``, ``k`` the ratio, as vLLM
-maps blocks of different sizes.  Each (layer, head, fine block) is then one run of bytes on each
-side (the layout keeps a head's tokens together), planned vectorised like whole blocks and
-coalesced the same way.
+maps blocks of different sizes.  A batch of fine blocks may start inside a coarse block (P's
+token budget ends a chunk there): `fine_start` says where, and the first coarse block is then
+filled from that token on, the rest of it by the batch before.  Each (layer, head, fine block)
+is then one run of bytes on each side (the layout keeps a head's tokens together), planned
+vectorised like whole blocks and coalesced the same way.
 """
 
 from __future__ import annotations
@@ -86,13 +88,17 @@ def plan_transfer(
     layers: tuple[int, int] | None = None,
     *,
     coalesce: bool = True,
+    fine_start: int = 0,
 ) -> DescriptorPlan:
     """Descriptors that move local block ``local_blocks[i]`` to/from remote block
     ``remote_blocks[i]`` in every array of every layer in ``range(*layers)`` (all layers when
-    None).  With `coalesce`, runs contiguous on both sides become one descriptor.
+    None).  With `coalesce`, runs contiguous on both sides become one descriptor.  Block sizes
+    that differ: the fine blocks fill the coarse ones in order, the first at fine position
+    `fine_start` of the first coarse block (0 .. ratio - 1; 0 with equal block sizes).
 
-    :raises InvalidBatch: the block lists differ in length, are empty, or name a block outside
-        its layout; or `layers` is outside the model.
+    :raises InvalidBatch: the block lists differ in length (or do not fill each other), are
+        empty, or name a block outside its layout; `layers` is outside the model; or
+        `fine_start` is outside the first coarse block.
     :raises LayoutMismatch: the two layouts' block lengths or array counts differ.
     """
     lids = _as_block_ids(local_blocks, local.num_blocks, "local")
@@ -102,7 +108,9 @@ def plan_transfer(
         raise InvalidBatch(f"layers {first}..{stop} outside the model's {local.spec.num_layers} layers")
     ls, rs = local.spec, remote.spec
     if ls.heads != rs.heads or ls.block_size != rs.block_size:
-        return _plan_sliced(local, remote, lids, rids, (first, stop), coalesce)
+        return _plan_sliced(local, remote, lids, rids, (first, stop), coalesce, fine_start)
+    if fine_start:
+        raise InvalidBatch(f"fine_start {fine_start} with equal block sizes ({ls.block_size} tokens)")
     if local.block_len != remote.block_len:
         raise LayoutMismatch("block_len", local.block_len, remote.block_len)
     if local.spec.arrays_per_layer != remote.spec.arrays_per_layer:
@@ -214,10 +222,12 @@ def _plan_sliced(
     rids: npt.NDArray[np.int64],
     layers: tuple[int, int],
     coalesce: bool,
+    fine_start: int,
 ) -> DescriptorPlan:
     """`plan_transfer` between ranks that hold different heads or use different block sizes.
 
-    :raises InvalidBatch: the ranks share no head, or the block lists do not cover each other.
+    :raises InvalidBatch: the ranks share no head, the block lists do not cover each other, or
+        `fine_start` is not a fine position inside a coarse block.
     :raises LayoutMismatch: block sizes that are not multiples, or layouts that cannot be sliced.
     """
     ls, rs = local.spec, remote.spec
@@ -230,9 +240,12 @@ def _plan_sliced(
         raise LayoutMismatch("block_size", ls.block_size, rs.block_size, detail="not a multiple of each other")
     local_fine = ls.block_size == fine_size
     fine_ids, coarse_ids = (lids, rids) if local_fine else (rids, lids)
-    if fine_ids.size == 0 or -(-fine_ids.size // ratio) != coarse_ids.size:
+    if type(fine_start) is not int or not 0 <= fine_start < ratio:
+        raise InvalidBatch(f"fine_start {fine_start!r} is not a position of a {fine_size}-token block in {ratio}")
+    if fine_ids.size == 0 or -(-(fine_start + fine_ids.size) // ratio) != coarse_ids.size:
         raise InvalidBatch(
-            f"{fine_ids.size} blocks of {fine_size} tokens do not fill {coarse_ids.size} blocks of {coarse_size}"
+            f"{fine_ids.size} blocks of {fine_size} tokens from position {fine_start} do not fill "
+            f"{coarse_ids.size} blocks of {coarse_size}"
         )
     whole = ls.heads == rs.heads
     lu, ru = _units(local, layers, heads, whole), _units(remote, layers, heads, whole)
@@ -240,7 +253,7 @@ def _plan_sliced(
         raise LayoutMismatch(
             "arrays_per_layer", ls.arrays_per_layer, rs.arrays_per_layer, detail="a head's runs differ in shape"
         )
-    index = np.arange(fine_ids.size, dtype=np.int64)
+    index = np.arange(fine_start, fine_start + fine_ids.size, dtype=np.int64)  # fine positions in coarse blocks
     token_offset = (index % ratio) * fine_size * lu.token_bytes  # where a fine block starts in its coarse one
     fine, coarse = (lu, ru) if local_fine else (ru, lu)
     fine_offset = (fine.base[:, None] + fine.stride[:, None] * fine_ids[None, :]).reshape(-1)

@@ -40,7 +40,9 @@ class SubmitOp:
     """Move `local_blocks[i]` <-> `remote_blocks[i]` for `layers` (None: all) in one op.
 
     The driver plans descriptors from the two layouts and submits them off the event loop; the
-    op's completion comes back as `TransferCore.op_finished(op_id, ...)`.
+    op's completion comes back as `TransferCore.op_finished(op_id, ...)`.  When one side's
+    blocks hold several of the other's, `fine_start` is where the first smaller block lands in
+    the first larger one (in smaller blocks): a chunk of P's may end inside a block of D's.
     """
 
     op_id: int
@@ -51,6 +53,7 @@ class SubmitOp:
     remote_blocks: tuple[int, ...]
     layers: tuple[int, int] | None
     notification: bytes
+    fine_start: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -594,6 +594,6 @@ class TransferCore:
                 layers = None if batch.layers == (0, self.num_layers) else batch.layers
                 last = m.final_seen and batch is m.batches[-1]
                 note = encode_notification(m.key, writes - 1, last)
-                out.append(SubmitOp(op_id, m.key, peer, OpKind.WRITE, local, remote, layers, note))
+                out.append(SubmitOp(op_id, m.key, peer, OpKind.WRITE, local, remote, layers, note, start % ratio))
             else:
                 out.append(SubmitOp(op_id, m.key, peer, OpKind.READ, m.block_ids, remote_blocks, None, b""))

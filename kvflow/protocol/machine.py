@@ -155,9 +155,19 @@ class Machine:
         registration, so covering the registered area is covering every block of every layer
         once.  An empty registration wants nothing, so nothing of P's can mismatch it.
         `ratio`: P blocks per D block (D's block size a multiple of P's): P's positions fill
-        D's blocks `ratio` at a time, each batch starting at a D block's first token, and D's
-        last block may be filled in part.
+        D's blocks `ratio` at a time; a batch may start inside a D block (P's token budget ends
+        a chunk there: the WRITE lands at that token offset, the batch before filled the rest),
+        and D's last block may be filled in part.  The reason says it is about the two sides'
+        blocks, and their ratio, so that the line logging the failure tells where to look.
         """
+        problem = self._tiling_problem(num_layers, extra, final, ratio)
+        if problem is None:
+            return None
+        sizes = f"D's blocks hold {ratio} of P's each" if ratio > 1 else "blocks of one size"
+        return f"P's KV does not fill D's registered blocks ({sizes}): {problem}"
+
+    def _tiling_problem(self, num_layers: int, extra: Batch | None, final: bool, ratio: int) -> str | None:
+        """`push_mismatch`'s checks, the reason without its context."""
         if not self.remote_blocks:
             return None
         batches = self.batches + ([extra] if extra is not None else [])
@@ -173,8 +183,6 @@ class Machine:
                     f"P's KV reaches block position {batch.stop} but D registered {registered} blocks "
                     f"(positions up to {stop * ratio})"
                 )
-            if batch.first % ratio:
-                return f"P's batch starts at block position {batch.first}, inside one of D's {ratio}x larger blocks"
         if final or self.final_seen:
             if counted and len(spans) != self.remote_expected:
                 return f"P produced {len(spans)} batches for D's blocks but D expects {self.remote_expected} writes"

@@ -437,7 +437,9 @@ class Engine:
             error: str | None = None
             started, size = time.perf_counter(), (0, 0)
             try:
-                plan = plan_transfer(self.layout, remote, op.local_blocks, op.remote_blocks, op.layers)
+                plan = plan_transfer(
+                    self.layout, remote, op.local_blocks, op.remote_blocks, op.layers, fine_start=op.fine_start
+                )
                 self.transport.submit(op.op_id, op.kind, op.peer, plan, op.notification)
                 size = (plan.total_bytes, len(plan))
             except KVFlowError as exc:

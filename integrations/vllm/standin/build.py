@@ -58,7 +58,8 @@ def vllm_config(o: EngineOptions) -> Any:
     config = VllmConfig(
         model_config=model,
         scheduler_config=SchedulerConfig(
-            max_num_seqs=64,
+            # vLLM refuses a token budget below max_num_seqs: small budgets (chunked prefill) lower it
+            max_num_seqs=min(64, o.max_num_batched_tokens),
             max_num_batched_tokens=o.max_num_batched_tokens,
             max_model_len=o.max_model_len,
             is_encoder_decoder=False,
