@@ -14,6 +14,10 @@ in `test_vllm_mapping.py`.  On the code before this fuzz, P ended associated wit
 
 from __future__ import annotations
 
+import json
+import random
+
+from kvflow.integrations.vllm.params_fuzz import HOSTILE_VALUES, hostile_params
 from kvflow.integrations.vllm.params_soak import run_params_soak
 
 
@@ -24,3 +28,14 @@ def test_hostile_kv_transfer_params_change_nothing_for_genuine_transfers() -> No
     assert report.ok, report.as_dict()
     assert report.genuine >= 8 and report.genuine_ok == report.genuine
     assert report.refused > report.hostile // 2  # most were refused where they entered, each logged
+
+
+def test_the_hostile_params_are_json_and_leave_the_table_of_values_as_it_was() -> None:
+    """What a client sends is JSON text: a variant nesting a value in itself cannot be sent at
+    all, and one that changed the shared table of values would change every later variant."""
+    table = repr(HOSTILE_VALUES)
+    genuine = {"do_remote_prefill": True, "kvflow": {"transfer_id": "t", "epoch": 1, "mode": "push"}}
+    rng = random.Random(11)
+    for _ in range(3000):
+        json.dumps(hostile_params(genuine, rng))  # ValueError on a circular reference
+    assert repr(HOSTILE_VALUES) == table

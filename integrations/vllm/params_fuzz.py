@@ -76,8 +76,8 @@ NOT_A_MAPPING: tuple[object, ...] = ("kvflow", 5, [], ["kvflow"], True, 2**64)
 
 
 def _value(rng: random.Random) -> object:
-    if rng.random() < 0.8:
-        return rng.choice(HOSTILE_VALUES)
+    if rng.random() < 0.8:  # a copy: a later mutation must not change the table, or nest a value in itself
+        return copy.deepcopy(rng.choice(HOSTILE_VALUES))
     kind = rng.randrange(3)
     if kind == 0:
         return rng.randrange(-(2**70), 2**70)
@@ -106,7 +106,7 @@ def hostile_params(genuine: Mapping[str, Any], rng: random.Random, *, mappings_o
     there, and vLLM's own scheduler raises on anything else), otherwise `genuine` with one to
     three fields replaced, dropped or added.  `genuine` itself is not changed."""
     if not mappings_only and rng.random() < 0.08:
-        return rng.choice(NOT_A_MAPPING)
+        return copy.deepcopy(rng.choice(NOT_A_MAPPING))
     params = copy.deepcopy(dict(genuine))
     for _ in range(1 if rng.random() < 0.6 else rng.randrange(2, 4)):
         _mutate(params, rng.choice(FIELDS), rng)
