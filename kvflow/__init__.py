@@ -12,6 +12,7 @@ from kvflow.control.zeromq import ZmqControl
 from kvflow.errors import (
     BenchError,
     BlockConflict,
+    BlockSizeMismatch,
     ConfigError,
     EngineClosed,
     EngineCrashed,
@@ -54,6 +55,7 @@ __version__ = "0.1.0"
 __all__ = (
     "BenchError",
     "BlockConflict",
+    "BlockSizeMismatch",
     "ConfigError",
     "ControlChannel",
     "CoreConfig",

@@ -40,6 +40,7 @@ from collections.abc import Iterator, Mapping
 __all__ = (
     "BenchError",
     "BlockConflict",
+    "BlockSizeMismatch",
     "ConfigError",
     "EngineClosed",
     "EngineCrashed",
@@ -113,6 +114,15 @@ class InvalidBatch(KVFlowError, ValueError):
 
 class ConfigError(KVFlowError, ValueError):
     """A configuration value or layout description is invalid."""
+
+
+class BlockSizeMismatch(ConfigError):
+    """D's block size is not a multiple of P's, found once associated with `peer` (which then
+    still waits for the transfer unless told)."""
+
+    def __init__(self, message: str, peer: str) -> None:
+        super().__init__(message)
+        self.peer = peer
 
 
 class LayoutMismatch(KVFlowError):

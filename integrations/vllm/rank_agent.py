@@ -19,10 +19,10 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
-from kvflow.errors import KVFlowError, UnknownTransfer
+from kvflow.errors import BlockSizeMismatch, KVFlowError, UnknownTransfer
 from kvflow.integrations.vllm.device import Device, Gate, GateWaiter, HostDevice
 from kvflow.integrations.vllm.mapping import PeerRef
-from kvflow.integrations.vllm.ranks import BlockSizeMismatch, reach_rank
+from kvflow.integrations.vllm.ranks import reach_rank
 from kvflow.protocol.messages import OPEN_BATCHES, TransferKey
 from kvflow.protocol.state import Mode, Role
 from kvflow.runtime.engine import Engine

@@ -31,7 +31,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvflow.errors import ConfigError
+from kvflow.errors import BlockSizeMismatch, ConfigError
 from kvflow.layout import KVLayout
 from kvflow.protocol.messages import TransferKey
 from kvflow.protocol.state import Role
@@ -47,7 +47,6 @@ __all__ = (
     "pair_transfer_id",
     "rank_name",
     "ranked_layout",
-    "BlockSizeMismatch",
     "reach_rank",
     "sources",
     "targets",
@@ -207,15 +206,6 @@ def pair_keys(
         (other, TransferKey(pair_transfer_id(params.transfer_id, p_tp, d_tp, p, d), params.epoch))
         for other, p, d in ranks
     ]
-
-
-class BlockSizeMismatch(ConfigError):
-    """D's block size is not a multiple of P's: found once associated with `peer`, which then
-    still waits for the transfer unless told."""
-
-    def __init__(self, message: str, peer: str) -> None:
-        super().__init__(message)
-        self.peer = peer
 
 
 async def reach_rank(engine: Engine, peer: PeerRef, tp_size: int, rank: int, role: Role) -> str:
