@@ -66,3 +66,7 @@ def test_soak_fuzz_also_sends_hostile_kv_transfer_params_and_reports_them(
         and printed["hostile"] > 1000
         and printed == json.loads((tmp_path / "soak-params.json").read_text())
     )
+    routers = json.loads((tmp_path / "soak-router.json").read_text())
+    assert [r["mode"] for r in routers] == ["push", "pull", "sequential", "nixl-push"]
+    for r in routers:  # 3 hostile, 3 benign, a genuine one among each: every leg seen, none with the client's
+        assert r["ok"] and r["statuses"] == {"200": 3} and r["legs"] == 2 * (3 + 3 + 2) and r["carried"] == 0

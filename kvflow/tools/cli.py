@@ -225,9 +225,12 @@ def _add_soak(commands: Any) -> None:
         "--fuzz",
         action="store_true",
         help="also run kvflow.testing.fuzz's control-port attacks on P, then hostile kv_transfer_params "
-        "through the connector on vLLM's scheduler (kvflow.integrations.vllm.params_soak)",
+        "through the connector on vLLM's scheduler (kvflow.integrations.vllm.params_soak) and through the "
+        "router's process in each of its modes (kvflow.tools.router_fuzz)",
     )
-    soak.add_argument("--fuzz-scale", type=int, default=1000, help="attacks, and random kv_transfer_params per side")
+    soak.add_argument(
+        "--fuzz-scale", type=int, default=1000, help="attacks, random kv_transfer_params per side, and per router mode"
+    )
 
 
 def _soak(args: argparse.Namespace) -> int:
@@ -261,6 +264,15 @@ def _soak(args: argparse.Namespace) -> int:
             path = Path(args.json)
             path.with_name(path.stem + "-params" + path.suffix).write_text(json.dumps(params.as_dict(), indent=2))
         status = status or (0 if params.ok else 1)
+        from kvflow.tools.router_fuzz import run_router_fuzz
+
+        routers = [report.as_dict() for report in run_router_fuzz(args.fuzz_scale, seed=args.seed)]
+        for report in routers:
+            sys.stdout.write("kv_transfer_params through the router: " + json.dumps(report) + "\n")
+        if args.json:
+            path = Path(args.json)
+            path.with_name(path.stem + "-router" + path.suffix).write_text(json.dumps(routers, indent=2))
+        status = status or (0 if all(report["ok"] for report in routers) else 1)
     return status
 
 

@@ -64,7 +64,10 @@ FIRST_EVENT = b"data: first\n\n"
 class Backends:
     """P and D in this process.  P answers one token with ``kv_transfer_params`` (as vLLM's does),
     once `hold_p` is set when there is one, or without end when `endless`; D streams, holding
-    after its first event until `hold_d` is set when there is one.  Bodies are read and dropped."""
+    after its first event until `hold_d` is set when there is one.  Bodies are read and dropped;
+    with `watch`, a leg whose ``kv_transfer_params`` hold that text is counted in `carried` (what
+    of a client's params reached a backend), and every `bare_every`-th answer of P carries no
+    params (a P that says nothing of its KV)."""
 
     endless_cap: int = 0
     endless: bool = False
@@ -73,14 +76,25 @@ class Backends:
     arrived: Counter[str] = field(default_factory=Counter)  # "P", "D": bodies read in full
     p_sent: int = 0  # bytes of P's endless answer written
     urls: dict[str, str] = field(default_factory=dict)
+    watch: str = ""
+    bare_every: int = 0
+    carried: Counter[str] = field(default_factory=Counter)  # "P", "D": legs carrying `watch`
+
+    async def _read(self, request: web.Request, leg: str) -> None:
+        if not self.watch:
+            await _drain(request)
+        elif self.watch in json.dumps(json.loads(await request.read()).get("kv_transfer_params")):
+            self.carried[leg] += 1
+        self.arrived[leg] += 1
 
     async def prefill(self, request: web.Request) -> web.StreamResponse:
-        await _drain(request)
-        self.arrived["P"] += 1
+        await self._read(request, "P")
         if self.hold_p is not None:
             await self.hold_p.wait()
         if not self.endless:
             answer = {"id": "cmpl-bench", "choices": [{"index": 0, "text": "x", "finish_reason": "length"}]}
+            if self.bare_every and self.arrived["P"] % self.bare_every == 0:
+                return web.json_response(answer)
             return web.json_response(answer | {"kv_transfer_params": {"do_remote_prefill": True, "from": "P"}})
         response = web.StreamResponse(headers={"Content-Type": "application/json"})
         chunk = b" " * (64 << 10)  # JSON white space: an answer that never ends
@@ -92,8 +106,7 @@ class Backends:
         return response
 
     async def decode(self, request: web.Request) -> web.StreamResponse:
-        await _drain(request)
-        self.arrived["D"] += 1
+        await self._read(request, "D")
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         with suppress(ConnectionError):  # the router cancels D's leg when P's fails
             await response.prepare(request)
