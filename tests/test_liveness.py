@@ -158,7 +158,7 @@ def test_a_refused_route_refuses_the_peer() -> None:
     assert isinstance(route, AddRoute) and route.pending is not None
     error = ConfigError("unauthenticated")
     assert peers.pending_refused("P", route.pending, error) == [
-        Refused("P", error),
+        Refused("P", error, abandon=True),  # the channel refuses its address for good
         SendControl("P", Reject("unauthenticated")),
         HandshakeSettled("P", error),
     ]
