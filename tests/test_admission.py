@@ -220,9 +220,9 @@ def test_an_engine_never_associates_with_itself() -> None:
 
 
 def test_a_connect_naming_another_engine_at_an_associated_peers_address_is_refused() -> None:
-    # A second connection under our identity to that address would take the live one's place
-    # at the peer's socket (ZeroMQ's handover), dropping what it carries: a request naming a
-    # made-up engine at P's address made D tear its association with P down at a fence timeout.
+    # When routing ids were engine ids, a second connection under ours to that address took the
+    # live one's place at the peer's socket (ZeroMQ's handover), dropping what it carried: a request
+    # naming a made-up engine at P's address made D tear its association with P down.
     assoc = Associations("D", {}, 30.0, 5.0)
     address = "tcp://127.0.0.1:5700"
     assoc.connect("P", address)

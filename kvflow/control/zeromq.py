@@ -2,14 +2,15 @@
 
 Why ZeroMQ: peers (vLLM, SGLang) already speak it, it reconnects by itself, and it keeps
 message order per connection.  Each engine binds one ROUTER socket (loopback by default) and
-opens one DEALER per peer, whose identity is the engine id.  A frame is
-``[envelope, mac]``; the ROUTER adds the sender's identity in front.  Only this module and
+opens one DEALER per peer, whose routing id is the engine id, a NUL byte and a random part of
+its own (`routing_id`).  A frame is ``[envelope, mac]``; the ROUTER adds the sender's routing
+id in front, whose engine id part must be the envelope's sender.  Only this module and
 `kvflow.control.hardening` import zmq.
 
 A connection costs a stranger's effort, not ours: with a secret, every connection is CURVE
 authenticated by ZeroMQ before any of its messages is read (`kvflow.control.hardening`), an
-unauthenticated connection is closed when `handshake_timeout` runs out, a later connection
-under a taken identity takes it over (the real peer reclaims its name), parts over
+unauthenticated connection is closed when `handshake_timeout` runs out, no connection can take
+a name another holds (every DEALER's routing id is its own: nothing to squat or hand over), parts over
 `SOCKET_LIMIT` make ZeroMQ drop the connection, at most `RECEIVE_QUEUE` messages wait per
 connection, a message of more parts than a frame has is dropped (its parts are thrown away
 uncopied), and the receive loop yields to the event loop every `YIELD_EVERY` parts or
@@ -38,6 +39,7 @@ import asyncio
 import contextlib
 import ipaddress
 import logging
+import os
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
@@ -73,7 +75,7 @@ from kvflow.errors import (
 )
 from kvflow.protocol.messages import ControlMessage, Hello, Reject, address_problem, require_engine_id
 
-__all__ = ("ENV_SECRET", "RESTARTED", "ZmqControl", "is_loopback")
+__all__ = ("ENV_SECRET", "RESTARTED", "ZmqControl", "is_loopback", "routing_id", "sender_of")
 
 log = logging.getLogger(__name__)
 
@@ -91,12 +93,26 @@ FORGET_LINGER_MS = 200  # a forgotten peer's last frames (a Goodbye, a Reject) g
 # the probes go unanswered or are answered with a reset: within 10 + 3 x 5 = 25 s, where it
 # would otherwise stay open for good (a descriptor per link flap).
 KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 10, 5, 3
-# ZMTP heartbeats on every connection the ROUTER accepted: one that answers nothing for the
-# timeout is closed by libzmq.  A connection a peer's earlier association left behind (its
-# routing id handed over to the new one) was otherwise kept open by libzmq after the kernel
-# had closed it: a descriptor per link flap.  Only inbound connections: a peer's frames still
-# in flight on our own DEALERs are never dropped by it.
-HEARTBEAT_EVERY_MS, HEARTBEAT_TIMEOUT_MS = 5_000, 30_000
+# No ZMTP heartbeats and no ROUTER_HANDOVER.  With one routing id per engine and handover, a
+# peer's connection of an earlier association was handed over to the new one and left with no
+# pipe: libzmq stops reading such a connection, and when its socket then fails it only marks
+# the error (libzmq 4.3.5, stream_engine_base.cpp: in_event_internal with input stopped): the
+# descriptor stayed open for good, and with ZMTP heartbeats on, the next heartbeat's write
+# aborted the process (``Assertion failed: !_io_error``, stream_engine_base.cpp:310; 2 of 4
+# link-flap runs on a loaded machine).  With a routing id per DEALER no connection is ever
+# handed over: every one keeps its pipe, which the reader drains, so a failed socket is closed
+# (`restart_input` ends it) and TCP keepalive (above) finds the dead ones.
+
+
+def routing_id(engine_id: str) -> bytes:
+    """A DEALER's ZeroMQ routing id: the engine id, NUL, and 8 random bytes of this socket's
+    own (engine ids hold no NUL)."""
+    return engine_id.encode() + b"\0" + os.urandom(8)
+
+
+def sender_of(identity: bytes) -> bytes:
+    """The engine id part of a routing id (the whole of one without a NUL)."""
+    return identity.partition(b"\0")[0]
 
 
 class _Reader:
@@ -258,9 +274,6 @@ class ZmqControl:
             self._spawn(serve_zap(zap, frozenset([z85.decode(self._keys.client_public)]), self._counters))
         router: zmq.Socket[bytes] = zmq.Socket(self._ctx, zmq.ROUTER)  # plain: see the module's header
         self._harden(router)
-        router.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        router.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_EVERY_MS)
-        router.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
         router.setsockopt(zmq.RCVHWM, min(self._send_queue, RECEIVE_QUEUE))
         if self._keys is not None:
             router.setsockopt(zmq.CURVE_SERVER, 1)
@@ -350,7 +363,7 @@ class ZmqControl:
             self._drops.note("send_no_socket", str(exc))
             raise PeerUnreachable(f"cannot open a socket to {peer!r}: {exc}") from exc
         self._harden(dealer)
-        dealer.setsockopt(zmq.IDENTITY, self.engine_id.encode())
+        dealer.setsockopt(zmq.IDENTITY, routing_id(self.engine_id))
         dealer.setsockopt(zmq.SNDHWM, self._send_queue)
         if self._keys is not None:
             dealer.setsockopt(zmq.CURVE_SERVERKEY, self._keys.server_public)
@@ -497,7 +510,7 @@ class ZmqControl:
         if envelope.receiver != self.engine_id:
             self._reject(identity, "misdirected", f"frame for {envelope.receiver!r}")
             return
-        if envelope.sender.encode() != identity:
+        if envelope.sender.encode() != sender_of(identity):
             self._reject(identity, "identity", f"frame claims to come from {envelope.sender!r}")
             return
         if envelope.receiver_incarnation != self._incarnation:
@@ -557,7 +570,7 @@ class ZmqControl:
     def _refuse(self, identity: bytes, peer: str, reason: str) -> None:
         """Tell a peer of another protocol version why it gets no answer, on the connection its
         frame came in on (we may know no route to it: its Hello was unreadable)."""
-        if self._router is None or peer.encode() != identity:
+        if self._router is None or peer.encode() != sender_of(identity):
             return
         self._seq += 1
         frame = encode(Envelope(self.engine_id, self._incarnation, peer, self._seq, Reject(reason)))
