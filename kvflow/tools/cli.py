@@ -1,6 +1,6 @@
 """The `kvflow` command: `kvflow doctor`, `kvflow bench nixl`, `kvflow bench vllm`, `kvflow bench pd`,
 `kvflow bench serve`, `kvflow bench host`, `kvflow bench engine`, `kvflow bench frames`,
-`kvflow bench floods`, `kvflow bench router`, `kvflow diagrams`,
+`kvflow bench floods`, `kvflow bench router`, `kvflow bench hma`, `kvflow diagrams`,
 `kvflow soak`, `kvflow serve`, `kvflow demo`.
 
 Why one entry point: operators ask "does NIXL work here, with which backends and memory?" and
@@ -115,6 +115,11 @@ def main(argv: list[str] | None = None) -> int:
     from kvflow.tools.bench_router import add_arguments as router_arguments
 
     router_arguments(targets.add_parser("router", help="what hostile HTTP clients can make the P/D router hold"))
+    from kvflow.tools.bench_hma import add_arguments as hma_arguments
+
+    hma_arguments(
+        targets.add_parser("hma", help="KV bytes P moves per request for hybrid models, vLLM's hybrid manager on/off")
+    )
     _add_soak(commands)
     from kvflow.integrations.vllm.serve.cli import add_arguments as serve_arguments
 
@@ -154,6 +159,10 @@ def main(argv: list[str] | None = None) -> int:
         from kvflow.tools.bench_router import main as bench_router
 
         return bench_router(router_config(args), args.json)
+    if args.command == "bench" and args.target == "hma":
+        from kvflow.tools.bench_hma import main as bench_hma
+
+        return bench_hma(_names(args.models), _ints(args.tokens), args.chunk, args.json)
     if args.command == "bench" and args.target == "pd-report":
         from kvflow.integrations.vllm.pd.report import rerender
 
