@@ -42,6 +42,7 @@ __all__ = (
     "BlockConflict",
     "BlockSizeMismatch",
     "ConfigError",
+    "EngineAsleep",
     "EngineClosed",
     "EngineCrashed",
     "InvalidBatch",
@@ -147,6 +148,11 @@ class UsageError(KVFlowError, RuntimeError):
 
 class EngineClosed(KVFlowError):
     """The engine (or its control channel or writer) was closed; it accepts no more work."""
+
+
+class EngineAsleep(KVFlowError):
+    """The engine let go of its KV memory's registration (vLLM's sleep mode): it starts no
+    transfer and accepts no handshake until the memory is registered again."""
 
 
 class EngineCrashed(KVFlowError):

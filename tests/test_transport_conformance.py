@@ -330,3 +330,46 @@ def test_a_loopback_fabric_thread_ends_with_its_last_open_endpoint() -> None:
     d.close()
     fabric.close()
     assert fabric_threads() == before
+
+
+def test_memory_deregistered_and_registered_again_takes_a_write_after(ends: Ends) -> None:
+    """What an engine put to sleep does (`Engine.unregister_memory`, `restore_memory`): peers
+    removed, the memory deregistered (twice: harmless), nothing posted meanwhile, the same
+    regions registered again, peers added with the new metadata, and a WRITE lands."""
+    rng = np.random.default_rng(11)
+    src, dst = list(range(4, 12)), list(range(40, 48))
+    for attempt in range(2):  # before the sleep, and after it
+        for m in ends.a_mem:
+            m[:] = rng.integers(0, 256, m.size, dtype=np.uint8)
+        plan = plan_transfer(ends.a_layout, ends.b_layout, src, dst)
+        ends.a.submit(20 + attempt, OpKind.WRITE, ends.b.name, plan, b"after" if attempt else b"before")
+        assert wait(ends.a)[0] == [Completion(20 + attempt)]
+        assert wait(ends.b, completions=0, notes=1)[1] == [b"after" if attempt else b"before"]
+        assert kv_equal(ends, src, dst)
+        if attempt:
+            break
+        ends.a.remove_peer(ends.b.name)
+        ends.b.remove_peer(ends.a.name)
+        for end in (ends.a, ends.b):
+            end.deregister_regions()
+            end.deregister_regions()
+        with pytest.raises(TransportError):
+            ends.a.submit(30, OpKind.WRITE, ends.b.name, plan, b"")
+        ends.a.register_regions(ends.a_layout.regions)
+        ends.b.register_regions(ends.b_layout.regions)
+        ends.a.add_peer(ends.b.name, ends.b.local_metadata(), ends.b_layout.regions)
+        ends.b.add_peer(ends.a.name, ends.a.local_metadata(), ends.a_layout.regions)
+
+
+def test_deregistered_memory_is_refused_as_local_memory() -> None:
+    """While deregistered, an op naming local memory is refused, never posted."""
+    for kind in ("shm", "nixl-direct"):
+        made = make_ends(kind)
+        try:
+            made.a.deregister_regions()
+            plan = plan_transfer(made.a_layout, made.b_layout, [0], [0])
+            with pytest.raises(TransportError, match="not registered"):
+                made.a.submit(1, OpKind.WRITE, made.b.name, plan, b"")
+        finally:
+            for close in made.closers:
+                close()

@@ -20,6 +20,7 @@ import pytest
 import torch
 from vllm.config import ParallelConfig
 from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MambaSpec, SlidingWindowSpec
+from vllm.v1.request import RequestStatus
 
 from kvflow.errors import ConfigError
 from kvflow.integrations.vllm.connector import check_vllm_version
@@ -37,7 +38,7 @@ from tests.vllm_compat_registry import (
     rows,
     scenario,
 )
-from tests.vllm_pairs import BLOCK_SIZE, kvflow_engine
+from tests.vllm_pairs import BLOCK_SIZE, dispatch, kvflow_engine, make_pair, move_and_check, settle
 
 # ---------------------------------------------------------------- vLLM
 
@@ -67,17 +68,51 @@ def _vllm_other(fragment: str, caplog: pytest.LogCaptureFixture) -> None:
 
 @scenario("sleep-mode")
 def _sleep_mode(fragment: str, caplog: pytest.LogCaptureFixture) -> None:
-    from kvflow.integrations.vllm.connector import KVFlowConnector, check_no_sleep_mode
+    from kvflow.integrations.vllm.connector import KVFlowConnector, check_sleep_mode
 
     options = EngineOptions("prefill", "kv_producer", {"transport": "loopback", "port": 0}, num_blocks=64)
     config = vllm_config(options)
-    check_no_sleep_mode(config)  # off: accepted
     config.model_config.enable_sleep_mode = True  # (vLLM refuses it on a CPU platform before this point)
-    assert not KVFlowConnector.supports_sleep_mode(config.kv_transfer_config)
-    with pytest.raises(ValueError, match=re.escape(fragment)):  # vLLM 0.33 asks the connector
-        config._verify_kv_transfer_compat()
-    with pytest.raises(ConfigError, match=re.escape(fragment)):  # 0.32 does not: the connector refuses
-        check_no_sleep_mode(config)
+    assert KVFlowConnector.supports_sleep_mode(config.kv_transfer_config)
+    config._verify_kv_transfer_compat()  # vLLM 0.33 asks the connector: accepted
+    check_sleep_mode(config, "0.33.0")
+    with pytest.raises(ConfigError, match=re.escape(fragment)):  # 0.32 has no sleep hooks: refused
+        check_sleep_mode(config, "0.32.0")
+
+    def hooks(*engines: StandInEngine, asleep: bool) -> None:
+        for engine in engines:
+            for rank in engine.ranks:
+                for _ in range(2):  # twice in a row: harmless
+                    if asleep:
+                        rank.worker.unregister_kv_caches()
+                    else:
+                        rank.worker.restore_kv_caches()
+
+    def refused(p: StandInEngine, d: StandInEngine, tid: str) -> None:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            p_req, d_req = dispatch(p, d, tid, 2 * BLOCK_SIZE)
+            settle((p, d), [p_req, d_req])
+        assert d_req.status == RequestStatus.FINISHED_ERROR
+        assert "asleep" in caplog.text, caplog.text
+
+    p, d = make_pair()
+    try:
+        move_and_check(p, d, "before-sleep", 3 * BLOCK_SIZE + 7)
+        hooks(p, d, asleep=True)
+        assert kvflow_engine(p).peers() == kvflow_engine(d).peers() == []  # Goodbyes: nobody holds our keys
+        refused(p, d, "both-asleep")  # D's registration fails at once: its engine is asleep
+        hooks(d, asleep=False)
+        refused(p, d, "p-asleep")  # D's handshake is refused: P's engine is asleep
+        hooks(p, asleep=False)
+        d.checked.clear()  # the first request's pages were checked before the sleep
+        move_and_check(p, d, "after-wake", 3 * BLOCK_SIZE + 7)
+        for engine in (p, d):
+            stats = kvflow_engine(engine).stats()
+            assert stats["held_blocks"] == stats["live_transfers"] == 0, stats
+    finally:
+        d.close()
+        p.close()
 
 
 # ---------------------------------------------------------------- layouts

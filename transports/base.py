@@ -10,6 +10,8 @@ The contract, which the engine's safety depends on:
   (the engine's writer thread), `poll` (the event loop), and `add_peer`, `remove_peer` and
   `local_metadata` (a worker thread of the engine's, never the event loop).  `register_regions`
   and `set_listener` come first, `close` last, each from one thread while nothing else runs.
+  `deregister_regions`, and `register_regions` again after it, are called while no op is in
+  flight and no peer is associated (the engine asleep: `Engine.unregister_memory`).
 * Blocking.  `poll` never blocks: it takes no lock that a copy or a backend call holds.  `submit`
   may block to plan and post the op (loopback: the op being moved; shared memory: nothing longer
   than another submit's planning; NIXL: the post, and the peer lock held by another post or a
@@ -88,6 +90,15 @@ class Transport(Protocol):
         """Register local memory; it must stay valid until `close`.
 
         :raises TransportError: the memory cannot be registered (type unsupported, overlap).
+        """
+
+    def deregister_regions(self) -> None:
+        """Let go of every registration `register_regions` made (the memory stays the caller's,
+        who may then free or remap it); ops naming local memory are refused until
+        `register_regions` is called again, after which `local_metadata` describes the new
+        registration.  Idempotent.
+
+        :raises TransportError: the backend refused to release a registration.
         """
 
     def local_metadata(self) -> bytes:

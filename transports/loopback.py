@@ -342,6 +342,10 @@ class LoopbackTransport:
                 raise TransportError(f"loopback moves host memory only, not {region.memory.value}")
         self._regions.extend(regions)
 
+    def deregister_regions(self) -> None:
+        with self.fabric.lock:  # atomic with the peers' ops being checked against our memory
+            self._regions = []
+
     def local_metadata(self) -> bytes:
         return self.name.encode()
 

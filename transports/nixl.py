@@ -354,6 +354,11 @@ class NixlTransport:
 
         self._call("memory registration", register)
 
+    def deregister_regions(self) -> None:
+        """The remote keys peers held die with the registrations: peers are added again with new metadata."""
+
+        self._call("memory deregistration", self._deregister)
+
     def local_metadata(self) -> bytes:
         def metadata() -> bytes:
             with self._nixl("reading the agent metadata"):
@@ -490,17 +495,22 @@ class NixlTransport:
         for peer in list(self._peers.values()):
             if peer.prepped is not None:
                 self._release(peer.prepped)
+        try:  # noqa: SIM105  (as `_release`: no context manager)
+            self._deregister()
+        except TransportError:
+            pass  # closing: the agent goes with what is left
+        self._peers.clear()
+        self._agent = None
+
+    def _deregister(self) -> None:
+        """On the agent thread: the local list and the registrations released.  :raises TransportError: one refused."""
         if self._local_prepped is not None:
             self._release(self._local_prepped)
-        for handle in self._reg_handles:
-            try:
-                with self._nixl("deregistering memory"):
-                    self._agent.deregister_memory(handle)
-            except TransportError:
-                pass
-        self._peers.clear()
-        self._reg_handles.clear()
-        self._agent = None
+            self._local_prepped = self._local_starts = None
+        handles, self._reg_handles, self._regions = self._reg_handles, [], []
+        for handle in handles:
+            with self._nixl("deregistering memory"):
+                self._agent.deregister_memory(handle)
 
     def _unload(self, name: str) -> None:
         del self._loaded[name]

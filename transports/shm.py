@@ -207,6 +207,11 @@ class ShmTransport:
                 raise TransportError(f"region at {region.base:#x} is not in this endpoint's shared memory")
         self._regions.extend(regions)
 
+    def deregister_regions(self) -> None:
+        """The segments stay this endpoint's (a peer asking for them again is served): only the
+        regions ops may name go."""
+        self._regions = []
+
     def local_metadata(self) -> bytes:
         segments = [[f"seg-{i}", s.base, s.size] for i, s in enumerate(list(self._segments))]
         meta = {"name": self.name, "notify": self._notify_name, "id": self._id, "pid": os.getpid()}

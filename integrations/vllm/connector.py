@@ -47,17 +47,18 @@ __all__ = (
     "SUPPORTED_VLLM",
     "KVFlowConnector",
     "KVFlowMetadata",
-    "check_no_sleep_mode",
+    "check_sleep_mode",
     "check_vllm_version",
 )
 
 SUPPORTED_VLLM = ">=0.32,<0.34"
 # What a connector sees is the same in both (factory, KV views and layouts, hook order, stats);
-# 0.33 only adds what kvflow does not use (sleep mode's hooks, new scheduler-output fields).
+# 0.33 adds sleep mode's hooks (see `unregister_kv_caches`) and scheduler-output fields kvflow
+# does not use.
 _SUPPORTED_RELEASES = ((0, 32), (0, 33))
 SLEEP_MODE_UNSUPPORTED = (
-    "kvflow's connector does not support sleep mode: the KV memory it registers with the transport "
-    "would be freed under transfers (start the engine without --enable-sleep-mode)"
+    "kvflow's connector supports sleep mode from vLLM 0.33 on: vLLM 0.32 frees the KV memory without "
+    "telling the connector, under the transport's registration (start the engine without --enable-sleep-mode)"
 )
 
 
@@ -76,15 +77,23 @@ def check_vllm_version(version: str) -> None:
         raise ConfigError(f"kvflow's connector supports vLLM {SUPPORTED_VLLM}, not vLLM {version}")
 
 
-def check_no_sleep_mode(vllm_config: VllmConfig) -> None:
-    """Sleep mode frees and remaps the KV cache between rollouts; kvflow keeps it registered
-    with the transport and written into by peers, so it refuses the combination at start-up
-    (vLLM 0.33 asks `supports_sleep_mode` itself; 0.32 does not ask, hence this check).
+def check_sleep_mode(vllm_config: VllmConfig, version: str) -> None:
+    """Sleep mode frees the KV cache's memory between rollouts.  vLLM 0.33 tells the connector
+    first (`KVFlowConnector.unregister_kv_caches`) and after (`restore_kv_caches`); vLLM 0.32
+    does not, so with it kvflow refuses the combination at start-up.
 
-    :raises ConfigError: the engine runs with sleep mode on.
+    :raises ConfigError: sleep mode on, with a vLLM before 0.33.
     """
+    from packaging.version import InvalidVersion, Version
+
     model = getattr(vllm_config, "model_config", None)
-    if model is not None and bool(getattr(model, "enable_sleep_mode", False)):
+    if model is None or not bool(getattr(model, "enable_sleep_mode", False)):
+        return
+    try:
+        hooks = Version(version).release[:2] >= (0, 33)
+    except InvalidVersion:
+        hooks = False
+    if not hooks:
         raise ConfigError(SLEEP_MODE_UNSUPPORTED)
 
 
@@ -98,7 +107,7 @@ class KVFlowConnector(KVConnectorBase_V1):
         from vllm import __version__ as vllm_version
 
         check_vllm_version(vllm_version)
-        check_no_sleep_mode(vllm_config)
+        check_sleep_mode(vllm_config, vllm_version)
         super().__init__(vllm_config, role, kv_cache_config)
         transfer = vllm_config.kv_transfer_config
         assert transfer is not None  # checked by the base class
@@ -143,22 +152,30 @@ class KVFlowConnector(KVConnectorBase_V1):
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: object) -> bool:
-        """No (vLLM 0.33 then refuses ``--enable-sleep-mode`` at start-up): see `check_no_sleep_mode`."""
-        return False
+        """Yes (vLLM 0.33 asks this when ``--enable-sleep-mode`` is on): the worker's sleep and
+        wake-up hooks below let go of the KV memory's registration and take it up again."""
+        return True
 
     def unregister_kv_caches(self) -> None:
-        """Never called: sleep mode is refused at start-up.
+        """Before sleep (or a discard of the KV cache): this rank's engine fails whatever
+        transfer is still live (vLLM says none is; not taken on trust), says Goodbye to its
+        peers and deregisters the KV memory; until `restore_kv_caches`, new transfers on this
+        rank fail at once ("engine asleep") and peers' handshakes are refused.  Idempotent.
 
-        :raises UsageError: always, should a vLLM call it anyway.
+        :raises KVFlowError: the engine did not let go of the memory in time.
         """
-        raise UsageError(SLEEP_MODE_UNSUPPORTED)
+        if self._worker is not None:
+            self._worker.sleep(True)
 
     def restore_kv_caches(self) -> None:
-        """Never called: sleep mode is refused at start-up.
+        """After wake-up: the same KV regions (sleep mode keeps their addresses) registered
+        again; peers associate again, with the new transport metadata, on their next transfer.
+        Idempotent.
 
-        :raises UsageError: always, should a vLLM call it anyway.
+        :raises KVFlowError: the transport refused the memory.
         """
-        raise UsageError(SLEEP_MODE_UNSUPPORTED)
+        if self._worker is not None:
+            self._worker.sleep(False)
 
     # ================================================================ scheduler side
 

@@ -15,6 +15,7 @@ import concurrent.futures
 import contextlib
 from typing import Any, Protocol
 
+from kvflow.errors import TransferTimeout
 from kvflow.integrations.vllm.rank_agent import RankAgent
 from kvflow.protocol.actions import ReleaseBlocks
 from kvflow.runtime.engine import Engine
@@ -37,6 +38,12 @@ class EngineLink(Protocol):
 
     def batch(self) -> contextlib.AbstractContextManager[None]:
         """The commands given inside start together when it ends.  Never raises."""
+
+    def wait(self, future: concurrent.futures.Future[Any], timeout: float) -> Any:
+        """Block until a command's `future` is settled (for what is not on a step's path, such
+        as sleep mode's hooks); its result.  Released blocks stay for `poll_released`.
+        :raises TransferTimeout: not within `timeout` seconds.
+        :raises KVFlowError: what the command raised, or the engine has stopped."""
 
     def poll_released(self) -> list[ReleaseBlocks]:
         """Blocks handed back since the last call.  Never blocks."""
@@ -72,6 +79,13 @@ class ThreadLink:
     def batch(self) -> contextlib.AbstractContextManager[None]:
         return self.thread.batch()
 
+    def wait(self, future: concurrent.futures.Future[Any], timeout: float) -> Any:
+        """:raises TransferTimeout, KVFlowError: see `EngineLink.wait`."""
+        try:
+            return future.result(timeout=timeout)
+        except concurrent.futures.TimeoutError:
+            raise TransferTimeout(f"engine thread: no answer within {timeout}s") from None
+
     def poll_released(self) -> list[ReleaseBlocks]:
         self.thread.poll_finished()  # outcomes are read from releases; keep the queue short
         return self.thread.poll_released()
@@ -105,6 +119,10 @@ class ProcessLink:
 
     def batch(self) -> contextlib.AbstractContextManager[None]:
         return self.process.batch()
+
+    def wait(self, future: concurrent.futures.Future[Any], timeout: float) -> Any:
+        """:raises TransferTimeout, KVFlowError: see `EngineProcess.wait`."""
+        return self.process.wait(future, timeout)
 
     def poll_released(self) -> list[ReleaseBlocks]:
         return self.process.poll_released()

@@ -554,6 +554,15 @@ class WorkerSide(PeerNotices):
             said = f"cannot tell: {exc}"
         return f"{self.engine_id}: {said}; {mine}"
 
+    def sleep(self, asleep: bool) -> None:
+        """vLLM's sleep mode: before the KV memory is freed (`asleep`), this rank's engine fails
+        what is live, says Goodbye to its peers and deregisters the memory; on wake-up it
+        registers it again.  Blocks until done (bounded); idempotent; nothing before register.
+        :raises KVFlowError: see `Engine.unregister_memory`, `EngineLink.wait`."""
+        if self.link is not None:
+            name = "unregister_memory" if asleep else "restore_memory"
+            self.link.wait(self.link.command(name), SHUTDOWN_DRAIN + self.settings.fence_timeout + 20)
+
     def load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors

@@ -323,6 +323,7 @@ class Associations:
         self.ours: dict[str, int] = {}
         self.theirs: dict[str, int] = {}
         self._numbered = 0
+        self.refusing = ""  # why every Hello is refused now (the engine asleep); empty: none is
 
     def peers(self) -> list[str]:
         return sorted(self.layouts)
@@ -527,6 +528,8 @@ class Associations:
             error = PeerNotAllowed(problem) if problem else self._full_error()
             return [Refused(sender, error, abandon=problem is not None), HandshakeSettled(sender, error)]
         try:
+            if self.refusing:
+                raise PeerProtocolError(f"{self.engine_id!r} accepts no handshake now: {self.refusing}")
             if sender in self.cooling:
                 wait = self.cooling[sender] - now
                 raise PeerProtocolError(f"{self.engine_id!r} tore {sender!r} down moments ago; retry in {wait:.1f}s")

@@ -41,7 +41,8 @@ from kvflow.protocol.state import Mode, Outcome, Role
 from kvflow.runtime.config import EngineConfig
 from kvflow.runtime.meter import TransferMeter
 from kvflow.runtime.peering import EngineHooks, PeerExecutor
-from kvflow.runtime.results import TransferHandle, TransferResult
+from kvflow.runtime.results import TransferHandle, TransferResult, keep, open_handle
+from kvflow.runtime.sleep import ASLEEP, MemoryRegistration
 from kvflow.runtime.writer import Submitter, WriterThread
 from kvflow.transports.base import Transport
 
@@ -125,6 +126,8 @@ class Engine:
         self._traffic = True  # what the transport was last told (`Transport.expect_traffic`)
         self._idle = asyncio.Event()
         self._state = "new"
+        run, now, idle = self._run, self._now, self._wait_idle
+        self.memory = MemoryRegistration(layout, transport, self.core, self.assoc, self._peers, run, now, idle)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -197,17 +200,7 @@ class Engine:
             return
         self._state = "closing"
         limit = drain_timeout if drain_timeout is not None else self.config.drain_timeout
-        await self._wait_idle(limit)
-        if self.core.live():
-            self._run(self.core.abort_all(self._now(), "engine closing"))
-            await self._wait_idle(self.config.core.fence_timeout)
-        if self.core.live():
-            # A fence never came: tear down every peer, those these transfers wait on and every
-            # associated one, here and now (so none of them gets a goodbye below).
-            waited_on = {m.peer for m in self.core.live() if m.peer is not None}
-            for peer in sorted(waited_on | set(self.assoc.layouts)):
-                self._peers.tear_down(peer, "engine closing: fence not confirmed")
-        await self._peers.settled(limit)  # removals under way return; their transfers fail
+        await self.memory.wind_down("engine closing", limit, self.config.core.fence_timeout)
         self._peers.associate(self.assoc.goodbye_all("engine closing"))
         self._peers.handshakes.close(self.engine_id)
         self._cancel_timer()
@@ -226,6 +219,21 @@ class Engine:
                 future.set_exception(EngineClosed(f"engine {self.engine_id!r} closed"))
         if self.crashed:
             raise EngineCrashed(self.crashed)
+
+    async def unregister_memory(self, reason: str = ASLEEP) -> None:
+        """Before the KV memory is freed (vLLM's sleep mode): live transfers fail for `reason`,
+        peers get a Goodbye, the memory is deregistered; until `restore_memory` transfers and
+        handshakes are refused (`kvflow.runtime.sleep`).  Idempotent.
+        :raises EngineClosed, EngineCrashed, TransportError: not running; crashed; not deregistered."""
+        self._check_open(asleep=True)
+        await self.memory.unregister(reason, self.config.core.fence_timeout)
+
+    async def restore_memory(self) -> None:
+        """The same KV memory (same addresses) registered again, handshakes accepted; peers
+        associate again on their next transfer.  Idempotent.
+        :raises EngineClosed, EngineCrashed, TransportError: see `unregister_memory`."""
+        self._check_open(asleep=True)
+        self.memory.restore()
 
     # ------------------------------------------------------------------ transfers
 
@@ -380,7 +388,7 @@ class Engine:
                 self._submit(action)
             elif isinstance(action, ReleaseBlocks):
                 self.meter.released(action.key, action.role, action.outcome, self._now())
-                self._keep(self.released, action, "released_dropped")
+                keep(self.released, action, self.counters, "released_dropped")
                 if self._on_release is not None:
                     self._guard(self._on_release, action)
             elif isinstance(action, Resolve):
@@ -403,7 +411,7 @@ class Engine:
             what = (action.role.value, action.key, action.outcome.value, action.reason)
             log.warning("%s: %s transfer %s %s: %s", self.engine_id, *what)
         self.meter.resolved(action.key, action.role, action.outcome, self._now())
-        self._keep(self.finished, result, "finished_dropped")
+        keep(self.finished, result, self.counters, "finished_dropped")
         future = self._handles.pop((action.key, action.role), None)
         if future is not None and not future.done():
             future.set_result(result)
@@ -543,20 +551,8 @@ class Engine:
     # ------------------------------------------------------------------ plumbing
 
     def _handle(self, key: TransferKey, role: Role) -> TransferHandle:
-        future = self._handles.get((key, role))
-        if future is None:
-            future = self._running_loop().create_future()
-            m = self.core.machine(key, role)
-            if m.outcome is not None:
-                future.set_result(TransferResult(key, role, m.outcome, m.reason))
-            else:
-                self._handles[(key, role)] = future
-        return TransferHandle(key, role, future)
-
-    def _keep(self, records: deque[Any], record: Any, dropped: str) -> None:
-        if len(records) == records.maxlen:
-            self.counters[dropped] += 1  # the append below drops the oldest
-        records.append(record)
+        m = self.core.machine(key, role)
+        return open_handle(self._handles, key, role, self._running_loop(), m.outcome, m.reason)
 
     def _guard(self, fn: Callable[..., Any], *args: Any) -> None:
         if self._state == "closed":
@@ -574,10 +570,13 @@ class Engine:
         if self.crashed:
             raise EngineCrashed(self.crashed)
 
-    def _check_open(self) -> None:
+    def _check_open(self, *, asleep: bool = False) -> None:
+        """:raises EngineCrashed, EngineClosed, EngineAsleep: crashed; not running; asleep (unless `asleep`)."""
         self._check_crashed()
         if self._state != "running":
             raise EngineClosed(f"engine {self.engine_id!r} is {self._state}")
+        if not asleep:
+            self.memory.check_awake(self.engine_id)
 
     def _later(self, delay: float, fn: Callable[..., Any], *args: Any) -> None:
         self._running_loop().call_later(delay, self._guard, fn, *args)

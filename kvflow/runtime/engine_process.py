@@ -56,7 +56,9 @@ PARENT_CHECK = 1.0  # seconds between two looks at whether the host is still thi
 class EngineAgent:
     """The engine's API as commands the host may call (arguments and results plain data)."""
 
-    COMMANDS: ClassVar[frozenset[str]] = frozenset({"connect", "expect", "kv_ready", "abort", "promise", "stats"})
+    COMMANDS: ClassVar[frozenset[str]] = frozenset(
+        {"connect", "expect", "kv_ready", "abort", "promise", "stats", "unregister_memory", "restore_memory"}
+    )
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
@@ -80,6 +82,14 @@ class EngineAgent:
 
     async def stats(self) -> dict[str, Any]:
         return self.engine.stats()
+
+    async def unregister_memory(self) -> None:
+        """:raises KVFlowError: see `Engine.unregister_memory`."""
+        await self.engine.unregister_memory()
+
+    async def restore_memory(self) -> None:
+        """:raises KVFlowError: see `Engine.restore_memory`."""
+        await self.engine.restore_memory()
 
     def close(self) -> None:
         """The engine is about to close: let go of anything the agent runs itself."""

@@ -366,6 +366,25 @@ class EngineProcess:
             for text in record[1]:
                 log.error("%s: engine process failure: %s", self.engine_id, text)
 
+    def wait(self, future: concurrent.futures.Future[Any], timeout: float) -> Any:
+        """Block until a call's `future` is settled, reading what the child sends meanwhile
+        (released blocks stay queued for `poll_released`); its result.
+
+        :raises TransferTimeout: not settled within `timeout` seconds.
+        :raises EngineClosed: the engine process is gone.
+        :raises KVFlowError: what the call raised in the engine process.
+        """
+        deadline = time.monotonic() + timeout
+        while not future.done():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TransferTimeout(f"engine process of {self.engine_id!r}: no answer within {timeout}s")
+            if self.dead is not None:
+                raise EngineClosed(f"engine process of {self.engine_id!r} is gone: {self.dead}")
+            select.select([self._sock], [], [], min(left, 0.1))
+            self.pump()
+        return future.result()
+
     def poll_released(self) -> list[ReleaseBlocks]:
         """Blocks the engine gave back since the last call (never blocks)."""
         self.pump()

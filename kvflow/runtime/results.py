@@ -8,6 +8,7 @@ the engine resolves.
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,7 +16,7 @@ from kvflow.errors import TransferFailed, TransferTimeout
 from kvflow.protocol.messages import TransferKey
 from kvflow.protocol.state import Outcome, Role
 
-__all__ = ("TransferHandle", "TransferResult")
+__all__ = ("TransferHandle", "TransferResult", "keep", "open_handle")
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,3 +60,31 @@ class TransferHandle:
 
     def __await__(self) -> Any:
         return self.wait().__await__()
+
+
+def open_handle(
+    handles: dict[tuple[TransferKey, Role], asyncio.Future[TransferResult]],
+    key: TransferKey,
+    role: Role,
+    loop: asyncio.AbstractEventLoop,
+    outcome: Outcome | None,
+    reason: str,
+) -> TransferHandle:
+    """The handle of one side of a transfer, its future kept in `handles` until the engine
+    resolves it (already resolved when the transfer has its `outcome`).  Never raises."""
+    future = handles.get((key, role))
+    if future is None:
+        future = loop.create_future()
+        if outcome is not None:
+            future.set_result(TransferResult(key, role, outcome, reason))
+        else:
+            handles[(key, role)] = future
+    return TransferHandle(key, role, future)
+
+
+def keep(records: deque[Any], record: Any, counters: dict[str, int], dropped: str) -> None:
+    """Append `record` to the bounded `records`, counting in `counters[dropped]` the oldest one
+    this drops.  Never raises (for a name `counters` holds)."""
+    if len(records) == records.maxlen:
+        counters[dropped] += 1
+    records.append(record)
