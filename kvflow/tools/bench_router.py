@@ -41,6 +41,7 @@ import aiohttp
 
 from kvflow.errors import BenchError
 from kvflow.integrations.vllm import router
+from kvflow.integrations.vllm.bench_report import quantile
 from kvflow.tools.router_stand import (
     MIB,
     WAIT,
@@ -267,7 +268,7 @@ async def latency(config: RouterBenchConfig, live: Stand) -> dict[str, Any]:
         "requests": config.requests,
         "statuses": {str(k): v for k, v in sorted(statuses.items())},
         "median_ms": statistics.median(ordered) * 1e3,
-        "p90_ms": ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))] * 1e3,
+        "p90_ms": quantile(ordered, 0.9) * 1e3,
         "router_cpu_ms_per_request": cpu * 1e3 / config.requests,
     }
 

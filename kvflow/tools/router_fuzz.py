@@ -21,6 +21,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from kvflow.integrations.vllm.bench_report import quantile
 from kvflow.integrations.vllm.params_fuzz import hostile_params
 from kvflow.tools.router_stand import Backends, Stand, stand
 
@@ -62,9 +63,8 @@ class RouterFuzzReport:
 
 
 def _spread(samples: list[float]) -> tuple[float, float]:
-    """Median and p90 in milliseconds (p90: the sample at rank ceil(0.9 n))."""
-    ordered = sorted(samples)
-    return (round(statistics.median(ordered) * 1e3, 2), round(ordered[-(-9 * len(ordered) // 10) - 1] * 1e3, 2))
+    """Median and p90 (`bench_report.quantile`, as the other router figures) in milliseconds."""
+    return (round(statistics.median(samples) * 1e3, 2), round(quantile(samples, 0.9) * 1e3, 2))
 
 
 async def _genuine(live: Stand) -> float:
