@@ -150,7 +150,7 @@ class RankAgent(EngineAgent):
     ) -> None:
         """D's request ended before it had blocks: P is told, so that it frees its KV at once.
         :raises KVFlowError: the handshake failed or P cannot be told."""
-        peer = await reach_rank(self.engine, _peer(prefill), p_tp, source, Role.DECODE)
+        peer = await self._reach_prefill(prefill, p_tp, source, TransferKey(transfer_id, epoch), Mode(mode))
         await self.engine.abort(transfer_id, epoch, Role.DECODE, reason, peer=peer, mode=Mode(mode))
 
     async def abort_pair(self, transfer_id: str, epoch: int, role: str, reason: str) -> None:
