@@ -10,9 +10,10 @@ import pytest
 import pytest_asyncio
 
 from kvflow.protocol.core import CoreConfig
-from kvflow.protocol.messages import Done
-from kvflow.protocol.state import Mode
+from kvflow.protocol.messages import Done, TransferKey
+from kvflow.protocol.state import Mode, Outcome, Role
 from kvflow.runtime.engine import EngineConfig
+from kvflow.runtime.meter import TransferMeter
 from kvflow.testing import EnginePair
 from kvflow.transports.loopback import FaultPlan, LoopbackFabric
 from tests.waiting import eventually
@@ -97,3 +98,18 @@ async def test_a_failed_write_is_counted_and_not_timed() -> None:
         assert reading.samples == [] and reading.outcomes.get("failed") == 1
     finally:
         await pair.close()
+
+
+def test_a_transfers_seconds_run_from_its_first_op_asked_to_its_outcome() -> None:
+    """Given the times it is told, the meter samples a transfer from its first op asked for to
+    its outcome, whatever clock drives it (the engine's loop clock has whole milliseconds)."""
+    meter, key = TransferMeter(), TransferKey("t", 1)
+    meter.op_asked(key, Role.PREFILL, now=10.0)
+    meter.op_asked(key, Role.PREFILL, now=10.5)  # a later op does not restart the clock
+    meter.op_posted(key, Role.PREFILL, nbytes=4096, descriptors=2, post_seconds=0.001)
+    meter.resolved(key, Role.PREFILL, Outcome.SUCCEEDED, now=10.75)
+    assert meter.take().samples == []  # one op is not reported posted yet
+    meter.op_posted(key, Role.PREFILL, nbytes=4096, descriptors=1, post_seconds=0.002)
+    [sample] = meter.take().samples
+    assert (sample.seconds, sample.nbytes, sample.descriptors) == (0.75, 8192, 3)
+    assert sample.post_seconds == pytest.approx(0.003)

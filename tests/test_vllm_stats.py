@@ -47,7 +47,10 @@ def test_both_ranks_figures_reach_vllms_log_line_and_prometheus() -> None:
         sent = loggers.total(0)
         assert sent.num_timed_transfers == 2 * len(prompts)
         assert sum(sent.data["bytes_transferred"]) == moved
-        assert all(seconds > 0 for seconds in sent.data["transfer_duration"])
+        # timed by the engine loop's clock (uvloop's: whole milliseconds, read once per loop
+        # turn), so a loopback transfer finished within the same millisecond takes 0 s; what a
+        # duration is made of is checked on an injected clock in tests/test_meter.py
+        assert all(0 <= seconds < 60 for seconds in sent.data["transfer_duration"])
         assert loggers.metric("vllm:kvflow_xfer_time_seconds_count", 0) == 2 * len(prompts)
         assert loggers.metric("vllm:kvflow_bytes_transferred_sum", 0) == moved
         assert loggers.metric("vllm:kvflow_num_descriptors_count", 0) == 2 * len(prompts)
