@@ -129,4 +129,4 @@ def test_pull_refuses_a_ready_that_does_not_reach_past_the_hit() -> None:
     (ready,) = sent(p.kv_ready(KEY, block_ids=[10, 11], now=0.0, mode=Mode.PULL, peer="D", deadline=9.0))
     d.receive("P", ready, 0.1)
     m = d.machine(KEY, Role.DECODE)
-    assert m.outcome is Outcome.FAILED and "D expects 3" in m.reason
+    assert m.outcome is Outcome.FAILED and "D expects 2..3" in m.reason

@@ -37,15 +37,15 @@ def test_p_positions_fill_ds_larger_blocks_ratio_at_a_time() -> None:
     inside a D block (a chunk of P's ending there); 7 overrun them; a tiling that leaves D's
     last block out is refused."""
     m = Machine(TransferKey("t", 1), Role.PREFILL, Mode.PUSH, "d", 10.0)
-    m.remote_blocks, m.remote_expected = (7, 8, 9), 2
+    m.remote_blocks, m.remote_expected, m.span = (7, 8, 9), 2, (0, 2)
     half = [Batch(0, 0, (0, 1, 2, 3, 4), (0, 1)), Batch(1, 0, (0, 1, 2, 3, 4), (1, 2))]
     m.batches = half[:1]
-    assert m.push_mismatch(2, half[1], final=True, ratio=2) is None
-    assert "D registered 3 blocks" in str(m.push_mismatch(2, half[1], final=True))  # ratio 1: too many
+    assert m.push_mismatch(half[1], final=True, ratio=2) is None
+    assert "D registered 3 blocks" in str(m.push_mismatch(half[1], final=True))  # ratio 1: too many
     m.batches = [Batch(0, 0, tuple(range(7)), (0, 2))]
-    assert "reaches block position 7" in str(m.push_mismatch(2, ratio=2))
+    assert "reaches block position 7" in str(m.push_mismatch(ratio=2))
     m.batches, m.remote_expected = [Batch(0, 0, (0,), (0, 2))], 2
-    assert m.push_mismatch(2, Batch(1, 1, (1, 2, 3, 4), (0, 2)), final=True, ratio=2) is None
-    assert "covers" in str(m.push_mismatch(2, Batch(1, 2, (2, 3, 4), (0, 2)), final=True, ratio=2))  # 1 missing
+    assert m.push_mismatch(Batch(1, 1, (1, 2, 3, 4), (0, 2)), final=True, ratio=2) is None
+    assert "covers" in str(m.push_mismatch(Batch(1, 2, (2, 3, 4), (0, 2)), final=True, ratio=2))  # 1 missing
     m.batches, m.remote_expected = [Batch(0, 0, (0, 1, 2, 3), (0, 2))], 1
-    assert "D registered 3 blocks" in str(m.push_mismatch(2, final=True, ratio=2))  # D's third block unfilled
+    assert "D registered 3 blocks" in str(m.push_mismatch(final=True, ratio=2))  # D's third block unfilled

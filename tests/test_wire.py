@@ -16,6 +16,7 @@ from kvflow.protocol.messages import (
     MAX_BLOCK_ID,
     MAX_BLOCKS,
     MAX_EPOCH,
+    MAX_POSITION,
     Claim,
     ControlMessage,
     Done,
@@ -233,7 +234,13 @@ def test_block_ids_and_heartbeat_epochs_travel_packed_and_are_checked_as_such() 
         (b"", "block ids must not be empty"),
     ):
         with pytest.raises(PeerProtocolError, match=problem):
-            wire.decode(frame_of(3, ["t", 1, blocks]))
+            wire.decode(frame_of(3, ["t", 1, blocks, 0]))
+    # a Ready names the position of its first block: a sliding window's P holds no KV before it
+    ready = wire.Envelope("a", 1, "b", 1, Ready(TransferKey("t", 1), (4, 5), first_position=3))
+    assert wire.decode(wire.encode(ready)) == ready
+    for first in (-1, MAX_POSITION + 1, "3", 1.0):
+        with pytest.raises(PeerProtocolError, match="first position"):
+            wire.decode(frame_of(3, ["t", 1, wire.pack_blocks((4,)), first]))
     epoch = bytes(8)
     for tids, epochs, problem in (
         (["x"], epoch * 2, "names 1 transfer ids but 2 epochs"),

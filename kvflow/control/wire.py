@@ -74,8 +74,9 @@ __all__ = (
 MAGIC = "kvflow"
 # 2: a Hello no longer carries a role; 3: the receiver's incarnation; 4: a registration's first position,
 # Claim, a layout names its heads and ranks, open batch counts; 5: block ids and heartbeat epochs packed;
-# 6: a Hello names the sender's association; 7: a heartbeat names at most 4,096 keys
-VERSION = 7
+# 6: a Hello names the sender's association; 7: a heartbeat names at most 4,096 keys; 8: a Ready's first
+# position, a layout's KV cache groups
+VERSION = 8
 MAX_FRAME_BYTES = 1 << 20
 MAX_ID = MAX_TRANSFER_ID  # transfer ids (engine ids: `messages.MAX_ENGINE_ID`)
 MAX_TEXT = 1024  # reasons, addresses
@@ -242,8 +243,8 @@ def _registration(body: Any) -> Registration:
 
 
 def _ready(body: Any) -> Ready:
-    tid, epoch, blocks = _body(body, 3, "ready")
-    return Ready(_key(tid, epoch), _blocks(blocks))
+    tid, epoch, blocks, first = _body(body, 4, "ready")
+    return Ready(_key(tid, epoch), _blocks(blocks), _int(first, "first position", 0, MAX_POSITION))
 
 
 def _notice(body: Any) -> Notice:
@@ -309,7 +310,7 @@ def _encode_body(message: ControlMessage) -> tuple[int, list[Any]]:
         r = message
         return 2, [k.transfer_id, k.epoch, pack_blocks(r.block_ids), r.expected_batches, r.ttl, r.first_position]
     if isinstance(message, Ready):
-        return 3, [message.key.transfer_id, message.key.epoch, pack_blocks(message.block_ids)]
+        return 3, [message.key.transfer_id, message.key.epoch, pack_blocks(message.block_ids), message.first_position]
     if isinstance(message, Notice):
         return 4, [message.key.transfer_id, message.key.epoch, message.outcome.value, message.reason]
     if isinstance(message, Quiesced):

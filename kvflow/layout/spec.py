@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvflow.errors import ConfigError, LayoutMismatch
+from kvflow.layout.groups import KVGroup, parse_groups
 
 __all__ = (
     "DTYPE_SIZES",
@@ -44,7 +45,7 @@ __all__ = (
     "layout_to_wire",
 )
 
-LAYOUT_FORMAT = 3  # 3: a rank's head range and its engine's ranks
+LAYOUT_FORMAT = 4  # 3: a rank's head range and its engine's ranks; 4: KV cache groups
 MAX_SPEC_TEXT = 256  # characters of a spec's text fields (a model's name or path)
 MAX_RANKS = 1024  # tensor-parallel ranks one layout may name
 
@@ -114,6 +115,8 @@ class KVSpec:
     cache_dtype: str = ""  # how values are encoded when dtype does not tell (vLLM keeps fp8 caches as uint8)
     head_start: int = 0  # the first of the model's KV heads this rank holds
     total_kv_heads: int = 0  # the model's KV heads (all ranks together); 0: num_kv_heads
+    # the layers' KV cache groups (`kvflow.layout.groups`): "" for one group of full attention
+    kv_groups: str = ""
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "block_size", "num_kv_heads", "head_dim", "arrays_per_layer"):
@@ -139,6 +142,9 @@ class KVSpec:
             raise ConfigError(
                 f"kv spec page of {self.page_bytes} bytes does not split into {self.arrays_per_layer} equal arrays"
             )
+        if len(self.kv_groups) > MAX_SPEC_TEXT:
+            raise ConfigError(f"kv spec kv_groups is longer than {MAX_SPEC_TEXT} characters")
+        parse_groups(self.kv_groups, self.num_layers)
 
     @property
     def value_dim(self) -> int:
@@ -154,6 +160,12 @@ class KVSpec:
     def heads(self) -> range:
         """The model's KV heads this rank holds."""
         return range(self.head_start, self.head_start + self.num_kv_heads)
+
+    @property
+    def groups(self) -> tuple[KVGroup, ...]:
+        """The layers' KV cache groups, each a range of layers (one group of every layer for a
+        model without vLLM's hybrid KV cache manager)."""
+        return parse_groups(self.kv_groups, self.num_layers)
 
 
 def heads_outer(kv_layout: str) -> bool:
@@ -174,6 +186,7 @@ MODEL_FIELDS = (  # equal on both sides, always
     "dtype",
     "cache_dtype",
     "kv_layout",
+    "kv_groups",
 )
 RANK_FIELDS = (  # equal unless the ranks hold different heads or the block sizes differ
     "num_kv_heads",
@@ -205,13 +218,19 @@ def _overlap(a: tuple[Any, Any], b: tuple[Any, Any]) -> bool:
     return bool(max(a[0], b[0]) < min(a[0] + a[1], b[0] + b[1]))
 
 
+def _slides(fingerprint: Mapping[str, Any]) -> bool:
+    """Whether a (well-formed, local) fingerprint's model has a sliding-window KV cache group."""
+    groups = parse_groups(str(fingerprint.get("kv_groups", "")), int(fingerprint.get("num_layers", 0)))
+    return any(group.sliding for group in groups)
+
+
 def check_compatible(local: Mapping[str, Any], remote: Mapping[str, Any]) -> None:
-    """Compare two fingerprints: the model's fields (`MODEL_FIELDS`) must be equal; the ranks may
-    hold different KV heads (different tensor parallelism) when they share none (they then move
-    nothing to each other, but may still associate: a rank 0 tells its peers where its other
-    ranks are) or when the layout keeps a head's tokens together, and their block sizes may
-    differ when one is a multiple of the other; otherwise the rank's fields (`RANK_FIELDS`) must
-    be equal too.
+    """Compare two fingerprints: the model's fields (`MODEL_FIELDS`, its KV cache groups among
+    them) must be equal; the ranks may hold different KV heads (different tensor parallelism)
+    when they share none (they then move nothing to each other, but may still associate: a rank
+    0 tells its peers where its other ranks are) or when the layout keeps a head's tokens
+    together, and their block sizes may differ when one is a multiple of the other and no group
+    is a sliding window's; otherwise the rank's fields (`RANK_FIELDS`) must be equal too.
 
     :raises LayoutMismatch: naming the first field that differs or is missing, and why it may not.
     """
@@ -224,6 +243,13 @@ def check_compatible(local: Mapping[str, Any], remote: Mapping[str, Any]) -> Non
     small, large = sorted(int(size) for size in sizes if size is not None)
     if large % small:
         raise LayoutMismatch("block_size", *sizes, detail="one side's block size must be a multiple of the other's")
+    if small != large and _slides(local):
+        raise LayoutMismatch(
+            "block_size",
+            *sizes,
+            detail="sliding-window KV cache groups (vLLM's hybrid KV cache manager) need one block size on both "
+            "sides: each side keeps the blocks of its own window, which differ when the sizes do",
+        )
     heads = [(fp.get("head_start"), fp.get("num_kv_heads")) for fp in (local, remote)]
     layout = str(local.get("kv_layout"))
     if heads[0] != heads[1] and _overlap(*heads) and not heads_outer(layout):
@@ -353,6 +379,7 @@ def layout_to_wire(layout: KVLayout) -> dict[str, Any]:
             spec.cache_dtype,
             spec.head_start,
             spec.total_kv_heads,
+            spec.kv_groups,
         ],
         "num_blocks": layout.num_blocks,
         "rank": layout.rank,
@@ -378,19 +405,32 @@ def layout_from_wire(data: Mapping[str, Any]) -> KVLayout:
 
     try:
         raw_spec = data["spec"]
-        if not isinstance(raw_spec, list | tuple) or len(raw_spec) != 13:
-            raise ConfigError("layout spec must have 13 fields")
-        texts = [raw_spec[i] for i in (4, 5, 9, 10)]
+        if not isinstance(raw_spec, list | tuple) or len(raw_spec) != 14:
+            raise ConfigError("layout spec must have 14 fields")
+        texts = [raw_spec[i] for i in (4, 5, 9, 10, 13)]
         if any(not isinstance(text, str) or len(text) > MAX_SPEC_TEXT for text in texts):
             raise ConfigError(
-                f"layout spec dtype, kv_layout, model and cache_dtype must be strings of at most {MAX_SPEC_TEXT} "
-                "characters"
+                f"layout spec dtype, kv_layout, model, cache_dtype and kv_groups must be strings of at most "
+                f"{MAX_SPEC_TEXT} characters"
             )
-        dtype, kv_layout, model, cache_dtype = texts
+        dtype, kv_layout, model, cache_dtype, kv_groups = texts
         numbers = ints([raw_spec[i] for i in (0, 1, 2, 3, 6, 7, 8, 11, 12)], 9, "spec")
         layers, size, n_heads, dim, per, dim_v, page, head_start, total = numbers
         spec = KVSpec(
-            layers, size, n_heads, dim, dtype, kv_layout, per, dim_v, page, model, cache_dtype, head_start, total
+            layers,
+            size,
+            n_heads,
+            dim,
+            dtype,
+            kv_layout,
+            per,
+            dim_v,
+            page,
+            model,
+            cache_dtype,
+            head_start,
+            total,
+            kv_groups,
         )
         regions = []
         for raw in data["regions"]:

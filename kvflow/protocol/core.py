@@ -22,10 +22,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvflow.errors import ConfigError, InvalidBatch, StaleEpoch, UnknownTransfer
-from kvflow.protocol.actions import Action, DeclarePeerLost, OpKind, ReleaseBlocks, Resolve, SendMessage, SubmitOp
+from kvflow.errors import ConfigError, StaleEpoch, UnknownTransfer
+from kvflow.layout.groups import KVGroup, check_groups
+from kvflow.protocol.actions import Action, DeclarePeerLost, ReleaseBlocks, Resolve, SendMessage, SubmitOp
 from kvflow.protocol.inbox import PeerInbox
-from kvflow.protocol.machine import Machine, check_block_ids, check_registration, next_batch
+from kvflow.protocol.machine import Machine, check_block_ids, check_registration, ready_batch, transfer_layers
 from kvflow.protocol.messages import (
     Claim,
     Done,
@@ -35,7 +36,6 @@ from kvflow.protocol.messages import (
     Ready,
     Registration,
     TransferKey,
-    encode_notification,
 )
 from kvflow.protocol.state import (
     ACTIVE,
@@ -61,9 +61,14 @@ _DECODE, _PREFILL = Role.DECODE, Role.PREFILL
 
 
 class TransferCore:
-    def __init__(self, engine_id: str, num_layers: int, config: CoreConfig | None = None) -> None:
+    def __init__(
+        self, engine_id: str, num_layers: int, config: CoreConfig | None = None, groups: Sequence[KVGroup] = ()
+    ) -> None:
+        """`groups`: KV cache groups, each layers moved with blocks of their own (default: one).
+        :raises ConfigError: no layers, or groups that do not cover the layers in order."""
         if num_layers <= 0:
             raise ConfigError(f"num_layers must be > 0, got {num_layers}")
+        self.groups = check_groups(groups, num_layers)
         self.engine_id = engine_id
         self.num_layers = num_layers
         self.config = config or CoreConfig()
@@ -117,6 +122,7 @@ class TransferCore:
         expected_batches: int = 1,
         first_position: int = 0,
         share: str = "",
+        layers: tuple[int, int] | None = None,
     ) -> list[Action]:
         """D: these destination blocks will receive transfer `key` from `peer`, for P's block
         positions ``first_position..`` (in D's blocks): D holds the KV of the positions before (a
@@ -127,24 +133,26 @@ class TransferCore:
         `expected_batches` 0): D needs nothing; P is told so and releases at once, and the
         transfer succeeds here as soon as the registration is sent.  Transfers naming the same
         non-empty `share` group may hold the same blocks (each writes its own part of them: a
-        tensor-parallel rank's KV heads).
+        tensor-parallel rank's KV heads).  `layers`: the blocks' KV cache group (None: the one).
 
         An older, unfinished epoch of the same transfer id is aborted (superseded).
 
         :raises InvalidBatch: the block list is empty in pull mode (or with WRITEs expected),
-            repeats a block, or has a bad id; a negative first position.
+            repeats a block, or has a bad id; a negative first position; `layers` are not one KV
+            cache group's.
         :raises BlockConflict: a block is held or quarantined by another transfer.
         :raises StaleEpoch: this epoch is not newer than one already seen for the id.
         :raises ConfigError: bad deadline or batch count.
         """
         ids = check_registration(key, block_ids, mode, expected_batches, first_position, self.config.max_batches)
+        span = transfer_layers(f"expect {key}", self.groups, layers or (0, self.num_layers), Mode.PULL)
         if deadline <= now:
             raise ConfigError(f"deadline {deadline} is not after now {now}")
         self._check_epoch(key, _DECODE)
         self.ledger.check_free(ids, share)
         actions = self._supersede(key, _DECODE, now)
         m = self.store.create(key, _DECODE, mode, peer, deadline, now)
-        m.block_ids, m.expected_batches, m.first_position = ids, expected_batches, first_position
+        m.block_ids, m.expected_batches, m.first_position, m.span = ids, expected_batches, first_position, span
         self.ledger.add(m.owner, ids, share)
         actions += self._replay_early(m, now)
         if peer in self._connected and m.state is State.ALLOCATED and m.remote_blocks is None:
@@ -165,21 +173,19 @@ class TransferCore:
         deadline: float | None = None,
     ) -> list[Action]:
         """P: KV for block positions ``first_position..`` of `layers` (None: all) is ready in
-        `block_ids`.  `final` marks the last batch.  The first call creates the machine unless
-        D's registration already did.  Pull without a `peer`: the KV waits, until `deadline`,
-        for the first peer to claim the transfer (see `Claim`).
+        `block_ids`.  A transfer moves one KV cache group: every batch's layers lie in it.
+        `final` marks the last batch.  The first call creates the machine unless D's
+        registration already did.  Pull without a `peer`: the KV waits, until `deadline`, for the
+        first peer to claim the transfer (see `Claim`).
 
-        :raises InvalidBatch: bad ids, layers out of range, or overlap with an earlier batch.
+        :raises InvalidBatch: bad ids or layers (see `ready_batch`), overlap with an earlier batch.
         :raises InvalidTransition: the transfer cannot take KV now (e.g. after its last batch).
         :raises StaleEpoch: a newer epoch of the id exists.
         :raises ConfigError: missing deadline, or mode differs from the transfer's.
         """
         ids = check_block_ids(block_ids, f"kv_ready {key}", unique=False)
         span = layers if layers is not None else (0, self.num_layers)
-        if not 0 <= span[0] < span[1] <= self.num_layers or first_position < 0:
-            raise InvalidBatch(f"kv_ready {key}: layers {span} or position {first_position} out of range")
-        if mode is Mode.PULL and span != (0, self.num_layers):
-            raise InvalidBatch(f"kv_ready {key}: pull mode moves whole layers")
+        group = transfer_layers(f"kv_ready {key}", self.groups, span, mode, first_position)
         m = self.store.get(key, _PREFILL)
         if m is None:
             if deadline is None or deadline <= now:
@@ -192,15 +198,9 @@ class TransferCore:
         input_ = Input.PREFILL_FINISHED if final else Input.KV_READY
         state = m.state if m is not None else initial_state(_PREFILL)
         step = transition(mode, _PREFILL, state, input_, str(key))
-        batches = m.batches if m is not None else []
-        if len(batches) >= self.config.max_batches:
-            raise InvalidBatch(f"kv_ready {key}: more than {self.config.max_batches} batches")
-        batch = next_batch(key, batches, first_position, ids, span)
         consumed = Effect.RETURN_BATCH not in step.effects
-        if consumed and mode is Mode.PULL and final:
-            staged = sorted([*batches, batch], key=lambda b: b.first)
-            if staged[0].first or any(a.stop != b.first for a, b in zip(staged, staged[1:], strict=False)):
-                raise InvalidBatch(f"kv_ready {key}: pull batches must cover positions 0..n without gaps")
+        pull_final = consumed and mode is Mode.PULL and final
+        batch = ready_batch(key, m, ids, first_position, (span, group), self.config.max_batches, pull_final)
         # Validated: from here on nothing raises for the caller's input.
         actions: list[Action] = []
         if m is None:
@@ -213,8 +213,9 @@ class TransferCore:
         if m.peer is None and peer is not None:
             self.store.set_peer(m, peer)
         self.store.mark_started(m)
+        m.span = group
         ratio = self._ratios.get(m.peer, 1) if m.peer is not None else 1
-        mismatch = m.push_mismatch(self.num_layers, batch, final=final, ratio=ratio)
+        mismatch = m.push_mismatch(batch, final=final, ratio=ratio)
         m.batches.append(batch)
         m.final_seen = final
         self.ledger.add(m.owner, ids)
@@ -353,13 +354,8 @@ class TransferCore:
         for key in keys:
             for role in (_PREFILL, _DECODE):
                 m = self.store.get(key, role)
-                if m is not None and m.peer == peer and m.state in ACTIVE:
-                    until = now + lease
-                    cap = m.created + self.config.max_hold
-                    if until > cap:
-                        self.stats.capped_renewals += 1
-                        until = cap
-                    self.store.set_deadline(m, max(m.deadline, until))
+                if m is not None and m.peer == peer and m.state in ACTIVE and not self.store.extend(m, now + lease):
+                    self.stats.capped_renewals += 1
         return []
 
     def waiting_on(self, peer: str) -> tuple[TransferKey, ...]:
@@ -553,7 +549,7 @@ class TransferCore:
             ttl = max(m.deadline - now, 0.0)
             out.append(SendMessage(m.peer, Registration(key, m.block_ids, m.expected_batches, ttl, m.first_position)))
         elif effect is Effect.SEND_READY:
-            out.append(SendMessage(m.peer, Ready(key, m.pull_source_blocks())))
+            out.append(SendMessage(m.peer, Ready(key, *m.pull_source_blocks())))
         elif effect is Effect.SEND_CLAIM:
             out.append(SendMessage(m.peer, Claim(key)))
         elif effect is Effect.SEND_ABORT:
@@ -570,30 +566,10 @@ class TransferCore:
         return m.role is target and self.ledger.holds(m.owner)
 
     def _submit(self, m: Machine, out: list[Action]) -> None:
-        peer, remote_blocks = m.peer, m.remote_blocks
-        if peer is None or remote_blocks is None:
+        if m.peer is None:
             return  # the table submits only once the peer's blocks are known
-        writes = 0  # push: the WRITEs of the batches before; D counts them by this ordinal
-        ratio = self._ratios.get(peer, 1)
-        for batch in m.batches:
-            span = m.wanted(batch, ratio) if m.mode is Mode.PUSH else (batch.first, batch.stop)
-            if span is None:  # D holds these positions already: no bytes, no WRITE
-                batch.submitted = True
-                continue
-            writes += 1
-            if batch.submitted:
-                continue
-            batch.submitted = True
+        for kind, local, remote, layers, note, fine_start in m.due_ops(self._ratios.get(m.peer, 1), self.num_layers):
             op_id, self._next_op = self._next_op, self._next_op + 1
             self._ops[op_id] = m.owner
             m.inflight.add(op_id)
-            if m.mode is Mode.PUSH:
-                start, stop = span  # P positions; D's blocks hold `ratio` of them each
-                local = batch.block_ids[start - batch.first : stop - batch.first]
-                remote = remote_blocks[start // ratio - m.remote_first : -(-stop // ratio) - m.remote_first]
-                layers = None if batch.layers == (0, self.num_layers) else batch.layers
-                last = m.final_seen and batch is m.batches[-1]
-                note = encode_notification(m.key, writes - 1, last)
-                out.append(SubmitOp(op_id, m.key, peer, OpKind.WRITE, local, remote, layers, note, start % ratio))
-            else:
-                out.append(SubmitOp(op_id, m.key, peer, OpKind.READ, m.block_ids, remote_blocks, None, b""))
+            out.append(SubmitOp(op_id, m.key, m.peer, kind, local, remote, layers, note, fine_start))

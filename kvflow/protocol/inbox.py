@@ -180,7 +180,7 @@ class PeerInbox:
             self.store.set_remote_blocks(m, reg.block_ids)
             m.remote_first, m.remote_expected = reg.first_position, reg.expected_batches
             self.store.set_deadline(m, min(m.deadline, now + min(reg.ttl, self.config.max_ttl)))
-            problem = m.push_mismatch(self.num_layers, ratio=self.ratios.get(peer, 1))
+            problem = m.push_mismatch(ratio=self.ratios.get(peer, 1))
         if problem is not None and m.state not in TERMINAL:
             return self.remote(m, Input.INCOMPATIBLE, now, problem)
         return self.feed(m, Input.REGISTRATION_RECEIVED, now, reason=m.reason or "transfer already ended")
@@ -217,8 +217,10 @@ class PeerInbox:
             return self.remote(m, Input.INCOMPATIBLE, now, str(exc))
         ratio = self.ratios.get(peer, 1)  # D's blocks hold `ratio` of P's each
         wanted = m.first_position + len(m.block_ids)  # D reads only those after its prefix hit
-        if -(-len(blocks) // ratio) != wanted:
-            return self.remote(m, Input.INCOMPATIBLE, now, f"P is ready with {len(blocks)} blocks, D expects {wanted}")
+        start, stop = ready.first_position, ready.first_position + len(blocks)  # P's positions
+        if -(-stop // ratio) != wanted or start > m.first_position * ratio:
+            problem = f"P is ready with positions {start}..{stop} (its blocks), D expects {m.first_position}..{wanted}"
+            return self.remote(m, Input.INCOMPATIBLE, now, problem)
         try:
             transition(m.mode, m.role, m.state, Input.READY_RECEIVED, str(m.key))
         except InvalidTransition:
@@ -226,8 +228,8 @@ class PeerInbox:
             return []
         if m.state in TERMINAL:  # ended before P was ready: tell P, nothing will be read
             return self.feed(m, Input.READY_RECEIVED, now)
-        self.store.set_remote_blocks(m, blocks[m.first_position * ratio :])
-        m.batches.append(next_batch(m.key, (), 0, m.block_ids, (0, self.num_layers)))
+        self.store.set_remote_blocks(m, blocks[m.first_position * ratio - start :])
+        m.batches.append(next_batch(m.key, (), 0, m.block_ids, m.span or (0, self.num_layers)))
         return self.feed(m, Input.READY_RECEIVED, now)
 
     def _on_claim(self, peer: str, claim: Claim, now: float) -> list[Action]:

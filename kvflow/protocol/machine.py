@@ -13,10 +13,31 @@ from dataclasses import dataclass, field
 from typing import assert_never
 
 from kvflow.errors import ConfigError, InvalidBatch
-from kvflow.protocol.messages import MAX_BLOCK_ID, MAX_BLOCKS, MAX_POSITION, OPEN_BATCHES, TransferKey
+from kvflow.layout.groups import KVGroup, group_of
+from kvflow.protocol.actions import OpKind
+from kvflow.protocol.messages import (
+    MAX_BLOCK_ID,
+    MAX_BLOCKS,
+    MAX_POSITION,
+    OPEN_BATCHES,
+    TransferKey,
+    encode_notification,
+)
 from kvflow.protocol.state import Condition, Mode, Outcome, Role, State, initial_state
 
-__all__ = ("Batch", "Machine", "check_block_ids", "check_registration", "next_batch")
+__all__ = (
+    "Batch",
+    "Machine",
+    "check_block_ids",
+    "check_registration",
+    "next_batch",
+    "ready_batch",
+    "transfer_layers",
+)
+
+
+# an op a machine calls for: its kind, local and remote blocks, layers, notification, fine start
+DueOp = tuple[OpKind, tuple[int, ...], tuple[int, ...], tuple[int, int] | None, bytes, int]
 
 
 def check_block_ids(block_ids: Sequence[int], what: str, *, unique: bool, allow_empty: bool = False) -> tuple[int, ...]:
@@ -78,6 +99,26 @@ def next_batch(
     return batch
 
 
+def transfer_layers(
+    what: str, groups: Sequence[KVGroup], layers: tuple[int, int], mode: Mode, first_position: int = 0
+) -> tuple[int, int]:
+    """The layers of the transfer that moves `layers`: their KV cache group's (a transfer moves
+    one group's layers with that group's blocks; a model without vLLM's hybrid manager has one
+    group of every layer).  Pull moves whole groups.
+
+    :raises InvalidBatch: `layers` is empty, outside the model or crosses groups; pull with
+        part of a group; a negative first position.
+    """
+    group = group_of(groups, layers)
+    if group is None:
+        raise InvalidBatch(f"{what}: layers {layers} cross KV cache groups or lie outside the model")
+    if first_position < 0:
+        raise InvalidBatch(f"{what}: position {first_position} out of range")
+    if mode is Mode.PULL and layers != group.layers:
+        raise InvalidBatch(f"{what}: pull mode moves whole KV cache groups (layers {group.layers}), not {layers}")
+    return group.layers
+
+
 @dataclass(slots=True)
 class Machine:
     key: TransferKey
@@ -110,6 +151,9 @@ class Machine:
     timer_at: float | None = None
     timer_gen: int = 0
     finished_at: float | None = None
+    # the layers this transfer moves (one KV cache group's); None: not known yet (P, before its
+    # first batch), and then the transfer has no batch whose layers would count
+    span: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         self.state = initial_state(self.role)
@@ -142,25 +186,25 @@ class Machine:
         stop = min(batch.stop, (self.remote_first + len(self.remote_blocks)) * ratio)
         return (start, stop) if start < stop else None
 
-    def push_mismatch(
-        self, num_layers: int, extra: Batch | None = None, *, final: bool = False, ratio: int = 1
-    ) -> str | None:
+    def push_mismatch(self, extra: Batch | None = None, *, final: bool = False, ratio: int = 1) -> str | None:
         """Why P's batches cannot fill D's registration, or None if they can (so far).
 
         Checked whenever either side's information changes: D registered `remote_blocks` for
         positions ``remote_first..`` and expects `remote_expected` WRITEs (`OPEN_BATCHES`: any
         number), one per batch of P's (plus `extra`, not yet added) that reaches those
         positions (`wanted`); once the last batch is in (`final`), those parts must tile D's
-        positions x layers exactly.  Batches never overlap (`next_batch`) and stay within the
-        registration, so covering the registered area is covering every block of every layer
-        once.  An empty registration wants nothing, so nothing of P's can mismatch it.
+        positions x layers exactly (the layers of the transfer's `span`).  Batches never overlap
+        (`next_batch`) and stay within the registration and the span, so covering the registered
+        area is covering every block of every layer once.  An empty registration wants nothing,
+        so nothing of P's can mismatch it.
         `ratio`: P blocks per D block (D's block size a multiple of P's): P's positions fill
         D's blocks `ratio` at a time; a batch may start inside a D block (P's token budget ends
         a chunk there: the WRITE lands at that token offset, the batch before filled the rest),
         and D's last block may be filled in part.  The reason says it is about the two sides'
         blocks, and their ratio, so that the line logging the failure tells where to look.
         """
-        problem = self._tiling_problem(num_layers, extra, final, ratio)
+        layers = self.span[1] - self.span[0] if self.span is not None else 0  # no span yet: no batch
+        problem = self._tiling_problem(layers, extra, final, ratio)
         if problem is None:
             return None
         sizes = f"D's blocks hold {ratio} of P's each" if ratio > 1 else "blocks of one size"
@@ -194,12 +238,45 @@ class Machine:
                 )
         return None
 
-    def pull_source_blocks(self) -> tuple[int, ...]:
-        """P's block ids in position order, for the pull-mode ready message."""
+    def due_ops(self, ratio: int, num_layers: int) -> list[DueOp]:
+        """The ops this machine's batches call for that were not submitted yet, each batch then
+        marked submitted: push P, a WRITE of each batch's positions D registered (`ratio`: P's
+        blocks per D block), with the notification D counts it by; pull D, its READ of its
+        registered blocks (of its KV cache group's layers).  None before the peer's blocks are
+        known.  Layers are None when they are all `num_layers` of the model."""
+        remote_blocks, due = self.remote_blocks, []
+        if remote_blocks is None:
+            return []
+        writes = 0  # push: the WRITEs of the batches before; D counts them by this ordinal
+        for batch in self.batches:
+            span = self.wanted(batch, ratio) if self.mode is Mode.PUSH else (batch.first, batch.stop)
+            if span is None:  # D holds these positions already: no bytes, no WRITE
+                batch.submitted = True
+                continue
+            writes += 1
+            if batch.submitted:
+                continue
+            batch.submitted = True
+            if self.mode is Mode.PUSH:
+                start, stop = span  # P positions; D's blocks hold `ratio` of them each
+                local = batch.block_ids[start - batch.first : stop - batch.first]
+                remote = remote_blocks[start // ratio - self.remote_first : -(-stop // ratio) - self.remote_first]
+                layers = None if batch.layers == (0, num_layers) else batch.layers
+                note = encode_notification(self.key, writes - 1, self.final_seen and batch is self.batches[-1])
+                due.append((OpKind.WRITE, local, remote, layers, note, start % ratio))
+            else:
+                layers = None if self.span in (None, (0, num_layers)) else self.span
+                due.append((OpKind.READ, self.block_ids, remote_blocks, layers, b"", 0))
+        return due
+
+    def pull_source_blocks(self) -> tuple[tuple[int, ...], int]:
+        """P's block ids in position order, and the position of the first, for the pull-mode
+        ready message (a sliding-window group holds only the positions in its window)."""
+        batches = sorted(self.batches, key=lambda b: b.first)
         blocks: list[int] = []
-        for batch in sorted(self.batches, key=lambda b: b.first):
+        for batch in batches:
             blocks.extend(batch.block_ids)
-        return tuple(blocks)
+        return tuple(blocks), batches[0].first if batches else 0
 
 
 def check_registration(
@@ -224,3 +301,33 @@ def check_registration(
             f"expected_batches must be 1..{max_batches} or OPEN_BATCHES (push), 1 in pull mode; got {expected_batches}"
         )
     return ids
+
+
+def ready_batch(
+    key: TransferKey,
+    m: Machine | None,
+    block_ids: tuple[int, ...],
+    first: int,
+    layers: tuple[tuple[int, int], tuple[int, int]],
+    max_batches: int,
+    pull_final: bool,
+) -> Batch:
+    """P's next batch of transfer `key` (`m`: its machine, if it has one), checked against the
+    batches before it.  `layers`: the batch's, and its KV cache group's; `pull_final`: the
+    batch completes a pull transfer's KV.
+
+    :raises InvalidBatch: the layers are in another group than the transfer's; more than
+        `max_batches` batches; it overlaps an earlier one; a pull transfer's batches leave a gap.
+    """
+    span, group = layers
+    if m is not None and m.span not in (None, group):
+        raise InvalidBatch(f"kv_ready {key}: layers {span} are not in the transfer's KV cache group {m.span}")
+    batches = m.batches if m is not None else []
+    if len(batches) >= max_batches:
+        raise InvalidBatch(f"kv_ready {key}: more than {max_batches} batches")
+    batch = next_batch(key, batches, first, block_ids, span)
+    if pull_final:
+        staged = sorted([*batches, batch], key=lambda b: b.first)
+        if any(a.stop != b.first for a, b in zip(staged, staged[1:], strict=False)):
+            raise InvalidBatch(f"kv_ready {key}: pull batches must cover their positions without gaps")
+    return batch

@@ -242,10 +242,12 @@ class Registration:
 
 @dataclass(frozen=True, slots=True)
 class Ready:
-    """Pull, P to D: the KV is ready in these blocks; read them."""
+    """Pull, P to D: the KV of block positions ``first_position..`` is ready in these blocks;
+    read them (P holds no KV of the positions before: a sliding window's, freed)."""
 
     key: TransferKey
     block_ids: tuple[int, ...]
+    first_position: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -259,6 +259,13 @@ class TransferStore:
         if m.state in ACTIVE:
             self.set_timer(m, deadline)
 
+    def extend(self, m: Machine, until: float) -> bool:
+        """Hold the transfer's deadline at least until `until`, but never past `max_hold` after it
+        opened here; False when the cap cut the extension short."""
+        cap = m.created + self.config.max_hold
+        self.set_deadline(m, max(m.deadline, min(until, cap)))
+        return until <= cap
+
     def set_timer(self, m: Machine, when: float | None) -> None:
         """Arm the machine's one timer at `when` (None: disarm); an earlier arming no longer fires."""
         if when is not None and when == m.timer_at:

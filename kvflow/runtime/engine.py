@@ -71,7 +71,7 @@ class Engine:
         self.transport = transport
         self.control = control
         self.config = config or EngineConfig()
-        self.core = TransferCore(engine_id, layout.spec.num_layers, self.config.core)
+        self.core = TransferCore(engine_id, layout.spec.num_layers, self.config.core, layout.spec.groups)
         self.crashed: list[BaseException] = []
         kept = self.config.results_kept  # thread-safe to popleft from anywhere; oldest dropped
         self.released: deque[ReleaseBlocks] = deque(maxlen=kept)
@@ -249,9 +249,11 @@ class Engine:
         timeout: float | None = None,
         first_position: int = 0,
         share: str = "",
+        layers: tuple[int, int] | None = None,
     ) -> TransferHandle:
         """D: receive transfer (`transfer_id`, `epoch`) from `peer` into `block_ids`, for P's
-        block positions from `first_position` on (D holds the ones before).  No blocks (push,
+        block positions from `first_position` on (D holds the ones before), of the KV cache group
+        of `layers` (None: a model with one group).  No blocks (push,
         `expected_batches` 0): D needs nothing, and P releases its blocks without a WRITE.
         Other transfers of the same `share` group may hold the blocks too: see `BlockLedger`.
 
@@ -272,6 +274,7 @@ class Engine:
             expected_batches=expected_batches,
             first_position=first_position,
             share=share,
+            layers=layers,
         )
         handle = self._handle(key, Role.DECODE)
         self._run(actions)

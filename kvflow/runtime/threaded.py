@@ -156,6 +156,7 @@ class EngineThread:
         expected_batches: int = 1,
         ttl: float | None = None,
         first_position: int = 0,
+        layers: tuple[int, int] | None = None,
     ) -> concurrent.futures.Future[Any]:
         """`Engine.expect` on the engine thread.  :raises EngineClosed: the thread has stopped."""
         ids = list(block_ids)
@@ -169,6 +170,7 @@ class EngineThread:
                 expected_batches=expected_batches,
                 timeout=ttl,
                 first_position=first_position,
+                layers=layers,
             )
         )
 
