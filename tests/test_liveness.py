@@ -11,6 +11,7 @@ from kvflow.control import wire
 from kvflow.control.channel import LocalControl
 from kvflow.errors import ConfigError, PeerProtocolError, TransferTimeout, TransportError
 from kvflow.layout import fingerprint, layout_to_wire
+from kvflow.protocol.actions import ReleaseBlocks
 from kvflow.protocol.association import (
     ATTEMPTS_KEPT,
     AddRoute,
@@ -412,3 +413,19 @@ async def test_a_heartbeat_naming_more_keys_than_a_frame_carries_goes_out_as_sev
         assert all(len(beat.keys) <= MAX_HEARTBEAT_KEYS for beat in beats) and pair.p.crashed == []
     finally:
         await pair.close()
+
+
+def test_a_transfer_naming_a_peer_refused_for_good_fails_at_once_until_it_connects() -> None:
+    """P refused D's handshake for good (another model, say) before P's request handed its KV
+    over: the transfer naming D fails at once instead of holding P's blocks to its deadline.
+    Once D associates (fixed and back), a transfer for it waits as any other."""
+    core = TransferCore("P", num_layers=2)
+    core.peer_lost("D", 0.0, "its handshake was refused: kv layout mismatch on model", refused=True)
+    key, later = TransferKey("r", 1), TransferKey("s", 1)
+    actions = core.kv_ready(key, block_ids=[1, 2], now=1.0, peer="D", deadline=600.0)
+    m = core.machine(key, Role.PREFILL)
+    assert m.outcome is Outcome.FAILED and "kv layout mismatch on model" in m.reason
+    assert [a.block_ids for a in actions if isinstance(a, ReleaseBlocks)] == [(1, 2)]
+    core.peer_connected("D", 2.0)
+    core.kv_ready(later, block_ids=[3], now=3.0, peer="D", deadline=600.0)
+    assert core.machine(later, Role.PREFILL).state in ACTIVE

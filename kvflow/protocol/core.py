@@ -82,6 +82,7 @@ class TransferCore:
         # target blocks of torn-down peers that the peer's late one-sided ops may still reach
         self._unfenced: dict[str, list[Machine]] = {}
         self._holding_for: str | None = None  # set while `peer_lost` keeps target blocks
+        self._refused: dict[str, str] = {}  # peers whose handshake was refused for good, and why
         self._inbox = PeerInbox(self.store, self.stats, num_layers, self.feed, self._ratios)
 
     # ------------------------------------------------------------------ introspection
@@ -222,7 +223,10 @@ class TransferCore:
         if mismatch is not None:
             batch.submitted = True  # never write a batch of a transfer that cannot complete
             return actions + self._feed(m, Input.INCOMPATIBLE, now, reason=mismatch)
-        return actions + self._feed(m, input_, now)
+        actions += self._feed(m, input_, now)
+        if m.peer in self._refused and m.state in ACTIVE:  # named after its handshake was refused
+            actions += self._feed(m, Input.PEER_LOST, now, reason=f"peer {m.peer} lost: {self._refused[m.peer]}")
+        return actions
 
     def abort(
         self,
@@ -295,6 +299,7 @@ class TransferCore:
         `block_ratio`: the larger of the two sides' block sizes over the smaller (P's blocks land
         in D's at token offsets, `block_ratio` per D block)."""
         self._connected.add(peer)
+        self._refused.pop(peer, None)
         self._ratios[peer] = max(1, block_ratio)
         actions: list[Action] = []
         for m in self.store.live():
@@ -302,15 +307,22 @@ class TransferCore:
                 actions += self._feed(m, Input.REGISTER, now)
         return actions
 
-    def peer_lost(self, peer: str, now: float, why: str = "", *, unfenced: bool = False) -> list[Action]:
+    def peer_lost(
+        self, peer: str, now: float, why: str = "", *, unfenced: bool = False, refused: bool = False
+    ) -> list[Action]:
         """`peer` was declared dead *and torn down*: its transfers fail; `why` (the teardown's
-        reason, or the peer's own) ends each failed transfer's reason.
+        reason, or the peer's own) ends each failed transfer's reason.  `refused`: its handshake
+        was refused for good, so a transfer naming it later fails at once too (until it connects).
 
         Without `unfenced`, nothing the peer issued can still land here, so their blocks go back.
         With it, the peer's one-sided ops may still land (a WRITE held in a TCP connection the
         teardown could not close lands when the link comes back): the blocks of transfers this
         side is the *target* of (D in push, P in pull) stay quarantined until `peer_fenced`.
         """
+        if refused:
+            self._refused[peer] = why
+            while len(self._refused) > self.config.max_peer_early:  # the oldest names go first
+                del self._refused[next(iter(self._refused))]
         self._connected.discard(peer)
         self._ratios.pop(peer, None)
         # What the peer said about transfers not started here refers to blocks its teardown

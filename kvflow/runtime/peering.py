@@ -186,7 +186,7 @@ class PeerExecutor:
                 log.error("%s: refusing peer %s: %s", self.engine_id, action.peer, action.error)
                 if action.abandon:
                     why = f"its handshake was refused: {action.error}"
-                    self.hooks.run(self.core.peer_lost(action.peer, self.hooks.now(), why))
+                    self.hooks.run(self.core.peer_lost(action.peer, self.hooks.now(), why, refused=True))
             elif isinstance(action, UnknownSender):
                 self.counters["messages_from_unknown_peers"] += 1
         self._forget(ended)
