@@ -26,7 +26,7 @@ import pytest
 import pytest_asyncio
 
 from kvflow.integrations.vllm import router
-from kvflow.integrations.vllm.mapping import TransferParams
+from kvflow.integrations.vllm.params import TransferParams
 from kvflow.protocol.state import Mode
 
 ROOT = Path(__file__).resolve().parent.parent

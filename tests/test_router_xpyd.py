@@ -22,7 +22,7 @@ import pytest_asyncio
 
 from kvflow.errors import ConfigError, NoBackend
 from kvflow.integrations.vllm.backends import Backend, BackendPool
-from kvflow.integrations.vllm.mapping import SEQUENTIAL_PREFILL_PARAMS
+from kvflow.integrations.vllm.params import SEQUENTIAL_PREFILL_PARAMS
 from kvflow.integrations.vllm.params_fuzz import hostile_params
 from tests.test_router import ROUTER_MODULE, WAIT, Process, start_fake, stop_clean
 

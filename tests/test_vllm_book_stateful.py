@@ -14,7 +14,8 @@ import hypothesis.strategies as st
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvflow.integrations.vllm.mapping import Order, SchedulerBook, TransferParams
+from kvflow.integrations.vllm.mapping import Blocks, Order, SchedulerBook
+from kvflow.integrations.vllm.params import TransferParams
 from tests.test_vllm_mapping import entry, must_parse, needed
 
 REQUEST_IDS = ("r0", "r1", "r2")
@@ -88,13 +89,13 @@ class BookMachine(RuleBasedStateMachine):
         req = self.reqs[rid]
         n = needed(req.prompt_len, self.block_size)
         blocks = list(range(first, first + n + spare))  # the hit's blocks first
-        self.book.allocated(rid, req.params, req.prompt_len, blocks, req.count if req.state == "matched" else 0)
+        self.book.allocated(rid, req.params, req.prompt_len, [blocks], req.count if req.state == "matched" else 0)
         hit = req.computed // self.block_size
         if req.state == "matched":  # the first call registers the blocks after the hit; later ones add nothing
-            self.expect.append(Order(rid, must_parse(req.params), tuple(blocks[hit:n]), first_position=hit))
+            self.expect.append(Order(rid, must_parse(req.params), (Blocks(hit, tuple(blocks[hit:n])),)))
             req.state = "waiting"
         elif req.state == "local" and not req.told and req.params["kvflow"]["mode"] == "push":
-            self.expect.append(Order(rid, must_parse(req.params), (), first_position=n))  # P needn't wait
+            self.expect.append(Order(rid, must_parse(req.params), (Blocks(n),)))  # P needn't wait
             req.told = True
 
     @precondition(lambda self: bool(self._in("D", "waiting")))
@@ -123,18 +124,18 @@ class BookMachine(RuleBasedStateMachine):
         req = self.reqs[rid]
         n = needed(req.prompt_len, self.block_size)
         blocks = list(range(first, first + n + 1))
-        self.book.scheduled(rid, req.computed, tokens, blocks)
+        self.book.scheduled(rid, req.computed, tokens, [blocks])
         req.computed += tokens
         params = must_parse(req.params)
         if req.state != "prefilling":
             return
         if req.computed >= req.prompt_len:
-            self.ready.append(Order(rid, params, tuple(blocks[req.sent : n]), producer=True, first=req.sent))
+            self.ready.append(Order(rid, params, (Blocks(req.sent, tuple(blocks[req.sent : n])),), producer=True))
             req.state = "ordered"
         elif req.params["kvflow"]["mode"] == "push" and req.computed // self.block_size > req.sent:
             full = req.computed // self.block_size
             self.ready.append(
-                Order(rid, params, tuple(blocks[req.sent : full]), producer=True, first=req.sent, final=False)
+                Order(rid, params, (Blocks(req.sent, tuple(blocks[req.sent : full])),), producer=True, final=False)
             )
             req.sent = full
 
@@ -159,9 +160,9 @@ class BookMachine(RuleBasedStateMachine):
         kv = {**entry("bad"), **bad}
         params = {"do_remote_prefill": True, "do_remote_decode": True, "kvflow": kv}
         assert self.book.matched_tokens(rid, params, 10, 0) == (0, False)
-        self.book.allocated(rid, params, 10, [1, 2, 3], 10)
+        self.book.allocated(rid, params, 10, [[1, 2, 3]], 10)
         self.book.new_request(rid, params, 10)
-        self.book.scheduled(rid, 0, 10, [1, 2, 3])
+        self.book.scheduled(rid, 0, 10, [[1, 2, 3]])
         self.reqs[rid] = Req("R", "refused", params, 10)
 
     # ---------------------------------------------------------------- both sides
@@ -224,8 +225,8 @@ class BookMachine(RuleBasedStateMachine):
         assert orders.expect == self.expect
         assert orders.ready == self.ready
         assert [(o.request_id, o.params) for o in orders.abort] == self.abort
-        assert all(o.reason and not o.block_ids for o in orders.abort)
-        assert all(o.block_ids for o in orders.ready)
+        assert all(o.reason and not o.blocks for o in orders.abort)
+        assert all(o.block_count for o in orders.ready)
         self.expect, self.ready, self.abort = [], [], []
         assert not self.book.take_orders()
 

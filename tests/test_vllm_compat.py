@@ -14,19 +14,16 @@ import logging
 import re
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
 
 import pytest
-import torch
 from vllm.config import ParallelConfig
-from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MambaSpec, SlidingWindowSpec
 from vllm.v1.request import RequestStatus
 
 from kvflow.errors import ConfigError
 from kvflow.integrations.vllm.connector import check_vllm_version
 from kvflow.integrations.vllm.kv_caches import check_supported
 from kvflow.integrations.vllm.standin import EngineOptions, ModelShape, StandInEngine
-from kvflow.integrations.vllm.standin.build import layer_specs, vllm_config
+from kvflow.integrations.vllm.standin.build import vllm_config
 from tests.vllm_compat_registry import (
     OUTCOMES,
     RELEASES,
@@ -217,73 +214,6 @@ def _mla_tp2(fragment: str, caplog: pytest.LogCaptureFixture) -> None:
     moves("t-mla2", inspect=inspect, model=mla, backend="TRITON_MLA", tensor_parallel=2)
 
 
-# ---------------------------------------------------------------- hybrid models
-
-
-@scenario("hybrid-hma-off")
-def _hybrid_off(fragment: str, caplog: pytest.LogCaptureFixture) -> None:
-    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-
-    def inspect(p: StandInEngine, d: StandInEngine) -> None:
-        assert not KVConnectorFactory.supports_hma_config(p.config.kv_transfer_config)
-        assert p.config.scheduler_config.disable_hybrid_kv_cache_manager
-        [group] = p.kv_cache_config.kv_cache_groups
-        assert getattr(group.kv_cache_spec, "sliding_window", None) == 64 and len(group.layer_names) == 4
-
-    with caplog.at_level(logging.WARNING, logger="kvflow.vllm"):  # a prompt longer than the 64-token window
-        moves("t-gemma", 5 * BLOCK_SIZE, inspect, model=ModelShape(family="gemma2"))
-    assert fragment in caplog.text
-    assert "kvflow: 2 of the 4 layers are sliding-window" in caplog.text  # Gemma 2 alternates them
-
-
-@scenario("hybrid-hma-on")
-def _hybrid_on(fragment: str, caplog: pytest.LogCaptureFixture) -> None:
-    options = EngineOptions(
-        "prefill",
-        "kv_producer",
-        {"transport": "loopback", "port": 0},
-        model=ModelShape(family="gemma2"),
-        hybrid_kv_cache_manager=True,
-        num_blocks=256,
-    )
-    with pytest.raises(ValueError, match=re.escape(fragment)):
-        StandInEngine(options)
-
-
-def _two_groups() -> tuple[Any, KVCacheConfig]:
-    """A config and the KV cache config vLLM plans for a Gemma-2-like model with its hybrid
-    KV cache manager on: one group of full-attention layers, one of sliding-window layers."""
-    from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
-
-    gemma = ModelShape(family="gemma2")
-    options = EngineOptions("prefill", "kv_producer", model=gemma, num_blocks=256, kv_cache_layout="LBNHC")
-    config = vllm_config(options)
-    config.scheduler_config.disable_hybrid_kv_cache_manager = False
-    specs = layer_specs(config, options)
-    [kv_cache_config] = get_kv_cache_configs(config, [specs], [1 << 40], get_global_kv_cache_groups(config, [specs]))
-    return config, kv_cache_config
-
-
-@scenario("kv-cache-groups")
-def _groups(fragment: str, caplog: pytest.LogCaptureFixture) -> None:
-    config, kv_cache_config = _two_groups()
-    assert len(kv_cache_config.kv_cache_groups) == 2
-    with pytest.raises(ConfigError, match=re.escape(fragment)) as refused:
-        check_supported(config, kv_cache_config)
-    assert "sliding-window attention: 2 layers" in str(refused.value)
-
-
-@scenario("sliding-window-group", "mamba")
-def _unmovable(fragment: str, caplog: pytest.LogCaptureFixture) -> None:
-    config = vllm_config(EngineOptions("prefill", "kv_producer"))
-    window = SlidingWindowSpec(block_size=32, num_kv_heads=4, head_size=64, dtype=torch.bfloat16, sliding_window=64)
-    mamba = MambaSpec(block_size=32, shapes=((4, 64),), dtypes=(torch.bfloat16,))
-    spec = window if "sliding" in fragment else mamba
-    kv_cache_config = KVCacheConfig(16, [], [KVCacheGroupSpec(["model.layers.0.mixer"], spec)])
-    with pytest.raises(ConfigError, match=re.escape(fragment)):
-        check_supported(config, kv_cache_config)
-
-
 # ---------------------------------------------------------------- dtypes and identity
 
 
@@ -405,7 +335,8 @@ def test_each_row_says_where_it_holds_and_the_real_engine_rows_are_what_its_test
     for row_id, shown in where.items():
         assert shown and shown <= RELEASES, f"row {row_id}: holds on {shown}"
     assert {row_id for row_id, shown in where.items() if "0.32 engine" in shown} == set(REAL_ENGINE_ROWS)
-    real_tests = {name for module in ("test_vllm_real_pd", "test_vllm_real_nixl") for name in _tests_of(module)}
+    modules = ("test_vllm_real_pd", "test_vllm_real_hybrid", "test_vllm_real_nixl")
+    real_tests = {name for module in modules for name in _tests_of(module)}
     for row_id, tests in REAL_ENGINE_ROWS.items():
         assert tests and set(tests) <= real_tests, f"row {row_id} names tests that do not exist: {tests}"
 

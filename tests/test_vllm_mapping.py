@@ -17,16 +17,10 @@ from hypothesis import given, settings
 
 from kvflow.control import wire
 from kvflow.errors import ConfigError
-from kvflow.integrations.vllm.mapping import (
-    MAX_REQUEST_TRANSFER_ID,
-    MAX_TP,
-    Order,
-    Orders,
-    PeerRef,
-    SchedulerBook,
-    TransferParams,
-)
+from kvflow.integrations.vllm.mapping import Blocks, Order, Orders, SchedulerBook
+from kvflow.integrations.vllm.params import MAX_REQUEST_TRANSFER_ID, MAX_TP, PeerRef, TransferParams
 from kvflow.integrations.vllm.ranks import pair_transfer_id
+from kvflow.layout.groups import KVGroup
 from kvflow.protocol.messages import (
     MAX_EPOCH,
     MAX_TRANSFER_ID,
@@ -295,9 +289,9 @@ def waiting_decode(book: SchedulerBook, rid: str = "d1", prompt_len: int = 10) -
     """A D request whose expect order went out: it waits for its KV."""
     params = d_params(entry())
     assert book.matched_tokens(rid, params, prompt_len, 0) == (prompt_len, True)
-    book.allocated(rid, params, prompt_len, [7, 8, 9, 10, 11], prompt_len)
+    book.allocated(rid, params, prompt_len, [[7, 8, 9, 10, 11]], prompt_len)
     order = expect_one(book.take_orders(), "expect")
-    assert order.request_id == rid and order.block_ids == (7, 8, 9, 10, 11)[: needed(prompt_len)]
+    assert order.request_id == rid and order.blocks == (Blocks(0, (7, 8, 9, 10, 11)[: needed(prompt_len)]),)
     return params
 
 
@@ -308,13 +302,13 @@ def test_decode_request_lifecycle_when_the_kv_lands() -> None:
     assert book.matched_tokens("d1", params, 10, 2) == (8, True)  # side-effect free
     assert book.tracked() == 0 and not book.pending_work() and not book.take_orders()
 
-    book.allocated("d1", params, 10, [5, 6, 7, 8], 8)
+    book.allocated("d1", params, 10, [[5, 6, 7, 8]], 8)
     assert book.tracked() == 1 and book.pending_work()
     order = expect_one(book.take_orders(), "expect")
-    assert order == Order("d1", must_parse(params), (5, 6, 7))  # ceil(10 / 4) blocks
+    assert order == Order("d1", must_parse(params), (Blocks(0, (5, 6, 7)),))  # ceil(10 / 4) blocks
     assert book.pending_work(), "the expect order is out: the KV has not arrived yet"
 
-    book.allocated("d1", params, 10, [5, 6, 7, 8], 8)  # vLLM calls it again: nothing new
+    book.allocated("d1", params, 10, [[5, 6, 7, 8]], 8)  # vLLM calls it again: nothing new
     assert not book.take_orders() and book.tracked() == 1
     assert book.matched_tokens("d1", params, 10, 2) == (0, False)  # its one load was ordered
 
@@ -339,11 +333,11 @@ def test_decode_requests_with_nothing_to_load_match_no_tokens(
 ) -> None:
     book = SchedulerBook(BLOCK_SIZE)
     assert book.matched_tokens("d1", params, prompt_len, computed) == (0, False)
-    book.allocated("d1", params, prompt_len, [1, 2, 3], 0)
+    book.allocated("d1", params, prompt_len, [[1, 2, 3]], 0)
     orders = book.take_orders()
     assert book.tracked() == 0 and not book.pending_work()
     if params.get("do_remote_prefill") and "kvflow" in params:  # D computes it all: P is told it needs nothing
-        assert expect_one(orders, "expect").block_ids == ()
+        assert expect_one(orders, "expect").block_count == 0
     else:
         assert not orders
 
@@ -352,10 +346,10 @@ def test_allocation_without_external_tokens_or_flag_loads_nothing() -> None:
     """Without the flag nothing is ordered; without external tokens (vLLM loads nothing: D
     computes the request) only an empty registration tells P to release, and nothing is tracked."""
     book = SchedulerBook(BLOCK_SIZE)
-    book.allocated("d1", d_params(entry()), 10, [1, 2, 3], 0)
-    book.allocated("d2", {"kvflow": entry()}, 10, [1, 2, 3], 10)
+    book.allocated("d1", d_params(entry()), 10, [[1, 2, 3]], 0)
+    book.allocated("d2", {"kvflow": entry()}, 10, [[1, 2, 3]], 10)
     order = expect_one(book.take_orders(), "expect")
-    assert (order.request_id, order.block_ids) == ("d1", ())
+    assert (order.request_id, order.block_count) == ("d1", 0)
     assert book.tracked() == 0 and not book.pending_work()
 
 
@@ -390,9 +384,9 @@ def test_decode_request_allocated_after_new_request_registers_once() -> None:
     book = SchedulerBook(BLOCK_SIZE)
     kv = entry("t10")
     book.new_request("d10", d_params(kv), 40)
-    book.allocated("d10", d_params(kv), 40, [1, 2, 3], 40)
-    assert expect_one(book.take_orders(), "expect").block_ids == (1, 2, 3)
-    book.allocated("d10", d_params(kv), 40, [1, 2, 3], 40)  # vLLM calls it again after the load
+    book.allocated("d10", d_params(kv), 40, [[1, 2, 3]], 40)
+    assert expect_one(book.take_orders(), "expect").blocks == (Blocks(0, (1, 2, 3)),)
+    book.allocated("d10", d_params(kv), 40, [[1, 2, 3]], 40)  # vLLM calls it again after the load
     assert not book.take_orders()
     assert book.finished("d10", aborted=True) == (True, None)  # allocated: freed once released
     assert expect_one(book.take_orders(), "abort").allocated
@@ -423,7 +417,7 @@ def test_failed_load_untracks_the_request_and_it_is_recomputed_locally() -> None
     book.output(set(), {"d1"}, {"d1"})
     assert book.tracked() == 0 and not book.pending_work()
     assert book.matched_tokens("d1", params, 10, 0) == (0, False), "a second remote load was offered"
-    book.allocated("d1", params, 10, [1, 2, 3], 0)
+    book.allocated("d1", params, 10, [[1, 2, 3]], 0)
     assert not book.take_orders()
     assert book.finished("d1", aborted=False) == (False, None)
     assert not book.take_orders() and not book.pending_work()
@@ -454,13 +448,13 @@ def test_prefill_request_lifecycle() -> None:
     assert orders.promise == [Order("p1", must_parse({"kvflow": kv}), producer=True)]
     assert not (orders.expect or orders.ready or orders.abort)
 
-    book.scheduled("p1", 0, 6, [3, 4])  # a first chunk: the prefill is not done
+    book.scheduled("p1", 0, 6, [[3, 4]])  # a first chunk: the prefill is not done
     assert not book.take_orders() and not book.pending_work()
-    book.scheduled("p1", 6, 4, [3, 4, 5, 6])
+    book.scheduled("p1", 6, 4, [[3, 4, 5, 6]])
     assert book.pending_work()
     order = expect_one(book.take_orders(), "ready")
-    assert order == Order("p1", must_parse({"kvflow": kv}), (3, 4, 5), producer=True)
-    book.scheduled("p1", 10, 1, [3, 4, 5, 6])  # decode steps after it: no second order
+    assert order == Order("p1", must_parse({"kvflow": kv}), (Blocks(0, (3, 4, 5)),), producer=True)
+    book.scheduled("p1", 10, 1, [[3, 4, 5, 6]])  # decode steps after it: no second order
     assert not book.take_orders()
 
     delay, out = book.finished("p1", aborted=False)
@@ -474,7 +468,7 @@ def test_prefill_request_lifecycle() -> None:
 def test_prefill_aborted_after_its_kv_was_ready_aborts_and_frees_late() -> None:
     book = SchedulerBook(BLOCK_SIZE)
     book.new_request("p1", p_params(entry("tp")), 5)
-    book.scheduled("p1", 0, 5, [1, 2])
+    book.scheduled("p1", 0, 5, [[1, 2]])
     book.take_orders()
     delay, out = book.finished("p1", aborted=True)
     assert delay is True and out is not None and out["kvflow"]["transfer_id"] == "tp"
@@ -490,21 +484,21 @@ def test_prefill_ended_before_its_kv_was_ready_tells_the_peer_and_holds_nothing(
     book = SchedulerBook(BLOCK_SIZE)
     book.new_request("p1", p_params(entry("tp")), 10)
     assert book.take_orders().promise  # P promises the request to D at once
-    book.scheduled("p1", 0, 3, [1])  # a first chunk that fills no block: nothing handed over
+    book.scheduled("p1", 0, 3, [[1]])  # a first chunk that fills no block: nothing handed over
     assert not book.take_orders()
     assert book.finished("p1", aborted=aborted) == (False, None)
     assert book.tracked() == 0 and book.pending_work()  # the abort order is still to go out
     order = expect_one(book.take_orders(), "abort")
     assert order.request_id == "p1" and order.reason == "prefill request ended early"
     assert not book.pending_work()
-    book.scheduled("p1", 4, 6, [1, 2, 3])  # a stray late step finds nothing to order
+    book.scheduled("p1", 4, 6, [[1, 2, 3]])  # a stray late step finds nothing to order
     assert not book.take_orders()
 
 
 def test_prefill_sending_reported_before_it_finished_does_not_untrack_it() -> None:
     book = SchedulerBook(BLOCK_SIZE)
     book.new_request("p1", p_params(entry("tp")), 4)
-    book.scheduled("p1", 0, 4, [1])
+    book.scheduled("p1", 0, 4, [[1]])
     book.take_orders()
     book.output({"p1"}, set(), set())
     assert book.tracked() == 1
@@ -515,7 +509,7 @@ def test_prefill_sending_reported_before_it_finished_does_not_untrack_it() -> No
 def test_prefill_without_remote_decode_is_not_tracked(params: dict[str, Any] | None) -> None:
     book = SchedulerBook(BLOCK_SIZE)
     book.new_request("p1", params, 8)
-    book.scheduled("p1", 0, 8, [1, 2])
+    book.scheduled("p1", 0, 8, [[1, 2]])
     assert book.tracked() == 0 and not book.take_orders()
     assert book.finished("p1", aborted=False) == (False, None)
 
@@ -539,9 +533,9 @@ def test_malformed_params_are_refused_once_and_the_request_runs_locally(
     with caplog.at_level(logging.ERROR, logger="kvflow.vllm"):
         assert book.matched_tokens("d1", d_params(kv), 10, 0) == (0, False)
         assert book.matched_tokens("d1", d_params(kv), 10, 0) == (0, False)
-        book.allocated("d1", d_params(kv), 10, [1, 2, 3], 10)
+        book.allocated("d1", d_params(kv), 10, [[1, 2, 3]], 10)
         book.new_request("p1", p_params(kv), 10)
-        book.scheduled("p1", 0, 10, [1, 2, 3])
+        book.scheduled("p1", 0, 10, [[1, 2, 3]])
     assert book.tracked() == 0 and not book.take_orders() and not book.pending_work()
     assert set(book.refused) == {"d1", "p1"}
     assert all(f"kv_transfer_params.{field}" in why for why in book.refused.values())
@@ -573,14 +567,14 @@ def test_with_prefix_caching_d_registers_only_the_blocks_after_its_hit() -> None
     params = d_params(entry("td"))
     prompt = 3 * BLOCK_SIZE + 2
     assert book.matched_tokens("d1", params, prompt, BLOCK_SIZE) == (prompt - BLOCK_SIZE, True)
-    book.allocated("d1", params, prompt, [1, 2, 3, 4, 5], prompt - BLOCK_SIZE)
+    book.allocated("d1", params, prompt, [[1, 2, 3, 4, 5]], prompt - BLOCK_SIZE)
     order = expect_one(book.take_orders(), "expect")
-    assert (order.block_ids, order.first_position) == ((2, 3, 4), 1)
-    book.allocated("d1", params, prompt, [1, 2, 3, 4, 5], 0)  # again, after the load: nothing new
+    assert order.blocks == (Blocks(1, (2, 3, 4)),)
+    book.allocated("d1", params, prompt, [[1, 2, 3, 4, 5]], 0)  # again, after the load: nothing new
     assert not book.take_orders() and not book.refused
     book.new_request("p1", p_params(entry("tp")), 10)
-    book.scheduled("p1", 0, 10, [4, 5, 6])
-    assert expect_one(book.take_orders(), "ready").block_ids == (4, 5, 6)
+    book.scheduled("p1", 0, 10, [[4, 5, 6]])
+    assert expect_one(book.take_orders(), "ready").blocks == (Blocks(0, (4, 5, 6)),)
 
 
 @pytest.mark.parametrize("mode", ["push", "pull"])
@@ -595,10 +589,10 @@ def test_a_full_hit_loads_nothing_and_tells_p_so_once(mode: str) -> None:
         assert book.matched_tokens("d1", params, prompt, 2 * BLOCK_SIZE) == (1, True)
         return
     assert book.matched_tokens("d1", params, prompt, 2 * BLOCK_SIZE) == (0, False)
-    book.allocated("d1", params, prompt, [1, 2, 3], 0)
+    book.allocated("d1", params, prompt, [[1, 2, 3]], 0)
     order = expect_one(book.take_orders(), "expect")
-    assert (order.block_ids, order.first_position) == ((), 3)
-    book.allocated("d1", params, prompt, [1, 2, 3], 0)  # scheduled again (preempted): told P already
+    assert order.blocks == (Blocks(3),)
+    book.allocated("d1", params, prompt, [[1, 2, 3]], 0)  # scheduled again (preempted): told P already
     assert book.matched_tokens("d1", params, prompt, 0) == (0, False)
     assert not book.take_orders() and book.tracked() == 0 and not book.pending_work()
     assert book.finished("d1", aborted=False) == (False, None)
@@ -608,9 +602,9 @@ def test_a_full_hit_loads_nothing_and_tells_p_so_once(mode: str) -> None:
 def test_the_book_never_raises_on_any_kvflow_payload(kv: Any) -> None:
     book = SchedulerBook(BLOCK_SIZE)
     book.matched_tokens("d1", d_params(kv), 10, 0)
-    book.allocated("d1", d_params(kv), 10, [1, 2, 3], 10)
+    book.allocated("d1", d_params(kv), 10, [[1, 2, 3]], 10)
     book.new_request("p1", p_params(kv), 10)
-    book.scheduled("p1", 0, 10, [1, 2, 3])
+    book.scheduled("p1", 0, 10, [[1, 2, 3]])
     # no entry at all is refused too: D cannot pull without one, nor P (port 0) assign one
     assert bool(book.refused) is not (is_valid(d_params(kv)) and kv is not None)
     book.finished("d1", aborted=True)
@@ -628,14 +622,14 @@ def test_push_hands_over_each_chunks_full_blocks_and_the_rest_at_the_end() -> No
     params = must_parse({"kvflow": kv})
     seen = []
     for computed in (0, 5, 10):
-        book.scheduled("p1", computed, min(5, 14 - computed), blocks[: -(-(computed + 5) // BLOCK_SIZE)])
+        book.scheduled("p1", computed, min(5, 14 - computed), [blocks[: -(-(computed + 5) // BLOCK_SIZE)]])
         seen.append(expect_one(book.take_orders(), "ready"))
     assert seen == [
-        Order("p1", params, (7,), producer=True, first=0, final=False),
-        Order("p1", params, (8,), producer=True, first=1, final=False),
-        Order("p1", params, (9, 6), producer=True, first=2, final=True),
+        Order("p1", params, (Blocks(0, (7,)),), producer=True, final=False),
+        Order("p1", params, (Blocks(1, (8,)),), producer=True, final=False),
+        Order("p1", params, (Blocks(2, (9, 6)),), producer=True, final=True),
     ]
-    book.scheduled("p1", 14, 1, blocks)  # decode steps after it: no further order
+    book.scheduled("p1", 14, 1, [blocks])  # decode steps after it: no further order
     assert not book.take_orders()
     assert book.finished("p1", aborted=False)[0] is True
 
@@ -644,21 +638,21 @@ def test_push_chunk_that_completes_no_block_orders_nothing() -> None:
     book = SchedulerBook(BLOCK_SIZE)
     book.new_request("p1", p_params(entry("tp")), 14)
     assert book.take_orders().promise  # P promises the request to D at once
-    book.scheduled("p1", 0, 3, [7])
+    book.scheduled("p1", 0, 3, [[7]])
     assert not book.take_orders()
-    book.scheduled("p1", 3, 3, [7, 8])  # block 7 now full
-    assert expect_one(book.take_orders(), "ready").block_ids == (7,)
+    book.scheduled("p1", 3, 3, [[7, 8]])  # block 7 now full
+    assert expect_one(book.take_orders(), "ready").blocks == (Blocks(0, (7,)),)
 
 
 def test_pull_orders_once_when_the_prompt_is_complete() -> None:
     book = SchedulerBook(BLOCK_SIZE)
     book.new_request("p1", p_params(entry("tp", mode="pull")), 14)
     assert book.take_orders().promise  # P promises the request to D at once
-    book.scheduled("p1", 0, 8, [7, 8])
+    book.scheduled("p1", 0, 8, [[7, 8]])
     assert not book.take_orders()
-    book.scheduled("p1", 8, 6, [7, 8, 9, 6])
+    book.scheduled("p1", 8, 6, [[7, 8, 9, 6]])
     order = expect_one(book.take_orders(), "ready")
-    assert order.block_ids == (7, 8, 9, 6) and order.first == 0 and order.final
+    assert order.blocks == (Blocks(0, (7, 8, 9, 6)),) and order.final
 
 
 @pytest.mark.parametrize("ended", ["finished", "aborted", "preempted"])
@@ -667,13 +661,13 @@ def test_push_cut_short_after_a_chunk_aborts_and_frees_late(ended: str) -> None:
     once they report the blocks released.  A preempted request's recomputed chunks go nowhere."""
     book = SchedulerBook(BLOCK_SIZE)
     book.new_request("p1", p_params(entry("tp")), 14)
-    book.scheduled("p1", 0, 5, [7, 8])
+    book.scheduled("p1", 0, 5, [[7, 8]])
     assert expect_one(book.take_orders(), "ready").final is False
     if ended == "preempted":
         book.preempted("p1")
         assert expect_one(book.take_orders(), "abort").reason == "prefill request preempted: vLLM freed its blocks"
         book.preempted("p1")  # preempted again: nothing more to abort
-        book.scheduled("p1", 0, 14, [3, 4, 5, 6])  # recomputed from scratch after it
+        book.scheduled("p1", 0, 14, [[3, 4, 5, 6]])  # recomputed from scratch after it
         assert not book.take_orders()
     assert book.finished("p1", aborted=ended == "aborted") == (True, None)
     if ended != "preempted":
@@ -687,11 +681,11 @@ def test_preempted_before_any_block_was_handed_over_starts_over() -> None:
     book = SchedulerBook(BLOCK_SIZE)
     book.new_request("p1", p_params(entry("tp")), 14)
     assert book.take_orders().promise  # P promises the request to D at once
-    book.scheduled("p1", 0, 3, [7])
+    book.scheduled("p1", 0, 3, [[7]])
     book.preempted("p1")
     assert not book.take_orders()
-    book.scheduled("p1", 0, 14, [3, 4, 5, 6])
-    assert expect_one(book.take_orders(), "ready").block_ids == (3, 4, 5, 6)
+    book.scheduled("p1", 0, 14, [[3, 4, 5, 6]])
+    assert expect_one(book.take_orders(), "ready").blocks == (Blocks(0, (3, 4, 5, 6)),)
 
 
 @pytest.mark.parametrize("params", [["do_remote_prefill"], "do_remote_decode", 7, ("kvflow",)])
@@ -703,7 +697,53 @@ def test_kv_transfer_params_that_are_not_a_mapping_are_refused_and_the_request_r
     with caplog.at_level(logging.ERROR, "kvflow.vllm"):
         book.new_request("r", params, 10)
         assert book.matched_tokens("r", params, 10, 0) == (0, False)
-        book.allocated("r", params, 10, [0, 1, 2], 0)
+        book.allocated("r", params, 10, [[0, 1, 2]], 0)
     assert book.counters["unservable"] == 1 and book.tracked() == 0
     assert "not a mapping" in book.refused["r"] and "not a mapping" in caplog.text
     assert book.finished("r", aborted=False) == (False, None)
+
+
+# ---------------------------------------------------------------- KV cache groups (hybrid manager)
+
+SLIDING = (KVGroup((0, 1), retained=7), KVGroup((1, 2)))  # a window of 8 tokens (blocks of 4), then full
+
+
+def tables(prompt: int, computed: int, ids: int = 100) -> list[list[int | None]]:
+    """Each group's table as vLLM's manager holds it after `computed` tokens: the full group a
+    block per position, the sliding group null (None) for the blocks its window left."""
+    blocks = -(-prompt // BLOCK_SIZE)
+    gone = max(0, computed - 7) // BLOCK_SIZE
+    return [[None] * gone + list(range(gone, blocks)), list(range(ids, ids + blocks))]
+
+
+def test_p_hands_over_a_sliding_window_groups_blocks_only_from_the_first_its_window_keeps() -> None:
+    """A 30-token prompt in chunks of 8: the full group's blocks go out chunk by chunk; the
+    sliding group's only from position 5, the first block its window keeps once the prompt is
+    computed, which vLLM never frees before the request ends.  (Earlier ones it frees between
+    chunks and hands to other requests: P must never be able to read them for a WRITE.)"""
+    book = SchedulerBook(BLOCK_SIZE, groups=SLIDING)
+    book.new_request("p1", p_params(entry("tp")), 30)
+    book.take_orders()
+    sent: list[tuple[Blocks, ...]] = []
+    for computed in range(0, 30, 8):
+        book.scheduled("p1", computed, min(8, 30 - computed), tables(30, computed))
+        sent += [order.blocks for order in book.take_orders().ready]
+    assert min(sliding.first for sliding, _ in sent if sliding.ids) == 5
+    assert [block for sliding, _ in sent for block in sliding.ids] == [5, 6, 7]
+    assert [block for _, full in sent for block in full.ids] == list(range(100, 108))
+
+
+def test_d_registers_each_groups_blocks_after_its_hit_and_within_its_window() -> None:
+    book = SchedulerBook(BLOCK_SIZE, groups=SLIDING)
+    params = d_params(entry("t1"))
+    book.allocated("d1", params, 30, tables(30, 30), 30 - 2 * BLOCK_SIZE)  # a hit of 2 blocks
+    assert expect_one(book.take_orders(), "expect").blocks == (Blocks(5, (5, 6, 7)), Blocks(2, tuple(range(102, 108))))
+
+
+def test_a_null_where_vllm_must_hold_a_block_fails_the_load_naming_the_group() -> None:
+    book = SchedulerBook(BLOCK_SIZE, groups=SLIDING)
+    held = tables(30, 30)
+    held[0][6] = None  # vLLM's rule says position 6 is in the window
+    book.allocated("d1", d_params(entry("t1")), 30, held, 30)
+    order = expect_one(book.take_orders(), "expect")
+    assert order.reason == "KV cache group 0 holds no block at position 6" and order.blocks[0] == Blocks(5, (5,))

@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvflow.errors import ConfigError
-from kvflow.integrations.vllm.mapping import PeerRef, TransferParams
+from kvflow.integrations.vllm.params import PeerRef, TransferParams
 from kvflow.integrations.vllm.ranks import (
     PairBook,
     heads_of,

@@ -12,7 +12,8 @@ import logging
 import pytest
 from vllm.v1.request import RequestStatus
 
-from kvflow.integrations.vllm.mapping import PeerRef, SchedulerBook
+from kvflow.integrations.vllm.mapping import Blocks, SchedulerBook
+from kvflow.integrations.vllm.params import PeerRef
 from kvflow.integrations.vllm.standin import EngineOptions, StandInEngine
 from kvflow.protocol.state import Mode
 from tests.vllm_pairs import (
@@ -137,13 +138,13 @@ def test_the_book_assigns_a_pull_transfer_and_answers_what_d_understands() -> No
     answers = []
     for rid in ("r1", "r2"):
         p.new_request(rid, dict(TOY_PROXY_P_PARAMS), 40)
-        p.scheduled(rid, 0, 40, [3, 4])
+        p.scheduled(rid, 0, 40, [[3, 4]])
         (ready,) = p.take_orders().ready
-        assert (ready.params.mode, ready.params.prefill, ready.params.decode, ready.block_ids) == (
+        assert (ready.params.mode, ready.params.prefill, ready.params.decode, ready.blocks) == (
             Mode.PULL,
             P_REF,
             None,
-            (3, 4),
+            (Blocks(0, (3, 4)),),
         )
         delay_free, answer = p.finished(rid, aborted=False)
         assert delay_free and answer is not None  # the blocks are kept for D's read
@@ -154,16 +155,16 @@ def test_the_book_assigns_a_pull_transfer_and_answers_what_d_understands() -> No
 
     d = SchedulerBook(32)
     assert d.matched_tokens("d1", answers[0], 40, 0) == (40, True)
-    d.allocated("d1", answers[0], 40, [7, 8], 40)
+    d.allocated("d1", answers[0], 40, [[7, 8]], 40)
     (expect,) = d.take_orders().expect
-    assert (expect.params.prefill, expect.params.mode, expect.block_ids) == (P_REF, Mode.PULL, (7, 8))
+    assert (expect.params.prefill, expect.params.mode, expect.blocks) == (P_REF, Mode.PULL, (Blocks(0, (7, 8)),))
     assert d.counters["unservable"] == 0
 
 
 def test_an_aborted_prefill_hands_nothing_to_d() -> None:
     p = SchedulerBook(32, producer=P_REF)
     p.new_request("r", dict(TOY_PROXY_P_PARAMS), 40)
-    p.scheduled("r", 0, 40, [3, 4])
+    p.scheduled("r", 0, 40, [[3, 4]])
     p.take_orders()
     assert p.finished("r", aborted=True) == (True, None)  # freed once the abort is fenced
     (abort,) = p.take_orders().abort

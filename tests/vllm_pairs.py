@@ -18,7 +18,7 @@ from vllm.v1.request import Request, RequestStatus
 
 from kvflow.integrations.vllm import worker as worker_side
 from kvflow.integrations.vllm.connector import KVFlowConnector
-from kvflow.integrations.vllm.mapping import SEQUENTIAL_PREFILL_PARAMS
+from kvflow.integrations.vllm.params import SEQUENTIAL_PREFILL_PARAMS
 from kvflow.integrations.vllm.standin import EngineOptions, StandInEngine
 
 BLOCK_SIZE = 32

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from kvflow.errors import ConfigError, NoBackend
-from kvflow.integrations.vllm.mapping import PeerRef
+from kvflow.integrations.vllm.params import PeerRef
 
 __all__ = ("Backend", "BackendPool", "Lease", "check_health")
 

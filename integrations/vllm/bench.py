@@ -50,7 +50,7 @@ from typing import Any
 
 from kvflow.errors import BenchError, ConfigError
 from kvflow.integrations.vllm.bench_report import Cell, quantile, render, render_hooks, summarize, verdict
-from kvflow.integrations.vllm.mapping import SEQUENTIAL_PREFILL_PARAMS
+from kvflow.integrations.vllm.params import SEQUENTIAL_PREFILL_PARAMS
 from kvflow.integrations.vllm.runner import EngineSpec, spec_line
 from kvflow.integrations.vllm.standin.model import EngineOptions, ModelShape
 

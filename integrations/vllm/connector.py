@@ -9,6 +9,9 @@ with::
                            "kv_connector_module_path": "kvflow.integrations.vllm",
                            "kv_role": "kv_producer" | "kv_consumer",
                            "kv_connector_extra_config": {"port": 5700}}'
+
+It declares vLLM's `SupportsHMA`: with the hybrid KV cache manager on, each KV cache group's
+blocks move with that group's layers, a sliding-window group's only within its window.
 """
 
 from __future__ import annotations
@@ -20,12 +23,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    SupportsHMA,
 )
 from vllm.v1.request import RequestStatus
 
 from kvflow.errors import ConfigError, UsageError
 from kvflow.integrations.vllm.device import device_for
-from kvflow.integrations.vllm.kv_caches import check_supported, describe_kv_caches
+from kvflow.integrations.vllm.kv_caches import cache_groups, check_supported, describe_kv_caches
 from kvflow.integrations.vllm.mapping import Orders, SchedulerBook
 from kvflow.integrations.vllm.stats import KVFlowConnectorStats, KVFlowPromMetrics, RankMeter, counter_deltas
 from kvflow.integrations.vllm.worker import Settings, WorkerSide
@@ -102,7 +106,7 @@ class KVFlowMetadata(KVConnectorMetadata):
         self.orders = orders
 
 
-class KVFlowConnector(KVConnectorBase_V1):
+class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
         from vllm import __version__ as vllm_version
 
@@ -132,8 +136,9 @@ class KVFlowConnector(KVConnectorBase_V1):
         if role is KVConnectorRole.SCHEDULER:
             tp_size = vllm_config.parallel_config.tensor_parallel_size
             producer = self.settings.producer(self.engine_id, tp_size, self._dp)
+            groups = cache_groups(kv_cache_config)[0] if kv_cache_config is not None else ()
             self._book = SchedulerBook(
-                self._block_size, prefix_caching, producer=producer, allowed=self.settings.allow_list()
+                self._block_size, prefix_caching, producer=producer, allowed=self.settings.allow_list(), groups=groups
             )
         else:
             parallel, model = vllm_config.parallel_config, vllm_config.model_config
@@ -189,7 +194,7 @@ class KVFlowConnector(KVConnectorBase_V1):
             request.request_id,
             request.kv_transfer_params,
             len(request.prompt_token_ids or ()),
-            blocks.get_block_ids()[0],
+            _group_block_ids(blocks),
             num_external_tokens,
         )
 
@@ -208,12 +213,20 @@ class KVFlowConnector(KVConnectorBase_V1):
             cached = scheduler_output.scheduled_cached_reqs
             steps += list(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
             for request_id, computed in steps:
-                scheduled = scheduler_output.num_scheduled_tokens.get(request_id, 0)
-                book.scheduled(request_id, computed, scheduled, _group0(manager, request_id))
+                if book.producing(request_id):  # the block tables of the requests that hand KV over only
+                    scheduled = scheduler_output.num_scheduled_tokens.get(request_id, 0)
+                    book.scheduled(request_id, computed, scheduled, _request_block_ids(manager, request_id))
         return KVFlowMetadata(book.take_orders())
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler().finished(request.request_id, aborted=request.status == RequestStatus.FINISHED_ABORTED)
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """`SupportsHMA`: the same as `request_finished`, whatever the KV cache groups (the book
+        kept each group's blocks when it handed them over)."""
+        return self.request_finished(request, block_ids[0] if block_ids else [])
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         self._scheduler().output(
@@ -351,8 +364,14 @@ class KVFlowConnector(KVConnectorBase_V1):
         return self._worker
 
 
-def _group0(manager: Any, request_id: str) -> list[int]:
+def _group_block_ids(blocks: Any) -> list[list[int | None]]:
+    """Each KV cache group's block ids in a vLLM `KVCacheBlocks`, its null block as None (a
+    sliding-window group's entries before its window)."""
+    return [[None if block.is_null else int(block.block_id) for block in group] for group in blocks.blocks]
+
+
+def _request_block_ids(manager: Any, request_id: str) -> list[list[int | None]]:
     try:
-        return list(manager.get_block_ids(request_id)[0])
+        return _group_block_ids(manager.get_blocks(request_id))
     except (KeyError, IndexError):
         return []

@@ -8,12 +8,16 @@ views' strides and turns each layer into kvflow block arrays over the buffers, w
 layout, and names the layers in execution order (by the layer and attention-module indices in
 their names, not the order of vLLM's dict).
 
+With vLLM's hybrid KV cache manager a model's layers fall into KV cache groups (full attention,
+sliding window), each with its own block table, and layers of different groups overlay one
+another's memory (a block id belongs to one group at a time).  kvflow numbers layers group by
+group (`cache_groups`), so that each group is a range of layers that moves with its own blocks.
+
 What kvflow cannot move is refused at start-up, in the connector's constructor, with an error
-naming the feature (`check_supported`): several KV cache groups (vLLM's hybrid KV cache manager),
-caches that free or compress blocks (sliding window under that manager, chunked local attention,
-Mamba state), pipeline and context parallelism.  Sliding-window models run with the hybrid
-manager off, which vLLM does for a connector that does not declare ``SupportsHMA``: every
-layer keeps, and kvflow moves, the KV of every token (logged once at start-up).
+naming the feature (`check_supported`): caches that compress blocks or hold recurrent state
+(chunked local attention, Mamba / linear-attention state), groups of different block sizes,
+pipeline and context parallelism.  A sliding-window model run with the hybrid manager off keeps,
+and kvflow moves, the KV of every token (logged once at start-up).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvflow.errors import ConfigError
 from kvflow.layout import BlockArray, KVLayout, KVSpec, MemoryType, Region
+from kvflow.layout.groups import MAX_GROUPS, KVGroup, groups_text
 from kvflow.layout.pages import StridedPages, page_runs
 
 if TYPE_CHECKING:
@@ -33,7 +38,7 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheConfig
 
-__all__ = ("CacheDescription", "check_supported", "describe_kv_caches", "layer_position")
+__all__ = ("CacheDescription", "cache_groups", "check_supported", "describe_kv_caches", "layer_position")
 
 log = logging.getLogger("kvflow.vllm")
 
@@ -103,12 +108,39 @@ def _layer_specs(kv_cache_config: KVCacheConfig) -> dict[str, AttentionSpec]:
     return specs
 
 
+def _owners(kv_cache_config: KVCacheConfig) -> set[str]:
+    """The layers with KV of their own (KV-sharing layers attend over another's)."""
+    return {name for tensor in kv_cache_config.kv_cache_tensors for name in tensor.layers}
+
+
+def _retained(spec: Any) -> int | None:
+    """How many tokens before the next one a group of `spec` keeps (None: every token)."""
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    if not isinstance(spec, SlidingWindowSpec):
+        return None  # with the hybrid manager off vLLM turns sliding windows into full attention
+    return int(spec.sliding_window) - 1 + int(getattr(spec, "extra_retained_tokens", 0))
+
+
+def cache_groups(kv_cache_config: KVCacheConfig) -> tuple[tuple[KVGroup, ...], list[str]]:
+    """vLLM's KV cache groups as kvflow numbers layers (group by group, each group's layers in
+    execution order), and those layers' names in that numbering."""
+    owners = _owners(kv_cache_config)
+    groups: list[KVGroup] = []
+    names: list[str] = []
+    for group in kv_cache_config.kv_cache_groups:
+        mine = sorted((n for n in group.layer_names if n in owners), key=lambda n: (layer_position(n), n))
+        groups.append(KVGroup((len(names), len(names) + len(mine)), _retained(group.kv_cache_spec)))
+        names += mine
+    return tuple(groups), names
+
+
 def check_supported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> None:
     """Refuse, at start-up, what kvflow cannot move byte for byte; warn of what it moves in full.
 
     :raises ConfigError: naming the model feature or parallelism kvflow does not support.
     """
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
 
     parallel = vllm_config.parallel_config
     for field, words in (
@@ -121,30 +153,28 @@ def check_supported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | No
     if kv_cache_config is None or not kv_cache_config.kv_cache_groups:
         return
     groups = kv_cache_config.kv_cache_groups
-    if len(groups) > 1:
-        kinds = ", ".join(f"{_kind(g.kv_cache_spec)}: {len(g.layer_names)} layers" for g in groups)
-        raise ConfigError(
-            f"kvflow moves one KV cache group, and this model has {len(groups)} ({kinds}): vLLM's hybrid KV "
-            "cache manager is on. Sliding-window models run with --disable-hybrid-kv-cache-manager; models "
-            "with Mamba or linear-attention state cannot use kvflow"
-        )
+    if len(groups) > MAX_GROUPS:
+        raise ConfigError(f"kvflow moves at most {MAX_GROUPS} KV cache groups; this model has {len(groups)}")
+    sizes = {int(g.kv_cache_spec.block_size) for g in groups}
+    if len(sizes) > 1:
+        kinds = ", ".join(f"{_kind(g.kv_cache_spec)}: {g.kv_cache_spec.block_size}" for g in groups)
+        raise ConfigError(f"kvflow needs one block size for every KV cache group; this model's are {kinds}")
     specs = _layer_specs(kv_cache_config)
     for name, spec in specs.items():
-        if type(spec) not in (FullAttentionSpec, MLAAttentionSpec):
+        if type(spec) not in (FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec):
             raise ConfigError(
                 f"kvflow cannot move {_kind(spec)} KV caches (layer {name}: {type(spec).__name__}): "
-                "their blocks are freed, compressed or recurrent, not one page per block of tokens"
+                "their blocks are compressed or recurrent state, not one page per block of tokens"
             )
         if spec.tokens_per_state != 1:
             raise ConfigError(f"kvflow cannot move compressed KV caches (layer {name}: {spec.tokens_per_state} tokens)")
     shapes = {(s.page_size_bytes, s.num_heads, s.head_size, s.head_size_v, s.dtype) for s in specs.values()}
     if len(shapes) > 1:
         raise ConfigError(f"kvflow needs one KV page shape for every layer; this model's layers have {len(shapes)}")
-    if any(getattr(s, "sliding_window", None) is not None for s in specs.values()):
+    if len(groups) == 1 and any(getattr(s, "sliding_window", None) is not None for s in specs.values()):
         log.warning(
             "kvflow: %s layers are sliding-window layers, which keep (and kvflow moves) the KV of every token: "
-            "vLLM's hybrid KV "
-            "cache manager is off, since kvflow does not support it",
+            "vLLM's hybrid KV cache manager is off (with it on, only each window's blocks move)",
             _sliding_layers(vllm_config, len(specs)),
         )
 
@@ -166,6 +196,7 @@ class CacheDescription:
 
     layout: KVLayout
     layer_of: dict[str, int]  # layer name -> kvflow layer, for the layers that own their KV
+    run_order: tuple[int, ...] = ()  # kvflow layers in execution order (default: their own order)
 
 
 def describe_kv_caches(
@@ -178,28 +209,35 @@ def describe_kv_caches(
 ) -> CacheDescription:
     """kvflow's layout for the per-layer views vLLM registers.
 
-    Layers are numbered in execution order (by `layer_position`); a layer whose KV is another's
-    (KV sharing) is left out, as vLLM's allocation leaves it out of every `KVCacheTensor`.
+    Layers are numbered group by group, each group's in execution order (`cache_groups`); a
+    layer whose KV is another's (KV sharing) is left out, as vLLM's allocation leaves it out of
+    every `KVCacheTensor`.  Layers of different KV cache groups may overlay the same memory.
 
-    :raises ConfigError: a view does not match vLLM's spec for its layer, two layers start at the
-        same address, a layer's pages overlap, or layers split their pages differently.
+    :raises ConfigError: a view does not match vLLM's spec for its layer, two layers of one group
+        start at the same address, a layer's pages overlap, or layers split their pages
+        differently.
     """
     import torch
 
     specs = _layer_specs(kv_cache_config)
-    owners = {name for tensor in kv_cache_config.kv_cache_tensors for name in tensor.layers}
-    names = sorted((n for n in kv_caches if n in owners), key=lambda n: (layer_position(n), n))
+    groups, ordered = cache_groups(kv_cache_config)
+    names = [n for n in ordered if n in kv_caches]
     if not names:
         raise ConfigError("no KV caches to register")
+    if len(names) != len(ordered):
+        missing = sorted(set(ordered) - set(names))[:4]
+        raise ConfigError(f"vLLM registered no KV cache for layers {missing} of its KV cache config")
+    group_of = {name: index for index, group in enumerate(groups) for name in ordered[slice(*group.layers)]}
     num_blocks = kv_cache_config.num_blocks
     regions: dict[int, Region] = {}
     arrays: list[BlockArray] = []
     runs_seen = set()
-    starts: dict[int, str] = {}
+    starts: dict[tuple[int, int], str] = {}
     for layer, name in enumerate(names):
         tensor = kv_caches[name]
-        if isinstance(tensor, torch.Tensor) and starts.setdefault(int(tensor.data_ptr()), name) != name:
-            raise ConfigError(f"layers {starts[int(tensor.data_ptr())]} and {name} share one KV cache")
+        start = (group_of[name], int(tensor.data_ptr()) if isinstance(tensor, torch.Tensor) else 0)
+        if isinstance(tensor, torch.Tensor) and starts.setdefault(start, name) != name:
+            raise ConfigError(f"layers {starts[start]} and {name} of one KV cache group share one KV cache")
         if not isinstance(tensor, torch.Tensor) or tensor.dim() < 2 or int(tensor.shape[0]) % num_blocks:
             raise ConfigError(f"KV cache of {name} is not a tensor with a multiple of {num_blocks} blocks first")
         storage = tensor.untyped_storage()
@@ -236,9 +274,11 @@ def describe_kv_caches(
         page_bytes=run_bytes * count,
         model=model,
         cache_dtype=cache_encoding(cache_dtype),
+        kv_groups=groups_text(groups),
     )
     layout = KVLayout(kv_spec, num_blocks, tuple(regions.values()), tuple(arrays))
-    return CacheDescription(layout, {name: layer for layer, name in enumerate(names)})
+    run_order = sorted(range(len(names)), key=lambda layer: (layer_position(names[layer]), names[layer]))
+    return CacheDescription(layout, {name: layer for layer, name in enumerate(names)}, tuple(run_order))
 
 
 def _inner_order(view: torch.Tensor) -> str:

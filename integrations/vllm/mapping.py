@@ -4,19 +4,7 @@ Why pure: vLLM's connector API is experimental and its call order subtle (hooks 
 side-effect-free lookups, delayed frees).  Keeping the decisions here, away from vLLM types,
 lets them be tested exhaustively without vLLM and survive its API churn.
 
-The router sets, in each request's ``kv_transfer_params``, a ``kvflow`` entry:
-
-    {"transfer_id": str, "epoch": int, "mode": "push" | "pull",
-     "prefill": {"engine": str, "address": "tcp://IP:port", "tp_size": int},
-     "decode":  {"engine": str, "address": "tcp://IP:port", "tp_size": int}}
-
-(the address is the engine's tensor-parallel rank 0; ``tp_size``, optional, is the engine's
-tensor parallelism: see `kvflow.integrations.vllm.ranks` for why it travels with the request)
-
-plus vLLM's own flags: ``do_remote_decode`` on the prefill request, ``do_remote_prefill`` on the
-decode request.  Transfers are matched by ``transfer_id``, never by request ids.  In pull mode
-``decode`` may be left out: P then holds its KV for whichever decode engine claims the transfer
-first (see `kvflow.protocol.messages.Claim`).
+The router's ``kv_transfer_params`` are read by `kvflow.integrations.vllm.params`.
 
 Sequential routers (vLLM's toy proxy, llm-d's routing sidecar, Dynamo) set no ``kvflow`` entry:
 they send P ``do_remote_decode`` (``remote_*`` None, ``max_tokens`` 1) and hand what P's
@@ -70,140 +58,43 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvflow.errors import ConfigError
+from kvflow.integrations.vllm.params import PeerRef, TransferParams
+from kvflow.layout.groups import KVGroup
 from kvflow.protocol.admission import PeerAllowList
-from kvflow.protocol.messages import (
-    MAX_TRANSFER_ID,
-    address_problem,
-    engine_id_problem,
-    epoch_problem,
-    transfer_id_problem,
-)
 from kvflow.protocol.state import Mode
 
 log = logging.getLogger("kvflow.vllm")
 
-__all__ = (
-    "MAX_REQUEST_TRANSFER_ID",
-    "SEQUENTIAL_PREFILL_PARAMS",
-    "Order",
-    "Orders",
-    "PeerRef",
-    "SchedulerBook",
-    "TransferParams",
-)
-
-MODES = {mode.value: mode for mode in Mode}  # a mode travels as its value
-MAX_TP = 1024  # tensor-parallel ranks a side may announce
-# A request's transfer id leaves room for the rank pair's suffix (`ranks.pair_transfer_id`:
-# "@p<rank>d<rank>", ranks below MAX_TP), so that every pair's id is one the wire carries.
-MAX_REQUEST_TRANSFER_ID = MAX_TRANSFER_ID - len(f"@p{MAX_TP - 1}d{MAX_TP - 1}")
-
-# What a sequential router (vLLM's toy proxy, tests/v1/kv_connector/nixl_integration/
-# toy_proxy_server.py) sends P, with max_tokens 1, before handing P's answer to D.
-SEQUENTIAL_PREFILL_PARAMS: Mapping[str, Any] = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
+__all__ = ("Blocks", "Order", "Orders", "SchedulerBook")
 
 
 @dataclass(frozen=True, slots=True)
-class PeerRef:
-    engine: str
-    address: str
-    tp_size: int = 0  # the engine's tensor parallelism; 0: not said (taken as the local one's)
+class Blocks:
+    """One KV cache group's part of an expect or ready order: its blocks of block positions
+    ``first..`` (expect: after D's prefix hit; a sliding-window group: within its window)."""
 
-
-@dataclass(frozen=True, slots=True)
-class TransferParams:
-    transfer_id: str
-    epoch: int
-    mode: Mode
-    prefill: PeerRef
-    decode: PeerRef | None  # pull: None when P waits for whichever decode engine claims it
-
-    @classmethod
-    def parse(cls, params: Mapping[str, Any] | None) -> TransferParams | None:
-        """The kvflow part of a request's ``kv_transfer_params``, or None when it has none.
-
-        Whatever this accepts, the wire carries (any HTTP client of vLLM's server can set these):
-        the transfer id and epoch within the protocol's bounds (the id short enough for
-        the rank pair's suffix, `pair_transfer_id`), engine ids as `engine_id_problem` wants them,
-        addresses literal IPs (a host name would be resolved by ZeroMQ on its one I/O thread,
-        stalling every peer's control traffic while the resolver is slow).
-
-        :raises ConfigError: the entry exists but is malformed (named field).
-        """
-        raw = (params or {}).get("kvflow")
-        if raw is None:
-            return None
-        if not isinstance(raw, Mapping):
-            raise ConfigError("kv_transfer_params.kvflow must be a mapping")
-        tid, epoch, mode = raw.get("transfer_id"), raw.get("epoch", 1), raw.get("mode", "push")
-        for name, problem in (
-            ("transfer_id", transfer_id_problem(tid, MAX_REQUEST_TRANSFER_ID)),
-            ("epoch", epoch_problem(epoch)),
-        ):
-            if problem is not None:
-                raise ConfigError(f"kv_transfer_params.kvflow.{name}: {problem}")
-        if not isinstance(mode, str) or mode not in MODES:
-            raise ConfigError(f"kv_transfer_params.kvflow.mode must be one of {tuple(MODES)}")
-        decode = None if MODES[mode] is Mode.PULL and raw.get("decode") is None else _peer(raw, "decode")
-        return cls(str(tid), int(epoch), MODES[mode], _peer(raw, "prefill"), decode)
-
-    def to_params(self) -> dict[str, Any]:
-        params: dict[str, Any] = {
-            "transfer_id": self.transfer_id,
-            "epoch": self.epoch,
-            "mode": self.mode.value,
-            "prefill": _peer_params(self.prefill),
-        }
-        if self.decode is not None:
-            params["decode"] = _peer_params(self.decode)
-        return params
-
-
-def _peer_params(peer: PeerRef) -> dict[str, Any]:
-    entry: dict[str, Any] = {"engine": peer.engine, "address": peer.address}
-    if peer.tp_size:
-        entry["tp_size"] = peer.tp_size
-    return entry
-
-
-def _peer(raw: Mapping[str, Any], side: str) -> PeerRef:
-    entry = raw.get(side)
-    if not isinstance(entry, Mapping):
-        raise ConfigError(f"kv_transfer_params.kvflow.{side}.engine must be given, in a mapping")
-    problem = engine_id_problem(entry.get("engine"))
-    if problem is not None:
-        raise ConfigError(f"kv_transfer_params.kvflow.{side}.engine {problem}")
-    address = entry.get("address", "")
-    why = "must be a string" if not isinstance(address, str) else address_problem(address) if address else None
-    if why is not None:
-        raise ConfigError(f"kv_transfer_params.kvflow.{side}.address {why}, not {address!r:.80}")
-    tp_size = entry.get("tp_size", 0)
-    if type(tp_size) is not int or not 0 <= tp_size <= MAX_TP:
-        why = f"must be an integer 1..{MAX_TP}, not {tp_size!r:.40}"
-        raise ConfigError(f"kv_transfer_params.kvflow.{side}.tp_size {why}")
-    return PeerRef(entry["engine"], address, tp_size)
+    first: int = 0
+    ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
 class Order:
-    """One thing the workers do for one request: expect, ready (produce) or abort."""
+    """One thing the workers do for one request: expect, ready (produce) or abort.  Expect and
+    ready orders carry `blocks`, one entry per KV cache group; an expect order with a `reason`
+    could not be made (D's blocks are not what vLLM's rules give), and fails the load."""
 
     request_id: str
     params: TransferParams
-    block_ids: tuple[int, ...] = ()
+    blocks: tuple[Blocks, ...] = ()
     reason: str = ""
     producer: bool = False  # the order is for the side that produces the KV (P)
-    first_position: int = 0  # expect: the block position of the first block (after D's prefix hit)
     allocated: bool = True  # D's abort: False when the request ended before it had any block
-    first: int = 0  # ready: the block position of ``block_ids[0]`` in the prompt
     final: bool = True  # ready: the last of the request's ready orders
+
+    @property
+    def block_count(self) -> int:
+        """Blocks the order names, every group's together."""
+        return sum(len(group.ids) for group in self.blocks)
 
 
 @dataclass(slots=True)
@@ -247,6 +138,7 @@ class SchedulerBook:
         *,
         producer: PeerRef | None = None,
         allowed: PeerAllowList | None = None,
+        groups: Sequence[KVGroup] = (),
     ) -> None:
         """`prefix_caching`: this engine shares cached blocks between requests.  As D it then
         receives KV only into the blocks after a request's local hit (never into a shared
@@ -259,6 +151,10 @@ class SchedulerBook:
         `allowed`: the engines and networks this engine may transfer with; a request whose
         params name another peer is refused like malformed params (default: `PeerAllowList()`).
 
+        `groups`: the model's KV cache groups, in vLLM's order (default: one group of full
+        attention): each order carries one block list per group, and a sliding-window group's
+        only the block positions it keeps once the prompt is computed (`KVGroup.kept_from`).
+
         ``counters``: ``unservable``, requests whose ``do_remote_prefill`` or
         ``do_remote_decode`` kvflow could not serve (each logged once, with why) and so were
         computed locally without a transfer; ``assigned``, transfers this engine assigned
@@ -269,6 +165,7 @@ class SchedulerBook:
         if block_size <= 0:
             raise ConfigError("block_size must be positive")
         self.block_size = block_size
+        self.groups = tuple(groups) or (KVGroup((0, 1)),)
         self.prefix_caching = prefix_caching
         self.producer = producer
         self.allowed = allowed or PeerAllowList()
@@ -303,14 +200,15 @@ class SchedulerBook:
         request_id: str,
         params: Mapping[str, Any] | None,
         prompt_len: int,
-        block_ids: Sequence[int],
+        block_ids: Sequence[Sequence[int | None]],
         external: int,
     ) -> None:
         """`update_state_after_alloc`: the first call registers the blocks after the request's
-        local prefix-cache hit (`block_ids` are all of the request's, the hit's first).  With no
-        external tokens (a full hit, or vLLM skips the load) D computes the rest itself: P is
-        told, once, that D needs nothing (push), and the request is not tracked (vLLM expects
-        no load result for it)."""
+        local prefix-cache hit (`block_ids`: each KV cache group's blocks, the hit's first,
+        vLLM's null block as None; a sliding-window group registers only the positions it keeps).
+        With no external tokens (a full hit, or vLLM skips the load) D computes the rest itself:
+        P is told, once, that D needs nothing (push), and the request is not tracked (vLLM
+        expects no load result for it)."""
         params = self._mapping(request_id, params)
         if not params.get("do_remote_prefill"):
             return
@@ -325,12 +223,13 @@ class SchedulerBook:
         if external <= 0:
             self._tracked.pop(request_id, None)  # remembered at on_new_request: nothing to abort now
             if parsed.mode is Mode.PUSH:
-                self._pending.expect.append(Order(request_id, parsed, (), first_position=needed))
+                nothing = tuple(Blocks(needed) for _ in self.groups)
+                self._pending.expect.append(Order(request_id, parsed, nothing))
             return
         first = (prompt_len - external) // self.block_size  # the local hit is whole blocks
-        blocks = tuple(block_ids)[first:needed]
+        blocks, problem = self._held(block_ids, first, needed, prompt_len)
         self._tracked[request_id] = _Tracked(parsed, prompt_len, producer=False, ordered=True)
-        self._pending.expect.append(Order(request_id, parsed, blocks, first_position=first))
+        self._pending.expect.append(Order(request_id, parsed, blocks, reason=problem))
 
     # ---------------------------------------------------------------- prefill side
 
@@ -371,28 +270,59 @@ class SchedulerBook:
         self.counters["assigned"] += 1
         return TransferParams(secrets.token_urlsafe(18), 1, Mode.PULL, self.producer, None)
 
-    def scheduled(self, request_id: str, computed: int, scheduled: int, block_ids: Sequence[int]) -> None:
+    def producing(self, request_id: str) -> bool:
+        """Whether a step of this request may hand KV over (`scheduled` wants its blocks)."""
+        tracked = self._tracked.get(request_id)
+        return tracked is not None and tracked.producer and not tracked.ordered and not tracked.preempted
+
+    def scheduled(
+        self, request_id: str, computed: int, scheduled: int, block_ids: Sequence[Sequence[int | None]]
+    ) -> None:
         """A step schedules `scheduled` tokens after `computed`: the KV of the blocks this
         completes is ready after this step's forward (push: each chunk's full blocks; pull: all
-        of them once the prompt is complete)."""
-        tracked = self._tracked.get(request_id)
-        if tracked is None or not tracked.producer or tracked.ordered or tracked.preempted:
+        of them once the prompt is complete).  `block_ids`: the request's blocks in each KV cache
+        group (vLLM's null block as None); a sliding-window group hands over only the positions
+        it keeps once the prompt is computed, which vLLM never frees before the request ends."""
+        if not self.producing(request_id):
             return
+        tracked = self._tracked[request_id]
         done = computed + scheduled
         push = tracked.params.mode is Mode.PUSH
         first = tracked.sent
         if done >= tracked.prompt_len:
             tracked.ordered = True
             needed = -(-tracked.prompt_len // self.block_size)
-            blocks = tuple(block_ids)[first:needed]
-            self._pending.ready.append(Order(request_id, tracked.params, blocks, producer=True, first=first))
+            blocks, problem = self._held(block_ids, first, needed, tracked.prompt_len)
+            self._pending.ready.append(Order(request_id, tracked.params, blocks, reason=problem, producer=True))
         elif push and done // self.block_size > first:
             full = done // self.block_size  # blocks whose every token is computed
             tracked.sent = full
-            blocks = tuple(block_ids)[first:full]
+            blocks, problem = self._held(block_ids, first, full, tracked.prompt_len)
             self._pending.ready.append(
-                Order(request_id, tracked.params, blocks, producer=True, first=first, final=False)
+                Order(request_id, tracked.params, blocks, reason=problem, producer=True, final=False)
             )
+
+    def _held(
+        self, block_ids: Sequence[Sequence[int | None]], first: int, stop: int, prompt_len: int
+    ) -> tuple[tuple[Blocks, ...], str]:
+        """Each KV cache group's blocks of positions ``first..stop`` that it keeps once the
+        prompt's `prompt_len` tokens are computed, and what is wrong with them ("" if nothing:
+        vLLM's null block, or a group vLLM does not list, where a block must be, is named, and
+        the group's part stops short of it, so that the transfer fails instead of moving it)."""
+        parts: list[Blocks] = []
+        problem = ""
+        if len(block_ids) != len(self.groups):
+            problem = f"vLLM lists {len(block_ids)} KV cache groups' blocks, the connector knows {len(self.groups)}"
+        for index, group in enumerate(self.groups):
+            start = max(first, group.kept_from(prompt_len, self.block_size))
+            ids = tuple(block_ids[index])[start:stop] if index < len(block_ids) else ()
+            holes = [start + i for i, block in enumerate(ids) if block is None]
+            if start < stop and (holes or len(ids) != stop - start):
+                where = holes[0] if holes else start + len(ids)
+                problem = problem or f"KV cache group {index} holds no block at position {where}"
+                ids = ids[: where - start]
+            parts.append(Blocks(start, tuple(block for block in ids if block is not None)))
+        return tuple(parts), problem
 
     def preempted(self, request_id: str) -> None:
         """vLLM preempted the request (``SchedulerOutput.preempted_req_ids``) and freed its

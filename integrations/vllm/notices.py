@@ -2,8 +2,9 @@
 
 Why apart from the worker: these are the messages that carry no KV (D needs nothing after a
 full prefix hit; P holds a queued request for D; D's request ended before it had blocks), each
-sent to every rank of the other side this rank pairs with, found through that side's rank 0
-(`ranks.reach_rank`, run by the rank's agent).  None of them waits: a failure is logged, and
+sent for every part transfer this rank takes in the request (each rank of the other side it
+pairs with, each KV cache group), found through that side's rank 0 (`ranks.reach_rank`, run by
+the rank's agent).  None of them waits: a failure is logged, and
 the peer then falls back on its own deadline.
 """
 
@@ -18,7 +19,8 @@ from kvflow.errors import ConfigError
 from kvflow.integrations.vllm.links import EngineLink
 from kvflow.integrations.vllm.mapping import Order
 from kvflow.integrations.vllm.rank_agent import peer_wire
-from kvflow.integrations.vllm.ranks import pair_keys, rank_name, tp_sizes
+from kvflow.integrations.vllm.ranks import rank_name, tp_sizes
+from kvflow.protocol.messages import TransferKey
 from kvflow.protocol.state import Role
 
 __all__ = ("PeerNotices",)
@@ -30,19 +32,21 @@ class PeerNotices:
     """Mixed into `WorkerSide`: the rank's identity, and its link to its engine."""
 
     engine_id: str
-    rank: int
     tp_size: int
-    total_heads: int
 
     def _link(self) -> EngineLink:
+        raise NotImplementedError
+
+    def _parts(self, params: Any, role: Role) -> list[tuple[int, int, TransferKey]]:
         raise NotImplementedError
 
     def _tell_nothing_wanted(self, order: Order) -> list[concurrent.futures.Future[Any]]:
         """An empty registration to every P rank feeding this one: P releases its blocks
         without a WRITE.  vLLM runs the request without waiting for a load, so nothing is
         reported to it; should P not be reached, P frees its blocks at its own deadline."""
+        first = order.blocks[0].first if order.blocks else 0
         return self._tell_sources(order, f"cannot tell P that {order.request_id} needs no KV", logging.ERROR,
-                                  "nothing_wanted", order.first_position)  # fmt: skip
+                                  "nothing_wanted", first)  # fmt: skip
 
     def _promise(self, order: Order) -> None:
         """P: the request is queued here; heartbeats to the decode ranks it feeds say so until
@@ -55,11 +59,11 @@ class PeerNotices:
         if decode is None:
             return
         try:
-            pairs = pair_keys(params, Role.PREFILL, self.rank, self.tp_size, self.total_heads)
+            parts = self._parts(params, Role.PREFILL)
         except ConfigError as exc:  # its ready order fails the same way, and is reported then
             log.error("%s: cannot promise %s: %s", self.engine_id, order.request_id, exc)
             return
-        for target, key in pairs:
+        for target, _, key in parts:
             peer = rank_name(decode.engine, target)
             # lazy: a promise may wait for the step's next order or its results (no wake-up of its own)
             self._link().command("promise_pair", key.transfer_id, key.epoch, peer, lazy=True).add_done_callback(
@@ -81,14 +85,14 @@ class PeerNotices:
         as errors, a failed command at `level`."""
         params = order.params
         try:
-            pairs = pair_keys(params, Role.DECODE, self.rank, self.tp_size, self.total_heads)
+            parts = self._parts(params, Role.DECODE)
             p_tp = tp_sizes(params, Role.DECODE, self.tp_size)[0]
         except ConfigError as exc:
             log.error("%s: %s: %s", self.engine_id, what, exc)
             return []
         futures = []
         prefill = peer_wire(params.prefill)
-        for source, key in pairs:
+        for source, _, key in parts:
             future = self._link().command(command, prefill, p_tp, source, key.transfer_id, key.epoch, *args)
             future.add_done_callback(partial(self._logged, what=what, level=level))
             futures.append(future)

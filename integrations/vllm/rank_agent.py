@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 
 from kvflow.errors import BlockSizeMismatch, KVFlowError, UnknownTransfer
 from kvflow.integrations.vllm.device import Device, Gate, GateWaiter, HostDevice
-from kvflow.integrations.vllm.mapping import PeerRef
+from kvflow.integrations.vllm.params import PeerRef
 from kvflow.integrations.vllm.ranks import reach_rank
 from kvflow.protocol.messages import OPEN_BATCHES, TransferKey
 from kvflow.protocol.state import Mode, Role
@@ -97,9 +97,11 @@ class RankAgent(EngineAgent):
         mode: str,
         first_position: int,
         share: str,
+        layers: Sequence[int] | None = None,
     ) -> None:
-        """D: register `block_ids` with P rank `source` once associated with it; several P ranks
-        may write their own heads into the same blocks (`share`).
+        """D: register `block_ids` (of the KV cache group of `layers`; None: the model's one
+        group) with P rank `source` once associated with it; several P ranks may write their own
+        heads into the same blocks (`share`).
 
         :raises KVFlowError: the handshake or the registration failed (see `Engine.expect`).
         """
@@ -118,6 +120,7 @@ class RankAgent(EngineAgent):
                 expected_batches=OPEN_BATCHES if Mode(mode) is Mode.PUSH else 1,
                 first_position=first_position,
                 share=share,
+                layers=None if layers is None else (int(layers[0]), int(layers[1])),
             )
         finally:
             done.set_result(None)
@@ -178,13 +181,25 @@ class RankAgent(EngineAgent):
         epoch: int,
         block_ids: list[int],
         gate: Gate | None = None,
+        first_position: int = 0,
+        layers: Sequence[int] | None = None,
     ) -> None:
-        """Pull: the KV is ready in `block_ids` once the device has run the work before `gate`;
-        D rank `target` is told (no `decode`: a sequential router's transfer, for whichever D
-        claims it).  :raises KVFlowError: see `Engine.kv_ready`; the device or the handshake failed."""
+        """Pull: the KV of positions ``first_position..`` (of the KV cache group of `layers`;
+        None: the model's one group) is ready in `block_ids` once the device has run the work
+        before `gate`; D rank `target` is told (no `decode`: a sequential router's transfer, for
+        whichever D claims it).
+        :raises KVFlowError: see `Engine.kv_ready`; the device or the handshake failed."""
         await self._wait_for_device(gate)
         peer = None if decode is None else await reach_rank(self.engine, _peer(decode), d_tp, target, Role.PREFILL)
-        await self.engine.kv_ready(transfer_id, epoch, block_ids=block_ids, mode=Mode.PULL, peer=peer)
+        await self.engine.kv_ready(
+            transfer_id,
+            epoch,
+            block_ids=block_ids,
+            first_position=first_position,
+            layers=None if layers is None else (int(layers[0]), int(layers[1])),
+            mode=Mode.PULL,
+            peer=peer,
+        )
 
     async def post_group(
         self,

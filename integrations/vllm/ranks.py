@@ -37,11 +37,12 @@ from kvflow.protocol.messages import TransferKey
 from kvflow.protocol.state import Role
 
 if TYPE_CHECKING:
-    from kvflow.integrations.vllm.mapping import PeerRef, TransferParams
+    from kvflow.integrations.vllm.params import PeerRef, TransferParams
     from kvflow.runtime.engine import Engine
 
 __all__ = (
     "PairBook",
+    "group_transfer_id",
     "heads_of",
     "pair_keys",
     "pair_transfer_id",
@@ -51,6 +52,7 @@ __all__ = (
     "sources",
     "targets",
     "tp_sizes",
+    "transfer_parts",
 )
 
 
@@ -113,6 +115,20 @@ class PairBook:
 
     def open(self, request_id: str, role: Hashable, keys: Sequence[Hashable], blocks: Sequence[int]) -> None:
         self._requests[(request_id, role)] = _Request(set(keys), tuple(blocks), keys=list(keys))
+
+    def add(self, request_id: str, role: Hashable, key: Hashable) -> bool:
+        """A pair transfer of an open request starts (a KV cache group's first batch comes with a
+        later chunk than the request's first); False when the request is not open, or had it."""
+        entry = self._requests.get((request_id, role))
+        if entry is None or key in entry.keys:
+            return False
+        entry.open.add(key)
+        entry.keys.append(key)
+        return True
+
+    def has(self, request_id: str, role: Hashable) -> bool:
+        """Whether the request is open on this side."""
+        return (request_id, role) in self._requests
 
     def still_open(self, request_id: str, role: Hashable) -> list[Hashable]:
         """The pairs of the request not ended yet, in the order they were opened."""
@@ -205,6 +221,28 @@ def pair_keys(
     return [
         (other, TransferKey(pair_transfer_id(params.transfer_id, p_tp, d_tp, p, d), params.epoch))
         for other, p, d in ranks
+    ]
+
+
+def group_transfer_id(transfer_id: str, group: int, groups: int) -> str:
+    """The transfer id of KV cache group `group` of a pair's transfer: the pair's own for a
+    model with one group, else derived from it, the same on both sides."""
+    return transfer_id if groups == 1 else f"{transfer_id}#g{group}"
+
+
+def transfer_parts(
+    params: TransferParams, role: Role, rank: int, tp_size: int, total_heads: int, groups: int = 1
+) -> list[tuple[int, int, TransferKey]]:
+    """(the other side's rank, the KV cache group, the part's transfer key) of every transfer
+    rank `rank` takes part in for a request: one per rank pair (`pair_keys`) and KV cache group
+    (each group moves its layers with its own blocks).
+
+    :raises ConfigError: see `pair_keys`.
+    """
+    return [
+        (other, group, TransferKey(group_transfer_id(key.transfer_id, group, groups), key.epoch))
+        for other, key in pair_keys(params, role, rank, tp_size, total_heads)
+        for group in range(groups)
     ]
 
 

@@ -59,7 +59,7 @@ from kvflow.integrations.vllm import http_limits
 from kvflow.integrations.vllm.backends import Backend as Backend
 from kvflow.integrations.vllm.backends import BackendPool, check_health
 from kvflow.integrations.vllm.http_limits import LIMITS, ClientLimits, Limits, middleware
-from kvflow.integrations.vllm.mapping import SEQUENTIAL_PREFILL_PARAMS, TransferParams
+from kvflow.integrations.vllm.params import SEQUENTIAL_PREFILL_PARAMS, TransferParams
 from kvflow.protocol.messages import address_problem
 from kvflow.protocol.state import Mode
 

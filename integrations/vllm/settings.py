@@ -9,16 +9,17 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from kvflow.errors import ConfigError
-from kvflow.integrations.vllm.mapping import PeerRef
+from kvflow.integrations.vllm.params import PeerRef
 from kvflow.layout import MAX_SPEC_TEXT
+from kvflow.layout.groups import KVGroup
 from kvflow.protocol.admission import DEFAULT_NETWORKS, PeerAllowList
 
-__all__ = ("KV_CACHE_LAYOUTS", "Settings", "layer_groups", "setting_arg")
+__all__ = ("KV_CACHE_LAYOUTS", "Settings", "layer_groups", "push_units", "setting_arg")
 
 ENGINE_PLACES = ("auto", "process", "thread")
 KV_CACHE_LAYOUTS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")  # vLLM 0.33's KVCacheLayout
@@ -29,6 +30,24 @@ def layer_groups(num_layers: int, groups: int) -> list[tuple[int, int]]:
     groups = max(1, min(groups, num_layers))
     bounds = [round(i * num_layers / groups) for i in range(groups + 1)]
     return [(bounds[i], bounds[i + 1]) for i in range(groups)]
+
+
+def push_units(
+    run_order: Sequence[int], cache_groups: Sequence[KVGroup], segments: int
+) -> list[tuple[int, tuple[int, int]]]:
+    """The (KV cache group, layer range) parts a push chunk goes out in, one WRITE each, in the
+    order the forward completes them: the forward's layers (kvflow layers in execution order,
+    `run_order`) cut into `segments` even stretches, each stretch's layers of each group one
+    part.  kvflow numbers a group's layers in execution order, so each part is a range."""
+    position = {layer: index for index, layer in enumerate(run_order)}
+    units: list[tuple[int, int, tuple[int, int]]] = []  # (when complete, group, layers)
+    for start, stop in layer_groups(len(run_order), segments):
+        for index, group in enumerate(cache_groups):
+            mine = [layer for layer in range(*group.layers) if start <= position[layer] < stop]
+            if mine:
+                units.append((max(position[layer] for layer in mine), index, (mine[0], mine[-1] + 1)))
+    units.sort()
+    return [(index, layers) for _, index, layers in units]
 
 
 @dataclass(frozen=True)

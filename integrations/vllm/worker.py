@@ -33,24 +33,27 @@ import dataclasses
 import logging
 import os
 import time
+from functools import partial
 from typing import Any
 
 from kvflow.control.channel import ControlChannel
 from kvflow.control.zeromq import ZmqControl
 from kvflow.errors import ConfigError, KVFlowError, UsageError
-from kvflow.integrations.vllm.device import Device, Gate, HostDevice
+from kvflow.integrations.vllm.device import Device, HostDevice
 from kvflow.integrations.vllm.kv_caches import CacheDescription
 from kvflow.integrations.vllm.links import EngineLink, ProcessLink, ThreadLink
 from kvflow.integrations.vllm.mapping import Order, Orders
 from kvflow.integrations.vllm.notices import PeerNotices
+from kvflow.integrations.vllm.producer import ProducerSide
 from kvflow.integrations.vllm.rank_agent import peer_wire
-from kvflow.integrations.vllm.ranks import PairBook, pair_keys, rank_name, ranked_layout, tp_sizes
+from kvflow.integrations.vllm.ranks import PairBook, rank_name, ranked_layout, tp_sizes, transfer_parts
 from kvflow.integrations.vllm.settings import Settings, layer_groups
 from kvflow.layout import KVLayout
+from kvflow.layout.groups import KVGroup
 from kvflow.protocol.actions import ReleaseBlocks
 from kvflow.protocol.core import CoreConfig
 from kvflow.protocol.messages import TransferKey
-from kvflow.protocol.state import Mode, Outcome, Role
+from kvflow.protocol.state import Outcome, Role
 from kvflow.runtime import host_memory
 from kvflow.runtime.engine import Engine, EngineConfig
 from kvflow.runtime.process import EngineProcess, ProcessSpec
@@ -75,7 +78,7 @@ def _failed(exc: BaseException) -> concurrent.futures.Future[Any]:
     return future
 
 
-class WorkerSide(PeerNotices):
+class WorkerSide(PeerNotices, ProducerSide):
     def __init__(
         self, engine_id: str, rank: int, settings: Settings, tp_size: int = 1, total_heads: int = 0, dp_rank: int = 0
     ) -> None:
@@ -102,14 +105,16 @@ class WorkerSide(PeerNotices):
         self._failed_starts: list[tuple[concurrent.futures.Future[Any], str, tuple[int, ...], TransferKey | None]] = []
         self._ready_starts: list[tuple[concurrent.futures.Future[Any], str, TransferKey]] = []
         self._connected: dict[str, concurrent.futures.Future[None]] = {}
-        self.layer_groups: list[tuple[int, int]] = [(0, 1)]  # the most a chunk goes out in (see `_groups`)
-        self._num_layers = 1
-        self._block_bytes = 0
-        self._group_sets: dict[int, list[tuple[int, int]]] = {}
+        self.kv_groups: tuple[KVGroup, ...] = (KVGroup((0, 1)),)  # the model's KV cache groups
+        self._run_order: tuple[int, ...] = (0,)  # kvflow layers in the forward's order
+        self._page_bytes = 0  # one block of one layer
+        # the (KV cache group, layers) parts a push chunk goes out in, by how many stretches of
+        # the forward (see `_units`); at most ``push_layer_groups`` stretches
+        self._unit_sets: dict[int, list[tuple[int, tuple[int, int]]]] = {}
         self.layer_of: dict[str, int] = {}  # vLLM layer name -> kvflow layer (execution order)
         self.device: Device = HostDevice()
         self._saved: set[int] = set()  # kvflow layers saved in this step's forward
-        self._groups_sent: dict[str, int] = {}  # push request -> layer groups handed to the engine
+        self._groups_sent: dict[str, int] = {}  # push request -> parts of its chunk handed to the engine
 
     # ---------------------------------------------------------------- setup
 
@@ -124,10 +129,10 @@ class WorkerSide(PeerNotices):
         """
         settings = self.settings
         layout = self._ranked(caches.layout)
-        self.layer_groups = layer_groups(layout.spec.num_layers, settings.push_layer_groups)
-        self._num_layers = layout.spec.num_layers
-        self._block_bytes = layout.block_len * len(layout.arrays)  # one block, every layer
-        self._group_sets = {len(self.layer_groups): self.layer_groups}
+        self.kv_groups = layout.spec.groups
+        self._run_order = caches.run_order or tuple(range(layout.spec.num_layers))
+        self._page_bytes = layout.spec.page_bytes
+        self._unit_sets = {}
         self.layer_of = dict(caches.layer_of)
         self.device = device
         config = EngineConfig(
@@ -146,6 +151,9 @@ class WorkerSide(PeerNotices):
             raise ConfigError(f"kvflow engine_process 'process' cannot serve rank {self.engine_id}: {why_not}")
         else:
             self._start_thread(layout, config, bind, device)
+        groups = layout.spec.kv_groups
+        if groups:  # vLLM's hybrid KV cache manager: each group's blocks move with its own layers
+            log.info("kvflow engine %s: KV cache groups %s", self.engine_id, groups)
         log.info("kvflow engine %s up at %s (%s)", self.engine_id, self.address, self._where)
 
     def _why_not_a_process(self, device: Device) -> str | None:
@@ -241,174 +249,75 @@ class WorkerSide(PeerNotices):
     def _start_load(self, orders: Orders) -> None:
         self._saved.clear()  # a new step: its forward has saved no layer yet
         for order in orders.expect:
-            params = order.params
-            if not order.block_ids:  # D needs nothing (a full prefix hit): only P is told
-                self._tell_nothing_wanted(order)
-                continue
-            try:
-                pairs = pair_keys(params, Role.DECODE, self.rank, self.tp_size, self.total_heads)
-            except ConfigError as exc:  # reported as a failed load by the next results()
-                self._failed_starts.append((_failed(exc), order.request_id, order.block_ids, None))
-                continue
-            self.pairs.open(order.request_id, Role.DECODE, [key for _, key in pairs], order.block_ids)
-            p_tp = tp_sizes(params, Role.DECODE, self.tp_size)[0]
-            blocks = list(order.block_ids)
-            for source, key in pairs:
-                self._requests[(key, Role.DECODE)] = order.request_id
-                future = self._link().command(
-                    "expect_blocks",
-                    peer_wire(params.prefill),
-                    p_tp,
-                    source,
-                    key.transfer_id,
-                    key.epoch,
-                    blocks,
-                    params.mode.value,
-                    order.first_position,
-                    f"{params.transfer_id}#{params.epoch}",  # several P ranks may fill the same blocks
-                )
-                self._failed_starts.append((future, order.request_id, order.block_ids, key))
+            self._expect(order)
         for order in orders.abort:  # after the expects: a request may end in the step it was allocated
             self._abort(order)
         for order in orders.promise:
             self._promise(order)
 
+    def _expect(self, order: Order) -> None:
+        """D: register each KV cache group's blocks with every P rank feeding this one (a part
+        transfer each); a failure to start is reported as a failed load by the next results()."""
+        params, every = order.params, tuple(block for group in order.blocks for block in group.ids)
+        if not every and not order.reason:  # D needs nothing (a full prefix hit): only P is told
+            self._tell_nothing_wanted(order)
+            return
+        try:
+            if order.reason:  # the scheduler side could not tell which blocks to register
+                raise ConfigError(f"cannot register the KV of {order.request_id}: {order.reason}")
+            parts = self._parts(params, Role.DECODE)
+        except ConfigError as exc:
+            self._failed_starts.append((_failed(exc), order.request_id, every, None))
+            return
+
+        def wanted(group: int) -> bool:
+            return group < len(order.blocks) and bool(order.blocks[group].ids)
+
+        self.pairs.open(order.request_id, Role.DECODE, [key for _, group, key in parts if wanted(group)], every)
+        p_tp = tp_sizes(params, Role.DECODE, self.tp_size)[0]
+        many = len(self.kv_groups) > 1
+        for source, group, key in parts:
+            if not wanted(group):  # nothing of this group (none held): P releases its part at once
+                first = order.blocks[group].first if group < len(order.blocks) else 0
+                self._link().command(
+                    "nothing_wanted", peer_wire(params.prefill), p_tp, source, key.transfer_id, key.epoch, first
+                ).add_done_callback(partial(self._logged, what=f"cannot tell P {order.request_id} needs no {key}"))
+                continue
+            blocks = order.blocks[group]
+            self._requests[(key, Role.DECODE)] = order.request_id
+            future = self._link().command(
+                "expect_blocks",
+                peer_wire(params.prefill),
+                p_tp,
+                source,
+                key.transfer_id,
+                key.epoch,
+                list(blocks.ids),
+                params.mode.value,
+                blocks.first,
+                f"{params.transfer_id}#{params.epoch}",  # several P ranks may fill the same blocks
+                list(self.kv_groups[group].layers) if many else None,
+            )
+            self._failed_starts.append((future, order.request_id, every, key))
+
+    def _parts(self, params: Any, role: Role) -> list[tuple[int, int, TransferKey]]:
+        """:raises ConfigError: see `ranks.transfer_parts`."""
+        return transfer_parts(params, role, self.rank, self.tp_size, self.total_heads, len(self.kv_groups))
+
     def save_layer(self, orders: Orders, layer_name: str) -> None:
-        """Push: a layer of this step's forward is saved.  Once every layer of a group (and of
-        the groups before it) is saved, those groups are posted, each WRITE waiting for the
+        """Push: a layer of this step's forward is saved.  Once every layer of a part (and of
+        the parts before it) is saved, those parts are posted, each WRITE waiting for the
         device to have run the kernels enqueued so far.  A layer whose KV is another's, or that
         kvflow does not know, completes nothing."""
         with self._batch():
             self._save_layer(orders, layer_name)
 
-    def _save_layer(self, orders: Orders, layer_name: str) -> None:
-        layer = self.layer_of.get(layer_name)
-        if layer is None or not orders.ready:
-            return
-        self._saved.add(layer)
-        gate: Gate | None = None
-        recorded = False
-        for order in orders.ready:
-            if order.params.mode is not Mode.PUSH:
-                continue
-            groups = self._groups(order)
-            complete = self._groups_sent.get(order.request_id, 0)
-            while complete < len(groups) and self._saved.issuperset(range(*groups[complete])):
-                complete += 1
-            if complete > self._groups_sent.get(order.request_id, 0):
-                if not recorded:  # one device event for every group this layer completes
-                    gate, recorded = self.device.record(), True
-                self._post_groups(order, complete, gate)
-
     def save(self, orders: Orders) -> None:
         """Ready orders, once the forward that computed their KV is enqueued: pull readiness,
-        and every push layer group not posted yet, each waiting for the device (never this
-        thread) to have run the forward."""
+        and every push part not posted yet, each waiting for the device (never this thread) to
+        have run the forward."""
         with self._batch():
             self._save(orders)
-
-    def _save(self, orders: Orders) -> None:
-        if not orders.ready:
-            return
-        gate = self.device.record()
-        for order in orders.ready:
-            if order.params.mode is Mode.PUSH:
-                self._post_groups(order, len(self._groups(order)), gate)
-                self._groups_sent.pop(order.request_id, None)
-                continue
-            pairs = self._open_sending(order)
-            decode = order.params.decode  # None: a sequential router's transfer, for whichever D claims it
-            d_tp = tp_sizes(order.params, Role.PREFILL, self.tp_size)[1] if pairs and decode is not None else 0
-            for target, key in pairs:
-                future = self._link().command(
-                    "ready_pull",
-                    None if decode is None else peer_wire(decode),
-                    d_tp,
-                    target,
-                    key.transfer_id,
-                    key.epoch,
-                    list(order.block_ids),
-                    gate,
-                )
-                self._ready_starts.append((future, order.request_id, key))
-
-    def _open_sending(self, order: Order) -> list[tuple[int, TransferKey]]:
-        """P: the pairs this rank feeds for `order`, recorded; none (or params it cannot use):
-        kvflow takes no block, and the request is reported sent once vLLM says it finished."""
-        try:
-            pairs = pair_keys(order.params, Role.PREFILL, self.rank, self.tp_size, self.total_heads)
-        except ConfigError as exc:
-            log.error("%s: could not hand over the KV of %s: %s", self.engine_id, order.request_id, exc)
-            pairs = []
-        if not pairs:
-            self._late_frees.add(order.request_id)
-            return []
-        self.pairs.open(order.request_id, Role.PREFILL, [key for _, key in pairs], order.block_ids)
-        for _, key in pairs:
-            self._requests[(key, Role.PREFILL)] = order.request_id
-        return pairs
-
-    def _post_groups(self, order: Order, upto: int, gate: Gate | None) -> list[concurrent.futures.Future[Any]]:
-        """Hand the engine layer groups ``[sent, upto)`` of a push order, in order, for each
-        D rank this rank feeds."""
-        first = self._groups_sent.get(order.request_id, 0)
-        if first >= upto:
-            return []
-        self._groups_sent[order.request_id] = upto
-        if first == 0 and order.first == 0:  # the request's first chunk: its pairs open now
-            keys: list[Any] = [key for _, key in self._open_sending(order)]
-        else:
-            keys = self.pairs.still_open(order.request_id, Role.PREFILL)
-        futures: list[concurrent.futures.Future[Any]] = []
-        groups = self._groups(order)
-        blocks, last = list(order.block_ids), len(groups) - 1
-        bound = self._decode_ranks(order)
-        for key in keys:
-            assert isinstance(key, TransferKey)
-            for group in range(first, upto):
-                future = self._link().command(
-                    "post_group",
-                    key.transfer_id,
-                    key.epoch,
-                    blocks,
-                    group,
-                    list(groups[group]),
-                    order.final and group == last,
-                    order.first,
-                    group == 0 and order.first == 0,
-                    gate,
-                    bound.get(key),
-                )
-                futures.append(future)
-                if group == 0 and order.first == 0:
-                    self._ready_starts.append((future, order.request_id, key))
-        return futures
-
-    def _decode_ranks(self, order: Order) -> dict[TransferKey, str]:
-        """P: the D rank each of this rank's pairs for `order` is for, as the params name it: the
-        KV goes to that rank only, never to whichever engine registered the transfer id first."""
-        decode = order.params.decode
-        if decode is None:
-            return {}
-        try:
-            pairs = pair_keys(order.params, Role.PREFILL, self.rank, self.tp_size, self.total_heads)
-        except ConfigError:  # its pairs were refused when they opened, and reported then
-            return {}
-        return {key: rank_name(decode.engine, target) for target, key in pairs}
-
-    def _groups(self, order: Order) -> list[tuple[int, int]]:
-        """The layer groups a push order's blocks go out in: as many as ``push_layer_groups``
-        allows with at least ``push_group_bytes`` in each (one WRITE for a small chunk: every
-        WRITE costs the engine the same work whatever its size, and a small one gains nothing
-        from starting before the forward ends)."""
-        count = len(self.layer_groups)
-        if self.settings.push_group_bytes:
-            wanted = -(-len(order.block_ids) * self._block_bytes // self.settings.push_group_bytes)
-            count = max(1, min(count, wanted))
-        groups = self._group_sets.get(count)
-        if groups is None:
-            groups = self._group_sets[count] = layer_groups(self._num_layers, count)
-        return groups
 
     def _abort(self, order: Order) -> None:
         role = Role.PREFILL if order.producer else Role.DECODE
@@ -420,11 +329,9 @@ class WorkerSide(PeerNotices):
             if not keys:
                 return  # released already (reported as received), or it never started
             self._aborted.add(order.request_id)  # its release is then no load failure
-        else:
+        else:  # every part, handed over or not (a sliding window's may not have started yet)
             try:
-                keys = keys or [
-                    key for _, key in pair_keys(order.params, role, self.rank, self.tp_size, self.total_heads)
-                ]
+                keys = [key for _, _, key in self._parts(order.params, role)]
             except ConfigError:
                 return  # nothing was started with these params
         for key in keys:
@@ -457,7 +364,7 @@ class WorkerSide(PeerNotices):
                     self._aborted.discard(request_id)
                     recving.add(request_id)
                     failed.add(request_id)
-                    self._load_errors.update(blocks)
+                    self._load_failed(blocks)
                     continue
                 self._requests.pop((key, Role.DECODE), None)
                 self._pair_ended(request_id, Role.DECODE, key, recving, failed, hard=True)
@@ -534,7 +441,7 @@ class WorkerSide(PeerNotices):
         self._aborted.discard(request_id)
         if done.hard or (done.failed and not aborted):
             failed_ids.add(request_id)
-            self._load_errors.update(done.blocks)
+            self._load_failed(done.blocks)
 
     def describe(self, timeout: float) -> str:
         """The engine's own account of what it waits on (at most `timeout` seconds), and this
@@ -562,6 +469,14 @@ class WorkerSide(PeerNotices):
         if self.link is not None:
             name = "unregister_memory" if asleep else "restore_memory"
             self.link.wait(self.link.command(name), SHUTDOWN_DRAIN + self.settings.fence_timeout + 20)
+
+    def _load_failed(self, blocks: tuple[int, ...]) -> None:
+        """A failed load's blocks, for vLLM's load-failure policy.  Not with several KV cache
+        groups: vLLM 0.32/0.33 cannot map block ids back to requests then (they are unique only
+        within a group; it raises if given any), and takes the request's failure from
+        ``failed_recving`` alone."""
+        if len(self.kv_groups) == 1:
+            self._load_errors.update(blocks)
 
     def load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

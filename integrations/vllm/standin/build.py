@@ -79,10 +79,16 @@ def vllm_config(o: EngineOptions) -> Any:
     config.cache_config.block_size = o.block_size  # as on a GPU (the CPU platform forces 16 for MLA)
     config.cache_config.num_gpu_blocks_override = o.num_blocks
     config.cache_config.num_gpu_blocks = o.num_blocks
+    # vLLM's hybrid KV cache manager as a GPU platform decides it (whatever platform this process
+    # resolved): on, unless the user turned it off or the connector does not support it
+    hybrid = o.hybrid_kv_cache_manager
+    if hybrid is None:
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+        hybrid = transfer is None or KVConnectorFactory.supports_hma_config(transfer)
+    config.scheduler_config.disable_hybrid_kv_cache_manager = not hybrid
     if o.kv_cache_layout is not None:  # the user's choice wins outright, as in vLLM
         config.cache_config.kv_cache_layout = o.kv_cache_layout
-    if o.hybrid_kv_cache_manager:  # what a GPU platform does for a model with several attention kinds
-        config.scheduler_config.disable_hybrid_kv_cache_manager = False
     return config
 
 

@@ -81,7 +81,8 @@ class _Work:
 
     req_ids: list[str] = field(default_factory=list)
     sampled: list[list[int]] = field(default_factory=list)
-    writes: list[tuple[str, int, int, int, int]] = field(default_factory=list)  # tag, position, block, first, stop
+    # KV cache group, tag, position, block, first token, stop token
+    writes: list[tuple[int, str, int, int, int, int]] = field(default_factory=list)
     completed: list[str] = field(default_factory=list)  # P requests whose prompt this step finished
 
 
@@ -152,6 +153,8 @@ class StandInEngine:
         )
         self.block_hasher = self._block_hasher()
         self.owners = [n for n in self.layer_names() if n in specs]  # layers with KV of their own
+        group_of = {name: g for g, group in enumerate(kv_cache_config.kv_cache_groups) for name in group.layer_names}
+        self.owner_group = [group_of[name] for name in self.owners]  # each owner's KV cache group
         try:
             for rank in range(o.tensor_parallel):
                 self.ranks.append(self._rank(rank))
@@ -316,8 +319,11 @@ class StandInEngine:
     def free_blocks(self) -> int:
         return int(self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks())
 
-    def block_ids(self, request_id: str) -> list[int]:
-        return list(self.scheduler.kv_cache_manager.get_block_ids(request_id)[0])
+    def block_ids(self, request_id: str, group: int = 0) -> list[int | None]:
+        """The request's blocks in KV cache group `group`, vLLM's null block as None (a sliding
+        window's blocks before the window)."""
+        blocks = self.scheduler.kv_cache_manager.get_blocks(request_id).blocks[group]
+        return [None if block.is_null else int(block.block_id) for block in blocks]
 
     def page_tag(self, request_id: str, position: int) -> str:
         """What the KV of the request's block `position` is keyed by: its transfer tag, or (for
@@ -330,18 +336,18 @@ class StandInEngine:
 
     def count_bad(self, request_id: str, tokens: int) -> int:
         """Pages of this request's first `tokens` tokens, on every rank, that do not hold the
-        KV P computed for them."""
-        blocks = self.block_ids(request_id)[: -(-tokens // self.ranks[0].pages.block_size)]
-        by_tag: dict[str, tuple[list[int], list[int]]] = {}
-        for position, block in enumerate(blocks):
-            positions, ids = by_tag.setdefault(self.page_tag(request_id, position), ([], []))
-            positions.append(position)
-            ids.append(block)
-        return sum(
-            rank.pages.count_bad(tag, positions, ids, tokens)
-            for tag, (positions, ids) in by_tag.items()
-            for rank in self.ranks
-        )
+        KV P computed for them: every KV cache group's blocks (a sliding window's within it)."""
+        bad, size = 0, self.ranks[0].pages.block_size
+        for group in range(len(self.kv_cache_config.kv_cache_groups)):
+            layers = [layer for layer, owner in enumerate(self.owner_group) if owner == group]
+            by_tag: dict[str, list[tuple[int, int]]] = {}
+            for position, block in enumerate(self.block_ids(request_id, group)[: -(-tokens // size)]):
+                if block is not None:  # None: freed, out of the window, never read
+                    by_tag.setdefault(self.page_tag(request_id, position), []).append((position, block))
+            for tag, pages in by_tag.items():
+                positions, ids = [position for position, _ in pages], [block for _, block in pages]
+                bad += sum(rank.pages.count_bad(tag, positions, ids, tokens, layers) for rank in self.ranks)
+        return bad
 
     # ---------------------------------------------------------------- stepping
 
@@ -450,12 +456,16 @@ class StandInEngine:
             computed = request.num_computed_tokens - count  # schedule() has already advanced it
             prompt = request.num_prompt_tokens
             if producer and computed < prompt:
-                blocks = self.block_ids(request_id)
                 stop = min(computed + count, prompt)
-                for position in range(computed // size, (stop - 1) // size + 1) if verify else ():
-                    first = max(computed, position * size) - position * size
-                    last = min(stop, (position + 1) * size) - position * size
-                    work.writes.append((self.page_tag(request_id, position), position, blocks[position], first, last))
+                for group in range(len(self.kv_cache_config.kv_cache_groups)) if verify else ():
+                    blocks = self.block_ids(request_id, group)
+                    for position in range(computed // size, (stop - 1) // size + 1):
+                        first = max(computed, position * size) - position * size
+                        last = min(stop, (position + 1) * size) - position * size
+                        block = blocks[position]
+                        assert block is not None, f"{request_id}: no block at position {position} of group {group}"
+                        tag = self.page_tag(request_id, position)
+                        work.writes.append((group, tag, position, block, first, last))
                 if stop == prompt:
                     work.completed.append(request_id)
             elif verify and not producer and request_id not in self.checked and computed > 0:
@@ -522,7 +532,10 @@ class StandInEngine:
             if hooks:
                 rank.hooks.wait_for_layer_load(name)
             if layer not in shared and work.writes:
-                kernel = self._kernel(rank.pages, self.owners.index(name), work.writes)
+                owner = self.owners.index(name)
+                kernel = self._kernel(
+                    rank.pages, owner, [w[1:] for w in work.writes if w[0] == self.owner_group[owner]]
+                )
                 if rank.device is not None:
                     rank.device.launch(kernel)
                 else:

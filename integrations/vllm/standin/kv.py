@@ -192,13 +192,16 @@ class PagedKV:
         index = torch.tensor(blocks, device=self.device)
         self.views[layer][index] = self._expected(layer, tag, positions)
 
-    def count_bad(self, tag: str, positions: list[int], blocks: list[int], tokens: int) -> int:
-        """Pages (block x layer) that differ from the pattern in any of the first `tokens`."""
+    def count_bad(
+        self, tag: str, positions: list[int], blocks: list[int], tokens: int, layers: list[int] | None = None
+    ) -> int:
+        """Pages (block x layer, of `layers`: default every layer) that differ from the pattern
+        in any of the first `tokens`."""
         size = self.block_size
         whole = [i for i, p in enumerate(positions) if (p + 1) * size <= tokens]
         part = [i for i, p in enumerate(positions) if p * size < tokens < (p + 1) * size]
         bad = 0
-        for layer in range(len(self.views)):
+        for layer in range(len(self.views)) if layers is None else layers:
             if whole:
                 bad += self._bad_pages(layer, tag, [positions[i] for i in whole], [blocks[i] for i in whole], None)
             if part:

@@ -32,7 +32,8 @@ class ModelShape:
     """A model geometry, written out as the config.json of its family.
 
     qwen3: GQA; deepseek_v3: MLA (one 576-wide latent per token); gemma2: sliding-window and
-    full-attention layers in turn; opt: multi-head attention.  `draft_layers` adds EAGLE-style
+    full-attention layers (in turn, or as `layer_types` says: Gemma-3-like 5:1, all sliding);
+    opt: multi-head attention.  `draft_layers` adds EAGLE-style
     draft layers after the model's (speculative decoding); `shared` lists (layer, target) pairs
     of layers that attend over another layer's KV (KV sharing); `attention_modules` is the number
     of attention modules in one decoder layer (LongCat-Flash: 2, named ``model.layers.L.self_attn.M.attn``).
@@ -47,6 +48,10 @@ class ModelShape:
     draft_layers: int = 0
     shared: tuple[tuple[int, int], ...] = ()
     attention_modules: int = 1
+    # gemma2: each layer's kind ("sliding_attention" / "full_attention"; default: in turn, as
+    # Gemma 2) and the sliding window in tokens
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int = 64
 
     @property
     def attention_layers(self) -> int:
@@ -77,9 +82,10 @@ class ModelShape:
             return {
                 "architectures": ["Gemma2ForCausalLM"],
                 "model_type": "gemma2",
-                "sliding_window": 64,
+                "sliding_window": self.sliding_window,
                 "query_pre_attn_scalar": self.head_dim,
                 **common,
+                **({"layer_types": list(self.layer_types)} if self.layer_types else {}),
             }
         if self.family == "opt":
             hidden = self.kv_heads * self.head_dim
@@ -169,7 +175,9 @@ class EngineOptions:
     full_cudagraph: bool = False  # the forward replays a full CUDA graph: no save_kv_layer calls
     device_lag: float | None = None  # seconds a LaggingDevice runs kernels after their launch
     kv_device: str = "cpu"  # "cuda": rank r's KV caches on CUDA device r (modulo the devices present)
-    hybrid_kv_cache_manager: bool = False  # plan as vLLM's hybrid KV cache manager would (GPU)
+    # vLLM's hybrid KV cache manager: None, as vLLM decides (on for a connector that declares
+    # SupportsHMA); True / False: --enable- / --disable-hybrid-kv-cache-manager
+    hybrid_kv_cache_manager: bool | None = None
     distributed: bool = False  # a gloo group and vLLM's own worker set-up (one rank per process)
     dist_port: int = 0
     keep_vllm_affinity: bool = False  # keep the CPU pinning vLLM's NIXL worker applies on CPU

@@ -1,0 +1,186 @@
+"""P's side of a worker rank: a ready order's KV handed to the rank's engine as the forward saves it.
+
+Why apart from the worker: this is the path every prefill step takes, and the one with the most
+rules.  A push chunk goes out in parts, one WRITE each, in the order the forward completes them
+(`settings.push_units`): each stretch of the forward's layers, and within it each KV cache
+group's layers, with that group's blocks; a part is posted once all its layers are saved, after
+the parts before it, waiting for the device (never the model runner's thread) to have written
+the KV.  Each (D rank, KV cache group) pair is a transfer of its own (`ranks.transfer_parts`),
+opened when its first blocks are handed over: a sliding-window group hands over only the block
+positions it keeps, which may start in a later chunk than the request's first.  Pull hands each
+group's blocks over once the prompt is complete.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+from typing import Any
+
+from kvflow.errors import ConfigError
+from kvflow.integrations.vllm.device import Device, Gate
+from kvflow.integrations.vllm.links import EngineLink
+from kvflow.integrations.vllm.mapping import Order, Orders
+from kvflow.integrations.vllm.rank_agent import peer_wire
+from kvflow.integrations.vllm.ranks import PairBook, rank_name, tp_sizes
+from kvflow.integrations.vllm.settings import Settings, push_units
+from kvflow.layout.groups import KVGroup
+from kvflow.protocol.messages import TransferKey
+from kvflow.protocol.state import Mode, Role
+
+__all__ = ("ProducerSide",)
+
+log = logging.getLogger("kvflow.vllm")
+
+
+class ProducerSide:
+    """Mixed into `WorkerSide`: what P's hooks hand the engine (its state lives there)."""
+
+    engine_id: str
+    tp_size: int
+    settings: Settings
+    pairs: PairBook
+    device: Device
+    kv_groups: tuple[KVGroup, ...]
+    layer_of: dict[str, int]
+    _run_order: tuple[int, ...]
+    _page_bytes: int
+    _unit_sets: dict[int, list[tuple[int, tuple[int, int]]]]
+    _saved: set[int]
+    _groups_sent: dict[str, int]
+    _requests: dict[tuple[TransferKey, Role], str]
+    _late_frees: set[str]
+    _ready_starts: list[tuple[concurrent.futures.Future[Any], str, TransferKey]]
+
+    def _link(self) -> EngineLink:
+        raise NotImplementedError
+
+    def _parts(self, params: Any, role: Role) -> list[tuple[int, int, TransferKey]]:
+        raise NotImplementedError
+
+    def _save_layer(self, orders: Orders, layer_name: str) -> None:
+        layer = self.layer_of.get(layer_name)
+        if layer is None or not orders.ready:
+            return
+        self._saved.add(layer)
+        gate: Gate | None = None
+        recorded = False
+        for order in orders.ready:
+            if order.params.mode is not Mode.PUSH:
+                continue
+            units = self._units(order)
+            complete = self._groups_sent.get(order.request_id, 0)
+            while complete < len(units) and self._saved.issuperset(range(*units[complete][1])):
+                complete += 1
+            if complete > self._groups_sent.get(order.request_id, 0):
+                if not recorded:  # one device event for every part this layer completes
+                    gate, recorded = self.device.record(), True
+                self._post_units(order, complete, gate)
+
+    def _save(self, orders: Orders) -> None:
+        if not orders.ready:
+            return
+        gate = self.device.record()
+        for order in orders.ready:
+            if order.reason:  # vLLM's block table lacks a block its rules say it holds
+                log.error("%s: the KV of %s is not all there: %s", self.engine_id, order.request_id, order.reason)
+            if order.params.mode is Mode.PUSH:
+                self._post_units(order, len(self._units(order)), gate)
+                self._groups_sent.pop(order.request_id, None)
+                continue
+            parts = self._sending_parts(order)
+            decode = order.params.decode  # None: a sequential router's transfer, for whichever D claims it
+            d_tp = tp_sizes(order.params, Role.PREFILL, self.tp_size)[1] if parts and decode is not None else 0
+            many = len(self.kv_groups) > 1
+            for target, group, key in parts:
+                blocks = order.blocks[group]
+                if not blocks.ids or not self._opened(order.request_id, key):
+                    continue
+                future = self._link().command(
+                    "ready_pull",
+                    None if decode is None else peer_wire(decode),
+                    d_tp,
+                    target,
+                    key.transfer_id,
+                    key.epoch,
+                    list(blocks.ids),
+                    gate,
+                    blocks.first,
+                    list(self.kv_groups[group].layers) if many else None,
+                )
+                self._ready_starts.append((future, order.request_id, key))
+
+    def _sending_parts(self, order: Order) -> list[tuple[int, int, TransferKey]]:
+        """P: the part transfers this rank feeds for `order`'s request, which is open here from
+        its first order on; none (or params it cannot use): kvflow takes no block, and the
+        request is reported sent once vLLM says it finished."""
+        request_id = order.request_id
+        try:
+            parts = self._parts(order.params, Role.PREFILL)
+        except ConfigError as exc:
+            log.error("%s: could not hand over the KV of %s: %s", self.engine_id, request_id, exc)
+            parts = []
+        if not parts:
+            if not self.pairs.has(request_id, Role.PREFILL):
+                self._late_frees.add(request_id)
+            return []
+        if not self.pairs.has(request_id, Role.PREFILL):
+            self.pairs.open(request_id, Role.PREFILL, [], ())
+        return parts
+
+    def _opened(self, request_id: str, key: TransferKey) -> bool:
+        """Record that part `key` of the request gets its first blocks now; False if it had."""
+        if not self.pairs.add(request_id, Role.PREFILL, key):
+            return False
+        self._requests[(key, Role.PREFILL)] = request_id
+        return True
+
+    def _post_units(self, order: Order, upto: int, gate: Gate | None) -> None:
+        """Hand the engine parts ``[sent, upto)`` of a push order, in order, for each D rank
+        this rank feeds; each part of a group goes to that group's transfer."""
+        first = self._groups_sent.get(order.request_id, 0)
+        if first >= upto:
+            return
+        self._groups_sent[order.request_id] = upto
+        units = self._units(order)
+        last = {group: index for index, (group, _) in enumerate(units)}  # each group's last part
+        decode = order.params.decode
+        for target, group, key in self._sending_parts(order):
+            blocks = order.blocks[group]
+            if not blocks.ids:  # none of the group's positions in this chunk is kept
+                continue
+            for unit in range(first, upto):
+                if units[unit][0] != group:
+                    continue
+                opened = self._opened(order.request_id, key)
+                future = self._link().command(
+                    "post_group",
+                    key.transfer_id,
+                    key.epoch,
+                    list(blocks.ids),
+                    unit,
+                    list(units[unit][1]),
+                    order.final and unit == last[group],
+                    blocks.first,
+                    opened,
+                    gate,
+                    # the KV goes to the D rank the params name, never to whichever engine
+                    # registered the transfer id first
+                    None if decode is None else rank_name(decode.engine, target),
+                )
+                if opened:
+                    self._ready_starts.append((future, order.request_id, key))
+
+    def _units(self, order: Order) -> list[tuple[int, tuple[int, int]]]:
+        """The parts a push order's blocks go out in: the forward cut into as many stretches as
+        ``push_layer_groups`` allows with at least ``push_group_bytes`` in each (one stretch for
+        a small chunk: every WRITE costs the engine the same work whatever its size, and a
+        small one gains nothing from starting before the forward ends)."""
+        count = self.settings.push_layer_groups
+        if self.settings.push_group_bytes:
+            moved = sum(len(part.ids) * group.count for part, group in zip(order.blocks, self.kv_groups, strict=False))
+            count = max(1, min(count, -(-moved * self._page_bytes // self.settings.push_group_bytes)))
+        units = self._unit_sets.get(count)
+        if units is None:
+            units = self._unit_sets[count] = push_units(self._run_order, self.kv_groups, count)
+        return units
