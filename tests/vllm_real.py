@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from kvflow.integrations.vllm.mapping import SEQUENTIAL_PREFILL_PARAMS
+from kvflow.integrations.vllm.params import SEQUENTIAL_PREFILL_PARAMS
 from kvflow.integrations.vllm.serve.launcher import Deployment, ServeOptions, Server
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,7 +31,8 @@ BLOCK = 32  # --block-size of every engine here (CPU_ATTN takes multiples of 32)
 PREFILL_BUDGET = 256  # P's max_num_batched_tokens: a longer prompt is prefilled in chunks
 STEPS = 8  # greedy tokens asked for
 # The compatibility matrix's rows these tests show on real vLLM 0.32 engines, and which tests
-# (of tests/test_vllm_real_pd.py) show each: docs/vllm-compatibility.md's "0.32 engine" cells.
+# (of tests/test_vllm_real_pd.py and tests/test_vllm_real_hybrid.py) show each:
+# docs/vllm-compatibility.md's "0.32 engine" cells.
 _EVERY = "test_tokens_through_the_router_equal_one_engines_and_the_kv_came_by_transfer"
 REAL_ENGINE_ROWS: dict[str, tuple[str, ...]] = {
     "vllm-0.32": (_EVERY,),
@@ -43,6 +44,16 @@ REAL_ENGINE_ROWS: dict[str, tuple[str, ...]] = {
     "prefix-caching-decode": ("test_a_prefix_d_holds_comes_from_ds_cache_and_only_the_tail_moves",),
     "router-sequential": (_EVERY, "test_vllms_toy_proxy_convention_p_first_then_d_with_ps_answer"),
     "router-concurrent": (_EVERY, "test_sixteen_concurrent_requests_of_mixed_lengths"),
+    # tests/test_vllm_real_hybrid.py: a tiny Gemma 2, vLLM's hybrid KV cache manager on
+    "hybrid-hma-on": (
+        "test_vllm_keeps_its_hybrid_manager_on_with_kvflow",
+        "test_tokens_equal_one_engines_and_each_group_moves_what_it_keeps",
+    ),
+    "hybrid-chunked": ("test_tokens_equal_one_engines_and_each_group_moves_what_it_keeps",),
+    "hybrid-pull": (
+        "test_tokens_equal_one_engines_and_each_group_moves_what_it_keeps",
+        "test_concurrent_requests_and_a_sequential_routers_pull",
+    ),
 }
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)$")
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
