@@ -74,3 +74,17 @@ def test_bad_options_are_refused() -> None:
         main(["bench", "hma", "--models", "llama", "--tokens", "16"])
     with pytest.raises(ValueError, match="at least 1"):
         measure(MODELS["gpt-oss-120b"], [0])
+
+
+def test_bench_hma_moved_is_what_vllm_keeps_each_way(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """With ``--moved`` kvflow moves each prompt between a P and a D of the model (every page D
+    holds checked): P writes exactly the block-layers vLLM keeps, the manager on and off."""
+    out = tmp_path / "moved.json"
+    argv = ["bench", "hma", "--models", "gpt-oss-120b", "--tokens", "100,300", "--moved", "--json", str(out)]
+    assert main(argv) == 0
+    assert "kvflow's P wrote" in capsys.readouterr().out
+    for row in json.loads(out.read_text()):
+        on = sum(g["kept_blocks"] * g["layers"] for g in row["groups"])
+        off = sum(g["kept_blocks"] * g["layers"] for g in row["groups_hma_off"])
+        assert (row["moved_block_layers_hma"], row["moved_block_layers_hma_off"]) == (on, off)
+    assert row["moved_block_layers_hma"] < row["moved_block_layers_hma_off"]  # 300 tokens: past the window

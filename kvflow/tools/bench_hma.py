@@ -1,18 +1,20 @@
 """`kvflow bench hma`: the KV bytes P moves per request for a hybrid model, with vLLM's hybrid
-KV cache manager on (what a connector declaring `SupportsHMA` gets) and off (what kvflow gets).
+KV cache manager on (kvflow's connector declares `SupportsHMA`) and off (``--disable-hybrid-kv-cache-manager``).
 
-Why: kvflow's connector does not declare `SupportsHMA`, so vLLM turns its hybrid manager off and
-every sliding-window layer keeps, and kvflow moves, the KV of every prompt token.  This measures
-the difference on vLLM's own code rather than on arithmetic: the layers' specs are planned by
-vLLM's `get_global_kv_cache_groups` / `get_kv_cache_configs` (hybrid manager on, then off), and a
-prompt of N tokens is prefilled through vLLM's `KVCacheManager.allocate_slots` (in one step or in
-chunks, as the scheduler would), then its out-of-window blocks are freed with
+Why: with the manager off every sliding-window layer keeps, and kvflow moves, the KV of every
+prompt token.  This measures the difference on vLLM's own code rather than on arithmetic: the
+layers' specs are planned by vLLM's `get_global_kv_cache_groups` / `get_kv_cache_configs`
+(hybrid manager on, then off), and a prompt of N tokens is prefilled through vLLM's
+`KVCacheManager.allocate_slots` (in one step or in chunks, as the scheduler would), then its
+out-of-window blocks are freed with
 `remove_skipped_blocks` and its block ids read with `get_block_ids_for_computed_tokens`, exactly
 as `Scheduler._connector_finished` does before it hands them to a connector.  The bytes moved
 with HMA are each group's non-null blocks x that group's layers x its page bytes; the list vLLM's
 NIXL connector would send is also shown (`get_exchange_clipped_blocks`, which keeps the last
 ceil(window/block) + 1 entries of a sliding-window group, a null one among them when the window's
-first block was freed).  The models are geometries, not weights: attention layers only.
+first block was freed).  The models are geometries, not weights: attention layers only.  With
+``--moved`` kvflow also moves each prompt between a P and a D of the model, the manager on and
+off (`bench_hma_moved`), and the block-layers P wrote are shown beside what vLLM keeps.
 """
 
 from __future__ import annotations
@@ -180,8 +182,9 @@ def _groups(kv_cache_config: Any, ids: list[list[int]], null: int) -> list[dict[
     return rows
 
 
-def measure(model: HybridModel, tokens: list[int], chunk: int = 0) -> list[dict[str, Any]]:
-    """One row per prompt length: blocks per group after prefill and bytes moved, HMA on and off.
+def measure(model: HybridModel, tokens: list[int], chunk: int = 0, moved: bool = False) -> list[dict[str, Any]]:
+    """One row per prompt length: blocks per group after prefill and bytes moved, HMA on and off;
+    with `moved`, also the block-layers kvflow's P wrote for it each way (`bench_hma_moved`).
 
     Raises:
         ValueError: a prompt length below 1 or a chunk below 0.
@@ -217,6 +220,16 @@ def measure(model: HybridModel, tokens: list[int], chunk: int = 0) -> list[dict[
                 "ratio": whole / hma,
             }
         )
+    if moved:
+        from kvflow.tools.bench_hma_moved import moved as kvflow_moved
+
+        count = len(on.kv_cache_groups)
+        each_way = [kvflow_moved(model, tokens, BLOCK, hybrid, count) for hybrid in (True, False)]
+        for row, hma_row, off_row in zip(rows, *each_way, strict=True):
+            for suffix, moved_row in (("hma", hma_row), ("hma_off", off_row)):
+                row[f"moved_block_layers_{suffix}"] = moved_row["block_layers"]
+                row[f"moved_transfers_{suffix}"] = moved_row["transfers"]
+                row[f"moved_control_frames_{suffix}"] = moved_row["control_frames"]
     return rows
 
 
@@ -242,10 +255,31 @@ def render(rows: list[dict[str, Any]]) -> str:
         f"{r['ratio']:>7.2f}x  {_summary(r['groups'])}"
         for r in rows
     ]
+    moved = [r for r in rows if "moved_block_layers_hma" in r]
+    if moved:
+        body += [
+            "",
+            "kvflow's P wrote (block-layers: one block of one layer; vLLM's kept count beside), and what",
+            "it took (transfers; control frames P and D sent):",
+        ]
+        body += [
+            f"{r['model']:13} {r['tokens']:>7,}  HMA on {r['moved_block_layers_hma']:>7,} (kept "
+            f"{_kept(r['groups']):,}), {r['moved_transfers_hma']} transfers, {r['moved_control_frames_hma']} frames;"
+            f"  off {r['moved_block_layers_hma_off']:>7,} (kept {_kept(r['groups_hma_off']):,}), "
+            f"{r['moved_transfers_hma_off']} transfer, {r['moved_control_frames_hma_off']} frames"
+            for r in moved
+        ]
     return "\n".join([head, *body]) + "\n"
 
 
-def main(models: list[str], tokens: list[int], chunk: int = 0, json_path: str | None = None) -> int:
+def _kept(groups: list[dict[str, Any]]) -> int:
+    """Block-layers vLLM keeps of a request: each group's kept blocks times its layers."""
+    return sum(g["kept_blocks"] * g["layers"] for g in groups)
+
+
+def main(
+    models: list[str], tokens: list[int], chunk: int = 0, json_path: str | None = None, moved: bool = False
+) -> int:
     """Print one row per model and prompt length; write every row to `json_path` if given.
 
     Raises:
@@ -256,7 +290,7 @@ def main(models: list[str], tokens: list[int], chunk: int = 0, json_path: str | 
     unknown = sorted(set(models) - set(MODELS))
     if unknown:
         raise ValueError(f"models must be among {sorted(MODELS)}, not {unknown}")
-    rows = [row for name in models for row in measure(MODELS[name], tokens, chunk)]
+    rows = [row for name in models for row in measure(MODELS[name], tokens, chunk, moved)]
     sys.stdout.write(render(rows))
     if json_path:
         Path(json_path).write_text(json.dumps(rows, indent=1))
@@ -276,3 +310,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--chunk", type=int, default=0, help="prefill in chunks of this many tokens (0: one step)")
     parser.add_argument("--json", help="also write the rows to this file")
+    parser.add_argument(
+        "--moved",
+        action="store_true",
+        help="also move each prompt with kvflow between a P and a D of the model (1 KV head of 64), manager on and off",
+    )

@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench" and args.target == "hma":
         from kvflow.tools.bench_hma import main as bench_hma
 
-        return bench_hma(_names(args.models), _ints(args.tokens), args.chunk, args.json)
+        return bench_hma(_names(args.models), _ints(args.tokens), args.chunk, args.json, args.moved)
     if args.command == "bench" and args.target == "pd-report":
         from kvflow.integrations.vllm.pd.report import rerender
 
