@@ -198,3 +198,25 @@ def test_pull_reads_a_sliding_window_from_the_first_block_p_holds() -> None:
     d.receive("P", Ready(late, (17, 18, 19), 7), 0.1)
     m = d.machine(late, Role.DECODE)
     assert m.outcome is Outcome.FAILED and "D expects 6..8" in m.reason and m.state is not State.ALLOCATED
+
+
+def test_a_state_groups_running_state_is_the_last_block_before_the_scratch_ones() -> None:
+    """vLLM keeps a Mamba group's speculative scratch blocks after its running state, and in
+    "align" mode earlier positions null: the state is the last entry before the scratch."""
+    assert parse_groups("ssm*2,full*2", 4) == (KVGroup((0, 2), state=True), KVGroup((2, 4)))
+    assert groups_text((KVGroup((0, 2), state=True, scratch=2), KVGroup((2, 4)))) == "ssm*2,full*2"
+    assert KVGroup((0, 1), state=True).state_block([7]) == 7
+    assert KVGroup((0, 1), state=True, scratch=2).state_block([None, 5, 8, 9]) == 5
+    assert KVGroup((0, 1), state=True, scratch=2).state_block([6]) == 6  # no scratch allocated yet
+    assert KVGroup((0, 1), state=True).state_block([5, None]) is None
+    assert KVGroup((0, 1), state=True).state_block([]) is None
+
+
+def test_mamba_state_moves_between_equal_tensor_parallelism_and_block_sizes_only() -> None:
+    mamba = spec("ssm*2,full*2")
+    check_compatible(fingerprint(mamba), fingerprint(mamba))
+    with pytest.raises(LayoutMismatch, match="does not split conv and SSM state"):
+        check_compatible(fingerprint(mamba), fingerprint(spec("ssm*2,full*2", 32)))
+    half = KVSpec(num_layers=4, block_size=16, num_kv_heads=1, head_dim=8, kv_groups="ssm*2,full*2", total_kv_heads=2)
+    with pytest.raises(LayoutMismatch, match="num_kv_heads.*does not split conv and SSM state"):
+        check_compatible(fingerprint(mamba), fingerprint(half))

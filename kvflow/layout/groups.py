@@ -3,8 +3,9 @@
 Why: with vLLM's hybrid KV cache manager a model's layers fall into groups, each with a block
 table of its own drawn from one shared pool: full-attention groups keep a block for every
 block position of a request, sliding-window groups free the blocks that fell out of the
-window (their entries become vLLM's null block).  A transfer moves one group's layers with
-that group's blocks, and only the positions the group still keeps.  kvflow numbers layers
+window (their entries become vLLM's null block), and Mamba / linear-attention groups keep a
+request's recurrent state, of which only the running state (one block) moves.  A transfer moves
+one group's layers with that group's blocks, and only the positions the group still keeps.  kvflow numbers layers
 group by group, so that each group is one range of layers ``[start, stop)``.
 
 Both sides of a transfer must agree on the groups (the fingerprint carries `groups_text`);
@@ -23,7 +24,7 @@ from kvflow.errors import ConfigError
 __all__ = ("MAX_GROUPS", "KVGroup", "check_groups", "group_of", "groups_text", "parse_groups")
 
 MAX_GROUPS = 64  # KV cache groups one model may have (Gemma-3-27B has 7; vLLM makes one per kind and size)
-_ENTRY = re.compile(r"(full|sw(?P<retained>[0-9]{1,9}))\*(?P<layers>[0-9]{1,6})")
+_ENTRY = re.compile(r"(full|ssm|sw(?P<retained>[0-9]{1,9}))\*(?P<layers>[0-9]{1,6})")
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,10 +32,15 @@ class KVGroup:
     """Layers ``[layers[0], layers[1])`` share one block table.  `retained`: None for a group
     that keeps the KV of every token (full attention); for a sliding-window group, how many
     tokens before the next one it keeps (vLLM's ``num_retained_tokens``: window - 1, plus the
-    tokens multi-module speculative decoding re-prefills)."""
+    tokens multi-module speculative decoding re-prefills).  `state`: a Mamba / linear-attention
+    group, whose one running-state block is what moves (its page is the state, padded to the
+    attention page); `scratch`: the speculative-decoding blocks vLLM keeps after that state in
+    the group's table (a local setting: not in `text`, and each side reads its own)."""
 
     layers: tuple[int, int]
     retained: int | None = None
+    state: bool = False
+    scratch: int = 0
 
     @property
     def count(self) -> int:
@@ -47,22 +53,31 @@ class KVGroup:
 
     def kept_from(self, tokens: int, block_size: int) -> int:
         """The first block position whose KV the group still holds once `tokens` tokens are
-        computed: 0 for full attention; for a sliding window, the blocks wholly before the
-        retained tokens are freed (vLLM frees ``skipped // block_size`` blocks, ``skipped =
-        max(0, tokens - retained)``)."""
+        computed: 0 for full attention (and a state group, which moves its state block alone,
+        `state_block`); for a sliding window, the blocks wholly before the retained tokens are
+        freed (vLLM frees ``skipped // block_size`` blocks, ``skipped = max(0, tokens -
+        retained)``)."""
         if self.retained is None:
             return 0
         return max(0, tokens - self.retained) // block_size
 
+    def state_block(self, table: Sequence[int | None]) -> int | None:
+        """A state group's running-state block in a request's table: the last entry before the
+        speculative scratch blocks (vLLM's NIXL connector reads the same one); None if that
+        entry is vLLM's null block or the table is empty."""
+        if not table:
+            return None
+        return table[len(table) - 1 - min(self.scratch, len(table) - 1)]
+
     def text(self) -> str:
-        kind = "full" if self.retained is None else f"sw{self.retained}"
+        kind = "ssm" if self.state else "full" if self.retained is None else f"sw{self.retained}"
         return f"{kind}*{self.count}"
 
 
 def groups_text(groups: Sequence[KVGroup]) -> str:
     """The groups as the fingerprint carries them (``full*10,sw1023*52``); "" for one group of
     full attention, a model without vLLM's hybrid KV cache manager."""
-    if len(groups) == 1 and groups[0].retained is None:
+    if len(groups) == 1 and groups[0].retained is None and not groups[0].state:
         return ""
     return ",".join(group.text() for group in groups)
 
@@ -86,7 +101,7 @@ def parse_groups(text: str, num_layers: int) -> tuple[KVGroup, ...]:
             raise ConfigError(f"kv groups entry {entry[:40]!r} is not full*LAYERS or swRETAINED*LAYERS (LAYERS > 0)")
         retained = None if match["retained"] is None else int(match["retained"])
         stop = start + int(match["layers"])
-        groups.append(KVGroup((start, stop), retained))
+        groups.append(KVGroup((start, stop), retained, state=entry.startswith("ssm")))
         start = stop
     if start != num_layers:
         raise ConfigError(f"kv groups {text[:80]!r} hold {start} layers, the model has {num_layers}")

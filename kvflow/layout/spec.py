@@ -218,10 +218,11 @@ def _overlap(a: tuple[Any, Any], b: tuple[Any, Any]) -> bool:
     return bool(max(a[0], b[0]) < min(a[0] + a[1], b[0] + b[1]))
 
 
-def _slides(fingerprint: Mapping[str, Any]) -> bool:
-    """Whether a (well-formed, local) fingerprint's model has a sliding-window KV cache group."""
+def _kinds(fingerprint: Mapping[str, Any]) -> tuple[bool, bool]:
+    """Whether a (well-formed, local) fingerprint's model has a sliding-window KV cache group,
+    and whether it has a Mamba / linear-attention state group."""
     groups = parse_groups(str(fingerprint.get("kv_groups", "")), int(fingerprint.get("num_layers", 0)))
-    return any(group.sliding for group in groups)
+    return any(group.sliding for group in groups), any(group.state for group in groups)
 
 
 def check_compatible(local: Mapping[str, Any], remote: Mapping[str, Any]) -> None:
@@ -243,14 +244,24 @@ def check_compatible(local: Mapping[str, Any], remote: Mapping[str, Any]) -> Non
     small, large = sorted(int(size) for size in sizes if size is not None)
     if large % small:
         raise LayoutMismatch("block_size", *sizes, detail="one side's block size must be a multiple of the other's")
-    if small != large and _slides(local):
+    slides, states = _kinds(local)
+    heads = [(fp.get("head_start"), fp.get("num_kv_heads")) for fp in (local, remote)]
+    if states and (small != large or heads[0] != heads[1]):
+        field = "block_size" if small != large else "num_kv_heads"
+        raise LayoutMismatch(
+            field,
+            local.get(field),
+            remote.get(field),
+            detail="Mamba / linear-attention state moves between equal tensor parallelism and block sizes only: "
+            "kvflow does not split conv and SSM state across ranks",
+        )
+    if small != large and slides:
         raise LayoutMismatch(
             "block_size",
             *sizes,
             detail="sliding-window KV cache groups (vLLM's hybrid KV cache manager) need one block size on both "
             "sides: each side keeps the blocks of its own window, which differ when the sizes do",
         )
-    heads = [(fp.get("head_start"), fp.get("num_kv_heads")) for fp in (local, remote)]
     layout = str(local.get("kv_layout"))
     if heads[0] != heads[1] and _overlap(*heads) and not heads_outer(layout):
         raise LayoutMismatch(
