@@ -747,3 +747,29 @@ def test_a_null_where_vllm_must_hold_a_block_fails_the_load_naming_the_group() -
     book.allocated("d1", d_params(entry("t1")), 30, held, 30)
     order = expect_one(book.take_orders(), "expect")
     assert order.reason == "KV cache group 0 holds no block at position 6" and order.blocks[0] == Blocks(5, (5,))
+
+
+MAMBA = (KVGroup((0, 1), state=True, scratch=1), KVGroup((1, 2)))  # a Mamba group (one scratch block), full
+
+
+def test_with_mamba_state_d_loads_all_but_the_prompts_last_token_and_the_state_before_it() -> None:
+    book = SchedulerBook(BLOCK_SIZE, groups=MAMBA)
+    params = d_params(entry("t1"))
+    assert book.replay == 1 and book.matched_tokens("d1", params, 10, 0) == (9, True)
+    book.allocated("d1", params, 10, [[50, 51], [1, 2, 3]], 9)  # the state, then a scratch block
+    assert expect_one(book.take_orders(), "expect").blocks == (Blocks(0, (50,)), Blocks(0, (1, 2, 3)))
+
+
+def test_p_hands_the_state_over_with_the_prompts_last_chunk_only() -> None:
+    """Every chunk rewrites the state: it goes out once, with the chunk that completes P's
+    (shortened) prompt; the attention blocks chunk by chunk."""
+    book = SchedulerBook(BLOCK_SIZE, groups=MAMBA)
+    book.new_request("p1", p_params(entry("tp")), 9)  # the connector left the 10th token for D
+    book.take_orders()
+    book.scheduled("p1", 0, 5, [[50, 51], [1, 2]])
+    assert expect_one(book.take_orders(), "ready").blocks == (Blocks(0), Blocks(0, (1,)))
+    book.scheduled("p1", 5, 4, [[50, 51], [1, 2, 3]])
+    order = expect_one(book.take_orders(), "ready")
+    assert order.final and order.blocks == (Blocks(0, (50,)), Blocks(1, (2, 3)))
+    book.scheduled("p2", 0, 9, [[], [1, 2, 3]])  # untracked: nothing
+    assert not book.take_orders()

@@ -11,17 +11,12 @@ window's blocks and nothing more.
 from __future__ import annotations
 
 import logging
-import re
+from collections.abc import Callable
+from typing import Any
 
 import pytest
-import torch
-from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MambaSpec
 
-from kvflow.errors import ConfigError
-from kvflow.integrations.vllm.kv_caches import check_supported
 from kvflow.integrations.vllm.standin import ModelShape, StandInEngine
-from kvflow.integrations.vllm.standin.build import vllm_config
-from kvflow.integrations.vllm.standin.model import EngineOptions
 from kvflow.protocol.messages import TransferKey
 from kvflow.protocol.state import Role
 from tests.vllm_compat_hetero import HND
@@ -205,9 +200,15 @@ def _tensor_parallel(fragment: str, caplog: pytest.LogCaptureFixture) -> None:
 def _pull(fragment: str, caplog: pytest.LogCaptureFixture) -> None:
     """Pull (D READs each group's blocks, P's Ready naming the window's first position), and a
     sequential router's pull, where P assigns the transfer and D claims each group's part."""
-    p, d = make_pair(model=GEMMA2, num_blocks=256, p_extra={"port": consecutive_free_ports(1)})
+    pulled(each_prompt, model=GEMMA2, num_blocks=256)
+
+
+def pulled(each: Callable[..., None], **options: Any) -> None:
+    """`each(p, d, name, mode="pull")` on a pair made with `options`, then a sequential router's
+    request (P's port fixed, for the address P names in its answer)."""
+    p, d = make_pair(**options, p_extra={"port": consecutive_free_ports(1)})
     try:
-        each_prompt(p, d, "pull", mode="pull")
+        each(p, d, "pull", mode="pull")
         sequential_move(p, d, "toy-proxy", 300)
     finally:
         d.close()
@@ -218,12 +219,3 @@ def _pull(fragment: str, caplog: pytest.LogCaptureFixture) -> None:
 def _block_multiple(fragment: str, caplog: pytest.LogCaptureFixture) -> None:
     p_options, d_options = {"block_size": 16, "num_blocks": 256}, {"block_size": 32, "num_blocks": 128}
     refused_at_handshake(fragment, caplog, model=GEMMA2, p_options=p_options, d_options=d_options)
-
-
-@scenario("mamba")
-def _mamba(fragment: str, caplog: pytest.LogCaptureFixture) -> None:
-    config = vllm_config(EngineOptions("prefill", "kv_producer"))
-    mamba = MambaSpec(block_size=32, shapes=((4, 64),), dtypes=(torch.bfloat16,))
-    kv_cache_config = KVCacheConfig(16, [], [KVCacheGroupSpec(["model.layers.0.mixer"], mamba)])
-    with pytest.raises(ConfigError, match=re.escape(fragment)):
-        check_supported(config, kv_cache_config)

@@ -16,6 +16,7 @@ blocks move with that group's layers, a sliding-window group's only within its w
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -130,6 +131,7 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker: WorkerSide | None = None
         self._meter: RankMeter | None = None
         self._scheduler_counted: dict[str, int] = {}
+        self._left_for_decode: set[str] = set()  # P requests whose last prompt token D computes
         # With prefix caching a consumer receives only the blocks after a request's local hit,
         # and vLLM shares received blocks only once their load completed (see mapping.py).
         prefix_caching = bool(vllm_config.cache_config.enable_prefix_caching)
@@ -199,9 +201,10 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
         )
 
     def on_new_request(self, request: Request) -> None:
-        self._scheduler().new_request(
-            request.request_id, request.kv_transfer_params, len(request.prompt_token_ids or ())
-        )
+        book = self._scheduler()
+        if book.replay and request.request_id not in self._left_for_decode and _leave_for_decode(request, book.replay):
+            self._left_for_decode.add(request.request_id)  # once: a preempted request comes back
+        book.new_request(request.request_id, request.kv_transfer_params, len(request.prompt_token_ids or ()))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         book = self._scheduler()
@@ -219,6 +222,7 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
         return KVFlowMetadata(book.take_orders())
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._left_for_decode.discard(request.request_id)
         return self._scheduler().finished(request.request_id, aborted=request.status == RequestStatus.FINISHED_ABORTED)
 
     def request_finished_all_groups(
@@ -362,6 +366,28 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
         if self._worker is None:
             raise UsageError("worker-side hook called on a scheduler-role KVFlowConnector")
         return self._worker
+
+
+def _leave_for_decode(request: Any, tokens: int) -> bool:
+    """P, for a model with Mamba / linear-attention state: drop the prompt's last `tokens`, so
+    that P's state is the one after the token before them and D, which loads that state, computes
+    them itself (as vLLM's NIXL connector does, `_truncate_request_for_prefill`); whether it
+    did.  Not for a request that reads no prefix cache (prompt logprobs): D computes its whole
+    prompt."""
+    params = request.kv_transfer_params
+    if (
+        not isinstance(params, Mapping)
+        or params.get("do_remote_decode") is not True
+        or request.prompt_token_ids is None
+        or request.num_prompt_tokens <= tokens
+        or request.get_skip_reading_prefix_cache()
+    ):
+        return False
+    del request.prompt_token_ids[-tokens:]
+    del request._all_token_ids[-tokens:]
+    request.num_prompt_tokens -= tokens
+    request.max_tokens = 1
+    return True
 
 
 def _group_block_ids(blocks: Any) -> list[list[int | None]]:

@@ -9,15 +9,16 @@ layout, and names the layers in execution order (by the layer and attention-modu
 their names, not the order of vLLM's dict).
 
 With vLLM's hybrid KV cache manager a model's layers fall into KV cache groups (full attention,
-sliding window), each with its own block table, and layers of different groups overlay one
-another's memory (a block id belongs to one group at a time).  kvflow numbers layers group by
-group (`cache_groups`), so that each group is a range of layers that moves with its own blocks.
+sliding window, Mamba state), each with its own block table, and layers of different groups
+overlay one another's memory (a block id belongs to one group at a time).  kvflow numbers layers
+group by group (`cache_groups`), so that each group is a range of layers that moves with its own
+blocks; a Mamba layer's page (its state, padded by vLLM to the attention page) moves whole.
 
 What kvflow cannot move is refused at start-up, in the connector's constructor, with an error
-naming the feature (`check_supported`): caches that compress blocks or hold recurrent state
-(chunked local attention, Mamba / linear-attention state), groups of different block sizes,
-pipeline and context parallelism.  A sliding-window model run with the hybrid manager off keeps,
-and kvflow moves, the KV of every token (logged once at start-up).
+naming the feature (`check_supported`): caches that compress blocks (chunked local attention,
+compressed caches), attention groups of different block sizes, pages of different sizes, a model
+of Mamba layers only, pipeline and context parallelism.  A sliding-window model run with the
+hybrid manager off keeps, and kvflow moves, the KV of every token (logged once at start-up).
 """
 
 from __future__ import annotations
@@ -125,12 +126,19 @@ def _retained(spec: Any) -> int | None:
 def cache_groups(kv_cache_config: KVCacheConfig) -> tuple[tuple[KVGroup, ...], list[str]]:
     """vLLM's KV cache groups as kvflow numbers layers (group by group, each group's layers in
     execution order), and those layers' names in that numbering."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
     owners = _owners(kv_cache_config)
     groups: list[KVGroup] = []
     names: list[str] = []
     for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
         mine = sorted((n for n in group.layer_names if n in owners), key=lambda n: (layer_position(n), n))
-        groups.append(KVGroup((len(names), len(names) + len(mine)), _retained(group.kv_cache_spec)))
+        layers = (len(names), len(names) + len(mine))
+        if isinstance(spec, MambaSpec):
+            groups.append(KVGroup(layers, state=True, scratch=int(spec.num_speculative_blocks)))
+        else:
+            groups.append(KVGroup(layers, _retained(spec)))
         names += mine
     return tuple(groups), names
 
@@ -140,7 +148,7 @@ def check_supported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | No
 
     :raises ConfigError: naming the model feature or parallelism kvflow does not support.
     """
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, MLAAttentionSpec, SlidingWindowSpec
 
     parallel = vllm_config.parallel_config
     for field, words in (
@@ -155,12 +163,21 @@ def check_supported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | No
     groups = kv_cache_config.kv_cache_groups
     if len(groups) > MAX_GROUPS:
         raise ConfigError(f"kvflow moves at most {MAX_GROUPS} KV cache groups; this model has {len(groups)}")
-    sizes = {int(g.kv_cache_spec.block_size) for g in groups}
+    attention = [g for g in groups if not isinstance(g.kv_cache_spec, MambaSpec)]  # a state block has no tokens
+    sizes = {int(g.kv_cache_spec.block_size) for g in attention}
     if len(sizes) > 1:
-        kinds = ", ".join(f"{_kind(g.kv_cache_spec)}: {g.kv_cache_spec.block_size}" for g in groups)
+        kinds = ", ".join(f"{_kind(g.kv_cache_spec)}: {g.kv_cache_spec.block_size}" for g in attention)
         raise ConfigError(f"kvflow needs one block size for every KV cache group; this model's are {kinds}")
+    if not attention:
+        raise ConfigError("kvflow moves Mamba / linear-attention state beside attention layers; this model has none")
     specs = _layer_specs(kv_cache_config)
-    for name, spec in specs.items():
+    pages = {int(s.page_size_bytes) for s in specs.values()}
+    for name, spec in list(specs.items()):
+        if isinstance(spec, MambaSpec):
+            if len(pages) > 1:  # vLLM pads a state page to the attention page
+                raise ConfigError(f"kvflow needs one page size for every layer; this model's are {sorted(pages)} bytes")
+            del specs[name]
+            continue
         if type(spec) not in (FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec):
             raise ConfigError(
                 f"kvflow cannot move {_kind(spec)} KV caches (layer {name}: {type(spec).__name__}): "
@@ -248,8 +265,13 @@ def describe_kv_caches(
         split = int(tensor.shape[0]) // num_blocks  # kernel blocks per block (vLLM may split blocks)
         shape = [split, *(int(n) for n in tensor.shape[1:])]
         strides = [int(s) for s in tensor.stride()]
-        runs = page_runs(shape, strides, tensor.element_size())
-        expected = specs[name].real_page_size_bytes
+        expected, element = specs[name].real_page_size_bytes, tensor.element_size()
+        if groups[group_of[name]].state:  # a state page moves whole, with vLLM's padding to the attention page
+            expected = specs[name].page_size_bytes
+            if split != 1 or strides[0] * element != expected:
+                raise ConfigError(f"{name}: state pages of {strides[0] * element} bytes, not {expected}")
+            shape, strides, element = [1, expected], [expected, 1], 1
+        runs = page_runs(shape, strides, element)
         if runs.page_bytes != expected:
             raise ConfigError(f"{name}: a {runs.page_bytes}-byte page, vLLM's spec says {expected} bytes")
         pages = StridedPages(
@@ -259,9 +281,10 @@ def describe_kv_caches(
         runs_seen.add((runs.run_bytes, len(runs.offsets)))
     if len(runs_seen) > 1:
         raise ConfigError(f"layers split their pages differently: {sorted(runs_seen)}")
-    spec = specs[names[0]]
+    lead = next(n for n in names if not groups[group_of[n]].state)  # an attention layer: the KV's shape
+    spec = specs[lead]
     (run_bytes, count) = runs_seen.pop()
-    first = kv_caches[names[0]]
+    first = kv_caches[lead]
     kv_spec = KVSpec(
         num_layers=len(names),
         block_size=spec.block_size,

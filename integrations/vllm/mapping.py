@@ -152,8 +152,11 @@ class SchedulerBook:
         params name another peer is refused like malformed params (default: `PeerAllowList()`).
 
         `groups`: the model's KV cache groups, in vLLM's order (default: one group of full
-        attention): each order carries one block list per group, and a sliding-window group's
-        only the block positions it keeps once the prompt is computed (`KVGroup.kept_from`).
+        attention): each order carries one block list per group, a sliding-window group's only
+        the block positions it keeps once the prompt is computed (`KVGroup.kept_from`), a
+        Mamba / linear-attention group's its running-state block once the prompt is computed.
+        With such a group P prefills all but the prompt's last token (the connector shortens P's
+        request, `replay`), and D loads those and computes the last one.
 
         ``counters``: ``unservable``, requests whose ``do_remote_prefill`` or
         ``do_remote_decode`` kvflow could not serve (each logged once, with why) and so were
@@ -166,6 +169,9 @@ class SchedulerBook:
             raise ConfigError("block_size must be positive")
         self.block_size = block_size
         self.groups = tuple(groups) or (KVGroup((0, 1)),)
+        # prompt tokens P leaves for D to compute: with Mamba state, D needs the state after the
+        # prompt's next-to-last token, and computes the last one itself (as vLLM's NIXL does)
+        self.replay = 1 if any(group.state for group in self.groups) else 0
         self.prefix_caching = prefix_caching
         self.producer = producer
         self.allowed = allowed or PeerAllowList()
@@ -190,8 +196,8 @@ class SchedulerBook:
             return 0, False
         if request_id in self._loaded:
             return 0, False  # its remote load happened (and failed): vLLM recomputes it locally
-        count = prompt_len - computed
-        if count == 1 and computed and parsed.mode is Mode.PUSH:
+        count = prompt_len - self.replay - computed
+        if count == 1 and computed and parsed.mode is Mode.PUSH and not self.replay:
             return 0, False  # a full hit: `allocated` sends P an empty registration
         return (count, True) if count > 0 else (0, False)
 
@@ -218,7 +224,8 @@ class SchedulerBook:
         known = self._tracked.get(request_id)
         if known is not None and known.ordered:
             return  # called again after the load: nothing new to register
-        needed = -(-prompt_len // self.block_size)
+        loaded = prompt_len - self.replay  # the tokens P computes (see `replay`)
+        needed = -(-loaded // self.block_size)
         self._loaded.add(request_id)
         if external <= 0:
             self._tracked.pop(request_id, None)  # remembered at on_new_request: nothing to abort now
@@ -226,8 +233,8 @@ class SchedulerBook:
                 nothing = tuple(Blocks(needed) for _ in self.groups)
                 self._pending.expect.append(Order(request_id, parsed, nothing))
             return
-        first = (prompt_len - external) // self.block_size  # the local hit is whole blocks
-        blocks, problem = self._held(block_ids, first, needed, prompt_len)
+        first = (loaded - external) // self.block_size  # the local hit is whole blocks
+        blocks, problem = self._held(block_ids, first, needed, loaded, final=True)
         self._tracked[request_id] = _Tracked(parsed, prompt_len, producer=False, ordered=True)
         self._pending.expect.append(Order(request_id, parsed, blocks, reason=problem))
 
@@ -292,21 +299,22 @@ class SchedulerBook:
         if done >= tracked.prompt_len:
             tracked.ordered = True
             needed = -(-tracked.prompt_len // self.block_size)
-            blocks, problem = self._held(block_ids, first, needed, tracked.prompt_len)
+            blocks, problem = self._held(block_ids, first, needed, tracked.prompt_len, final=True)
             self._pending.ready.append(Order(request_id, tracked.params, blocks, reason=problem, producer=True))
         elif push and done // self.block_size > first:
             full = done // self.block_size  # blocks whose every token is computed
             tracked.sent = full
-            blocks, problem = self._held(block_ids, first, full, tracked.prompt_len)
+            blocks, problem = self._held(block_ids, first, full, tracked.prompt_len, final=False)
             self._pending.ready.append(
                 Order(request_id, tracked.params, blocks, reason=problem, producer=True, final=False)
             )
 
     def _held(
-        self, block_ids: Sequence[Sequence[int | None]], first: int, stop: int, prompt_len: int
+        self, block_ids: Sequence[Sequence[int | None]], first: int, stop: int, prompt_len: int, *, final: bool
     ) -> tuple[tuple[Blocks, ...], str]:
         """Each KV cache group's blocks of positions ``first..stop`` that it keeps once the
-        prompt's `prompt_len` tokens are computed, and what is wrong with them ("" if nothing:
+        prompt's `prompt_len` tokens are computed (a state group's running-state block, at
+        position 0, once the prompt is `final`), and what is wrong with them ("" if nothing:
         vLLM's null block, or a group vLLM does not list, where a block must be, is named, and
         the group's part stops short of it, so that the transfer fails instead of moving it)."""
         parts: list[Blocks] = []
@@ -314,6 +322,12 @@ class SchedulerBook:
         if len(block_ids) != len(self.groups):
             problem = f"vLLM lists {len(block_ids)} KV cache groups' blocks, the connector knows {len(self.groups)}"
         for index, group in enumerate(self.groups):
+            if group.state:
+                state = group.state_block(block_ids[index]) if index < len(block_ids) and final else None
+                if final and state is None:
+                    problem = problem or f"KV cache group {index} holds no running-state block"
+                parts.append(Blocks(0, () if state is None else (state,)))
+                continue
             start = max(first, group.kept_from(prompt_len, self.block_size))
             ids = tuple(block_ids[index])[start:stop] if index < len(block_ids) else ()
             holes = [start + i for i, block in enumerate(ids) if block is None]

@@ -12,7 +12,7 @@ from typing import Any
 
 from kvflow.integrations.vllm.standin.model import BACKENDS, EngineOptions
 
-__all__ = ("backend_class", "layer_specs", "vllm_config")
+__all__ = ("backend_class", "distributed_worker", "init_distributed", "layer_specs", "vllm_config")
 
 
 def backend_class(name: str) -> Any:
@@ -111,13 +111,15 @@ def layer_specs(config: Any, o: EngineOptions) -> dict[str, Any]:
         "kv_quant_mode": get_kv_quant_mode(cache_dtype),
         "head_size": model.get_head_size(),
     }
-    layer_types = getattr(model.hf_config, "layer_types", None) or []
+    layer_types = list(o.model.layer_types) or getattr(model.hf_config, "layer_types", None) or []
     shared = dict(o.model.shared)
     specs: dict[str, Any] = {}
     for layer, name in enumerate(o.model.layer_names()):
         if layer in shared:
             continue
-        if model.use_mla:
+        if layer < len(layer_types) and layer_types[layer] == "mamba":
+            specs[name] = _mamba_spec(config, o, common["dtype"])
+        elif model.use_mla:
             specs[name] = MLAAttentionSpec(num_kv_heads=1, max_tp_shards=1, cache_dtype_str=cache_dtype, **common)
         elif layer < len(layer_types) and layer_types[layer] == "sliding_attention":
             window = model.get_sliding_window()
@@ -127,3 +129,63 @@ def layer_specs(config: Any, o: EngineOptions) -> dict[str, Any]:
         else:
             specs[name] = FullAttentionSpec(num_kv_heads=model.get_num_kv_heads(parallel), **common)
     return specs
+
+
+def _mamba_spec(config: Any, o: EngineOptions, dtype: Any) -> Any:
+    """A Mamba2 mixer's state spec, as vLLM's layer builds it: a conv state of 3 columns per
+    channel and an SSM state per head, each rank its share of them; one state block per request
+    without prefix caching (vLLM's "none" mode, block size the model's length), a state per
+    block with it ("align")."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    ranks = o.tensor_parallel
+    channels, heads = 4 * o.model.head_dim * o.model.kv_heads // ranks, 2 * o.model.kv_heads // ranks
+    align = o.prefix_caching
+    return MambaSpec(
+        block_size=config.cache_config.block_size if align else o.max_model_len,
+        shapes=((channels, 3), (max(1, heads), 16, 16)),
+        dtypes=(dtype, dtype),
+        mamba_cache_mode="align" if align else "none",
+    )
+
+
+def distributed_worker(config: Any, kv_cache_config: Any, o: EngineOptions) -> Any:
+    """vLLM's own worker set-up: a one-rank gloo group, then the connector made by
+    ``ensure_kv_transfer_initialized`` (vLLM's CPU pinning undone unless `keep_vllm_affinity`).
+
+    Raises:
+        ValueError: the engine has more than one tensor-parallel rank.
+    """
+    import os
+
+    from vllm.distributed.kv_transfer.kv_transfer_state import (
+        ensure_kv_transfer_initialized,
+        get_kv_transfer_group,
+    )
+
+    init_distributed(o)
+    affinity = os.sched_getaffinity(0)
+    ensure_kv_transfer_initialized(config, kv_cache_config)
+    if not o.keep_vllm_affinity:
+        os.sched_setaffinity(0, affinity)
+    return get_kv_transfer_group()
+
+
+def init_distributed(o: EngineOptions) -> None:
+    """A one-rank gloo group, as vLLM's worker makes before its connector.
+
+    Raises:
+        ValueError: the engine has more than one tensor-parallel rank.
+    """
+    from vllm.distributed.parallel_state import ensure_model_parallel_initialized, init_distributed_environment
+
+    if o.tensor_parallel != 1:
+        raise ValueError("a distributed stand-in engine runs one rank per process")
+    init_distributed_environment(
+        world_size=1,
+        rank=0,
+        distributed_init_method=f"tcp://127.0.0.1:{o.dist_port}",
+        local_rank=0,
+        backend="gloo",
+    )
+    ensure_model_parallel_initialized(1, 1)

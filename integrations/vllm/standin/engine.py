@@ -45,10 +45,17 @@ import torch
 
 from kvflow.integrations.vllm.device import Device, set_device_resolver
 from kvflow.integrations.vllm.ranks import heads_of
-from kvflow.integrations.vllm.standin.build import backend_class, layer_specs, vllm_config
-from kvflow.integrations.vllm.standin.kv import LaggingDevice, PagedKV
+from kvflow.integrations.vllm.standin.build import (
+    backend_class,
+    distributed_worker,
+    init_distributed,
+    layer_specs,
+    vllm_config,
+)
+from kvflow.integrations.vllm.standin.kv import LaggingDevice, PagedKV, StatePages
 from kvflow.integrations.vllm.standin.model import EngineOptions
 from kvflow.integrations.vllm.standin.pacing import HookClock, HostLoad, Pacer, thread_times
+from kvflow.layout.groups import KVGroup
 
 __all__ = ("SAMPLED", "Rank", "StandInEngine")
 
@@ -61,8 +68,9 @@ class Rank:
 
     worker: Any
     kv_caches: dict[str, torch.Tensor]
-    pages: PagedKV
+    pages: PagedKV  # the attention layers'
     device: LaggingDevice | None
+    states: StatePages | None = None  # the Mamba layers', if the model has any
 
     def __post_init__(self) -> None:
         self.hooks = HookClock(self.worker)  # how the model runner calls the connector
@@ -129,7 +137,7 @@ class StandInEngine:
         from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
         from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts, resolve_kv_cache_layout
         from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
-        from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config
+        from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config, resolve_kv_cache_block_sizes
         from vllm.v1.core.sched.async_scheduler import AsyncScheduler
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.structured_output import StructuredOutputManager
@@ -144,17 +152,26 @@ class StandInEngine:
         kv_cache_config.kv_cache_layout = self.layout.name
         self.kv_cache_config = kv_cache_config
         scheduler_class = AsyncScheduler if o.async_scheduling else Scheduler
+        scheduler_config = generate_scheduler_kv_cache_config([kv_cache_config])
+        block_size, hash_block_size = resolve_kv_cache_block_sizes(scheduler_config, self.config)  # the engine core's
         self.scheduler = scheduler_class(
             vllm_config=self.config,
-            kv_cache_config=generate_scheduler_kv_cache_config([kv_cache_config]),
+            kv_cache_config=scheduler_config,
             structured_output_manager=StructuredOutputManager(self.config),
-            block_size=self.config.cache_config.block_size,
+            block_size=block_size,
+            hash_block_size=hash_block_size,
             log_stats=o.log_stats,
         )
-        self.block_hasher = self._block_hasher()
+        self.block_hasher = self._block_hasher(hash_block_size)
         self.owners = [n for n in self.layer_names() if n in specs]  # layers with KV of their own
         group_of = {name: g for g, group in enumerate(kv_cache_config.kv_cache_groups) for name in group.layer_names}
         self.owner_group = [group_of[name] for name in self.owners]  # each owner's KV cache group
+        # the KV cache groups of Mamba state; each owner's page index among its kind's
+        self.state_groups = {
+            g for g, gr in enumerate(kv_cache_config.kv_cache_groups) if hasattr(gr.kv_cache_spec, "shapes")
+        }
+        kinds = [group in self.state_groups for group in self.owner_group]
+        self.page_index = [kinds[:owner].count(kind) for owner, kind in enumerate(kinds)]
         try:
             for rank in range(o.tensor_parallel):
                 self.ranks.append(self._rank(rank))
@@ -166,7 +183,7 @@ class StandInEngine:
         self.aggregator = KVOutputAggregator(expected_finished_count=o.tensor_parallel)
         self._watch_request_finished()
 
-    def _block_hasher(self) -> Any:
+    def _block_hasher(self, block_size: int) -> Any:
         """The request block hasher vLLM's engine core gives every request (prefix caching
         finds hits by these hashes)."""
         from vllm.utils.hashing import get_hash_fn_by_name
@@ -174,7 +191,7 @@ class StandInEngine:
 
         hash_fn = get_hash_fn_by_name(self.config.cache_config.prefix_caching_hash_algo)
         init_none_hash(hash_fn)
-        return get_request_block_hasher(self.config.cache_config.block_size, hash_fn)
+        return get_request_block_hasher(block_size, hash_fn)
 
     def _rank(self, rank: int) -> Rank:
         """One worker: its connector, made as vLLM's worker makes it, and KV caches allocated
@@ -188,9 +205,9 @@ class StandInEngine:
         worker: Any = None  # no connector: the engine alone
         if not o.connector:
             if o.distributed:  # the same set-up (and its threads) as with a connector
-                self._init_distributed()
+                init_distributed(o)
         elif o.distributed:
-            worker = self._distributed_worker()
+            worker = distributed_worker(config, kv_cache_config, o)
         else:
             worker = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kv_cache_config)
         attention_groups = [
@@ -220,40 +237,12 @@ class StandInEngine:
         model = config.model_config  # MLA: every rank holds the same latent cache, one "head"
         total = 1 if model.use_mla else model.get_total_num_kv_heads()
         heads = heads_of(total, o.tensor_parallel, rank)
-        group_spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
-        views = [kv_caches[n] for n in self.owners]
-        pages = PagedKV(views, kv_cache_config.num_blocks, group_spec.block_size, heads, total_heads=total)
-        return Rank(worker, kv_caches, pages, device)
-
-    def _distributed_worker(self) -> Any:
-        """vLLM's own worker set-up: a one-rank gloo group, then the connector made by
-        ``ensure_kv_transfer_initialized``."""
-        from vllm.distributed.kv_transfer.kv_transfer_state import (
-            ensure_kv_transfer_initialized,
-            get_kv_transfer_group,
-        )
-
-        self._init_distributed()
-        affinity = os.sched_getaffinity(0)
-        ensure_kv_transfer_initialized(self.config, self.kv_cache_config)
-        if not self.options.keep_vllm_affinity:
-            os.sched_setaffinity(0, affinity)
-        return get_kv_transfer_group()
-
-    def _init_distributed(self) -> None:
-        """A one-rank gloo group, as vLLM's worker makes before its connector."""
-        from vllm.distributed.parallel_state import ensure_model_parallel_initialized, init_distributed_environment
-
-        if self.options.tensor_parallel != 1:
-            raise ValueError("a distributed stand-in engine runs one rank per process")
-        init_distributed_environment(
-            world_size=1,
-            rank=0,
-            distributed_init_method=f"tcp://127.0.0.1:{self.options.dist_port}",
-            local_rank=0,
-            backend="gloo",
-        )
-        ensure_model_parallel_initialized(1, 1)
+        block_size = self.config.cache_config.block_size
+        attention, states = ([kv_caches[n] for g, n in zip(self.owner_group, self.owners, strict=True)
+                              if (g in self.state_groups) is kind] for kind in (False, True))  # fmt: skip
+        pages = PagedKV(attention, kv_cache_config.num_blocks, block_size, heads, total_heads=total)
+        state_pages = StatePages(states, kv_cache_config.num_blocks, shard=rank) if states else None
+        return Rank(worker, kv_caches, pages, device, state_pages)
 
     def _watch_request_finished(self) -> None:
         """Timestamp the scheduler connector's request_finished (behaviour unchanged)."""
@@ -319,19 +308,33 @@ class StandInEngine:
     def free_blocks(self) -> int:
         return int(self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks())
 
+    def _state_block(self, request_id: str, group: int, tokens: int | None = None) -> int:
+        """The running-state block of a Mamba group's table (vLLM's: before the scratch blocks);
+        with `tokens`, the block holding the state after that many ("align" mode keeps a state
+        per block: the one a step starts from is not the one it writes)."""
+        spec = self.kv_cache_config.kv_cache_groups[group].kv_cache_spec
+        table = self.block_ids(request_id, group)
+        if tokens is not None and getattr(spec, "mamba_cache_mode", "") == "align":
+            table = table[: -(-tokens // spec.block_size)]
+        scratch = int(getattr(spec, "num_speculative_blocks", 0))
+        block = KVGroup((0, 1), state=True, scratch=scratch).state_block(table)
+        assert block is not None, f"{request_id}: no running-state block in group {group}"
+        return block
+
     def block_ids(self, request_id: str, group: int = 0) -> list[int | None]:
         """The request's blocks in KV cache group `group`, vLLM's null block as None (a sliding
         window's blocks before the window)."""
         blocks = self.scheduler.kv_cache_manager.get_blocks(request_id).blocks[group]
         return [None if block.is_null else int(block.block_id) for block in blocks]
 
-    def page_tag(self, request_id: str, position: int) -> str:
-        """What the KV of the request's block `position` is keyed by: its transfer tag, or (for
-        a request added with its prompt) the tokens up to the block's end."""
+    def page_tag(self, request_id: str, position: int, end: int | None = None) -> str:
+        """What the KV of the request's block `position` is keyed by (its Mamba state after `end`
+        tokens: position -1): its transfer tag, or (for a request added with its prompt) the
+        tokens up to the block's end."""
         tokens = self.content.get(request_id)
         if tokens is None:
             return self.tags.get(request_id, request_id)
-        end = min((position + 1) * self.ranks[0].pages.block_size, len(tokens))
+        end = min((position + 1) * self.ranks[0].pages.block_size if end is None else end, len(tokens))
         return "kv-" + hashlib.blake2b(repr(tokens[:end]).encode(), digest_size=8).hexdigest()
 
     def count_bad(self, request_id: str, tokens: int) -> int:
@@ -339,7 +342,11 @@ class StandInEngine:
         KV P computed for them: every KV cache group's blocks (a sliding window's within it)."""
         bad, size = 0, self.ranks[0].pages.block_size
         for group in range(len(self.kv_cache_config.kv_cache_groups)):
-            layers = [layer for layer, owner in enumerate(self.owner_group) if owner == group]
+            layers = [self.page_index[owner] for owner, mine in enumerate(self.owner_group) if mine == group]
+            if group in self.state_groups:  # the running state, after the tokens D holds
+                state, tag = self._state_block(request_id, group, tokens), self.page_tag(request_id, -1, tokens)
+                bad += sum(r.states.count_bad(tag, tokens, state, layers) for r in self.ranks if r.states)
+                continue
             by_tag: dict[str, list[tuple[int, int]]] = {}
             for position, block in enumerate(self.block_ids(request_id, group)[: -(-tokens // size)]):
                 if block is not None:  # None: freed, out of the window, never read
@@ -458,6 +465,10 @@ class StandInEngine:
             if producer and computed < prompt:
                 stop = min(computed + count, prompt)
                 for group in range(len(self.kv_cache_config.kv_cache_groups)) if verify else ():
+                    if group in self.state_groups:  # the state after this step's tokens
+                        state = self._state_block(request_id, group)
+                        work.writes.append((group, self.page_tag(request_id, -1, stop), -1, state, 0, stop))
+                        continue
                     blocks = self.block_ids(request_id, group)
                     for position in range(computed // size, (stop - 1) // size + 1):
                         first = max(computed, position * size) - position * size
@@ -533,9 +544,11 @@ class StandInEngine:
                 rank.hooks.wait_for_layer_load(name)
             if layer not in shared and work.writes:
                 owner = self.owners.index(name)
-                kernel = self._kernel(
-                    rank.pages, owner, [w[1:] for w in work.writes if w[0] == self.owner_group[owner]]
-                )
+                writes = [w[1:] for w in work.writes if w[0] == self.owner_group[owner]]
+                if self.owner_group[owner] in self.state_groups and rank.states is not None:
+                    kernel = rank.states.kernel(self.page_index[owner], writes)
+                else:
+                    kernel = rank.pages.kernel(self.page_index[owner], writes)
                 if rank.device is not None:
                     rank.device.launch(kernel)
                 else:
@@ -547,24 +560,6 @@ class StandInEngine:
                 time.sleep(pause)
             if hooks and not self.options.full_cudagraph:
                 rank.hooks.save_kv_layer(name, rank.kv_caches[name], None)
-
-    @staticmethod
-    def _kernel(pages: PagedKV, layer: int, writes: list[tuple[str, int, int, int, int]]) -> Callable[[], None]:
-        size = pages.block_size
-
-        def run() -> None:
-            whole: dict[str, tuple[list[int], list[int]]] = {}
-            for tag, position, block, first, stop in writes:
-                if first == 0 and stop == size:
-                    positions, blocks = whole.setdefault(tag, ([], []))
-                    positions.append(position)
-                    blocks.append(block)
-                else:
-                    pages.write(layer, tag, position, block, first, stop)
-            for tag, (positions, blocks) in whole.items():
-                pages.write_blocks(layer, tag, positions, blocks)
-
-        return run
 
     # ---------------------------------------------------------------- inspection
 

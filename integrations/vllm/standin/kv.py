@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-__all__ = ("LaggingDevice", "PagedKV")
+__all__ = ("LaggingDevice", "PagedKV", "StatePages")
 
 
 class LaggingDevice:
@@ -187,6 +187,25 @@ class PagedKV:
             low, high = max(first - kernel * rows, 0), min(stop - kernel * rows, rows)
             view[kernel, :, low:high, :] = page[kernel, :, low:high, :]
 
+    def kernel(self, layer: int, writes: list[tuple[str, int, int, int, int]]) -> Callable[[], None]:
+        """What a forward's attention layer writes: each (tag, position, block, first token,
+        stop token), whole pages of one tag together."""
+        size = self.block_size
+
+        def run() -> None:
+            whole: dict[str, tuple[list[int], list[int]]] = {}
+            for tag, position, block, first, stop in writes:
+                if first == 0 and stop == size:
+                    positions, blocks = whole.setdefault(tag, ([], []))
+                    positions.append(position)
+                    blocks.append(block)
+                else:
+                    self.write(layer, tag, position, block, first, stop)
+            for tag, (positions, blocks) in whole.items():
+                self.write_blocks(layer, tag, positions, blocks)
+
+        return run
+
     def write_blocks(self, layer: int, tag: str, positions: list[int], blocks: list[int]) -> None:
         """Whole pages, many at once."""
         index = torch.tensor(blocks, device=self.device)
@@ -218,3 +237,40 @@ class PagedKV:
             first = torch.tensor(positions).reshape(-1, 1, 1, 1, 1) * self.block_size
             differs &= (first + token[None] < tokens).to(self.device)
         return int(differs.reshape(len(blocks), -1).any(1).sum())
+
+
+class StatePages:
+    """One rank's Mamba state pages, seen through vLLM's per-layer views (``[blocks, 1, 1,
+    state bytes]`` int8): P writes a pattern of (transfer tag, tokens computed, layer, shard)
+    into a request's running-state block after each step, D checks its own before its first
+    step.  A state from another request, from an earlier chunk (a stale state), or from the
+    prompt's last token (which D must compute itself) cannot match."""
+
+    def __init__(self, views: list[torch.Tensor], num_blocks: int, *, shard: int = 0) -> None:
+        self.pages = [view.view(torch.uint8).reshape(num_blocks, -1) for view in views]
+        self.shard = shard
+
+    def _expected(self, layer: int, tag: str, tokens: int) -> torch.Tensor:
+        seed = int.from_bytes(hashlib.blake2b(f"{tag}/{tokens}/{layer}/{self.shard}".encode(), digest_size=8).digest())
+        generator = torch.Generator().manual_seed(seed & ((1 << 63) - 1))
+        width = int(self.pages[layer].shape[1])
+        return torch.randint(0, 256, (width,), generator=generator, dtype=torch.uint8).to(self.pages[layer].device)
+
+    def write(self, layer: int, tag: str, tokens: int, block: int) -> None:
+        """The state of layer `layer` after `tokens` tokens of the request `tag`, into `block`."""
+        self.pages[layer][block] = self._expected(layer, tag, tokens)
+
+    def kernel(self, layer: int, writes: list[tuple[str, int, int, int, int]]) -> Callable[[], None]:
+        """What a forward's Mamba layer writes: each (tag, -, state block, -, tokens computed)."""
+
+        def run() -> None:
+            for tag, _, block, _, tokens in writes:
+                self.write(layer, tag, tokens, block)
+
+        return run
+
+    def count_bad(self, tag: str, tokens: int, block: int, layers: list[int]) -> int:
+        """Layers of `layers` whose state in `block` is not the one after `tokens` tokens."""
+        return sum(
+            int(not torch.equal(self.pages[layer][block], self._expected(layer, tag, tokens))) for layer in layers
+        )

@@ -48,8 +48,9 @@ class ModelShape:
     draft_layers: int = 0
     shared: tuple[tuple[int, int], ...] = ()
     attention_modules: int = 1
-    # gemma2: each layer's kind ("sliding_attention" / "full_attention"; default: in turn, as
-    # Gemma 2) and the sliding window in tokens
+    # each layer's kind: gemma2's "sliding_attention" / "full_attention" (default: in turn, as
+    # Gemma 2), and any family's "mamba" (a Mamba2 mixer's conv and SSM state in place of
+    # attention, ``model.layers.L.mixer``); gemma2's sliding window in tokens
     layer_types: tuple[str, ...] = ()
     sliding_window: int = 64
 
@@ -128,6 +129,8 @@ class ModelShape:
         if self.attention_modules > 1:
             index, module = divmod(layer, self.attention_modules)
             return f"{decoder}.{index}.self_attn.{module}.attn"
+        if layer < len(self.layer_types) and self.layer_types[layer] == "mamba":
+            return f"{decoder}.{layer}.mixer"
         return f"{decoder}.{layer}.self_attn.attn"
 
     def layer_names(self) -> list[str]:
