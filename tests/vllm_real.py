@@ -54,6 +54,9 @@ REAL_ENGINE_ROWS: dict[str, tuple[str, ...]] = {
         "test_tokens_equal_one_engines_and_each_group_moves_what_it_keeps",
         "test_concurrent_requests_and_a_sequential_routers_pull",
     ),
+    # and a tiny Granite 4 hybrid: Mamba2 beside full attention
+    "mamba": ("test_a_mamba_hybrid_moves_its_state_and_d_computes_the_prompts_last_token",),
+    "mamba-pull": ("test_a_mamba_hybrid_moves_its_state_and_d_computes_the_prompts_last_token",),
 }
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)$")
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')

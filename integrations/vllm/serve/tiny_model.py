@@ -11,6 +11,7 @@ environment loads in another (the main venv and a vLLM CPU build's).
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 from dataclasses import asdict, dataclass
@@ -25,7 +26,7 @@ from kvflow.errors import ConfigError
 __all__ = ("TinyModel", "write_model")
 
 
-ARCHITECTURES = ("llama", "gemma2")
+ARCHITECTURES = ("llama", "gemma2", "granite-hybrid")
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,8 @@ class TinyModel:
     """A Llama-architecture geometry, small enough to run on a CPU in milliseconds a token; or
     Gemma 2's (``architecture="gemma2"``): sliding-window (`sliding_window` tokens) and
     full-attention layers in turn, the hybrid model vLLM's hybrid KV cache manager splits into
-    one KV cache group of each kind."""
+    one KV cache group of each kind; or a Granite 4 hybrid's (``"granite-hybrid"``): Mamba2
+    mixers (8 heads, a state of 16) and full-attention layers in turn, a dense MLP in each."""
 
     num_layers: int = 2
     hidden_size: int = 128
@@ -75,6 +77,8 @@ class TinyModel:
             "bos_token_id": 0,
             "eos_token_id": self.vocab_size - 1,
         }
+        if self.architecture == "granite-hybrid":
+            return {**common, **_granite_config(self)}
         if self.architecture == "gemma2":  # layers alternate sliding (even) and full (odd) attention
             types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(self.num_layers)]
             return {
@@ -102,11 +106,91 @@ class TinyModel:
         }
 
 
+MAMBA_HEADS, MAMBA_STATE, MAMBA_CONV = 8, 16, 4  # the Granite hybrid's mixers
+
+
+def _granite_config(model: TinyModel) -> dict[str, object]:
+    """GraniteMoeHybrid without experts: even layers Mamba2 ("linear_attention"), odd ones full
+    attention, every layer a dense MLP."""
+    types = ["linear_attention" if i % 2 == 0 else "full_attention" for i in range(model.num_layers)]
+    return {
+        "architectures": ["GraniteMoeHybridForCausalLM"],
+        "model_type": "granitemoehybrid",
+        "layer_types": types,
+        "shared_intermediate_size": model.intermediate_size,
+        "num_local_experts": 0,
+        "num_experts_per_tok": 0,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-5,
+        "position_embedding_type": "rope",
+        "attention_bias": False,
+        "attention_multiplier": model.head_dim**-0.5,
+        "embedding_multiplier": 1.0,
+        "residual_multiplier": 1.0,
+        "logits_scaling": 1.0,
+        "mamba_n_heads": MAMBA_HEADS,
+        "mamba_d_head": 2 * model.hidden_size // MAMBA_HEADS,
+        "mamba_n_groups": 1,
+        "mamba_d_state": MAMBA_STATE,
+        "mamba_d_conv": MAMBA_CONV,
+        "mamba_expand": 2,
+        "mamba_chunk_size": 64,
+        "mamba_conv_bias": True,
+        "mamba_proj_bias": False,
+        "tie_word_embeddings": False,
+        "pad_token_id": 0,
+    }
+
+
+def _granite_weights(model: TinyModel) -> dict[str, torch.Tensor]:
+    """The Granite hybrid's tensors: an attention layer's projections, a Mamba2 mixer's input
+    projection (z, x, B, C, dt), convolution, decay (A_log), step bias, skip (D), gated norm and
+    output projection, and every layer's MLP; decays and steps in Mamba2's usual ranges, so that
+    the state carries the context."""
+    generator = torch.Generator().manual_seed(model.seed)
+
+    def normal(*shape: int, std: float = 0.1) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator, dtype=torch.float32) * std
+
+    def uniform(n: int, low: float, high: float) -> torch.Tensor:
+        return low + (high - low) * torch.rand(n, generator=generator, dtype=torch.float32)
+
+    h, q, kv = model.hidden_size, model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim
+    inner, groups = 2 * h, MAMBA_STATE  # mamba_expand 2; one group of the state's size
+    tensors = {"model.embed_tokens.weight": normal(model.vocab_size, h, std=0.5)}
+    for i in range(model.num_layers):
+        p = f"model.layers.{i}."
+        tensors[p + "input_layernorm.weight"] = torch.ones(h)
+        tensors[p + "post_attention_layernorm.weight"] = torch.ones(h)
+        if i % 2:
+            tensors[p + "self_attn.q_proj.weight"] = normal(q, h, std=0.2)
+            tensors[p + "self_attn.k_proj.weight"] = normal(kv, h, std=0.2)
+            tensors[p + "self_attn.v_proj.weight"] = normal(kv, h)
+            tensors[p + "self_attn.o_proj.weight"] = normal(h, q)
+        else:
+            tensors[p + "mamba.in_proj.weight"] = normal(2 * inner + 2 * groups + MAMBA_HEADS, h)
+            tensors[p + "mamba.conv1d.weight"] = normal(inner + 2 * groups, 1, MAMBA_CONV, std=0.4)
+            tensors[p + "mamba.conv1d.bias"] = normal(inner + 2 * groups, std=0.05)
+            tensors[p + "mamba.A_log"] = torch.log(uniform(MAMBA_HEADS, 1.0, 16.0))
+            step = torch.exp(uniform(MAMBA_HEADS, math.log(1e-3), math.log(1e-1)))
+            tensors[p + "mamba.dt_bias"] = step + torch.log(-torch.expm1(-step))  # softplus's inverse
+            tensors[p + "mamba.D"] = torch.ones(MAMBA_HEADS)
+            tensors[p + "mamba.norm.weight"] = torch.ones(inner)
+            tensors[p + "mamba.out_proj.weight"] = normal(h, inner)
+        tensors[p + "shared_mlp.input_linear.weight"] = normal(2 * model.intermediate_size, h)
+        tensors[p + "shared_mlp.output_linear.weight"] = normal(h, model.intermediate_size)
+    tensors["model.norm.weight"] = torch.ones(h)
+    tensors["lm_head.weight"] = normal(model.vocab_size, h)
+    return tensors
+
+
 def _weights(model: TinyModel) -> dict[str, torch.Tensor]:
     """Every tensor by the name vLLM's loader expects.  Gemma 2's norms scale by 1 + w (so they
     are 0) and its embeddings are the output's weights too; small embeddings (it multiplies them
     by sqrt(hidden)) and sharp queries and keys keep its greedy output off a fixed point, so the
     context, and the window, decide the tokens."""
+    if model.architecture == "granite-hybrid":
+        return _granite_weights(model)
     gemma = model.architecture == "gemma2"
     generator = torch.Generator().manual_seed(model.seed)
 
