@@ -773,3 +773,15 @@ def test_p_hands_the_state_over_with_the_prompts_last_chunk_only() -> None:
     assert order.final and order.blocks == (Blocks(0, (50,)), Blocks(1, (2, 3)))
     book.scheduled("p2", 0, 9, [[], [1, 2, 3]])  # untracked: nothing
     assert not book.take_orders()
+
+
+def test_a_chunk_with_no_block_in_any_groups_window_hands_nothing_over() -> None:
+    """Every layer slides: the first chunk's blocks are all before the window (positions 0..1,
+    the window keeps from 5), so no order goes out; ended then, the request is not held."""
+    book = SchedulerBook(BLOCK_SIZE, groups=(KVGroup((0, 2), retained=7),))
+    book.new_request("p1", p_params(entry("tp")), 30)
+    book.take_orders()
+    book.scheduled("p1", 0, 8, [tables(30, 0)[0]])
+    assert not book.take_orders().ready
+    assert book.finished("p1", aborted=True) == (False, None)  # nothing to hold: vLLM frees now
+    assert expect_one(book.take_orders(), "abort").reason == "prefill request ended early"

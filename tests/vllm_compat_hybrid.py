@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from vllm.v1.request import RequestStatus
 
 from kvflow.integrations.vllm.standin import ModelShape, StandInEngine
 from kvflow.protocol.messages import TransferKey
@@ -151,7 +152,9 @@ def registered_single(d: StandInEngine, tid: str) -> tuple[int, int]:
 def _chunked(fragment: str, caplog: pytest.LogCaptureFixture) -> None:
     """P's budget of 48 tokens prefills 300 in 7 chunks: vLLM frees each chunk's sliding-window
     blocks once the window has passed them (and hands them to other requests); P pushes only
-    the blocks the window keeps at the end, and two prompts prefilled side by side both land."""
+    the blocks the window keeps at the end, and two prompts prefilled side by side both land.
+    A model whose every layer slides hands nothing over in its first chunks: aborted then, its
+    request holds nothing anywhere."""
     for options in ({"hook_order": "v1"}, {"hook_order": "v2", "async_scheduling": True}):
         p, d = make_pair(model=GEMMA3, num_blocks=512, p_options={"max_num_batched_tokens": 48}, **options)
         try:
@@ -163,6 +166,20 @@ def _chunked(fragment: str, caplog: pytest.LogCaptureFixture) -> None:
         finally:
             d.close()
             p.close()
+    # every layer slides: P's first chunks hand nothing over (all before the window); a request
+    # aborted then leaves P and D empty, and D's request fails at once
+    p, d = make_pair(model=ALL_SLIDING, num_blocks=256, p_options={"max_num_batched_tokens": 48})
+    try:
+        p_req, d_req = dispatch(p, d, "cut", 300)
+        while p_req.num_computed_tokens < 96:
+            d.step()
+            p.step()
+        p.scheduler.finish_requests(p_req.request_id, RequestStatus.FINISHED_ABORTED)
+        settle((p, d), [p_req, d_req])
+        assert d_req.status == RequestStatus.FINISHED_ERROR
+    finally:
+        d.close()
+        p.close()
 
 
 @scenario("hybrid-prefix")

@@ -119,13 +119,14 @@ class _Tracked:
     ordered: bool = False  # the expect or (final) ready order went out (D: its blocks were allocated)
     landed: bool = False  # D: the KV arrived (finished_recving)
     delayed_free: bool = False  # vLLM holds the blocks until finished_sending
-    sent: int = 0  # P: block positions handed to the workers by earlier chunks' ready orders
+    sent: int = 0  # P: block positions earlier chunks' ready orders covered
+    handed: bool = False  # P: a ready order gave the workers blocks (a window's may come later)
     preempted: bool = False  # P: preempted after its workers got KV: the transfer is aborted
 
     @property
     def handed_over(self) -> bool:
         """P: the workers got (some of) the request's KV."""
-        return self.ordered or self.sent > 0
+        return self.ordered or self.handed
 
 
 class SchedulerBook:
@@ -305,9 +306,10 @@ class SchedulerBook:
             full = done // self.block_size  # blocks whose every token is computed
             tracked.sent = full
             blocks, problem = self._held(block_ids, first, full, tracked.prompt_len, final=False)
-            self._pending.ready.append(
-                Order(request_id, tracked.params, blocks, reason=problem, producer=True, final=False)
-            )
+            order = Order(request_id, tracked.params, blocks, reason=problem, producer=True, final=False)
+            if order.block_count:  # none: every group's blocks of this chunk are out of its window
+                tracked.handed = True
+                self._pending.ready.append(order)
 
     def _held(
         self, block_ids: Sequence[Sequence[int | None]], first: int, stop: int, prompt_len: int, *, final: bool
@@ -345,7 +347,9 @@ class SchedulerBook:
         if tracked is None or not tracked.producer or tracked.preempted:
             return
         if not tracked.handed_over:
-            return  # nothing of it was handed over: its recomputed prefill is pushed as usual
+            # nothing of it was handed over (`sent` never passes a block that would have been):
+            # its recomputed prefill is pushed as usual
+            return
         tracked.preempted = True
         self._pending.abort.append(
             Order(
@@ -369,7 +373,7 @@ class SchedulerBook:
         if tracked is None:
             return False, None
         if tracked.producer:
-            if tracked.preempted or (tracked.sent and not tracked.ordered):
+            if tracked.preempted or (tracked.handed and not tracked.ordered):
                 # Earlier chunks' KV was handed over, but the transfer cannot complete: the
                 # workers hold (or held) those blocks, so vLLM frees late, on finished_sending.
                 if not tracked.preempted:

@@ -111,26 +111,24 @@ class ProducerSide:
                 self._ready_starts.append((future, order.request_id, key))
 
     def _sending_parts(self, order: Order) -> list[tuple[int, int, TransferKey]]:
-        """P: the part transfers this rank feeds for `order`'s request, which is open here from
-        its first order on; none (or params it cannot use): kvflow takes no block, and the
-        request is reported sent once vLLM says it finished."""
+        """P: the part transfers this rank feeds for `order`'s request; none (or params it cannot
+        use): kvflow takes no block, and the request is reported sent once vLLM says it finished."""
         request_id = order.request_id
         try:
             parts = self._parts(order.params, Role.PREFILL)
         except ConfigError as exc:
             log.error("%s: could not hand over the KV of %s: %s", self.engine_id, request_id, exc)
             parts = []
-        if not parts:
-            if not self.pairs.has(request_id, Role.PREFILL):
-                self._late_frees.add(request_id)
-            return []
-        if not self.pairs.has(request_id, Role.PREFILL):
-            self.pairs.open(request_id, Role.PREFILL, [], ())
+        if not parts and not self.pairs.has(request_id, Role.PREFILL):
+            self._late_frees.add(request_id)
         return parts
 
     def _opened(self, request_id: str, key: TransferKey) -> bool:
-        """Record that part `key` of the request gets its first blocks now; False if it had."""
-        if not self.pairs.add(request_id, Role.PREFILL, key):
+        """Record that part `key` of the request gets its first blocks now (the request opens
+        with its first part: until then kvflow holds nothing of it); False if it had."""
+        if not self.pairs.has(request_id, Role.PREFILL):
+            self.pairs.open(request_id, Role.PREFILL, [key], ())
+        elif not self.pairs.add(request_id, Role.PREFILL, key):
             return False
         self._requests[(key, Role.PREFILL)] = request_id
         return True
