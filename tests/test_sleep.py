@@ -8,6 +8,7 @@ a push lands byte for byte.
 
 from __future__ import annotations
 
+import mmap
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -88,8 +89,8 @@ def _engine(name: str, caches: list[np.ndarray]) -> EngineProcess:
 
 @pytest.fixture
 def links() -> Iterator[tuple[ProcessLink, ProcessLink, list[np.ndarray], list[np.ndarray]]]:
-    p_cache = [np.zeros((2, NUM_BLOCKS, SPEC.block_len), np.uint8) for _ in range(SPEC.num_layers)]
-    d_cache = [np.zeros((2, NUM_BLOCKS, SPEC.block_len), np.uint8) for _ in range(SPEC.num_layers)]
+    p_cache = [_pages((2, NUM_BLOCKS, SPEC.block_len)) for _ in range(SPEC.num_layers)]
+    d_cache = [_pages((2, NUM_BLOCKS, SPEC.block_len)) for _ in range(SPEC.num_layers)]
     p = _engine("prefill-0", p_cache)
     try:
         d = _engine("decode-0", d_cache)
@@ -99,6 +100,14 @@ def links() -> Iterator[tuple[ProcessLink, ProcessLink, list[np.ndarray], list[n
     yield ProcessLink(p), ProcessLink(d), p_cache, d_cache
     d.close()
     p.close()
+
+
+def _pages(shape: tuple[int, ...]) -> np.ndarray:
+    """A zeroed array on pages of its own.  (32 KiB arrays from numpy's allocator lie side by
+    side on the heap: P's and D's would share a page, and whichever engine's memory file maps it
+    last would take it from the other, whose engine then reads or writes a page the test no
+    longer sees.)"""
+    return np.frombuffer(mmap.mmap(-1, int(np.prod(shape))), np.uint8).reshape(shape)
 
 
 def _call(link: ProcessLink, name: str, *args: Any) -> Any:

@@ -67,6 +67,12 @@ def _spans(regions: Sequence[Region]) -> list[tuple[int, int]]:
 def share_in_place(regions: Sequence[Region]) -> list[SharedSpan]:
     """Back the pages under `regions` (host memory) with memory files, at the same addresses.
 
+    Whole pages move: a region that does not start or end on a page boundary takes the rest of
+    its first and last page with it, so regions shared with different live engines must not
+    share a page (the later call would take the page from the earlier one's engine, which would
+    then read and write memory the host no longer sees).  KV caches are allocations of their
+    own, page-aligned; small arrays from a heap may lie side by side.
+
     The caller owns the returned files (``os.close`` each once a child has them); the host's
     mapping keeps the memory alive after that.
 
