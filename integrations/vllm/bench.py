@@ -192,9 +192,8 @@ class Pair:
         max_model_len = max(8192, tokens + 64)
         # enough for the requests in flight, and (vLLM checks it) for one request of max_model_len
         blocks = max(concurrency * (-(-tokens // 32) + 2) + 64, -(-max_model_len // 32) + 1)
-        p_side, d_side, p_dist, d_dist = _free_ports(4)
+        p_side, d_side = _free_ports(2)
         self.side_ports = {"P": p_side, "D": d_side}
-        dist_ports = {"P": p_dist, "D": d_dist}
         extra: dict[str, Any] = {}
         if connector.startswith("kvflow"):
             extra = {"transport": "nixl", "port": 0, "host": "127.0.0.1", **options.get("kvflow_settings", {})}
@@ -221,8 +220,10 @@ class Pair:
                     num_blocks=blocks,
                     max_model_len=max_model_len,
                     max_num_batched_tokens=budget if budget and name == "P" else max_model_len,
+                    # its one-rank gloo group binds a port of the kernel's choosing (0): one picked
+                    # here could be taken before the engine binds it
                     distributed=True,
-                    dist_port=dist_ports[name],
+                    dist_port=0,
                     keep_vllm_affinity=options.get("keep_vllm_affinity", False),
                     kv_buffer_device="cpu",
                 )

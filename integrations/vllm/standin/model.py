@@ -182,7 +182,7 @@ class EngineOptions:
     # SupportsHMA); True / False: --enable- / --disable-hybrid-kv-cache-manager
     hybrid_kv_cache_manager: bool | None = None
     distributed: bool = False  # a gloo group and vLLM's own worker set-up (one rank per process)
-    dist_port: int = 0
+    dist_port: int = 0  # its one-rank gloo group's port (0: the kernel picks one)
     keep_vllm_affinity: bool = False  # keep the CPU pinning vLLM's NIXL worker applies on CPU
     # P writes a pattern into the KV it computes and D checks every page it loads; off: neither
     # (a GPU host's CPU does neither: `kvflow bench host` measures the host alone)
