@@ -9,20 +9,25 @@ namespaces cannot be created.
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from kvflow.errors import ConfigError
+from kvflow.integrations.vllm.serve.processes import http_ok
 from kvflow.testing.peer_process import pattern, spec
-from kvflow.tools.netns import TwoHosts, unavailable
+from kvflow.tools.netns import BridgedHosts, TwoHosts, free_subnet, unavailable
 from tests.test_cross_process import TRANSPORTS, Event, PeerProcess, prefix
 
 __all__ = ("prefix",)  # the fixture, shared with the single-host cross-process tests
 
 REASON = unavailable()
-pytestmark = pytest.mark.skipif(REASON is not None, reason=f"two hosts need network namespaces: {REASON}")
+needs_namespaces = pytest.mark.skipif(REASON is not None, reason=f"two hosts need network namespaces: {REASON}")
 
 LEASE = 2.0
 
@@ -56,6 +61,7 @@ def no_blocks_held(side: PeerProcess) -> None:
     side.stats_when(lambda s: s["held_blocks"] == 0 and s["quarantined_blocks"] == 0, "every block back", 30)
 
 
+@needs_namespaces
 def test_a_cut_link_fails_open_transfers_within_the_lease_leaks_nothing_and_heals(prefix: str) -> None:
     with TwoHosts() as hosts:
         p = start(hosts, "p", "P", prefix)
@@ -102,6 +108,7 @@ def stamped(seed: int, blocks: int) -> str:
     return h.hexdigest()
 
 
+@needs_namespaces
 def test_a_write_held_by_a_cut_link_lands_before_decode_gives_its_blocks_back(prefix: str) -> None:
     """P's WRITE posted into a cut link sits in a TCP connection that neither teardown closes, and
     lands once the link is back: D must not hand the blocks back before that, or a later
@@ -140,6 +147,7 @@ def sockets(side: PeerProcess) -> int:
     return sum(1 for entry in fd.iterdir() if os.readlink(entry).startswith("socket:"))
 
 
+@needs_namespaces
 def test_link_flaps_leave_no_connection_open_behind_them(prefix: str) -> None:
     """Each flap tears the association down on both sides and a new one is made: the old
     association's data-plane connection must not stay open (a process that lives through
@@ -171,3 +179,41 @@ def test_link_flaps_leave_no_connection_open_behind_them(prefix: str) -> None:
         finally:
             d.close()
             p.close()
+
+
+def net(text: str) -> ipaddress.IPv4Network:
+    return ipaddress.IPv4Network(text, strict=False)
+
+
+def test_bridged_hosts_take_a_slash_24_no_route_covers() -> None:
+    first = free_subnet([], choose=lambda free: free[0])
+    assert first == net("10.232.0.0/24")
+    taken = [net("10.232.0.0/24"), net("10.232.1.7"), net("192.0.2.0/24"), net("0.0.0.0/32")]
+    assert free_subnet(taken, choose=lambda free: free[0]) == net("10.232.2.0/24")
+    assert len(set(free_subnet(taken) for _ in range(64))) > 1  # at random, not always the first
+    for covering in ("10.232.0.0/16", "10.0.0.0/8"):
+        with pytest.raises(ConfigError, match="every /24 of 10.232.0.0/16 is routed already"):
+            free_subnet([net(covering)])
+
+
+@needs_namespaces
+def test_a_bridge_left_behind_does_not_take_the_new_hosts_traffic() -> None:
+    """A killed run leaves its namespaces, bridge and route behind; hosts made after it must
+    still be reachable from here (with one fixed subnet, the old bridge took their packets)."""
+    with BridgedHosts(["p"]) as left_behind, BridgedHosts(["p"]) as hosts:
+        assert left_behind.here != hosts.here
+        address = hosts.address("p")
+        server = subprocess.Popen(
+            [*hosts.command("p"), sys.executable, "-m", "http.server", "--bind", address, "18080"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            deadline = time.monotonic() + 60.0
+            while not http_ok(f"http://{address}:18080/") and time.monotonic() < deadline:
+                assert server.poll() is None, "the server in the namespace exited"
+                time.sleep(0.2)
+            assert http_ok(f"http://{address}:18080/")
+        finally:
+            server.kill()
+            server.wait()

@@ -14,24 +14,31 @@ Creating namespaces needs root (CAP_SYS_ADMIN and CAP_NET_ADMIN); `unavailable()
 
 `BridgedHosts` puts any number of namespaces on one bridge in this namespace, so that a program
 here (a router, a test) reaches each of them too; the hosts reach each other across the bridge.
+The bridge takes a /24 of 10.232.0.0/16 that no route here covers yet: a bridge left behind by a
+killed run (its namespaces and routes outlive the process) would otherwise take the new hosts'
+traffic, and nothing would answer.
 
     with BridgedHosts(["p", "d"]) as hosts:
-        hosts.address("p")      # 10.232.0.1; this namespace is 10.232.0.254 on the bridge
+        hosts.address("p")      # 10.232.N.1; this namespace is 10.232.N.254 on the bridge
 """
 
 from __future__ import annotations
 
+import ipaddress
+import random
 import shutil
 import subprocess
 import uuid
+from collections.abc import Callable, Iterable, Sequence
 from types import TracebackType
 from typing import Self
 
 from kvflow.errors import ConfigError
 
-__all__ = ("BridgedHosts", "TwoHosts", "unavailable")
+__all__ = ("BridgedHosts", "TwoHosts", "free_subnet", "unavailable")
 
 _ADDRESSES = {"p": "10.231.0.1", "d": "10.231.0.2"}
+_BRIDGED_POOL = ipaddress.IPv4Network("10.232.0.0/16")
 
 
 def _ip(*args: str) -> subprocess.CompletedProcess[str]:
@@ -138,27 +145,28 @@ class TwoHosts(_Namespaces):
 
 
 class BridgedHosts(_Namespaces):
-    """Namespaces ``<tag>-<name>``, each with a veth end ``<tag><i>`` (10.232.0.<i+1>/24) whose
-    other end is on the bridge ``<tag>br`` (10.232.0.254) in this namespace.
+    """Namespaces ``<tag>-<name>``, each with a veth end ``<tag><i>`` (10.232.N.<i+1>/24) whose
+    other end is on the bridge ``<tag>br`` (10.232.N.254) in this namespace, N picked at random
+    among the /24s no route here covers (`free_subnet`).  Addresses are known once entered.
 
     Everything made is removed on exit, also when the body raised.
     """
 
-    SUBNET = "10.232.0"
-    HERE = f"{SUBNET}.254"
-
     def __init__(self, names: list[str], tag: str | None = None) -> None:
-        """:raises ConfigError: no names, a name twice, or more than the subnet holds."""
+        """:raises ConfigError: no names, a name twice, or more than a /24 holds."""
         if not names or len(set(names)) != len(names) or len(names) > 250:
             raise ConfigError(f"bridged hosts need 1..250 distinct names, not {names}")
         super().__init__(tag, names)
         self.bridge = f"{self.tag}br"
         self.devices = {name: f"{self.tag}{index}" for index, name in enumerate(names)}
-        self.addresses = {name: f"{self.SUBNET}.{index + 1}" for index, name in enumerate(names)}
+        self.here = ""  # this namespace's address on the bridge, once made
 
     def _make(self) -> None:
+        subnet = free_subnet(_networks_in_use())
+        self.here = str(subnet.network_address + 254)
+        self.addresses = {name: str(subnet.network_address + index + 1) for index, name in enumerate(self.names)}
         _run("link", "add", self.bridge, "type", "bridge")
-        _run("addr", "add", f"{self.HERE}/24", "dev", self.bridge)
+        _run("addr", "add", f"{self.here}/24", "dev", self.bridge)
         _run("link", "set", self.bridge, "up")
         for name, ns in self.namespaces.items():
             device, outside = self.devices[name], f"{self.devices[name]}h"
@@ -166,6 +174,11 @@ class BridgedHosts(_Namespaces):
             _run("link", "add", device, "netns", ns, "type", "veth", "peer", outside)
             _run("link", "set", outside, "master", self.bridge, "up")
             self._bring_up(name)
+        # another run may have taken the same /24 between the look and the bridge: then the
+        # kernel routes it to the bridge made first, and these hosts are out of reach
+        route = _ip("route", "get", self.addresses[self.names[0]]).stdout
+        if f" dev {self.bridge} " not in f" {route} ":
+            raise ConfigError(f"{subnet} is routed past bridge {self.bridge}: {route.strip()}")
 
     def close(self) -> None:
         """Delete every namespace and the bridge.  Never raises."""
@@ -190,3 +203,38 @@ def _run(*args: str) -> None:
     done = _ip(*args)
     if done.returncode != 0:
         raise ConfigError(f"ip {' '.join(args)}: {done.stderr.strip() or done.returncode}")
+
+
+def free_subnet(
+    in_use: Iterable[ipaddress.IPv4Network],
+    choose: Callable[[Sequence[ipaddress.IPv4Network]], ipaddress.IPv4Network] = random.choice,
+) -> ipaddress.IPv4Network:
+    """A /24 of 10.232.0.0/16 that overlaps none of the networks `in_use`, picked by `choose`
+    (at random by default, so that runs starting together seldom pick the same one).
+
+    :raises ConfigError: every /24 of the pool overlaps one in use.
+    """
+    taken = [network for network in in_use if network.overlaps(_BRIDGED_POOL)]
+    free = [subnet for subnet in _BRIDGED_POOL.subnets(new_prefix=24) if not any(subnet.overlaps(n) for n in taken)]
+    if not free:
+        raise ConfigError(f"every /24 of {_BRIDGED_POOL} is routed already: {sorted(map(str, taken))}")
+    return choose(free)
+
+
+def _networks_in_use() -> list[ipaddress.IPv4Network]:
+    """The destinations of this namespace's IPv4 routes (every table) and its interfaces' networks.
+
+    :raises ConfigError: `ip` could not list them.
+    """
+    found: list[ipaddress.IPv4Network] = []
+    for args in (("-4", "route", "show", "table", "all"), ("-4", "-o", "addr", "show")):
+        done = _ip(*args)
+        if done.returncode != 0:
+            raise ConfigError(f"ip {' '.join(args)}: {done.stderr.strip() or done.returncode}")
+        for word in done.stdout.split():
+            if word[:1].isdigit() and "." in word:
+                try:
+                    found.append(ipaddress.IPv4Network(word, strict=False))
+                except ValueError:
+                    continue  # a number that is not an address (a metric, a lifetime)
+    return found
