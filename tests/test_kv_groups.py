@@ -120,7 +120,7 @@ def test_the_groups_travel_in_the_layout_and_the_fingerprint() -> None:
     wire = layout_to_wire(layout)
     for bad in ("sw63*3", "x" * 300, 7):
         with pytest.raises(ConfigError, match="kv_groups|kv groups|layers"):
-            layout_from_wire({**wire, "spec": [*wire["spec"][:13], bad]})
+            layout_from_wire({**wire, "spec": [*wire["spec"][:13], bad, *wire["spec"][14:]]})
     with pytest.raises(LayoutMismatch, match="kv_groups"):
         check_compatible(fingerprint(spec()), fingerprint(spec("full*4")))
 
@@ -212,11 +212,13 @@ def test_a_state_groups_running_state_is_the_last_block_before_the_scratch_ones(
     assert KVGroup((0, 1), state=True).state_block([]) is None
 
 
-def test_mamba_state_moves_between_equal_tensor_parallelism_and_block_sizes_only() -> None:
+def test_mamba_state_moves_between_equal_block_sizes_and_without_a_split_equal_tensor_parallelism_only() -> None:
     mamba = spec("ssm*2,full*2")
     check_compatible(fingerprint(mamba), fingerprint(mamba))
-    with pytest.raises(LayoutMismatch, match="does not split conv and SSM state"):
+    with pytest.raises(LayoutMismatch, match="block_size.*equal block sizes only"):
         check_compatible(fingerprint(mamba), fingerprint(spec("ssm*2,full*2", 32)))
-    half = KVSpec(num_layers=4, block_size=16, num_kv_heads=1, head_dim=8, kv_groups="ssm*2,full*2", total_kv_heads=2)
-    with pytest.raises(LayoutMismatch, match="num_kv_heads.*does not split conv and SSM state"):
+    half = KVSpec(
+        num_layers=4, block_size=16, num_kv_heads=1, head_dim=8, kv_groups="ssm*2,full*2", total_kv_heads=2, tp_size=2
+    )
+    with pytest.raises(LayoutMismatch, match="tp_size.*equal tensor parallelism only"):
         check_compatible(fingerprint(mamba), fingerprint(half))

@@ -174,7 +174,7 @@ def test_a_page_splits_into_any_number_of_equal_arrays_and_round_trips_the_wire(
     with pytest.raises(ConfigError, match="equal arrays"):
         KVSpec(num_layers=1, block_size=4, num_kv_heads=1, head_dim=3, dtype="int8", arrays_per_layer=5)
     with pytest.raises(ConfigError, match="at most"):
-        long_model = [*layout_to_wire(layout)["spec"][:9], "m" * 300, "", 0, 0, ""]
+        long_model = [*layout_to_wire(layout)["spec"][:9], "m" * 300, "", 0, 0, "", "", 0, 1]
         layout_from_wire({**layout_to_wire(layout), "spec": long_model})
 
 

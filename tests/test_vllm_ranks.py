@@ -15,9 +15,12 @@ from kvflow.integrations.vllm.ranks import (
     pair_keys,
     pair_transfer_id,
     sources,
+    state_sources,
     targets,
     tp_sizes,
+    transfer_parts,
 )
+from kvflow.layout.groups import KVGroup
 from kvflow.protocol.messages import TransferKey
 from kvflow.protocol.state import Mode, Role
 
@@ -89,3 +92,44 @@ def test_a_request_ends_on_a_rank_when_its_last_pair_ends_and_fails_if_any_faile
     done = book.close("r", Role.DECODE, "b")
     assert done is not None and done.failed and not done.hard and done.blocks == (4, 5)
     assert len(book) == 0 and book.close("r", Role.DECODE, "b") is None
+
+
+GROUPS = (KVGroup((0, 2), state=True), KVGroup((2, 4)))  # a Mamba state group, then full attention
+
+
+@given(total=SIZES, p_tp=SIZES, d_tp=SIZES)
+def test_state_groups_pair_every_rank_whose_shard_overlaps_and_both_sides_name_the_same_parts(
+    total: int, p_tp: int, d_tp: int
+) -> None:
+    request = params(p_tp, d_tp)
+    decode = {
+        (p, d, g, key)
+        for d in range(d_tp)
+        for p, g, key in transfer_parts(request, Role.DECODE, d, d_tp, total, GROUPS)
+    }
+    prefill = {
+        (p, d, g, key)
+        for p in range(p_tp)
+        for d, g, key in transfer_parts(request, Role.PREFILL, p, p_tp, total, GROUPS)
+    }
+    assert decode == prefill  # each part is named alike on both sides, without talking
+    for d in range(d_tp):
+        # P rank p holds [p / p_tp, (p + 1) / p_tp) of the state, D rank d [d / d_tp, (d + 1) / d_tp)
+        overlapping = [p for p in range(p_tp) if p / p_tp < (d + 1) / d_tp and d / d_tp < (p + 1) / p_tp]
+        assert state_sources(p_tp, d_tp, d) == overlapping
+        assert sorted(p for p, dd, g, _ in decode if dd == d and g == 0) == overlapping
+        assert sorted(p for p, dd, g, _ in decode if dd == d and g == 1) == sources(total, p_tp, d_tp, d)
+    for d in range(d_tp):  # on one D rank (one engine), every part is a transfer of its own
+        mine = [key for _, dd, _, key in decode if dd == d]
+        assert len(set(mine)) == len(mine)
+
+
+def test_p_ranks_that_replicate_heads_still_send_their_share_of_the_state() -> None:
+    """2 KV heads on 4 P ranks (each head on two), one D rank: the attention KV comes from one
+    replica of each head, the state from all four P ranks."""
+    request = params(4, 1)
+    parts = transfer_parts(request, Role.DECODE, 0, 1, 2, GROUPS)
+    assert [(p, g) for p, g, _ in parts] == [(0, 0), (0, 1), (1, 0), (2, 0), (2, 1), (3, 0)]
+    assert [(d, g) for d, g, _ in transfer_parts(request, Role.PREFILL, 1, 4, 2, GROUPS)] == [(0, 0)]
+    without_state = [(p, g) for p, g, _ in transfer_parts(request, Role.DECODE, 0, 1, 2, 2)]
+    assert without_state == [(0, 0), (0, 1), (2, 0), (2, 1)]  # no state group: head pairs alone

@@ -18,9 +18,11 @@ import torch
 from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MambaSpec
 
 from kvflow.errors import ConfigError
+from kvflow.integrations.vllm import kv_caches
 from kvflow.integrations.vllm.kv_caches import check_supported
 from kvflow.integrations.vllm.standin import EngineOptions, ModelShape, StandInEngine
 from kvflow.integrations.vllm.standin.build import vllm_config
+from kvflow.layout.states import parse_split
 from tests.vllm_compat_hybrid import moved_bytes, pulled, registered
 from tests.vllm_compat_registry import refused_at_handshake, scenario
 from tests.vllm_pairs import BLOCK_SIZE, kvflow_engine, make_pair
@@ -97,9 +99,55 @@ def _pull(fragment: str, caplog: pytest.LogCaptureFixture) -> None:
     pulled(each_prompt, **OPTIONS)
 
 
+def sliced(p: StandInEngine, d: StandInEngine, name: str) -> None:
+    """Every prompt moves between P and D of different tensor parallelism, each D rank's state
+    exactly its shard (D checks it), and P's bytes are the attention blocks of D's heads and each
+    state layer's whole state once: no padding, nothing twice."""
+    spec = kvflow_engine(p).layout.spec
+    split = parse_split(spec.state_split)
+    assert split is not None and split.orientation == "sd", spec.state_split  # vLLM's default conv layout
+    d_pages = sum(kvflow_engine(d, r).layout.spec.page_bytes for r in range(d.options.tensor_parallel))
+    attention = sum(g.count for g in spec.groups if not g.state)
+    states = sum(g.count for g in spec.groups if g.state)
+    for prompt in PROMPTS:
+        moved = moved_bytes(p, d, f"{name}-{prompt}", prompt)
+        want = -(-(prompt - 1) // BLOCK_SIZE) * attention * d_pages + states * split.rank_bytes(1)
+        assert moved == want, (prompt, moved, want)
+
+
 @scenario("mamba-tp")
 def _tensor_parallel(fragment: str, caplog: pytest.LogCaptureFixture) -> None:
-    refused_at_handshake(fragment, caplog, **OPTIONS, d_options={"tensor_parallel": 2})
+    for p_tp, d_tp in ((1, 2), (2, 1), (2, 4)):
+        p, d = make_pair(**OPTIONS, p_options={"tensor_parallel": p_tp}, d_options={"tensor_parallel": d_tp})
+        try:
+            sliced(p, d, f"tp{p_tp}{d_tp}")
+        finally:
+            d.close()
+            p.close()
+
+
+@scenario("mamba-tp-replicated")
+def _replicated_heads(fragment: str, caplog: pytest.LogCaptureFixture) -> None:
+    """2 KV heads on 4 P ranks (each head on two of them), D on one: the attention KV comes
+    from one replica of each head, the state from all four P ranks."""
+    options = {**OPTIONS, "model": ModelShape(layers=4, kv_heads=2, layer_types=MAMBA.layer_types)}
+    p, d = make_pair(**options, p_options={"tensor_parallel": 4}, d_options={"tensor_parallel": 1})
+    try:
+        sliced(p, d, "replicated")
+        written = [int(e.counters["bytes_written"]) for e in p.kvflow_engines()]
+        assert all(written) and written[0] > written[1] and written[2] > written[3], written
+    finally:
+        d.close()
+        p.close()
+
+
+@scenario("mamba-tp-unsliced")
+def _unsliced(fragment: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A state kvflow cannot slice (another kind of mixer, or one every rank holds whole) moves
+    between equal tensor parallelism only."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(kv_caches, "state_split", lambda *_: "")
+        refused_at_handshake(fragment, caplog, **OPTIONS, d_options={"tensor_parallel": 2})
 
 
 @scenario("mamba-only")

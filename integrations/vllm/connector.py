@@ -262,6 +262,7 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
             model=self.settings.model_id or str(config.model_config.model),
             cache_dtype=str(config.cache_config.cache_dtype),
             layout_name=kv_cache_config.kv_cache_layout or config.cache_config.kv_cache_layout,
+            tp_size=config.parallel_config.tensor_parallel_size,
         )
         worker.register(caches, device_for(next(iter(kv_caches.values()))))
 

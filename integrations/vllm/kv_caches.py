@@ -12,7 +12,9 @@ With vLLM's hybrid KV cache manager a model's layers fall into KV cache groups (
 sliding window, Mamba state), each with its own block table, and layers of different groups
 overlay one another's memory (a block id belongs to one group at a time).  kvflow numbers layers
 group by group (`cache_groups`), so that each group is a range of layers that moves with its own
-blocks; a Mamba layer's page (its state, padded by vLLM to the attention page) moves whole.
+blocks; a Mamba layer's page (its state, padded by vLLM to the attention page) moves whole
+between ranks of equal tensor parallelism, and sliced by `state_split` (the conv state's
+sub-projections and the temporal state, each sharded over the ranks) between unequal ones.
 
 What kvflow cannot move is refused at start-up, in the connector's constructor, with an error
 naming the feature (`check_supported`): caches that compress blocks (chunked local attention,
@@ -24,6 +26,7 @@ hybrid manager off keeps, and kvflow moves, the KV of every token (logged once a
 from __future__ import annotations
 
 import logging
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -33,13 +36,21 @@ from kvflow.errors import ConfigError
 from kvflow.layout import BlockArray, KVLayout, KVSpec, MemoryType, Region
 from kvflow.layout.groups import MAX_GROUPS, KVGroup, groups_text
 from kvflow.layout.pages import StridedPages, page_runs
+from kvflow.layout.states import StateSplit
 
 if TYPE_CHECKING:
     import torch
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheConfig
 
-__all__ = ("CacheDescription", "cache_groups", "check_supported", "describe_kv_caches", "layer_position")
+__all__ = (
+    "CacheDescription",
+    "cache_groups",
+    "check_supported",
+    "describe_kv_caches",
+    "layer_position",
+    "state_split",
+)
 
 log = logging.getLogger("kvflow.vllm")
 
@@ -143,6 +154,41 @@ def cache_groups(kv_cache_config: KVCacheConfig) -> tuple[tuple[KVGroup, ...], l
     return tuple(groups), names
 
 
+def state_split(spec: Any, tp_size: int, dim_first: bool) -> str:
+    """How a `MambaSpec`'s state page splits over `tp_size` ranks (`StateSplit.text`, summed over
+    the ranks), read from its shapes as vLLM's own layers build them: the conv state
+    ``(columns, rows)`` (`dim_first`, vLLM's "DS") or ``(rows, columns)``, whose columns are x
+    (Mamba1), x, B, C (Mamba2: x is the temporal state's heads times head size, B and C equal)
+    or Q, K, V (gated delta net: V is the temporal state's value heads times value size), then
+    the temporal state, sharded by heads.  "" for a state it cannot slice: another kind of
+    mixer, other than two states, or a state every rank holds whole."""
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum as Kind
+
+    shapes, dtypes = tuple(spec.shapes), tuple(spec.dtypes)
+    if getattr(spec, "tp_replicated", False) or len(shapes) != 2 or len(shapes[0]) != 2 or len(shapes[1]) < 2:
+        return ""
+    columns, rows = (int(n) for n in (shapes[0] if dim_first else shapes[0][::-1]))
+    heads, head_size = int(shapes[1][0]), int(shapes[1][1])
+    kind = spec.mamba_type
+    if kind == Kind.MAMBA1:
+        parts: tuple[int, ...] = (columns,)
+    elif kind in (Kind.MAMBA2, Kind.GDN_ATTN):
+        rest = columns - heads * head_size  # B + C (Mamba2), Q + K (gated delta net)
+        if rest <= 0 or rest % 2:
+            return ""
+        parts = (
+            (heads * head_size, rest // 2, rest // 2)
+            if kind == Kind.MAMBA2
+            else (rest // 2, rest // 2, heads * head_size)
+        )
+    else:
+        return ""
+    conv_size, temporal_size = (int(dtype.itemsize) for dtype in dtypes)
+    temporal = temporal_size * math.prod(int(n) for n in shapes[1])
+    orientation = "ds" if dim_first else "sd"
+    return StateSplit(orientation, rows, tuple(part * conv_size * tp_size for part in parts), temporal * tp_size).text()
+
+
 def check_supported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> None:
     """Refuse, at start-up, what kvflow cannot move byte for byte; warn of what it moves in full.
 
@@ -223,12 +269,15 @@ def describe_kv_caches(
     model: str,
     cache_dtype: str,
     layout_name: str | None,
+    tp_size: int = 1,
 ) -> CacheDescription:
     """kvflow's layout for the per-layer views vLLM registers.
 
     Layers are numbered group by group, each group's in execution order (`cache_groups`); a
     layer whose KV is another's (KV sharing) is left out, as vLLM's allocation leaves it out of
     every `KVCacheTensor`.  Layers of different KV cache groups may overlay the same memory.
+    A model with Mamba state carries how its state splits over the engine's `tp_size` ranks
+    (`state_split`; none where its layers' states differ or cannot be sliced).
 
     :raises ConfigError: a view does not match vLLM's spec for its layer, two layers of one group
         start at the same address, a layer's pages overlap, or layers split their pages
@@ -298,10 +347,20 @@ def describe_kv_caches(
         model=model,
         cache_dtype=cache_encoding(cache_dtype),
         kv_groups=groups_text(groups),
+        state_split=_model_split(specs, groups, ordered, tp_size),
     )
     layout = KVLayout(kv_spec, num_blocks, tuple(regions.values()), tuple(arrays))
     run_order = sorted(range(len(names)), key=lambda layer: (layer_position(names[layer]), names[layer]))
     return CacheDescription(layout, {name: layer for layer, name in enumerate(names)}, tuple(run_order))
+
+
+def _model_split(specs: Mapping[str, Any], groups: tuple[KVGroup, ...], ordered: list[str], tp_size: int) -> str:
+    """The one `state_split` of every state layer, or "" (none, or layers that differ)."""
+    from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+
+    states = [name for group in groups if group.state for name in ordered[slice(*group.layers)]]
+    splits = {state_split(specs[name], tp_size, is_conv_state_dim_first()) for name in states}
+    return splits.pop() if len(splits) == 1 else ""
 
 
 def _inner_order(view: torch.Tensor) -> str:

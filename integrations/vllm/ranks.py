@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 
 from kvflow.errors import BlockSizeMismatch, ConfigError
 from kvflow.layout import KVLayout
+from kvflow.layout.groups import KVGroup
 from kvflow.protocol.messages import TransferKey
 from kvflow.protocol.state import Role
 
@@ -50,6 +51,7 @@ __all__ = (
     "ranked_layout",
     "reach_rank",
     "sources",
+    "state_sources",
     "targets",
     "tp_sizes",
     "transfer_parts",
@@ -79,6 +81,16 @@ def sources(total_heads: int, p_tp: int, d_tp: int, d_rank: int) -> list[int]:
         replicas = [p for p in range(p_tp) if head in heads_of(total_heads, p_tp, p)]
         chosen.add(replicas[d_rank % len(replicas)])
     return sorted(chosen)
+
+
+def state_sources(p_tp: int, d_tp: int, d_rank: int) -> list[int]:
+    """The P ranks whose shard of a Mamba state overlaps D rank `d_rank`'s, ascending.
+
+    :raises ConfigError: a rank outside ``0..d_tp-1``, or a tensor parallelism below 1.
+    """
+    if p_tp <= 0 or d_tp <= 0 or not 0 <= d_rank < d_tp:
+        raise ConfigError(f"rank {d_rank} of {d_tp} ranks (P has {p_tp}) does not exist")
+    return [p for p in range(p_tp) if p * d_tp < (d_rank + 1) * p_tp and d_rank * p_tp < (p + 1) * d_tp]
 
 
 def targets(total_heads: int, p_tp: int, d_tp: int, p_rank: int) -> list[int]:
@@ -172,7 +184,7 @@ def ranked_layout(
             f"gives it {len(heads)}"
         )
     ranks = tuple((rank_name(engine, r), address) for r, address in enumerate(addresses))
-    spec = dataclasses.replace(spec, head_start=heads.start, total_kv_heads=total_heads)
+    spec = dataclasses.replace(spec, head_start=heads.start, total_kv_heads=total_heads, tp_rank=rank, tp_size=tp_size)
     return dataclasses.replace(layout, spec=spec, rank=rank, ranks=ranks)
 
 
@@ -207,17 +219,25 @@ def rank_name(engine: str, rank: int) -> str:
 
 
 def pair_keys(
-    params: TransferParams, role: Role, rank: int, tp_size: int, total_heads: int
+    params: TransferParams, role: Role, rank: int, tp_size: int, total_heads: int, state: bool = False
 ) -> list[tuple[int, TransferKey]]:
-    """(the other side's rank, the pair's transfer key) of every pair rank `rank` is part of.
+    """(the other side's rank, the pair's transfer key) of every pair rank `rank` is part of,
+    for attention groups (pairs that share KV heads) or, with `state`, for Mamba state groups
+    (pairs whose state shards overlap).
 
     :raises ConfigError: see `tp_sizes` and `heads_of`.
     """
     p_tp, d_tp = tp_sizes(params, role, tp_size)
     if role is Role.DECODE:
-        ranks = [(p, p, rank) for p in sources(total_heads, p_tp, d_tp, rank)]
+        feeding = state_sources(p_tp, d_tp, rank) if state else sources(total_heads, p_tp, d_tp, rank)
+        ranks = [(p, p, rank) for p in feeding]
     else:
-        ranks = [(d, rank, d) for d in targets(total_heads, p_tp, d_tp, rank)]
+        fed = (
+            [d for d in range(d_tp) if rank in state_sources(p_tp, d_tp, d)]
+            if state
+            else targets(total_heads, p_tp, d_tp, rank)
+        )
+        ranks = [(d, rank, d) for d in fed]
     return [
         (other, TransferKey(pair_transfer_id(params.transfer_id, p_tp, d_tp, p, d), params.epoch))
         for other, p, d in ranks
@@ -231,19 +251,29 @@ def group_transfer_id(transfer_id: str, group: int, groups: int) -> str:
 
 
 def transfer_parts(
-    params: TransferParams, role: Role, rank: int, tp_size: int, total_heads: int, groups: int = 1
+    params: TransferParams,
+    role: Role,
+    rank: int,
+    tp_size: int,
+    total_heads: int,
+    groups: int | Sequence[KVGroup] = 1,
 ) -> list[tuple[int, int, TransferKey]]:
     """(the other side's rank, the KV cache group, the part's transfer key) of every transfer
-    rank `rank` takes part in for a request: one per rank pair (`pair_keys`) and KV cache group
-    (each group moves its layers with its own blocks).
+    rank `rank` takes part in for a request: one per rank pair (`pair_keys`: attention groups
+    between the ranks sharing heads, state groups between those sharing state shards) and KV
+    cache group (each group moves its layers with its own blocks), ordered by the other rank,
+    then the group.
 
     :raises ConfigError: see `pair_keys`.
     """
-    return [
-        (other, group, TransferKey(group_transfer_id(key.transfer_id, group, groups), key.epoch))
-        for other, key in pair_keys(params, role, rank, tp_size, total_heads)
-        for group in range(groups)
+    kinds = [False] * groups if isinstance(groups, int) else [group.state for group in groups]
+    pairs = {state: pair_keys(params, role, rank, tp_size, total_heads, state) for state in set(kinds)}
+    parts = [
+        (other, index, TransferKey(group_transfer_id(key.transfer_id, index, len(kinds)), key.epoch))
+        for index, state in enumerate(kinds)
+        for other, key in pairs[state]
     ]
+    return sorted(parts, key=lambda part: (part[0], part[1]))
 
 
 async def reach_rank(engine: Engine, peer: PeerRef, tp_size: int, rank: int, role: Role) -> str:

@@ -302,7 +302,7 @@ class WorkerSide(PeerNotices, ProducerSide):
 
     def _parts(self, params: Any, role: Role) -> list[tuple[int, int, TransferKey]]:
         """:raises ConfigError: see `ranks.transfer_parts`."""
-        return transfer_parts(params, role, self.rank, self.tp_size, self.total_heads, len(self.kv_groups))
+        return transfer_parts(params, role, self.rank, self.tp_size, self.total_heads, self.kv_groups)
 
     def save_layer(self, orders: Orders, layer_name: str) -> None:
         """Push: a layer of this step's forward is saved.  Once every layer of a part (and of

@@ -14,7 +14,9 @@ maps blocks of different sizes.  A batch of fine blocks may start inside a coars
 token budget ends a chunk there): `fine_start` says where, and the first coarse block is then
 filled from that token on, the rest of it by the batch before.  Each (layer, head, fine block)
 is then one run of bytes on each side (the layout keeps a head's tokens together), planned
-vectorised like whole blocks and coalesced the same way.
+vectorised like whole blocks and coalesced the same way.  A Mamba / linear-attention state page
+between ranks of different tensor parallelism moves the runs both ranks hold
+(`kvflow.layout.states`).
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ import numpy as np
 import numpy.typing as npt
 
 from kvflow.errors import InvalidBatch, LayoutMismatch
+from kvflow.layout.groups import group_of
 from kvflow.layout.spec import KVLayout, heads_outer
+from kvflow.layout.states import parse_split, state_runs
 
 __all__ = ("Descriptor", "DescriptorPlan", "plan_transfer")
 
@@ -107,6 +111,9 @@ def plan_transfer(
     if not 0 <= first < stop <= min(local.spec.num_layers, remote.spec.num_layers):
         raise InvalidBatch(f"layers {first}..{stop} outside the model's {local.spec.num_layers} layers")
     ls, rs = local.spec, remote.spec
+    group = group_of(ls.groups, (first, stop))
+    if group is not None and group.state and ls.tp_size != rs.tp_size:
+        return _plan_state(local, remote, lids, rids, (first, stop))
     if ls.heads != rs.heads or ls.block_size != rs.block_size:
         return _plan_sliced(local, remote, lids, rids, (first, stop), coalesce, fine_start)
     if fine_start:
@@ -164,6 +171,65 @@ def _coalesced(
         merged_length,
         uncoalesced,
     )
+
+
+def _plan_state(
+    local: KVLayout,
+    remote: KVLayout,
+    lids: npt.NDArray[np.int64],
+    rids: npt.NDArray[np.int64],
+    layers: tuple[int, int],
+) -> DescriptorPlan:
+    """`plan_transfer` of state pages between ranks of different tensor parallelism: in each
+    layer and block pair, the runs of the page both ranks hold (not coalesced: they are a few
+    per page, and pages of one request are not side by side).
+
+    :raises InvalidBatch: block lists of different lengths or empty, or ranks that share no
+        shard of the state.
+    :raises LayoutMismatch: the state cannot be sliced (no split, a split the ranks do not
+        divide, several arrays per page, or a state larger than a side's page).
+    """
+    ls, rs = local.spec, remote.spec
+    split = parse_split(ls.state_split)
+    if split is None or ls.state_split != rs.state_split:
+        raise LayoutMismatch("state_split", ls.state_split, rs.state_split, detail="a state page that cannot be sliced")
+    if ls.arrays_per_layer != 1 or rs.arrays_per_layer != 1:
+        raise LayoutMismatch(
+            "arrays_per_layer", ls.arrays_per_layer, rs.arrays_per_layer, detail="a state page must be one array"
+        )
+    for spec in (ls, rs):
+        if split.rank_bytes(spec.tp_size) > spec.block_len:
+            raise LayoutMismatch("page_bytes", ls.page_bytes, rs.page_bytes, detail="the state does not fit a page")
+    if lids.size != rids.size or lids.size == 0:
+        raise InvalidBatch(f"need equal, non-empty block lists, got {lids.size} local and {rids.size} remote")
+    runs = state_runs(split, (ls.tp_rank, ls.tp_size), (rs.tp_rank, rs.tp_size))
+    if not runs:
+        raise InvalidBatch(
+            f"rank {ls.tp_rank} of {ls.tp_size} and rank {rs.tp_rank} of {rs.tp_size} share no shard of the state"
+        )
+    pairs = [(local.layer_arrays(layer)[0], remote.layer_arrays(layer)[0]) for layer in range(*layers)]
+    run_local = np.array([run.local for run in runs], dtype=np.int64)
+    run_remote = np.array([run.remote for run in runs], dtype=np.int64)
+    run_length = np.array([run.length for run in runs], dtype=np.int64)
+    shape = (len(pairs), lids.size, len(runs))
+
+    def spread(per_layer: list[int], ids: npt.NDArray[np.int64] | None, per_run: npt.NDArray[np.int64]) -> Any:
+        column = np.array(per_layer, dtype=np.int64)[:, None, None]
+        if ids is not None:
+            column = column * ids[None, :, None]
+        return np.broadcast_to(column + per_run[None, None, :], shape).reshape(-1).copy()
+
+    zero = np.zeros(len(runs), dtype=np.int64)
+    local_offset = spread([la.offset for la, _ in pairs], None, run_local) + spread(
+        [la.stride for la, _ in pairs], lids, zero
+    )
+    remote_offset = spread([ra.offset for _, ra in pairs], None, run_remote) + spread(
+        [ra.stride for _, ra in pairs], rids, zero
+    )
+    local_region = spread([la.region for la, _ in pairs], None, zero)
+    remote_region = spread([ra.region for _, ra in pairs], None, zero)
+    length = np.broadcast_to(run_length[None, None, :], shape).reshape(-1).copy()
+    return DescriptorPlan(local_region, local_offset, remote_region, remote_offset, length, int(length.size))
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from typing import Any
 
 from kvflow.errors import ConfigError, LayoutMismatch
 from kvflow.layout.groups import KVGroup, parse_groups
+from kvflow.layout.states import parse_split
 
 __all__ = (
     "DTYPE_SIZES",
@@ -117,6 +118,11 @@ class KVSpec:
     total_kv_heads: int = 0  # the model's KV heads (all ranks together); 0: num_kv_heads
     # the layers' KV cache groups (`kvflow.layout.groups`): "" for one group of full attention
     kv_groups: str = ""
+    # how a Mamba / linear-attention state page splits over tensor-parallel ranks
+    # (`kvflow.layout.states`): "" where it cannot be sliced (moved between equal TP only)
+    state_split: str = ""
+    tp_rank: int = 0  # this rank's shard of a state page: rank `tp_rank` of `tp_size`
+    tp_size: int = 1
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "block_size", "num_kv_heads", "head_dim", "arrays_per_layer"):
@@ -144,7 +150,13 @@ class KVSpec:
             )
         if len(self.kv_groups) > MAX_SPEC_TEXT:
             raise ConfigError(f"kv spec kv_groups is longer than {MAX_SPEC_TEXT} characters")
-        parse_groups(self.kv_groups, self.num_layers)
+        groups = parse_groups(self.kv_groups, self.num_layers)
+        if len(self.state_split) > MAX_SPEC_TEXT:
+            raise ConfigError(f"kv spec state_split is longer than {MAX_SPEC_TEXT} characters")
+        if parse_split(self.state_split) is not None and not any(group.state for group in groups):
+            raise ConfigError("kv spec state_split given for a model without Mamba / linear-attention state groups")
+        if not 0 <= self.tp_rank < self.tp_size <= MAX_RANKS:
+            raise ConfigError(f"kv spec tensor-parallel rank {self.tp_rank} of {self.tp_size} does not exist")
 
     @property
     def value_dim(self) -> int:
@@ -187,6 +199,7 @@ MODEL_FIELDS = (  # equal on both sides, always
     "cache_dtype",
     "kv_layout",
     "kv_groups",
+    "state_split",
 )
 RANK_FIELDS = (  # equal unless the ranks hold different heads or the block sizes differ
     "num_kv_heads",
@@ -196,7 +209,8 @@ RANK_FIELDS = (  # equal unless the ranks hold different heads or the block size
     "arrays_per_layer",
     "block_len",
 )
-FINGERPRINT_FIELDS = MODEL_FIELDS + RANK_FIELDS
+SHARD_FIELDS = ("tp_rank", "tp_size")  # a state page's shard: compared for models with Mamba state
+FINGERPRINT_FIELDS = MODEL_FIELDS + RANK_FIELDS + SHARD_FIELDS
 
 
 def fingerprint(spec: KVSpec) -> dict[str, int | str]:
@@ -246,15 +260,8 @@ def check_compatible(local: Mapping[str, Any], remote: Mapping[str, Any]) -> Non
         raise LayoutMismatch("block_size", *sizes, detail="one side's block size must be a multiple of the other's")
     slides, states = _kinds(local)
     heads = [(fp.get("head_start"), fp.get("num_kv_heads")) for fp in (local, remote)]
-    if states and (small != large or heads[0] != heads[1]):
-        field = "block_size" if small != large else "num_kv_heads"
-        raise LayoutMismatch(
-            field,
-            local.get(field),
-            remote.get(field),
-            detail="Mamba / linear-attention state moves between equal tensor parallelism and block sizes only: "
-            "kvflow does not split conv and SSM state across ranks",
-        )
+    if states:
+        _check_states(local, remote, small != large)
     if small != large and slides:
         raise LayoutMismatch(
             "block_size",
@@ -276,6 +283,38 @@ def check_compatible(local: Mapping[str, Any], remote: Mapping[str, Any]) -> Non
         for name in RANK_FIELDS:
             if local.get(name) != remote.get(name):
                 raise LayoutMismatch(name, local.get(name), remote.get(name))
+
+
+def _check_states(local: Mapping[str, Any], remote: Mapping[str, Any], sizes_differ: bool) -> None:
+    """A model with Mamba / linear-attention state: equal block sizes, and a state page that can
+    be sliced where the tensor parallelism differs.
+
+    :raises LayoutMismatch: naming the field, and why.
+    """
+    if sizes_differ:
+        raise LayoutMismatch(
+            "block_size",
+            local.get("block_size"),
+            remote.get("block_size"),
+            detail="Mamba / linear-attention state moves between equal block sizes only",
+        )
+    sizes = (local.get("tp_size"), remote.get("tp_size"))
+    checked = [size for size in sizes if isinstance(size, int) and type(size) is int and 0 < size <= MAX_RANKS]
+    if len(checked) != 2:
+        raise LayoutMismatch("tp_size", *sizes)
+    if sizes[0] == sizes[1]:
+        return  # rank r to rank r: a state page moves whole
+    split = parse_split(str(local.get("state_split", "")))
+    if split is None:
+        raise LayoutMismatch(
+            "tp_size",
+            *sizes,
+            detail="this model's Mamba / linear-attention state moves between equal tensor parallelism only: "
+            "kvflow slices the conv and temporal state of Mamba1, Mamba2 and gated delta net layers, not "
+            "replicated across ranks and of two states each",
+        )
+    for size in checked:
+        split.rank_bytes(size)
 
 
 @dataclass(frozen=True)
@@ -391,6 +430,9 @@ def layout_to_wire(layout: KVLayout) -> dict[str, Any]:
             spec.head_start,
             spec.total_kv_heads,
             spec.kv_groups,
+            spec.state_split,
+            spec.tp_rank,
+            spec.tp_size,
         ],
         "num_blocks": layout.num_blocks,
         "rank": layout.rank,
@@ -416,17 +458,17 @@ def layout_from_wire(data: Mapping[str, Any]) -> KVLayout:
 
     try:
         raw_spec = data["spec"]
-        if not isinstance(raw_spec, list | tuple) or len(raw_spec) != 14:
-            raise ConfigError("layout spec must have 14 fields")
-        texts = [raw_spec[i] for i in (4, 5, 9, 10, 13)]
+        if not isinstance(raw_spec, list | tuple) or len(raw_spec) != 17:
+            raise ConfigError("layout spec must have 17 fields")
+        texts = [raw_spec[i] for i in (4, 5, 9, 10, 13, 14)]
         if any(not isinstance(text, str) or len(text) > MAX_SPEC_TEXT for text in texts):
             raise ConfigError(
-                f"layout spec dtype, kv_layout, model, cache_dtype and kv_groups must be strings of at most "
-                f"{MAX_SPEC_TEXT} characters"
+                "layout spec dtype, kv_layout, model, cache_dtype, kv_groups and state_split must be strings of "
+                f"at most {MAX_SPEC_TEXT} characters"
             )
-        dtype, kv_layout, model, cache_dtype, kv_groups = texts
-        numbers = ints([raw_spec[i] for i in (0, 1, 2, 3, 6, 7, 8, 11, 12)], 9, "spec")
-        layers, size, n_heads, dim, per, dim_v, page, head_start, total = numbers
+        dtype, kv_layout, model, cache_dtype, kv_groups, state_split = texts
+        numbers = ints([raw_spec[i] for i in (0, 1, 2, 3, 6, 7, 8, 11, 12, 15, 16)], 11, "spec")
+        layers, size, n_heads, dim, per, dim_v, page, head_start, total, tp_rank, tp_size = numbers
         spec = KVSpec(
             layers,
             size,
@@ -442,6 +484,9 @@ def layout_from_wire(data: Mapping[str, Any]) -> KVLayout:
             head_start,
             total,
             kv_groups,
+            state_split,
+            tp_rank,
+            tp_size,
         )
         regions = []
         for raw in data["regions"]:

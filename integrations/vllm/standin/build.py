@@ -8,11 +8,45 @@ engine module then uses vLLM's own layout resolution, planning and allocation on
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
 from typing import Any
 
 from kvflow.integrations.vllm.standin.model import BACKENDS, EngineOptions
 
-__all__ = ("backend_class", "distributed_worker", "init_distributed", "layer_specs", "vllm_config")
+__all__ = (
+    "MambaShape",
+    "backend_class",
+    "distributed_worker",
+    "init_distributed",
+    "layer_specs",
+    "mamba_shape",
+    "vllm_config",
+)
+
+
+@dataclass(frozen=True)
+class MambaShape:
+    """The stand-in's Mamba2 mixer on one rank: its conv state's columns (x, B, C: each rank
+    its `1/ranks` of each), rows, and the temporal state's (heads, head size, state size)."""
+
+    columns: tuple[int, int, int]
+    rows: int
+    temporal: tuple[int, int, int]
+    dim_first: bool  # the conv state (columns, rows), vLLM's "DS"; else (rows, columns)
+    element_size: int  # bytes of a value of either state
+
+
+def mamba_shape(o: EngineOptions, element_size: int) -> MambaShape:
+    """The state a rank of `o`'s engine holds per Mamba layer (4 head sizes of channels per KV
+    head of the model, x of them for 2 SSM heads per KV head of 16 values each, B and C the
+    rest), oriented as vLLM's `VLLM_SSM_CONV_STATE_LAYOUT` says."""
+    from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+
+    ranks = o.tensor_parallel
+    channels, heads = 4 * o.model.head_dim * o.model.kv_heads // ranks, max(1, 2 * o.model.kv_heads // ranks)
+    x = heads * 16
+    b = (channels - x) // 2
+    return MambaShape((x, b, b), 3, (heads, 16, 16), is_conv_state_dim_first(), element_size)
 
 
 def backend_class(name: str) -> Any:
@@ -132,18 +166,17 @@ def layer_specs(config: Any, o: EngineOptions) -> dict[str, Any]:
 
 
 def _mamba_spec(config: Any, o: EngineOptions, dtype: Any) -> Any:
-    """A Mamba2 mixer's state spec, as vLLM's layer builds it: a conv state of 3 columns per
-    channel and an SSM state per head, each rank its share of them; one state block per request
-    without prefix caching (vLLM's "none" mode, block size the model's length), a state per
-    block with it ("align")."""
+    """A Mamba2 mixer's state spec, as vLLM's layer builds it (`mamba_shape`); one state block
+    per request without prefix caching (vLLM's "none" mode, block size the model's length), a
+    state per block with it ("align")."""
     from vllm.v1.kv_cache_interface import MambaSpec
 
-    ranks = o.tensor_parallel
-    channels, heads = 4 * o.model.head_dim * o.model.kv_heads // ranks, 2 * o.model.kv_heads // ranks
+    shape = mamba_shape(o, dtype.itemsize)
+    channels = sum(shape.columns)
     align = o.prefix_caching
     return MambaSpec(
         block_size=config.cache_config.block_size if align else o.max_model_len,
-        shapes=((channels, 3), (max(1, heads), 16, 16)),
+        shapes=((channels, shape.rows) if shape.dim_first else (shape.rows, channels), shape.temporal),
         dtypes=(dtype, dtype),
         mamba_cache_mode="align" if align else "none",
     )

@@ -50,6 +50,7 @@ from kvflow.integrations.vllm.standin.build import (
     distributed_worker,
     init_distributed,
     layer_specs,
+    mamba_shape,
     vllm_config,
 )
 from kvflow.integrations.vllm.standin.kv import LaggingDevice, PagedKV, StatePages
@@ -241,7 +242,11 @@ class StandInEngine:
         attention, states = ([kv_caches[n] for g, n in zip(self.owner_group, self.owners, strict=True)
                               if (g in self.state_groups) is kind] for kind in (False, True))  # fmt: skip
         pages = PagedKV(attention, kv_cache_config.num_blocks, block_size, heads, total_heads=total)
-        state_pages = StatePages(states, kv_cache_config.num_blocks, shard=rank) if states else None
+        state_pages = None
+        if states:
+            mamba: Any = kv_cache_config.kv_cache_groups[min(self.state_groups)].kv_cache_spec
+            shape = mamba_shape(o, int(mamba.dtypes[0].itemsize))
+            state_pages = StatePages(states, kv_cache_config.num_blocks, shape, shard=rank, ranks=o.tensor_parallel)
         return Rank(worker, kv_caches, pages, device, state_pages)
 
     def _watch_request_finished(self) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import math
 import queue
 import threading
 import time
@@ -20,6 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from kvflow.integrations.vllm.standin.build import MambaShape
 
 __all__ = ("LaggingDevice", "PagedKV", "StatePages")
 
@@ -241,24 +244,44 @@ class PagedKV:
 
 class StatePages:
     """One rank's Mamba state pages, seen through vLLM's per-layer views (``[blocks, 1, 1,
-    state bytes]`` int8): P writes a pattern of (transfer tag, tokens computed, layer, shard)
-    into a request's running-state block after each step, D checks its own before its first
-    step.  A state from another request, from an earlier chunk (a stale state), or from the
-    prompt's last token (which D must compute itself) cannot match."""
+    state bytes]`` int8): P writes a pattern of (transfer tag, tokens computed, layer) into a
+    request's running-state block after each step, D checks its own before its first step.  The
+    pattern is drawn for the whole state (all ranks' together: each conv sub-projection's
+    columns, then the temporal state) and each rank holds its shard of it, laid out as its conv
+    state is, so a D rank of another tensor parallelism than P's finds exactly its shard.  A
+    state from another request, from an earlier chunk (a stale state), from the prompt's last
+    token (which D must compute itself), or another rank's shard cannot match."""
 
-    def __init__(self, views: list[torch.Tensor], num_blocks: int, *, shard: int = 0) -> None:
+    def __init__(
+        self, views: list[torch.Tensor], num_blocks: int, shape: MambaShape, *, shard: int, ranks: int
+    ) -> None:
+        """`shape`: the mixer's state on one rank (`build.mamba_shape`); `shard`: this rank, of `ranks`."""
         self.pages = [view.view(torch.uint8).reshape(num_blocks, -1) for view in views]
-        self.shard = shard
+        element = shape.element_size
+        self.part_bytes = tuple(columns * element for columns in shape.columns)  # one conv row of each
+        self.rows, self.temporal_bytes = shape.rows, element * math.prod(shape.temporal)
+        self.dim_first, self.shard, self.ranks = shape.dim_first, shard, ranks
+        self.size = self.rows * sum(self.part_bytes) + self.temporal_bytes  # the state; padding after it
 
     def _expected(self, layer: int, tag: str, tokens: int) -> torch.Tensor:
-        seed = int.from_bytes(hashlib.blake2b(f"{tag}/{tokens}/{layer}/{self.shard}".encode(), digest_size=8).digest())
+        seed = int.from_bytes(hashlib.blake2b(f"{tag}/{tokens}/{layer}".encode(), digest_size=8).digest())
         generator = torch.Generator().manual_seed(seed & ((1 << 63) - 1))
-        width = int(self.pages[layer].shape[1])
-        return torch.randint(0, 256, (width,), generator=generator, dtype=torch.uint8).to(self.pages[layer].device)
+
+        def drawn(*shape: int) -> torch.Tensor:
+            return torch.randint(0, 256, shape, generator=generator, dtype=torch.uint8)
+
+        whole = [drawn(part * self.ranks, self.rows) for part in self.part_bytes]  # (columns, rows) each
+        temporal = drawn(self.temporal_bytes * self.ranks)
+        mine = torch.cat(
+            [p[self.shard * n : (self.shard + 1) * n] for p, n in zip(whole, self.part_bytes, strict=True)]
+        )
+        conv = mine if self.dim_first else mine.T.contiguous()
+        own = temporal[self.shard * self.temporal_bytes : (self.shard + 1) * self.temporal_bytes]
+        return torch.cat([conv.reshape(-1), own]).to(self.pages[layer].device)
 
     def write(self, layer: int, tag: str, tokens: int, block: int) -> None:
         """The state of layer `layer` after `tokens` tokens of the request `tag`, into `block`."""
-        self.pages[layer][block] = self._expected(layer, tag, tokens)
+        self.pages[layer][block, : self.size] = self._expected(layer, tag, tokens)
 
     def kernel(self, layer: int, writes: list[tuple[str, int, int, int, int]]) -> Callable[[], None]:
         """What a forward's Mamba layer writes: each (tag, -, state block, -, tokens computed)."""
@@ -272,5 +295,6 @@ class StatePages:
     def count_bad(self, tag: str, tokens: int, block: int, layers: list[int]) -> int:
         """Layers of `layers` whose state in `block` is not the one after `tokens` tokens."""
         return sum(
-            int(not torch.equal(self.pages[layer][block], self._expected(layer, tag, tokens))) for layer in layers
+            int(not torch.equal(self.pages[layer][block, : self.size], self._expected(layer, tag, tokens)))
+            for layer in layers
         )
