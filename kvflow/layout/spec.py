@@ -296,7 +296,9 @@ def _check_states(local: Mapping[str, Any], remote: Mapping[str, Any], sizes_dif
             "block_size",
             local.get("block_size"),
             remote.get("block_size"),
-            detail="Mamba / linear-attention state moves between equal block sizes only",
+            detail="Mamba / linear-attention state moves between equal block sizes only (vLLM raises each side's "
+            "attention block size until a page holds that rank's state, so sides of different tensor parallelism "
+            "may differ: give both the same --block-size, at least the larger of the two)",
         )
     sizes = (local.get("tp_size"), remote.get("tp_size"))
     checked = [size for size in sizes if isinstance(size, int) and type(size) is int and 0 < size <= MAX_RANKS]
