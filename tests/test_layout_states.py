@@ -196,10 +196,14 @@ def test_the_connector_reads_the_split_from_the_shapes_vllm_s_own_layers_declare
 
     from kvflow.integrations.vllm.kv_caches import state_split
 
-    def read(shapes: tuple[tuple[int, ...], ...], kind: Kind, tp: int, dim_first: bool, **extra: object) -> str:
+    def read(
+        shapes: tuple[tuple[int, ...], ...], kind: Kind, tp: int, dim_first: bool, replicated: bool = False
+    ) -> str:
         conv = shapes[0] if not dim_first else shapes[0][::-1]  # the calculator orients as SD (the default)
         dtypes = (torch.bfloat16, torch.float32)
-        spec = MambaSpec(block_size=16, shapes=(conv, *shapes[1:]), dtypes=dtypes, mamba_type=kind, **extra)
+        spec = MambaSpec(
+            block_size=16, shapes=(conv, *shapes[1:]), dtypes=dtypes, mamba_type=kind, tp_replicated=replicated
+        )
         return state_split(spec, tp, dim_first)
 
     for dim_first in (False, True):
@@ -223,4 +227,4 @@ def test_the_connector_reads_the_split_from_the_shapes_vllm_s_own_layers_declare
     # what cannot be sliced: a short convolution, a state every rank holds whole
     assert read(Shapes.short_conv_state_shape(2, 4096, 4) + ((1, 1),), Kind.SHORT_CONV, 2, False) == ""
     replicated = Shapes.mamba2_state_shape(2, 4096, 8, 64, 64, 128, 4)
-    assert read(replicated, Kind.MAMBA2, 2, False, tp_replicated=True) == ""
+    assert read(replicated, Kind.MAMBA2, 2, False, replicated=True) == ""
