@@ -436,3 +436,40 @@ async def test_the_receive_loop_lets_the_event_loop_run_while_frames_are_queued(
     # readable callback, when more frames arrived meanwhile), never more, and never all 100.
     batch = YIELD_EVERY // 3 + 1
     assert max(steps) <= 2 * batch < frames, f"{max(steps)} frames checked in one turn of the loop"
+
+
+@pytest.mark.asyncio
+async def test_a_failure_of_the_channels_own_receiving_reaches_its_owner_not_a_lost_task(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A bug in the ZAP server's task or in reading a socket would end that receiving with
+    only asyncio's "exception never retrieved" to show for it; the owner (the engine, whose
+    next call then raises `EngineCrashed`) is told instead."""
+    from kvflow.control import zeromq
+
+    crashes: list[BaseException] = []
+
+    async def broken_zap(*args: object) -> None:
+        raise RuntimeError("the ZAP server broke")
+
+    monkeypatch.setattr(zeromq, "serve_zap", broken_zap)
+    a = ZmqControl("A", secret=SECRET)
+    a.start(asyncio.get_running_loop(), lambda *message: None, crashes.append)
+    receiver, sender = ZmqControl("C", secret=SECRET, curve=False), ZmqControl("D", secret=SECRET, curve=False)
+
+    def broken_frames(self: ZmqControl, frames: list[bytes]) -> None:
+        raise RuntimeError("reading a frame broke")
+
+    try:
+        await eventually(lambda: len(crashes) == 1, "the ZAP task's failure reported")
+        assert "ZAP server broke" in str(crashes[0])
+        monkeypatch.setattr(ZmqControl, "_on_frames", broken_frames)
+        receiver.start(asyncio.get_running_loop(), lambda *message: None, crashes.append)
+        sender.start(asyncio.get_running_loop(), lambda *message: None)
+        sender.add_route("C", receiver.address)
+        sender.send("C", Goodbye("x"))
+        await eventually(lambda: len(crashes) == 2, "the reader's failure reported")
+        assert "reading a frame broke" in str(crashes[1])
+    finally:
+        for control in (a, receiver, sender):
+            control.close()

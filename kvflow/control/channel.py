@@ -25,6 +25,7 @@ from kvflow.protocol.messages import ControlMessage
 __all__ = (
     "MAX_CLOCK_SKEW",
     "ControlChannel",
+    "Crashed",
     "LocalControl",
     "LocalControlHub",
     "MessageHandler",
@@ -33,6 +34,7 @@ __all__ = (
 )
 
 MessageHandler = Callable[[str, int, ControlMessage], None]  # (sender, its incarnation, message)
+Crashed = Callable[[BaseException], None]  # told of a failure of the channel's own receiving
 MAX_CLOCK_SKEW = 300  # seconds one host's clock may run ahead of another's
 
 
@@ -58,8 +60,10 @@ class ControlChannel(Protocol):
     def incarnation(self) -> int:
         """This run's incarnation, stamped on every message sent."""
 
-    def start(self, loop: asyncio.AbstractEventLoop, handler: MessageHandler) -> None:
-        """Begin delivering messages to `handler(sender, incarnation, message)` on `loop`.
+    def start(self, loop: asyncio.AbstractEventLoop, handler: MessageHandler, on_crash: Crashed | None = None) -> None:
+        """Begin delivering messages to `handler(sender, incarnation, message)` on `loop`; a
+        failure of the channel's own receiving (a bug, not a peer's bad frame) goes to
+        `on_crash` (logged where none), never only to a task nobody awaits.
 
         :raises ConfigError: the channel cannot listen where it was told to.
         :raises UsageError: the channel was started before (where it can tell).
@@ -158,8 +162,8 @@ class LocalControl:
     def set_link_listener(self, listener: Callable[[str, bool], None] | None) -> None:
         return None  # in one process, a peer that goes away says goodbye or falls silent
 
-    def start(self, loop: asyncio.AbstractEventLoop, handler: MessageHandler) -> None:
-        self.hub.register(self.name, loop, handler)
+    def start(self, loop: asyncio.AbstractEventLoop, handler: MessageHandler, on_crash: Crashed | None = None) -> None:
+        self.hub.register(self.name, loop, handler)  # delivered by the hub: no receiving of its own
 
     def forget(self, peer: str) -> None:
         return None  # no connection per peer in one process

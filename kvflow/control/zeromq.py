@@ -51,7 +51,7 @@ import zmq.asyncio
 from zmq.utils import z85
 
 from kvflow.control.auth import MAC_BYTES, ReplayGuard, Secret, secret_from_env
-from kvflow.control.channel import MessageHandler, incarnation_ceiling, new_incarnation
+from kvflow.control.channel import Crashed, MessageHandler, incarnation_ceiling, new_incarnation
 from kvflow.control.connections import ConnectionWatch, raise_descriptor_limit
 from kvflow.control.hardening import (
     MONITORED,
@@ -189,6 +189,7 @@ class ZmqControl:
         self._helpers: list[zmq.asyncio.Socket] = []  # the ZAP handler's socket
         self._watch_connections: ConnectionWatch | None = None  # the ROUTER's monitor, on a thread
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._on_crash: Crashed | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._handler: MessageHandler | None = None
         self._closed = False
@@ -255,8 +256,9 @@ class ZmqControl:
     def set_link_listener(self, listener: LinkListener | None) -> None:
         self.links.listener = listener
 
-    def start(self, loop: asyncio.AbstractEventLoop, handler: MessageHandler) -> None:
-        """Bind the ROUTER and start receiving on `loop`.
+    def start(self, loop: asyncio.AbstractEventLoop, handler: MessageHandler, on_crash: Crashed | None = None) -> None:
+        """Bind the ROUTER and start receiving on `loop`; an exception in reading a socket or
+        in the ZAP server goes to `on_crash` (and the log).
 
         :raises ConfigError: the bind address is unusable.
         :raises UsageError: the channel was started before.
@@ -266,6 +268,7 @@ class ZmqControl:
         raise_descriptor_limit()
         self._ctx = zmq.asyncio.Context()
         self._loop = loop
+        self._on_crash = on_crash
         if self._keys is not None:  # the ZAP handler must listen before the first handshake
             zap = self._ctx.socket(zmq.REP)
             zap.setsockopt(zmq.LINGER, 0)
@@ -409,7 +412,19 @@ class ZmqControl:
         assert self._loop is not None  # started before any socket exists
         task = self._loop.create_task(coro, name=f"kvflow-control-{self.engine_id}")
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._ended)
+
+    def _ended(self, task: asyncio.Task[None]) -> None:
+        """A task of the channel ended: one that raised is a crash, reported, not left to the
+        garbage collector's "exception never retrieved"."""
+        self._tasks.discard(task)
+        if not task.cancelled() and (error := task.exception()) is not None:
+            self._crashed(error)
+
+    def _crashed(self, error: BaseException) -> None:
+        log.error("%s: control channel failure: %r", self.engine_id, error, exc_info=error)
+        if self._on_crash is not None:
+            self._on_crash(error)
 
     def _watch(self, sock: zmq.Socket[bytes], peer: bytes | None) -> None:
         """Read `sock` whenever the loop sees its descriptor ready: the ROUTER (`peer` None:
@@ -438,7 +453,8 @@ class ZmqControl:
                 self._loop.call_soon(self._drain, sock)
 
     def _drain(self, sock: zmq.Socket[bytes]) -> None:
-        """Read what `sock` holds, without blocking.
+        """Read what `sock` holds, without blocking (what it raises, other than ZeroMQ's
+        errors, is the channel's crash).
 
         Parts are read one at a time: a message with more parts than a frame is dropped when it
         has one too many, and its further parts are thrown away without being copied.  After
@@ -481,6 +497,8 @@ class ZmqControl:
             log.error("%s: control socket error: %s", self.engine_id, exc)
             assert self._loop is not None
             self._loop.call_later(0.01, self._drain, sock)
+        except Exception as exc:  # a bug, not a peer's frame (those are refused, counted)
+            self._crashed(exc)
 
     def _on_frames(self, frames: list[bytes]) -> None:
         self._counters["frames_received"] += 1

@@ -33,6 +33,7 @@ import os
 import resource
 import sys
 import threading
+from collections.abc import Coroutine
 from typing import Any
 
 import numpy as np
@@ -98,6 +99,7 @@ class Peer:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.stamped = 0
+        self.watchers: set[asyncio.Task[None]] = set()  # kept: a watcher that raises says so
         self.spec = kv = spec(args.dtype)
         self.transport: Transport
         size = 2 * args.blocks * kv.block_len
@@ -131,6 +133,19 @@ class Peer:
     def released(self, release: ReleaseBlocks) -> None:
         self.engine.meter.take()  # nobody reads the per-transfer figures here: keep none
         emit("released", tid=release.key.transfer_id, role=release.role.value, blocks=list(release.block_ids))
+
+    def spawn(self, watcher: Coroutine[Any, Any, None]) -> None:
+        """Run a watcher, kept until it ends; one that raises emits an "error" event (the parent
+        then sees why, not only a result that never comes)."""
+        task = asyncio.ensure_future(watcher)
+        self.watchers.add(task)
+
+        def ended(task: asyncio.Task[None]) -> None:
+            self.watchers.discard(task)
+            if not task.cancelled() and (error := task.exception()) is not None:
+                emit("error", error=f"{type(error).__name__}: {error}")
+
+        task.add_done_callback(ended)
 
     async def watch(self, handle: Any, blocks: list[int] | None = None, seed: int | None = None) -> None:
         result = await handle.wait()
@@ -180,7 +195,7 @@ class Peer:
                 timeout=cmd.get("ttl"),
                 expected_batches=cmd.get("batches", 1),
             )
-            asyncio.ensure_future(self.watch(handle, cmd["blocks"], cmd.get("verify")))
+            self.spawn(self.watch(handle, cmd["blocks"], cmd.get("verify")))
             emit("started", tid=cmd["tid"])
         elif kind == "kv_ready":
             self.stamped += 1
@@ -197,7 +212,7 @@ class Peer:
                 timeout=cmd.get("ttl"),
             )
             if not cmd.get("first", 0):  # a later batch: the first one's watcher reports the result
-                asyncio.ensure_future(self.watch(handle))
+                self.spawn(self.watch(handle))
             emit("started", tid=cmd["tid"])
         elif kind == "digest":
             emit("digest", sha256=self.digest(cmd["blocks"]))
