@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 import pytest_asyncio
 
+from kvflow.control.channel import LocalControlHub
 from kvflow.errors import (
     BlockConflict,
     ConfigError,
@@ -19,6 +22,7 @@ from kvflow.errors import (
     LayoutMismatch,
     StaleEpoch,
     TransferTimeout,
+    TransportError,
     UnknownTransfer,
     UsageError,
 )
@@ -465,3 +469,57 @@ async def test_a_failed_transfer_is_logged_by_its_ids_tag_never_by_the_id(
         await settle(pair)
     said = "\n".join(record.getMessage() for record in caplog.records)
     assert f"{id_tag(secret)}@1 expired" in said and secret not in said
+
+
+class Owned:
+    """A transport or control channel that records being closed (and a transport that refuses
+    its regions, when told to)."""
+
+    def __init__(self, inner: Any, refuse: bool = False) -> None:
+        self.inner, self.refuse, self.closed = inner, refuse, False
+
+    def register_regions(self, regions: Any) -> None:
+        if self.refuse:
+            raise TransportError("this transport registers no memory")
+        self.inner.register_regions(regions)
+
+    def close(self) -> None:
+        self.closed = True
+        self.inner.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def engine_threads(name: str) -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name in (f"kvflow-writer-{name}", f"kvflow-peers-{name}")]
+
+
+@pytest.mark.asyncio
+async def test_an_engine_whose_start_fails_or_that_never_starts_leaves_no_thread_and_closes_what_it_owns() -> None:
+    fabric, hub = LoopbackFabric(), LocalControlHub()
+    layout = KVBuffers(KVSpec(num_layers=2, block_size=4, num_kv_heads=1, head_dim=8, dtype="int8"), 4).layout
+    transport, control = Owned(fabric.endpoint("E1"), refuse=True), Owned(hub.channel("E1"))
+    failing = Engine("E1", layout, transport, control, config=FAST)
+    with pytest.raises(TransportError, match="registers no memory"):
+        await failing.start()
+    assert engine_threads("E1") == [] and transport.closed and control.closed
+    with pytest.raises(UsageError, match="already started"):
+        await failing.start()
+    await failing.aclose()  # nothing left to close, and no error
+    idle_transport, idle_control = Owned(fabric.endpoint("E2")), Owned(hub.channel("E2"))
+    idle = Engine("E2", layout, idle_transport, idle_control, config=FAST)
+    assert engine_threads("E2") == []
+    await idle.aclose()
+    assert idle_transport.closed and idle_control.closed
+    fabric.close()
+
+
+@pytest.mark.asyncio
+async def test_a_closed_engine_stops_the_threads_its_transfers_started(pair: EnginePair) -> None:
+    await pair.d.expect("t", 1, peer="P", block_ids=[1])
+    await pair.p.kv_ready("t", 1, peer="D", block_ids=[2])
+    await eventually(lambda: not pair.p.core.live() and not pair.d.core.live(), "both transfers ended")
+    assert engine_threads("P")  # the writer ran the WRITE
+    await pair.close()
+    assert engine_threads("P") == [] and engine_threads("D") == []

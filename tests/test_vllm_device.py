@@ -131,10 +131,11 @@ def test_every_thread_kvflow_starts_is_bound_to_the_device(transport: str) -> No
             assert device is not None
             engine_id = f"{engine.options.name}-tp0"
             started = {t.name for t in threading.enumerate() if t.name.startswith("kvflow") and engine_id in t.name}
-            expected = {f"kvflow-{engine_id}", f"kvflow-writer-{engine_id}", f"kvflow-peers-{engine_id}"}
+            expected = {f"kvflow-{engine_id}", f"kvflow-peers-{engine_id}"}
             expected |= {f"kvflow-connections-{engine_id}"}  # the control channel's connection monitor
             expected |= {f"kvflow-nixl-{engine_id}"} if transport == "nixl" else set()
-            expected |= {f"kvflow-gates-{engine_id}"} if engine is p else set()  # only P waits for gates
+            # only P waits for gates, and only P (pushing) posted an op: a writer starts with its first
+            expected |= {f"kvflow-gates-{engine_id}", f"kvflow-writer-{engine_id}"} if engine is p else set()
             assert started == expected and started <= device.bound, (started, device.bound)
     finally:
         d.close()
@@ -174,3 +175,17 @@ def test_a_forward_without_saves_posts_every_group_at_wait_for_save_gated() -> N
     finally:
         d.close()
         p.close()
+
+
+def test_the_stand_ins_device_resolver_goes_with_its_last_lagging_engine() -> None:
+    """The resolver is process-wide: left installed, it would outlive the engines it serves."""
+    from kvflow.integrations.vllm import device as seam
+
+    p, d = make_pair(device_lag=0.01)
+    try:
+        assert seam._resolver is not None
+    finally:
+        d.close()
+        assert seam._resolver is not None  # P's device still lags
+        p.close()
+    assert seam._resolver is None

@@ -28,6 +28,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
+from functools import partial
 from typing import Any
 
 from kvflow.control.channel import ControlChannel
@@ -41,8 +42,9 @@ from kvflow.protocol.state import Mode, Outcome, Role
 from kvflow.runtime.config import EngineConfig
 from kvflow.runtime.meter import TransferMeter
 from kvflow.runtime.peering import EngineHooks, PeerExecutor
-from kvflow.runtime.results import TransferHandle, TransferResult, keep, open_handle
+from kvflow.runtime.results import ENGINE_COUNTERS, TransferHandle, TransferResult, keep, open_handle
 from kvflow.runtime.sleep import ASLEEP, MemoryRegistration
+from kvflow.runtime.timer import DeadlineTimer
 from kvflow.runtime.writer import Submitter, WriterThread
 from kvflow.transports.base import Transport
 
@@ -77,17 +79,7 @@ class Engine:
         self.released: deque[ReleaseBlocks] = deque(maxlen=kept)
         self.finished: deque[TransferResult] = deque(maxlen=kept)
         self.meter = TransferMeter()  # per-transfer time, bytes and outcomes, for metrics
-        self.counters = {
-            "messages_from_unknown_peers": 0,
-            "sends_failed": 0,
-            "notifications_from_unknown": 0,
-            "peers_refused": 0,
-            "peer_removals_failed": 0,  # a transport's remove_peer raised (retried: see peering)
-            "released_dropped": 0,
-            "finished_dropped": 0,
-            "bytes_written": 0,  # by the WRITEs this engine submitted (push P)
-            "bytes_read": 0,  # by the READs this engine submitted (pull D)
-        }
+        self.counters = dict.fromkeys(ENGINE_COUNTERS, 0)
         self._submitter = submitter or WriterThread(
             f"kvflow-writer-{engine_id}", self._record_crash, thread_setup=self.config.thread_setup
         )
@@ -120,8 +112,7 @@ class Engine:
         )
         self._handles: dict[tuple[TransferKey, Role], asyncio.Future[TransferResult]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._timer: asyncio.TimerHandle | None = None
-        self._timer_at: float | None = None
+        self._timer = DeadlineTimer()
         self._drain_scheduled = False
         self._traffic = True  # what the transport was last told (`Transport.expect_traffic`)
         self._idle = asyncio.Event()
@@ -134,21 +125,44 @@ class Engine:
     async def start(self) -> None:
         """Register memory with the transport and start receiving.
 
-        :raises TransportError: the transport refused the regions, or cannot describe itself.
+        :raises TransportError: the transport refused the regions, or cannot describe itself (the
+            engine is then closed, with its transport and control channel).
         :raises UsageError: the engine was started before.
         """
         if self._state != "new":
             raise UsageError(f"engine {self.engine_id!r} was already started")
         self._loop = asyncio.get_running_loop()
-        self.transport.register_regions(self.layout.regions)
-        self._peers.start()
-        self.transport.set_listener(self._wake_from_transport)
-        self.control.set_link_listener(self._guarded_link)
-        self.control.start(self._loop, self._guarded_control)
+        try:
+            self.transport.register_regions(self.layout.regions)
+            self._peers.start()
+            self.transport.set_listener(self._wake_from_transport)
+            self.control.set_link_listener(self._guarded_link)
+            self.control.start(self._loop, self._guarded_control, self._record_crash)
+        except BaseException:
+            await self.aclose()  # all or nothing: a failed start leaves nothing open
+            raise
         self._state = "running"
         self._idle.set()
         self._traffic = False
         self.transport.expect_traffic(False)
+
+    def _close_owned(self) -> list[Exception]:
+        """Stop the threads (if a job started them), unhook and close the transport, close the
+        control channel: each whatever the others did.  What they raised, in order."""
+        failed: list[Exception] = []
+        steps = (
+            partial(self._submitter.close, 5.0),
+            partial(self._peers.worker.close, 5.0),
+            partial(self.transport.set_listener, None),
+            self.transport.close,
+            self.control.close,
+        )
+        for step in steps:
+            try:
+                step()
+            except Exception as exc:
+                failed.append(exc)
+        return failed
 
     async def __aenter__(self) -> Engine:
         await self.start()
@@ -195,20 +209,19 @@ class Engine:
         """
         if self._state in ("closing", "closed"):
             return
-        if self._state == "new":
+        if self._state == "new":  # never ran: its threads (if a job started them), transport, channel
             self._state = "closed"
+            for exc in self._close_owned():
+                log.error("%s: closing an engine that never ran: %r", self.engine_id, exc)
             return
         self._state = "closing"
         limit = drain_timeout if drain_timeout is not None else self.config.drain_timeout
         await self.memory.wind_down("engine closing", limit, self.config.core.fence_timeout)
         self._peers.associate(self.assoc.goodbye_all("engine closing"))
         self._peers.handshakes.close(self.engine_id)
-        self._cancel_timer()
-        self._submitter.close(timeout=5.0)
-        self._peers.worker.close(timeout=5.0)
-        self.transport.set_listener(None)
-        self.transport.close()
-        self.control.close()
+        self._timer.cancel()
+        for exc in self._close_owned():
+            self._record_crash(exc)
         self._state = "closed"
         if self._peers.failed_removals:  # their blocks stay quarantined: no op of theirs was fenced
             log.error("%s: closed without removing peers %s", self.engine_id, sorted(self._peers.failed_removals))
@@ -526,21 +539,10 @@ class Engine:
     def _arm_timer(self) -> None:
         core, liveness = self.core.next_deadline(), self.assoc.liveness.next_deadline()
         when = liveness if core is None else core if liveness is None else min(core, liveness)
-        if when == self._timer_at:
-            return
-        self._cancel_timer()
-        if when is None or self._loop is None:
-            return
-        self._timer_at = when
-        self._timer = self._loop.call_later(max(when - self._now(), 0.0), self._guard, self._on_timer)
-
-    def _cancel_timer(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-        self._timer, self._timer_at = None, None
+        self._timer.arm(self._loop, when, self._now, partial(self._guard, self._on_timer))
 
     def _on_timer(self) -> None:
-        self._timer, self._timer_at = None, None
+        self._timer.fired()
         now = self._now()
         self._peers.associate(self.assoc.tick(now))
         self._run(self.core.timer(now))

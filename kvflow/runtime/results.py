@@ -16,7 +16,19 @@ from kvflow.errors import TransferFailed, TransferTimeout
 from kvflow.protocol.messages import TransferKey
 from kvflow.protocol.state import Outcome, Role
 
-__all__ = ("TransferHandle", "TransferResult", "keep", "open_handle")
+__all__ = ("ENGINE_COUNTERS", "TransferHandle", "TransferResult", "keep", "open_handle")
+
+ENGINE_COUNTERS = (  # an engine's own counters (`Engine.counters`, in its stats)
+    "messages_from_unknown_peers",
+    "sends_failed",
+    "notifications_from_unknown",
+    "peers_refused",
+    "peer_removals_failed",  # a transport's remove_peer raised (retried: see peering)
+    "released_dropped",
+    "finished_dropped",
+    "bytes_written",  # by the WRITEs this engine submitted (push P)
+    "bytes_read",  # by the READs this engine submitted (pull D)
+)
 
 
 @dataclass(frozen=True, slots=True)

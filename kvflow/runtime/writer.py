@@ -35,7 +35,9 @@ class Submitter(Protocol):
 
 class WriterThread:
     """One daemon thread running jobs in order; a job's exception goes to `on_error`.
-    `thread_setup` runs first on the thread (a GPU host binds it to its device there)."""
+    `thread_setup` runs first on the thread (a GPU host binds it to its device there).  The
+    thread starts with the first job, so that an engine never started (or whose start failed)
+    leaves none behind."""
 
     def __init__(
         self, name: str, on_error: Callable[[BaseException], None], *, thread_setup: Callable[[], None] | None = None
@@ -46,23 +48,35 @@ class WriterThread:
         self._on_error = on_error
         self._thread_setup = thread_setup
         self._closed = False
+        self._started = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
 
     def submit(self, job: Job) -> None:
-        if self._closed:
-            raise EngineClosed("writer thread is closed")
         with self._count:
+            if self._closed:
+                raise EngineClosed("writer thread is closed")
             self._pending += 1
+            if not self._started:
+                self._started = True
+                self._thread.start()
         self._jobs.put(job)
+
+    @property
+    def alive(self) -> bool:
+        """Whether the thread runs now (it starts with the first job, ends once closed)."""
+        return self._thread.is_alive()
 
     def idle(self) -> bool:
         return self._pending == 0
 
     def close(self, timeout: float) -> None:
-        if self._closed:
-            return
-        self._closed = True
+        with self._count:
+            if self._closed:
+                return
+            self._closed = True
+            started = self._started
+        if not started:
+            return  # no thread to stop
         self._jobs.put(None)
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout)

@@ -595,3 +595,5 @@ class StandInEngine:
                 for tensor in rank.kv_caches.values():
                     _DEVICES.pop(int(tensor.untyped_storage().data_ptr()), None)
                 rank.device.close()
+        if not _DEVICES:  # no lagging device left: tensors are the host's own again
+            set_device_resolver(None)
