@@ -28,10 +28,9 @@ TREES = {
     "examples": "examples",
 }
 
-# (file, name) -> why: the only underscore names read on objects other than self/cls.  None is
-# needed today: vLLM's `_kv_cache_manager` is read by the connector on itself (it subclasses
-# vLLM's connector base, which keeps it), and numpy, zmq, torch and NIXL are used through their
-# public APIs only.
+# (file, name) -> why: the only underscore names read on objects other than self/cls (numpy,
+# zmq, torch and NIXL are used through their public APIs only; the connector keeps vLLM's KV
+# cache manager from the public `bind_kv_cache_manager`, not from its base class's private).
 THIRD_PARTY_PRIVATE: dict[tuple[str, str], str] = {
     # vLLM's Request keeps its prompt twice (prompt_token_ids and _all_token_ids) and has no
     # method that shortens it; P leaves a Mamba model's last prompt token for D as vLLM's own

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 import pytest
 from vllm.v1.request import RequestStatus
 
+from kvflow.errors import ConfigError
 from kvflow.integrations.vllm import worker as worker_side
 from kvflow.integrations.vllm.standin import StandInEngine
 from kvflow.transports.loopback import FaultPlan, LoopbackFabric
@@ -232,3 +233,20 @@ def test_a_write_failing_on_one_rank_fails_the_request_on_every_rank() -> None:
     extra = {"fabric": name, "transfer_timeout": 600.0, "push_layer_groups": 1}
     p, d = make_pair(extra=extra, tensor_parallel=2)
     decode_fails_long_before_its_deadline(p, d, "t11")
+
+
+def test_a_connector_vllm_bound_no_kv_cache_manager_to_says_so_instead_of_failing_every_transfer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Without the manager P cannot read a request's blocks: every transfer would end as
+    "prefill request ended early", naming the wrong cause.  The step names the missing binding."""
+    p, d = make_pair()
+    try:
+        assert p.connector._manager is p.scheduler.kv_cache_manager  # bound by vLLM's own scheduler
+        monkeypatch.setattr(p.connector, "_manager", None)  # a vLLM that never binds it
+        dispatch(p, d, "unbound", 2 * BLOCK_SIZE)
+        with pytest.raises(ConfigError, match="bound no KV cache manager.*bind_kv_cache_manager"):
+            run((p,), lambda: False, limit=10.0)
+    finally:
+        d.close()
+        p.close()

@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats, PromMetric, PromMetricT
     from vllm.forward_context import ForwardContext
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
@@ -132,6 +132,7 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
         self._meter: RankMeter | None = None
         self._scheduler_counted: dict[str, int] = {}
         self._left_for_decode: set[str] = set()  # P requests whose last prompt token D computes
+        self._manager: KVCacheManager | None = None  # vLLM's scheduler binds it (the block tables)
         # With prefix caching a consumer receives only the blocks after a request's local hit,
         # and vLLM shares received blocks only once their load completed (see mapping.py).
         prefix_caching = bool(vllm_config.cache_config.enable_prefix_caching)
@@ -210,16 +211,29 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
         book = self._scheduler()
         for request_id in scheduler_output.preempted_req_ids or ():
             book.preempted(request_id)
-        manager = getattr(self, "_kv_cache_manager", None)
-        if manager is not None:
-            steps = [(r.req_id, r.num_computed_tokens) for r in scheduler_output.scheduled_new_reqs]
-            cached = scheduler_output.scheduled_cached_reqs
-            steps += list(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
-            for request_id, computed in steps:
-                if book.producing(request_id):  # the block tables of the requests that hand KV over only
-                    scheduled = scheduler_output.num_scheduled_tokens.get(request_id, 0)
-                    book.scheduled(request_id, computed, scheduled, _request_block_ids(manager, request_id))
+        steps = [(r.req_id, r.num_computed_tokens) for r in scheduler_output.scheduled_new_reqs]
+        cached = scheduler_output.scheduled_cached_reqs
+        steps += list(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+        for request_id, computed in steps:
+            if book.producing(request_id):  # the block tables of the requests that hand KV over only
+                scheduled = scheduler_output.num_scheduled_tokens.get(request_id, 0)
+                book.scheduled(request_id, computed, scheduled, _request_block_ids(self._bound_manager(), request_id))
         return KVFlowMetadata(book.take_orders())
+
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
+        """vLLM's scheduler hands its KV cache manager over: the block tables of the requests P
+        hands over are read from it."""
+        super().bind_kv_cache_manager(kv_cache_manager)
+        self._manager = kv_cache_manager
+
+    def _bound_manager(self) -> KVCacheManager:
+        """:raises ConfigError: vLLM's scheduler bound no KV cache manager to this connector."""
+        if self._manager is None:
+            raise ConfigError(
+                "vLLM's scheduler bound no KV cache manager to the kvflow connector (bind_kv_cache_manager): "
+                "the blocks of the requests P hands over cannot be read; is this vLLM one kvflow supports?"
+            )
+        return self._manager
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._left_for_decode.discard(request.request_id)
