@@ -18,7 +18,6 @@ import hashlib
 import json
 import os
 import secrets
-import statistics
 import subprocess
 import sys
 import time
@@ -31,6 +30,7 @@ from kvflow.layout.buffers import region_of
 from kvflow.protocol.state import Mode
 from kvflow.runtime.engine import Engine, EngineConfig
 from kvflow.runtime.loop import run
+from kvflow.runtime.meter import quantile
 from kvflow.transports.shm import ShmTransport
 
 SPEC = KVSpec(num_layers=8, block_size=16, num_kv_heads=8, head_dim=128, dtype="bfloat16")
@@ -104,10 +104,10 @@ async def decode_side(args: argparse.Namespace, child: subprocess.Popen[str]) ->
                     waits.append((time.perf_counter() - started) * 1e3)
                     reported = json.loads(await asyncio.to_thread(child.stdout.readline))
                     equal += result.ok and reported["digest"] == digest(layers, d_blocks)
-                p90 = sorted(waits)[int(0.9 * (len(waits) - 1))]
+                p90 = quantile(waits, 0.9)
                 mib = args.blocks * per_block / 2**20
                 print(
-                    f"{mode.value:<5} {len(waits):>9} {mib:>8.2f} {statistics.median(waits):>8.2f} {p90:>8.2f}  "
+                    f"{mode.value:<5} {len(waits):>9} {mib:>8.2f} {quantile(waits, 0.5):>8.2f} {p90:>8.2f}  "
                     f"{equal}/{len(waits)} equal"
                 )
             stats = engine.stats()

@@ -113,3 +113,30 @@ def test_a_transfers_seconds_run_from_its_first_op_asked_to_its_outcome() -> Non
     [sample] = meter.take().samples
     assert (sample.seconds, sample.nbytes, sample.descriptors) == (0.75, 8192, 3)
     assert sample.post_seconds == pytest.approx(0.003)
+
+
+def test_every_reading_is_the_takers_own_even_an_empty_one() -> None:
+    """One caller adding to what it took must not show in another caller's reading."""
+    meter = TransferMeter()
+    first = meter.take()
+    first.samples.append(None)  # type: ignore[arg-type]
+    first.outcomes["succeeded"] = 99
+    second = meter.take()
+    assert second.samples == [] and second.outcomes == {} and second is not first
+
+
+def test_one_quantile_for_every_figure_linear_between_closest_ranks() -> None:
+    import math
+
+    from kvflow.errors import ConfigError
+    from kvflow.runtime.meter import quantile
+
+    samples = list(range(1, 11))
+    assert [quantile(samples, q) for q in (0.5, 0.9, 0.99)] == pytest.approx([5.5, 9.1, 9.91])
+    assert quantile([7.0], 0.9) == 7.0 and quantile(reversed(samples), 0.0) == 1 and quantile(samples, 1.0) == 10
+    assert math.isnan(quantile([], 0.5))
+    for bad_q in (-0.1, 1.5, math.nan):
+        with pytest.raises(ConfigError, match="between 0 and 1"):
+            quantile(samples, bad_q)
+    with pytest.raises(ConfigError, match="non-finite"):
+        quantile([1.0, math.inf], 0.5)

@@ -49,10 +49,11 @@ from pathlib import Path
 from typing import Any
 
 from kvflow.errors import BenchError, ConfigError
-from kvflow.integrations.vllm.bench_report import Cell, quantile, render, render_hooks, summarize, verdict
+from kvflow.integrations.vllm.bench_report import Cell, render, render_hooks, summarize, verdict
 from kvflow.integrations.vllm.params import SEQUENTIAL_PREFILL_PARAMS
 from kvflow.integrations.vllm.runner import EngineSpec, spec_line
 from kvflow.integrations.vllm.standin.model import EngineOptions, ModelShape
+from kvflow.runtime.meter import quantile
 
 __all__ = ("CONNECTORS", "Cell", "main", "run")
 

@@ -12,7 +12,9 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ("Cell", "quantile", "render", "render_hooks", "summarize", "verdict")
+from kvflow.runtime.meter import quantile
+
+__all__ = ("Cell", "render", "render_hooks", "summarize", "verdict")
 
 
 @dataclass
@@ -39,13 +41,6 @@ class Cell:
     bytes_verified: int = 0
     bad_pages: int = 0
     failed: int = 0
-
-
-def quantile(values: list[float] | list[int], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return float(ordered[min(len(ordered) - 1, int(q * len(ordered)))])
 
 
 def summarize(cells: list[Cell]) -> list[dict[str, Any]]:

@@ -44,6 +44,7 @@ from vllm.v1.metrics.utils import create_metric_per_engine
 from kvflow.errors import KVFlowError
 from kvflow.integrations.vllm.links import EngineLink
 from kvflow.protocol.state import Outcome, State
+from kvflow.runtime.meter import quantile
 
 __all__ = ("IN_FLIGHT_STATES", "KVFlowConnectorStats", "KVFlowPromMetrics", "RankMeter", "counter_deltas")
 
@@ -132,7 +133,7 @@ class KVFlowConnectorStats(KVConnectorStats):
             summary.update(
                 {
                     "Avg xfer time (ms)": round(float(seconds.mean()) * 1e3, 3),
-                    "P90 xfer time (ms)": round(float(np.percentile(seconds, 90)) * 1e3, 3),
+                    "P90 xfer time (ms)": round(quantile(seconds.tolist(), 0.9) * 1e3, 3),
                     "Avg post time (ms)": round(float(posting.mean()) * 1e3, 3),
                     "Avg MB per transfer": round(float(mb.mean()), 3),
                     "Throughput (MB/s)": round(float(mb.sum()) / total, 3) if total > 0 else 0.0,

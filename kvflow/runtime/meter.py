@@ -15,18 +15,45 @@ completed, before D's verdict: the sample is taken then, so it reaches the host 
 step that hands the blocks back; the verdict is counted in `outcomes` when it comes (both
 sides).  Samples nobody takes are bounded: the oldest are dropped (and counted) past
 `max_samples`.
+
+`quantile` is the one percentile every figure kvflow reports uses (metrics and benchmarks
+alike), so that a p90 means the same thing in every table.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import Counter, deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from kvflow.errors import ConfigError
 from kvflow.protocol.messages import TransferKey
 from kvflow.protocol.state import Outcome, Role
 
-__all__ = ("MeterReading", "TransferMeter", "TransferSample")
+__all__ = ("QUANTILE_METHOD", "MeterReading", "TransferMeter", "TransferSample", "quantile")
+
+QUANTILE_METHOD = "linear interpolation between closest ranks (numpy's default)"
+
+
+def quantile(values: Iterable[float], q: float) -> float:
+    """The `q`-quantile of `values` (0 <= q <= 1), by `QUANTILE_METHOD`: for the samples
+    1..10, p50 is 5.5, p90 9.1 and p99 9.91.  NaN when there are no values.
+
+    :raises ConfigError: `q` is outside [0, 1], or a value is not a finite number.
+    """
+    if not 0.0 <= q <= 1.0:
+        raise ConfigError(f"a quantile is between 0 and 1, not {q!r}")
+    ordered = sorted(float(v) for v in values)
+    if any(not math.isfinite(v) for v in ordered):
+        raise ConfigError(f"the quantile of a non-finite value: {next(v for v in ordered if not math.isfinite(v))}")
+    if not ordered:
+        return math.nan
+    position = q * (len(ordered) - 1)
+    low = math.floor(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,9 +73,6 @@ class MeterReading:
     samples: list[TransferSample] = field(default_factory=list)
     outcomes: dict[str, int] = field(default_factory=dict)  # Outcome value -> transfers, both sides
     dropped: int = 0  # samples dropped because nobody took them in time
-
-
-EMPTY = MeterReading()
 
 
 @dataclass
@@ -104,9 +128,10 @@ class TransferMeter:
         self._decide(key, role, outcome, now)
 
     def take(self) -> MeterReading:
-        """Everything since the previous call; never blocks on the engine's loop."""
+        """Everything since the previous call, a reading of the caller's own (a new one each
+        time, even when empty); never blocks on the engine's loop."""
         if not (self._samples or self._outcomes or self._dropped):
-            return EMPTY  # nothing to swap (what the loop adds meanwhile waits for the next call)
+            return MeterReading()  # nothing to swap (what the loop adds meanwhile waits for the next call)
         with self._lock:
             reading = MeterReading(list(self._samples), dict(self._outcomes), self._dropped)
             self._samples.clear()

@@ -38,6 +38,7 @@ from kvflow.layout.buffers import region_of
 from kvflow.protocol.core import CoreConfig
 from kvflow.runtime.engine import Engine, EngineConfig
 from kvflow.runtime.loop import run
+from kvflow.runtime.meter import quantile
 from kvflow.runtime.results import TransferHandle
 from kvflow.transports.loopback import LoopbackFabric
 from kvflow.transports.shm import ShmTransport
@@ -141,8 +142,8 @@ def cell(mode: str, size: int, window: int, outcome: Outcome, other: dict[int, f
     """`other`: when the other process's side of each transfer ended (a transfer ends with both)."""
     began, finished, failed = outcome
     ends = {i: max(t, (other or {}).get(i, t)) for i, t in finished.items()}
-    latencies = np.array([ends[i] - began[i] for i in ends]) * 1e3
-    ms = np.percentile(latencies, [50, 90, 99]) if len(latencies) else np.zeros(3)
+    latencies = [(ends[i] - began[i]) * 1e3 for i in ends]
+    ms = [quantile(latencies, q) if latencies else 0.0 for q in (0.5, 0.9, 0.99)]
     span = max(ends.values()) - min(began.values()) if ends else 0.0
     rate = len(ends) / span if span > 0 else 0.0
     return Cell(mode, size, window, len(ends), rate, float(ms[0]), float(ms[1]), float(ms[2]), failed)

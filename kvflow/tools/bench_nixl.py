@@ -18,7 +18,6 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -33,6 +32,7 @@ from kvflow.errors import BenchError
 from kvflow.layout import DescriptorPlan, KVLayout, KVSpec, plan_transfer
 from kvflow.layout.buffers import region_of
 from kvflow.protocol.actions import OpKind
+from kvflow.runtime.meter import quantile
 from kvflow.transports.nixl import NixlTransport, load_nixl
 
 __all__ = ("Row", "main", "run")
@@ -67,8 +67,7 @@ def _time_all(ops: dict[str, Callable[[], Any]], repeats: int) -> dict[str, tupl
             samples[name].append((time.perf_counter() - started) * 1e6)
     out = {}
     for name, values in samples.items():
-        values.sort()
-        out[name] = (statistics.median(values), values[min(len(values) - 1, int(0.9 * len(values)))])
+        out[name] = (quantile(values, 0.5), quantile(values, 0.9))
     return out
 
 

@@ -27,7 +27,6 @@ import argparse
 import asyncio
 import json
 import os
-import statistics
 import sys
 import time
 from collections import Counter
@@ -41,7 +40,7 @@ import aiohttp
 
 from kvflow.errors import BenchError
 from kvflow.integrations.vllm import router
-from kvflow.integrations.vllm.bench_report import quantile
+from kvflow.runtime.meter import quantile
 from kvflow.tools.router_stand import (
     MIB,
     WAIT,
@@ -267,7 +266,7 @@ async def latency(config: RouterBenchConfig, live: Stand) -> dict[str, Any]:
     return {
         "requests": config.requests,
         "statuses": {str(k): v for k, v in sorted(statuses.items())},
-        "median_ms": statistics.median(ordered) * 1e3,
+        "median_ms": quantile(ordered, 0.5) * 1e3,
         "p90_ms": quantile(ordered, 0.9) * 1e3,
         "router_cpu_ms_per_request": cpu * 1e3 / config.requests,
     }

@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import random
-import statistics
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kvflow.integrations.vllm.bench_report import quantile
 from kvflow.integrations.vllm.params_fuzz import hostile_params
+from kvflow.runtime.meter import quantile
 from kvflow.tools.router_stand import Backends, Stand, stand
 
 __all__ = ("MARK", "RouterFuzzReport", "run_router_fuzz")
@@ -63,8 +62,8 @@ class RouterFuzzReport:
 
 
 def _spread(samples: list[float]) -> tuple[float, float]:
-    """Median and p90 (`bench_report.quantile`, as the other router figures) in milliseconds."""
-    return (round(statistics.median(samples) * 1e3, 2), round(quantile(samples, 0.9) * 1e3, 2))
+    """Median and p90 (`kvflow.runtime.meter.quantile`, as every figure) in milliseconds."""
+    return (round(quantile(samples, 0.5) * 1e3, 2), round(quantile(samples, 0.9) * 1e3, 2))
 
 
 async def _genuine(live: Stand) -> float:

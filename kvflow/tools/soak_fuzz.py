@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import statistics
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from kvflow.runtime.meter import quantile
 
 __all__ = ("Fuzzer", "latency", "render_fuzz")
 
@@ -87,13 +88,12 @@ def latency(transfers: list[tuple[float, float, str]]) -> dict[str, Any]:
     if not transfers:
         return {"n": 0}
     ms = sorted((end - start) * 1000 for start, end, _ in transfers)
-    p99 = ms[min(int(len(ms) * 0.99), len(ms) - 1)]
     failed = sum(1 for *_, outcome in transfers if outcome != "succeeded")
     return {
         "n": len(ms),
         "failed": failed,
-        "p50_ms": round(statistics.median(ms), 1),
-        "p99_ms": round(p99, 1),
+        "p50_ms": round(quantile(ms, 0.5), 1),
+        "p99_ms": round(quantile(ms, 0.99), 1),
         "max_ms": round(ms[-1], 1),
     }
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from kvflow.errors import ConfigError
+from kvflow.runtime.meter import quantile
 
 __all__ = (
     "BASELINES",
@@ -112,25 +113,17 @@ SCHEMA: dict[str, Any] = {
 
 
 def percentiles(values: Iterable[float]) -> dict[str, float | None]:
-    """p50, p90, p99 (linear interpolation between closest ranks, as numpy's default) and mean.
+    """p50, p90, p99 (`kvflow.runtime.meter.quantile`, the one every figure uses) and mean.
 
     No sample gives ``None`` for each (JSON null, shown as "—"), never NaN, which JSON cannot hold.
 
     :raises ConfigError: a value is not a finite number.
     """
     ordered = sorted(float(v) for v in values)
-    if any(not math.isfinite(v) for v in ordered):
-        raise ConfigError(f"percentiles of a non-finite value: {[v for v in ordered if not math.isfinite(v)][0]}")
     if not ordered:
         return {"p50": None, "p90": None, "p99": None, "mean": None}
-
-    def at(q: float) -> float:
-        position = q * (len(ordered) - 1)
-        low = math.floor(position)
-        high = min(low + 1, len(ordered) - 1)
-        return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
-
-    return {"p50": at(0.5), "p90": at(0.9), "p99": at(0.99), "mean": math.fsum(ordered) / len(ordered)}
+    p50, p90, p99 = (quantile(ordered, q) for q in (0.5, 0.9, 0.99))
+    return {"p50": p50, "p90": p90, "p99": p99, "mean": math.fsum(ordered) / len(ordered)}
 
 
 def validate(results: object) -> dict[str, Any]:
