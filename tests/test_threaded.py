@@ -105,3 +105,15 @@ def test_a_batch_starts_its_calls_together_in_order_when_it_ends() -> None:
     finally:
         thread.close()
         fabric.close()
+
+
+@pytest.mark.parametrize("name", ["expect", "kv_ready", "abort"])
+def test_the_thread_facade_takes_exactly_what_the_engine_takes(name: str) -> None:
+    """A parameter added to the engine and not to its thread facade (D's `share`, an abort's
+    `peer`) made callers route around the facade; a renamed one (`ttl`) made them guess."""
+    import inspect
+
+    def shape(function: Any) -> list[tuple[str, Any, Any]]:
+        return [(p.name, p.kind, p.default) for p in inspect.signature(function).parameters.values()]
+
+    assert shape(getattr(EngineThread, name)) == shape(getattr(Engine, name))

@@ -154,11 +154,15 @@ class EngineThread:
         block_ids: Sequence[int],
         mode: Mode = Mode.PUSH,
         expected_batches: int = 1,
-        ttl: float | None = None,
+        timeout: float | None = None,
         first_position: int = 0,
+        share: str = "",
         layers: tuple[int, int] | None = None,
     ) -> concurrent.futures.Future[Any]:
-        """`Engine.expect` on the engine thread.  :raises EngineClosed: the thread has stopped."""
+        """`Engine.expect` on the engine thread, with the same parameters.
+
+        :raises EngineClosed: the thread has stopped.
+        """
         ids = list(block_ids)
         return self.call(
             lambda e: e.expect(
@@ -168,8 +172,9 @@ class EngineThread:
                 block_ids=ids,
                 mode=mode,
                 expected_batches=expected_batches,
-                timeout=ttl,
+                timeout=timeout,
                 first_position=first_position,
+                share=share,
                 layers=layers,
             )
         )
@@ -185,9 +190,12 @@ class EngineThread:
         layers: tuple[int, int] | None = None,
         mode: Mode = Mode.PUSH,
         peer: str | None = None,
-        ttl: float | None = None,
+        timeout: float | None = None,
     ) -> concurrent.futures.Future[Any]:
-        """`Engine.kv_ready` on the engine thread.  :raises EngineClosed: the thread has stopped."""
+        """`Engine.kv_ready` on the engine thread, with the same parameters.
+
+        :raises EngineClosed: the thread has stopped.
+        """
         ids = list(block_ids)
         return self.call(
             lambda e: e.kv_ready(
@@ -199,15 +207,25 @@ class EngineThread:
                 layers=layers,
                 mode=mode,
                 peer=peer,
-                timeout=ttl,
+                timeout=timeout,
             )
         )
 
     def abort(
-        self, transfer_id: str, epoch: int, role: Role, reason: str = "aborted by caller"
+        self,
+        transfer_id: str,
+        epoch: int,
+        role: Role,
+        reason: str = "aborted by caller",
+        *,
+        peer: str | None = None,
+        mode: Mode = Mode.PUSH,
     ) -> concurrent.futures.Future[None]:
-        """`Engine.abort` on the engine thread.  :raises EngineClosed: the thread has stopped."""
-        return self.call(lambda e: e.abort(transfer_id, epoch, role, reason))
+        """`Engine.abort` on the engine thread, with the same parameters.
+
+        :raises EngineClosed: the thread has stopped.
+        """
+        return self.call(lambda e: e.abort(transfer_id, epoch, role, reason, peer=peer, mode=mode))
 
     # ------------------------------------------------------------------ reading results
 
