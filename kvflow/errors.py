@@ -4,8 +4,8 @@ Why a single module: every exception kvflow raises is defined here and derives f
 `KVFlowError`, and every public function documents what it raises, so a caller that catches
 `KVFlowError` catches every failure kvflow reports.  A few also derive from the builtin a caller
 would reach for: `UnknownTransfer` is a `KeyError`, `InvalidBatch` and `ConfigError` are
-`ValueError`s, `UnknownTransport` a `LookupError`, `TransferTimeout` a `TimeoutError` and
-`UsageError` a `RuntimeError`.
+`ValueError`s, `UnknownTransport` a `LookupError`, `Timeout` (a transfer's, a handshake's or an
+engine's) a `TimeoutError` and `UsageError` a `RuntimeError`.
 
 The rule at the edges: a backend library's exception is mapped only where the library documents
 it as the failure of a call, and only those types, chained with ``from`` (`map_exceptions`, or an
@@ -45,6 +45,8 @@ __all__ = (
     "EngineAsleep",
     "EngineClosed",
     "EngineCrashed",
+    "EngineTimeout",
+    "HandshakeTimeout",
     "InvalidBatch",
     "InvalidTransition",
     "KVFlowError",
@@ -59,6 +61,7 @@ __all__ = (
     "RequestRefused",
     "ServerFailed",
     "StaleEpoch",
+    "Timeout",
     "TransferFailed",
     "TransferTimeout",
     "TransportError",
@@ -210,8 +213,20 @@ class TransferFailed(KVFlowError):
         super().__init__(f"transfer {transfer!r} {outcome}: {reason}")
 
 
-class TransferTimeout(KVFlowError, TimeoutError):
-    """A wait ran past its deadline."""
+class Timeout(KVFlowError, TimeoutError):
+    """A wait ran past its deadline; the subclasses say what was waited for."""
+
+
+class TransferTimeout(Timeout):
+    """A transfer's outcome (or the device's writing of its KV) was not there by the deadline."""
+
+
+class HandshakeTimeout(Timeout):
+    """A peer did not answer a handshake by the deadline."""
+
+
+class EngineTimeout(Timeout):
+    """An engine's thread or process did not start, answer or close by the deadline."""
 
 
 class TransportError(KVFlowError):

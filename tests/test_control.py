@@ -20,7 +20,7 @@ from kvflow.control import wire
 from kvflow.control.auth import Secret
 from kvflow.control.channel import MAX_CLOCK_SKEW, LocalControlHub, incarnation_ceiling, new_incarnation
 from kvflow.control.zeromq import RECEIVE_QUEUE, YIELD_EVERY, ZmqControl, is_loopback
-from kvflow.errors import ConfigError, EngineClosed, PeerUnknown, PeerUnreachable, TransferTimeout, UsageError
+from kvflow.errors import ConfigError, EngineClosed, HandshakeTimeout, PeerUnknown, PeerUnreachable, UsageError
 from kvflow.protocol.messages import (
     MAX_EPOCH,
     ControlMessage,
@@ -191,7 +191,7 @@ def test_a_connection_flood_costs_the_event_loop_no_turn_per_connection() -> Non
 async def test_a_peer_with_another_secret_is_never_heard(caplog: pytest.LogCaptureFixture, curve: bool) -> None:
     engines = await make_pair(SECRET, Secret(b"another secret, same length!!"), connect=False, curve=curve)
     try:
-        with caplog.at_level(logging.WARNING, logger="kvflow.control.zeromq"), pytest.raises(TransferTimeout):
+        with caplog.at_level(logging.WARNING, logger="kvflow.control.zeromq"), pytest.raises(HandshakeTimeout):
             await engines.d.connect("P", engines.p.control.address, timeout=0.5)
         assert isinstance(engines.p.control, ZmqControl)
         counters = engines.p.control.counters

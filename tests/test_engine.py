@@ -17,11 +17,11 @@ from kvflow.errors import (
     ConfigError,
     EngineClosed,
     EngineCrashed,
+    HandshakeTimeout,
     InvalidBatch,
     InvalidTransition,
     LayoutMismatch,
     StaleEpoch,
-    TransferTimeout,
     TransportError,
     UnknownTransfer,
     UsageError,
@@ -269,7 +269,7 @@ async def pair_with_a_mute_prefill() -> EnginePair:
 async def test_handshake_with_nobody_answering_times_out() -> None:
     pair = await pair_with_a_mute_prefill()
     try:
-        with pytest.raises(TransferTimeout, match="handshake"):
+        with pytest.raises(HandshakeTimeout, match="handshake"):
             await pair.d.connect("P", timeout=0.1)
     finally:
         pair.hub.unregister("P")

@@ -14,7 +14,7 @@ from kvflow.control import wire
 from kvflow.control.auth import Secret
 from kvflow.control.hardening import curve_keys
 from kvflow.control.zeromq import ZmqControl
-from kvflow.errors import PeerProtocolError, TransferTimeout
+from kvflow.errors import HandshakeTimeout, PeerProtocolError
 from kvflow.layout import fingerprint, layout_to_wire
 from kvflow.protocol.association import (
     AddTransportPeer,
@@ -158,7 +158,7 @@ async def test_connects_nobody_answers_leave_no_connection_open(zmq_p: Zmq) -> N
     # ran out: some 340 of them filled the ZeroMQ context ("Too many open files").
     engine = zmq_p
     for n in range(40):
-        with pytest.raises(TransferTimeout):
+        with pytest.raises(HandshakeTimeout):
             await engine.p.connect(f"ghost{n}", "tcp://127.0.0.1:9", timeout=0.01)
     control = engine.p.control
     assert isinstance(control, ZmqControl) and control.connections == 0 and engine.p.peers() == []

@@ -9,7 +9,7 @@ import pytest
 
 from kvflow.control import wire
 from kvflow.control.channel import LocalControl
-from kvflow.errors import ConfigError, PeerProtocolError, TransferTimeout, TransportError
+from kvflow.errors import ConfigError, HandshakeTimeout, PeerProtocolError, TransportError
 from kvflow.layout import fingerprint, layout_to_wire
 from kvflow.protocol.actions import ReleaseBlocks
 from kvflow.protocol.association import (
@@ -290,7 +290,7 @@ async def test_a_handshake_asked_again_after_its_wait_ran_out_keeps_the_associat
 
     pair.hub.route = holding  # type: ignore[method-assign]
     try:
-        with pytest.raises(TransferTimeout):
+        with pytest.raises(HandshakeTimeout):
             await pair.d.connect("P", timeout=0.05)
         await eventually(lambda: pair.p.peers() == ["D"] and answers() == 1, "P associated, its answer held")
         pair.p_kv.fill([2], seed=4)

@@ -117,3 +117,20 @@ def test_the_thread_facade_takes_exactly_what_the_engine_takes(name: str) -> Non
         return [(p.name, p.kind, p.default) for p in inspect.signature(function).parameters.values()]
 
     assert shape(getattr(EngineThread, name)) == shape(getattr(Engine, name))
+
+
+def test_a_wait_that_runs_out_says_what_it_waited_for() -> None:
+    """A thread that cannot start is an engine's timeout, not a transfer's; all of them are
+    `Timeout`s and `TimeoutError`s, so one except clause still catches any."""
+    from kvflow.errors import EngineTimeout, HandshakeTimeout, Timeout, TransferTimeout
+
+    for kind in (EngineTimeout, HandshakeTimeout, TransferTimeout):
+        assert issubclass(kind, Timeout) and issubclass(kind, TimeoutError)
+    assert not issubclass(EngineTimeout, TransferTimeout) and not issubclass(HandshakeTimeout, TransferTimeout)
+
+    def never_built() -> Engine:
+        time.sleep(1.0)  # far past the start timeout below
+        raise AssertionError("a factory that took too long")
+
+    with pytest.raises(EngineTimeout, match="did not start within 0.2s"):
+        EngineThread(never_built, start_timeout=0.2)

@@ -15,7 +15,7 @@ import concurrent.futures
 import contextlib
 from typing import Any, Protocol
 
-from kvflow.errors import TransferTimeout
+from kvflow.errors import EngineTimeout
 from kvflow.integrations.vllm.rank_agent import RankAgent
 from kvflow.protocol.actions import ReleaseBlocks
 from kvflow.runtime.engine import Engine
@@ -42,7 +42,7 @@ class EngineLink(Protocol):
     def wait(self, future: concurrent.futures.Future[Any], timeout: float) -> Any:
         """Block until a command's `future` is settled (for what is not on a step's path, such
         as sleep mode's hooks); its result.  Released blocks stay for `poll_released`.
-        :raises TransferTimeout: not within `timeout` seconds.
+        :raises EngineTimeout: not within `timeout` seconds.
         :raises KVFlowError: what the command raised, or the engine has stopped."""
 
     def poll_released(self) -> list[ReleaseBlocks]:
@@ -56,7 +56,7 @@ class EngineLink(Protocol):
         """The engine object, where it lives in this process (for inspection), else None."""
 
     def close(self, timeout: float) -> None:
-        """Close the engine (draining it).  :raises EngineCrashed, TransferTimeout: see the implementations."""
+        """Close the engine (draining it).  :raises EngineCrashed, EngineTimeout: see the implementations."""
 
 
 class ThreadLink:
@@ -80,11 +80,11 @@ class ThreadLink:
         return self.thread.batch()
 
     def wait(self, future: concurrent.futures.Future[Any], timeout: float) -> Any:
-        """:raises TransferTimeout, KVFlowError: see `EngineLink.wait`."""
+        """:raises EngineTimeout, KVFlowError: see `EngineLink.wait`."""
         try:
             return future.result(timeout=timeout)
         except concurrent.futures.TimeoutError:
-            raise TransferTimeout(f"engine thread: no answer within {timeout}s") from None
+            raise EngineTimeout(f"engine thread: no answer within {timeout}s") from None
 
     def poll_released(self) -> list[ReleaseBlocks]:
         self.thread.poll_finished()  # outcomes are read from releases; keep the queue short
@@ -98,7 +98,7 @@ class ThreadLink:
         return self.thread.engine
 
     def close(self, timeout: float) -> None:
-        """:raises EngineCrashed, TransferTimeout: see `EngineThread.close`."""
+        """:raises EngineCrashed, EngineTimeout: see `EngineThread.close`."""
         agent = self._agent
         try:
             self.thread.close(timeout=timeout)
@@ -121,7 +121,7 @@ class ProcessLink:
         return self.process.batch()
 
     def wait(self, future: concurrent.futures.Future[Any], timeout: float) -> Any:
-        """:raises TransferTimeout, KVFlowError: see `EngineProcess.wait`."""
+        """:raises EngineTimeout, KVFlowError: see `EngineProcess.wait`."""
         return self.process.wait(future, timeout)
 
     def poll_released(self) -> list[ReleaseBlocks]:

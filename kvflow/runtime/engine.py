@@ -177,7 +177,7 @@ class Engine:
 
         :raises LayoutMismatch: the peer's KV layout differs (the message names the field).
         :raises PeerProtocolError: the peer refused us (for instance, another protocol version).
-        :raises TransferTimeout: no answer within `timeout` (default: the config's).
+        :raises HandshakeTimeout: no answer within `timeout` (default: the config's).
         :raises PeerUnknown: the control channel has no route to the peer.
         :raises PeerUnreachable: the control channel cannot send to the peer now.
         :raises PeerNotAllowed: `peer` or `address` is not on the config's `allowed_peers`.

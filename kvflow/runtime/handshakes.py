@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from kvflow.errors import EngineClosed, KVFlowError, TransferTimeout
+from kvflow.errors import EngineClosed, HandshakeTimeout, KVFlowError
 
 __all__ = ("Handshakes",)
 
@@ -48,7 +48,7 @@ class Handshakes:
     async def wait(self, peer: str, timeout: float) -> None:
         """Wait for the handshake with `peer`, if one is under way.
 
-        :raises TransferTimeout: no verdict within `timeout` seconds.
+        :raises HandshakeTimeout: no verdict within `timeout` seconds.
         :raises KVFlowError: the error the handshake failed with.
         """
         waiter = self._waiters.get(peer)
@@ -64,7 +64,7 @@ class Handshakes:
             if self._waiters.get(peer) is waiter:  # unanswered: the next connect starts over
                 del self._waiters[peer]
                 self._unanswered(peer)
-            raise TransferTimeout(f"handshake with {peer!r} got no answer within {timeout}s") from None
+            raise HandshakeTimeout(f"handshake with {peer!r} got no answer within {timeout}s") from None
         finally:
             if self._waiters.get(peer) is waiter and waiter.done():
                 del self._waiters[peer]

@@ -47,7 +47,7 @@ from typing import Any
 import msgpack
 
 import kvflow.errors as errors
-from kvflow.errors import ConfigError, EngineClosed, EngineCrashed, KVFlowError, TransferTimeout
+from kvflow.errors import ConfigError, EngineClosed, EngineCrashed, EngineTimeout, KVFlowError
 from kvflow.layout import KVLayout, layout_to_wire
 from kvflow.protocol.actions import ReleaseBlocks
 from kvflow.protocol.messages import TransferKey
@@ -200,7 +200,7 @@ class EngineProcess:
     meter are brought up to date by `pump`, which every reading method calls (a system call
     that returns at once when there is nothing to read).
 
-    :raises TransferTimeout: the child did not say ready within `start_timeout`.
+    :raises EngineTimeout: the child did not say ready within `start_timeout`.
     :raises KVFlowError: the child could not build or start its engine (the error it reported,
         by class); `TransportError` if the memory cannot be handed over.
     """
@@ -370,7 +370,7 @@ class EngineProcess:
         """Block until a call's `future` is settled, reading what the child sends meanwhile
         (released blocks stay queued for `poll_released`); its result.
 
-        :raises TransferTimeout: not settled within `timeout` seconds.
+        :raises EngineTimeout: not settled within `timeout` seconds.
         :raises EngineClosed: the engine process is gone.
         :raises KVFlowError: what the call raised in the engine process.
         """
@@ -378,7 +378,7 @@ class EngineProcess:
         while not future.done():
             left = deadline - time.monotonic()
             if left <= 0:
-                raise TransferTimeout(f"engine process of {self.engine_id!r}: no answer within {timeout}s")
+                raise EngineTimeout(f"engine process of {self.engine_id!r}: no answer within {timeout}s")
             if self.dead is not None:
                 raise EngineClosed(f"engine process of {self.engine_id!r} is gone: {self.dead}")
             select.select([self._sock], [], [], min(left, 0.1))
@@ -436,14 +436,14 @@ class EngineProcess:
     def _wait_for(self, kinds: tuple[str, ...], timeout: float, what: str) -> list[Any]:
         """Block (the socket in blocking mode) until a record of `kinds` comes; the others are taken.
 
-        :raises TransferTimeout: none within `timeout`.
+        :raises EngineTimeout: none within `timeout`.
         :raises EngineCrashed: the process ended first.
         """
         deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise TransferTimeout(f"engine process of {self.engine_id!r} did not {what} within {timeout}s")
+                raise EngineTimeout(f"engine process of {self.engine_id!r} did not {what} within {timeout}s")
             readable, _, _ = select.select([self._sock], [], [], min(left, 1.0))
             if not readable:
                 if self.proc.poll() is not None:

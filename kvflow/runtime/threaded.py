@@ -16,7 +16,7 @@ import threading
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
-from kvflow.errors import EngineClosed, TransferTimeout
+from kvflow.errors import EngineClosed, EngineTimeout
 from kvflow.protocol.actions import ReleaseBlocks
 from kvflow.protocol.state import Mode, Role
 from kvflow.runtime.engine import Engine
@@ -37,7 +37,7 @@ class EngineThread:
     Each submitting method returns a future that carries what the engine method it calls
     returns or raises (see `Engine`); the method itself raises only `EngineClosed`.
 
-    :raises TransferTimeout: the engine did not start within `start_timeout`.
+    :raises EngineTimeout: the engine did not start within `start_timeout`.
     :raises TransportError: the transport refused the engine's memory (from `Engine.start`);
         whatever `factory` or `thread_setup` raised propagates as it is.
     """
@@ -59,7 +59,7 @@ class EngineThread:
         try:
             self.engine = self._ready.result(timeout=start_timeout)
         except concurrent.futures.TimeoutError:
-            raise TransferTimeout(f"engine thread {name!r} did not start within {start_timeout}s") from None
+            raise EngineTimeout(f"engine thread {name!r} did not start within {start_timeout}s") from None
 
     def _run(self, factory: Callable[[], Engine], thread_setup: Callable[[], None] | None) -> None:
         asyncio.set_event_loop(self._loop)
@@ -241,7 +241,7 @@ class EngineThread:
         """Close the engine (draining it) and stop the thread; waits at most `timeout` seconds.
 
         :raises EngineCrashed: the engine recorded a background failure.
-        :raises TransferTimeout: closing took longer than `timeout`.
+        :raises EngineTimeout: closing took longer than `timeout`.
         :raises EngineClosed: the engine thread had stopped without closing the engine.
         """
         if self._loop.is_closed():
@@ -250,7 +250,7 @@ class EngineThread:
         try:
             future.result(timeout=timeout)
         except concurrent.futures.TimeoutError:
-            raise TransferTimeout(f"engine did not close within {timeout}s") from None
+            raise EngineTimeout(f"engine did not close within {timeout}s") from None
         finally:
             if not self._loop.is_closed():
                 self._loop.call_soon_threadsafe(self._loop.stop)
