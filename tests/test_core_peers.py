@@ -306,3 +306,22 @@ async def test_between_engines_decodes_done_before_the_writes_completion() -> No
         assert pair.p.stats()["protocol_violations"] == 0 and pair.p.stats()["held_blocks"] == 0
     finally:
         await pair.close()
+
+
+def test_a_peer_event_the_table_refuses_in_this_state_changes_nothing_and_is_counted() -> None:
+    """The inbox asks the table before it changes anything of a machine: a Ready reaching a
+    pull D in a state whose row refuses it (here: failing, with no remote blocks yet) leaves
+    the machine as it was, instead of recording P's blocks and then failing in the table."""
+    from kvflow.protocol.core import TransferCore
+    from kvflow.protocol.messages import Ready, TransferKey
+    from kvflow.protocol.state import Mode, Role, State
+
+    d = TransferCore("D", num_layers=2)
+    d.peer_connected("P", 0.0)
+    key = TransferKey("t", 1)
+    d.expect(key, peer="P", mode=Mode.PULL, block_ids=[3, 4], deadline=60.0, now=0.0)
+    m = d.machine(key, Role.DECODE)
+    m.state = State.FAILING  # a state no reachable path gives it without P's blocks: forced
+    assert d.receive("P", Ready(key, (7, 8)), 1.0) == []
+    assert d.stats.protocol_violations == 1
+    assert m.state is State.FAILING and m.remote_blocks is None and m.batches == []

@@ -83,7 +83,7 @@ class TransferCore:
         self._unfenced: dict[str, list[Machine]] = {}
         self._holding_for: str | None = None  # set while `peer_lost` keeps target blocks
         self._refused: dict[str, str] = {}  # peers whose handshake was refused for good, and why
-        self._inbox = PeerInbox(self.store, self.stats, num_layers, self.feed, self._ratios)
+        self._inbox = PeerInbox(self.store, self.stats, num_layers, self.feed, lambda peer: self._ratios.get(peer, 1))
 
     # ------------------------------------------------------------------ introspection
 

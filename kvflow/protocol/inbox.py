@@ -13,6 +13,7 @@ entry point for an input to a machine.  It does not know the core's class.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 from kvflow.errors import InvalidBatch, InvalidTransition, PeerProtocolError
@@ -46,19 +47,31 @@ class Feed(Protocol):
 
 
 class PeerInbox:
-    """Refines one core's inbound peer events; holds no state of its own."""
+    """Refines one core's inbound peer events; holds no state of its own (what it reads of the
+    core's, it reads through the store and `ratio_of`)."""
 
     def __init__(
-        self, store: TransferStore, stats: CoreStats, num_layers: int, feed: Feed, ratios: dict[str, int]
+        self, store: TransferStore, stats: CoreStats, num_layers: int, feed: Feed, ratio_of: Callable[[str], int]
     ) -> None:
-        """`ratios`: per peer, its block size over this side's or this side's over its (the
+        """`ratio_of(peer)`: its block size over this side's or this side's over its (the
         larger over the smaller), as `TransferCore.peer_connected` was told."""
-        self.ratios = ratios
+        self.ratio_of = ratio_of
         self.store = store
         self.stats = stats
         self.config = store.config
         self.num_layers = num_layers
         self.feed = feed
+
+    def _allowed(self, m: Machine, input_: Input, what: str) -> bool:
+        """Whether the table lets a peer's `input_` reach `m` now: the check made before anything
+        of `m` changes, so that an event the table refuses changes nothing (it is counted as a
+        protocol violation)."""
+        try:
+            transition(m.mode, m.role, m.state, input_, what)
+        except InvalidTransition:
+            self.stats.protocol_violations += 1
+            return False
+        return True
 
     def notification(self, peer: str, payload: bytes, now: float) -> list[Action]:
         """A WRITE notification arrived from `peer` (push, on D)."""
@@ -81,10 +94,7 @@ class PeerInbox:
         total = batch + 1 if last else m.total if m.expected_batches == OPEN_BATCHES else m.expected_batches
         done = total is not None and len(m.landed) + 1 == total
         input_ = Input.LAST_BATCH_LANDED if done else Input.BATCH_LANDED
-        try:
-            transition(m.mode, m.role, m.state, input_, str(key))
-        except InvalidTransition:
-            self.stats.protocol_violations += 1
+        if not self._allowed(m, input_, str(key)):
             return []
         m.landed.add(batch)
         if last:
@@ -169,10 +179,7 @@ class PeerInbox:
             return []
         if m.remote_blocks is not None:
             return self.remote(m, Input.DUPLICATE, now)
-        try:
-            transition(m.mode, m.role, m.state, Input.REGISTRATION_RECEIVED, str(key))
-        except InvalidTransition:
-            self.stats.protocol_violations += 1
+        if not self._allowed(m, Input.REGISTRATION_RECEIVED, str(key)):
             return []
         self.store.set_peer(m, peer)
         problem = self._registration_problem(reg) or self._quota_problem(peer, len(reg.block_ids), opens=False)
@@ -180,7 +187,7 @@ class PeerInbox:
             self.store.set_remote_blocks(m, reg.block_ids)
             m.remote_first, m.remote_expected = reg.first_position, reg.expected_batches
             self.store.set_deadline(m, min(m.deadline, now + min(reg.ttl, self.config.max_ttl)))
-            problem = m.push_mismatch(ratio=self.ratios.get(peer, 1))
+            problem = m.push_mismatch(ratio=self.ratio_of(peer))
         if problem is not None and m.state not in TERMINAL:
             return self.remote(m, Input.INCOMPATIBLE, now, problem)
         return self.feed(m, Input.REGISTRATION_RECEIVED, now, reason=m.reason or "transfer already ended")
@@ -215,16 +222,13 @@ class PeerInbox:
             blocks = check_block_ids(ready.block_ids, "ready", unique=False)
         except InvalidBatch as exc:
             return self.remote(m, Input.INCOMPATIBLE, now, str(exc))
-        ratio = self.ratios.get(peer, 1)  # D's blocks hold `ratio` of P's each
+        ratio = self.ratio_of(peer)  # D's blocks hold `ratio` of P's each
         wanted = m.first_position + len(m.block_ids)  # D reads only those after its prefix hit
         start, stop = ready.first_position, ready.first_position + len(blocks)  # P's positions
         if -(-stop // ratio) != wanted or start > m.first_position * ratio:
             problem = f"P is ready with positions {start}..{stop} (its blocks), D expects {m.first_position}..{wanted}"
             return self.remote(m, Input.INCOMPATIBLE, now, problem)
-        try:
-            transition(m.mode, m.role, m.state, Input.READY_RECEIVED, str(m.key))
-        except InvalidTransition:
-            self.stats.protocol_violations += 1
+        if not self._allowed(m, Input.READY_RECEIVED, str(m.key)):
             return []
         if m.state in TERMINAL:  # ended before P was ready: tell P, nothing will be read
             return self.feed(m, Input.READY_RECEIVED, now)
