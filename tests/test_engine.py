@@ -523,3 +523,17 @@ async def test_a_closed_engine_stops_the_threads_its_transfers_started(pair: Eng
     assert engine_threads("P")  # the writer ran the WRITE
     await pair.close()
     assert engine_threads("P") == [] and engine_threads("D") == []
+
+
+@pytest.mark.asyncio
+async def test_abort_promise_and_delivered_on_a_closed_engine_say_so_instead_of_running_its_core() -> None:
+    pair = await EnginePair(LoopbackFabric(), config=FAST).start()
+    await pair.close()
+    for call in (
+        pair.p.abort("t", 1, Role.PREFILL),
+        pair.p.promise("t", 1, peer="D"),
+        pair.d.delivered("t", 1),
+    ):
+        with pytest.raises(EngineClosed, match="is closed"):
+            await call
+    assert pair.p.stats()["sends_failed"] == 0

@@ -348,9 +348,9 @@ class Engine:
 
         :raises UnknownTransfer: D has no such transfer and `peer` is None.
         :raises StaleEpoch: a newer epoch of the transfer id exists.
-        :raises ConfigError, EngineCrashed: not a key the wire carries (`transfer_key`); crashed.
+        :raises ConfigError, EngineCrashed, EngineClosed: not a key the wire carries; crashed; closed.
         """
-        self._check_crashed()
+        self._check_open(asleep=True, closing=True)
         key = transfer_key(transfer_id, epoch)
         self._run(self.core.abort(key, role, self._now(), reason, peer=peer, mode=mode))
 
@@ -358,18 +358,18 @@ class Engine:
         """P: this engine holds the request of the transfer, queued or prefilling, for `peer`;
         heartbeats say so, which keeps `peer`'s wait for it alive (see `TransferCore.promise`).
 
-        :raises ConfigError, EngineCrashed: not a key the wire carries (`transfer_key`); crashed.
+        :raises ConfigError, EngineCrashed, EngineClosed: not a key the wire carries; crashed; closed.
         """
-        self._check_crashed()
+        self._check_open(asleep=True, closing=True)
         self.core.promise(transfer_key(transfer_id, epoch), peer, self._now())
 
     async def delivered(self, transfer_id: str, epoch: int) -> None:
         """D (with `auto_deliver` off): the consumer took the blocks of a finished transfer.
 
         :raises UnknownTransfer, InvalidTransition: not a finished D transfer here.
-        :raises ConfigError, EngineCrashed: not a key the wire carries (`transfer_key`); crashed.
+        :raises ConfigError, EngineCrashed, EngineClosed: not a key the wire carries; crashed; closed.
         """
-        self._check_crashed()
+        self._check_open(asleep=True, closing=True)
         self._run(self.core.delivered(transfer_key(transfer_id, epoch), self._now()))
 
     def stats(self) -> dict[str, Any]:
@@ -575,10 +575,10 @@ class Engine:
         if self.crashed:
             raise EngineCrashed(self.crashed)
 
-    def _check_open(self, *, asleep: bool = False) -> None:
-        """:raises EngineCrashed, EngineClosed, EngineAsleep: crashed; not running; asleep (unless `asleep`)."""
+    def _check_open(self, *, asleep: bool = False, closing: bool = False) -> None:
+        """:raises EngineCrashed, EngineClosed, EngineAsleep: crashed; neither running nor `closing`; `asleep`."""
         self._check_crashed()
-        if self._state != "running":
+        if self._state != "running" and not (closing and self._state == "closing"):
             raise EngineClosed(f"engine {self.engine_id!r} is {self._state}")
         if not asleep:
             self.memory.check_awake(self.engine_id)
