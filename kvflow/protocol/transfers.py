@@ -310,9 +310,6 @@ class TransferStore:
     def drop_promise(self, key: TransferKey) -> None:
         self._promises.pop(key, None)
 
-    def promises(self) -> list[tuple[TransferKey, tuple[str, float]]]:
-        return list(self._promises.items())
-
     def live_promises(self, peer: str, now: float, max_hold: float) -> tuple[TransferKey, ...]:
         """The transfers whose request this side (P) holds for `peer`; promises whose transfer
         ended here, or older than `max_hold`, are dropped."""
