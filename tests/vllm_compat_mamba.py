@@ -25,7 +25,7 @@ from kvflow.integrations.vllm.standin.build import vllm_config
 from kvflow.layout.states import parse_split
 from tests.vllm_compat_hybrid import moved_bytes, pulled, registered
 from tests.vllm_compat_registry import refused_at_handshake, scenario
-from tests.vllm_pairs import BLOCK_SIZE, kvflow_engine, make_pair
+from tests.vllm_pairs import BLOCK_SIZE, kvflow_engine, make_pair, move_and_check
 
 MAMBA = ModelShape(layers=4, layer_types=("mamba", "full_attention", "mamba", "full_attention"))
 OPTIONS: dict[str, Any] = {"model": MAMBA, "num_blocks": 256, "kv_cache_layout": "LBHNC"}
@@ -124,6 +124,15 @@ def _tensor_parallel(fragment: str, caplog: pytest.LogCaptureFixture) -> None:
         finally:
             d.close()
             p.close()
+    # over real NIXL-UCX, each rank's engine in a process of its own: D checks every page
+    p, d = make_pair("nixl", **OPTIONS, p_options={"tensor_parallel": 1}, d_options={"tensor_parallel": 2})
+    try:
+        for prompt in PROMPTS:
+            d.checked.clear()
+            move_and_check(p, d, f"nixl-tp12-{prompt}", prompt)
+    finally:
+        d.close()
+        p.close()
 
 
 @scenario("mamba-tp-replicated")
