@@ -98,3 +98,27 @@ def test_a_long_quiet_run_keeps_memory_descriptors_and_threads_flat() -> None:
         # ~1,500 transfers in between: under 820 bytes each (as the former 512 KiB over ~600 was)
         assert end["rss_kib"] - half["rss_kib"] < 1200, (side, half, end)
         assert report["final_stats"][side]["held_blocks"] == 0 and report["final_stats"][side]["live_transfers"] == 0
+
+
+@pytest.mark.asyncio
+async def test_a_driven_process_whose_event_reader_breaks_fails_what_waits_on_it_at_once() -> None:
+    """The reader of an engine process's events runs as a task; one that raised used to leave
+    every waiter to its own timeout, with nothing saying why."""
+    import asyncio
+
+    from kvflow.tools.peer_driver import Side
+
+    side = Side("P", ["true"], {}, "/dev/null")
+    loop = asyncio.get_running_loop()
+    side._ready = loop.create_future()
+    waiting = side.result_future("t1")
+
+    async def broken() -> None:
+        raise ValueError("an event it could not take")
+
+    reader = asyncio.ensure_future(broken())
+    reader.add_done_callback(side._read_ended)
+    with pytest.raises(BenchError, match="reading its events failed: ValueError"):
+        await asyncio.wait_for(waiting, 5.0)
+    with pytest.raises(BenchError, match="reading its events failed"):
+        await side._ready

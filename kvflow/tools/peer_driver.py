@@ -43,6 +43,7 @@ class Side:
     _released: dict[str, set[int]] = field(default_factory=dict)
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
     _ready: asyncio.Future[dict[str, Any]] | None = None
+    _reader: asyncio.Task[None] | None = None  # reads the process's events; kept, and watched
     killed_on_purpose: bool = False
     unexpected_exits: int = 0
     stray: list[str] = field(default_factory=list)  # lines on stdout that are not events
@@ -64,7 +65,8 @@ class Side:
             )
         finally:
             os.close(stderr)
-        asyncio.ensure_future(self._read(self._proc))
+        self._reader = asyncio.ensure_future(self._read(self._proc))
+        self._reader.add_done_callback(self._read_ended)
         try:
             ready = await asyncio.wait_for(asyncio.shield(self._ready), 60)
         except (TimeoutError, BenchError) as exc:
@@ -113,6 +115,16 @@ class Side:
                     pending.set_exception(gone)
             self._replies.clear()
             self._changed.set()
+
+    def _read_ended(self, reader: asyncio.Task[None]) -> None:
+        """A reader that raised fails what waits on its events at once, saying why, rather
+        than leaving each to its own timeout."""
+        if reader.cancelled() or (error := reader.exception()) is None:
+            return
+        broken = BenchError(f"{self.name}: reading its events failed: {error!r}")
+        for pending in [*self._replies, *self._results.values(), self._ready]:
+            if pending is not None and not pending.done():
+                pending.set_exception(broken)
 
     @property
     def alive(self) -> bool:
