@@ -61,11 +61,6 @@ class WriterThread:
                 self._thread.start()
         self._jobs.put(job)
 
-    @property
-    def alive(self) -> bool:
-        """Whether the thread runs now (it starts with the first job, ends once closed)."""
-        return self._thread.is_alive()
-
     def idle(self) -> bool:
         return self._pending == 0
 
