@@ -30,6 +30,16 @@ def test_a_small_soak_under_kills_and_stalls_leaks_nothing_and_reads_only_its_ow
         assert report["drift"][side]["last"]["fds"] > 0  # sampled from /proc
 
 
+def test_a_run_with_timed_faults_has_its_first_fault_by_a_tenth_of_its_transfers_whatever_the_clock() -> None:
+    """A fault due in a million seconds still comes once 3 of 30 transfers have started: a
+    short run is never fault-free by chance (one was, once, when the whole run beat the first
+    random delay)."""
+    config = SoakConfig(transfers=30, concurrency=2, faults=("stop",), fault_interval=1e6, seed=2, netns=False)
+    report = run_soak(config)
+    assert report["counts"].get("fault_stop", 0) == 1
+    assert report["must_be_zero"] == dict.fromkeys(MUST_BE_ZERO, 0) and report["transfers"] == 30, report
+
+
 def test_a_page_p_did_not_stamp_for_the_transfer_is_a_stale_read_and_fails_the_run(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

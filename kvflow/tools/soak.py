@@ -84,6 +84,11 @@ class Soak:
         self.examples: dict[str, list[str]] = {}
         self.up = asyncio.Event()
         self.stopping = asyncio.Event()
+        # timed faults: the first comes by the time a tenth of the transfers have started, whatever
+        # the clock (transfers from there wait for it), so a short run is never fault-free by chance
+        self.timed_faults = [f for f in config.faults if f in ("kill", "stop") or (f == "flap" and hosts is not None)]
+        self.first_fault_by = config.transfers // 10 if self.timed_faults else config.transfers
+        self.fault_due, self.first_fault = asyncio.Event(), asyncio.Event()
         self.last_fault = ("none", time.monotonic())
         self.next_id = 0
         self.finished = 0
@@ -152,6 +157,9 @@ class Soak:
         c, k = self.config, self.config.max_blocks
         while self.next_id < c.transfers or self.fuzzing():
             i, self.next_id = self.next_id, self.next_id + 1
+            if i >= self.first_fault_by and not self.first_fault.is_set():
+                self.fault_due.set()
+                await self.first_fault.wait()
             await self.up.wait()
             n = self.rng.randint(1, k)
             blocks = [slot * k + j for j in range(n)]
@@ -225,22 +233,25 @@ class Soak:
     # ------------------------------------------------------------------ faults
 
     async def faults(self) -> None:
-        c = self.config
-        timed = [f for f in c.faults if f in ("kill", "stop") or (f == "flap" and self.hosts is not None)]
-        while timed and not await self.stopping_within(self.rng.expovariate(1 / c.fault_interval)):
-            fault, side = self.rng.choice(timed), self.rng.choice([self.p, self.d])
-            self.counts[f"fault_{fault}"] += 1
-            self.last_fault = (f"{fault} of {side.name}" if fault != "flap" else "flap", time.monotonic())
-            if fault == "kill":
-                await self.restart(side)
-            elif fault == "stop":
-                side.signal(signal.SIGSTOP)
-                await asyncio.sleep(self.rng.uniform(0.2, 1.5) * c.lease)
-                side.signal(signal.SIGCONT)
-            elif self.hosts is not None:
-                self.hosts.cut()
-                await asyncio.sleep(self.rng.uniform(0.2, 1.5) * c.lease)
-                self.hosts.restore()
+        c, timed = self.config, self.timed_faults
+        try:
+            while timed and not await self.stopping_within(self.rng.expovariate(1 / c.fault_interval), self.fault_due):
+                fault, side = self.rng.choice(timed), self.rng.choice([self.p, self.d])
+                self.counts[f"fault_{fault}"] += 1
+                self.last_fault = (f"{fault} of {side.name}" if fault != "flap" else "flap", time.monotonic())
+                self.first_fault.set()
+                if fault == "kill":
+                    await self.restart(side)
+                elif fault == "stop":
+                    side.signal(signal.SIGSTOP)
+                    await asyncio.sleep(self.rng.uniform(0.2, 1.5) * c.lease)
+                    side.signal(signal.SIGCONT)
+                elif self.hosts is not None:
+                    self.hosts.cut()
+                    await asyncio.sleep(self.rng.uniform(0.2, 1.5) * c.lease)
+                    self.hosts.restore()
+        finally:
+            self.first_fault.set()  # no worker waits for a fault that will not come
 
     async def keep_connected(self) -> None:
         """Associate D with P again whenever a stall or a flap made either tear the other down."""
@@ -255,11 +266,16 @@ class Soak:
         kind, at = self.last_fault
         return f"last fault: {kind}, began {time.monotonic() - at:.1f} s ago"
 
-    async def stopping_within(self, delay: float) -> bool:
-        """Sleep `delay`, or less if the run ends: whether it ended.  Faults and reconnections are
-        never cancelled half-way (a cancelled command would leave its reply to the next one)."""
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.stopping.wait(), delay)
+    async def stopping_within(self, delay: float, early: asyncio.Event | None = None) -> bool:
+        """Sleep `delay`, or less if the run ends (or, before the first fault, `early` is set):
+        whether it ended.  Faults and reconnections are never cancelled half-way (a cancelled
+        command would leave its reply to the next one)."""
+        waits = [asyncio.ensure_future(self.stopping.wait())]
+        if early is not None and not self.first_fault.is_set():
+            waits.append(asyncio.ensure_future(early.wait()))
+        _, pending = await asyncio.wait(waits, timeout=delay, return_when=asyncio.FIRST_COMPLETED)
+        for waiting in pending:
+            waiting.cancel()
         return self.stopping.is_set()
 
     async def restart(self, side: Side) -> None:
