@@ -359,7 +359,8 @@ def _model_split(specs: Mapping[str, Any], groups: tuple[KVGroup, ...], ordered:
     from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
 
     states = [name for group in groups if group.state for name in ordered[slice(*group.layers)]]
-    splits = {state_split(specs[name], tp_size, is_conv_state_dim_first()) for name in states}
+    dim_first = is_conv_state_dim_first()
+    splits = {state_split(specs[name], tp_size, dim_first) for name in states}
     return splits.pop() if len(splits) == 1 else ""
 
 

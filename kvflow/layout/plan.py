@@ -207,28 +207,20 @@ def _plan_state(
         raise InvalidBatch(
             f"rank {ls.tp_rank} of {ls.tp_size} and rank {rs.tp_rank} of {rs.tp_size} share no shard of the state"
         )
-    pairs = [(local.layer_arrays(layer)[0], remote.layer_arrays(layer)[0]) for layer in range(*layers)]
-    run_local = np.array([run.local for run in runs], dtype=np.int64)
-    run_remote = np.array([run.remote for run in runs], dtype=np.int64)
-    run_length = np.array([run.length for run in runs], dtype=np.int64)
-    shape = (len(pairs), lids.size, len(runs))
+    per_page = lids.size * len(runs)  # rows per layer, in (block, run) order
 
-    def spread(per_layer: list[int], ids: npt.NDArray[np.int64] | None, per_run: npt.NDArray[np.int64]) -> Any:
-        column = np.array(per_layer, dtype=np.int64)[:, None, None]
-        if ids is not None:
-            column = column * ids[None, :, None]
-        return np.broadcast_to(column + per_run[None, None, :], shape).reshape(-1).copy()
+    def rows(layout: KVLayout, ids: npt.NDArray[np.int64], at: list[int]) -> tuple[Any, Any]:
+        """(region, offset) of each (layer, block, run): a page's start plus the run's offset."""
+        arrays = [layout.layer_arrays(layer)[0] for layer in range(*layers)]
+        base = np.array([a.offset for a in arrays], dtype=np.int64)[:, None, None]
+        stride = np.array([a.stride for a in arrays], dtype=np.int64)[:, None, None]
+        offset = base + stride * ids[None, :, None] + np.array(at, dtype=np.int64)[None, None, :]
+        region = np.repeat(np.array([a.region for a in arrays], dtype=np.int64), per_page)
+        return region, offset.reshape(-1)
 
-    zero = np.zeros(len(runs), dtype=np.int64)
-    local_offset = spread([la.offset for la, _ in pairs], None, run_local) + spread(
-        [la.stride for la, _ in pairs], lids, zero
-    )
-    remote_offset = spread([ra.offset for _, ra in pairs], None, run_remote) + spread(
-        [ra.stride for _, ra in pairs], rids, zero
-    )
-    local_region = spread([la.region for la, _ in pairs], None, zero)
-    remote_region = spread([ra.region for _, ra in pairs], None, zero)
-    length = np.broadcast_to(run_length[None, None, :], shape).reshape(-1).copy()
+    local_region, local_offset = rows(local, lids, [run.local for run in runs])
+    remote_region, remote_offset = rows(remote, rids, [run.remote for run in runs])
+    length = np.tile(np.array([run.length for run in runs], dtype=np.int64), (layers[1] - layers[0]) * lids.size)
     return DescriptorPlan(local_region, local_offset, remote_region, remote_offset, length, int(length.size))
 
 

@@ -301,7 +301,7 @@ def _check_states(local: Mapping[str, Any], remote: Mapping[str, Any], sizes_dif
             "may differ: give both the same --block-size, at least the larger of the two)",
         )
     sizes = (local.get("tp_size"), remote.get("tp_size"))
-    checked = [size for size in sizes if isinstance(size, int) and type(size) is int and 0 < size <= MAX_RANKS]
+    checked = [size for size in sizes if type(size) is int and 0 < size <= MAX_RANKS]
     if len(checked) != 2:
         raise LayoutMismatch("tp_size", *sizes)
     if sizes[0] == sizes[1]:
