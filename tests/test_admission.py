@@ -125,8 +125,8 @@ def test_a_lasting_refusal_abandons_what_waits_for_the_peer_and_a_passing_one_do
     other = replace(hello("D1", ""), fingerprint={**ours, "model": "another"})
     assert refusal(Associations("P", ours, 30.0, 5.0), other).abandon
     assert not refusal(Associations("P", ours, 30.0, 5.0, max_peers=0), hello("D1", "")).abandon
-    cooling = Associations("P", ours, 30.0, 5.0)
-    cooling.start_cooling("D1", 10.0)
+    cooling = Associations("P", ours, 30.0, 5.0, grace=10.0)
+    assert cooling.teardowns.torn_down("D1", "test", 0.0, answered=False)  # D1 cools: its removal is under way
     assert not refusal(cooling, hello("D1", "")).abandon
 
 

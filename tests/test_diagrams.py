@@ -42,3 +42,16 @@ def test_a_changed_row_changes_the_drawing(monkeypatch: pytest.MonkeyPatch) -> N
     after = render()
     assert after != before and after.count("state-triggered") == before.count("state-triggered") - hops
     assert "WRITING --> EXPIRING : ABORT, DEADLINE / RESOLVE, SEND_ABORT" in after
+
+
+def test_the_teardown_tables_are_drawn_and_a_changed_row_changes_the_drawing(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvflow.protocol import teardown
+
+    before = render()
+    assert "    HOLDING --> HOLDING : HEARD_AGAIN / SHORTEN_HOLD" in before
+    assert "    GRACE --> ENDED : DEADLINE / LOSE" in before and "    [*] --> REMOVING : / REMOVE" in before
+    silent = dict(teardown.TABLES[teardown.Kind.SILENT])
+    silent[(teardown.Phase.HOLDING, teardown.Event.HEARD_AGAIN)] = (teardown.Phase.HOLDING, ())
+    monkeypatch.setitem(teardown.TABLES, teardown.Kind.SILENT, silent)
+    after = render()
+    assert "HEARD_AGAIN / SHORTEN_HOLD" not in after and "- HOLDING: HEARD_AGAIN, REMOVAL_FAILED, REMOVED" in after

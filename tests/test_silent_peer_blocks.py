@@ -9,7 +9,6 @@ as on a dead link) and a loopback transport that, like NIXL, reports it cannot f
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 
@@ -22,10 +21,10 @@ from kvflow.protocol.core import CoreConfig
 from kvflow.protocol.messages import ControlMessage
 from kvflow.protocol.state import Outcome
 from kvflow.runtime.engine import Engine, EngineConfig
-from kvflow.testing import SMALL_SPEC, KVBuffers
+from kvflow.testing import SMALL_SPEC, KVBuffers, ManualClock
 from kvflow.transports.base import TransportCapabilities
 from kvflow.transports.loopback import LoopbackFabric, LoopbackTransport
-from tests.waiting import eventually
+from tests.waiting import eventually, quiesce
 
 CONFIG = EngineConfig(
     core=CoreConfig(fence_timeout=1.0, retention=30.0),
@@ -62,11 +61,11 @@ class Pair:
     hub: CuttableHub
 
 
-async def pair(config: EngineConfig) -> AsyncIterator[Pair]:
+async def pair(config: EngineConfig, clock: ManualClock | None = None) -> AsyncIterator[Pair]:
     fabric, hub = LoopbackFabric(), CuttableHub()
     kv = {name: KVBuffers(SMALL_SPEC, 8) for name in "PD"}
-    p = Engine("P", kv["P"].layout, fabric.endpoint("P"), hub.channel("P"), config=config)
-    d = Engine("D", kv["D"].layout, Unfenced("D", fabric=fabric), hub.channel("D"), config=config)
+    p = Engine("P", kv["P"].layout, fabric.endpoint("P"), hub.channel("P"), config=config, clock=clock)
+    d = Engine("D", kv["D"].layout, Unfenced("D", fabric=fabric), hub.channel("D"), config=config, clock=clock)
     await p.start()
     await d.start()
     await d.connect("P", timeout=5)
@@ -81,6 +80,29 @@ async def pair(config: EngineConfig) -> AsyncIterator[Pair]:
 async def engines() -> AsyncIterator[Pair]:
     async for made in pair(CONFIG):
         yield made
+
+
+@dataclass
+class Timed:
+    engines: Pair
+    clock: ManualClock
+
+    async def at(self, now: float) -> None:
+        """Move the clock to `now`, run what is due, and let D's removals return."""
+        self.clock.now = now
+        for engine in (self.engines.p, self.engines.d):
+            engine.poke()
+        await quiesce()
+        await self.engines.d._peers.settled(5.0)  # a removal runs on D's peer thread
+        await quiesce()
+
+
+@pytest_asyncio.fixture
+async def timed() -> AsyncIterator[Timed]:
+    clock = ManualClock(1000.0)
+    config = replace(CONFIG, lease=40.0, unfenced_grace=10.0, unfenced_hold=600.0, transfer_timeout=900.0)
+    async for made in pair(config, clock):
+        yield Timed(made, clock)
 
 
 @pytest_asyncio.fixture
@@ -101,21 +123,34 @@ async def lose_p_for_silence(engines: Pair) -> None:
 
 
 @pytest.mark.asyncio
-async def test_a_silent_peers_blocks_go_back_only_after_it_associated_again(engines: Pair) -> None:
-    await lose_p_for_silence(engines)
-    await eventually(lambda: engines.p.peers() == [], "P tore D down too")
+async def test_a_silent_peers_blocks_go_back_only_after_it_associated_again(timed: Timed) -> None:
+    """On a manual clock, so every instant is exact: the teardown's grace, the refusal while D
+    cools, the hold's end after the association (nothing runs on the loop's own time)."""
+    engines, at = timed.engines, timed.at
+    waiting = await engines.d.expect("r", 1, peer="P", block_ids=[4])
+    await eventually(lambda: bool(engines.p.core.live()), "P has D's registration")
+    engines.hub.cut = True
+    await at(1040.0)  # a lease of silence: both tear down; D's removal returns at once
+    assert engines.d.peers() == [] and engines.p.peers() == []
+    assert waiting.done() is False  # D's grace: a write the link held may still land
+    await at(1049.9)
+    assert waiting.done() is False
     engines.hub.cut = False
-    for _ in range(50):  # D refuses a new association until its grace is over
-        try:
-            await engines.d.connect("P", timeout=2)
-            break
-        except KVFlowError:  # refused while D's grace lasts: try again
-            await asyncio.sleep(0.05)
-    assert engines.d.peers() == ["P"]
-    # just associated: what the link held may only now be on its way
+    with pytest.raises(KVFlowError, match="tore 'P' down moments ago"):
+        await engines.p.connect("D", timeout=5)  # D cools: no new association yet
+    await at(1050.0)
+    result = await waiting.wait(5)
+    assert result.outcome is Outcome.FAILED and "lost" in result.reason
     assert engines.d.core.ledger.quarantined_blocks == 1
-    await eventually(lambda: engines.d.core.ledger.held_blocks == 0, "D's block back", 10)
-    assert engines.d.crashed == []
+    timed.clock.now = 1060.0
+    await engines.d.connect("P", timeout=5)
+    assert engines.d.peers() == ["P"]
+    # associated 20 s after the teardown: a segment still retransmitted from before it has
+    # waited at most the lease and those 20 s; it gets that, plus the grace, to land
+    await at(1060.0 + 10.0 + 40.0 + 20.0 - 0.1)
+    assert engines.d.core.ledger.quarantined_blocks == 1
+    await at(1060.0 + 10.0 + 40.0 + 20.0)
+    assert engines.d.core.ledger.held_blocks == 0 and engines.d.crashed == []
 
 
 @pytest.mark.asyncio

@@ -33,7 +33,9 @@ from kvflow.errors import (
 from kvflow.layout import KVLayout, check_compatible, layout_from_wire
 from kvflow.protocol.admission import PeerAllowList
 from kvflow.protocol.early import message_blocks
+from kvflow.protocol.liveness import Liveness
 from kvflow.protocol.messages import ControlMessage, Goodbye, Heartbeat, Hello, Message, Reject, TransferKey
+from kvflow.protocol.teardown import PeerFenced, PeerGone, RemovalFailed, RemovePeer, Teardowns
 
 __all__ = (
     "ATTEMPTS_KEPT",
@@ -225,66 +227,11 @@ AssociationAction = (
     | UnknownSender
     | Deliver
     | Redeliver
+    | RemovePeer
+    | RemovalFailed
+    | PeerGone
+    | PeerFenced
 )
-
-
-class Liveness:
-    """When each peer is due a heartbeat, and when a silent one counts as lost.
-
-    A peer whose connection dropped is *suspect*: unless its link comes back or it is heard from
-    within `confirm` seconds, it counts as lost then, without waiting for the lease."""
-
-    def __init__(self, lease: float, interval: float, confirm: float = 1.0) -> None:
-        self.lease = lease
-        self.interval = interval
-        self.confirm = confirm
-        self._heard: dict[str, float] = {}
-        self._next_beat: dict[str, float] = {}
-        self._suspect: dict[str, float] = {}  # peer -> lost at this time unless cleared before
-
-    def add(self, peer: str, now: float) -> None:
-        self._heard[peer] = now
-        self._next_beat[peer] = now + self.interval
-        self._suspect.pop(peer, None)
-
-    def remove(self, peer: str) -> None:
-        self._heard.pop(peer, None)
-        self._next_beat.pop(peer, None)
-        self._suspect.pop(peer, None)
-
-    def heard(self, peer: str, now: float) -> None:
-        if peer in self._heard:
-            self._heard[peer] = max(self._heard[peer], now)
-            self.cleared(peer)
-
-    def suspect(self, peer: str, now: float) -> bool:
-        """The link to `peer` dropped; True when this makes an associated peer newly suspect."""
-        if peer not in self._heard or peer in self._suspect:
-            return False
-        self._suspect[peer] = now + self.confirm
-        return True
-
-    def cleared(self, peer: str) -> None:
-        """The link to `peer` is back (or it spoke): no longer suspect."""
-        self._suspect.pop(peer, None)
-
-    def is_suspect(self, peer: str) -> bool:
-        return peer in self._suspect
-
-    def due(self, now: float) -> list[str]:
-        """Peers to send a heartbeat to now (each is then scheduled one interval later)."""
-        peers = [p for p, at in self._next_beat.items() if at <= now]
-        for peer in peers:
-            self._next_beat[peer] = now + self.interval
-        return sorted(peers)
-
-    def expired(self, now: float) -> list[str]:
-        silent = {p for p, at in self._heard.items() if at + self.lease <= now}
-        return sorted(silent | {p for p, at in self._suspect.items() if at <= now})
-
-    def next_deadline(self) -> float | None:
-        times = [*self._next_beat.values(), *(at + self.lease for at in self._heard.values())]
-        return min([*times, *self._suspect.values()], default=None)
 
 
 class Associations:
@@ -300,7 +247,11 @@ class Associations:
         max_peers: int = 256,
         confirm: float = 1.0,
         allowed: PeerAllowList | None = None,
+        *,
+        grace: float = 0.0,
+        hold: float = 120.0,
     ) -> None:
+        """`grace` and `hold`: see `Teardowns` (`grace` 0: the transport fences inbound ops)."""
         self.engine_id = engine_id
         self.allowed = allowed or PeerAllowList()  # whom this engine may associate with and dial
         self.max_peers = max_peers  # each association costs sockets and transport state: bounded
@@ -308,7 +259,8 @@ class Associations:
         self.layouts: dict[str, KVLayout] = {}
         self.incarnations: dict[str, int] = {}
         self.liveness = Liveness(lease, interval, confirm)
-        self.cooling: dict[str, float] = {}  # torn-down peers whose late ops may still land: until when
+        # torn-down peers on their way out; those whose late ops may still land cool: no new association
+        self.teardowns = Teardowns(grace, hold, lease)
         # peers the transport is adding (off the loop), and the newest Hello each sent meanwhile
         self.adding: dict[str, PendingHello] = {}
         self.deferred: dict[str, tuple[int, Hello]] = {}
@@ -375,13 +327,6 @@ class Associations:
         self.addresses.pop(peer, None)
         self.liveness.remove(peer)
 
-    def start_cooling(self, peer: str, until: float) -> None:
-        """Refuse new associations with `peer` until `stop_cooling` (its late ops may land)."""
-        self.cooling[peer] = until
-
-    def stop_cooling(self, peer: str) -> None:
-        self.cooling.pop(peer, None)
-
     def tear_down(self, peer: str, reason: str, *, answered: bool = False) -> list[AssociationAction]:
         """This side ends the association with `peer` (silent for a lease, no fence, cannot be
         sent to): tell the peer why, best effort, then tear it down.  Without the goodbye a peer
@@ -394,8 +339,14 @@ class Associations:
     def goodbye_all(self, reason: str) -> list[AssociationAction]:
         return [SendControl(peer, Goodbye(reason)) for peer in sorted(self.layouts)]
 
+    def next_deadline(self) -> float | None:
+        """When `tick` has something to do next (None: nothing is due ever, as things stand)."""
+        times = [t for t in (self.liveness.next_deadline(), self.teardowns.next_deadline()) if t is not None]
+        return min(times, default=None)
+
     def tick(self, now: float) -> list[AssociationAction]:
-        """End associations whose peer stayed silent for a lease; send due heartbeats."""
+        """End associations whose peer stayed silent for a lease; send due heartbeats; move
+        teardowns whose deadline passed."""
         actions: list[AssociationAction] = []
         for peer in self.liveness.expired(now):
             dropped = self.liveness.is_suspect(peer)
@@ -405,7 +356,7 @@ class Associations:
                 reason = f"no message for {self.liveness.lease}s"
             actions += self.tear_down(peer, reason, answered=dropped)
         actions += [SendHeartbeat(peer) for peer in self.liveness.due(now)]
-        return actions
+        return [*actions, *self.teardowns.tick(now)]
 
     def link_changed(self, peer: str, up: bool, now: float) -> list[AssociationAction]:
         """The control channel's connection to `peer` dropped (`up` False) or came back.  A drop
@@ -484,7 +435,11 @@ class Associations:
     def hello_sent(self, peer: str, now: float) -> list[AssociationAction]:
         """Our answer to the Hello that started the association with `peer` went out: the
         association is in place, and what the peer said meanwhile is decided now, in order."""
-        actions: list[AssociationAction] = [HandshakeSettled(peer), PeerConnected(peer, now)]
+        actions: list[AssociationAction] = [
+            HandshakeSettled(peer),
+            *self.teardowns.heard_again(peer, now),
+            PeerConnected(peer, now),
+        ]
         incarnation = self.incarnations.get(peer)
         for message in self.early.pop(peer, ()):
             if incarnation is None or peer not in self.layouts:
@@ -530,8 +485,9 @@ class Associations:
         try:
             if self.refusing:
                 raise PeerProtocolError(f"{self.engine_id!r} accepts no handshake now: {self.refusing}")
-            if sender in self.cooling:
-                wait = self.cooling[sender] - now
+            cooling = self.teardowns.cooling_until(sender)
+            if cooling is not None:
+                wait = cooling - now
                 raise PeerProtocolError(f"{self.engine_id!r} tore {sender!r} down moments ago; retry in {wait:.1f}s")
             if hello.engine_id != sender:
                 raise PeerProtocolError(f"hello from {sender!r} claims to be {hello.engine_id!r}")

@@ -87,14 +87,14 @@ class Engine:
         self._on_release = on_release
         cfg, interval = self.config, self.config.heartbeat_interval or self.config.lease / 6
         peering = (cfg.lease, interval, cfg.max_peers, cfg.suspect_timeout, cfg.allowed_peers)
-        self.assoc = Associations(engine_id, fingerprint(layout.spec), *peering)
+        grace = 0.0 if transport.capabilities.fences_inbound else cfg.unfenced_grace
+        self.assoc = Associations(engine_id, fingerprint(layout.spec), *peering, grace=grace, hold=cfg.unfenced_hold)
         hooks = EngineHooks(
             self._run,
             self._now,
             self._running_loop,
-            self._later,
+            self._arm_timer,
             self._soon,
-            lambda: self._state == "running" and self._loop is not None,
             lambda: self._state == "closed",
         )
         self._peers = PeerExecutor(
@@ -215,6 +215,7 @@ class Engine:
                 log.error("%s: closing an engine that never ran: %r", self.engine_id, exc)
             return
         self._state = "closing"
+        self.assoc.teardowns.closing()
         limit = drain_timeout if drain_timeout is not None else self.config.drain_timeout
         await self.memory.wind_down("engine closing", limit, self.config.core.fence_timeout)
         self._peers.associate(self.assoc.goodbye_all("engine closing"))
@@ -223,8 +224,9 @@ class Engine:
         for exc in self._close_owned():
             self._record_crash(exc)
         self._state = "closed"
-        if self._peers.failed_removals:  # their blocks stay quarantined: no op of theirs was fenced
-            log.error("%s: closed without removing peers %s", self.engine_id, sorted(self._peers.failed_removals))
+        unremoved = self.assoc.teardowns.unremoved()
+        if unremoved:  # their blocks stay quarantined: no op of theirs was fenced
+            log.error("%s: closed without removing peers %s", self.engine_id, sorted(unremoved))
         elif self.core.ledger.held_blocks or self.core.live():
             self._record_crash(LedgerError(f"engine closed holding {self.core.ledger.held_blocks} blocks"))
         for future in self._handles.values():
@@ -381,7 +383,7 @@ class Engine:
             "held_blocks": self.core.ledger.held_blocks,
             "quarantined_blocks": self.core.ledger.quarantined_blocks,
             # peers whose removal has not succeeded yet: their blocks stay held
-            "unfenced_peers": len(self._peers.failed_removals),
+            "unfenced_peers": len(self.assoc.teardowns.unremoved()),
             "crashed": len(self.crashed),
         }
 
@@ -537,8 +539,8 @@ class Engine:
         return self._clock() if self._clock is not None else self._running_loop().time()
 
     def _arm_timer(self) -> None:
-        core, liveness = self.core.next_deadline(), self.assoc.liveness.next_deadline()
-        when = liveness if core is None else core if liveness is None else min(core, liveness)
+        core, peers = self.core.next_deadline(), self.assoc.next_deadline()
+        when = peers if core is None else core if peers is None else min(core, peers)
         self._timer.arm(self._loop, when, self._now, partial(self._guard, self._on_timer))
 
     def _on_timer(self) -> None:
@@ -582,9 +584,6 @@ class Engine:
             raise EngineClosed(f"engine {self.engine_id!r} is {self._state}")
         if not asleep:
             self.memory.check_awake(self.engine_id)
-
-    def _later(self, delay: float, fn: Callable[..., Any], *args: Any) -> None:
-        self._running_loop().call_later(delay, self._guard, fn, *args)
 
     def _soon(self, fn: Callable[..., Any], *args: Any) -> None:
         """From any thread."""

@@ -1,11 +1,12 @@
 """Executing what `Associations` decides: routes, transport peers, Hellos, teardowns.
 
 Why apart from the engine: the engine drives transfers; this drives *peers*.  Every decision
-about who may associate, and when a peer is lost, is pure (`kvflow.protocol.association`); this
-module performs the effects in the order they were decided and feeds each outcome that can fail
-(a route refused, a transport refusing a peer's memory, an answer that cannot be sent) back as an
-input.  The engine hands it the transfer core's entry points as callbacks, so the core stays the
-engine's.
+about who may associate, when a peer is lost and when a lost peer's blocks may go back is pure
+(`kvflow.protocol.association`, `kvflow.protocol.teardown`), with its deadlines on the engine's
+one timer; this module performs the effects in the order they were decided and feeds each
+outcome that can fail (a route refused, a transport refusing a peer's memory or failing to
+remove it, an answer that cannot be sent) back as an input.  The engine hands it the transfer
+core's entry points as callbacks, so the core stays the engine's.
 
 Why a peer thread: a transport's `add_peer` and `remove_peer` may block (NIXL loads a remote
 agent for up to 30 s; shared memory maps segments, waits for copies and takes an exclusive
@@ -14,11 +15,8 @@ as an input, so the loop keeps serving every other peer meanwhile.  Not on the w
 30 s `add_peer` would hold up every other peer's submissions, and the order it would give (a
 removal after the submissions queued before it) is already the transport's contract: a
 submission racing with `remove_peer` is refused or fenced.  One FIFO thread keeps each peer's
-additions and removals in the order decided.  A removed peer's transfers fail only once its
-removal has returned, and from the moment of the teardown its notifications are ignored and no
-new submission to it is made (its layout is forgotten at once).  A removal that fails (the
-transport could not fence the peer's copies into our memory) is no crash: the peer's blocks
-stay held and the removal is retried until it succeeds.
+additions and removals in the order decided.  From the moment of the teardown a peer's
+notifications are ignored and no new submission to it is made (its layout is forgotten at once).
 """
 
 from __future__ import annotations
@@ -27,8 +25,9 @@ import asyncio
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 from kvflow.control.channel import ControlChannel
 from kvflow.errors import EngineClosed, KVFlowError, TransportError
@@ -54,6 +53,7 @@ from kvflow.protocol.association import (
 )
 from kvflow.protocol.core import TransferCore
 from kvflow.protocol.messages import MAX_HEARTBEAT_KEYS, ControlMessage, Goodbye, Heartbeat, Hello
+from kvflow.protocol.teardown import PeerFenced, PeerGone, RemovalFailed, RemovePeer
 from kvflow.runtime.config import EngineConfig
 from kvflow.runtime.descriptors import headroom_problem
 from kvflow.runtime.handshakes import Handshakes
@@ -64,9 +64,6 @@ __all__ = ("EngineHooks", "PeerExecutor")
 
 log = logging.getLogger(__name__)
 
-RETRY_FIRST = 0.05  # seconds before a failed removal is retried; doubling each time
-RETRY_MAX = 5.0
-
 
 @dataclass(frozen=True, slots=True)
 class EngineHooks:
@@ -75,9 +72,8 @@ class EngineHooks:
     run: Callable[[list[Action]], None]  # execute the transfer core's actions
     now: Callable[[], float]
     loop: Callable[[], asyncio.AbstractEventLoop]  # :raises EngineClosed: not started
-    later: Callable[..., None]  # later(delay, fn, *args): call fn on the loop, guarded, after delay
+    rearm: Callable[[], None]  # the pure layer's next deadline may have changed
     soon: Callable[..., None]  # soon(fn, *args), from any thread: call fn on the loop, guarded
-    running: Callable[[], bool]
     closed: Callable[[], bool]
 
 
@@ -115,12 +111,6 @@ class PeerExecutor:
         self._outstanding = 0  # peer jobs whose outcome the loop has not had yet
         self._settled = asyncio.Event()
         self._settled.set()
-        self.failed_removals: dict[str, int] = {}  # peers whose removal failed (and is retried): attempts
-        # peers in their grace: when each was torn down, and whether the teardown came from its side
-        self._torn_down: dict[str, tuple[float, bool]] = {}
-        # torn-down peers whose target blocks stay quarantined: (generation, teardown time)
-        self._late_ops_hold: dict[str, tuple[int, float]] = {}
-        self._generation = 0
 
     def start(self) -> None:
         """Read the transport's metadata once, on the loop's thread.
@@ -131,8 +121,8 @@ class PeerExecutor:
         self._loop_thread = threading.get_ident()
 
     async def settled(self, timeout: float) -> bool:
-        """Wait (at most `timeout` seconds) until every peer addition and removal has returned.
-        Never raises; False when some are still running."""
+        """Wait (at most `timeout` seconds) until every peer addition and removal has returned,
+        retries of failed removals included.  Never raises; False when some are still running."""
         if self._settled.is_set():
             return True  # without yielding to the loop
         try:
@@ -141,7 +131,7 @@ class PeerExecutor:
             return False
         return True
 
-    def associate(self, actions: list[AssociationAction]) -> None:
+    def associate(self, actions: Sequence[AssociationAction]) -> None:
         """Execute, in order, what `Associations` decided.
 
         :raises PeerUnknown, PeerUnreachable, EngineClosed: a local connect's Hello cannot be sent.
@@ -166,14 +156,29 @@ class PeerExecutor:
             elif isinstance(action, RenewLeases):
                 self.hooks.run(self.core.renew(action.peer, action.keys, action.now, action.lease))
             elif isinstance(action, TearDown):
-                self.remove_peer(action.peer, action.reason, expected=action.expected, answered=action.answered)
+                level = logging.INFO if action.expected else logging.WARNING
+                log.log(level, "%s: tearing down peer %s: %s", self.engine_id, action.peer, action.reason)
+                now = self.hooks.now()
+                gone = self.assoc.teardowns.torn_down(action.peer, action.reason, now, answered=action.answered)
+                queue.extendleft(reversed(gone))
+            elif isinstance(action, RemovePeer):
+                self._off_loop(partial(self.transport.remove_peer, action.peer), self._removed, action)
+            elif isinstance(action, RemovalFailed):
+                self._removal_failed(action)
+            elif isinstance(action, PeerGone):
+                if action.failed_attempts:
+                    failed = action.failed_attempts
+                    log.warning("%s: peer %s removed after %d failed attempts", self.engine_id, action.peer, failed)
+                now = self.hooks.now()
+                self.hooks.run(self.core.peer_lost(action.peer, now, action.reason, unfenced=action.unfenced))
+            elif isinstance(action, PeerFenced):
+                self.hooks.run(self.core.peer_fenced(action.peer))
             elif isinstance(action, AddTransportPeer):
                 self._add_transport_peer(action)
             elif isinstance(action, Redeliver):
                 now = self.hooks.now()
                 queue.extendleft(reversed(self.assoc.receive(action.peer, action.incarnation, action.hello, now)))
             elif isinstance(action, PeerConnected):
-                self._heard_again(action.peer)
                 self.hooks.run(self.core.peer_connected(action.peer, action.now, self._block_ratio(action.peer)))
             elif isinstance(action, AddRoute):
                 queue.extendleft(reversed(self._add_route(action)))
@@ -190,6 +195,8 @@ class PeerExecutor:
             elif isinstance(action, UnknownSender):
                 self.counters["messages_from_unknown_peers"] += 1
         self._forget(ended)
+        self._update_settled()
+        self.hooks.rearm()
 
     def _forget(self, peers: set[str]) -> None:
         """Close the connections of peers refused or torn down (once their Reject or Goodbye was
@@ -224,107 +231,29 @@ class PeerExecutor:
         small, large = sorted((self.layout.spec.block_size, remote.spec.block_size))
         return large // small if large % small == 0 else 1
 
-    def remove_peer(self, peer: str, reason: str, *, expected: bool, answered: bool = False) -> None:
-        """Remove the peer from the transport on the peer thread; once that returned, tell the
-        core that nothing of it can land (see the module's header).  A removal that fails is
-        retried (see `_removal_failed`).  `answered`: see `TearDown`."""
-        log.log(
-            logging.INFO if expected else logging.WARNING, "%s: tearing down peer %s: %s", self.engine_id, peer, reason
-        )
-        if peer in self.failed_removals:
-            return  # its removal is being retried: it ends in `peer_lost` once it succeeds
-        grace = 0.0 if self.transport.capabilities.fences_inbound else self.config.unfenced_grace
-        if grace > 0 and self.hooks.running():
-            # No new association until its removal returned and its late ops had time to land.
-            self.assoc.start_cooling(peer, self.hooks.now() + grace)
-            self._torn_down[peer] = (self.hooks.now(), answered)
-        self._remove(peer, reason, 0)
+    def _removed(self, action: RemovePeer, error: TransportError | None) -> None:
+        if self.hooks.closed():
+            return  # nothing is left to release into
+        now = self.hooks.now()
+        if error is None:
+            self.associate(self.assoc.teardowns.removed(action.number, now))
+        else:
+            self.associate(self.assoc.teardowns.removal_failed(action.number, now, error))
 
-    def _remove(self, peer: str, reason: str, attempt: int) -> None:
-        self._off_loop(lambda: self.transport.remove_peer(peer), self._removed, (peer, reason, attempt))
-
-    def _removed(self, subject: tuple[str, str, int], error: TransportError | None) -> None:
-        peer, reason, attempt = subject
-        if error is not None:
-            self._removal_failed(peer, reason, attempt, error)
-            return
-        if self.failed_removals.pop(peer, None) is not None:
-            log.warning("%s: peer %s removed after %d failed attempts", self.engine_id, peer, attempt)
-        grace = 0.0 if self.transport.capabilities.fences_inbound else self.config.unfenced_grace
-        if grace > 0 and self.hooks.running():
-            # The peer's own WRITEs (or READs) may still be in flight towards us: give them time
-            # to land before its transfers' blocks may go back.
-            self.hooks.later(grace, self._peer_gone, peer, reason)
-        elif not self.hooks.closed():
-            self._peer_gone(peer, reason)
-
-    def _removal_failed(self, peer: str, reason: str, attempt: int, error: TransportError) -> None:
+    def _removal_failed(self, action: RemovalFailed) -> None:
         """The transport could not remove the peer (it could not fence the peer's copies into our
-        memory, as a stopped process's): nothing promises that its ops are over.  A peer never
-        crashes the engine: it stays cooling (no new association), its transfers stay undecided
-        or quarantined, and the removal is retried, backing off up to `RETRY_MAX` seconds, until
-        it succeeds (only then may the core release), for as long as the engine runs."""
+        memory, as a stopped process's): nothing promises that its ops are over, so its transfers
+        stay undecided or quarantined and it cools until a retry succeeds (`Teardowns`)."""
         self.counters["peer_removals_failed"] += 1
-        first = peer not in self.failed_removals
-        self.failed_removals[peer] = attempt + 1
-        delay = min(RETRY_FIRST * 2**attempt, RETRY_MAX)
         log.log(
-            logging.ERROR if first else logging.DEBUG,
+            logging.ERROR if action.attempt == 1 else logging.DEBUG,
             "%s: cannot remove peer %s (attempt %d): %s; its transfers' blocks stay quarantined, retrying in %.2gs",
             self.engine_id,
-            peer,
-            attempt + 1,
-            error,
-            delay,
+            action.peer,
+            action.attempt,
+            action.error,
+            action.retry_in,
         )
-        if self.hooks.closed():
-            return
-        self.assoc.start_cooling(peer, self.hooks.now() + delay)
-        self._begin()  # a retry under way counts until it returned: closing waits for it
-        self.hooks.later(delay, self._retry, peer, reason, attempt + 1)
-
-    def _retry(self, peer: str, reason: str, attempt: int) -> None:
-        self._end()
-        self._remove(peer, reason, attempt)
-
-    def _peer_gone(self, peer: str, reason: str) -> None:
-        """The grace is over: the peer's transfers fail.  When it was torn down for falling
-        silent, the blocks it may write (push) or read (pull) stay quarantined until
-        `_heard_again` shows its late ops have had their chance to land, or `unfenced_hold` has
-        passed.
-
-        Why not at the end of the grace: over UCX-TCP a WRITE posted before a link went down
-        sits in a TCP connection the teardown cannot close (NIXL closes endpoints in flush mode,
-        and the kernel keeps retransmitting what it accepted), and lands when the link is back,
-        however long that takes.  No time counted from the teardown bounds that; the time the
-        peer is reachable again does (see `_heard_again`)."""
-        self.assoc.stop_cooling(peer)
-        now = self.hooks.now()
-        torn_down, answered = self._torn_down.pop(peer, (now, True))
-        # a peer that fell silent may be behind a dead link holding its writes
-        self.hooks.run(self.core.peer_lost(peer, now, reason, unfenced=not answered))
-        if self.core.unfenced(peer):
-            self._generation += 1
-            self._late_ops_hold[peer] = (self._generation, torn_down)
-            self.hooks.later(self.config.unfenced_hold, self._fenced, peer, self._generation)
-
-    def _heard_again(self, peer: str) -> None:
-        """`peer` associated again, so the link to it carries packets: a segment TCP still
-        retransmits from before the teardown is retried within about as long as it has already
-        waited (exponential backoff).  It has waited at most the lease (the silence before the
-        teardown) plus the time since the teardown; release the quarantined blocks after that
-        much more, plus the grace."""
-        entry = self._late_ops_hold.get(peer)
-        if entry is not None:
-            generation, torn_down = entry
-            wait = self.config.unfenced_grace + self.config.lease + (self.hooks.now() - torn_down)
-            self.hooks.later(min(wait, self.config.unfenced_hold), self._fenced, peer, generation)
-
-    def _fenced(self, peer: str, generation: int) -> None:
-        entry = self._late_ops_hold.get(peer)
-        if entry is not None and entry[0] == generation:  # else a later teardown decides
-            del self._late_ops_hold[peer]
-            self.hooks.run(self.core.peer_fenced(peer))
 
     def _add_route(self, action: AddRoute) -> list[AssociationAction]:
         """:raises ConfigError: the channel refused the address of a local connect."""
@@ -390,8 +319,15 @@ class PeerExecutor:
 
     def _end(self) -> None:
         self._outstanding -= 1
-        if self._outstanding == 0:
+        self._update_settled()
+
+    def _update_settled(self) -> None:
+        """Settled: no peer job whose outcome the loop has not had, and no failed removal waiting
+        for its retry."""
+        if self._outstanding == 0 and not self.assoc.teardowns.backing_off():
             self._settled.set()
+        else:
+            self._settled.clear()
 
     def _send_hello(self, action: SendHello) -> list[AssociationAction]:
         """Send our Hello; when it answers a peer's, its outcome is an input of the associations.

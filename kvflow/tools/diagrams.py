@@ -2,8 +2,9 @@
 
 Why generated: the tables in `kvflow.protocol.state` are the protocol's documentation, but a few
 hundred rows are hard to see whole.  This draws one Mermaid ``stateDiagram-v2`` per mode and
-role from the same data the core runs on, so the picture cannot drift from the code; a test
-regenerates it and fails when the committed file is out of date (``--check`` does the same).
+role from the same data the core runs on, and one per kind of the other machines' tables
+(`kvflow.protocol.teardown`), so the picture cannot drift from the code; a test regenerates it
+and fails when the committed file is out of date (``--check`` does the same).
 
 What is drawn: every row that changes state or does something; rows with the same source,
 target and effects share one edge, labelled ``INPUTS / EFFECTS``.  A row the core feeds by itself
@@ -17,8 +18,12 @@ from __future__ import annotations
 import argparse
 import sys
 from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from enum import Enum
 from pathlib import Path
+from typing import TypeVar
 
+from kvflow.protocol import teardown
 from kvflow.protocol.state import (
     STATE_TRIGGERED,
     TABLES,
@@ -41,10 +46,11 @@ _STATE_ORDER = {state: index for index, state in enumerate(State)}
 _INPUT_ORDER = {input_: index for index, input_ in enumerate(Input)}
 
 _HEADER = f"""\
-# Transfer state diagrams
+# State diagrams
 
-Generated from the transition tables in `kvflow/protocol/state.py` by `{REGENERATE}`;
-do not edit by hand (a test fails when this file is out of date).
+Generated from the transition tables in `kvflow/protocol/state.py` (transfers) and
+`kvflow/protocol/teardown.py` (torn-down peers) by `{REGENERATE}`; do not edit by hand (a test
+fails when this file is out of date).
 
 How to read them:
 
@@ -63,7 +69,44 @@ def render() -> str:
     parts = [_HEADER]
     for mode, role in _SIDES:
         parts.append(_render_side(mode, role))
+    for kind, rows in teardown.TABLES.items():
+        title = f"## A torn-down peer, {kind.value} (`kvflow/protocol/teardown.py`)"
+        parts.append(render_table(title, teardown.START, rows, [teardown.Phase.ENDED]))
     return "\n".join(parts)
+
+
+S = TypeVar("S", bound=Enum)  # a machine's states
+E = TypeVar("E", bound=Enum)  # its events
+D = TypeVar("D", bound=Enum)  # what its rows do
+
+
+def render_table(
+    title: str, start: tuple[S, tuple[D, ...]], rows: Mapping[tuple[S, E], tuple[S, tuple[D, ...]]], ends: Sequence[S]
+) -> str:
+    """One diagram of a small machine's table: rows keyed by (state, event) to (target, what it
+    does).  Rows that keep the state and do nothing are listed under the diagram."""
+    edges: dict[tuple[S, S, tuple[D, ...]], list[E]] = defaultdict(list)
+    swallowed: dict[S, list[E]] = defaultdict(list)
+    for (source, event), (target, dos) in rows.items():
+        if target is source and not dos:
+            swallowed[source].append(event)
+        else:
+            edges[(source, target, dos)].append(event)
+    first, effects = start
+    lines = [title, "", "```mermaid", "stateDiagram-v2"]
+    lines.append(f"    [*] --> {first.name}" + (" : / " + ", ".join(d.name for d in effects) if effects else ""))
+    order = {state: index for index, state in enumerate(type(first))}
+    for source, target, dos in sorted(edges, key=lambda e: (order[e[0]], order[e[1]], [d.name for d in e[2]])):
+        events = ", ".join(e.name for e in sorted(edges[(source, target, dos)], key=lambda e: e.name))
+        lines.append(
+            f"    {source.name} --> {target.name} : {events}" + (" / " + ", ".join(d.name for d in dos) if dos else "")
+        )
+    lines += [f"    {end.name} --> [*]" for end in ends]
+    lines += ["```", "", "Swallowed without effect:", ""]
+    for state in sorted(swallowed, key=order.__getitem__):
+        lines.append(f"- {state.name}: " + ", ".join(e.name for e in sorted(swallowed[state], key=lambda e: e.name)))
+    lines.append("")
+    return "\n".join(lines)
 
 
 def _render_side(mode: Mode, role: Role) -> str:
