@@ -55,3 +55,12 @@ def test_the_teardown_tables_are_drawn_and_a_changed_row_changes_the_drawing(mon
     monkeypatch.setitem(teardown.TABLES, teardown.Kind.SILENT, silent)
     after = render()
     assert "HEARD_AGAIN / SHORTEN_HOLD" not in after and "- HOLDING: HEARD_AGAIN, REMOVAL_FAILED, REMOVED" in after
+
+
+def test_an_engines_life_is_drawn_with_its_refusals_listed_not_drawn() -> None:
+    text = render()
+    assert (
+        "    STARTING --> CLOSED : START_FAILED / CLOSE_OWNED" in text
+        and "    RUNNING --> CLOSING : CLOSE / WIND_DOWN" in text
+    )
+    assert "- RUNNING: START, STARTED, START_FAILED, WOUND_DOWN" in text and "/ REFUSE" not in text

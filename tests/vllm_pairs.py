@@ -20,6 +20,7 @@ from kvflow.integrations.vllm import worker as worker_side
 from kvflow.integrations.vllm.connector import KVFlowConnector
 from kvflow.integrations.vllm.params import SEQUENTIAL_PREFILL_PARAMS
 from kvflow.integrations.vllm.standin import EngineOptions, StandInEngine
+from kvflow.protocol.lifecycle import Life
 
 BLOCK_SIZE = 32
 _fabrics = itertools.count()
@@ -161,7 +162,7 @@ def crash(engine: StandInEngine) -> None:
 
 async def _silence(engine: Any) -> None:
     engine.control.close()  # nothing more goes out or comes in
-    engine._state = "closed"  # and the engine stops reacting, as a dead process would
+    engine._life.state = Life.CLOSED  # and the engine stops reacting, as a dead process would
 
 
 # vLLM's toy proxy sends P these params with max_tokens 1, then hands P's answer to D: no

@@ -37,6 +37,7 @@ from kvflow.layout import KVLayout, fingerprint, plan_transfer
 from kvflow.protocol.actions import Action, DeclarePeerLost, OpKind, ReleaseBlocks, Resolve, SendMessage, SubmitOp
 from kvflow.protocol.association import Associations
 from kvflow.protocol.core import TransferCore
+from kvflow.protocol.lifecycle import Do, Event, Life, Lifecycle
 from kvflow.protocol.messages import ControlMessage, TransferKey, require_engine_id, transfer_key
 from kvflow.protocol.state import Mode, Outcome, Role
 from kvflow.runtime.config import EngineConfig
@@ -95,7 +96,7 @@ class Engine:
             self._running_loop,
             self._arm_timer,
             self._soon,
-            lambda: self._state == "closed",
+            lambda: self._life.closed,
         )
         self._peers = PeerExecutor(
             engine_id,
@@ -116,7 +117,7 @@ class Engine:
         self._drain_scheduled = False
         self._traffic = True  # what the transport was last told (`Transport.expect_traffic`)
         self._idle = asyncio.Event()
-        self._state = "new"
+        self._life = Lifecycle()
         run, now, idle = self._run, self._now, self._wait_idle
         self.memory = MemoryRegistration(layout, transport, self.core, self.assoc, self._peers, run, now, idle)
 
@@ -129,7 +130,7 @@ class Engine:
             engine is then closed, with its transport and control channel).
         :raises UsageError: the engine was started before.
         """
-        if self._state != "new":
+        if Do.REFUSE in self._life.feed(Event.START):
             raise UsageError(f"engine {self.engine_id!r} was already started")
         self._loop = asyncio.get_running_loop()
         try:
@@ -139,9 +140,11 @@ class Engine:
             self.control.set_link_listener(self._guarded_link)
             self.control.start(self._loop, self._guarded_control, self._record_crash)
         except BaseException:
-            await self.aclose()  # all or nothing: a failed start leaves nothing open
+            if Do.CLOSE_OWNED in self._life.feed(Event.START_FAILED):  # all or nothing: nothing left open
+                for exc in self._close_owned():
+                    log.error("%s: closing an engine whose start failed: %r", self.engine_id, exc)
             raise
-        self._state = "running"
+        self._life.feed(Event.STARTED)
         self._idle.set()
         self._traffic = False
         self.transport.expect_traffic(False)
@@ -207,14 +210,12 @@ class Engine:
 
         :raises EngineCrashed: a background callback raised at some point in the engine's life.
         """
-        if self._state in ("closing", "closed"):
-            return
-        if self._state == "new":  # never ran: its threads (if a job started them), transport, channel
-            self._state = "closed"
+        steps = self._life.feed(Event.CLOSE)
+        if Do.CLOSE_OWNED in steps:  # never ran: its threads (if a job started them), transport, channel
             for exc in self._close_owned():
                 log.error("%s: closing an engine that never ran: %r", self.engine_id, exc)
+        if Do.WIND_DOWN not in steps:
             return
-        self._state = "closing"
         self.assoc.teardowns.closing()
         limit = drain_timeout if drain_timeout is not None else self.config.drain_timeout
         await self.memory.wind_down("engine closing", limit, self.config.core.fence_timeout)
@@ -223,7 +224,7 @@ class Engine:
         self._timer.cancel()
         for exc in self._close_owned():
             self._record_crash(exc)
-        self._state = "closed"
+        self._life.feed(Event.WOUND_DOWN)
         unremoved = self.assoc.teardowns.unremoved()
         if unremoved:  # their blocks stay quarantined: no op of theirs was fenced
             log.error("%s: closed without removing peers %s", self.engine_id, sorted(unremoved))
@@ -494,7 +495,7 @@ class Engine:
         self._guard(self._on_control, sender, incarnation, message)
 
     def _on_control(self, sender: str, incarnation: int, message: ControlMessage) -> None:
-        if self._state != "running" and self._state != "closing":
+        if not self._life.drives_inputs:
             return
         self._peers.associate(self.assoc.receive(sender, incarnation, message, self._now()))
 
@@ -504,7 +505,7 @@ class Engine:
     def _on_link(self, peer: str, up: bool) -> None:
         """The control connection to `peer` dropped or came back: a dropped one makes the peer
         suspect, lost within `config.suspect_timeout` unless it comes back."""
-        if self._state == "running" or self._state == "closing":
+        if self._life.drives_inputs:
             self._peers.associate(self.assoc.link_changed(peer, up, self._now()))
             self._arm_timer()
 
@@ -562,7 +563,7 @@ class Engine:
         return open_handle(self._handles, key, role, self._running_loop(), m.outcome, m.reason)
 
     def _guard(self, fn: Callable[..., Any], *args: Any) -> None:
-        if self._state == "closed":
+        if self._life.closed:
             return  # a late callback (a completion, a message) after close: nothing to drive
         try:
             fn(*args)
@@ -580,8 +581,8 @@ class Engine:
     def _check_open(self, *, asleep: bool = False, closing: bool = False) -> None:
         """:raises EngineCrashed, EngineClosed, EngineAsleep: crashed; neither running nor `closing`; `asleep`."""
         self._check_crashed()
-        if self._state != "running" and not (closing and self._state == "closing"):
-            raise EngineClosed(f"engine {self.engine_id!r} is {self._state}")
+        if not self._life.accepts_calls and not (closing and self._life.state is Life.CLOSING):
+            raise EngineClosed(f"engine {self.engine_id!r} is {self._life.state.value}")
         if not asleep:
             self.memory.check_awake(self.engine_id)
 

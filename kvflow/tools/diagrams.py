@@ -2,9 +2,10 @@
 
 Why generated: the tables in `kvflow.protocol.state` are the protocol's documentation, but a few
 hundred rows are hard to see whole.  This draws one Mermaid ``stateDiagram-v2`` per mode and
-role from the same data the core runs on, and one per kind of the other machines' tables
-(`kvflow.protocol.teardown`), so the picture cannot drift from the code; a test regenerates it
-and fails when the committed file is out of date (``--check`` does the same).
+role from the same data the core runs on, and one for each of the other machines' tables
+(`kvflow.protocol.lifecycle`, `kvflow.protocol.teardown`), so the picture cannot drift from the
+code; a test regenerates it and fails when the committed file is out of date (``--check`` does
+the same).
 
 What is drawn: every row that changes state or does something; rows with the same source,
 target and effects share one edge, labelled ``INPUTS / EFFECTS``.  A row the core feeds by itself
@@ -23,7 +24,7 @@ from enum import Enum
 from pathlib import Path
 from typing import TypeVar
 
-from kvflow.protocol import teardown
+from kvflow.protocol import lifecycle, teardown
 from kvflow.protocol.state import (
     STATE_TRIGGERED,
     TABLES,
@@ -48,9 +49,9 @@ _INPUT_ORDER = {input_: index for index, input_ in enumerate(Input)}
 _HEADER = f"""\
 # State diagrams
 
-Generated from the transition tables in `kvflow/protocol/state.py` (transfers) and
-`kvflow/protocol/teardown.py` (torn-down peers) by `{REGENERATE}`; do not edit by hand (a test
-fails when this file is out of date).
+Generated from the transition tables in `kvflow/protocol/state.py` (transfers),
+`kvflow/protocol/lifecycle.py` (an engine's life) and `kvflow/protocol/teardown.py` (torn-down
+peers) by `{REGENERATE}`; do not edit by hand (a test fails when this file is out of date).
 
 How to read them:
 
@@ -69,6 +70,9 @@ def render() -> str:
     parts = [_HEADER]
     for mode, role in _SIDES:
         parts.append(_render_side(mode, role))
+    title = "## An engine's life (`kvflow/protocol/lifecycle.py`)"
+    life = render_table(title, (lifecycle.START, ()), lifecycle.TABLE, [lifecycle.Life.CLOSED], lifecycle.Do.REFUSE)
+    parts.append(life)
     for kind, rows in teardown.TABLES.items():
         title = f"## A torn-down peer, {kind.value} (`kvflow/protocol/teardown.py`)"
         parts.append(render_table(title, teardown.START, rows, [teardown.Phase.ENDED]))
@@ -81,15 +85,22 @@ D = TypeVar("D", bound=Enum)  # what its rows do
 
 
 def render_table(
-    title: str, start: tuple[S, tuple[D, ...]], rows: Mapping[tuple[S, E], tuple[S, tuple[D, ...]]], ends: Sequence[S]
+    title: str,
+    start: tuple[S, tuple[D, ...]],
+    rows: Mapping[tuple[S, E], tuple[S, tuple[D, ...]]],
+    ends: Sequence[S],
+    refuse: D | None = None,
 ) -> str:
     """One diagram of a small machine's table: rows keyed by (state, event) to (target, what it
-    does).  Rows that keep the state and do nothing are listed under the diagram."""
+    does).  Rows that keep the state and do nothing, or only `refuse`, are listed under it."""
     edges: dict[tuple[S, S, tuple[D, ...]], list[E]] = defaultdict(list)
     swallowed: dict[S, list[E]] = defaultdict(list)
+    refused: dict[S, list[E]] = defaultdict(list)
     for (source, event), (target, dos) in rows.items():
         if target is source and not dos:
             swallowed[source].append(event)
+        elif target is source and refuse is not None and dos == (refuse,):
+            refused[source].append(event)
         else:
             edges[(source, target, dos)].append(event)
     first, effects = start
@@ -102,9 +113,16 @@ def render_table(
             f"    {source.name} --> {target.name} : {events}" + (" / " + ", ".join(d.name for d in dos) if dos else "")
         )
     lines += [f"    {end.name} --> [*]" for end in ends]
-    lines += ["```", "", "Swallowed without effect:", ""]
-    for state in sorted(swallowed, key=order.__getitem__):
-        lines.append(f"- {state.name}: " + ", ".join(e.name for e in sorted(swallowed[state], key=lambda e: e.name)))
+    lines.append("```")
+    for heading, listed in (
+        ("Swallowed without effect", swallowed),
+        ("Refused, nothing changes", refused),
+    ):
+        if listed:
+            lines += ["", f"{heading}:", ""]
+            for state in sorted(listed, key=order.__getitem__):
+                kept = sorted(listed[state], key=lambda e: e.name)
+                lines.append(f"- {state.name}: " + ", ".join(e.name for e in kept))
     lines.append("")
     return "\n".join(lines)
 
