@@ -122,7 +122,7 @@ def test_table_shape(side: tuple[Mode, Role]) -> None:
             assert target in (state, FENCING_DONE[state]), f"{where}: fencing leads only to its outcome"
         if Effect.RESOLVE in effects:
             assert outcome_of(state) is None and outcome_of(target) is not None, f"{where}: resolves once"
-        if Effect.RELEASE in effects:
+        if Effect.RELEASE in effects or Effect.HOLD_FOR_FENCE in effects:
             assert target in TERMINAL or target in (State.NOTIFIED, State.WRITTEN), f"{where}: releases only at the end"
         if Effect.QUARANTINE in effects:
             assert target in FENCING, f"{where}: quarantine means waiting for a fence"
@@ -135,7 +135,7 @@ def test_every_wait_has_a_deadline_and_an_exit(side: tuple[Mode, Role]) -> None:
     states = {s for s, _ in table}
     for state in states:
         if state in ACTIVE or state in FENCING:
-            for input_ in (Input.DEADLINE, Input.PEER_LOST, Input.ABORT):
+            for input_ in (Input.DEADLINE, Input.PEER_LOST, Input.PEER_LOST_UNFENCED, Input.ABORT):
                 assert (state, input_) in table, f"{side} {state.name} must handle {input_.name}"
     # every reachable state can reach a terminal one
     reachable = reachable_from(table, initial_state(side[1]))
@@ -229,3 +229,18 @@ def test_dropping_the_drain_hop_is_caught(monkeypatch: pytest.MonkeyPatch) -> No
     for cause in GIVING_UP:
         with pytest.raises(AssertionError):
             test_initiator_giving_up_with_nothing_in_flight_fences_at_once(cause)
+
+
+@pytest.mark.parametrize("side", SIDES, ids=lambda s: f"{s[0].value}-{s[1].value}")
+def test_a_peer_lost_unfenced_is_lost_alike_but_the_target_of_its_ops_holds_the_blocks_for_the_fence(
+    side: tuple[Mode, Role],
+) -> None:
+    table, target = TABLES[side], not is_initiator(*side)
+    lost = {state: step for (state, input_), step in table.items() if input_ is Input.PEER_LOST}
+    unfenced = {state: step for (state, input_), step in table.items() if input_ is Input.PEER_LOST_UNFENCED}
+    assert unfenced.keys() == lost.keys()
+    for state, step in lost.items():
+        held = tuple(Effect.HOLD_FOR_FENCE if target and e is Effect.RELEASE else e for e in step.effects)
+        assert unfenced[state] == Transition(step.target, held), (side, state)
+    holds = any(Effect.HOLD_FOR_FENCE in step.effects for step in unfenced.values())
+    assert holds is target  # only the target's blocks can still be touched by the peer

@@ -81,7 +81,6 @@ class TransferCore:
         self._ratios: dict[str, int] = {}  # a peer's blocks hold this many of the other side's
         # target blocks of torn-down peers that the peer's late one-sided ops may still reach
         self._unfenced: dict[str, list[Machine]] = {}
-        self._holding_for: str | None = None  # set while `peer_lost` keeps target blocks
         self._refused: dict[str, str] = {}  # peers whose handshake was refused for good, and why
         self._inbox = PeerInbox(self.store, self.stats, num_layers, self.feed, lambda peer: self._ratios.get(peer, 1))
 
@@ -329,15 +328,12 @@ class TransferCore:
         # has released: forget it.
         self.store.early.drop_from(peer)
         actions: list[Action] = []
-        self._holding_for = peer if unfenced else None
-        try:
-            for m in self.store.live():
-                if m.peer == peer and m.state not in TERMINAL:
-                    unheard = " before its verdict on the written KV" if m.state is State.WRITTEN else ""
-                    reason = f"peer {peer} lost{unheard}{f': {why}' if why else ''}"
-                    actions += self._feed(m, Input.PEER_LOST, now, reason=reason)
-        finally:
-            self._holding_for = None
+        lost = Input.PEER_LOST_UNFENCED if unfenced else Input.PEER_LOST
+        for m in self.store.live():
+            if m.peer == peer and m.state not in TERMINAL:
+                unheard = " before its verdict on the written KV" if m.state is State.WRITTEN else ""
+                reason = f"peer {peer} lost{unheard}{f': {why}' if why else ''}"
+                actions += self._feed(m, lost, now, reason=reason)
         return actions
 
     def peer_fenced(self, peer: str) -> list[Action]:
@@ -530,11 +526,11 @@ class TransferCore:
             out.append(Resolve(key, m.role, outcome, m.reason))
         elif effect is Effect.QUARANTINE:
             self.ledger.quarantine(m.owner)
-        elif effect is Effect.RELEASE and self._holding_for is not None and self._is_target(m):
+        elif effect is Effect.HOLD_FOR_FENCE and m.peer is not None and self.ledger.holds(m.owner):
             # the torn-down peer may still write (push) or read (pull) these blocks
             self.ledger.quarantine(m.owner)
-            self._unfenced.setdefault(self._holding_for, []).append(m)
-        elif effect is Effect.RELEASE:
+            self._unfenced.setdefault(m.peer, []).append(m)
+        elif effect is Effect.RELEASE or effect is Effect.HOLD_FOR_FENCE:  # (holding nothing: nothing to hold)
             blocks = self.ledger.release(m.owner)
             m.released.update(blocks)
             if blocks:
@@ -571,11 +567,6 @@ class TransferCore:
             out.append(SendMessage(m.peer, Quiesced(key)))
         elif effect is Effect.SEND_DONE and (m.block_ids or m.role is not _DECODE):
             out.append(SendMessage(m.peer, Done(key)))  # (an empty registration was D's verdict)
-
-    def _is_target(self, m: Machine) -> bool:
-        """Whether the peer's ops touch this machine's blocks (D in push, P in pull)."""
-        target = _DECODE if m.mode is Mode.PUSH else _PREFILL
-        return m.role is target and self.ledger.holds(m.owner)
 
     def _submit(self, m: Machine, out: list[Action]) -> None:
         if m.peer is None:

@@ -478,11 +478,24 @@ PULL_DECODE: Table = _merge(
     _terminal_common((Input.PEER_QUIESCED, Input.DUPLICATE, Input.INCOMPATIBLE)),
 )
 
+
+def _lost_unfenced(table: Table, *, target: bool) -> Table:
+    """PEER_LOST_UNFENCED does what PEER_LOST does, except that the target of the peer's ops
+    (D in push, P in pull) holds its blocks for the fence instead of releasing them."""
+    held = {RELEASE: Effect.HOLD_FOR_FENCE} if target else {}
+    unfenced = {
+        (state, Input.PEER_LOST_UNFENCED): Transition(step.target, tuple(held.get(e, e) for e in step.effects))
+        for (state, input_), step in table.items()
+        if input_ is Input.PEER_LOST
+    }
+    return _merge(table, unfenced)
+
+
 TABLES: Mapping[tuple[Mode, Role], Table] = {
-    (Mode.PUSH, Role.DECODE): PUSH_DECODE,
-    (Mode.PUSH, Role.PREFILL): PUSH_PREFILL,
-    (Mode.PULL, Role.DECODE): PULL_DECODE,
-    (Mode.PULL, Role.PREFILL): PULL_PREFILL,
+    (Mode.PUSH, Role.DECODE): _lost_unfenced(PUSH_DECODE, target=True),
+    (Mode.PUSH, Role.PREFILL): _lost_unfenced(PUSH_PREFILL, target=False),
+    (Mode.PULL, Role.DECODE): _lost_unfenced(PULL_DECODE, target=False),
+    (Mode.PULL, Role.PREFILL): _lost_unfenced(PULL_PREFILL, target=True),
 }
 
 # --------------------------------------------------------------------------------------------

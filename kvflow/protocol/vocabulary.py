@@ -68,6 +68,9 @@ class Input(_Word):
     # from the clock and liveness
     DEADLINE = "deadline"
     PEER_LOST = "peer_lost"  # fed only after the peer was torn down: nothing of it can land
+    # ... or, when it was torn down for falling silent on a transport that cannot fence its
+    # one-sided ops, what it wrote or reads may still land: see `Effect.HOLD_FOR_FENCE`
+    PEER_LOST_UNFENCED = "peer_lost_unfenced"
     # from the data plane, about this engine's own ops
     OP_SUBMITTED = "op_submitted"
     OP_COMPLETED = "op_completed"  # others still in flight
@@ -103,6 +106,9 @@ class Effect(_Word):
     RESOLVE = "resolve"  # the outcome is known: tell whoever waits
     QUARANTINE = "quarantine"  # blocks stay held until the peer is fenced
     RELEASE = "release"  # give every block this machine holds back to its owner
+    # target of a lost peer's ops (D in push, P in pull): the blocks it may still write or read
+    # stay quarantined until the peer is fenced (`TransferCore.peer_fenced`); nothing held: RELEASE
+    HOLD_FOR_FENCE = "hold_for_fence"
     RETURN_BATCH = "return_batch"  # a batch that arrived too late goes straight back
     DECLARE_PEER_LOST = "declare_peer_lost"
     IGNORE = "ignore"  # a late, duplicate or stray message: count it, do nothing
