@@ -565,8 +565,8 @@ class TransferCore:
             out.append(SendMessage(m.peer, Notice(key, outcome, m.reason or reason)))
         elif effect is Effect.SEND_QUIESCED:
             out.append(SendMessage(m.peer, Quiesced(key)))
-        elif effect is Effect.SEND_DONE and (m.block_ids or m.role is not _DECODE):
-            out.append(SendMessage(m.peer, Done(key)))  # (an empty registration was D's verdict)
+        elif effect is Effect.SEND_DONE:
+            out.append(SendMessage(m.peer, Done(key)))
 
     def _submit(self, m: Machine, out: list[Action]) -> None:
         if m.peer is None:

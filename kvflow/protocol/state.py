@@ -244,6 +244,9 @@ PUSH_DECODE: Table = _merge(
         (State.ALLOCATED, Input.PEER_ABORTED): _t(State.ABORTED, RESOLVE, RELEASE),
         (State.ALLOCATED, Input.PEER_FAILED): _t(State.FAILED, RESOLVE, RELEASE),
         (State.ALLOCATED, Input.DUPLICATE): _t(State.ALLOCATED, IGNORE),
+        # No block registered: nothing can land, and the registration just sent told P all it
+        # needs (no Done: that would answer a write that never was).
+        (State.REGISTERED, Input.NOTHING_TO_LAND): _t(State.NOTIFIED, RESOLVE),
     },
     _absorbing((State.ALLOCATED, State.REGISTERED, State.WRITING), [Input.PEER_QUIESCED]),
     _push_decode_active(State.REGISTERED),
@@ -515,7 +518,7 @@ def _initiator_drains() -> StateTriggers:
 STATE_TRIGGERED: Mapping[tuple[Mode, Role], StateTriggers] = {
     # D registered no block (it holds every position P would write): nothing can land, and
     # the registration it just sent is its verdict.
-    (Mode.PUSH, Role.DECODE): {(State.REGISTERED, Condition.NOTHING_WANTED): Input.LAST_BATCH_LANDED},
+    (Mode.PUSH, Role.DECODE): {(State.REGISTERED, Condition.NOTHING_WANTED): Input.NOTHING_TO_LAND},
     # P gives up after D's registration with no WRITE in flight (none issued yet, or every
     # batch so far written): the hop fires.  P's last batch needed no WRITE (D holds those
     # positions): written.  D's verdict came with nothing of P's in flight: done.  D registered

@@ -78,6 +78,7 @@ class Input(_Word):
     OP_FAILED = "op_failed"
     LAST_OP_FAILED = "last_op_failed"
     OPS_DRAINED = "ops_drained"  # entered a fencing state with nothing in flight
+    NOTHING_TO_LAND = "nothing_to_land"  # push D registered no block: its registration was its verdict
     # from the peer
     REGISTRATION_RECEIVED = "registration_received"
     READY_RECEIVED = "ready_received"
