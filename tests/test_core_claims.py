@@ -12,7 +12,8 @@ from __future__ import annotations
 from kvflow.protocol.actions import Action, OpKind, ReleaseBlocks, Resolve, SendMessage, SubmitOp
 from kvflow.protocol.core import TransferCore
 from kvflow.protocol.messages import Claim, Message, Notice, Ready, TransferKey
-from kvflow.protocol.state import Mode, Outcome, Role, State
+from kvflow.protocol.state import Effect, Mode, Outcome, Role, State
+from kvflow.protocol.vocabulary import ADDRESSED
 
 KEY = TransferKey("3f9a-unguessable", 1)
 
@@ -30,7 +31,16 @@ def _unclaimed_p(now: float = 0.0) -> TransferCore:
     actions = p.kv_ready(KEY, block_ids=[4, 5], now=now, mode=Mode.PULL, deadline=now + 30.0)
     assert _sent(actions) == []  # nobody to tell yet
     assert p.machine(KEY, Role.PREFILL).state is State.PREFILL_READY
+    assert p.stats.unaddressed == 1  # the row's SEND_READY, with nobody to address it to
     return p
+
+
+def test_the_effects_dropped_for_a_machine_without_a_peer_are_exactly_those_addressed_to_it() -> None:
+    assert {e for e in Effect if e.name.startswith("SEND_")} | {Effect.SUBMIT_PENDING} == ADDRESSED
+    p = _unclaimed_p()
+    aborted = p.abort(KEY, Role.PREFILL, now=1.0, reason="client gone")
+    assert _sent(aborted) == [] and p.stats.unaddressed == 2  # its SEND_ABORT too
+    assert _released(aborted) == [(4, 5)]  # and nobody can be reading: the blocks go back at once
 
 
 def test_first_claimant_reads_and_p_releases_on_its_done() -> None:

@@ -53,6 +53,7 @@ from kvflow.protocol.state import (
     transition,
 )
 from kvflow.protocol.transfers import CoreConfig, CoreStats, Owner, TransferStore
+from kvflow.protocol.vocabulary import ADDRESSED
 
 __all__ = ("CoreConfig", "CoreStats", "TransferCore")
 
@@ -550,7 +551,8 @@ class TransferCore:
             if m.peer is not None:
                 out.append(DeclarePeerLost(m.peer, f"no fence from peer for {key} within {self.config.fence_timeout}s"))
         elif m.peer is None:
-            return  # nobody to tell or write to yet
+            assert effect in ADDRESSED, effect  # every other effect was handled above
+            self.stats.unaddressed += 1
         elif effect is Effect.SUBMIT_PENDING:
             self._submit(m, out)
         elif effect is Effect.SEND_REGISTRATION:

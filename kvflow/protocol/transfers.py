@@ -62,6 +62,7 @@ class CoreConfig:
 @dataclass(slots=True)
 class CoreStats:
     ignored: int = 0  # late or duplicate messages absorbed by a state
+    unaddressed: int = 0  # effects for a peer (`ADDRESSED`) of a machine that has none yet
     unknown_transfer: int = 0  # messages or notifications for no known transfer
     stale_epoch: int = 0  # for a transfer id known here, but another epoch
     malformed_notifications: int = 0

@@ -19,7 +19,7 @@ class _Word(enum.Enum):
     __hash__ = object.__hash__
 
 
-__all__ = ("Effect", "Condition", "Input", "Mode", "Outcome", "Role", "State", "Transition")
+__all__ = ("ADDRESSED", "Effect", "Condition", "Input", "Mode", "Outcome", "Role", "State", "Transition")
 
 
 class Mode(_Word):
@@ -113,6 +113,22 @@ class Effect(_Word):
     RETURN_BATCH = "return_batch"  # a batch that arrived too late goes straight back
     DECLARE_PEER_LOST = "declare_peer_lost"
     IGNORE = "ignore"  # a late, duplicate or stray message: count it, do nothing
+
+
+# Effects addressed to the machine's peer.  A machine whose peer is not known yet (a pull
+# transfer nobody has claimed, a push prefill D has not registered) has nobody to write to or
+# tell: the effect does nothing there and is counted (`CoreStats.unaddressed`).
+ADDRESSED = frozenset(
+    {
+        Effect.SUBMIT_PENDING,
+        Effect.SEND_REGISTRATION,
+        Effect.SEND_READY,
+        Effect.SEND_CLAIM,
+        Effect.SEND_ABORT,
+        Effect.SEND_QUIESCED,
+        Effect.SEND_DONE,
+    }
+)
 
 
 class Condition(_Word):
