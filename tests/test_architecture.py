@@ -18,6 +18,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 # Source trees, each with the module prefix its files import as: kvflow/transports and
 # kvflow/integrations are symlinks to the top-level folders, which are read once, from there.
@@ -251,6 +253,92 @@ def layering_violations(source: Source) -> Iterator[str]:
 def test_layers_import_only_downwards() -> None:
     found = [v for s in SOURCES for v in layering_violations(s)]
     assert not found, "\n".join(found)
+
+
+# ---------------------------------------------------------------------- what vLLM loads
+
+# The library: what an embedding engine imports.  It knows nothing of vLLM, the tools or the
+# test kit; transports know nothing of the engine or its control plane.
+LIBRARY = ("kvflow.errors", "kvflow.protocol", "kvflow.layout", "kvflow.runtime", "kvflow.control", "kvflow.transports")
+NOT_LIBRARY = ("kvflow.integrations", "kvflow.tools", "kvflow.testing")
+# What vLLM loads with `kv_connector_module_path=kvflow.integrations.vllm.connector`, beside the
+# library: the scheduler side, the worker side and the metrics, nothing else (no stand-in, router,
+# benchmark or fuzzer).  A module joining this set is a deliberate change to the connector.
+CONNECTOR = "kvflow.integrations.vllm.connector"
+CONNECTOR_MODULES = frozenset(
+    f"kvflow.integrations.vllm.{name}"
+    for name in (
+        "connector",  # the class vLLM instantiates, both roles
+        "mapping",  # scheduler side: vLLM requests to transfers
+        "params",
+        "producer",
+        "settings",
+        "worker",  # worker side: KV caches, engines, their links
+        "kv_caches",
+        "device",
+        "links",
+        "notices",
+        "rank_agent",
+        "ranks",
+        "stats",  # metrics
+    )
+) | {"kvflow.integrations", "kvflow.integrations.vllm"}
+
+
+def loaded_by(graph: dict[str, set[str]], start: str) -> set[str]:
+    """Every module importing `start` imports, its packages' `__init__` included."""
+    seen, todo = set(), [start]
+    while todo:
+        module = todo.pop()
+        if module in seen or module not in graph:
+            continue
+        seen.add(module)
+        parts = module.split(".")
+        todo += [*graph[module], *(".".join(parts[:i]) for i in range(1, len(parts)))]
+    return seen
+
+
+def in_library(module: str) -> bool:
+    return module == "kvflow" or any(within(module, lib) for lib in LIBRARY)  # (the package's __init__)
+
+
+def boundary_violations(graph: dict[str, set[str]]) -> Iterator[str]:
+    for module, imported in sorted(graph.items()):
+        for target in sorted(imported):
+            if in_library(module) and any(within(target, no) for no in NOT_LIBRARY):
+                yield f"{module} imports {target} (the library imports no integration, tool or test kit)"
+            if within(module, "kvflow.transports") and any(
+                within(target, p) for p in ("kvflow.runtime", "kvflow.control")
+            ):
+                yield f"{module} imports {target} (transports know neither the engine nor its control plane)"
+    for module in sorted(loaded_by(graph, CONNECTOR)):
+        if not in_library(module) and module not in CONNECTOR_MODULES:
+            yield f"vLLM loading {CONNECTOR} loads {module} (not the library, not the connector)"
+
+
+def test_the_library_and_what_vllm_loads_import_nothing_else() -> None:
+    found = list(boundary_violations(kvflow_graph()))
+    assert not found, "\n".join(found)
+    assert loaded_by(kvflow_graph(), CONNECTOR) >= CONNECTOR_MODULES  # the list names no stale module
+
+
+@pytest.mark.parametrize(
+    ("importer", "imported", "why"),
+    [
+        ("kvflow.runtime.engine", "kvflow.integrations.vllm.worker", "the library imports no integration"),
+        ("kvflow.protocol.core", "kvflow.tools.soak", "the library imports no integration"),
+        ("kvflow.transports.nixl", "kvflow.runtime.engine", "transports know neither"),
+        ("kvflow.transports.shm", "kvflow.control.channel", "transports know neither"),
+        ("kvflow.integrations.vllm.mapping", "kvflow.integrations.vllm.standin.engine", "not the connector"),
+        ("kvflow.integrations.vllm.stats", "kvflow.integrations.vllm.bench", "not the connector"),
+        ("kvflow.integrations.vllm.worker", "kvflow.testing.pair", "not the connector"),
+    ],
+)
+def test_a_planted_boundary_violation_is_found(importer: str, imported: str, why: str) -> None:
+    graph = {module: set(targets) for module, targets in kvflow_graph().items()}
+    graph[importer].add(imported)
+    found = list(boundary_violations(graph))
+    assert any(why in line and imported in line for line in found), found
 
 
 def test_every_tree_is_read_once_through_its_real_folder() -> None:
