@@ -266,11 +266,15 @@ async def test_live_fuzz_of_a_running_engine(pair: Pair) -> None:
     frames = fuzz_frames(valid, random.Random(7), 10_000)
     for frame in frames:
         sock.send_multipart(frame)
-    # wait until every frame was seen (oversized ones may also drop the connection)
-    for _ in range(500):
-        if control.counters["rejected"] - rejected_before >= len(frames):
-            break
-        await asyncio.sleep(0.02)
+    # wait until every frame was seen (oversized ones may also drop the connection), however
+    # long a loaded machine takes: the bound only guards against a hang
+    unknown = stats_before["messages_from_unknown_peers"] + 4
+
+    def read_all() -> bool:
+        rejected = control.counters["rejected"] - rejected_before
+        return rejected >= len(frames) and pair.p.stats()["messages_from_unknown_peers"] >= unknown
+
+    await eventually(read_all, "P read every fuzzed frame and dropped the 4 valid ones", timeout=120)
     sock.close()
     ctx.term()
     assert control.counters["rejected"] - rejected_before == len(frames)
