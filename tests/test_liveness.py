@@ -235,12 +235,11 @@ async def test_a_silent_peer_is_lost_after_a_lease_and_its_transfers_fail() -> N
 @pytest.mark.asyncio
 async def test_goodbye_ends_the_association_at_once() -> None:
     pair = await EnginePair(LoopbackFabric(), config=LEASE).start()
-    await pair.d.expect("r", 1, peer="P", block_ids=[1], timeout=30)
+    waiting = await pair.d.expect("r", 1, peer="P", block_ids=[1], timeout=30)
     await pair.p.aclose()
-    for _ in range(100):
-        if not pair.d.peers():
-            break
-        await asyncio.sleep(0.01)
+    result = await waiting.wait(10)
+    # ended by the goodbye, not by the lease running out ("no message for ...")
+    assert result.reason == "peer P lost: it tore us down: engine closing"
     assert pair.d.peers() == [] and pair.d.core.ledger.held_blocks == 0
     await pair.d.aclose()
     pair.fabric.close()

@@ -42,7 +42,10 @@ def start(hosts: TwoHosts, side: str, name: str, prefix: str) -> PeerProcess:
 
 def connect(d: PeerProcess, p: PeerProcess) -> None:
     connected: Event = {"event": "error"}
-    for _ in range(40):  # after a teardown D refuses P's new association until its grace is over
+    # after a teardown D refuses P's new association until its grace is over: retry, however
+    # long a loaded machine takes (the bound only guards against a hang)
+    give_up = time.monotonic() + 120.0
+    while time.monotonic() < give_up:
         connected = d.ask("connected", cmd="connect", peer="P", address=p.address, timeout=2.0)
         if connected["event"] == "connected":
             return
