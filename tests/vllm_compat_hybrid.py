@@ -61,10 +61,10 @@ def expected_bytes(engine: StandInEngine, prompt: int) -> int:
 def moved_bytes(p: StandInEngine, d: StandInEngine, tid: str, prompt: int, mode: str = "push") -> int:
     """One request through P and D, checked; the bytes it moved (P's WRITEs, or D's READs)."""
     counter, side = ("bytes_written", p) if mode == "push" else ("bytes_read", d)
-    before = sum(int(e.counters[counter]) for e in side.kvflow_engines())
+    before = sum(int(getattr(e.counters, counter)) for e in side.kvflow_engines())
     d.checked.clear()
     move_and_check(p, d, tid, prompt, mode=mode)
-    return sum(int(e.counters[counter]) for e in side.kvflow_engines()) - before
+    return sum(int(getattr(e.counters, counter)) for e in side.kvflow_engines()) - before
 
 
 def registered(d: StandInEngine, tid: str, group: int, rank: int = 0) -> tuple[int, int]:

@@ -143,7 +143,7 @@ def _replicated_heads(fragment: str, caplog: pytest.LogCaptureFixture) -> None:
     p, d = make_pair(**options, p_options={"tensor_parallel": 4}, d_options={"tensor_parallel": 1})
     try:
         sliced(p, d, "replicated")
-        written = [int(e.counters["bytes_written"]) for e in p.kvflow_engines()]
+        written = [e.counters.bytes_written for e in p.kvflow_engines()]
         assert all(written) and written[0] > written[1] and written[2] > written[3], written
     finally:
         d.close()

@@ -43,7 +43,7 @@ from kvflow.protocol.state import Mode, Outcome, Role
 from kvflow.runtime.config import EngineConfig
 from kvflow.runtime.meter import TransferMeter
 from kvflow.runtime.peering import EngineHooks, PeerExecutor
-from kvflow.runtime.results import ENGINE_COUNTERS, TransferHandle, TransferResult, keep, open_handle
+from kvflow.runtime.results import EngineCounters, TransferHandle, TransferResult, keep, open_handle
 from kvflow.runtime.sleep import ASLEEP, MemoryRegistration
 from kvflow.runtime.timer import DeadlineTimer
 from kvflow.runtime.writer import Submitter, WriterThread
@@ -80,7 +80,7 @@ class Engine:
         self.released: deque[ReleaseBlocks] = deque(maxlen=kept)
         self.finished: deque[TransferResult] = deque(maxlen=kept)
         self.meter = TransferMeter()  # per-transfer time, bytes and outcomes, for metrics
-        self.counters = dict.fromkeys(ENGINE_COUNTERS, 0)
+        self.counters = EngineCounters()
         self._submitter = submitter or WriterThread(
             f"kvflow-writer-{engine_id}", self._record_crash, thread_setup=self.config.thread_setup
         )
@@ -379,7 +379,7 @@ class Engine:
         """Counters of the core, the engine and the ledger.  Never raises."""
         return {
             **asdict(self.core.stats),
-            **self.counters,
+            **asdict(self.counters),
             "live_transfers": self.core.live_count(),
             "held_blocks": self.core.ledger.held_blocks,
             "quarantined_blocks": self.core.ledger.quarantined_blocks,
@@ -407,7 +407,7 @@ class Engine:
                 self._submit(action)
             elif isinstance(action, ReleaseBlocks):
                 self.meter.released(action.key, action.role, action.outcome, self._now())
-                keep(self.released, action, self.counters, "released_dropped")
+                self.counters.released_dropped += keep(self.released, action)
                 if self._on_release is not None:
                     self._guard(self._on_release, action)
             elif isinstance(action, Resolve):
@@ -430,7 +430,7 @@ class Engine:
             what = (action.role.value, action.key, action.outcome.value, action.reason)
             log.warning("%s: %s transfer %s %s: %s", self.engine_id, *what)
         self.meter.resolved(action.key, action.role, action.outcome, self._now())
-        keep(self.finished, result, self.counters, "finished_dropped")
+        self.counters.finished_dropped += keep(self.finished, result)
         future = self._handles.pop((action.key, action.role), None)
         if future is not None and not future.done():
             future.set_result(result)
@@ -484,7 +484,7 @@ class Engine:
         self.meter.op_posted(op.key, role, *posted)
         now = self._now()
         if error is None:
-            self.counters["bytes_written" if op.kind is OpKind.WRITE else "bytes_read"] += posted[0]
+            self.counters.posted(op.kind is OpKind.WRITE, posted[0])
             self._run(self.core.op_submitted(op.op_id, now))
         else:
             self._run(self.core.op_finished(op.op_id, now, error))
@@ -529,7 +529,7 @@ class Engine:
             if note.peer in self.assoc.layouts:
                 self._run(self.core.notification(note.peer, note.payload, now))
             else:
-                self.counters["notifications_from_unknown"] += 1
+                self.counters.notifications_from_unknown += 1
 
     # ------------------------------------------------------------------ time
 

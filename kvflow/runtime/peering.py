@@ -57,6 +57,7 @@ from kvflow.protocol.teardown import PeerFenced, PeerGone, RemovalFailed, Remove
 from kvflow.runtime.config import EngineConfig
 from kvflow.runtime.descriptors import headroom_problem
 from kvflow.runtime.handshakes import Handshakes
+from kvflow.runtime.results import EngineCounters
 from kvflow.runtime.writer import Submitter
 from kvflow.transports.base import Transport
 
@@ -89,7 +90,7 @@ class PeerExecutor:
         config: EngineConfig,
         assoc: Associations,
         core: TransferCore,
-        counters: dict[str, int],
+        counters: EngineCounters,
         hooks: EngineHooks,
         worker: Submitter,
     ) -> None:
@@ -187,13 +188,13 @@ class PeerExecutor:
             elif isinstance(action, HandshakeSettled):
                 self.handshakes.settle(action.peer, action.error)
             elif isinstance(action, Refused):
-                self.counters["peers_refused"] += 1
+                self.counters.peers_refused += 1
                 log.error("%s: refusing peer %s: %s", self.engine_id, action.peer, action.error)
                 if action.abandon:
                     why = f"its handshake was refused: {action.error}"
                     self.hooks.run(self.core.peer_lost(action.peer, self.hooks.now(), why, refused=True))
             elif isinstance(action, UnknownSender):
-                self.counters["messages_from_unknown_peers"] += 1
+                self.counters.messages_from_unknown_peers += 1
         self._forget(ended)
         self._update_settled()
         self.hooks.rearm()
@@ -211,7 +212,7 @@ class PeerExecutor:
         try:
             self.control.send(peer, message)
         except KVFlowError as exc:
-            self.counters["sends_failed"] += 1
+            self.counters.sends_failed += 1
             # A goodbye often races the peer's own: the peer may have left first.
             level = logging.DEBUG if isinstance(message, Goodbye) else logging.WARNING
             log.log(level, "%s: cannot send to %s: %s", self.engine_id, peer, exc)
@@ -244,7 +245,7 @@ class PeerExecutor:
         """The transport could not remove the peer (it could not fence the peer's copies into our
         memory, as a stopped process's): nothing promises that its ops are over, so its transfers
         stay undecided or quarantined and it cools until a retry succeeds (`Teardowns`)."""
-        self.counters["peer_removals_failed"] += 1
+        self.counters.peer_removals_failed += 1
         log.log(
             logging.ERROR if action.attempt == 1 else logging.DEBUG,
             "%s: cannot remove peer %s (attempt %d): %s; its transfers' blocks stay quarantined, retrying in %.2gs",
@@ -347,7 +348,7 @@ class PeerExecutor:
             self.control.send(action.peer, hello)
         except KVFlowError as exc:
             if action.associating:
-                self.counters["sends_failed"] += 1
+                self.counters.sends_failed += 1
                 return self.assoc.hello_unsent(action.peer, exc)
             if not action.best_effort:
                 raise

@@ -16,19 +16,29 @@ from kvflow.errors import TransferFailed, TransferTimeout
 from kvflow.protocol.messages import TransferKey
 from kvflow.protocol.state import Outcome, Role
 
-__all__ = ("ENGINE_COUNTERS", "TransferHandle", "TransferResult", "keep", "open_handle")
+__all__ = ("EngineCounters", "TransferHandle", "TransferResult", "keep", "open_handle")
 
-ENGINE_COUNTERS = (  # an engine's own counters (`Engine.counters`, in its stats)
-    "messages_from_unknown_peers",
-    "sends_failed",
-    "notifications_from_unknown",
-    "peers_refused",
-    "peer_removals_failed",  # a transport's remove_peer raised (retried: see peering)
-    "released_dropped",
-    "finished_dropped",
-    "bytes_written",  # by the WRITEs this engine submitted (push P)
-    "bytes_read",  # by the READs this engine submitted (pull D)
-)
+
+@dataclass(slots=True)
+class EngineCounters:
+    """An engine's own counters (`Engine.counters`, in its stats), each named where it counts."""
+
+    messages_from_unknown_peers: int = 0
+    sends_failed: int = 0
+    notifications_from_unknown: int = 0
+    peers_refused: int = 0
+    peer_removals_failed: int = 0  # a transport's remove_peer raised (retried: see `kvflow.protocol.teardown`)
+    released_dropped: int = 0  # records `Engine.released` let go of, nobody having polled them
+    finished_dropped: int = 0  # ... and `Engine.finished`
+    bytes_written: int = 0  # by the WRITEs this engine submitted (push P)
+    bytes_read: int = 0  # by the READs this engine submitted (pull D)
+
+    def posted(self, write: bool, nbytes: int) -> None:
+        """An op this engine submitted moves `nbytes`: a WRITE (push P) or a READ (pull D)."""
+        if write:
+            self.bytes_written += nbytes
+        else:
+            self.bytes_read += nbytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,9 +104,8 @@ def open_handle(
     return TransferHandle(key, role, future)
 
 
-def keep(records: deque[Any], record: Any, counters: dict[str, int], dropped: str) -> None:
-    """Append `record` to the bounded `records`, counting in `counters[dropped]` the oldest one
-    this drops.  Never raises (for a name `counters` holds)."""
-    if len(records) == records.maxlen:
-        counters[dropped] += 1
+def keep(records: deque[Any], record: Any) -> bool:
+    """Append `record` to the bounded `records`; whether that dropped the oldest one.  Never raises."""
+    full = len(records) == records.maxlen
     records.append(record)
+    return full

@@ -55,7 +55,7 @@ def moved(
         d = StandInEngine(EngineOptions("decode", "kv_consumer", extra, **options))
         rows = []
         for n in tokens:
-            before = sum(int(e.counters["bytes_written"]) for e in p.kvflow_engines())
+            before = sum(e.counters.bytes_written for e in p.kvflow_engines())
             counted = _costs(p, d)
             kv = {
                 "transfer_id": f"hma-{n}",
@@ -78,7 +78,7 @@ def moved(
                 time.sleep(0.001)
             if d.checked.get(d_req.request_id) != 0 or d_req.status != RequestStatus.FINISHED_LENGTH_CAPPED:
                 raise RuntimeError(f"{model.name}, {n} tokens: D read {d.checked} bad pages, ended {d_req.status}")
-            written = sum(int(e.counters["bytes_written"]) for e in p.kvflow_engines()) - before
+            written = sum(e.counters.bytes_written for e in p.kvflow_engines()) - before
             page = next(iter(p.kvflow_engines())).layout.spec.page_bytes
             transfers, frames = (after - was for after, was in zip(_costs(p, d), counted, strict=True))
             rows.append(
