@@ -9,6 +9,7 @@ must exist; the README's module map names every module.
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import re
 import subprocess
@@ -119,3 +120,24 @@ def test_testing_guide_describes_every_test_file() -> None:
     guide = (ROOT / "docs" / "testing.md").read_text()
     missing = [p.name for p in sorted((ROOT / "tests").glob("test_*.py")) if f"`tests/{p.name}`" not in guide]
     assert missing == [], "test files docs/testing.md does not describe"
+
+
+DOCUMENTED_PACKAGES = (
+    "kvflow/protocol",
+    "kvflow/layout",
+    "kvflow/runtime",
+    "kvflow/control",
+    "kvflow/tools",
+    "kvflow/testing",
+    "transports",
+)
+
+
+@pytest.mark.parametrize("package", DOCUMENTED_PACKAGES)
+def test_a_packages_docstring_names_each_of_its_modules(package: str) -> None:
+    folder = ROOT / package
+    docstring = ast.get_docstring(ast.parse((folder / "__init__.py").read_text(encoding="utf-8"))) or ""
+    named = set(re.findall(r"`(\w+)`|\((\w+)\)", docstring))
+    words = {w for pair in named for w in pair if w}
+    modules = {p.stem for p in folder.glob("*.py") if p.stem != "__init__"}
+    assert sorted(modules - words) == [], f"{package}/__init__.py's docstring leaves these modules out"

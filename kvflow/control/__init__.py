@@ -1,6 +1,8 @@
 """The control plane: how engines reach each other's control messages.
 
 `channel` is the contract (and an in-process hub for tests and single-process setups), `zeromq`
-the authenticated ZeroMQ implementation, `wire` the msgpack codec (plain data only), `auth` the shared
-secret, MACs and replay guard.
+the authenticated ZeroMQ implementation, `wire` the msgpack codec (plain data only), `auth` the
+shared secret, MACs and replay guard.  Around the ZeroMQ channel: `hardening` (CURVE keys, the
+ZAP handler), `connections` (counting the ROUTER's connections and their descriptors) and
+`monitor` (whether the link to a peer is up).
 """

@@ -3,8 +3,13 @@
 `vocabulary` names the states, inputs and effects; `state` holds the transition tables (one per
 mode and role) and the state-triggered hops; `machine` is the per-transfer record; `ledger`
 accounts for every block; `transfers` stores the machines, their epochs and deadlines; `core`
-turns inputs into `actions`, with `inbox` refining what peers send; `association` decides
-handshakes, heartbeats and leases; `messages` are what peers say to each other.  Nothing here
-reads a clock, opens a socket or touches asyncio: time is an input, effects are returned as
-data, and the runtime executes them.
+turns inputs into `actions`, with `inbox` refining what peers send and `early` keeping what
+they say about transfers not started yet; `messages` are what peers say to each other.
+
+Peers: `association` decides handshakes, incarnations and leases, `liveness` when each peer is
+due a heartbeat or lost, `teardown` when a torn-down peer's blocks may go back (a table), and
+`admission` whom an engine may associate with.  `lifecycle` is an engine's own life (a table).
+
+Nothing here reads a clock, opens a socket or touches asyncio: time is an input, effects are
+returned as data, and the runtime executes them.
 """

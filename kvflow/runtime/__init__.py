@@ -1,9 +1,15 @@
 """The asyncio runtime that executes the protocol's actions.
 
 `engine` is the thin driver (feeds inputs to the transfer core and to the peer associations,
-executes their actions, arms one deadline timer, never loses a task exception); `config` is
-its `EngineConfig`; `results` are the handles and outcomes a caller awaits, `handshakes` the
-futures a `connect` awaits; `writer` posts transport ops from a dedicated thread;
-`threaded` embeds an engine in synchronous code (an inference engine's scheduler thread); `loop`
-picks uvloop when it is installed.
+executes their actions, arms one deadline timer (`timer`), never loses a task exception);
+`peering` executes what the associations decide; `config` is its `EngineConfig`; `results` are
+the handles, outcomes and counters a caller reads, `handshakes` the futures a `connect` awaits,
+`meter` the per-transfer figures for metrics; `writer` posts transport ops from a dedicated
+thread; `sleep` winds transfers down and lets go of the KV memory's registration (and takes it
+up again); `descriptors` checks file-descriptor headroom.
+
+Embedding: `threaded` runs an engine on a thread of synchronous code (an inference engine's
+scheduler), `process` in a process of its own (`engine_process` is that process's program),
+with `host_memory` sharing the host's KV caches in place; `loop` picks uvloop when it is
+installed.
 """

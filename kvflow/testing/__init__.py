@@ -1,8 +1,9 @@
 """Helpers for tests and simulations, public so embedders can test their own integration.
 
-`EnginePair` joins a P and a D engine over loopback with real KV buffers, `ManualClock` drives
-time by hand, and `peer_process` runs one engine in a child process driven by JSON lines (used by
-the cross-process tests and usable from any language).
+`pair`: `EnginePair` joins a P and a D engine over loopback with real KV buffers, `ManualClock`
+drives time by hand.  `peer_process` runs one engine in a child process driven by JSON lines
+(used by the cross-process tests and usable from any language).  `fuzz` and `fuzz_process`
+attack a live control plane, for the attack tests and soak runs.
 """
 
 from __future__ import annotations
