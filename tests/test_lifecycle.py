@@ -95,7 +95,12 @@ def test_a_promise_ends_with_the_transfer_or_after_max_hold() -> None:
     assert p.heartbeat_keys("D", 1.0) == (KEY,) and p.heartbeat_keys("D2", 1.0) == (TransferKey("other", 1),)
     p.abort(KEY, Role.PREFILL, 2.0, "request ended")
     assert p.heartbeat_keys("D", 3.0) == ()
-    assert p.heartbeat_keys("D2", 20.0) == ()  # max_hold after the promise: dropped
+    assert p.heartbeat_keys("D2", 20.0) == ()  # max_hold after the promise: left out
+    # listing is a query; the timer forgets what ended, so promises take no memory for long
+    assert p.store.promisee(KEY) is None  # (gone with its abort)
+    assert p.store.promisee(TransferKey("other", 1)) == "D2"
+    p.timer(20.0)
+    assert p.store.promisee(TransferKey("other", 1)) is None
 
 
 # ---------------------------------------------------------------- D gives up before allocating

@@ -381,13 +381,15 @@ class TransferCore:
 
     def heartbeat_keys(self, peer: str, now: float) -> tuple[TransferKey, ...]:
         """What a heartbeat to `peer` lists: the transfers this side waits on from it (as D) and
-        those whose request it holds for it (as P; promises that ended are dropped)."""
+        those whose request it holds for it (as P; promises that ended are left out).  A query."""
         return self.waiting_on(peer) + self.store.live_promises(peer, now, self.config.max_hold)
 
     def timer(self, now: float) -> list[Action]:
-        """Feed DEADLINE to every machine whose timer has passed; forget old finished ones."""
+        """Feed DEADLINE to every machine whose timer has passed; forget old finished ones and
+        promises that ended."""
         actions: list[Action] = []
         self._forgotten(self.store.forget_finished(now))
+        self.store.expire_promises(now, self.config.max_hold)
         while (due := self.store.pop_due(now)) is not None:
             when, m, gen = due
             if m is None:

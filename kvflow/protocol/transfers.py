@@ -311,17 +311,23 @@ class TransferStore:
     def drop_promise(self, key: TransferKey) -> None:
         self._promises.pop(key, None)
 
+    def _promise_kept(self, key: TransferKey, since: float, now: float, max_hold: float) -> bool:
+        m = self.get(key, Role.PREFILL)
+        return since + max_hold > now and (m is None or m.state in ACTIVE)
+
     def live_promises(self, peer: str, now: float, max_hold: float) -> tuple[TransferKey, ...]:
-        """The transfers whose request this side (P) holds for `peer`; promises whose transfer
-        ended here, or older than `max_hold`, are dropped."""
-        promised = []
-        for key, (owner, since) in list(self._promises.items()):
-            m = self.get(key, Role.PREFILL)
-            if since + max_hold <= now or (m is not None and m.state not in ACTIVE):
+        """The transfers whose request this side (P) holds for `peer`: promises whose transfer
+        has not ended here and that are younger than `max_hold`.  A query: changes nothing."""
+        kept = self._promise_kept
+        return tuple(
+            k for k, (owner, since) in self._promises.items() if owner == peer and kept(k, since, now, max_hold)
+        )
+
+    def expire_promises(self, now: float, max_hold: float) -> None:
+        """Forget the promises `live_promises` no longer lists."""
+        for key, (_, since) in list(self._promises.items()):
+            if not self._promise_kept(key, since, now, max_hold):
                 self.drop_promise(key)
-            elif owner == peer:
-                promised.append(key)
-        return tuple(promised)
 
     def promisee(self, key: TransferKey) -> str | None:
         """The peer a promise on `key` names, if any."""
