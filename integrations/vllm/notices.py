@@ -5,13 +5,15 @@ full prefix hit; P holds a queued request for D; D's request ended before it had
 sent for every part transfer this rank takes in the request (each rank of the other side it
 pairs with, each KV cache group), found through that side's rank 0 (`ranks.reach_rank`, run by
 the rank's agent).  None of them waits: a failure is logged, and
-the peer then falls back on its own deadline.
+the peer then falls back on its own deadline.  The worker holds one `PeerNotices` and hands it
+what it needs (its rank's link and how a request's params split into part transfers).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import logging
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -28,19 +30,22 @@ __all__ = ("PeerNotices",)
 log = logging.getLogger("kvflow.vllm")
 
 
+Parts = Callable[[Any, Role], list[tuple[int, int, TransferKey]]]
+
+
 class PeerNotices:
-    """Mixed into `WorkerSide`: the rank's identity, and its link to its engine."""
+    """What one worker rank tells the ranks of its peers without moving KV."""
 
-    engine_id: str
-    tp_size: int
+    def __init__(self, engine_id: str, tp_size: int, link: Callable[[], EngineLink], parts: Parts) -> None:
+        """`link`: the rank's link to its engine (:raises UsageError: not registered yet);
+        `parts`: a request's part transfers on this rank (:raises ConfigError: see
+        `ranks.transfer_parts`)."""
+        self.engine_id = engine_id
+        self.tp_size = tp_size
+        self._link = link
+        self._parts = parts
 
-    def _link(self) -> EngineLink:
-        raise NotImplementedError
-
-    def _parts(self, params: Any, role: Role) -> list[tuple[int, int, TransferKey]]:
-        raise NotImplementedError
-
-    def _tell_nothing_wanted(self, order: Order) -> list[concurrent.futures.Future[Any]]:
+    def nothing_wanted(self, order: Order) -> list[concurrent.futures.Future[Any]]:
         """An empty registration to every P rank feeding this one: P releases its blocks
         without a WRITE.  vLLM runs the request without waiting for a load, so nothing is
         reported to it; should P not be reached, P frees its blocks at its own deadline."""
@@ -48,7 +53,7 @@ class PeerNotices:
         return self._tell_sources(order, f"cannot tell P that {order.request_id} needs no KV", logging.ERROR,
                                   "nothing_wanted", first)  # fmt: skip
 
-    def _promise(self, order: Order) -> None:
+    def promise(self, order: Order) -> None:
         """P: the request is queued here; heartbeats to the decode ranks it feeds say so until
         it ends.  (A sequential router's request has no decode engine yet: nothing to promise.)
 
@@ -67,10 +72,10 @@ class PeerNotices:
             peer = rank_name(decode.engine, target)
             # lazy: a promise may wait for the step's next order or its results (no wake-up of its own)
             self._link().command("promise_pair", key.transfer_id, key.epoch, peer, lazy=True).add_done_callback(
-                partial(self._logged, what=f"cannot promise {order.request_id}")
+                partial(self.log_failure, what=f"cannot promise {order.request_id}")
             )
 
-    def _abort_unallocated(self, order: Order) -> None:
+    def abort_unallocated(self, order: Order) -> None:
         """D: the request ended before it had blocks, so nothing was registered: tell the P
         ranks feeding this one, which may hold its KV (or compute it later), so that they free
         it at once (on failure P frees at its own deadline)."""
@@ -94,10 +99,11 @@ class PeerNotices:
         prefill = peer_wire(params.prefill)
         for source, _, key in parts:
             future = self._link().command(command, prefill, p_tp, source, key.transfer_id, key.epoch, *args)
-            future.add_done_callback(partial(self._logged, what=what, level=level))
+            future.add_done_callback(partial(self.log_failure, what=what, level=level))
             futures.append(future)
         return futures
 
-    def _logged(self, future: concurrent.futures.Future[Any], what: str, level: int = logging.WARNING) -> None:
+    def log_failure(self, future: concurrent.futures.Future[Any], what: str, level: int = logging.WARNING) -> None:
+        """A done callback: log a command that failed (`what` it was for).  Never raises."""
         if future.exception() is not None:
             log.log(level, "%s: %s: %s", self.engine_id, what, future.exception())

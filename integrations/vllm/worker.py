@@ -78,7 +78,7 @@ def _failed(exc: BaseException) -> concurrent.futures.Future[Any]:
     return future
 
 
-class WorkerSide(PeerNotices, ProducerSide):
+class WorkerSide(ProducerSide):
     def __init__(
         self, engine_id: str, rank: int, settings: Settings, tp_size: int = 1, total_heads: int = 0, dp_rank: int = 0
     ) -> None:
@@ -95,6 +95,7 @@ class WorkerSide(PeerNotices, ProducerSide):
         self.pairs = PairBook()  # each request's pair transfers on this rank
         self.link: EngineLink | None = None  # to this rank's engine, wherever it runs
         self.thread: EngineThread | None = None  # the engine's thread, when it runs on one
+        self.notices = PeerNotices(self.engine_id, tp_size, self._link, self._parts)
         self._requests: dict[tuple[TransferKey, Role], str] = {}
         self._aborted: set[str] = set()  # D requests aborted while their KV was coming
         # requests vLLM said finished whose KV kvflow may still give back (see `results`)
@@ -253,14 +254,14 @@ class WorkerSide(PeerNotices, ProducerSide):
         for order in orders.abort:  # after the expects: a request may end in the step it was allocated
             self._abort(order)
         for order in orders.promise:
-            self._promise(order)
+            self.notices.promise(order)
 
     def _expect(self, order: Order) -> None:
         """D: register each KV cache group's blocks with every P rank feeding this one (a part
         transfer each); a failure to start is reported as a failed load by the next results()."""
         params, every = order.params, tuple(block for group in order.blocks for block in group.ids)
         if not every and not order.reason:  # D needs nothing (a full prefix hit): only P is told
-            self._tell_nothing_wanted(order)
+            self.notices.nothing_wanted(order)
             return
         try:
             if order.reason:  # the scheduler side could not tell which blocks to register
@@ -281,7 +282,9 @@ class WorkerSide(PeerNotices, ProducerSide):
                 first = order.blocks[group].first if group < len(order.blocks) else 0
                 self._link().command(
                     "nothing_wanted", peer_wire(params.prefill), p_tp, source, key.transfer_id, key.epoch, first
-                ).add_done_callback(partial(self._logged, what=f"cannot tell P {order.request_id} needs no {key}"))
+                ).add_done_callback(
+                    partial(self.notices.log_failure, what=f"cannot tell P {order.request_id} needs no {key}")
+                )
                 continue
             blocks = order.blocks[group]
             self._requests[(key, Role.DECODE)] = order.request_id
@@ -322,7 +325,7 @@ class WorkerSide(PeerNotices, ProducerSide):
     def _abort(self, order: Order) -> None:
         role = Role.PREFILL if order.producer else Role.DECODE
         if role is Role.DECODE and not order.allocated:
-            self._abort_unallocated(order)
+            self.notices.abort_unallocated(order)
             return
         keys = self.pairs.still_open(order.request_id, role)
         if role is Role.DECODE:
