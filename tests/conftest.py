@@ -7,13 +7,16 @@ fixtures more than one module uses.
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING
 
+import pytest
 import pytest_asyncio
 
 if TYPE_CHECKING:
-    from tests.test_hostile_peers import Zmq
+    from tests.hostile import Zmq
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
@@ -21,10 +24,24 @@ os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
 @pytest_asyncio.fixture
 async def zmq_p() -> AsyncIterator[Zmq]:
-    """A running engine "P" over authenticated ZeroMQ (`tests.test_hostile_peers.Zmq`)."""
-    from tests.test_hostile_peers import Zmq
+    """A running engine "P" over authenticated ZeroMQ (`tests.hostile.Zmq`)."""
+    from tests.hostile import Zmq
 
     engine = Zmq()
     await engine.p.start()
     yield engine
     await engine.close()
+
+
+@pytest.fixture
+def prefix() -> Iterator[str]:
+    """A unique prefix for an engine process's shared-memory names; what a SIGKILLed one left is removed."""
+    tag = f"kvflow-test-{uuid.uuid4().hex[:8]}"
+    yield tag
+    for leftover in Path("/dev/shm").glob(f"{tag}*"):  # what a SIGKILLed process left behind
+        if leftover.is_dir():
+            for item in leftover.iterdir():
+                item.unlink()
+            leftover.rmdir()
+        else:
+            leftover.unlink()

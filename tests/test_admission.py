@@ -25,7 +25,7 @@ from kvflow.protocol.association import AddRoute, Associations, HandshakeSettled
 from kvflow.protocol.messages import Hello
 from kvflow.runtime.engine import Engine, EngineConfig
 from kvflow.testing import SMALL_SPEC, KVBuffers
-from tests.test_hostile_peers import CONFIG, SECRET, Zmq, hello, signed
+from tests.hostile import CONFIG, SECRET, Zmq, hello, signed
 from tests.waiting import eventually
 
 PUBLIC = "tcp://8.8.8.8:5700"

@@ -24,8 +24,7 @@ from typing import Any
 import pytest
 
 from kvflow.testing import fuzz
-from tests.test_cross_process import ROOT, SECRET, PeerProcess, start_pair
-from tests.test_cross_process import prefix as prefix  # the fixture: unique shared-memory names
+from tests.peer_processes import ROOT, SECRET, PeerProcess, start_pair
 
 MiB = 1 << 20
 

@@ -22,11 +22,9 @@ from kvflow.protocol.state import Outcome
 from kvflow.runtime.engine import Engine, EngineConfig
 from kvflow.testing import SMALL_SPEC, KVBuffers
 from kvflow.transports.loopback import LoopbackFabric
-from tests.test_cross_process import TRANSPORTS, kill_prefill_after_registration, prefix, start_pair
+from tests.peer_processes import TRANSPORTS, kill_prefill_after_registration, start_pair
 from tests.test_liveness import hello, receive
 from tests.waiting import eventually
-
-__all__ = ("prefix",)  # the fixture, shared with the other two-process tests
 
 SECRET = Secret(b"a shared secret of some length")
 LONG_LEASE = EngineConfig(transfer_timeout=600.0, drain_timeout=1.0, lease=600.0, suspect_timeout=0.5)

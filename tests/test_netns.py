@@ -22,9 +22,7 @@ from kvflow.errors import ConfigError
 from kvflow.integrations.vllm.serve.processes import http_ok
 from kvflow.testing.peer_process import pattern, spec
 from kvflow.tools.netns import BridgedHosts, TwoHosts, free_subnet, unavailable
-from tests.test_cross_process import TRANSPORTS, Event, PeerProcess, prefix
-
-__all__ = ("prefix",)  # the fixture, shared with the single-host cross-process tests
+from tests.peer_processes import TRANSPORTS, Event, PeerProcess
 
 REASON = unavailable()
 needs_namespaces = pytest.mark.skipif(REASON is not None, reason=f"two hosts need network namespaces: {REASON}")

@@ -38,7 +38,7 @@ from kvflow.protocol.state import Outcome, Role
 from kvflow.runtime.engine import Engine, EngineConfig
 from kvflow.testing import SMALL_SPEC, KVBuffers
 from kvflow.transports.loopback import LoopbackFabric, LoopbackTransport
-from tests.test_hostile_peers import hello
+from tests.hostile import hello
 from tests.waiting import eventually
 
 CONFIG = EngineConfig(
