@@ -141,3 +141,24 @@ def test_a_packages_docstring_names_each_of_its_modules(package: str) -> None:
     words = {w for pair in named for w in pair if w}
     modules = {p.stem for p in folder.glob("*.py") if p.stem != "__init__"}
     assert sorted(modules - words) == [], f"{package}/__init__.py's docstring leaves these modules out"
+
+
+def module_sources() -> list[Path]:
+    """Every module of the library, the integrations and the transports, each read once."""
+    found = []
+    for top in ("kvflow", "transports", "integrations"):
+        for path in sorted((ROOT / top).rglob("*.py")):
+            relative = path.relative_to(ROOT).as_posix()
+            if not relative.startswith(("kvflow/transports/", "kvflow/integrations/")):  # the symlinks
+                found.append(path)
+    return found
+
+
+def test_every_module_docstring_opens_with_a_one_line_summary() -> None:
+    long = []
+    for path in module_sources():
+        docstring = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"))) or ""
+        lines = docstring.splitlines()
+        if not lines or not lines[0].rstrip().endswith((".", ":", "?")) or (len(lines) > 1 and lines[1].strip()):
+            long.append(f"{path.relative_to(ROOT)}: {lines[0] if lines else '(no docstring)'}")
+    assert long == [], "module docstrings whose summary is not one line followed by a blank one:\n" + "\n".join(long)

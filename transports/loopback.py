@@ -1,5 +1,6 @@
-"""Loopback transport: real byte copies between endpoints of one process, with a link model and
-deterministic fault injection.
+"""Loopback transport: real byte copies between endpoints of one process.
+
+With a link model and deterministic fault injection.
 
 Why it exists: tests and simulations need a data plane that behaves like RDMA where it matters
 (bytes land later than they are posted, a notification follows its bytes, a dead peer fails

@@ -1,5 +1,6 @@
-"""One stand-in vLLM engine (P or D) with any KV connector, in its own process, driven over
-JSON lines: what `kvflow bench vllm` runs.
+"""One stand-in vLLM engine with any KV connector, in its own process.
+
+P or D, driven over JSON lines: what `kvflow bench vllm` runs.
 
 Why a process per engine: a fair comparison of KV connectors runs each one inside vLLM's real
 Scheduler and worker hooks, P and D apart, as in a deployment.  The engine itself is the

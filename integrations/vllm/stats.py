@@ -1,5 +1,7 @@
-"""kvflow's transfer metrics in vLLM's own connector-stats API: the periodic log line and the
-``vllm:kvflow_*`` Prometheus metrics, as vLLM's NIXL connector reports ``vllm:nixl_*``.
+"""kvflow's transfer metrics in vLLM's own connector-stats API.
+
+The periodic log line and the ``vllm:kvflow_*`` Prometheus metrics, as vLLM's NIXL connector
+reports ``vllm:nixl_*``.
 
 How they travel (vLLM 0.33): each worker's ``get_kv_connector_stats`` returns a
 `KVFlowConnectorStats` after every step; vLLM's ``KVOutputAggregator`` aggregates the ranks'

@@ -1,5 +1,7 @@
-"""Connection-level defences of the ZeroMQ control plane: CURVE keys, the ZAP handler, the
-connection monitor, and a rate-limited log of what is dropped.
+"""Connection-level defences of the ZeroMQ control plane.
+
+CURVE keys, the ZAP handler, the connection monitor, and a rate-limited log of what is
+dropped.
 
 Why: an HMAC per frame authenticates messages only after ZeroMQ has accepted a connection, read
 whole messages into memory and handed them to the event loop, so a stranger without the secret

@@ -1,5 +1,7 @@
-"""Per-transfer figures for an embedder's metrics: how long each transfer this engine moved took,
-its bytes and descriptors, and how transfers ended.
+"""Per-transfer figures for an embedder's metrics.
+
+How long each transfer this engine moved took, its bytes and descriptors, and how transfers
+ended.
 
 Why apart from the engine: the engine only feeds a `TransferMeter` from its loop (an op is asked
 for, an op was posted, blocks come back, a transfer's outcome is decided); an embedder's metrics (vLLM's connector

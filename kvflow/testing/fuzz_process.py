@@ -1,5 +1,6 @@
-"""`python -m kvflow.testing.fuzz_process`: the attacks of `kvflow.testing.fuzz`, one after
-another, against one engine's control port, for `kvflow soak --fuzz`.
+"""`python -m kvflow.testing.fuzz_process`: control-port attacks, for `kvflow soak --fuzz`.
+
+The attacks of `kvflow.testing.fuzz`, one after another, against one engine's control port.
 
 Why a process of its own: at large scale an attacker needs its own descriptors and CPU (a
 connection flood holds one descriptor per connection), while the soak's driver keeps timing

@@ -1,6 +1,7 @@
-"""Command-line tools behind `kvflow` (`cli`): the environment check (`doctor`), the state
-diagrams drawn from the transition tables (`diagrams`), and what the project measures itself
-with.
+"""Command-line tools behind `kvflow` (`cli`).
+
+The environment check (`doctor`), the state diagrams drawn from the transition tables
+(`diagrams`), and what the project measures itself with.
 
 Benchmarks: `bench_engine` (the control plane), `bench_nixl` (NIXL WRITEs), `bench_frames`
 (costly frames), `bench_floods` (connection floods), `bench_router` and `router_stand` (hostile

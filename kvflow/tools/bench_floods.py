@@ -1,5 +1,6 @@
-"""`kvflow bench floods`: what a stranger's connection flood costs an engine process, thread by
-thread, and how long a genuine peer then takes to connect.
+"""`kvflow bench floods`: what a stranger's connection flood costs an engine process.
+
+Thread by thread, and how long a genuine peer then takes to connect.
 
 Why: docs/security.md promises that a flood of raw TCP connections costs the event loop next to
 nothing (the socket monitor is read on a thread of its own, `kvflow.control.connections`), that

@@ -1,5 +1,7 @@
-"""`kvflow bench hma`: the KV bytes P moves per request for a hybrid model, with vLLM's hybrid
-KV cache manager on (kvflow's connector declares `SupportsHMA`) and off (``--disable-hybrid-kv-cache-manager``).
+"""`kvflow bench hma`: the KV bytes P moves per request for a hybrid model.
+
+With vLLM's hybrid KV cache manager on (kvflow's connector declares `SupportsHMA`) and off
+(``--disable-hybrid-kv-cache-manager``).
 
 Why: with the manager off every sliding-window layer keeps, and kvflow moves, the KV of every
 prompt token.  This measures the difference on vLLM's own code rather than on arithmetic: the

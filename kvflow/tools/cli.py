@@ -1,7 +1,9 @@
-"""The `kvflow` command: `kvflow doctor`, `kvflow bench nixl`, `kvflow bench vllm`, `kvflow bench pd`,
-`kvflow bench serve`, `kvflow bench host`, `kvflow bench engine`, `kvflow bench frames`,
-`kvflow bench floods`, `kvflow bench router`, `kvflow bench hma`, `kvflow diagrams`,
-`kvflow soak`, `kvflow serve`, `kvflow demo`.
+"""The `kvflow` command.
+
+`kvflow doctor`, `kvflow bench nixl`, `kvflow bench vllm`, `kvflow bench pd`, `kvflow bench
+serve`, `kvflow bench host`, `kvflow bench engine`, `kvflow bench frames`, `kvflow bench
+floods`, `kvflow bench router`, `kvflow bench hma`, `kvflow diagrams`, `kvflow soak`,
+`kvflow serve`, `kvflow demo`.
 
 Why one entry point: operators ask "does NIXL work here, with which backends and memory?" and
 "how fast is it here?" before anything else; both answers are one command away.

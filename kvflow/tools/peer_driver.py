@@ -1,5 +1,7 @@
-"""An engine process (`python -m kvflow.testing.peer_process`) driven from asyncio: commands,
-replies, outcomes, released blocks, SIGKILL and restart under the same name, /proc samples.
+"""An engine process (`python -m kvflow.testing.peer_process`) driven from asyncio.
+
+Commands, replies, outcomes, released blocks, SIGKILL and restart under the same name, /proc
+samples.
 
 Why apart from the soak: the soak decides what to do and counts what went wrong; this class only
 speaks the child's JSON-lines protocol, many commands in flight, without blocking the loop.

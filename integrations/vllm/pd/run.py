@@ -1,5 +1,7 @@
-"""`kvflow bench pd`'s run: every system's P and D pair, paced by the step-time model, under
-open-loop Poisson load at every request rate, and what each request and step did.
+"""`kvflow bench pd`'s run: every system's P and D pair under open-loop load.
+
+Paced by the step-time model, under Poisson load at every request rate, and what each request
+and step did.
 
 Why open loop: under load, what push changes is how long requests queue (on P for compute, on D
 for KV); a closed loop would slow its arrivals down whenever a system is slow and hide that.

@@ -1,6 +1,7 @@
-"""The stand-in engine paced by the step-time model: what each step's batch is, how long the
-model says it takes, and what the engine's KV cache and queues look like after it; and the
-host's own work in a step (`HostLoad`).
+"""The stand-in engine paced by the step-time model.
+
+What each step's batch is, how long the model says it takes, and what the engine's KV cache
+and queues look like after it; and the host's own work in a step (`HostLoad`).
 
 Why apart from `timing`: the model is pure arithmetic over rows; this module reads vLLM's
 scheduler output and scheduler (the batch of a step, its block pool, its queues) to feed it and

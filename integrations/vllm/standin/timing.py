@@ -1,5 +1,6 @@
-"""How long one engine step of a real model on a real GPU would take: the step-time model of
-`kvflow bench pd`.
+"""The step-time model of `kvflow bench pd`.
+
+How long one engine step of a real model on a real GPU would take.
 
 Why: on this machine the model's arithmetic is the only thing the stand-in engine does not do
 for real (vLLM's scheduler, the KV cache allocation, the connector hooks and the transfer all
