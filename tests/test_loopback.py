@@ -13,7 +13,14 @@ from kvflow.layout import DescriptorPlan, MemoryType, Region
 from kvflow.layout.buffers import region_of
 from kvflow.protocol.actions import OpKind
 from kvflow.transports.base import Completion, Transport
-from kvflow.transports.loopback import FaultPlan, LinkModel, LoopbackFabric, LoopbackTransport
+from kvflow.transports.loopback import (
+    FaultPlan,
+    LinkModel,
+    LoopbackFabric,
+    LoopbackTransport,
+    install_fabric,
+    named_fabric,
+)
 
 
 def plan(rows: list[tuple[int, int, int, int, int]]) -> DescriptorPlan:
@@ -182,3 +189,24 @@ def test_link_model_serialises_ops_on_a_link() -> None:
     assert [c.op_id for c in completions] == [1, 2]
     assert elapsed >= 0.045  # two 25 ms ops back to back on one link, not in parallel
     ends.fabric.close()
+
+
+def test_a_named_fabric_is_shared_while_in_use_and_forgotten_with_its_last_endpoint() -> None:
+    name = f"named-{id(object())}"
+    fabric = named_fabric(name)
+    assert named_fabric(name) is fabric
+    a, b = fabric.endpoint("A"), named_fabric(name).endpoint("B")
+    with pytest.raises(ConfigError, match="in use"):
+        install_fabric(name, LoopbackFabric())
+    a.close()
+    assert named_fabric(name) is fabric  # B is still on it
+    b.close()
+    assert named_fabric(name) is not fabric  # forgotten with its last endpoint
+    faulty = LoopbackFabric(faults=FaultPlan(fail_ops={1}))
+    fresh = f"{name}-faults"
+    install_fabric(fresh, faulty)
+    endpoint = named_fabric(fresh).endpoint("C")
+    assert endpoint.fabric is faulty
+    endpoint.close()
+    fabric.close()
+    faulty.close()

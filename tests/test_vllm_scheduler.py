@@ -16,9 +16,8 @@ import pytest
 from vllm.v1.request import RequestStatus
 
 from kvflow.errors import ConfigError
-from kvflow.integrations.vllm import worker as worker_side
 from kvflow.integrations.vllm.standin import StandInEngine
-from kvflow.transports.loopback import FaultPlan, LoopbackFabric
+from kvflow.transports.loopback import FaultPlan, LoopbackFabric, install_fabric
 from tests.vllm_pairs import (
     BLOCK_SIZE,
     crash,
@@ -153,7 +152,7 @@ def test_a_failed_write_reaches_decode_at_once(policy: str, scheduling: str) -> 
     """vLLM's own push connector only logs a failed WRITE and leaves D waiting for its 480 s
     watchdog; here D learns of it from P's failure notice and applies its load-failure policy."""
     name = fabric()
-    worker_side._LOOPBACK_FABRICS[name] = LoopbackFabric(faults=FaultPlan(fail_ops={1}))
+    install_fabric(name, LoopbackFabric(faults=FaultPlan(fail_ops={1})))
     extra = {"fabric": name, "transfer_timeout": 600.0}
     p, d = make_pair(extra=extra, failure_policy=policy, async_scheduling=scheduling == "async")
     try:
@@ -229,7 +228,7 @@ def test_a_write_failing_on_one_rank_fails_the_request_on_every_rank() -> None:
     come back once both ranks have reported."""
     name = fabric()
     faults = FaultPlan(fail_ops={1}, stall_ops={2}, stall_for=0.5)
-    worker_side._LOOPBACK_FABRICS[name] = LoopbackFabric(faults=faults)
+    install_fabric(name, LoopbackFabric(faults=faults))
     extra = {"fabric": name, "transfer_timeout": 600.0, "push_layer_groups": 1}
     p, d = make_pair(extra=extra, tensor_parallel=2)
     decode_fails_long_before_its_deadline(p, d, "t11")

@@ -10,10 +10,9 @@ from collections.abc import Callable
 import zmq
 from vllm.v1.request import RequestStatus
 
-from kvflow.integrations.vllm import worker as worker_side
 from kvflow.integrations.vllm.standin import StandInEngine
 from kvflow.integrations.vllm.stats import IN_FLIGHT_STATES, KVFlowConnectorStats
-from kvflow.transports.loopback import FaultPlan, LoopbackFabric
+from kvflow.transports.loopback import FaultPlan, LoopbackFabric, install_fabric
 from tests.vllm_compat_stats import StatLoggers, expected_bytes
 from tests.vllm_pairs import BLOCK_SIZE, dispatch, fabric, make_pair, params, settle
 from tests.vllm_pairs import run as run_until
@@ -82,7 +81,7 @@ def test_both_ranks_figures_reach_vllms_log_line_and_prometheus() -> None:
 
 def test_a_failed_write_shows_in_the_failures_on_both_sides() -> None:
     name = fabric()
-    worker_side._LOOPBACK_FABRICS[name] = LoopbackFabric(faults=FaultPlan(fail_ops={1}))
+    install_fabric(name, LoopbackFabric(faults=FaultPlan(fail_ops={1})))
     p, d = make_pair(extra={"fabric": name, "transfer_timeout": 600.0}, log_stats=True)
     try:
         loggers = StatLoggers(p, d)

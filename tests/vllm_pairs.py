@@ -16,11 +16,11 @@ from typing import Any
 
 from vllm.v1.request import Request, RequestStatus
 
-from kvflow.integrations.vllm import worker as worker_side
 from kvflow.integrations.vllm.connector import KVFlowConnector
 from kvflow.integrations.vllm.params import SEQUENTIAL_PREFILL_PARAMS
 from kvflow.integrations.vllm.standin import EngineOptions, StandInEngine
 from kvflow.protocol.lifecycle import Life
+from kvflow.transports.loopback import named_fabric
 
 BLOCK_SIZE = 32
 _fabrics = itertools.count()
@@ -153,7 +153,7 @@ def kvflow_engine(engine: StandInEngine, rank: int = 0) -> Any:
 def crash(engine: StandInEngine) -> None:
     """The engine's process dies: no goodbye, its memory and control socket gone."""
     assert isinstance(engine.worker, KVFlowConnector)
-    fabric_ = worker_side._LOOPBACK_FABRICS[engine.worker.settings.fabric]
+    fabric_ = named_fabric(engine.worker.settings.fabric)
     fabric_.kill(kvflow_engine(engine).engine_id)
     side = engine.worker._worker
     assert side is not None and side.thread is not None

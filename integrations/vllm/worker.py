@@ -64,7 +64,6 @@ __all__ = ("Settings", "WorkerSide", "layer_groups")  # Settings, layer_groups: 
 
 log = logging.getLogger("kvflow.vllm")
 
-_LOOPBACK_FABRICS: dict[str, Any] = {}  # in-process fabrics by name, for tests and simulation
 INLINE_OP_BYTES = 1 << 20  # in an engine process, ops of up to 1 MiB are posted from its loop
 # At shutdown a rank's engine lets its transfers finish this long (a WRITE in flight, a
 # registration on its way), then aborts the rest, telling their peers: one waiting for a peer
@@ -204,10 +203,9 @@ class WorkerSide(ProducerSide):
         def factory() -> Engine:
             transport: Transport
             if settings.transport == "loopback":
-                from kvflow.transports.loopback import LoopbackFabric
+                from kvflow.transports.loopback import named_fabric
 
-                fabric = _LOOPBACK_FABRICS.setdefault(settings.fabric, LoopbackFabric())
-                transport = fabric.endpoint(self.engine_id)
+                transport = named_fabric(settings.fabric).endpoint(self.engine_id)
             else:
                 from kvflow.transports.nixl import NixlTransport
 
