@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import pytest
 import pytest_asyncio
 
-from tests.test_router import ROUTER_MODULE, Process, stop_clean
+from tests.router_processes import ROUTER_MODULE, Process, stop_clean
 
 KEEPALIVE = 0.3  # the router's --backend-keepalive in this test
 PAUSE = 1.0  # between two requests: longer than KEEPALIVE

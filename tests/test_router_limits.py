@@ -25,7 +25,7 @@ from aiohttp import web
 
 from kvflow.integrations.vllm import http_limits, router
 from kvflow.integrations.vllm.backends import Backend
-from tests.test_router import ROUTER_MODULE, WAIT, Process, stop_clean
+from tests.router_processes import ROUTER_MODULE, WAIT, Process, stop_clean
 
 ANSWER = {"id": "cmpl-1", "choices": [{"index": 0, "text": "x", "finish_reason": "length"}]}
 

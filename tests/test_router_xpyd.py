@@ -24,7 +24,7 @@ from kvflow.errors import ConfigError, NoBackend
 from kvflow.integrations.vllm.backends import Backend, BackendPool
 from kvflow.integrations.vllm.params import SEQUENTIAL_PREFILL_PARAMS
 from kvflow.integrations.vllm.params_fuzz import hostile_params
-from tests.test_router import ROUTER_MODULE, WAIT, Process, start_fake, stop_clean
+from tests.router_processes import ROUTER_MODULE, WAIT, Process, start_fake, stop_clean
 
 NAMES = ("P1", "P2", "D1", "D2")
 
