@@ -158,3 +158,14 @@ async def test_a_silent_peer_that_never_comes_back_holds_the_blocks_unfenced_hol
     await lose_p_for_silence(short_hold)
     await eventually(lambda: short_hold.d.core.ledger.held_blocks == 0, "D's block back after the hold", 10)
     assert short_hold.d.peers() == [] and short_hold.d.crashed == []
+
+
+@pytest.mark.asyncio
+async def test_a_silent_peer_with_nothing_of_it_quarantined_leaves_no_hold_behind(timed: Timed) -> None:
+    engines, at = timed.engines, timed.at
+    engines.hub.cut = True
+    await at(1040.0)  # a lease of silence: torn down, with no transfer between them
+    assert [r.phase.name for r in engines.d.assoc.teardowns.under_way()] == ["GRACE"]
+    await at(1050.0)  # the grace is over: nothing is quarantined, so nothing is held
+    assert engines.d.assoc.teardowns.under_way() == [] and engines.d.assoc.next_deadline() is None
+    assert engines.d.core.ledger.held_blocks == 0 and engines.d.crashed == []

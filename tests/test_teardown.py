@@ -88,6 +88,14 @@ def test_a_silent_peer_heard_again_is_fenced_once_a_retransmitted_segment_had_it
     assert t.tick(155.0) == [PeerFenced("P")]
 
 
+def test_a_hold_over_nothing_ends_at_once() -> None:
+    t = Teardowns(GRACE, HOLD, LEASE)
+    remove = removal(t.torn_down("P", "silent", 0.0, answered=False))
+    t.removed(remove.number, 0.0)
+    assert t.tick(5.0) == [PeerGone("P", "silent", unfenced=True)]
+    assert t.nothing_held("P", 5.0) == [] and t.under_way() == [] and t.next_deadline() is None
+
+
 def test_an_answered_teardown_loses_the_peer_after_the_grace_without_a_hold() -> None:
     t = Teardowns(GRACE, HOLD, LEASE)
     remove = removal(t.torn_down("P", "goodbye", 0.0, answered=True))
@@ -166,7 +174,7 @@ class Model:
 @given(
     st.lists(
         st.tuples(
-            st.sampled_from(["down", "down-silent", "removed", "failed", "tick", "heard", "closing"]),
+            st.sampled_from(["down", "down-silent", "removed", "failed", "tick", "heard", "nothing", "closing"]),
             st.sampled_from(["P", "Q"]),
             st.integers(0, 5),
             st.floats(0.0, 200.0),
@@ -190,6 +198,10 @@ def test_any_order_of_inputs_keeps_the_promises(steps: list[tuple[str, str, int,
             actions = t.tick(now)
         elif kind == "heard":
             actions = t.heard_again(peer, now)
+        elif kind == "nothing":
+            actions = t.nothing_held(peer, now)
+            assert not [r for r in t.under_way() if r.peer == peer and r.phase is Phase.HOLDING]
+            model.held.discard(peer)  # nothing of it was quarantined
         else:
             t.closing()
             actions = []

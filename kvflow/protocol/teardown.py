@@ -16,7 +16,8 @@ Each teardown walks a small table, with a deadline per phase:
   long that takes.  So the blocks it may write (push) or read (pull) stay quarantined until the
   peer associated again and a segment retransmitted from before the teardown has had its chance
   (TCP retries within about as long as it already waited: at most the lease plus the time since
-  the teardown, plus the grace), or `hold` seconds at most; then FENCE releases them.  A peer
+  the teardown, plus the grace), or `hold` seconds at most; then FENCE releases them (no hold
+  when the transfer core quarantined nothing of the peer's: NOTHING_HELD).  A peer
   torn down because it answered (a goodbye, a new Hello, its connection closed) had packets
   flowing, so nothing of it can be stuck: it has no hold.
 
@@ -85,6 +86,7 @@ class Event(Enum):
     DEADLINE = "deadline"  # the phase's deadline passed
     HEARD_AGAIN = "heard-again"  # the peer associated again: the link carries packets
     SUPERSEDED = "superseded"  # a newer teardown of the same peer holds its blocks now
+    NOTHING_HELD = "nothing-held"  # the transfer core quarantined nothing of the peer's: no hold needed
 
 
 class Do(Enum):
@@ -110,7 +112,11 @@ _REMOVAL: dict[tuple[Phase, Event], Row] = {
     # swallowed: a peer that associates again (possible when it does not cool) changes nothing
     # here, and events that cannot come in a phase change nothing either
     **{(phase, Event.HEARD_AGAIN): (phase, ()) for phase in (Phase.REMOVING, Phase.BACKING_OFF, Phase.GRACE)},
-    **{(phase, Event.SUPERSEDED): (phase, ()) for phase in (Phase.REMOVING, Phase.BACKING_OFF, Phase.GRACE)},
+    **{
+        (phase, event): (phase, ())
+        for phase in (Phase.REMOVING, Phase.BACKING_OFF, Phase.GRACE)
+        for event in (Event.SUPERSEDED, Event.NOTHING_HELD)
+    },
     (Phase.REMOVING, Event.DEADLINE): (Phase.REMOVING, ()),
     (Phase.BACKING_OFF, Event.REMOVED): (Phase.BACKING_OFF, ()),
     (Phase.BACKING_OFF, Event.REMOVAL_FAILED): (Phase.BACKING_OFF, ()),
@@ -126,6 +132,7 @@ TABLES: Mapping[Kind, Mapping[tuple[Phase, Event], Row]] = {
         (Phase.HOLDING, Event.HEARD_AGAIN): (Phase.HOLDING, (Do.SHORTEN_HOLD,)),
         (Phase.HOLDING, Event.DEADLINE): (Phase.ENDED, (Do.FENCE,)),
         (Phase.HOLDING, Event.SUPERSEDED): (Phase.ENDED, ()),
+        (Phase.HOLDING, Event.NOTHING_HELD): (Phase.ENDED, ()),
         (Phase.HOLDING, Event.REMOVED): (Phase.HOLDING, ()),
         (Phase.HOLDING, Event.REMOVAL_FAILED): (Phase.HOLDING, ()),
     },
@@ -230,6 +237,14 @@ class Teardowns:
         out: list[TeardownAction] = []
         for record in self._of(peer):
             out += self._feed(record, Event.HEARD_AGAIN, now, None)
+        return out
+
+    def nothing_held(self, peer: str, now: float) -> list[TeardownAction]:
+        """The transfer core keeps nothing quarantined for `peer` (`PeerGone(unfenced)` found no
+        transfer whose blocks it may touch): its hold ends.  Never raises."""
+        out: list[TeardownAction] = []
+        for record in self._of(peer):
+            out += self._feed(record, Event.NOTHING_HELD, now, None)
         return out
 
     def closing(self) -> None:

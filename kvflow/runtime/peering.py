@@ -172,6 +172,8 @@ class PeerExecutor:
                     log.warning("%s: peer %s removed after %d failed attempts", self.engine_id, action.peer, failed)
                 now = self.hooks.now()
                 self.hooks.run(self.core.peer_lost(action.peer, now, action.reason, unfenced=action.unfenced))
+                if action.unfenced and not self.core.unfenced(action.peer):
+                    queue.extendleft(reversed(self.assoc.teardowns.nothing_held(action.peer, now)))
             elif isinstance(action, PeerFenced):
                 self.hooks.run(self.core.peer_fenced(action.peer))
             elif isinstance(action, AddTransportPeer):
