@@ -1,6 +1,4 @@
-"""A stand-in for vLLM's engine core and model runner.
-
-Around vLLM's own scheduler, KV cache planning, allocation and connector hooks.
+"""A stand-in for vLLM's engine core and model runner, around vLLM's own scheduler.
 
 Why: a KV connector's contract is with what vLLM hands it, so everything but the model's
 arithmetic is vLLM's own code.  `StandInEngine` builds a model config (a config.json, no
