@@ -506,8 +506,7 @@ class Engine:
         """The control connection to `peer` dropped or came back: a dropped one makes the peer
         suspect, lost within `config.suspect_timeout` unless it comes back."""
         if self._life.drives_inputs:
-            self._peers.associate(self.assoc.link_changed(peer, up, self._now()))
-            self._arm_timer()
+            self._peers.associate(self.assoc.link_changed(peer, up, self._now()))  # (re-arms the timer)
 
     def _wake_from_transport(self) -> None:
         """Called by the transport from any thread."""
