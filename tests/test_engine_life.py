@@ -10,6 +10,7 @@ from kvflow.errors import EngineClosed, UsageError
 from kvflow.protocol.lifecycle import ACCEPTS_CALLS, DRIVES_INPUTS, START, TABLE, Do, Event, Life, Lifecycle
 from kvflow.testing import EnginePair
 from kvflow.transports.loopback import LoopbackFabric
+from tests.tables import reachable_from
 
 
 def test_every_state_has_a_row_for_every_event_and_a_refusal_changes_nothing() -> None:
@@ -19,21 +20,10 @@ def test_every_state_has_a_row_for_every_event_and_a_refusal_changes_nothing() -
             assert dos == (Do.REFUSE,) and target is life
 
 
-def reachable(start: Life) -> set[Life]:
-    seen, todo = {start}, [start]
-    while todo:
-        life = todo.pop()
-        for (source, _), (target, _) in TABLE.items():
-            if source is life and target not in seen:
-                seen.add(target)
-                todo.append(target)
-    return seen
-
-
 def test_every_state_is_reachable_and_every_one_can_end_closed() -> None:
-    assert reachable(START) == set(Life)
+    assert reachable_from(TABLE, START) == set(Life)
     for life in Life:
-        assert Life.CLOSED in reachable(life), life
+        assert Life.CLOSED in reachable_from(TABLE, life), life
 
 
 def test_only_a_running_engine_takes_calls_and_a_closing_one_still_drives_its_inputs() -> None:

@@ -7,8 +7,7 @@ the transfer, state and input, and leaves a real core machine exactly as it was.
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
 import pytest
 
@@ -39,6 +38,7 @@ from kvflow.protocol.state import (
     transition,
     triggers_by_state,
 )
+from tests.tables import reachable_from
 
 SIDES = sorted(TABLES, key=lambda k: (k[0].value, k[1].value))
 LOCAL_ONLY_EFFECTS = {
@@ -96,18 +96,6 @@ def settled(side: tuple[Mode, Role], state: State, holds: Callable[[Condition], 
         assert state not in seen, f"{side}: state-triggered hops loop through {state.name}"
         seen.add(state)
     return state
-
-
-def reachable_from(table: Mapping[tuple[State, Input], Transition], start: State) -> set[State]:
-    """Every state the table can lead to from `start` (itself included)."""
-    seen, frontier = {start}, deque([start])
-    while frontier:
-        current = frontier.popleft()
-        for (source, _), (target, _) in table.items():
-            if source is current and target not in seen:
-                seen.add(target)
-                frontier.append(target)
-    return seen
 
 
 @pytest.mark.parametrize("side", SIDES, ids=lambda s: f"{s[0].value}-{s[1].value}")

@@ -25,19 +25,13 @@ from kvflow.protocol.teardown import (
     TeardownAction,
     Teardowns,
 )
+from tests.tables import reachable_from
 
 GRACE, HOLD, LEASE = 5.0, 120.0, 30.0
 
 
 def reachable(kind: Kind) -> set[Phase]:
-    seen, todo = {START[0]}, [START[0]]
-    while todo:
-        phase = todo.pop()
-        for (source, _), (target, _) in TABLES[kind].items():
-            if source is phase and target not in seen:
-                seen.add(target)
-                todo.append(target)
-    return seen
+    return reachable_from(TABLES[kind], START[0])
 
 
 def test_every_reachable_phase_has_a_row_for_every_event_and_ended_has_none() -> None:
