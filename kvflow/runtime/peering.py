@@ -140,8 +140,14 @@ class PeerExecutor:
         """
         queue = deque(actions)
         ended: set[str] = set()  # peers refused or torn down here: their connection goes at the end
+        # whether a deadline of the associations or teardowns may have moved: not for a message
+        # in from a peer (a Deliver re-arms through the core's actions, an unknown sender moves
+        # nothing), so that the common and the hostile message pay for no re-arm of their own;
+        # a teardown input with no action (a removal that returned into its grace) does re-arm
+        moved = not queue
         while queue:
             action = queue.popleft()
+            moved = moved or not isinstance(action, Deliver | UnknownSender)
             if isinstance(action, Refused | TearDown):
                 ended.add(action.peer)
             if isinstance(action, Deliver):
@@ -199,7 +205,8 @@ class PeerExecutor:
                 self.counters.messages_from_unknown_peers += 1
         self._forget(ended)
         self._update_settled()
-        self.hooks.rearm()
+        if moved:
+            self.hooks.rearm()
 
     def _forget(self, peers: set[str]) -> None:
         """Close the connections of peers refused or torn down (once their Reject or Goodbye was
