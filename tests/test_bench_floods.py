@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvflow.errors import BenchError
+from kvflow.tools.bench_floods import SHORT_OF_DESCRIPTORS
 from kvflow.tools.cli import main
 
 
@@ -45,14 +46,24 @@ def test_a_flood_is_counted_by_the_engine_and_a_genuine_peer_moves_kv_meanwhile(
     assert "conn/s" in table and "accept_failed" in table and "yes" in table
 
 
-def test_at_a_descriptor_limit_the_engine_holds_no_more_and_the_genuine_peer_still_connects(tmp_path: Path) -> None:
-    run = flood(tmp_path, "--nofile", "128")  # 200 connections cannot all be held
+@pytest.mark.parametrize("rate", ["0", "50"])  # as fast as it can (bursts that time out together), or paced
+def test_at_a_descriptor_limit_the_engine_holds_no_more_and_the_genuine_peer_still_connects(
+    tmp_path: Path, rate: str
+) -> None:
+    run = flood(tmp_path, "--nofile", "128", "--rate", rate)  # 200 connections cannot all be held
     descriptors = run["p_descriptors"]
     assert run["nofile"] == 128 and isinstance(descriptors, dict) and descriptors["peak"] <= 128
     genuine = run["genuine"]
-    assert isinstance(genuine, dict) and genuine["completed"] is True
+    assert isinstance(genuine, dict) and genuine["completed"] is True, genuine
+    # P short of descriptors may refuse D, or leave it unanswered, until the flood's connections end
+    failed = genuine["failed_attempts"]
+    assert isinstance(failed, list) and genuine["attempts"] == len(failed) + 1
+    assert all(any(why in error for why in SHORT_OF_DESCRIPTORS) for error in failed), failed
 
 
 def test_bench_floods_refuses_bad_settings() -> None:
     with pytest.raises(BenchError, match="--connections"):
         main(["bench", "floods", "--connections", "0"])
+    for rate in ("-1", "nan", "inf"):
+        with pytest.raises(BenchError, match="--rate"):
+            main(["bench", "floods", "--rate", rate])

@@ -109,7 +109,9 @@ def recorded_replay(address: str, secret: Secret, *, copies: int) -> AttackStats
     return AttackStats("replay", stats.sent, stats.refused, stats.duration)
 
 
-def _plan(address: str, scale: int, secret: Secret, curve: bool) -> list[tuple[str, Callable[[], AttackStats]]]:
+def _plan(
+    address: str, scale: int, secret: Secret, curve: bool, per_second: float = 0.0
+) -> list[tuple[str, Callable[[], AttackStats]]]:
     keys = curve_keys(secret)
     plan: list[tuple[str, Callable[[], AttackStats]]] = []
     if curve:  # without CURVE, an unfinished message is held inside libzmq for good: not a soak's to leave
@@ -117,7 +119,7 @@ def _plan(address: str, scale: int, secret: Secret, curve: bool) -> list[tuple[s
     plan += [
         ("bad_mac_flood", lambda: bad_mac_flood(address, frames=scale, frame_bytes=FRAME_BYTES, seconds=60.0)),
         ("insider_bad_mac", lambda: insider_bad_mac(address, secret, frames=scale)),
-        ("connection_flood", lambda: connection_flood(address, connections=scale, hold=5.0)),
+        ("connection_flood", lambda: connection_flood(address, connections=scale, hold=5.0, per_second=per_second)),
         ("squat_identity", lambda: squat_identity(address, b"D", hold=2.0, keys=keys)),
         ("replay", lambda: recorded_replay(address, secret, copies=min(max(scale // 100, 1), 50))),
     ]
@@ -137,13 +139,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvflow.testing.fuzz_process")
     parser.add_argument("--address", required=True, help="the target's control address, tcp://host:port")
     parser.add_argument("--scale", type=int, default=1000, help="frames, parts or connections per attack")
+    parser.add_argument(
+        "--per-second", type=float, default=0.0, help="connection_flood: connections a second (0: as fast as it can)"
+    )
     parser.add_argument("--no-curve", action="store_true", help="the target does not use CURVE")
     parser.add_argument("--attack", choices=ATTACKS, action="append", help="run only this attack (repeatable)")
     args = parser.parse_args(argv)
     secret = secret_from_env()
     if secret is None:
         raise ConfigError("the insider attacks need KVFLOW_SECRET")
-    for name, attack in _plan(args.address, args.scale, secret, not args.no_curve):
+    for name, attack in _plan(args.address, args.scale, secret, not args.no_curve, args.per_second):
         if args.attack and name not in args.attack:
             continue
         _emit(event="begin", attack=name, t=time.monotonic())

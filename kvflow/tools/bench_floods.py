@@ -9,8 +9,9 @@ genuine peer still associates and moves KV meanwhile, also at a descriptor limit
 Those figures are this command's.  Each run starts P and D (`python -m
 kvflow.testing.peer_process`, P optionally with `--nofile`, soft and hard), then one flooding
 process (`python -m kvflow.testing.fuzz_process --attack connection_flood`: raw TCP connects
-as fast as it can, each held until P closes it or 5 s pass); once P holds a fifth of the flood
-(or 90 % of its limit), D connects and moves one transfer, whose bytes D checks.  Over the
+as fast as it can or at `--rate`, each held until P closes it or 5 s pass); once P holds a fifth of the flood
+(or 90 % of its limit), D connects (again, as a deployment's next request would, while P
+refuses it for want of descriptors or cannot answer) and moves one transfer, whose bytes D checks.  Over the
 flood's window it reads CPU per thread of P from /proc/<pid>/task/<tid>/stat (the names of
 Python's threads from P itself, libzmq's from /proc), samples P's descriptors, and reports P's
 control counters and the machine's load average at the start and the end.
@@ -40,6 +41,9 @@ SAMPLE_S = 0.01  # how often P's descriptors are counted
 CONNECT_AT = 0.2  # D connects once P holds this fraction of the flood's connections ...
 LIMIT_AT = 0.9  # ... or this fraction of its descriptor limit, whichever comes first
 GENUINE_TIMEOUT = 30.0  # seconds D may take to associate, and each side to decide the transfer
+ATTEMPT_S = 10.0  # the longest one connect of D's may wait for P's answer
+RETRY_S = 0.1  # D's wait before it connects again after P failed it for want of descriptors
+SHORT_OF_DESCRIPTORS = ("file descriptors left", "Too many open files", "HandshakeTimeout:")  # how that reads
 COUNTERS = (
     "connections_accepted",
     "accept_failed",
@@ -130,11 +134,37 @@ async def _settled(p: Side) -> dict[str, Any]:
     return last
 
 
+async def _connect(p: Side, d: Side) -> tuple[dict[str, Any], list[str]]:
+    """D's connect to P, and why its earlier attempts failed.
+
+    P short of descriptors refuses a Hello (`kvflow.runtime.descriptors`), or fails to open what
+    the association needs, or cannot even open the socket its answer goes out on (D then hears
+    nothing), until the flood's connections time out.  D, like a deployment's next request,
+    tries again after such a failure, each attempt within `ATTEMPT_S`, all within
+    `GENUINE_TIMEOUT`; any other failure ends it."""
+    deadline, failures = time.monotonic() + GENUINE_TIMEOUT, list[str]()
+    while True:
+        left = min(deadline - time.monotonic(), ATTEMPT_S)
+        connected = await d.ask(cmd="connect", peer="P", address=p.address, timeout=max(left, 0.1))
+        error = str(connected.get("error", ""))
+        if connected["event"] == "connected" or not any(why in error for why in SHORT_OF_DESCRIPTORS):
+            return connected, failures
+        failures.append(error)
+        if time.monotonic() + RETRY_S >= deadline:
+            return connected, failures
+        await asyncio.sleep(RETRY_S)
+
+
 async def _genuine(p: Side, d: Side) -> dict[str, Any]:
     """D connects to P and moves one transfer of two blocks, whose bytes it checks."""
     start = time.monotonic()
-    connected = await d.ask(cmd="connect", peer="P", address=p.address, timeout=GENUINE_TIMEOUT)
-    result: dict[str, Any] = {"connect_s": round(time.monotonic() - start, 4), "connected": connected["event"]}
+    connected, failures = await _connect(p, d)
+    result: dict[str, Any] = {
+        "connect_s": round(time.monotonic() - start, 4),
+        "connected": connected["event"],
+        "attempts": len(failures) + 1,
+        "failed_attempts": failures,
+    }
     if connected["event"] != "connected":
         return {**result, "completed": False, "error": connected.get("error")}
     common = {"tid": "genuine", "epoch": 1, "mode": "push"}
@@ -150,7 +180,7 @@ async def _genuine(p: Side, d: Side) -> dict[str, Any]:
     return {**result, "transfer_s": round(time.monotonic() - start, 4), "completed": ok, "outcome": done["outcome"]}
 
 
-async def _flood_run(connections: int, nofile: int, logs: str) -> dict[str, Any]:
+async def _flood_run(connections: int, nofile: int, rate: float, logs: str) -> dict[str, Any]:
     prefix, secret = f"kvflow-floods-{secrets.token_hex(4)}", secrets.token_hex(32)
     env = dict(os.environ, KVFLOW_SECRET=secret, PYTHONPATH=str(ROOT))
     peer = [sys.executable, "-m", "kvflow.testing.peer_process", "--transport", "shm"]
@@ -166,7 +196,7 @@ async def _flood_run(connections: int, nofile: int, logs: str) -> dict[str, Any]
         base = _descriptors(p.pid)
         argv = [sys.executable, "-m", "kvflow.testing.fuzz_process", "--address", p.address]
         flood = await asyncio.create_subprocess_exec(
-            *argv, "--scale", str(connections), "--attack", "connection_flood",
+            *argv, "--scale", str(connections), "--attack", "connection_flood", "--per-second", str(rate),
             stdout=asyncio.subprocess.PIPE, env=env, cwd=ROOT, preexec_fn=_raise_own_limit,
         )  # fmt: skip
         assert flood.stdout is not None
@@ -220,7 +250,7 @@ def render(runs: list[dict[str, Any]]) -> str:
     head = (
         f"{'run':>3} {'nofile':>7} {'conns':>6} {'conn/s':>7} {'loop %':>7} {'monitor %':>9} {'ZMQ IO %':>8} "
         f"{'process %':>9} {'peak fds':>8} {'accept_failed':>13} {'rej_handshake':>13} {'connect s':>9} "
-        f"{'moved':>5} {'load 1m start-end':>17}"
+        f"{'tries':>5} {'moved':>5} {'load 1m start-end':>17}"
     )
     lines = [head]
     for i, run in enumerate(runs, 1):
@@ -229,23 +259,25 @@ def render(runs: list[dict[str, Any]]) -> str:
             f"{i:>3} {run['nofile']:>7} {run['connections']:>6} {run['per_second']:>7.0f} "
             f"{_cpu(run, 'loop'):>7.2f} {_cpu(run, 'kvflow-connections'):>9.2f} {_cpu(run, 'ZMQbg/IO'):>8.2f} "
             f"{run['process_cpu_pct']:>9.2f} {run['p_descriptors']['peak']:>8} {c['accept_failed']:>13} "
-            f"{c['rejected_handshake']:>13} {g['connect_s']:>9.3f} {'yes' if g['completed'] else 'NO':>5} "
+            f"{c['rejected_handshake']:>13} {g['connect_s']:>9.3f} "
+            f"{g['attempts']:>5} {'yes' if g['completed'] else 'NO':>5} "
             f"{load['start'][0]:>8.2f}-{load['end'][0]:<8.2f}"
         )
     return "\n".join(lines)
 
 
-def run_floods(connections: int, nofile: int = 0, runs: int = 1) -> list[dict[str, Any]]:
-    """`runs` floods of `connections` connections each against a fresh P (`nofile`: its limit).
+def run_floods(connections: int, nofile: int = 0, runs: int = 1, rate: float = 0.0) -> list[dict[str, Any]]:
+    """`runs` floods of `connections` connections each against a fresh P (`nofile`: its limit;
+    `rate`: connections a second, 0 as fast as one process can).
 
     :raises BenchError: a setting is out of range, or a process did not start or failed.
     """
-    if connections < 1 or runs < 1 or nofile < 0:
-        raise BenchError("bench floods: --connections and --runs must be >= 1, --nofile >= 0")
+    if connections < 1 or runs < 1 or nofile < 0 or not 0 <= rate < float("inf"):
+        raise BenchError("bench floods: --connections and --runs must be >= 1, --nofile and --rate >= 0")
     logs = os.environ.get("TMPDIR", "/tmp")
 
     async def every() -> list[dict[str, Any]]:
-        return [await _flood_run(connections, nofile, logs) for _ in range(runs)]
+        return [await _flood_run(connections, nofile, rate, logs) for _ in range(runs)]
 
     return asyncio.run(every())
 
@@ -253,10 +285,13 @@ def run_floods(connections: int, nofile: int = 0, runs: int = 1) -> list[dict[st
 def main(args: argparse.Namespace) -> int:
     """Print the table; also write the runs as JSON with `--json`.  0 when every genuine
     transfer completed, 1 otherwise."""
-    runs = run_floods(args.connections, args.nofile, args.runs)
+    runs = run_floods(args.connections, args.nofile, args.runs, args.rate)
     sys.stdout.write(render(runs) + "\n")
     if args.json:
-        config = {"connections": args.connections, "nofile": args.nofile, "runs": args.runs, "cpus": os.cpu_count()}
+        config = {
+            "connections": args.connections, "nofile": args.nofile, "rate": args.rate, "runs": args.runs,
+            "cpus": os.cpu_count(),
+        }  # fmt: skip
         Path(args.json).write_text(json.dumps({"config": config, "runs": runs}, indent=1))
     return 0 if all(run["genuine"]["completed"] for run in runs) else 1
 
@@ -265,6 +300,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--connections", type=int, default=5000, help="raw TCP connections per flood (default 5000)")
     parser.add_argument(
         "--nofile", type=int, default=0, help="the engine's open-files limit, soft and hard (default: inherited)"
+    )
+    parser.add_argument(
+        "--rate", type=float, default=0.0, help="connections a second (default 0: as fast as one process can)"
     )
     parser.add_argument("--runs", type=int, default=1, help="floods, each against a fresh engine (default 1)")
     parser.add_argument("--json", help="also write the runs to this file")
