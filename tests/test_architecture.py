@@ -270,6 +270,7 @@ CONNECTOR_MODULES = frozenset(
     for name in (
         "connector",  # the class vLLM instantiates, both roles
         "mapping",  # scheduler side: vLLM requests to transfers
+        "stages",  # its requests' table
         "params",
         "producer",
         "settings",

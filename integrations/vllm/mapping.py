@@ -15,7 +15,8 @@ address; D, given that, pulls.  A decode request whose ``do_remote_prefill`` kvf
 serve (malformed, another connector's params) is computed locally, but never silently: it is
 logged once with the request id and the reason, and counted in ``counters["unservable"]``.
 
-`SchedulerBook` turns scheduler events into per-step `Orders` for the workers:
+`SchedulerBook` turns scheduler events into per-step `Orders` for the workers; where each request
+is, and what every event does to it, is the table in `kvflow.integrations.vllm.stages`:
 
 * decode (D): `update_state_after_alloc` -> an expect order (register these blocks);
   the request finished or aborted while its KV was still coming -> an abort order, and its
@@ -59,6 +60,19 @@ from typing import Any
 
 from kvflow.errors import ConfigError
 from kvflow.integrations.vllm.params import PeerRef, TransferParams
+from kvflow.integrations.vllm.stages import (
+    ABORT_REASONS,
+    DECODE_START,
+    HOLDS_BLOCKS,
+    OUTSTANDING,
+    PREFILL_START,
+    PRODUCING,
+    SENDING_FROM,
+    TABLE,
+    Do,
+    Event,
+    Stage,
+)
 from kvflow.layout.groups import KVGroup
 from kvflow.protocol.admission import PeerAllowList
 from kvflow.protocol.state import Mode
@@ -114,19 +128,10 @@ class Orders:
 class _Tracked:
     params: TransferParams
     prompt_len: int
+    stage: Stage  # where the request is (`kvflow.integrations.vllm.stages`)
     producer: bool  # this engine produces the KV (P) for the request
     assigned: bool = False  # P assigned the transfer itself (a sequential router's request)
-    ordered: bool = False  # the expect or (final) ready order went out (D: its blocks were allocated)
-    landed: bool = False  # D: the KV arrived (finished_recving)
-    delayed_free: bool = False  # vLLM holds the blocks until finished_sending
     sent: int = 0  # P: block positions earlier chunks' ready orders covered
-    handed: bool = False  # P: a ready order gave the workers blocks (a window's may come later)
-    preempted: bool = False  # P: preempted after its workers got KV: the transfer is aborted
-
-    @property
-    def handed_over(self) -> bool:
-        """P: the workers got (some of) the request's KV."""
-        return self.ordered or self.handed
 
 
 class SchedulerBook:
@@ -223,20 +228,22 @@ class SchedulerBook:
         if parsed is None or request_id in self._loaded:
             return  # refused; or loaded (or released) already
         known = self._tracked.get(request_id)
-        if known is not None and known.ordered:
+        if known is not None and known.stage not in (DECODE_START, *PRODUCING):
             return  # called again after the load: nothing new to register
+        # remembered at on_new_request (as D; as P if its params asked for both sides), or not at all
+        tracked = self._tracked[request_id] = _Tracked(parsed, prompt_len, DECODE_START, producer=False)
         loaded = prompt_len - self.replay  # the tokens P computes (see `replay`)
         needed = -(-loaded // self.block_size)
         self._loaded.add(request_id)
         if external <= 0:
-            self._tracked.pop(request_id, None)  # remembered at on_new_request: nothing to abort now
+            self._feed(request_id, tracked, Event.NOTHING_TO_LOAD)  # nothing to abort any more
             if parsed.mode is Mode.PUSH:
                 nothing = tuple(Blocks(needed) for _ in self.groups)
                 self._pending.expect.append(Order(request_id, parsed, nothing))
             return
         first = (loaded - external) // self.block_size  # the local hit is whole blocks
         blocks, problem = self._held(block_ids, first, needed, loaded, final=True)
-        self._tracked[request_id] = _Tracked(parsed, prompt_len, producer=False, ordered=True)
+        self._feed(request_id, tracked, Event.ALLOCATED)
         self._pending.expect.append(Order(request_id, parsed, blocks, reason=problem))
 
     # ---------------------------------------------------------------- prefill side
@@ -254,16 +261,18 @@ class SchedulerBook:
             if params.get("kvflow") is None:
                 assigned = self._assign(request_id)
                 if assigned is not None:
-                    self._tracked[request_id] = _Tracked(assigned, prompt_len, producer=True, assigned=True)
+                    self._tracked[request_id] = _Tracked(
+                        assigned, prompt_len, PREFILL_START, producer=True, assigned=True
+                    )
                 return
             parsed = self._parse(request_id, params)
             if parsed is not None:
-                self._tracked[request_id] = _Tracked(parsed, prompt_len, producer=True)
+                self._tracked[request_id] = _Tracked(parsed, prompt_len, PREFILL_START, producer=True)
                 self._pending.promise.append(Order(request_id, parsed, producer=True))
         elif params.get("do_remote_prefill"):
             parsed = self._parse(request_id, params, receiving=True)
             if parsed is not None:
-                self._tracked[request_id] = _Tracked(parsed, prompt_len, producer=False)
+                self._tracked[request_id] = _Tracked(parsed, prompt_len, DECODE_START, producer=False)
 
     def _assign(self, request_id: str) -> TransferParams | None:
         """A sequential router's request: a fresh pull transfer any one decode engine may claim."""
@@ -281,7 +290,7 @@ class SchedulerBook:
     def producing(self, request_id: str) -> bool:
         """Whether a step of this request may hand KV over (`scheduled` wants its blocks)."""
         tracked = self._tracked.get(request_id)
-        return tracked is not None and tracked.producer and not tracked.ordered and not tracked.preempted
+        return tracked is not None and tracked.stage in PRODUCING
 
     def scheduled(
         self, request_id: str, computed: int, scheduled: int, block_ids: Sequence[Sequence[int | None]]
@@ -298,7 +307,7 @@ class SchedulerBook:
         push = tracked.params.mode is Mode.PUSH
         first = tracked.sent
         if done >= tracked.prompt_len:
-            tracked.ordered = True
+            self._feed(request_id, tracked, Event.PROMPT_DONE)
             needed = -(-tracked.prompt_len // self.block_size)
             blocks, problem = self._held(block_ids, first, needed, tracked.prompt_len, final=True)
             self._pending.ready.append(Order(request_id, tracked.params, blocks, reason=problem, producer=True))
@@ -308,7 +317,7 @@ class SchedulerBook:
             blocks, problem = self._held(block_ids, first, full, tracked.prompt_len, final=False)
             order = Order(request_id, tracked.params, blocks, reason=problem, producer=True, final=False)
             if order.block_count:  # none: every group's blocks of this chunk are out of its window
-                tracked.handed = True
+                self._feed(request_id, tracked, Event.HANDED)
                 self._pending.ready.append(order)
 
     def _held(
@@ -342,23 +351,12 @@ class SchedulerBook:
 
     def preempted(self, request_id: str) -> None:
         """vLLM preempted the request (``SchedulerOutput.preempted_req_ids``) and freed its
-        blocks: a transfer that has some of them is aborted (see the module docstring)."""
+        blocks: a transfer that has some of them is aborted (see the module docstring); one
+        with none of them handed over (`sent` never passes a block that would have been) is
+        pushed as usual once recomputed."""
         tracked = self._tracked.get(request_id)
-        if tracked is None or not tracked.producer or tracked.preempted:
-            return
-        if not tracked.handed_over:
-            # nothing of it was handed over (`sent` never passes a block that would have been):
-            # its recomputed prefill is pushed as usual
-            return
-        tracked.preempted = True
-        self._pending.abort.append(
-            Order(
-                request_id,
-                tracked.params,
-                reason="prefill request preempted: vLLM freed its blocks",
-                producer=True,
-            )
-        )
+        if tracked is not None:
+            self._feed(request_id, tracked, Event.PREEMPTED)
 
     # ---------------------------------------------------------------- both sides
 
@@ -372,68 +370,48 @@ class SchedulerBook:
         tracked = self._tracked.get(request_id)
         if tracked is None:
             return False, None
-        if tracked.producer:
-            if tracked.preempted or (tracked.handed and not tracked.ordered):
-                # Earlier chunks' KV was handed over, but the transfer cannot complete: the
-                # workers hold (or held) those blocks, so vLLM frees late, on finished_sending.
-                if not tracked.preempted:
-                    self._pending.abort.append(
-                        Order(request_id, tracked.params, reason="prefill request ended mid-prefill", producer=True)
-                    )
-                tracked.delayed_free = True
-                return True, None
-            if not tracked.ordered:
-                # Finished (or aborted) before its prefill completed: tell the peer, hold nothing.
-                self._tracked.pop(request_id)
-                self._pending.abort.append(
-                    Order(request_id, tracked.params, reason="prefill request ended early", producer=True)
-                )
-                return False, None
-            if aborted:
-                self._pending.abort.append(
-                    Order(request_id, tracked.params, reason="prefill request aborted", producer=True)
-                )
-            tracked.delayed_free = True
-            if tracked.assigned:
-                if aborted:
-                    return True, None
-                return True, {
-                    "do_remote_prefill": True,
-                    "do_remote_decode": False,
-                    "kvflow": tracked.params.to_params(),
-                    "remote_engine_id": tracked.params.prefill.engine,
-                    "remote_request_id": request_id,
-                }
-            return True, {"kvflow": tracked.params.to_params(), "kvflow_prefill_finished": True}
-        if tracked.landed:
-            self._tracked.pop(request_id)
-            return False, None
-        if not tracked.ordered:
-            # Ended while queued, before any block was allocated: kvflow holds nothing of it,
-            # but P may hold its KV (or compute it later): tell P.
-            self._tracked.pop(request_id)
-            reason = "decode request aborted before its blocks were allocated"
-            self._pending.abort.append(Order(request_id, tracked.params, reason=reason, allocated=False))
-            return False, None
-        tracked.delayed_free = True
-        reason = "decode request aborted" if aborted else "decode request ended before its KV arrived"
-        self._pending.abort.append(Order(request_id, tracked.params, reason=reason))
-        return True, None
+        dos = self._feed(request_id, tracked, Event.ABORTED if aborted else Event.FINISHED)
+        hold = tracked.stage in HOLDS_BLOCKS
+        if Do.HAND_OVER not in dos:
+            return hold, None
+        if not tracked.assigned:
+            return hold, {"kvflow": tracked.params.to_params(), "kvflow_prefill_finished": True}
+        if aborted:
+            return hold, None  # a sequential router's request: no decode engine will claim it
+        return hold, {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "kvflow": tracked.params.to_params(),
+            "remote_engine_id": tracked.params.prefill.engine,
+            "remote_request_id": request_id,
+        }
 
     def output(self, finished_sending: set[str], finished_recving: set[str], failed_recving: set[str]) -> None:
         """`update_connector_output`: what the workers reported this step."""
         for request_id in finished_recving:
             tracked = self._tracked.get(request_id)
-            if tracked is not None and not tracked.producer:
-                tracked.landed = request_id not in failed_recving
-                if request_id in failed_recving or tracked.delayed_free:
-                    # vLLM frees a finished request's blocks on finished_recving too: the KV
-                    # landed (or failed) just as the request ended, before its abort took effect
-                    self._tracked.pop(request_id)
+            if tracked is not None:
+                failed = request_id in failed_recving
+                self._feed(request_id, tracked, Event.RECEIVE_FAILED if failed else Event.RECEIVED)
         for request_id in finished_sending:
             tracked = self._tracked.get(request_id)
-            if tracked is not None and tracked.delayed_free:
-                self._tracked.pop(request_id)
+            if tracked is not None:
+                self._feed(request_id, tracked, Event.SENT)
+
+    def _feed(self, request_id: str, tracked: _Tracked, event: Event) -> tuple[Do, ...]:
+        """Move the request along its row for `event`: queue the abort order the row asks for,
+        and forget the request once it ended.  Returns what the row does."""
+        stage, dos = TABLE[(tracked.stage, event)]
+        tracked.stage = stage
+        for do in dos:
+            reason = ABORT_REASONS.get(do)
+            if reason is not None:
+                allocated = do is not Do.ABORT_UNALLOCATED
+                order = Order(request_id, tracked.params, reason=reason, producer=tracked.producer, allocated=allocated)
+                self._pending.abort.append(order)
+        if stage is Stage.ENDED:
+            self._tracked.pop(request_id, None)
+        return dos
 
     def take_orders(self) -> Orders:
         """`build_connector_meta`: this step's orders (and a fresh list for the next step)."""
@@ -445,7 +423,7 @@ class SchedulerBook:
         alone is no such work: the promised request keeps the engine stepping)."""
         pending = self._pending
         return bool(pending.expect or pending.ready or pending.abort) or any(
-            t.delayed_free or (t.ordered and not t.producer and not t.landed) for t in self._tracked.values()
+            t.stage in OUTSTANDING for t in self._tracked.values()
         )
 
     def handing_off(self) -> bool:
@@ -455,7 +433,7 @@ class SchedulerBook:
         after a request's last prefill chunk is scheduled before that chunk's output is read,
         while the request still runs, and preempting it would free (and hand to another request)
         the blocks kvflow is sending from.  The request finishes when that output is read."""
-        return any(t.producer and t.ordered and not t.delayed_free for t in self._tracked.values())
+        return any(t.stage in SENDING_FROM for t in self._tracked.values())
 
     def tracked(self) -> int:
         return len(self._tracked)

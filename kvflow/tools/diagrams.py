@@ -3,7 +3,8 @@
 Why generated: the tables in `kvflow.protocol.state` are the protocol's documentation, but a few
 hundred rows are hard to see whole.  This draws one Mermaid ``stateDiagram-v2`` per mode and
 role from the same data the core runs on, and one for each of the other machines' tables
-(`kvflow.protocol.lifecycle`, `kvflow.protocol.teardown`), so the picture cannot drift from the
+(`kvflow.protocol.lifecycle`, `kvflow.protocol.teardown`, and the vLLM connector's request
+stages, `kvflow.integrations.vllm.stages`), so the picture cannot drift from the
 code; a test regenerates it and fails when the committed file is out of date (``--check`` does
 the same).
 
@@ -24,6 +25,7 @@ from enum import Enum
 from pathlib import Path
 from typing import TypeVar
 
+from kvflow.integrations.vllm import stages
 from kvflow.protocol import lifecycle, teardown
 from kvflow.protocol.state import (
     STATE_TRIGGERED,
@@ -38,7 +40,7 @@ from kvflow.protocol.state import (
     is_initiator,
 )
 
-__all__ = ("DEFAULT_OUTPUT", "main", "render")
+__all__ = ("DEFAULT_OUTPUT", "main", "reachable_from", "render", "render_table")
 
 DEFAULT_OUTPUT = Path(__file__).resolve().parents[2] / "docs" / "state-diagrams.md"
 REGENERATE = "python -m kvflow.tools.diagrams"
@@ -50,8 +52,9 @@ _HEADER = f"""\
 # State diagrams
 
 Generated from the transition tables in `kvflow/protocol/state.py` (transfers),
-`kvflow/protocol/lifecycle.py` (an engine's life) and `kvflow/protocol/teardown.py` (torn-down
-peers) by `{REGENERATE}`; do not edit by hand (a test fails when this file is out of date).
+`kvflow/protocol/lifecycle.py` (an engine's life), `kvflow/protocol/teardown.py` (torn-down
+peers) and `integrations/vllm/stages.py` (a request in the vLLM connector's book) by
+`{REGENERATE}`; do not edit by hand (a test fails when this file is out of date).
 
 How to read them:
 
@@ -76,7 +79,25 @@ def render() -> str:
     for kind, rows in teardown.TABLES.items():
         title = f"## A torn-down peer, {kind.value} (`kvflow/protocol/teardown.py`)"
         parts.append(render_table(title, teardown.START, rows, [teardown.Phase.ENDED]))
+    for who, start in (("prefill (P)", stages.PREFILL_START), ("decode (D)", stages.DECODE_START)):
+        title = f"## A {who} request in the vLLM connector's book (`integrations/vllm/stages.py`)"
+        mine = reachable_from(stages.TABLE, start)
+        side = {key: row for key, row in stages.TABLE.items() if key[0] in mine and key[0] is not stages.Stage.ENDED}
+        parts.append(render_table(title, (start, ()), side, [stages.Stage.ENDED], stages.Do.IGNORE))
     return "\n".join(parts)
+
+
+def reachable_from(rows: Mapping[tuple[S, E], tuple[S, object]], start: S) -> set[S]:
+    """Every state the rows (``(state, input) -> (target, what it does)``) lead to from `start`,
+    itself included."""
+    seen, frontier = {start}, [start]
+    while frontier:
+        current = frontier.pop()
+        for (source, _), (target, _) in rows.items():
+            if source == current and target not in seen:
+                seen.add(target)
+                frontier.append(target)
+    return seen
 
 
 S = TypeVar("S", bound=Enum)  # a machine's states
