@@ -22,8 +22,8 @@ from kvflow.protocol.state import Outcome
 from kvflow.runtime.engine import Engine, EngineConfig
 from kvflow.testing import SMALL_SPEC, KVBuffers
 from kvflow.transports.loopback import LoopbackFabric
+from tests.handshakes import hello, receive
 from tests.peer_processes import TRANSPORTS, kill_prefill_after_registration, start_pair
-from tests.test_liveness import hello, receive
 from tests.waiting import eventually
 
 SECRET = Secret(b"a shared secret of some length")

@@ -10,13 +10,11 @@ import pytest
 from kvflow.control import wire
 from kvflow.control.channel import LocalControl
 from kvflow.errors import ConfigError, HandshakeTimeout, PeerProtocolError, TransportError
-from kvflow.layout import fingerprint, layout_to_wire
 from kvflow.protocol.actions import ReleaseBlocks
 from kvflow.protocol.association import (
     ATTEMPTS_KEPT,
     AddRoute,
     AddTransportPeer,
-    Associations,
     HandshakeSettled,
     Liveness,
     PeerConnected,
@@ -34,6 +32,7 @@ from kvflow.protocol.state import ACTIVE, Mode, Outcome, Role
 from kvflow.runtime.engine import Engine, EngineConfig
 from kvflow.testing import SMALL_SPEC, EnginePair, KVBuffers, same_kv
 from kvflow.transports.loopback import FaultPlan, LoopbackFabric
+from tests.handshakes import associations, hello, receive
 from tests.waiting import eventually
 
 LEASE = EngineConfig(
@@ -50,30 +49,6 @@ def test_liveness_schedule() -> None:
     assert live.expired(8.9) == [] and live.expired(9.0) == ["p"]
     live.remove("p")
     assert live.next_deadline() is None
-
-
-def hello(sender: str, *, reply: bool = False, address: str = "", association: int = 0) -> Hello:
-    layout = layout_to_wire(KVBuffers(SMALL_SPEC, 8).layout)
-    return Hello(sender, fingerprint(SMALL_SPEC), layout, b"meta", reply, address, association)
-
-
-def associations() -> Associations:
-    return Associations("D", fingerprint(SMALL_SPEC), lease=6.0, interval=1.0)
-
-
-def receive(peers: Associations, sender: str, incarnation: int, message: Hello, now: float) -> list[object]:
-    """Feed a message, answer each `AddTransportPeer` as a transport that accepts the peer, and
-    each answering `SendHello` as a channel that sends it."""
-    actions: list[object] = []
-    queue = list(peers.receive(sender, incarnation, message, now))
-    while queue:
-        action = queue.pop(0)
-        actions.append(action)
-        if isinstance(action, AddTransportPeer):
-            queue[:0] = peers.transport_peer_added(action.peer, action.pending, now)
-        elif isinstance(action, SendHello) and action.associating:
-            queue[:0] = peers.hello_sent(action.peer, now)
-    return actions
 
 
 def test_a_peer_starting_over_is_torn_down_before_it_is_added_again() -> None:

@@ -20,7 +20,7 @@ from kvflow.errors import TransportError
 from kvflow.layout import plan_transfer
 from kvflow.protocol.actions import OpKind
 from kvflow.transports.nixl import NixlTransport, load_nixl, nixl_failures
-from tests.test_transport_conformance import Ends, make_ends, wait
+from tests.transport_ends import Ends, make_ends, wait
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -20,11 +20,12 @@ import numpy as np
 import pytest
 
 from kvflow.errors import TransportError
-from kvflow.layout import DescriptorPlan, Region
+from kvflow.layout import Region
 from kvflow.layout.buffers import region_of
 from kvflow.protocol.actions import OpKind
 from kvflow.transports.base import Completion, Notification
 from kvflow.transports.shm import SHM_DIR, ShmTransport
+from tests.transport_ends import whole
 
 ROOT = Path(__file__).resolve().parent.parent
 SIZE = 1 << 16
@@ -38,13 +39,6 @@ def until(condition: Callable[[], bool], what: str, timeout: float = 20.0) -> No
         if time.monotonic() > end:
             raise AssertionError(f"not within {timeout}s: {what}")
         time.sleep(0.001)
-
-
-def whole(size: int) -> DescriptorPlan:
-    def col(v: int) -> np.ndarray:
-        return np.array([v], dtype=np.int64)
-
-    return DescriptorPlan(col(0), col(0), col(0), col(0), col(size), 1)
 
 
 def python(code: str, *args: str) -> subprocess.CompletedProcess[str]:

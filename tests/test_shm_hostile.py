@@ -30,7 +30,7 @@ from kvflow.protocol.actions import OpKind
 from kvflow.transports import shm_files
 from kvflow.transports.base import Completion
 from kvflow.transports.shm import SHM_DIR, ShmTransport
-from tests.test_shm import whole
+from tests.transport_ends import whole
 
 ROOT = Path(__file__).resolve().parent.parent
 SIZE = 1 << 16

@@ -7,22 +7,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from kvflow.errors import ConfigError
 from kvflow.integrations.vllm.serve.tiny_model import TinyModel, write_model
+from tests.hf_reference import greedy
 
 FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
-
-
-def greedy(path: Path, prompt: list[int], steps: int) -> list[int]:
-    from transformers import AutoModelForCausalLM
-
-    model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=steps, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return [int(t) for t in out[0, len(prompt) :]]
 
 
 def test_the_directory_loads_whole_and_its_seed_fixes_the_output(tmp_path: Path) -> None:

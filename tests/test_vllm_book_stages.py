@@ -24,7 +24,7 @@ from kvflow.integrations.vllm.stages import (
     Stage,
 )
 from kvflow.tools.diagrams import reachable_from
-from tests.test_vllm_mapping import entry
+from tests.vllm_params import entry
 
 PREFILL = reachable_from(TABLE, PREFILL_START)
 DECODE = reachable_from(TABLE, DECODE_START)

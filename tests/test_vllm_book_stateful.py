@@ -16,7 +16,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from kvflow.integrations.vllm.mapping import Blocks, Order, SchedulerBook
 from kvflow.integrations.vllm.params import TransferParams
-from tests.test_vllm_mapping import entry, must_parse, needed
+from tests.vllm_params import entry, must_parse, needed
 
 REQUEST_IDS = ("r0", "r1", "r2")
 TRACKED = {"waiting", "landed", "held", "prefilling", "ordered", "preempted"}  # states the book must track

