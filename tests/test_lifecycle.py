@@ -11,14 +11,16 @@ import asyncio
 
 import pytest
 
+from kvflow.control.channel import LocalControlHub
 from kvflow.errors import ConfigError, StaleEpoch, UnknownTransfer
 from kvflow.protocol.actions import Action, ReleaseBlocks, Resolve, SendMessage
 from kvflow.protocol.core import CoreConfig, TransferCore
 from kvflow.protocol.messages import Hello, Message, Notice, Quiesced, Registration, TransferKey
 from kvflow.protocol.state import Mode, Outcome, Role, State
-from kvflow.testing import EnginePair
+from kvflow.runtime.engine import Engine, EngineConfig
+from kvflow.testing import SMALL_SPEC, EnginePair, KVBuffers, ManualClock, same_kv
 from kvflow.transports.loopback import LoopbackFabric
-from tests.waiting import eventually
+from tests.waiting import eventually, quiesce
 
 KEY = TransferKey("r", 1)
 CONFIG = CoreConfig(fence_timeout=2.0, retention=30.0, max_hold=20.0)
@@ -101,6 +103,75 @@ def test_a_promise_ends_with_the_transfer_or_after_max_hold() -> None:
     assert p.store.promisee(TransferKey("other", 1)) == "D2"
     p.timer(20.0)
     assert p.store.promisee(TransferKey("other", 1)) is None
+
+
+# ---------------------------------------------------------------- D's promise holds P's ready KV
+
+
+def test_d_holding_a_queued_request_keeps_p_holding_the_kv_it_made_ready_past_its_deadline() -> None:
+    p, d = pair()
+    # push P is ready before D could allocate: P holds the KV until its transfer deadline (4.0)
+    p.kv_ready(KEY, block_ids=[5, 6], now=0.0, deadline=4.0, peer="D")
+    d.promise(KEY, "P", 0.0)  # D's request is queued behind others: no block yet
+    for beat in (1.0, 3.0, 5.0, 7.0, 9.0):
+        keys = d.heartbeat_keys("P", beat)
+        assert keys == (KEY,)
+        p.renew("D", keys, beat, lease=3.0)
+        assert p.timer(beat) == [] and d.timer(beat) == []
+    assert p.machine(KEY, Role.PREFILL).state is State.PREFILL_READY
+    # D allocates at last: its transfer, not its promise, is what its heartbeats list now
+    (registration,) = messages(d.expect(KEY, peer="P", mode=Mode.PUSH, block_ids=[1, 2], deadline=20.0, now=9.5))
+    assert d.heartbeat_keys("P", 9.6) == (KEY,)
+    p.receive("D", registration, 9.6)
+    assert p.machine(KEY, Role.PREFILL).state is State.WRITING  # the WRITE goes out
+
+
+def test_without_d_s_promise_p_frees_the_ready_kv_at_its_deadline() -> None:
+    p, _ = pair()
+    p.kv_ready(KEY, block_ids=[5, 6], now=0.0, deadline=4.0, peer="D")
+    actions = p.timer(4.0)
+    assert p.machine(KEY, Role.PREFILL).state in (State.EXPIRING, State.EXPIRED) and actions
+
+
+def test_d_s_promise_ends_with_its_abort_and_never_outlives_max_hold() -> None:
+    _, d = pair()
+    d.promise(KEY, "P", 0.0)
+    d.abort(KEY, Role.DECODE, 1.0, "request ended while queued", peer="P", mode=Mode.PUSH)
+    assert d.heartbeat_keys("P", 1.5) == ()
+    other = TransferKey("other", 1)
+    d.promise(other, "P", 0.0)
+    assert d.heartbeat_keys("P", 19.0) == (other,) and d.heartbeat_keys("P", 20.0) == ()  # max_hold 20
+
+
+@pytest.mark.asyncio
+async def test_d_s_heartbeats_carry_its_promise_so_p_holds_ready_kv_past_its_transfer_timeout() -> None:
+    """Two engines on a manual clock: P's KV is ready 12 s before D allocates, three times P's
+    transfer timeout; D's heartbeats (every second) name the transfer, and it then moves."""
+    clock = ManualClock(1000.0)
+    config = EngineConfig(core=CoreConfig(fence_timeout=1.0), transfer_timeout=4.0, lease=6.0, drain_timeout=0.5)
+    fabric, hub = LoopbackFabric(), LocalControlHub()
+    kv = {name: KVBuffers(SMALL_SPEC, 8) for name in "PD"}
+    p, d = (Engine(n, kv[n].layout, fabric.endpoint(n), hub.channel(n), config=config, clock=clock) for n in "PD")
+    await p.start()
+    await d.start()
+    try:
+        await d.connect("P", timeout=5)
+        kv["P"].fill([5], seed=7)
+        sending = await p.kv_ready("r", 1, block_ids=[5], peer="D")  # push: D has not registered
+        await d.promise("r", 1, peer="P")  # D's request is queued: no block yet
+        for second in range(1, 13):
+            clock.now = 1000.0 + second
+            p.poke()
+            d.poke()
+            await quiesce()
+        assert p.core.machine(KEY, Role.PREFILL).state is State.PREFILL_READY
+        receiving = await d.expect("r", 1, peer="P", block_ids=[2])
+        assert (await receiving.wait(10)).ok and (await sending.wait(10)).ok
+        assert same_kv(kv["P"], [5], kv["D"], [2])
+    finally:
+        await d.aclose()
+        await p.aclose()
+        fabric.close()
 
 
 # ---------------------------------------------------------------- D gives up before allocating

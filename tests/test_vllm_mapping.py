@@ -336,11 +336,23 @@ def test_decode_request_ended_before_allocation_tells_prefill_and_holds_nothing(
     book = SchedulerBook(BLOCK_SIZE)
     kv = entry("t9")
     book.new_request("d9", d_params(kv), 40)  # queued on D: no block yet
-    assert book.tracked() == 1 and not book.take_orders() and not book.pending_work()
+    # D's heartbeats list it from now on, so that P holds KV it made ready meanwhile
+    orders = book.take_orders()
+    assert orders.promise == [Order("d9", must_parse({"kvflow": kv}))] and not (orders.expect or orders.abort)
+    assert book.tracked() == 1 and not book.pending_work()
     assert book.finished("d9", aborted=aborted) == (False, None)  # nothing of it is held
     order = expect_one(book.take_orders(), "abort")
     assert order.params == must_parse({"kvflow": kv}) and not order.allocated and not order.producer
     assert book.tracked() == 0 and not book.pending_work()
+
+
+def test_a_request_that_ends_in_the_step_it_arrived_promises_nothing() -> None:
+    book = SchedulerBook(BLOCK_SIZE)
+    for rid, params in (("d", d_params(entry("t1"))), ("p", p_params(entry("t2")))):
+        book.new_request(rid, params, 40)
+        book.finished(rid, aborted=True)
+    orders = book.take_orders()
+    assert not orders.promise and [o.request_id for o in orders.abort] == ["d", "p"]
 
 
 def test_decode_request_allocated_after_new_request_registers_once() -> None:

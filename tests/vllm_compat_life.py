@@ -1,5 +1,5 @@
-"""Compatibility-matrix scenarios for a request's life around the transfer: P's queue is long,
-D's request ends before it had blocks, vLLM preempts on D or on P.
+"""Compatibility-matrix scenarios for a request's life around the transfer: P's or D's queue is
+long, D's request ends before it had blocks, vLLM preempts on D or on P.
 
 Each runs vLLM's real Scheduler on both sides (the stand-in), moves real bytes over the loopback
 transport and ZeroMQ, and checks D's pages byte for byte and that both engines end empty.
@@ -14,6 +14,7 @@ import pytest
 from vllm.v1.request import RequestStatus
 
 from kvflow.integrations.vllm.standin import StandInEngine
+from kvflow.protocol.messages import TransferKey
 from kvflow.protocol.state import Outcome
 from tests.vllm_compat_registry import scenario
 from tests.vllm_pairs import BLOCK_SIZE, crash, dispatch, is_finished, kvflow_engine, make_pair, run, settle
@@ -69,6 +70,32 @@ def _p_queue_long(fragment: str, caplog: pytest.LogCaptureFixture) -> None:
         assert d_req.status == RequestStatus.FINISHED_ERROR
     finally:
         d.close()
+
+
+@scenario("d-queue-long")
+def _d_queue_long(fragment: str, caplog: pytest.LogCaptureFixture) -> None:
+    # D's queue holds the request (its KV cache is full with a local request) while P has
+    # prefilled it and waits, KV ready, for D's registration: P would free the KV after its 2 s
+    # transfer deadline, but D promised the request when it arrived, and D's heartbeats renew
+    # P's hold for three times that; then D allocates and the KV arrives, byte for byte.
+    timeout = 2.0
+    p, d = make_pair(extra={"transfer_timeout": timeout, "lease": 1.2}, d_options={"num_blocks": 8}, max_model_len=224)
+    try:
+        local = d.add("local", 4 * BLOCK_SIZE, 3 * BLOCK_SIZE, {})  # holds 4-7 of D's 7 blocks
+        run((d,), lambda: local.num_computed_tokens > 0)
+        p_req, d_req = dispatch(p, d, "d-queued", PROMPT)  # needs 4 blocks: it waits in D's queue
+        run((d,), lambda: kvflow_engine(d).core.store.promisee(TransferKey("d-queued", 1)) == "prefill-tp0")
+        assert d_req.status == RequestStatus.WAITING and not kvflow_engine(d).core.live()
+        run((p,), lambda: is_finished(p_req))  # prefilled; kvflow holds its blocks for D
+        hold((p,), 3 * timeout)  # D's queue does not move; its kvflow engine beats on
+        (waiting,) = kvflow_engine(p).core.live()
+        assert waiting.key.transfer_id == "d-queued" and waiting.outcome is None
+        settle((p, d), [p_req, d_req, local], limit=60.0)
+        assert d.checked[d_req.request_id] == 0
+        assert d_req.status == local.status == RequestStatus.FINISHED_LENGTH_CAPPED
+    finally:
+        d.close()
+        p.close()
 
 
 @scenario("d-abort-before-alloc")

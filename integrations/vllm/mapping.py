@@ -255,7 +255,9 @@ class SchedulerBook:
         request is queued here and D keeps waiting for it however long P's queue is; without a
         kvflow entry (a sequential router's request) P assigns the transfer itself.  D
         (``do_remote_prefill``): remembered before it has blocks, so that if it ends while still
-        queued, P is told (an abort order) instead of holding its KV to its deadline."""
+        queued, P is told (an abort order) instead of holding its KV to its deadline; and a
+        promise order goes out too, so that D's heartbeats keep P holding KV it made ready
+        however long D's queue is (P would free it after its transfer timeout)."""
         params = self._mapping(request_id, params)
         if params.get("do_remote_decode"):
             if params.get("kvflow") is None:
@@ -273,6 +275,7 @@ class SchedulerBook:
             parsed = self._parse(request_id, params, receiving=True)
             if parsed is not None:
                 self._tracked[request_id] = _Tracked(parsed, prompt_len, DECODE_START, producer=False)
+                self._pending.promise.append(Order(request_id, parsed))
 
     def _assign(self, request_id: str) -> TransferParams | None:
         """A sequential router's request: a fresh pull transfer any one decode engine may claim."""
@@ -411,6 +414,8 @@ class SchedulerBook:
                 self._pending.abort.append(order)
         if stage is Stage.ENDED:
             self._tracked.pop(request_id, None)
+            # ended in the step it arrived: nothing to promise (its abort order tells the peer)
+            self._pending.promise = [o for o in self._pending.promise if o.request_id != request_id]
         return dos
 
     def take_orders(self) -> Orders:

@@ -1,10 +1,10 @@
 """What a worker rank tells its peer's ranks outside a transfer's own bytes.
 
 Why apart from the worker: these are the messages that carry no KV (D needs nothing after a
-full prefix hit; P holds a queued request for D; D's request ended before it had blocks), each
-sent for every part transfer this rank takes in the request (each rank of the other side it
-pairs with, each KV cache group), found through that side's rank 0 (`ranks.reach_rank`, run by
-the rank's agent).  None of them waits: a failure is logged, and
+full prefix hit; one side holds a queued request for the other; D's request ended before it
+had blocks), each sent for every part transfer this rank takes in the request (each rank of
+the other side it pairs with, each KV cache group), found through that side's rank 0
+(`ranks.reach_rank`, run by the rank's agent).  None of them waits: a failure is logged, and
 the peer then falls back on its own deadline.  The worker holds one `PeerNotices` and hands it
 what it needs (its rank's link and how a request's params split into part transfers).
 """
@@ -54,13 +54,20 @@ class PeerNotices:
                                   "nothing_wanted", first)  # fmt: skip
 
     def promise(self, order: Order) -> None:
-        """P: the request is queued here; heartbeats to the decode ranks it feeds say so until
-        it ends.  (A sequential router's request has no decode engine yet: nothing to promise.)
+        """The request is queued here: heartbeats to the other side's ranks it pairs with say so
+        until it ends (P) or its blocks are registered (D).
 
-        No connection is opened for it: D connects when it registers, and heartbeats go to
-        associated peers only.  (Opening one here, while D opens its own, made the two
-        handshakes cross and a registration arriving in between be dropped.)"""
+        P opens no connection for it: D connects when it registers, and heartbeats go to
+        associated peers only.  (Opening one from P, while D opens its own, made the two
+        handshakes cross and a registration arriving in between be dropped.)  D connects now,
+        as it would to register: P may have the KV ready long before D's queue moves.  (A
+        sequential router's request has no decode engine yet when P queues it: nothing to
+        promise.)"""
         params, decode = order.params, order.params.decode
+        if not order.producer:
+            what = f"cannot promise {order.request_id} (P frees its KV at its own deadline)"
+            self._tell_sources(order, what, logging.INFO, "promise_prefill", params.mode.value)
+            return
         if decode is None:
             return
         try:

@@ -66,6 +66,7 @@ class RankAgent(EngineAgent):
         "nothing_wanted",
         "abort_unallocated",
         "promise_pair",
+        "promise_prefill",
         "ready_pull",
         "post_group",
         "abort_pair",
@@ -155,6 +156,15 @@ class RankAgent(EngineAgent):
         :raises KVFlowError: the handshake failed or P cannot be told."""
         peer = await self._reach_prefill(prefill, p_tp, source, TransferKey(transfer_id, epoch), Mode(mode))
         await self.engine.abort(transfer_id, epoch, Role.DECODE, reason, peer=peer, mode=Mode(mode))
+
+    async def promise_prefill(
+        self, prefill: PeerWire, p_tp: int, source: int, transfer_id: str, epoch: int, mode: str
+    ) -> None:
+        """D holds the request queued, before its blocks are allocated: associated with P rank
+        `source`, its heartbeats say so, which keeps P holding KV it made ready meanwhile.
+        :raises KVFlowError: the handshake failed."""
+        peer = await self._reach_prefill(prefill, p_tp, source, TransferKey(transfer_id, epoch), Mode(mode))
+        await self.engine.promise(transfer_id, epoch, peer=peer)
 
     async def abort_pair(self, transfer_id: str, epoch: int, role: str, reason: str) -> None:
         """Give up on a pair transfer; D's registration still under way is waited for first

@@ -372,16 +372,19 @@ class TransferCore:
         return tuple(m.key for m in self.store.live() if m.role is _DECODE and m.peer == peer and m.state in ACTIVE)
 
     def promise(self, key: TransferKey, peer: str, now: float) -> None:
-        """P: this engine holds the request of transfer `key` for `peer` (queued or prefilling).
+        """This engine holds the request of transfer `key` for `peer`: P's queued or
+        prefilling, or D's queued before its blocks are allocated.
 
-        Until the transfer ends or is aborted here, or `max_hold` has passed, heartbeats to
-        `peer` list it (`heartbeat_keys`), so that D's deadline for it does not run out while
-        the request waits in a long queue.  Repeated promises keep the first one's time."""
+        Heartbeats to `peer` list it (`heartbeat_keys`) until the transfer ends or is aborted
+        here (P), starts here (D: its transfer is then listed while it waits), or `max_hold`
+        has passed, so that the peer's deadline for it does not run out while the request waits
+        in a long queue: D's wait for P's KV, or P's hold on KV it made ready before D could
+        register.  Repeated promises keep the first one's time."""
         self.store.promise(key, peer, now)
 
     def heartbeat_keys(self, peer: str, now: float) -> tuple[TransferKey, ...]:
         """What a heartbeat to `peer` lists: the transfers this side waits on from it (as D) and
-        those whose request it holds for it (as P; promises that ended are left out).  A query."""
+        those whose request it holds for it (`promise`; promises that ended are left out).  A query."""
         return self.waiting_on(peer) + self.store.live_promises(peer, now, self.config.max_hold)
 
     def timer(self, now: float) -> list[Action]:

@@ -305,19 +305,23 @@ class TransferStore:
     # ------------------------------------------------------------------ promises
 
     def promise(self, key: TransferKey, peer: str, now: float) -> None:
-        """Record that this engine holds the request of `key` for `peer` (the first promise counts)."""
+        """Record that this engine holds the request of `key` for `peer` (the first promise
+        counts): P its queued or prefilling request, D its request queued before allocation."""
         self._promises.setdefault(key, (peer, now))
 
     def drop_promise(self, key: TransferKey) -> None:
         self._promises.pop(key, None)
 
     def _promise_kept(self, key: TransferKey, since: float, now: float, max_hold: float) -> bool:
+        if since + max_hold <= now or self.get(key, Role.DECODE) is not None:
+            return False  # D: once it registered, its transfer itself says whether it waits
         m = self.get(key, Role.PREFILL)
-        return since + max_hold > now and (m is None or m.state in ACTIVE)
+        return m is None or m.state in ACTIVE
 
     def live_promises(self, peer: str, now: float, max_hold: float) -> tuple[TransferKey, ...]:
-        """The transfers whose request this side (P) holds for `peer`: promises whose transfer
-        has not ended here and that are younger than `max_hold`.  A query: changes nothing."""
+        """The transfers whose request this side holds for `peer`: promises younger than
+        `max_hold` whose transfer has not ended here (P) or not started here (D).  A query:
+        changes nothing."""
         kept = self._promise_kept
         return tuple(
             k for k, (owner, since) in self._promises.items() if owner == peer and kept(k, since, now, max_hold)
