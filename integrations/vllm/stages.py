@@ -92,9 +92,9 @@ PREFILL_START = Stage.QUEUED
 DECODE_START = Stage.WAITING
 
 
-def _ended(stage: Stage, *dos: Do) -> dict[tuple[Stage, Event], Row]:
+def _finished(stage: Stage, target: Stage, *dos: Do) -> dict[tuple[Stage, Event], Row]:
     """`request_finished` moves `stage` the same way whether or not vLLM aborted the request."""
-    return {(stage, event): (Stage.ENDED, dos) for event in (Event.FINISHED, Event.ABORTED)}
+    return {(stage, event): (target, dos) for event in (Event.FINISHED, Event.ABORTED)}
 
 
 _ROWS: dict[tuple[Stage, Event], Row] = {
@@ -102,31 +102,28 @@ _ROWS: dict[tuple[Stage, Event], Row] = {
     (Stage.QUEUED, Event.HANDED): (Stage.HANDING, ()),
     (Stage.QUEUED, Event.PROMPT_DONE): (Stage.READY, ()),
     (Stage.QUEUED, Event.PREEMPTED): (Stage.QUEUED, ()),
-    **_ended(Stage.QUEUED, Do.ABORT_EARLY),  # ended before its prefill completed: hold nothing
+    **_finished(Stage.QUEUED, Stage.ENDED, Do.ABORT_EARLY),  # ended before its prefill completed: hold nothing
     (Stage.HANDING, Event.HANDED): (Stage.HANDING, ()),
     (Stage.HANDING, Event.PROMPT_DONE): (Stage.READY, ()),
     (Stage.HANDING, Event.PREEMPTED): (Stage.PREEMPTED, (Do.ABORT_PREEMPTED,)),
     # the workers hold (or held) earlier chunks' blocks: vLLM frees them on finished_sending
-    (Stage.HANDING, Event.FINISHED): (Stage.SENDING, (Do.ABORT_MID_PREFILL,)),
-    (Stage.HANDING, Event.ABORTED): (Stage.SENDING, (Do.ABORT_MID_PREFILL,)),
+    **_finished(Stage.HANDING, Stage.SENDING, Do.ABORT_MID_PREFILL),
     (Stage.READY, Event.PREEMPTED): (Stage.READY_PREEMPTED, (Do.ABORT_PREEMPTED,)),
     (Stage.READY, Event.FINISHED): (Stage.SENDING, (Do.HAND_OVER,)),
     (Stage.READY, Event.ABORTED): (Stage.SENDING, (Do.ABORT_PREFILL, Do.HAND_OVER)),
-    (Stage.PREEMPTED, Event.FINISHED): (Stage.SENDING, ()),
-    (Stage.PREEMPTED, Event.ABORTED): (Stage.SENDING, ()),
-    (Stage.READY_PREEMPTED, Event.FINISHED): (Stage.SENDING, ()),
-    (Stage.READY_PREEMPTED, Event.ABORTED): (Stage.SENDING, ()),
+    **_finished(Stage.PREEMPTED, Stage.SENDING),
+    **_finished(Stage.READY_PREEMPTED, Stage.SENDING),
     (Stage.SENDING, Event.SENT): (Stage.ENDED, ()),
     # D
     (Stage.WAITING, Event.ALLOCATED): (Stage.EXPECTING, ()),
     (Stage.WAITING, Event.NOTHING_TO_LOAD): (Stage.ENDED, ()),
-    **_ended(Stage.WAITING, Do.ABORT_UNALLOCATED),  # P may hold its KV, or compute it later: tell P
+    **_finished(Stage.WAITING, Stage.ENDED, Do.ABORT_UNALLOCATED),  # P may hold its KV, or compute it later: tell P
     (Stage.EXPECTING, Event.RECEIVED): (Stage.LANDED, ()),
     (Stage.EXPECTING, Event.RECEIVE_FAILED): (Stage.ENDED, ()),
     (Stage.EXPECTING, Event.FINISHED): (Stage.DRAINING, (Do.ABORT_UNLANDED,)),
     (Stage.EXPECTING, Event.ABORTED): (Stage.DRAINING, (Do.ABORT_DECODE,)),
     (Stage.LANDED, Event.RECEIVE_FAILED): (Stage.ENDED, ()),
-    **_ended(Stage.LANDED),
+    **_finished(Stage.LANDED, Stage.ENDED),
     # vLLM frees a finished request's blocks on finished_recving too: the KV landed (or failed)
     # just as the request ended, before its abort took effect
     (Stage.DRAINING, Event.RECEIVED): (Stage.ENDED, ()),
