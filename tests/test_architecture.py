@@ -8,6 +8,9 @@
 * Layers: the sans-IO protocol and the layout know nothing of I/O or of the layers above them;
   the control plane does not know the runtime; only the tools use the tools, only the test
   helpers use the test helpers.
+* No child process runs Python between fork and exec (`preexec_fn`): the parent has threads
+  (the engine's, the peer thread, pytest-xdist's), and the child can block for good on a lock one
+  of them held when it forked.
 """
 
 from __future__ import annotations
@@ -353,3 +356,25 @@ def test_every_tree_is_read_once_through_its_real_folder() -> None:
     ):
         assert module in MODULES
     assert not [p for p in paths if p.startswith(("kvflow/transports/", "kvflow/integrations/"))]
+
+
+# ---------------------------------------------------------------------- fork, then exec
+
+
+def python_after_fork(tree: ast.Module) -> list[int]:
+    """Lines that hand a child process Python code to run between fork and exec."""
+    return [node.lineno for node in ast.walk(tree) if isinstance(node, ast.keyword) and node.arg == "preexec_fn"]
+
+
+def test_no_child_process_runs_python_between_fork_and_exec() -> None:
+    tests = [
+        (str(p.relative_to(ROOT)), ast.parse(p.read_text(), str(p))) for p in sorted((ROOT / "tests").glob("*.py"))
+    ]
+    found = [
+        (path, line)
+        for path, tree in [*((s.path, s.tree) for s in SOURCES), *tests]
+        for line in python_after_fork(tree)
+    ]
+    assert found == [], "raise a limit or set a session in the child itself, or with start_new_session"
+    planted = "subprocess.Popen(argv, preexec_fn=lambda: None)"
+    assert python_after_fork(ast.parse(planted)) == [1]

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import sys
 import time
 from collections.abc import Callable
@@ -131,6 +132,14 @@ def _emit(**event: object) -> None:
     sys.stdout.flush()
 
 
+def _all_descriptors() -> None:
+    """As many descriptors as the operator allows: a connection flood holds one per connection.
+    Raised here, not by the parent between fork and exec: code run there can deadlock on a lock
+    another of the parent's threads held when it forked."""
+    _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run every attack in turn; a line per attack's beginning and end on stdout.
 
@@ -145,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-curve", action="store_true", help="the target does not use CURVE")
     parser.add_argument("--attack", choices=ATTACKS, action="append", help="run only this attack (repeatable)")
     args = parser.parse_args(argv)
+    _all_descriptors()
     secret = secret_from_env()
     if secret is None:
         raise ConfigError("the insider attacks need KVFLOW_SECRET")

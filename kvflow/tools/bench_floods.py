@@ -101,12 +101,6 @@ class _Peak:
             await self._task
 
 
-def _raise_own_limit() -> None:
-    """In the flooding process: as many descriptors as the operator allows (one per connection)."""
-    _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-
-
 def _threads(
     before: dict[int, tuple[str, int]],
     after: dict[int, tuple[str, int]],
@@ -197,7 +191,7 @@ async def _flood_run(connections: int, nofile: int, rate: float, logs: str) -> d
         argv = [sys.executable, "-m", "kvflow.testing.fuzz_process", "--address", p.address]
         flood = await asyncio.create_subprocess_exec(
             *argv, "--scale", str(connections), "--attack", "connection_flood", "--per-second", str(rate),
-            stdout=asyncio.subprocess.PIPE, env=env, cwd=ROOT, preexec_fn=_raise_own_limit,
+            stdout=asyncio.subprocess.PIPE, env=env, cwd=ROOT,
         )  # fmt: skip
         assert flood.stdout is not None
         begin = json.loads(await flood.stdout.readline())
