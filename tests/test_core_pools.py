@@ -11,11 +11,14 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvflow.layout import fingerprint
 from kvflow.protocol.actions import Action, SendMessage
-from kvflow.protocol.association import EARLY_BLOCKS_KEPT, Associations, PendingHello, UnknownSender
+from kvflow.protocol.association import EARLY_BLOCKS_KEPT, AddTransportPeer, Associations, UnknownSender
 from kvflow.protocol.core import CoreConfig, TransferCore
 from kvflow.protocol.messages import Message, Notice, Ready, Registration, TransferKey
 from kvflow.protocol.state import Mode, Outcome, Role, State
+from kvflow.testing import SMALL_SPEC
+from tests.handshakes import hello
 
 POOL = CoreConfig(fence_timeout=2.0, retention=30.0, max_unstarted=16, max_peer_transfers=4, max_peer_early=4)
 
@@ -92,8 +95,9 @@ def test_early_messages_are_bounded_in_block_ids_not_only_in_messages() -> None:
 
 
 def test_what_a_peer_sends_before_its_association_is_in_place_is_bounded_in_block_ids() -> None:
-    assoc = Associations("D", {}, 30.0, 5.0)
-    assoc.adding["P"] = PendingHello(1, None, None)  # type: ignore[arg-type]  # the transport is adding P
+    assoc = Associations("D", fingerprint(SMALL_SPEC), 30.0, 5.0)
+    (add,) = assoc.receive("P", 1, hello("P"), 0.0)
+    assert isinstance(add, AddTransportPeer)  # the transport is adding P
     big = tuple(range(131_072))
     kept = [assoc.receive("P", 1, Ready(TransferKey(f"t{i}", 1), big), 0.0) for i in range(8)]
     assert sum(1 for actions in kept if actions == []) == EARLY_BLOCKS_KEPT // len(big)

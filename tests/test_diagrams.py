@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from kvflow.protocol import phases, teardown
 from kvflow.protocol.state import STATE_TRIGGERED, TABLES, Input, Mode, Role, State
 from kvflow.tools.cli import main as cli_main
 from kvflow.tools.diagrams import DEFAULT_OUTPUT, REGENERATE, main, render
@@ -45,7 +46,6 @@ def test_a_changed_row_changes_the_drawing(monkeypatch: pytest.MonkeyPatch) -> N
 
 
 def test_the_teardown_tables_are_drawn_and_a_changed_row_changes_the_drawing(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvflow.protocol import teardown
 
     before = render()
     assert "    HOLDING --> HOLDING : HEARD_AGAIN / SHORTEN_HOLD" in before
@@ -63,4 +63,18 @@ def test_an_engines_life_is_drawn_with_its_refusals_listed_not_drawn() -> None:
         "    STARTING --> CLOSED : START_FAILED / CLOSE_OWNED" in text
         and "    RUNNING --> CLOSING : CLOSE / WIND_DOWN" in text
     )
-    assert "- RUNNING: START, STARTED, START_FAILED, WOUND_DOWN" in text and "/ REFUSE" not in text
+    life = text[text.index("## An engine's life") :]
+    life = life[: life.index("\n## ")]
+    assert "- RUNNING: START, STARTED, START_FAILED, WOUND_DOWN" in life and "/ REFUSE" not in life
+
+
+def test_a_peers_association_is_drawn_from_its_table(monkeypatch: pytest.MonkeyPatch) -> None:
+    before = render()
+    assert "    ASSOCIATED --> ADDING : ROUTED / REPLACE" in before and "    [*] --> NONE" in before
+    assert "- ADDING: ANSWER, ANSWER_SENT, ANSWER_UNSENT" in before
+    rows = dict(phases.TABLE)
+    rows[(phases.Phase.ASSOCIATED, phases.Event.ROUTED)] = (phases.Phase.ADDING, (phases.Do.ADD,))
+    monkeypatch.setattr(phases, "TABLE", rows)
+    after = render()
+    assert "ROUTED / REPLACE" not in after.replace("ANSWERING --> ADDING : ROUTED / REPLACE", "")
+    assert "    ASSOCIATED --> ADDING : ROUTED / ADD" in after

@@ -15,7 +15,8 @@ Why pure, like the core: who may associate, when a peer is lost and in which ord
 happen are decisions worth testing without sockets or a loop.  `Associations` takes inputs
 (a connect request, a received message with its sender and incarnation, `tick(now)`, a peer
 dropped) and returns the effects as frozen dataclasses, in the order the runtime must execute
-them.  Time is always an argument; nothing here logs, reads a clock or touches asyncio.
+them.  Time is always an argument; nothing here logs, reads a clock or touches asyncio.  Each
+input moves the peer's phase by a row of `kvflow.protocol.phases.TABLE` and takes the row's step.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from kvflow.protocol.admission import PeerAllowList
 from kvflow.protocol.early import message_blocks
 from kvflow.protocol.liveness import Liveness
 from kvflow.protocol.messages import ControlMessage, Goodbye, Heartbeat, Hello, Message, Reject, TransferKey
+from kvflow.protocol.phases import TABLE, Do, Event, Phase, relate_hello, relate_message, relate_reject
 from kvflow.protocol.teardown import PeerFenced, PeerGone, RemovalFailed, RemovePeer, Teardowns
 
 __all__ = (
@@ -276,15 +278,34 @@ class Associations:
         self.theirs: dict[str, int] = {}
         self._numbered = 0
         self.refusing = ""  # why every Hello is refused now (the engine asleep); empty: none is
+        self.phases: dict[str, Phase] = {}  # every peer not in `Phase.NONE`
 
     def peers(self) -> list[str]:
         return sorted(self.layouts)
+
+    def phase(self, peer: str) -> Phase:
+        return self.phases.get(peer, Phase.NONE)
+
+    def _move(self, peer: str, event: Event) -> Do | None:
+        """Move `peer` by the table's row for `event` in its phase; the row's step (None: none)
+        is the caller's to take."""
+        to, steps = TABLE[self.phase(peer), event]
+        if to is Phase.NONE:
+            self.phases.pop(peer, None)
+        else:
+            self.phases[peer] = to
+        return steps[0] if steps else None
+
+    def _run(self, peer: str) -> int | None:
+        """The run of `peer` in place: the associated one, or the one the transport is adding."""
+        pending = self.adding.get(peer) if self.phase(peer) is Phase.ADDING else None
+        return self.incarnations.get(peer) if pending is None else pending.incarnation
 
     # ---------------------------------------------------------------- local inputs
 
     def connect(self, peer: str, address: str) -> list[AssociationAction]:
         """Start a handshake with `peer` (nothing to do when already associated)."""
-        if peer in self.layouts:
+        if self._move(peer, Event.CONNECT) is not Do.DIAL:
             return []
         problem = self._not_permitted(peer, address, local=True)
         if problem is not None or self._full(peer):
@@ -317,8 +338,8 @@ class Associations:
                     del self.ours[stale]
         return number
 
-    def dropped(self, peer: str) -> None:
-        """`peer` is being torn down: forget the association."""
+    def _forget(self, peer: str) -> None:
+        """`peer` is being torn down: forget the association's data (the caller moved its phase)."""
         self.early.pop(peer, None)
         self.layouts.pop(peer, None)
         self.incarnations.pop(peer, None)
@@ -332,8 +353,9 @@ class Associations:
         sent to): tell the peer why, best effort, then tear it down.  Without the goodbye a peer
         that was only paused (stopped, swapped out) would learn nothing and keep its side of
         every transfer alive, so that the two sides could end the same transfer differently."""
+        self._move(peer, Event.LOST)
         goodbye: list[AssociationAction] = [SendControl(peer, Goodbye(reason))] if peer in self.layouts else []
-        self.dropped(peer)
+        self._forget(peer)
         return [*goodbye, TearDown(peer, reason, answered=answered)]
 
     def goodbye_all(self, reason: str) -> list[AssociationAction]:
@@ -376,53 +398,62 @@ class Associations:
             return self._on_hello(sender, incarnation, message, now)
         if isinstance(message, Reject):
             refused = HandshakeSettled(sender, PeerProtocolError(f"{sender!r} refused the handshake: {message.reason}"))
-            known = self.incarnations.get(sender)
-            if known is not None and incarnation > known:  # a later run of an associated peer: the old one is gone
-                self.dropped(sender)
+            if self._move(sender, relate_reject(self.incarnations.get(sender), incarnation)) is Do.END_RUN:
+                self._forget(sender)  # a later run of an associated peer: the old one is gone
                 return [TearDown(sender, f"a later run of it says: {message.reason}", answered=True), refused]
             return [refused]
-        known = self.incarnations.get(sender)
-        if known is None or known != incarnation:
-            adding = self.adding.get(sender)
-            early = (
-                self.early.setdefault(sender, []) if adding is not None and adding.incarnation == incarnation else None
-            )
-            blocks = sum(map(message_blocks, early or ())) + message_blocks(message)
-            if early is not None and len(early) < EARLY_MESSAGES_KEPT and blocks <= EARLY_BLOCKS_KEPT:
+        do = self._move(sender, relate_message(self._run(sender), incarnation, isinstance(message, Goodbye)))
+        if do is Do.KEEP_EARLY:
+            early = self.early.setdefault(sender, [])
+            if len(early) < EARLY_MESSAGES_KEPT and sum(map(message_blocks, early)) + message_blocks(message) <= (
+                EARLY_BLOCKS_KEPT
+            ):
                 # The sender's side of the association is in place (it answered, or it started
                 # the handshake) and it already speaks; ours will be in a moment.
                 early.append(message)
                 return []
-            return [UnknownSender(sender)]  # not associated, an old run, or too much too early
+            return [UnknownSender(sender)]  # too much too early
+        if do is not Do.DELIVER and do is not Do.SAY_GOODBYE:
+            return [UnknownSender(sender)]  # not associated, or an old run
         self.liveness.heard(sender, now)
-        if isinstance(message, Goodbye):
-            self.dropped(sender)
+        if isinstance(message, Goodbye):  # (`Do.SAY_GOODBYE`)
+            self._forget(sender)
             return [TearDown(sender, f"it tore us down: {message.reason}", expected=True, answered=True)]
         if isinstance(message, Heartbeat):
             return [RenewLeases(sender, message.keys, now, self.liveness.lease)]
         return [Deliver(sender, message)]  # about one transfer: the core's business
 
     def route_added(self, peer: str, pending: PendingHello, now: float) -> list[AssociationAction]:
-        """The route from a Hello's `AddRoute` is in place: associate."""
-        return self._associate(peer, pending, now)
+        """The route from a Hello's `AddRoute` is in place: hand the peer to the transport.
+        Nothing of an old association may survive a new one (a new run of the peer, or a new
+        association after it tore us down)."""
+        actions: list[AssociationAction] = []
+        if self._move(peer, Event.ROUTED) is Do.REPLACE:
+            self._forget(peer)
+            actions.append(TearDown(peer, "peer started a new association", answered=True))
+        actions.append(AddTransportPeer(peer, pending))
+        self.adding[peer] = pending
+        return actions
 
     def pending_refused(self, peer: str, pending: PendingHello, error: KVFlowError) -> list[AssociationAction]:
         """What a pending Hello needs was refused (the control channel refused its address, or
         the transport what it says about the peer's memory): refuse the peer."""
+        self._move(peer, Event.PENDING_REFUSED)
         dropped = [UnknownSender(peer) for _ in self.early.pop(peer, ())]
         return [*self._refuse(peer, pending.hello, error), *dropped, *self._added(peer, pending)]
 
     def transport_peer_added(self, peer: str, pending: PendingHello, now: float) -> list[AssociationAction]:
         """The transport accepted the peer: the association begins (once our answer, when the
         peer started it, is sent: see `hello_sent`)."""
+        do = self._move(peer, Event.ADDED_ANSWERED if pending.hello.reply else Event.ADDED)
         self.layouts[peer] = pending.layout
         self.incarnations[peer] = pending.incarnation
         self.theirs[peer] = pending.hello.association
         self.liveness.add(peer, now)
-        if not pending.hello.reply:
+        if do is Do.ANSWER_HELLO:
             answer = SendHello(peer, reply=True, associating=True, association=self._number(peer))
             return [answer, *self._added(peer, pending)]
-        return [*self.hello_sent(peer, now), *self._added(peer, pending)]
+        return [*self._connected(peer, now), *self._added(peer, pending)]
 
     def _added(self, peer: str, pending: PendingHello) -> list[AssociationAction]:
         """The transport is done with `pending`: a Hello that came meanwhile is decided next."""
@@ -435,23 +466,25 @@ class Associations:
     def hello_sent(self, peer: str, now: float) -> list[AssociationAction]:
         """Our answer to the Hello that started the association with `peer` went out: the
         association is in place, and what the peer said meanwhile is decided now, in order."""
+        return self._connected(peer, now) if self._move(peer, Event.ANSWER_SENT) is Do.CONNECT else []
+
+    def _connected(self, peer: str, now: float) -> list[AssociationAction]:
         actions: list[AssociationAction] = [
             HandshakeSettled(peer),
             *self.teardowns.heard_again(peer, now),
             PeerConnected(peer, now),
         ]
-        incarnation = self.incarnations.get(peer)
+        incarnation = self.incarnations[peer]
         for message in self.early.pop(peer, ()):
-            if incarnation is None or peer not in self.layouts:
-                actions.append(UnknownSender(peer))  # torn down by an earlier one of them
-            else:
-                actions += self.receive(peer, incarnation, message, now)
+            actions += self.receive(peer, incarnation, message, now)  # from no run once torn down by one of them
         return actions
 
     def hello_unsent(self, peer: str, error: KVFlowError) -> list[AssociationAction]:
         """Our answer to `peer`'s Hello cannot be sent (the address it gave is unusable, or it is
         not reading): the association it started ends before it began."""
-        self.dropped(peer)
+        if self._move(peer, Event.ANSWER_UNSENT) is not Do.GIVE_UP:
+            return []
+        self._forget(peer)
         return [
             Refused(peer, error),
             TearDown(peer, f"cannot answer its hello: {error}"),
@@ -459,29 +492,44 @@ class Associations:
         ]
 
     def _on_hello(self, sender: str, incarnation: int, hello: Hello, now: float) -> list[AssociationAction]:
-        known = self.incarnations.get(sender)
-        if hello.reply and known == incarnation:
-            # the answer to our Hello, after the peer's own Hello had associated us
+        related = relate_hello(self._run(sender), self.theirs.get(sender), incarnation, hello.reply, hello.association)
+        do = self._move(sender, related)
+        if do is Do.SETTLE:
             return [HandshakeSettled(sender)]
-        if known == incarnation and self.theirs.get(sender) == hello.association:
-            # the peer asks again for the association in place (its wait for our answer ran
-            # out, or crossed it): answer again; tearing down would lose its transfers with us
+        if do is Do.ANSWER_AGAIN:
             return [SendHello(sender, reply=True, best_effort=True, association=self._number(sender))]
-        adding = self.adding.get(sender)
-        if adding is not None:
-            if not (hello.reply and adding.incarnation == incarnation):
-                self.deferred[sender] = (incarnation, hello)  # decided once the transport is done
-            return []  # (the answer to our Hello: the association under way settles the handshake)
-        if known is not None and incarnation < known:
-            # a Hello of an earlier run, replayed: the live association is not the sender's to end,
-            # and the run it speaks for is not there to hear an answer
+        if do is Do.DEFER:
+            self.deferred[sender] = (incarnation, hello)  # decided once the transport is done
+            return []
+        if do is Do.REFUSE_OLDER_RUN:
             return [Refused(sender, PeerProtocolError(f"hello from an earlier run of {sender!r} ({incarnation})"))]
-        problem = self._not_permitted(sender, hello.control_address)
-        if problem is not None or self._full(sender):
+        if do is not Do.VET:
+            return []
+        vetted, outcome = self._vet(sender, incarnation, hello, now)
+        do = self._move(sender, vetted)
+        if do is Do.REFUSE_SILENTLY:
             # no answer: a Reject would cost the very resources the limit bounds, and would go
             # to an address the deployment does not permit
-            error = PeerNotAllowed(problem) if problem else self._full_error()
-            return [Refused(sender, error, abandon=problem is not None), HandshakeSettled(sender, error)]
+            error = PeerNotAllowed(outcome) if isinstance(outcome, str) else self._full_error()
+            return [Refused(sender, error, abandon=vetted is Event.NOT_PERMITTED), HandshakeSettled(sender, error)]
+        if do is Do.REFUSE and isinstance(outcome, KVFlowError):
+            return self._refuse(sender, hello, outcome)
+        if do is not Do.ROUTE or not isinstance(outcome, PendingHello):
+            return []
+        if hello.control_address:
+            return self._route(sender, hello.control_address, outcome)
+        return self.route_added(sender, outcome, now)
+
+    def _vet(
+        self, sender: str, incarnation: int, hello: Hello, now: float
+    ) -> tuple[Event, str | KVFlowError | PendingHello | None]:
+        """A new Hello's checks: the event they make, with what names the problem, or the
+        Hello to associate."""
+        problem = self._not_permitted(sender, hello.control_address)
+        if problem is not None:
+            return Event.NOT_PERMITTED, problem
+        if self._full(sender):
+            return Event.FULL, None
         try:
             if self.refusing:
                 raise PeerProtocolError(f"{self.engine_id!r} accepts no handshake now: {self.refusing}")
@@ -492,12 +540,9 @@ class Associations:
             if hello.engine_id != sender:
                 raise PeerProtocolError(f"hello from {sender!r} claims to be {hello.engine_id!r}")
             check_compatible(self.fingerprint, hello.fingerprint)
-            pending = PendingHello(incarnation, hello, layout_from_wire(hello.layout))
+            return Event.ACCEPTED, PendingHello(incarnation, hello, layout_from_wire(hello.layout))
         except KVFlowError as exc:
-            return self._refuse(sender, hello, exc)
-        if hello.control_address:
-            return self._route(sender, hello.control_address, pending)
-        return self._associate(sender, pending, now)
+            return Event.UNACCEPTABLE, exc
 
     def _not_permitted(self, peer: str, address: str, *, local: bool = False) -> str | None:
         if peer == self.engine_id:
@@ -527,15 +572,4 @@ class Associations:
             else:
                 actions.append(SendControl(sender, Reject(str(error))))
         actions.append(HandshakeSettled(sender, error))
-        return actions
-
-    def _associate(self, sender: str, pending: PendingHello, now: float) -> list[AssociationAction]:
-        actions: list[AssociationAction] = []
-        if sender in self.layouts:
-            # The peer started over (a new run, or a new association after tearing us down):
-            # nothing of the old association may survive it.
-            self.dropped(sender)
-            actions.append(TearDown(sender, "peer started a new association", answered=True))
-        actions.append(AddTransportPeer(sender, pending))
-        self.adding[sender] = pending
         return actions

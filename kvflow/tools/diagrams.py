@@ -3,8 +3,8 @@
 Why generated: the tables in `kvflow.protocol.state` are the protocol's documentation, but a few
 hundred rows are hard to see whole.  This draws one Mermaid ``stateDiagram-v2`` per mode and
 role from the same data the core runs on, and one for each of the other machines' tables
-(`kvflow.protocol.lifecycle`, `kvflow.protocol.teardown`, and the vLLM connector's request
-stages, `kvflow.integrations.vllm.stages`), so the picture cannot drift from the
+(`kvflow.protocol.lifecycle`, `kvflow.protocol.phases`, `kvflow.protocol.teardown`, and the vLLM
+connector's request stages, `kvflow.integrations.vllm.stages`), so the picture cannot drift from the
 code; a test regenerates it and fails when the committed file is out of date (``--check`` does
 the same).
 
@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from kvflow.integrations.vllm import stages
-from kvflow.protocol import lifecycle, teardown
+from kvflow.protocol import lifecycle, phases, teardown
 from kvflow.protocol.state import (
     STATE_TRIGGERED,
     TABLES,
@@ -52,8 +52,9 @@ _HEADER = f"""\
 # State diagrams
 
 Generated from the transition tables in `kvflow/protocol/state.py` (transfers),
-`kvflow/protocol/lifecycle.py` (an engine's life), `kvflow/protocol/teardown.py` (torn-down
-peers) and `integrations/vllm/stages.py` (a request in the vLLM connector's book) by
+`kvflow/protocol/lifecycle.py` (an engine's life), `kvflow/protocol/phases.py` (a peer's
+association), `kvflow/protocol/teardown.py` (torn-down peers) and `integrations/vllm/stages.py`
+(a request in the vLLM connector's book) by
 `{REGENERATE}`; do not edit by hand (a test fails when this file is out of date).
 
 How to read them:
@@ -76,6 +77,8 @@ def render() -> str:
     title = "## An engine's life (`kvflow/protocol/lifecycle.py`)"
     life = render_table(title, (lifecycle.START, ()), lifecycle.TABLE, [lifecycle.Life.CLOSED], lifecycle.Do.REFUSE)
     parts.append(life)
+    title = "## A peer's association (`kvflow/protocol/phases.py`)"
+    parts.append(render_table(title, (phases.Phase.NONE, ()), phases.TABLE, []))
     for kind, rows in teardown.TABLES.items():
         title = f"## A torn-down peer, {kind.value} (`kvflow/protocol/teardown.py`)"
         parts.append(render_table(title, teardown.START, rows, [teardown.Phase.ENDED]))
