@@ -1,6 +1,8 @@
 """Test-wide settings: keep UCX (inside NIXL) on loopback, and NIXL's log quiet.
 
-Set before any test imports NIXL, and inherited by the engine processes tests start.  Also the
+Set before any test imports NIXL, and inherited by the engine processes tests start.  Hypothesis
+runs without its per-example deadline and its too-slow health check: both are wall-clock limits,
+and tests share the machine with each other (pytest-xdist) and with whatever else runs.  Also the
 fixtures more than one module uses.
 """
 
@@ -14,12 +16,16 @@ from typing import TYPE_CHECKING
 
 import pytest
 import pytest_asyncio
+from hypothesis import HealthCheck, settings
 
 if TYPE_CHECKING:
     from tests.hostile import Zmq
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+
+settings.register_profile("kvflow", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("kvflow")
 
 
 @pytest_asyncio.fixture

@@ -200,7 +200,9 @@ def _run_point(pair: Pair, arrivals: list[Arrival], progress: Any = None) -> dic
 
 
 def _cell(done: list[Request], steps: dict[str, Steps], start: float, duration: float) -> dict[str, Any]:
-    rows = [r.row(start) for r in sorted(done, key=lambda r: r.flight.dispatched)]
+    # in the workload's order (its planned arrivals), the same for every system: the order
+    # requests were dispatched in moves with the machine's load
+    rows = [r.row(start) for r in sorted(done, key=lambda r: (r.arrival.arrival_s, r.arrival.id))]
     failed = sum(
         1
         for r in done
