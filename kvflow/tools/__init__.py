@@ -8,5 +8,6 @@ Benchmarks: `bench_engine` (the control plane), `bench_nixl` (NIXL WRITEs), `ben
 HTTP clients against the router), `bench_hma` and `bench_hma_moved` (hybrid models).
 Soaks: `soak` (transfers between engine processes under faults), `soak_fuzz` and `router_fuzz`
 (attacks meanwhile), `peer_driver` (an engine process driven from asyncio), `netns` (hosts in
-network namespaces joined by links that can be cut).
+network namespaces joined by links that can be cut).  `children` starts the child processes of
+them all from asyncio, with no Python run in the child before its exec.
 """

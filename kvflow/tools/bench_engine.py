@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import sys
 import time
@@ -40,6 +39,7 @@ from kvflow.runtime.engine import Engine, EngineConfig
 from kvflow.runtime.loop import run
 from kvflow.runtime.meter import quantile
 from kvflow.runtime.results import TransferHandle
+from kvflow.tools.children import spawn
 from kvflow.transports.loopback import LoopbackFabric
 from kvflow.transports.shm import ShmTransport
 
@@ -247,7 +247,7 @@ async def process_cell(size: int, window: int, n: int) -> Cell:
     """
     prefix = f"kvflow-bench-{uuid.uuid4().hex[:8]}"
     argv = [sys.executable, "-m", "kvflow.tools.bench_engine", "--child", str(size), str(window), str(n), prefix]
-    child = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE)
+    child = await spawn(argv, stdout=True)
     assert child.stdout is not None
     try:
         line = await asyncio.wait_for(child.stdout.readline(), 60.0)
@@ -271,8 +271,7 @@ async def process_cell(size: int, window: int, n: int) -> Cell:
         result.failed += report["failed"]
         return result
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            child.kill()
+        child.kill()
         await child.wait()
 
 

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from kvflow.errors import BenchError
+from kvflow.tools.children import Child, spawn
 from kvflow.tools.peer_driver import ROOT, Side
 
 __all__ = ("add_arguments", "cpu_ticks", "main", "process_ticks", "render", "run_floods")
@@ -182,16 +183,16 @@ async def _flood_run(connections: int, nofile: int, rate: float, logs: str) -> d
     p = Side("P", [*peer, "--name", "P", "--prefix", f"{prefix}-p", *limit], env, f"{logs}/{prefix}-p.stderr")
     d = Side("D", [*peer, "--name", "D", "--prefix", f"{prefix}-d"], env, f"{logs}/{prefix}-d.stderr")
     load_start = os.getloadavg()
-    flood: asyncio.subprocess.Process | None = None
+    flood: Child | None = None
     try:
         await p.start()
         await d.start()
         names = (await p.ask(cmd="threads"))["names"]
         base = _descriptors(p.pid)
         argv = [sys.executable, "-m", "kvflow.testing.fuzz_process", "--address", p.address]
-        flood = await asyncio.create_subprocess_exec(
-            *argv, "--scale", str(connections), "--attack", "connection_flood", "--per-second", str(rate),
-            stdout=asyncio.subprocess.PIPE, env=env, cwd=ROOT,
+        flood = await spawn(
+            [*argv, "--scale", str(connections), "--attack", "connection_flood", "--per-second", str(rate)],
+            stdout=True, env=env, cwd=ROOT,
         )  # fmt: skip
         assert flood.stdout is not None
         begin = json.loads(await flood.stdout.readline())
@@ -213,8 +214,8 @@ async def _flood_run(connections: int, nofile: int, rate: float, logs: str) -> d
         control = await _settled(p)
         threads = _threads(before, after, names, p.pid, seconds)
     finally:
-        if flood is not None and flood.returncode is None:
-            flood.kill()
+        if flood is not None:
+            flood.kill()  # (nothing, when it has exited)
             await flood.wait()
         await d.close()
         await p.close()

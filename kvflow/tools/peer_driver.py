@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from kvflow.errors import BenchError
+from kvflow.tools.children import Child, spawn
 
 __all__ = ("ROOT", "Side", "last_line")
 
@@ -39,7 +40,7 @@ class Side:
     address: str = ""
     pid: int = 0
     samples: list[dict[str, int]] = field(default_factory=list)
-    _proc: asyncio.subprocess.Process | None = None
+    _proc: Child | None = None
     _replies: deque[asyncio.Future[dict[str, Any]]] = field(default_factory=deque)
     _results: dict[str, asyncio.Future[dict[str, Any]]] = field(default_factory=dict)
     _released: dict[str, set[int]] = field(default_factory=dict)
@@ -57,14 +58,7 @@ class Side:
         self.killed_on_purpose, self.samples = False, []
         stderr = self.stderr_file()
         try:
-            self._proc = await asyncio.create_subprocess_exec(
-                *self.argv,
-                stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=stderr,
-                env=self.env,
-                cwd=ROOT,
-            )
+            self._proc = await spawn(self.argv, stdin=True, stdout=True, stderr=stderr, env=self.env, cwd=ROOT)
         finally:
             os.close(stderr)
         self._reader = asyncio.ensure_future(self._read(self._proc))
@@ -85,7 +79,7 @@ class Side:
         await asyncio.sleep(0.5)  # let the process finish writing why it stopped
         return last_line(self.log_path)
 
-    async def _read(self, proc: asyncio.subprocess.Process) -> None:
+    async def _read(self, proc: Child) -> None:
         assert proc.stdout is not None
         async for line in proc.stdout:
             try:
@@ -145,14 +139,13 @@ class Side:
 
         :raises BenchError: the process is gone.
         """
-        if not self.alive or self._proc is None or self._proc.stdin is None:
+        if not self.alive or self._proc is None:
             raise BenchError(f"{self.name} is not running")
         reply: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._replies.append(reply)
         try:
-            self._proc.stdin.write((json.dumps(cmd) + "\n").encode())
-            await self._proc.stdin.drain()
-        except (ConnectionError, RuntimeError) as exc:
+            self._proc.write((json.dumps(cmd) + "\n").encode())
+        except ConnectionError as exc:
             raise BenchError(f"{self.name}: {exc}") from None
         return await reply
 
@@ -186,7 +179,7 @@ class Side:
             with contextlib.suppress(BenchError, TimeoutError):
                 await asyncio.wait_for(self.ask(cmd="close"), 20)
         self.killed_on_purpose = True
-        if self._proc is not None and self._proc.returncode is None:
+        if self._proc is not None:  # (also when it exited by itself: its pipes close then)
             self._proc.kill()
             await self._proc.wait()
 

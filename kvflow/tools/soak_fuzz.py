@@ -10,13 +10,13 @@ the real transfers that ran during the window, against those that ran outside ev
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvflow.runtime.meter import quantile
+from kvflow.tools.children import PIPE, spawn
 
 __all__ = ("Fuzzer", "latency", "render_fuzz")
 
@@ -36,9 +36,7 @@ class Fuzzer:
     async def run(self) -> None:
         """Until the attacker exits.  Never raises: a failure is kept in `failure`."""
         try:
-            process = await asyncio.create_subprocess_exec(
-                *self.argv, env=self.env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
-            )
+            process = await spawn(self.argv, env=self.env, stdout=True, stderr=PIPE)
         except OSError as exc:
             self.failure = f"the attacker did not start: {exc}"
             return
