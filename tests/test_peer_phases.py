@@ -5,6 +5,7 @@ connects, lost peers, a transport that adds or refuses, answers that go out or d
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
@@ -26,7 +27,7 @@ from kvflow.protocol.phases import LIVE, TABLE, Do, Event, Phase, relate_hello, 
 from kvflow.protocol.teardown import RemovePeer
 from kvflow.testing import SMALL_SPEC
 from kvflow.tools.diagrams import reachable_from
-from tests.handshakes import hello
+from tests.handshakes import associations, hello
 
 PEERS = ("P", "Q", "R")
 REFUSED_ADDRESS = "tcp://127.0.0.1:7999"  # the channel refuses a route to it
@@ -67,6 +68,22 @@ def test_relating_any_hello_or_message_names_one_event(
     assert relate_hello(run, association, incarnation, reply, number) in Event
     assert relate_message(run, incarnation, reply) in (Event.MESSAGE, Event.GOODBYE, Event.STRAY)
     assert relate_reject(run, incarnation) in (Event.REJECT, Event.REJECT_LATER_RUN)
+
+
+@pytest.mark.parametrize("accepted", [True, False])
+def test_a_peer_torn_down_while_the_transport_adds_it_is_given_up_and_the_answer_changes_nothing(
+    accepted: bool,
+) -> None:
+    assoc = associations()
+    (add,) = assoc.receive("P", 1, hello("P"), 0.0)
+    assert isinstance(add, AddTransportPeer) and assoc.phase("P") is Phase.ADDING
+    assert [type(a) for a in assoc.tear_down("P", "lost here")] == [TearDown]
+    assert assoc.phase("P") is Phase.NONE and assoc.adding == {}
+    if accepted:
+        late = assoc.transport_peer_added("P", add.pending, 1.0)
+    else:
+        late = assoc.pending_refused("P", add.pending, TransportError("no"))
+    assert late == [] and assoc.phase("P") is Phase.NONE and assoc.peers() == [] and assoc.given_up == {}
 
 
 class PeerPhases(RuleBasedStateMachine):
@@ -177,6 +194,7 @@ class PeerPhases(RuleBasedStateMachine):
             assert live == (peer in assoc.liveness._heard), peer
             assert peer not in assoc.deferred or phase is Phase.ADDING, peer
             assert peer not in assoc.early or phase in (Phase.ADDING, Phase.ANSWERING), peer
+            assert peer not in assoc.given_up or assoc.given_up[peer] is not assoc.adding.get(peer), peer
         assert len(assoc.layouts) + len(assoc.adding) <= assoc.max_peers
 
 

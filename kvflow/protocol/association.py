@@ -279,6 +279,8 @@ class Associations:
         self._numbered = 0
         self.refusing = ""  # why every Hello is refused now (the engine asleep); empty: none is
         self.phases: dict[str, Phase] = {}  # every peer not in `Phase.NONE`
+        # additions torn down before the transport answered (one per peer: it cools meanwhile)
+        self.given_up: dict[str, PendingHello] = {}
 
     def peers(self) -> list[str]:
         return sorted(self.layouts)
@@ -353,6 +355,9 @@ class Associations:
         sent to): tell the peer why, best effort, then tear it down.  Without the goodbye a peer
         that was only paused (stopped, swapped out) would learn nothing and keep its side of
         every transfer alive, so that the two sides could end the same transfer differently."""
+        if self.phase(peer) is Phase.ADDING:  # given up: the transport's answer about it is stale
+            self.given_up[peer] = self.adding.pop(peer)
+            self.deferred.pop(peer, None)
         self._move(peer, Event.LOST)
         goodbye: list[AssociationAction] = [SendControl(peer, Goodbye(reason))] if peer in self.layouts else []
         self._forget(peer)
@@ -437,14 +442,20 @@ class Associations:
 
     def pending_refused(self, peer: str, pending: PendingHello, error: KVFlowError) -> list[AssociationAction]:
         """What a pending Hello needs was refused (the control channel refused its address, or
-        the transport what it says about the peer's memory): refuse the peer."""
+        the transport what it says about the peer's memory): refuse the peer.  The transport's
+        refusal of an addition given up since is dropped."""
+        if self._stale(peer, pending):
+            return []
         self._move(peer, Event.PENDING_REFUSED)
         dropped = [UnknownSender(peer) for _ in self.early.pop(peer, ())]
         return [*self._refuse(peer, pending.hello, error), *dropped, *self._added(peer, pending)]
 
     def transport_peer_added(self, peer: str, pending: PendingHello, now: float) -> list[AssociationAction]:
         """The transport accepted the peer: the association begins (once our answer, when the
-        peer started it, is sent: see `hello_sent`)."""
+        peer started it, is sent: see `hello_sent`).  An addition given up since is dropped: the
+        teardown's removal, queued behind it, undoes it."""
+        if self._stale(peer, pending):
+            return []
         do = self._move(peer, Event.ADDED_ANSWERED if pending.hello.reply else Event.ADDED)
         self.layouts[peer] = pending.layout
         self.incarnations[peer] = pending.incarnation
@@ -454,6 +465,13 @@ class Associations:
             answer = SendHello(peer, reply=True, associating=True, association=self._number(peer))
             return [answer, *self._added(peer, pending)]
         return [*self._connected(peer, now), *self._added(peer, pending)]
+
+    def _stale(self, peer: str, pending: PendingHello) -> bool:
+        """The transport's answer about `pending` comes for an addition given up (`tear_down`)."""
+        if self.given_up.get(peer) is pending:
+            del self.given_up[peer]
+            return True
+        return False
 
     def _added(self, peer: str, pending: PendingHello) -> list[AssociationAction]:
         """The transport is done with `pending`: a Hello that came meanwhile is decided next."""

@@ -134,9 +134,10 @@ _ROWS: dict[tuple[Phase, Event], Row] = {
     # Refused on its way in; a live association (whose new Hello's address was refused) stays.
     **_rows((Phase.NONE, Phase.ADDING), Event.PENDING_REFUSED, Do.DROP_PENDING, Phase.NONE),
     **_rows(LIVE, Event.PENDING_REFUSED, Do.DROP_PENDING),
-    # Added by the transport (in any phase: the data it brings is put in place).
-    **_rows(tuple(Phase), Event.ADDED, Do.ANSWER_HELLO, Phase.ANSWERING),
-    **_rows(tuple(Phase), Event.ADDED_ANSWERED, Do.CONNECT, Phase.ASSOCIATED),
+    # Added by the transport.  (An answer about an addition given up is no event: `Associations`
+    # drops it, since the teardown's removal, queued behind the addition, undoes it.)
+    **_rows((Phase.ADDING,), Event.ADDED, Do.ANSWER_HELLO, Phase.ANSWERING),
+    **_rows((Phase.ADDING,), Event.ADDED_ANSWERED, Do.CONNECT, Phase.ASSOCIATED),
     **_rows((Phase.ANSWERING,), Event.ANSWER_SENT, Do.CONNECT, Phase.ASSOCIATED),
     **_rows((Phase.ANSWERING,), Event.ANSWER_UNSENT, Do.GIVE_UP, Phase.NONE),
     # Other messages.  While the transport adds it, the peer's side is in place already.
@@ -150,9 +151,8 @@ _ROWS: dict[tuple[Phase, Event], Row] = {
     **_rows(tuple(Phase), Event.REJECT, Do.SETTLE_REFUSED),
     **_rows(LIVE, Event.REJECT_LATER_RUN, Do.END_RUN, Phase.NONE),
     **_rows((Phase.NONE, Phase.ADDING), Event.REJECT_LATER_RUN, Do.SETTLE_REFUSED),
-    # Ended here.  A peer being added stays so: the transport is still adding it.
-    **_rows((Phase.NONE, *LIVE), Event.LOST, Do.TEAR_DOWN, Phase.NONE),
-    **_rows((Phase.ADDING,), Event.LOST, Do.TEAR_DOWN),
+    # Ended here; a peer being added is given up (what the transport is adding it removes next).
+    **_rows(tuple(Phase), Event.LOST, Do.TEAR_DOWN, Phase.NONE),
 }
 
 # An event a phase has no row for changes nothing.
