@@ -6,8 +6,9 @@ ones that accept the peer and send, so a test sees the whole handshake's actions
 from __future__ import annotations
 
 from kvflow.layout import fingerprint, layout_to_wire
-from kvflow.protocol.association import AddTransportPeer, Associations, SendHello
+from kvflow.protocol.association import Associations
 from kvflow.protocol.messages import Hello
+from kvflow.protocol.peer_actions import AddTransportPeer, SendHello
 from kvflow.testing import SMALL_SPEC, KVBuffers
 
 

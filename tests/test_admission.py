@@ -21,8 +21,9 @@ from kvflow.integrations.vllm.mapping import SchedulerBook
 from kvflow.integrations.vllm.settings import Settings
 from kvflow.layout import fingerprint
 from kvflow.protocol.admission import PeerAllowList
-from kvflow.protocol.association import AddRoute, Associations, HandshakeSettled, Refused, SendHello
+from kvflow.protocol.association import Associations
 from kvflow.protocol.messages import Hello
+from kvflow.protocol.peer_actions import AddRoute, HandshakeSettled, Refused, SendHello
 from kvflow.runtime.engine import Engine, EngineConfig
 from kvflow.testing import SMALL_SPEC, KVBuffers
 from tests.hostile import CONFIG, SECRET, Zmq, hello, signed

@@ -13,9 +13,10 @@ from hypothesis import strategies as st
 
 from kvflow.layout import fingerprint
 from kvflow.protocol.actions import Action, SendMessage
-from kvflow.protocol.association import EARLY_BLOCKS_KEPT, AddTransportPeer, Associations, UnknownSender
+from kvflow.protocol.association import EARLY_BLOCKS_KEPT, Associations
 from kvflow.protocol.core import CoreConfig, TransferCore
 from kvflow.protocol.messages import Message, Notice, Ready, Registration, TransferKey
+from kvflow.protocol.peer_actions import AddTransportPeer, UnknownSender
 from kvflow.protocol.state import Mode, Outcome, Role, State
 from kvflow.testing import SMALL_SPEC
 from tests.handshakes import hello

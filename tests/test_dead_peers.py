@@ -16,8 +16,9 @@ import pytest
 from kvflow.control.auth import Secret
 from kvflow.control.zeromq import ZmqControl
 from kvflow.layout import fingerprint
-from kvflow.protocol.association import Associations, SendControl, TearDown
+from kvflow.protocol.association import Associations
 from kvflow.protocol.messages import Goodbye, Heartbeat
+from kvflow.protocol.peer_actions import SendControl, TearDown
 from kvflow.protocol.state import Outcome
 from kvflow.runtime.engine import Engine, EngineConfig
 from kvflow.testing import SMALL_SPEC, KVBuffers

@@ -12,15 +12,9 @@ import pytest
 from kvflow.control.zeromq import ZmqControl
 from kvflow.errors import HandshakeTimeout, PeerProtocolError
 from kvflow.layout import fingerprint
-from kvflow.protocol.association import (
-    AddTransportPeer,
-    Associations,
-    HandshakeSettled,
-    Refused,
-    SendHello,
-    TearDown,
-)
+from kvflow.protocol.association import Associations
 from kvflow.protocol.messages import Hello
+from kvflow.protocol.peer_actions import AddTransportPeer, HandshakeSettled, Refused, SendHello, TearDown
 from kvflow.runtime.engine import Engine
 from kvflow.testing import SMALL_SPEC, EnginePair, KVBuffers
 from kvflow.transports.loopback import LoopbackFabric

@@ -11,12 +11,13 @@ from kvflow.control import wire
 from kvflow.control.channel import LocalControl
 from kvflow.errors import ConfigError, HandshakeTimeout, PeerProtocolError, TransportError
 from kvflow.protocol.actions import ReleaseBlocks
-from kvflow.protocol.association import (
-    ATTEMPTS_KEPT,
+from kvflow.protocol.association import ATTEMPTS_KEPT, Liveness
+from kvflow.protocol.core import CoreConfig, TransferCore
+from kvflow.protocol.messages import MAX_HEARTBEAT_KEYS, ControlMessage, Goodbye, Heartbeat, Hello, Reject, TransferKey
+from kvflow.protocol.peer_actions import (
     AddRoute,
     AddTransportPeer,
     HandshakeSettled,
-    Liveness,
     PeerConnected,
     Refused,
     RenewLeases,
@@ -26,8 +27,6 @@ from kvflow.protocol.association import (
     TearDown,
     UnknownSender,
 )
-from kvflow.protocol.core import CoreConfig, TransferCore
-from kvflow.protocol.messages import MAX_HEARTBEAT_KEYS, ControlMessage, Goodbye, Heartbeat, Hello, Reject, TransferKey
 from kvflow.protocol.state import ACTIVE, Mode, Outcome, Role
 from kvflow.runtime.engine import Engine, EngineConfig
 from kvflow.testing import SMALL_SPEC, EnginePair, KVBuffers, same_kv

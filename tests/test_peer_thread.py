@@ -19,10 +19,11 @@ import pytest_asyncio
 from kvflow.control.channel import LocalControlHub
 from kvflow.errors import TransportError
 from kvflow.layout import Region, fingerprint
-from kvflow.protocol.association import (
-    EARLY_MESSAGES_KEPT,
+from kvflow.protocol.association import EARLY_MESSAGES_KEPT, Associations
+from kvflow.protocol.core import CoreConfig
+from kvflow.protocol.messages import Goodbye, Heartbeat, TransferKey
+from kvflow.protocol.peer_actions import (
     AddTransportPeer,
-    Associations,
     HandshakeSettled,
     PeerConnected,
     Redeliver,
@@ -32,8 +33,6 @@ from kvflow.protocol.association import (
     TearDown,
     UnknownSender,
 )
-from kvflow.protocol.core import CoreConfig
-from kvflow.protocol.messages import Goodbye, Heartbeat, TransferKey
 from kvflow.protocol.state import Outcome, Role
 from kvflow.runtime.engine import Engine, EngineConfig
 from kvflow.testing import SMALL_SPEC, KVBuffers

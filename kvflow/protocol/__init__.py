@@ -7,7 +7,7 @@ turns inputs into `actions`, with `inbox` refining what peers send and `early` k
 they say about transfers not started yet; `messages` are what peers say to each other.
 
 Peers: `association` decides handshakes, incarnations and leases, by the table of each peer's
-phase in `phases`; `liveness` when each peer is
+phase in `phases`, returning the effects of `peer_actions`; `liveness` when each peer is
 due a heartbeat or lost, `teardown` when a torn-down peer's blocks may go back (a table), and
 `admission` whom an engine may associate with.  `lifecycle` is an engine's own life (a table).
 

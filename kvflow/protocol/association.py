@@ -21,8 +21,6 @@ input moves the peer's phase by a row of `kvflow.protocol.phases.TABLE` and take
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from kvflow.errors import (
     ConfigError,
     KVFlowError,
@@ -35,32 +33,34 @@ from kvflow.layout import KVLayout, check_compatible, layout_from_wire
 from kvflow.protocol.admission import PeerAllowList
 from kvflow.protocol.early import message_blocks
 from kvflow.protocol.liveness import Liveness
-from kvflow.protocol.messages import ControlMessage, Goodbye, Heartbeat, Hello, Message, Reject, TransferKey
+from kvflow.protocol.messages import ControlMessage, Goodbye, Heartbeat, Hello, Reject
+from kvflow.protocol.peer_actions import (
+    AddRoute,
+    AddTransportPeer,
+    AssociationAction,
+    AwaitHandshake,
+    Deliver,
+    HandshakeSettled,
+    PeerConnected,
+    PendingHello,
+    Redeliver,
+    Refused,
+    RenewLeases,
+    SendControl,
+    SendHeartbeat,
+    SendHello,
+    TearDown,
+    UnknownSender,
+)
 from kvflow.protocol.phases import TABLE, Do, Event, Phase, relate_hello, relate_message, relate_reject
-from kvflow.protocol.teardown import PeerFenced, PeerGone, RemovalFailed, RemovePeer, Teardowns
+from kvflow.protocol.teardown import Teardowns
 
 __all__ = (
     "ATTEMPTS_KEPT",
     "EARLY_BLOCKS_KEPT",
     "EARLY_MESSAGES_KEPT",
-    "AddRoute",
-    "AddTransportPeer",
-    "AssociationAction",
     "Associations",
-    "AwaitHandshake",
-    "Deliver",
-    "HandshakeSettled",
     "Liveness",
-    "PeerConnected",
-    "PendingHello",
-    "Redeliver",
-    "Refused",
-    "RenewLeases",
-    "SendControl",
-    "SendHeartbeat",
-    "SendHello",
-    "TearDown",
-    "UnknownSender",
 )
 
 # Messages kept per peer between its side of an association and ours being in place: a handful
@@ -70,170 +70,6 @@ EARLY_BLOCKS_KEPT = 262_144  # ... and the block ids they may carry in all (a Py
 # Our numbers for associations attempted but never answered, kept so that a retry keeps its
 # number: bounded, since every connect to a new name adds one.
 ATTEMPTS_KEPT = 1024
-
-
-@dataclass(frozen=True, slots=True)
-class PendingHello:
-    """A Hello that passed every check; it associates its sender once the route is added."""
-
-    incarnation: int
-    hello: Hello
-    layout: KVLayout
-
-
-@dataclass(frozen=True, slots=True)
-class AddRoute:
-    """Tell the control channel where `peer` listens.  With `pending`, the outcome is an input:
-    `route_added` on success, `pending_refused` when the channel refuses the address."""
-
-    peer: str
-    address: str
-    pending: PendingHello | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class AwaitHandshake:
-    """A local connect waits for the handshake with `peer` to settle."""
-
-    peer: str
-
-
-@dataclass(frozen=True, slots=True)
-class SendHello:
-    """Send this engine's Hello.  With `associating` (the answer that completes an association the
-    peer started) the outcome is an input: `hello_sent`, or `hello_unsent` when the send fails.
-    Otherwise a failure propagates (a local connect's), unless `best_effort` (then it is logged)."""
-
-    peer: str
-    reply: bool
-    best_effort: bool = False
-    associating: bool = False
-    association: int = 0  # our number for the association with `peer` (`Hello.association`)
-
-
-@dataclass(frozen=True, slots=True)
-class SendControl:
-    """Send a Reject or Goodbye, best effort: a failure is counted and logged."""
-
-    peer: str
-    message: Reject | Goodbye
-
-
-@dataclass(frozen=True, slots=True)
-class SendHeartbeat:
-    """Send a Heartbeat listing the transfers this side still waits on from `peer` at that
-    moment; best effort, like `SendControl`."""
-
-    peer: str
-
-
-@dataclass(frozen=True, slots=True)
-class AddTransportPeer:
-    """Give the transport the metadata and regions `pending`'s Hello advertises.  The outcome is
-    an input: `transport_peer_added` on success, `pending_refused` when the transport
-    refuses."""
-
-    peer: str
-    pending: PendingHello
-
-
-@dataclass(frozen=True, slots=True)
-class Redeliver:
-    """A Hello that arrived while the transport was still adding its sender: decide it now, as if
-    it had just arrived (`receive`)."""
-
-    peer: str
-    incarnation: int
-    hello: Hello
-
-
-@dataclass(frozen=True, slots=True)
-class TearDown:
-    """Remove `peer` from the transport and tell the transfer core it is lost.  The association
-    itself is already forgotten here."""
-
-    peer: str
-    reason: str
-    expected: bool = False  # a goodbye: not worth a warning
-    # the teardown came from the peer's side of the link (a goodbye, a new Hello, its connection
-    # closed): packets between us were flowing then, so nothing it sent can be stuck behind a
-    # dead link; False when it only fell silent
-    answered: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class RenewLeases:
-    """`peer` still waits on these transfers: hold their blocks at least `lease` past `now`."""
-
-    peer: str
-    keys: tuple[TransferKey, ...]
-    now: float
-    lease: float
-
-
-@dataclass(frozen=True, slots=True)
-class HandshakeSettled:
-    """The handshake with `peer` ended: associated (`error` None) or refused."""
-
-    peer: str
-    error: KVFlowError | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class PeerConnected:
-    """A new association: transfers waiting for `peer` may start."""
-
-    peer: str
-    now: float
-
-
-@dataclass(frozen=True, slots=True)
-class Refused:
-    """A Hello from `peer` was refused, for the log.  With `abandon` the refusal is for good (the
-    layouts differ, the deployment does not permit the peer) and the peer is not associated:
-    the transfers waiting for it here can never be served, so they fail now (`peer_lost`)
-    instead of holding their blocks until their deadlines."""
-
-    peer: str
-    error: KVFlowError
-    abandon: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class UnknownSender:
-    """A message from a peer not associated (or from an old incarnation of it), dropped."""
-
-    peer: str
-
-
-@dataclass(frozen=True, slots=True)
-class Deliver:
-    """A transfer message from an associated peer, for the transfer core."""
-
-    peer: str
-    message: Message
-
-
-AssociationAction = (
-    AddRoute
-    | AwaitHandshake
-    | SendHello
-    | SendControl
-    | SendHeartbeat
-    | AddTransportPeer
-    | TearDown
-    | RenewLeases
-    | HandshakeSettled
-    | PeerConnected
-    | Refused
-    | UnknownSender
-    | Deliver
-    | Redeliver
-    | RemovePeer
-    | RemovalFailed
-    | PeerGone
-    | PeerFenced
-)
 
 
 class Associations:
@@ -279,8 +115,9 @@ class Associations:
         self._numbered = 0
         self.refusing = ""  # why every Hello is refused now (the engine asleep); empty: none is
         self.phases: dict[str, Phase] = {}  # every peer not in `Phase.NONE`
-        # additions torn down before the transport answered (one per peer: it cools meanwhile)
-        self.given_up: dict[str, PendingHello] = {}
+        # additions torn down before the transport answered (the peer cools meanwhile, so
+        # rarely more than one; one per teardown whatever the runtime's order)
+        self.given_up: dict[str, list[PendingHello]] = {}
 
     def peers(self) -> list[str]:
         return sorted(self.layouts)
@@ -356,7 +193,7 @@ class Associations:
         that was only paused (stopped, swapped out) would learn nothing and keep its side of
         every transfer alive, so that the two sides could end the same transfer differently."""
         if self.phase(peer) is Phase.ADDING:  # given up: the transport's answer about it is stale
-            self.given_up[peer] = self.adding.pop(peer)
+            self.given_up.setdefault(peer, []).append(self.adding.pop(peer))
             self.deferred.pop(peer, None)
         self._move(peer, Event.LOST)
         goodbye: list[AssociationAction] = [SendControl(peer, Goodbye(reason))] if peer in self.layouts else []
@@ -468,10 +305,13 @@ class Associations:
 
     def _stale(self, peer: str, pending: PendingHello) -> bool:
         """The transport's answer about `pending` comes for an addition given up (`tear_down`)."""
-        if self.given_up.get(peer) is pending:
+        given_up = self.given_up.get(peer, [])
+        if not any(kept is pending for kept in given_up):
+            return False
+        given_up[:] = [kept for kept in given_up if kept is not pending]
+        if not given_up:
             del self.given_up[peer]
-            return True
-        return False
+        return True
 
     def _added(self, peer: str, pending: PendingHello) -> list[AssociationAction]:
         """The transport is done with `pending`: a Hello that came meanwhile is decided next."""

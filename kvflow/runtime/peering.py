@@ -33,11 +33,13 @@ from kvflow.control.channel import ControlChannel
 from kvflow.errors import EngineClosed, KVFlowError, TransportError
 from kvflow.layout import KVLayout, layout_to_wire
 from kvflow.protocol.actions import Action
-from kvflow.protocol.association import (
+from kvflow.protocol.association import Associations
+from kvflow.protocol.core import TransferCore
+from kvflow.protocol.messages import MAX_HEARTBEAT_KEYS, ControlMessage, Goodbye, Heartbeat, Hello
+from kvflow.protocol.peer_actions import (
     AddRoute,
     AddTransportPeer,
     AssociationAction,
-    Associations,
     AwaitHandshake,
     Deliver,
     HandshakeSettled,
@@ -51,8 +53,6 @@ from kvflow.protocol.association import (
     TearDown,
     UnknownSender,
 )
-from kvflow.protocol.core import TransferCore
-from kvflow.protocol.messages import MAX_HEARTBEAT_KEYS, ControlMessage, Goodbye, Heartbeat, Hello
 from kvflow.protocol.teardown import PeerFenced, PeerGone, RemovalFailed, RemovePeer
 from kvflow.runtime.config import EngineConfig
 from kvflow.runtime.descriptors import headroom_problem
