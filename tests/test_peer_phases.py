@@ -86,6 +86,16 @@ def test_a_peer_torn_down_while_the_transport_adds_it_is_given_up_and_the_answer
     assert late == [] and assoc.phase("P") is Phase.NONE and assoc.peers() == [] and assoc.given_up == {}
 
 
+def test_the_transports_answer_about_an_addition_never_under_way_changes_nothing() -> None:
+    assoc = associations()
+    (add,) = assoc.receive("P", 1, hello("P"), 0.0)
+    assert isinstance(add, AddTransportPeer)
+    other = PendingHello(2, hello("P"), add.pending.layout)  # not the addition under way
+    assert assoc.transport_peer_added("P", other, 1.0) == []
+    assert assoc.phase("P") is Phase.ADDING and assoc.peers() == [] and assoc.adding == {"P": add.pending}
+    assert [type(a) for a in assoc.transport_peer_added("P", add.pending, 1.0)] == [SendHello]
+
+
 def test_two_additions_given_up_before_the_transport_answered_either_stay_given_up() -> None:
     """The runtime's peer cools until its removal, so a second addition before the first answer
     is rare; the associations do not count on it (the state machine below found this)."""

@@ -291,8 +291,8 @@ class Associations:
         """The transport accepted the peer: the association begins (once our answer, when the
         peer started it, is sent: see `hello_sent`).  An addition given up since is dropped: the
         teardown's removal, queued behind it, undoes it."""
-        if self._stale(peer, pending):
-            return []
+        if self._stale(peer, pending) or self.adding.get(peer) is not pending:
+            return []  # given up, or never handed to the transport: nothing of it goes in place
         do = self._move(peer, Event.ADDED_ANSWERED if pending.hello.reply else Event.ADDED)
         self.layouts[peer] = pending.layout
         self.incarnations[peer] = pending.incarnation
