@@ -68,16 +68,20 @@ class Child:
     async def wait(self) -> int:
         """Its exit status, once it exits (no deadline here: the callers kill it first or wait
         under their own).  Its pipes are closed then: read what it wrote before."""
-        code = self._popen.poll()
-        if code is not None:
-            self._exited()
-            return code
-        try:  # a zombie stays unreaped (and its pid ours) until the poll below
+        if self._popen.poll() is None:
+            await self._exit()
+        code = self._popen.wait()  # reaped by now
+        for transport in [*self._outputs, *([] if self._stdin is None else [self._stdin])]:
+            transport.close()
+        return code
+
+    async def _exit(self) -> None:
+        """Until the child exits; it stays a zombie, its pid ours, until reaped."""
+        try:
             fd = os.pidfd_open(self._popen.pid)
         except OSError:  # a kernel without pidfds
-            code = await asyncio.to_thread(self._popen.wait)
-            self._exited()
-            return code
+            await asyncio.to_thread(self._popen.wait)
+            return
         loop = asyncio.get_running_loop()
         exited: asyncio.Future[None] = loop.create_future()
 
@@ -92,13 +96,6 @@ class Child:
         finally:
             loop.remove_reader(fd)
             os.close(fd)
-        code = self._popen.wait()
-        self._exited()
-        return code
-
-    def _exited(self) -> None:
-        for transport in [*self._outputs, *([] if self._stdin is None else [self._stdin])]:
-            transport.close()
 
 
 def _start(
