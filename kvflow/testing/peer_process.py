@@ -117,7 +117,7 @@ class Peer:
         self.layers = [b.reshape(2, args.blocks, kv.block_len) for b in buffers]
         layout = KVLayout.per_layer_regions(kv, args.blocks, [region_of(a.reshape(-1)) for a in self.layers])
         config = EngineConfig(
-            core=CoreConfig(fence_timeout=args.fence, retention=args.retention),
+            core=CoreConfig(fence_timeout=args.fence, retention=args.retention, max_finished=args.max_finished),
             transfer_timeout=args.ttl,
             lease=args.lease,
             drain_timeout=1.0,
@@ -265,6 +265,9 @@ if __name__ == "__main__":
     parser.add_argument("--grace", type=float, default=1.0, help="unfenced grace after a teardown (NIXL)")
     parser.add_argument("--bind", default="tcp://127.0.0.1:0", help="control-plane address to listen on")
     parser.add_argument("--retention", type=float, default=30.0, help="seconds finished transfers are kept")
+    parser.add_argument(
+        "--max-finished", type=int, default=CoreConfig().max_finished, help="finished transfers kept at most"
+    )
     parser.add_argument("--drop-notifications", type=float, default=0.0, help="shm: lose this fraction of them")
     parser.add_argument("--fault-seed", type=int, default=0, help="seed of the injected faults")
     parser.add_argument("--misstamp-every", type=int, default=0, help="every Nth kv_ready stamps another seed")
