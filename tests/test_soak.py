@@ -21,8 +21,8 @@ from kvflow.tools.soak import MUST_BE_ZERO, SoakConfig, render, run_soak
 def test_a_small_soak_under_kills_and_stalls_leaks_nothing_and_reads_only_its_own_bytes() -> None:
     config = SoakConfig(transfers=200, concurrency=4, faults=("kill", "stop"), fault_interval=0.3, seed=5, netns=False)
     report = run_soak(config)
-    assert report["must_be_zero"] == dict.fromkeys(MUST_BE_ZERO, 0), report
-    assert report["ok"] and not report["aborted"] and report["transfers"] == 200
+    assert report["must_be_zero"] == dict.fromkeys(MUST_BE_ZERO, 0), render(report)
+    assert report["ok"] and not report["aborted"] and report["transfers"] == 200, render(report)
     assert report["counts"].get("fault_kill", 0) + report["counts"].get("fault_stop", 0) >= 1
     assert report["outcomes"]["D"].get("succeeded", 0) >= 100  # most transfers still go through
     for side in ("P", "D"):
@@ -134,3 +134,34 @@ async def test_a_driven_process_whose_event_reader_breaks_fails_what_waits_on_it
         await asyncio.wait_for(waiting, 5.0)
     with pytest.raises(BenchError, match="reading its events failed"):
         await side._ready
+
+
+HELD_OPEN = """import json, os, subprocess, sys, time
+holder = subprocess.Popen(["sleep", "30"])  # inherits stdout: the pipe outlives this process
+print(json.dumps({"event": "ready", "address": str(holder.pid), "pid": os.getpid()}), flush=True)
+time.sleep(60)"""
+
+
+@pytest.mark.asyncio
+async def test_a_side_killed_and_started_again_counts_no_exit_and_its_new_process_starts(tmp_path: Path) -> None:
+    """The last incarnation's reader ends when its pipe closes, which can be after the kill
+    returned: it used to see the new incarnation's state half made, count an unexpected exit
+    and fail the new start with "exited" (a soak under load aborted so, its new D running)."""
+    import os
+    import signal
+    import sys
+
+    from kvflow.tools.peer_driver import Side
+
+    side = Side("D", [sys.executable, "-c", HELD_OPEN], dict(os.environ), str(tmp_path / "d.stderr"))
+    holders = []
+    try:
+        for _ in range(2):
+            await side.start()
+            holders.append(int(side.address))
+            await side.kill()
+        assert (side.incarnations, side.unexpected_exits, side.exits) == (2, 0, [])
+    finally:
+        await side.close()
+        for pid in holders:
+            os.kill(pid, signal.SIGKILL)

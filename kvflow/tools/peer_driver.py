@@ -49,10 +49,13 @@ class Side:
     _reader: asyncio.Task[None] | None = None  # reads the process's events; kept, and watched
     killed_on_purpose: bool = False
     unexpected_exits: int = 0
+    exits: list[str] = field(default_factory=list)  # why each unexpected exit happened
     stray: list[str] = field(default_factory=list)  # lines on stdout that are not events
 
     async def start(self) -> None:
-        """:raises BenchError: the process did not come up (its reason, from stderr, included)."""
+        """:raises BenchError: the process did not come up (its reason, from stderr, included), or
+        the last one still runs."""
+        await self._last_reader_ended()
         loop = asyncio.get_running_loop()
         self._ready, self._replies, self._results, self._released = loop.create_future(), deque(), {}, {}
         self.killed_on_purpose, self.samples = False, []
@@ -70,6 +73,21 @@ class Side:
             raise BenchError(f"{self.name} did not start: {exc}; {why}") from None
         self.address, self.pid = ready["address"], ready["pid"]
         self.incarnations += 1
+
+    async def _last_reader_ended(self) -> None:
+        """Wait until the last incarnation's events are all read and its end counted.  Its reader
+        ends when its pipe closes, which can be after `kill` returned; ending amid the new
+        incarnation's set-up, it took that one for its own: an unexpected exit, a failed start.
+
+        :raises BenchError: the last process still runs, or its reader does not end.
+        """
+        if self._reader is None or self._reader.done():
+            return
+        if self._proc is not None and self._proc.returncode is None:
+            raise BenchError(f"{self.name} (pid {self._proc.pid}) is still running")
+        await asyncio.wait({self._reader}, timeout=30)  # its pipe is closed by now: it ends at once
+        if not self._reader.done():
+            raise BenchError(f"{self.name}: the last process's events are still being read after 30 s")
 
     def stderr_file(self) -> int:
         """The file this incarnation's stderr goes to (a pipe nobody reads would fill and block it)."""
@@ -104,13 +122,17 @@ class Side:
                 if not reply.done():
                     reply.set_result(event)
         if proc is self._proc:  # this incarnation ended
-            self.unexpected_exits += not self.killed_on_purpose
+            by_itself = not self.killed_on_purpose
+            self.unexpected_exits += by_itself
             gone = BenchError(f"{self.name} (pid {proc.pid}) exited")
             for pending in [*self._replies, *self._results.values(), self._ready]:
                 if pending is not None and not pending.done():
                     pending.set_exception(gone)
             self._replies.clear()
             self._changed.set()
+            if by_itself:  # its stdout closed: it has exited, or is about to
+                status, why = await proc.wait(), last_line(self.log_path)
+                self.exits.append(f"{self.name} (pid {proc.pid}) exited by itself ({status}): {why}")
 
     def _read_ended(self, reader: asyncio.Task[None]) -> None:
         """A reader that raised fails what waits on its events at once, saying why, rather

@@ -338,6 +338,8 @@ class Soak:
         for side in (self.p, self.d):
             await side.close()
         self.counts["unexpected_exits"] = self.p.unexpected_exits + self.d.unexpected_exits
+        if exits := [*self.p.exits, *self.d.exits]:
+            self.examples["unexpected_exits"] = exits[:5]
         self.notes += [f"{side.name} printed: {line}" for side in (self.p, self.d) for line in side.stray]
         report.update(self.summary(elapsed, aborted))
         return report
@@ -430,6 +432,8 @@ def render(report: dict[str, Any]) -> str:
         f"  throughput         {report['transfers_per_s']} transfers/s, {report['succeeded_per_s']} succeeded/s, "
         f"{report['verified_mb_per_s']} MB/s verified"
     )
+    for key, value in report["must_be_zero"].items():
+        lines += [f"  {key}: {example}" for example in report["examples"].get(key, [])[:3] if value]
     for note in report["notes"]:
         lines.append(f"  note: {note}")
     if report["aborted"]:
