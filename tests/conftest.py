@@ -18,9 +18,12 @@ import pytest
 import pytest_asyncio
 from hypothesis import HealthCheck, settings
 
+from kvflow_tools.children import import_path
+
 if TYPE_CHECKING:
     from tests.hostile import Zmq
 
+os.environ["PYTHONPATH"] = import_path()  # the engine processes run this checkout's code
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 

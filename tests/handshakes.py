@@ -9,7 +9,7 @@ from kvflow.layout import fingerprint, layout_to_wire
 from kvflow.protocol.association import Associations
 from kvflow.protocol.messages import Hello
 from kvflow.protocol.peer_actions import AddTransportPeer, SendHello
-from kvflow.testing import SMALL_SPEC, KVBuffers
+from kvflow_tools.testing import SMALL_SPEC, KVBuffers
 
 
 def hello(sender: str, *, reply: bool = False, address: str = "", association: int = 0) -> Hello:

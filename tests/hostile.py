@@ -13,8 +13,8 @@ from kvflow.control.zeromq import ZmqControl
 from kvflow.layout import fingerprint, layout_to_wire
 from kvflow.protocol.messages import Hello
 from kvflow.runtime.engine import Engine, EngineConfig
-from kvflow.testing import SMALL_SPEC, KVBuffers
 from kvflow.transports.loopback import LoopbackFabric
+from kvflow_tools.testing import SMALL_SPEC, KVBuffers
 
 SECRET = Secret(b"a shared secret of some length")
 CONFIG = EngineConfig(transfer_timeout=10.0, drain_timeout=1.0, lease=600.0)  # made-up peers never beat

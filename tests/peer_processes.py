@@ -1,4 +1,4 @@
-"""Engine processes driven from a test: `python -m kvflow.testing.peer_process` over JSON lines.
+"""Engine processes driven from a test: `python -m kvflow_tools.testing.peer_process` over JSON lines.
 
 Why a helper module: the cross-process, dead-peer, attack and network-namespace tests all start
 P and D as real processes; the driver and the transports they run are here once.  The
@@ -36,14 +36,14 @@ class PeerProcess:
         env: Mapping[str, str] | None = None,
     ) -> None:
         """`launcher` runs the process (e.g. inside a network namespace); `env` adds variables."""
-        environment = dict(os.environ, KVFLOW_SECRET=secret, PYTHONPATH=str(ROOT), **(env or {}))
+        environment = dict(os.environ, KVFLOW_SECRET=secret, **(env or {}))
         self.name = name
         self.proc = subprocess.Popen(
             [
                 *launcher,
                 sys.executable,
                 "-m",
-                "kvflow.testing.peer_process",
+                "kvflow_tools.testing.peer_process",
                 "--name",
                 name,
                 "--prefix",

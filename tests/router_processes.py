@@ -15,7 +15,7 @@ import threading
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-ROUTER_MODULE = "kvflow.integrations.vllm.router"
+ROUTER_MODULE = "kvflow_tools.routing.router"
 WAIT = 20.0  # the most any one wait in these tests may take
 BAD_OUTPUT = ("Traceback", "ResourceWarning", "Unclosed", "never retrieved", "Error handling request")
 

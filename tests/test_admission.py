@@ -25,7 +25,7 @@ from kvflow.protocol.association import Associations
 from kvflow.protocol.messages import Hello
 from kvflow.protocol.peer_actions import AddRoute, HandshakeSettled, Refused, SendHello
 from kvflow.runtime.engine import Engine, EngineConfig
-from kvflow.testing import SMALL_SPEC, KVBuffers
+from kvflow_tools.testing import SMALL_SPEC, KVBuffers
 from tests.hostile import CONFIG, SECRET, Zmq, hello, signed
 from tests.waiting import eventually
 

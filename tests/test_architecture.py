@@ -6,8 +6,11 @@
 * No import cycles between kvflow modules (module-level, TYPE_CHECKING and function-level
   imports all count: a cycle hidden in a function is still a cycle in the design).
 * Layers: the sans-IO protocol and the layout know nothing of I/O or of the layers above them;
-  the control plane does not know the runtime; only the tools use the tools, only the test
-  helpers use the test helpers.
+  the control plane does not know the runtime.
+* Two distributions: the library (`kvflow`, with the vLLM connector) imports nothing of
+  `kvflow_tools` (the command, benchmarks, stand-in, router, test kit); `kvflow.integrations`
+  holds the connector and nothing else; the router and the stand-in import nothing else of the
+  tools.
 * No child process runs Python between fork and exec (`preexec_fn`, or asyncio's subprocesses,
   which on uvloop run Python's after-fork handlers in the child): the parent has threads (the
   engine's, the peer thread, pytest-xdist's), and the child can block for good on a lock one of
@@ -32,6 +35,7 @@ TREES = {
     "transports": "kvflow.transports",
     "integrations": "kvflow.integrations",
     "examples": "examples",
+    "tools/kvflow_tools": "kvflow_tools",
 }
 
 # (file, name) -> why: the only underscore names read on objects other than self/cls (numpy,
@@ -48,8 +52,7 @@ PURE_LAYERS = ("kvflow.protocol", "kvflow.layout")
 ABOVE_PURE = (
     "kvflow.runtime",
     "kvflow.control",
-    "kvflow.tools",
-    "kvflow.testing",
+    "kvflow_tools",
     "kvflow.transports",
     "kvflow.integrations",
 )
@@ -188,7 +191,7 @@ def imports(source: Source) -> Iterator[tuple[int, str]]:
 def kvflow_graph() -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {}
     for source in SOURCES:
-        if within(source.module, "kvflow"):
+        if within(source.module, "kvflow") or within(source.module, "kvflow_tools"):
             graph[source.module] = {m for _, m in imports(source) if m in MODULES and m != source.module}
     return graph
 
@@ -249,9 +252,9 @@ def layering_violations(source: Source) -> Iterator[str]:
             yield f"{where} (the layout is below the protocol)"
         if within(module, "kvflow.control") and within(imported, "kvflow.runtime"):
             yield f"{where} (the control plane does not know the engine)"
-        for helpers in ("kvflow.tools", "kvflow.testing"):
-            if within(module, "kvflow") and within(imported, helpers) and not within(module, helpers):
-                yield f"{where} (only {helpers} itself uses {helpers})"
+        for alone in ("kvflow_tools.routing", "kvflow_tools.standin"):
+            if within(module, alone) and within(imported, "kvflow_tools") and not within(imported, alone):
+                yield f"{where} ({alone} imports nothing else of the tools)"
 
 
 def test_layers_import_only_downwards() -> None:
@@ -259,12 +262,25 @@ def test_layers_import_only_downwards() -> None:
     assert not found, "\n".join(found)
 
 
+@pytest.mark.parametrize(
+    ("module", "line"),
+    [
+        ("kvflow_tools.routing.router", "from kvflow_tools.bench import soak"),
+        ("kvflow_tools.standin.engine", "from kvflow_tools.testing.pair import EnginePair"),
+        ("kvflow.protocol.core", "import kvflow.runtime.engine"),
+    ],
+)
+def test_a_planted_layering_violation_is_found(module: str, line: str) -> None:
+    planted = Source(module.replace(".", "/") + ".py", module, ast.parse(line))
+    assert list(layering_violations(planted)), line
+
+
 # ---------------------------------------------------------------------- what vLLM loads
 
 # The library: what an embedding engine imports.  It knows nothing of vLLM, the tools or the
 # test kit; transports know nothing of the engine or its control plane.
 LIBRARY = ("kvflow.errors", "kvflow.protocol", "kvflow.layout", "kvflow.runtime", "kvflow.control", "kvflow.transports")
-NOT_LIBRARY = ("kvflow.integrations", "kvflow.tools", "kvflow.testing")
+NOT_LIBRARY = ("kvflow.integrations", "kvflow_tools")
 # What vLLM loads with `kv_connector_module_path=kvflow.integrations.vllm.connector`, beside the
 # library: the scheduler side, the worker side and the metrics, nothing else (no stand-in, router,
 # benchmark or fuzzer).  A module joining this set is a deliberate change to the connector.
@@ -312,6 +328,8 @@ def boundary_violations(graph: dict[str, set[str]]) -> Iterator[str]:
         for target in sorted(imported):
             if in_library(module) and any(within(target, no) for no in NOT_LIBRARY):
                 yield f"{module} imports {target} (the library imports no integration, tool or test kit)"
+            elif within(module, "kvflow") and within(target, "kvflow_tools"):
+                yield f"{module} imports {target} (the kvflow distribution imports nothing of kvflow-tools)"
             if within(module, "kvflow.transports") and any(
                 within(target, p) for p in ("kvflow.runtime", "kvflow.control")
             ):
@@ -319,6 +337,16 @@ def boundary_violations(graph: dict[str, set[str]]) -> Iterator[str]:
     for module in sorted(loaded_by(graph, CONNECTOR)):
         if not in_library(module) and module not in CONNECTOR_MODULES:
             yield f"vLLM loading {CONNECTOR} loads {module} (not the library, not the connector)"
+
+
+def strangers(modules: set[str]) -> list[str]:
+    """Modules in `kvflow.integrations` that vLLM does not load: it holds the connector only."""
+    return sorted(m for m in modules if within(m, "kvflow.integrations") and m not in CONNECTOR_MODULES)
+
+
+def test_the_integrations_folder_holds_the_connector_and_nothing_else() -> None:
+    assert strangers(MODULES) == []
+    assert strangers(MODULES | {"kvflow_tools.routing.router"}) == ["kvflow_tools.routing.router"]
 
 
 def test_the_library_and_what_vllm_loads_import_nothing_else() -> None:
@@ -331,12 +359,13 @@ def test_the_library_and_what_vllm_loads_import_nothing_else() -> None:
     ("importer", "imported", "why"),
     [
         ("kvflow.runtime.engine", "kvflow.integrations.vllm.worker", "the library imports no integration"),
-        ("kvflow.protocol.core", "kvflow.tools.soak", "the library imports no integration"),
+        ("kvflow.protocol.core", "kvflow_tools.bench.soak", "the library imports no integration"),
+        ("kvflow.integrations.vllm.stats", "kvflow_tools.children", "imports nothing of kvflow-tools"),
         ("kvflow.transports.nixl", "kvflow.runtime.engine", "transports know neither"),
         ("kvflow.transports.shm", "kvflow.control.channel", "transports know neither"),
-        ("kvflow.integrations.vllm.mapping", "kvflow.integrations.vllm.standin.engine", "not the connector"),
-        ("kvflow.integrations.vllm.stats", "kvflow.integrations.vllm.bench", "not the connector"),
-        ("kvflow.integrations.vllm.worker", "kvflow.testing.pair", "not the connector"),
+        ("kvflow.integrations.vllm.mapping", "kvflow_tools.standin.engine", "not the connector"),
+        ("kvflow.integrations.vllm.stats", "kvflow_tools.bench.bench_vllm", "not the connector"),
+        ("kvflow.integrations.vllm.worker", "kvflow_tools.testing.pair", "not the connector"),
     ],
 )
 def test_a_planted_boundary_violation_is_found(importer: str, imported: str, why: str) -> None:
@@ -368,7 +397,7 @@ ASYNC_SPAWNS = ("create_subprocess_exec", "create_subprocess_shell", "subprocess
 def python_after_fork(tree: ast.Module) -> list[int]:
     """Lines that have a child process run Python between fork and exec: a `preexec_fn`, or
     asyncio's subprocesses (on uvloop they run Python's after-fork handlers in the child;
-    `kvflow.tools.children.spawn` is the way)."""
+    `kvflow_tools.children.spawn` is the way)."""
     return [
         node.lineno
         for node in ast.walk(tree)
@@ -386,6 +415,6 @@ def test_no_child_process_runs_python_between_fork_and_exec() -> None:
         for path, tree in [*((s.path, s.tree) for s in SOURCES), *tests]
         for line in python_after_fork(tree)
     ]
-    assert found == [], "spawn with kvflow.tools.children; set limits in the child itself"
+    assert found == [], "spawn with kvflow_tools.children; set limits in the child itself"
     planted = "subprocess.Popen(argv, preexec_fn=lambda: None)\nawait asyncio.create_subprocess_exec(*argv)"
     assert python_after_fork(ast.parse(planted)) == [1, 2]

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvflow.errors import BenchError
-from kvflow.tools.cli import main
+from kvflow_tools.cli import main
 
 
 def test_bench_engine_runs_every_cell_and_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -37,7 +37,7 @@ def test_bench_engine_refuses_bad_options_naming_them(option: list[str], problem
 def test_bench_frames_decodes_the_largest_frame_of_each_kind(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from kvflow.tools.bench_frames import main as bench_frames
+    from kvflow_tools.bench.bench_frames import main as bench_frames
 
     out = tmp_path / "frames.json"
     assert bench_frames(repeats=1, json_path=str(out)) == 0

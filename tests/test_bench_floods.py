@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from kvflow.errors import BenchError
-from kvflow.tools.bench_floods import SHORT_OF_DESCRIPTORS
-from kvflow.tools.cli import main
+from kvflow_tools.bench.bench_floods import SHORT_OF_DESCRIPTORS
+from kvflow_tools.cli import main
 
 
 def flood(tmp_path: Path, *options: str) -> dict[str, object]:

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from kvflow.tools.bench_hma import BLOCK, MODELS, measure
-from kvflow.tools.cli import main
+from kvflow_tools.bench.bench_hma import BLOCK, MODELS, measure
+from kvflow_tools.cli import main
 
 pytest.importorskip("vllm")
 

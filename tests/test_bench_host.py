@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 
 from kvflow.errors import ConfigError
-from kvflow.integrations.vllm.bench_host import HostOptions, Window, _relative, _summary, calibrate
-from kvflow.integrations.vllm.standin.pacing import HostLoad, burn, thread_times
-from kvflow.tools.cli import main as cli
+from kvflow_tools.bench.bench_host import HostOptions, Window, _relative, _summary, calibrate
+from kvflow_tools.cli import main as cli
+from kvflow_tools.standin.pacing import HostLoad, burn, thread_times
 from tests.vllm_pairs import dispatch, make_pair, settle
 
 

@@ -14,11 +14,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvflow.errors import ConfigError
-from kvflow.integrations.vllm.pd.workload import LengthDist, arrivals
-from kvflow.integrations.vllm.runner import obey, pending_commands
-from kvflow.integrations.vllm.standin.pacing import Pacer
-from kvflow.integrations.vllm.standin.timing import GPUS, MODELS, Row, StepModel
-from kvflow.tools.cli import main as cli
+from kvflow_tools.bench.runner import obey, pending_commands
+from kvflow_tools.cli import main as cli
+from kvflow_tools.pd.workload import LengthDist, arrivals
+from kvflow_tools.standin.pacing import Pacer
+from kvflow_tools.standin.timing import GPUS, MODELS, Row, StepModel
 from tests.vllm_pairs import dispatch, make_pair, settle
 
 QWEN = StepModel.named("Qwen3-32B")

@@ -21,10 +21,10 @@ from matplotlib.lines import Line2D
 from rich.console import Console
 
 from kvflow.errors import ConfigError
-from kvflow.integrations.vllm.pd import plots
-from kvflow.integrations.vllm.pd.contract import SCHEMA, percentiles, validate
-from kvflow.integrations.vllm.pd.report import load, markdown_table, render_table, write
-from kvflow.tools.cli import main as cli_main
+from kvflow_tools.cli import main as cli_main
+from kvflow_tools.pd import plots
+from kvflow_tools.pd.contract import SCHEMA, percentiles, validate
+from kvflow_tools.pd.report import load, markdown_table, render_table, write
 
 SYSTEMS = ["kvflow", "kvflow-pull", "vllm-pull", "vllm-push"]
 QPS = [1.0, 4.0]

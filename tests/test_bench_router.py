@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvflow.errors import BenchError
-from kvflow.tools.cli import main
+from kvflow_tools.cli import main
 
 SLOWLORIS = ["--trickling", "3", "--idle", "2", "--duration", "0.1", "--grace", "60", "--trickle-interval", "0.05"]
 BODIES = ["--bodies", "3", "--body-mib", "1", "--body-budget", "2200000", "--max-body", "1100000"]

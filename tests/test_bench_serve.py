@@ -13,13 +13,13 @@ from typing import Any
 import pytest
 
 from kvflow.errors import ConfigError
-from kvflow.integrations.vllm.backends import Backend
-from kvflow.integrations.vllm.pd.workload import Arrival
-from kvflow.integrations.vllm.router import nixl_push_decode_body
-from kvflow.integrations.vllm.serve import serve_report
-from kvflow.integrations.vllm.serve.bench_serve import MODEL, kv_bytes_per_token, plan_phases, rotated
-from kvflow.integrations.vllm.serve.client import Result, deltas, group_usage, metric_sum, prompt_ids
-from kvflow.integrations.vllm.serve.launcher import place
+from kvflow_tools.pd.workload import Arrival
+from kvflow_tools.routing.backends import Backend
+from kvflow_tools.routing.router import nixl_push_decode_body
+from kvflow_tools.serve import serve_report
+from kvflow_tools.serve.bench_serve import MODEL, kv_bytes_per_token, plan_phases, rotated
+from kvflow_tools.serve.client import Result, deltas, group_usage, metric_sum, prompt_ids
+from kvflow_tools.serve.launcher import place
 
 
 def test_all_pairs_together_when_they_fit_else_kvflow_beside_each_other_in_turn() -> None:

@@ -1,4 +1,4 @@
-"""`kvflow.tools.children.spawn` on uvloop and on the standard loop: piped stdin and stdout,
+"""`kvflow_tools.children.spawn` on uvloop and on the standard loop: piped stdin and stdout,
 an exit status awaited, a killed child's signal, pipes closed once it has exited (a transport
 left open is a ResourceWarning, an error here, and keeps uvloop from closing)."""
 
@@ -12,7 +12,7 @@ from collections.abc import Callable
 import pytest
 
 from kvflow.runtime.loop import new_event_loop
-from kvflow.tools.children import PIPE, spawn
+from kvflow_tools.children import PIPE, spawn
 
 LOOPS: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {
     "uvloop": new_event_loop,

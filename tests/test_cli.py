@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from kvflow.tools.cli import main
-from kvflow.tools.doctor import diagnose, render
+from kvflow_tools.cli import main
+from kvflow_tools.doctor import diagnose, render
 
 
 def test_doctor_finds_ucx_moving_host_memory() -> None:
@@ -44,7 +44,7 @@ def test_console_script_is_installed() -> None:
 def test_soak_fuzz_also_sends_hostile_kv_transfer_params_and_reports_them(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import kvflow.tools.soak as soak
+    import kvflow_tools.bench.soak as soak
 
     ran: list[object] = []
 

@@ -34,9 +34,9 @@ from kvflow.protocol.messages import (
 )
 from kvflow.protocol.state import Mode, Outcome, Role, State
 from kvflow.runtime.engine import Engine, EngineConfig
-from kvflow.testing import SMALL_SPEC, KVBuffers, same_kv
-from kvflow.testing.fuzz import connection_flood, insider_dealer
 from kvflow.transports.loopback import LoopbackFabric
+from kvflow_tools.testing import SMALL_SPEC, KVBuffers, same_kv
+from kvflow_tools.testing.fuzz import connection_flood, insider_dealer
 from tests.waiting import eventually
 
 SECRET = Secret(b"a shared secret of some length")

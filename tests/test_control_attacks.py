@@ -1,6 +1,6 @@
 """Attacks by a stranger (no secret) on a live engine in its own process, while a real transfer runs.
 
-Each test runs one attack of `kvflow.testing.fuzz` at small scale against P of a real P/D pair of
+Each test runs one attack of `kvflow_tools.testing.fuzz` at small scale against P of a real P/D pair of
 processes (ZeroMQ control plane with a secret, shared-memory data plane), then checks that a real
 transfer completes with the right bytes, that P's memory and descriptors stayed bounded (read
 from /proc), and that what was dropped is counted.  The figures each test prints (`-s`) are the
@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from kvflow.testing import fuzz
+from kvflow_tools.testing import fuzz
 from tests.peer_processes import ROOT, SECRET, PeerProcess, start_pair
 
 MiB = 1 << 20
@@ -199,10 +199,10 @@ def test_a_genuine_peer_associates_during_a_flood_as_fast_as_a_process_can_open_
     d = PeerProcess("D", f"{prefix}-d")
     with fd_limit(FLOOD_DESCRIPTORS):  # the attacker's own: what it can hold open
         flood = subprocess.Popen(
-            [sys.executable, "-m", "kvflow.testing.fuzz_process", "--address", p.address, "--scale", "6000"]
+            [sys.executable, "-m", "kvflow_tools.testing.fuzz_process", "--address", p.address, "--scale", "6000"]
             + ["--attack", "connection_flood"],
             cwd=ROOT,
-            env=dict(os.environ, KVFLOW_SECRET=SECRET, PYTHONPATH=str(ROOT)),
+            env=dict(os.environ, KVFLOW_SECRET=SECRET),
             stdout=subprocess.PIPE,
             text=True,
         )

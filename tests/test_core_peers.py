@@ -13,8 +13,8 @@ from kvflow.protocol.core import CoreConfig, TransferCore
 from kvflow.protocol.messages import Message, Notice, Quiesced, Ready, Registration, TransferKey
 from kvflow.protocol.state import Mode, Outcome, Role, State
 from kvflow.runtime.engine import Engine, EngineConfig
-from kvflow.testing import SMALL_SPEC, EnginePair, KVBuffers, same_kv
 from kvflow.transports.loopback import FaultPlan, LoopbackFabric
+from kvflow_tools.testing import SMALL_SPEC, EnginePair, KVBuffers, same_kv
 from tests.waiting import eventually
 
 KEY = TransferKey("r", 1)

@@ -18,7 +18,7 @@ from kvflow.protocol.core import CoreConfig, TransferCore
 from kvflow.protocol.messages import Message, Notice, Ready, Registration, TransferKey
 from kvflow.protocol.peer_actions import AddTransportPeer, UnknownSender
 from kvflow.protocol.state import Mode, Outcome, Role, State
-from kvflow.testing import SMALL_SPEC
+from kvflow_tools.testing import SMALL_SPEC
 from tests.handshakes import hello
 
 POOL = CoreConfig(fence_timeout=2.0, retention=30.0, max_unstarted=16, max_peer_transfers=4, max_peer_early=4)

@@ -21,8 +21,8 @@ from kvflow.protocol.messages import Goodbye, Heartbeat
 from kvflow.protocol.peer_actions import SendControl, TearDown
 from kvflow.protocol.state import Outcome
 from kvflow.runtime.engine import Engine, EngineConfig
-from kvflow.testing import SMALL_SPEC, KVBuffers
 from kvflow.transports.loopback import LoopbackFabric
+from kvflow_tools.testing import SMALL_SPEC, KVBuffers
 from tests.handshakes import hello, receive
 from tests.peer_processes import TRANSPORTS, kill_prefill_after_registration, start_pair
 from tests.waiting import eventually

@@ -8,8 +8,8 @@ import pytest
 
 from kvflow.protocol import phases, teardown
 from kvflow.protocol.state import STATE_TRIGGERED, TABLES, Input, Mode, Role, State
-from kvflow.tools.cli import main as cli_main
-from kvflow.tools.diagrams import DEFAULT_OUTPUT, REGENERATE, main, render
+from kvflow_tools.cli import main as cli_main
+from kvflow_tools.diagrams import DEFAULT_OUTPUT, REGENERATE, main, render
 
 
 def test_committed_diagrams_are_up_to_date() -> None:

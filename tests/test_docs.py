@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from examples import quickstart
-from kvflow.tools.cli import main as kvflow_cli
+from kvflow_tools.cli import main as kvflow_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "examples" / "vllm_1p1d" / "README.md"]
@@ -104,7 +104,18 @@ def test_named_kvflow_commands_exist(doc: Path) -> None:
         assert exit_info.value.code == 0, f"`kvflow {' '.join(words)}` is not a kvflow command"
 
 
-MAPPED_PACKAGES = ("kvflow/protocol", "kvflow/layout", "kvflow/runtime", "kvflow/control", "transports", "kvflow/tools")
+MAPPED_PACKAGES = (
+    "kvflow/protocol",
+    "kvflow/layout",
+    "kvflow/runtime",
+    "kvflow/control",
+    "transports",
+    "integrations/vllm",
+    "tools/kvflow_tools",
+    "tools/kvflow_tools/routing",
+    "tools/kvflow_tools/bench",
+    "tools/kvflow_tools/testing",
+)
 
 
 def test_readme_module_map_names_every_module_and_no_other() -> None:
@@ -127,9 +138,11 @@ DOCUMENTED_PACKAGES = (
     "kvflow/layout",
     "kvflow/runtime",
     "kvflow/control",
-    "kvflow/tools",
-    "kvflow/testing",
     "transports",
+    "tools/kvflow_tools",
+    "tools/kvflow_tools/routing",
+    "tools/kvflow_tools/bench",
+    "tools/kvflow_tools/testing",
 )
 
 
@@ -146,7 +159,7 @@ def test_a_packages_docstring_names_each_of_its_modules(package: str) -> None:
 def module_sources() -> list[Path]:
     """Every module of the library, the integrations and the transports, each read once."""
     found = []
-    for top in ("kvflow", "transports", "integrations"):
+    for top in ("kvflow", "transports", "integrations", "tools/kvflow_tools"):
         for path in sorted((ROOT / top).rglob("*.py")):
             relative = path.relative_to(ROOT).as_posix()
             if not relative.startswith(("kvflow/transports/", "kvflow/integrations/")):  # the symlinks

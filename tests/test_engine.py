@@ -31,8 +31,8 @@ from kvflow.protocol.core import CoreConfig
 from kvflow.protocol.messages import Goodbye, TransferKey, encode_notification, id_tag
 from kvflow.protocol.state import Mode, Outcome, Role, State
 from kvflow.runtime.engine import Engine, EngineConfig
-from kvflow.testing import EnginePair, KVBuffers, ManualClock, same_kv
 from kvflow.transports.loopback import FaultPlan, LinkModel, LoopbackFabric
+from kvflow_tools.testing import EnginePair, KVBuffers, ManualClock, same_kv
 from tests.waiting import eventually, quiesce
 
 FAST = EngineConfig(core=CoreConfig(fence_timeout=0.5, retention=5.0), transfer_timeout=5.0, drain_timeout=2.0)

@@ -8,9 +8,9 @@ import pytest
 
 from kvflow.errors import EngineClosed, UsageError
 from kvflow.protocol.lifecycle import ACCEPTS_CALLS, DRIVES_INPUTS, START, TABLE, Do, Event, Life, Lifecycle
-from kvflow.testing import EnginePair
-from kvflow.tools.diagrams import reachable_from
 from kvflow.transports.loopback import LoopbackFabric
+from kvflow_tools.diagrams import reachable_from
+from kvflow_tools.testing import EnginePair
 
 
 def test_every_state_has_a_row_for_every_event_and_a_refusal_changes_nothing() -> None:

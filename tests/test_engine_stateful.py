@@ -23,8 +23,8 @@ from kvflow.protocol.core import CoreConfig
 from kvflow.protocol.state import Mode, Outcome, Role
 from kvflow.runtime.engine import EngineConfig
 from kvflow.runtime.writer import InlineSubmitter
-from kvflow.testing import EnginePair, KVBuffers, ManualClock
 from kvflow.transports.loopback import FaultPlan, LoopbackFabric
+from kvflow_tools.testing import EnginePair, KVBuffers, ManualClock
 
 EXAMPLES = int(os.environ.get("KVFLOW_STATEFUL_EXAMPLES", "300"))
 CONFIG = EngineConfig(core=CoreConfig(fence_timeout=2.0, retention=30.0), transfer_timeout=10.0, drain_timeout=0.01)

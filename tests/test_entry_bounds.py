@@ -26,8 +26,8 @@ from kvflow.protocol.messages import (
 )
 from kvflow.protocol.state import Mode, Outcome, Role
 from kvflow.runtime.engine import EngineConfig
-from kvflow.testing import EnginePair, same_kv
 from kvflow.transports.loopback import LoopbackFabric
+from kvflow_tools.testing import EnginePair, same_kv
 from tests.waiting import eventually
 
 FAST = EngineConfig(core=CoreConfig(fence_timeout=0.5, retention=5.0), transfer_timeout=5.0, drain_timeout=2.0)

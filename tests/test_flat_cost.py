@@ -12,8 +12,8 @@ import pytest
 from kvflow.protocol.core import CoreConfig
 from kvflow.protocol.messages import Done, TransferKey
 from kvflow.runtime.engine import EngineConfig
-from kvflow.testing import EnginePair, ManualClock
 from kvflow.transports.loopback import LoopbackFabric
+from kvflow_tools.testing import EnginePair, ManualClock
 
 CONFIG = EngineConfig(
     core=CoreConfig(max_peer_transfers=10_000, max_unstarted=10_000), transfer_timeout=60.0, drain_timeout=0.1

@@ -16,8 +16,8 @@ from kvflow.protocol.association import Associations
 from kvflow.protocol.messages import Hello
 from kvflow.protocol.peer_actions import AddTransportPeer, HandshakeSettled, Refused, SendHello, TearDown
 from kvflow.runtime.engine import Engine
-from kvflow.testing import SMALL_SPEC, EnginePair, KVBuffers
 from kvflow.transports.loopback import LoopbackFabric
+from kvflow_tools.testing import SMALL_SPEC, EnginePair, KVBuffers
 from tests.hostile import CONFIG, LAYOUT, SECRET, Zmq, hello, signed
 from tests.waiting import eventually
 

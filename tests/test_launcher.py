@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from kvflow.errors import ConfigError
-from kvflow.integrations.vllm.serve.launcher import Deployment, Host, ServeOptions
+from kvflow_tools.serve.launcher import Deployment, Host, ServeOptions
 
 NETNS = ("ip", "netns", "exec", "ns-p")
 

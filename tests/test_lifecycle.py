@@ -18,8 +18,8 @@ from kvflow.protocol.core import CoreConfig, TransferCore
 from kvflow.protocol.messages import Hello, Message, Notice, Quiesced, Registration, TransferKey
 from kvflow.protocol.state import Mode, Outcome, Role, State
 from kvflow.runtime.engine import Engine, EngineConfig
-from kvflow.testing import SMALL_SPEC, EnginePair, KVBuffers, ManualClock, same_kv
 from kvflow.transports.loopback import LoopbackFabric
+from kvflow_tools.testing import SMALL_SPEC, EnginePair, KVBuffers, ManualClock, same_kv
 from tests.waiting import eventually, quiesce
 
 KEY = TransferKey("r", 1)

@@ -29,8 +29,8 @@ from kvflow.protocol.peer_actions import (
 )
 from kvflow.protocol.state import ACTIVE, Mode, Outcome, Role
 from kvflow.runtime.engine import Engine, EngineConfig
-from kvflow.testing import SMALL_SPEC, EnginePair, KVBuffers, same_kv
 from kvflow.transports.loopback import FaultPlan, LoopbackFabric
+from kvflow_tools.testing import SMALL_SPEC, EnginePair, KVBuffers, same_kv
 from tests.handshakes import associations, hello, receive
 from tests.waiting import eventually
 

@@ -14,8 +14,8 @@ from kvflow.protocol.messages import Done, TransferKey
 from kvflow.protocol.state import Mode, Outcome, Role
 from kvflow.runtime.engine import EngineConfig
 from kvflow.runtime.meter import TransferMeter
-from kvflow.testing import EnginePair
 from kvflow.transports.loopback import FaultPlan, LoopbackFabric
+from kvflow_tools.testing import EnginePair
 from tests.waiting import eventually
 
 FAST = EngineConfig(core=CoreConfig(fence_timeout=0.5, retention=5.0), transfer_timeout=5.0, drain_timeout=2.0)

@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 
 from kvflow.errors import ConfigError
-from kvflow.integrations.vllm.serve.processes import http_ok
-from kvflow.testing.peer_process import pattern, spec
-from kvflow.tools.netns import BridgedHosts, TwoHosts, free_subnet, unavailable
+from kvflow_tools.netns import BridgedHosts, TwoHosts, free_subnet, unavailable
+from kvflow_tools.serve.processes import http_ok
+from kvflow_tools.testing.peer_process import pattern, spec
 from tests.peer_processes import TRANSPORTS, Event, PeerProcess
 
 REASON = unavailable()

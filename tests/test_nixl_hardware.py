@@ -82,7 +82,7 @@ def test_two_gpu_ranks_push_byte_exact_kv_in_vram_from_vllms_hooks(step: str) ->
     step (results read before wait_for_save, the draft layer saved after them)."""
     if not cuda_devices():
         pytest.skip("needs a CUDA GPU (two ranks' KV caches in VRAM, pushed over NIXL)")
-    from kvflow.integrations.vllm.standin import ModelShape
+    from kvflow_tools.standin import ModelShape
     from tests.vllm_pairs import BLOCK_SIZE, make_pair, move_and_check
 
     options: dict[str, Any] = {"full_cudagraph": True} if step == "full CUDA graph" else {}

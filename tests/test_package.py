@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGE_DIRS = [ROOT / "kvflow", ROOT / "transports", ROOT / "integrations"]
+PACKAGE_DIRS = [ROOT / "kvflow", ROOT / "transports", ROOT / "integrations", ROOT / "tools" / "kvflow_tools"]
 
 
 def sources() -> list[Path]:
@@ -45,22 +45,37 @@ def test_no_pickle_anywhere_in_the_package() -> None:
     assert offenders == []
 
 
-def test_wheel_contains_the_mapped_packages_and_imports_when_installed(tmp_path: Path) -> None:
+def test_the_library_wheel_holds_the_library_and_the_tools_wheel_the_rest(tmp_path: Path) -> None:
+    """Two distributions: `kvflow` (what an engine or vLLM loads, the linked folders' files in
+    it) and `kvflow-tools` (the command, benchmarks, stand-in, router, test kit)."""
     pip = [sys.executable, "-m", "pip"]
-    subprocess.run(
-        [*pip, "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(ROOT)], check=True
-    )
-    (wheel,) = tmp_path.glob("kvflow-*.whl")
-    names = zipfile.ZipFile(wheel).namelist()
-    assert "kvflow/transports/loopback.py" in names and "kvflow/integrations/vllm/__init__.py" in names
+    for project in (ROOT, ROOT / "tools"):
+        build = [*pip, "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(project)]
+        subprocess.run(build, check=True)
+    (library,) = tmp_path.glob("kvflow-*.whl")
+    (tools,) = tmp_path.glob("kvflow_tools-*.whl")
+    names = zipfile.ZipFile(library).namelist()
+    assert {name.split("/")[0] for name in names} == {"kvflow", "kvflow-0.1.0.dist-info"}
+    assert "kvflow/transports/loopback.py" in names and "kvflow/integrations/vllm/connector.py" in names
+    connector = {name for name in names if name.startswith("kvflow/integrations/vllm/") and name.endswith(".py")}
+    assert connector == {f"kvflow/integrations/vllm/{p.name}" for p in (ROOT / "integrations" / "vllm").glob("*.py")}
+    assert not [name for name in names if "/tools/" in name or "/testing/" in name or "standin" in name]
+    tool_names = zipfile.ZipFile(tools).namelist()
+    assert {name.split("/")[0] for name in tool_names} == {"kvflow_tools", "kvflow_tools-0.1.0.dist-info"}
+    entry_points = zipfile.ZipFile(tools).read("kvflow_tools-0.1.0.dist-info/entry_points.txt").decode()
+    assert "kvflow = kvflow_tools.cli:main" in entry_points
     target = tmp_path / "site"
-    subprocess.run([*pip, "install", "--no-deps", "-q", "--target", str(target), str(wheel)], check=True)
-    probe = "import kvflow.transports.loopback as m, kvflow; print(m.__file__)"
-    env = {"PYTHONPATH": str(target)}
+    subprocess.run([*pip, "install", "--no-deps", "-q", "--target", str(target), str(library), str(tools)], check=True)
+    probe = "import kvflow.transports.loopback as m, kvflow_tools.routing.router as r; print(m.__file__, r.__file__)"
     out = subprocess.run(
-        [sys.executable, "-c", probe], cwd=tmp_path, env=env, check=True, capture_output=True, text=True
+        [sys.executable, "-c", probe],
+        cwd=tmp_path,
+        env={"PYTHONPATH": str(target)},
+        check=True,
+        capture_output=True,
+        text=True,
     )
-    assert out.stdout.strip().startswith(str(target))
+    assert all(path.startswith(str(target)) for path in out.stdout.split())
 
 
 def _defined_exceptions(path: Path, known: set[str]) -> list[str]:

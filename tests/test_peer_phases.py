@@ -25,8 +25,8 @@ from kvflow.protocol.peer_actions import (
 )
 from kvflow.protocol.phases import LIVE, TABLE, Do, Event, Phase, relate_hello, relate_message, relate_reject
 from kvflow.protocol.teardown import RemovePeer
-from kvflow.testing import SMALL_SPEC
-from kvflow.tools.diagrams import reachable_from
+from kvflow_tools.diagrams import reachable_from
+from kvflow_tools.testing import SMALL_SPEC
 from tests.handshakes import associations, hello
 
 PEERS = ("P", "Q", "R")

@@ -35,8 +35,8 @@ from kvflow.protocol.peer_actions import (
 )
 from kvflow.protocol.state import Outcome, Role
 from kvflow.runtime.engine import Engine, EngineConfig
-from kvflow.testing import SMALL_SPEC, KVBuffers
 from kvflow.transports.loopback import LoopbackFabric, LoopbackTransport
+from kvflow_tools.testing import SMALL_SPEC, KVBuffers
 from tests.hostile import hello
 from tests.waiting import eventually
 

@@ -1,4 +1,4 @@
-"""The 1P1D router example (integrations/vllm/router.py) against stand-in OpenAI servers.
+"""The 1P1D router example (tools/kvflow_tools/routing/router.py) against stand-in OpenAI servers.
 
 Everything runs as real processes over real HTTP on 127.0.0.1: two `tests.fake_openai_server`
 processes stand in for P and D, and the router runs as its own script.  Concurrency is shown by
@@ -22,9 +22,9 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
-from kvflow.integrations.vllm import router
 from kvflow.integrations.vllm.params import TransferParams
 from kvflow.protocol.state import Mode
+from kvflow_tools.routing import router
 from tests.router_processes import ROOT, ROUTER_MODULE, WAIT, Process, start_fake, start_router, stop_clean
 
 SCRIPTS = ROOT / "examples" / "vllm_1p1d"

@@ -1,6 +1,6 @@
-"""What a client can make the router hold is bounded (integrations/vllm/http_limits.py).
+"""What a client can make the router hold is bounded (tools/kvflow_tools/routing/http_limits.py).
 
-The router runs as its own process (``python -m kvflow.integrations.vllm.router``) on 127.0.0.1,
+The router runs as its own process (``python -m kvflow_tools.routing.router``) on 127.0.0.1,
 with small limits, in front of two backends served in the test's own event loop.  Clients are
 raw sockets where the point is what they leave unsent.  Every wait is on an outcome (a closed
 connection, an answer, a count at ``GET /limits``) with a generous deadline, never on time
@@ -23,8 +23,8 @@ import pytest
 import pytest_asyncio
 from aiohttp import web
 
-from kvflow.integrations.vllm import http_limits, router
-from kvflow.integrations.vllm.backends import Backend
+from kvflow_tools.routing import http_limits, router
+from kvflow_tools.routing.backends import Backend
 from tests.router_processes import ROUTER_MODULE, WAIT, Process, stop_clean
 
 ANSWER = {"id": "cmpl-1", "choices": [{"index": 0, "text": "x", "finish_reason": "length"}]}

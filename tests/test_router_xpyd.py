@@ -21,9 +21,9 @@ import pytest
 import pytest_asyncio
 
 from kvflow.errors import ConfigError, NoBackend
-from kvflow.integrations.vllm.backends import Backend, BackendPool
 from kvflow.integrations.vllm.params import SEQUENTIAL_PREFILL_PARAMS
-from kvflow.integrations.vllm.params_fuzz import hostile_params
+from kvflow_tools.routing.backends import Backend, BackendPool
+from kvflow_tools.testing.params_fuzz import hostile_params
 from tests.router_processes import ROUTER_MODULE, WAIT, Process, start_fake, stop_clean
 
 NAMES = ("P1", "P2", "D1", "D2")

@@ -21,9 +21,9 @@ from kvflow.protocol.core import CoreConfig
 from kvflow.protocol.messages import ControlMessage
 from kvflow.protocol.state import Outcome
 from kvflow.runtime.engine import Engine, EngineConfig
-from kvflow.testing import SMALL_SPEC, KVBuffers, ManualClock
 from kvflow.transports.base import TransportCapabilities
 from kvflow.transports.loopback import LoopbackFabric, LoopbackTransport
+from kvflow_tools.testing import SMALL_SPEC, KVBuffers, ManualClock
 from tests.waiting import eventually, quiesce
 
 CONFIG = EngineConfig(

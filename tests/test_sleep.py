@@ -25,8 +25,8 @@ from kvflow.runtime.engine import EngineConfig
 from kvflow.runtime.host_memory import share_in_place
 from kvflow.runtime.process import EngineProcess, ProcessSpec
 from kvflow.runtime.sleep import ASLEEP
-from kvflow.testing.pair import EnginePair, same_kv
 from kvflow.transports.loopback import LoopbackFabric
+from kvflow_tools.testing.pair import EnginePair, same_kv
 from tests.waiting import eventually
 
 # ---------------------------------------------------------------- in this process, over loopback

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from kvflow.errors import BenchError
-from kvflow.testing.fuzz_process import ATTACKS
-from kvflow.tools.cli import main as kvflow_cli
-from kvflow.tools.soak import MUST_BE_ZERO, SoakConfig, render, run_soak
+from kvflow_tools.bench.soak import MUST_BE_ZERO, SoakConfig, render, run_soak
+from kvflow_tools.cli import main as kvflow_cli
+from kvflow_tools.testing.fuzz_process import ATTACKS
 
 
 def test_a_small_soak_under_kills_and_stalls_leaks_nothing_and_reads_only_its_own_bytes() -> None:
@@ -118,7 +118,7 @@ async def test_a_driven_process_whose_event_reader_breaks_fails_what_waits_on_it
     every waiter to its own timeout, with nothing saying why."""
     import asyncio
 
-    from kvflow.tools.peer_driver import Side
+    from kvflow_tools.bench.peer_driver import Side
 
     side = Side("P", ["true"], {}, "/dev/null")
     loop = asyncio.get_running_loop()
@@ -151,7 +151,7 @@ async def test_a_side_killed_and_started_again_counts_no_exit_and_its_new_proces
     import signal
     import sys
 
-    from kvflow.tools.peer_driver import Side
+    from kvflow_tools.bench.peer_driver import Side
 
     side = Side("D", [sys.executable, "-c", HELD_OPEN], dict(os.environ), str(tmp_path / "d.stderr"))
     holders = []

@@ -38,7 +38,7 @@ from kvflow.protocol.state import (
     transition,
     triggers_by_state,
 )
-from kvflow.tools.diagrams import reachable_from
+from kvflow_tools.diagrams import reachable_from
 
 SIDES = sorted(TABLES, key=lambda k: (k[0].value, k[1].value))
 LOCAL_ONLY_EFFECTS = {

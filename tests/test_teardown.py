@@ -25,7 +25,7 @@ from kvflow.protocol.teardown import (
     TeardownAction,
     Teardowns,
 )
-from kvflow.tools.diagrams import reachable_from
+from kvflow_tools.diagrams import reachable_from
 
 GRACE, HOLD, LEASE = 5.0, 120.0, 30.0
 

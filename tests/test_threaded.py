@@ -13,8 +13,8 @@ from kvflow.errors import EngineClosed, InvalidBatch
 from kvflow.protocol.state import Mode, Role
 from kvflow.runtime.engine import Engine, EngineConfig, TransferResult
 from kvflow.runtime.threaded import EngineThread
-from kvflow.testing import SMALL_SPEC, KVBuffers, same_kv
 from kvflow.transports.loopback import LoopbackFabric
+from kvflow_tools.testing import SMALL_SPEC, KVBuffers, same_kv
 
 
 def poll_until(thread: EngineThread, count: int, timeout: float = 5.0) -> list[TransferResult]:

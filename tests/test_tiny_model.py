@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from kvflow.errors import ConfigError
-from kvflow.integrations.vllm.serve.tiny_model import TinyModel, write_model
+from kvflow_tools.serve.tiny_model import TinyModel, write_model
 from tests.hf_reference import greedy
 
 FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")

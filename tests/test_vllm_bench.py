@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from kvflow.errors import ConfigError
-from kvflow.integrations.vllm.bench import run
-from kvflow.integrations.vllm.bench_report import render, render_hooks, summarize, verdict
-from kvflow.integrations.vllm.standin import PagedKV
-from kvflow.tools.cli import main as cli_main
+from kvflow_tools.bench.bench_report import render, render_hooks, summarize, verdict
+from kvflow_tools.bench.bench_vllm import run
+from kvflow_tools.cli import main as cli_main
+from kvflow_tools.standin import PagedKV
 
 
 @pytest.mark.parametrize("layout", ["LBNHC", "LHBNC"])
@@ -95,7 +95,7 @@ def test_a_pair_that_does_not_start_in_time_is_started_again_once(monkeypatch: p
     """A start that hangs (seen once in CI: engines that never said ready) gets one more try with
     fresh ports; an engine that exits is not retried, and a second hang is reported."""
     from kvflow.errors import BenchError
-    from kvflow.integrations.vllm import bench
+    from kvflow_tools.bench import bench_vllm as bench
 
     attempts: list[str] = []
 

@@ -23,7 +23,7 @@ from kvflow.integrations.vllm.stages import (
     Event,
     Stage,
 )
-from kvflow.tools.diagrams import reachable_from
+from kvflow_tools.diagrams import reachable_from
 from tests.vllm_params import entry
 
 PREFILL = reachable_from(TABLE, PREFILL_START)

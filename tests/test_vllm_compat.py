@@ -22,8 +22,8 @@ from vllm.v1.request import RequestStatus
 from kvflow.errors import ConfigError
 from kvflow.integrations.vllm.connector import check_vllm_version
 from kvflow.integrations.vllm.kv_caches import check_supported
-from kvflow.integrations.vllm.standin import EngineOptions, ModelShape, StandInEngine
-from kvflow.integrations.vllm.standin.build import vllm_config
+from kvflow_tools.standin import EngineOptions, ModelShape, StandInEngine
+from kvflow_tools.standin.build import vllm_config
 from tests.vllm_compat_registry import (
     OUTCOMES,
     RELEASES,

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from kvflow.integrations.vllm.serve.tiny_model import write_model
+from kvflow_tools.serve.tiny_model import write_model
 from tests.hf_reference import greedy
 
 ROOT = Path(__file__).resolve().parent.parent

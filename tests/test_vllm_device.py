@@ -17,7 +17,7 @@ import pytest
 
 from kvflow.errors import TransferTimeout, TransportError
 from kvflow.integrations.vllm.device import GateWaiter, HostDevice
-from kvflow.integrations.vllm.standin import LaggingDevice, ModelShape
+from kvflow_tools.standin import LaggingDevice, ModelShape
 from tests.vllm_pairs import BLOCK_SIZE, make_pair, move_and_check
 from tests.waiting import eventually
 

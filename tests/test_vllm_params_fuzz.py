@@ -1,9 +1,9 @@
 """A live fuzz of ``kv_transfer_params`` through kvflow's connector, on vLLM's real scheduler.
 
-Hostile params (`kvflow.integrations.vllm.params_fuzz`: every value that once broke an engine, in every
+Hostile params (`kvflow_tools.testing.params_fuzz`: every value that once broke an engine, in every
 field of a transfer's params, then random mutations) arrive at P and D, as any HTTP client of
 vLLM's server may send them, in batches with genuine transfers between the same two engines
-(`kvflow.integrations.vllm.params_soak`; `kvflow soak --fuzz` runs it at scale).  Whatever they
+(`kvflow_tools.testing.params_soak`; `kvflow soak --fuzz` runs it at scale).  Whatever they
 hold, no engine crashes, every request ends (computed locally, or its load fails under D's
 policy), every genuine request decodes from P's KV and nothing else from KV it was not sent, no
 block stays held, and each engine keeps exactly its one association.  Params that are not a
@@ -17,8 +17,8 @@ from __future__ import annotations
 import json
 import random
 
-from kvflow.integrations.vllm.params_fuzz import HOSTILE_VALUES, hostile_params
-from kvflow.integrations.vllm.params_soak import run_params_soak
+from kvflow_tools.testing.params_fuzz import HOSTILE_VALUES, hostile_params
+from kvflow_tools.testing.params_soak import run_params_soak
 
 
 def test_hostile_kv_transfer_params_change_nothing_for_genuine_transfers() -> None:

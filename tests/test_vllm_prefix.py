@@ -14,8 +14,8 @@ from collections.abc import Callable
 import pytest
 
 from kvflow.errors import ConfigError
-from kvflow.integrations.vllm.bench_prefix import run_prefix_cell
-from kvflow.integrations.vllm.standin import StandInEngine
+from kvflow_tools.bench.bench_prefix import run_prefix_cell
+from kvflow_tools.standin import StandInEngine
 from tests import vllm_prefix
 from tests.vllm_prefix import failed_load, pair
 

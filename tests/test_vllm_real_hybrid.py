@@ -27,8 +27,8 @@ from typing import Any
 
 import pytest
 
-from kvflow.integrations.vllm.serve.launcher import Deployment, ServeOptions
-from kvflow.integrations.vllm.serve.tiny_model import TinyModel, write_model
+from kvflow_tools.serve.launcher import Deployment, ServeOptions
+from kvflow_tools.serve.tiny_model import TinyModel, write_model
 from tests.vllm_real import (
     BLOCK,
     asking,

@@ -16,9 +16,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvflow.integrations.vllm.serve.launcher import Deployment, Host, ServeOptions
-from kvflow.integrations.vllm.serve.tiny_model import TinyModel
-from kvflow.tools.netns import BridgedHosts, unavailable
+from kvflow_tools.netns import BridgedHosts, unavailable
+from kvflow_tools.serve.launcher import Deployment, Host, ServeOptions
+from kvflow_tools.serve.tiny_model import TinyModel
 from tests.vllm_real import BLOCK, PREFILL_BUDGET, asking, prompts, reference, running, transferred
 
 REASON = unavailable()

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvflow.integrations.vllm.serve.launcher import Deployment, ServeOptions
+from kvflow_tools.serve.launcher import Deployment, ServeOptions
 from tests.vllm_real import (
     BLOCK,
     PREFILL_BUDGET,

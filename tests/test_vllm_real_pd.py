@@ -25,10 +25,10 @@ from typing import Any
 
 import pytest
 
-from kvflow.integrations.vllm.backends import Backend
-from kvflow.integrations.vllm.router import decode_body, kvflow_params, prefill_body
-from kvflow.integrations.vllm.serve.launcher import Deployment, ServeOptions, Server
 from kvflow.protocol.state import Mode
+from kvflow_tools.routing.backends import Backend
+from kvflow_tools.routing.router import decode_body, kvflow_params, prefill_body
+from kvflow_tools.serve.launcher import Deployment, ServeOptions, Server
 from tests.vllm_real import (
     BLOCK,
     PREFILL_BUDGET,

@@ -1,6 +1,6 @@
 """kvflow's connector inside vLLM's real Scheduler: a P engine and a D engine in this process.
 
-The engines are the stand-in (`kvflow.integrations.vllm.standin`): vLLM's scheduler, KV cache
+The engines are the stand-in (`kvflow_tools.standin`): vLLM's scheduler, KV cache
 planning and allocation, and connector hooks in vLLM's order; the scheduler-role connector is
 created by vLLM itself from ``kv_connector_module_path``.  Real bytes move over the loopback
 transport (or NIXL-UCX) and a real ZeroMQ control plane on 127.0.0.1.
@@ -16,8 +16,8 @@ import pytest
 from vllm.v1.request import RequestStatus
 
 from kvflow.errors import ConfigError
-from kvflow.integrations.vllm.standin import StandInEngine
 from kvflow.transports.loopback import FaultPlan, LoopbackFabric, install_fabric
+from kvflow_tools.standin import StandInEngine
 from tests.vllm_pairs import (
     BLOCK_SIZE,
     crash,

@@ -14,8 +14,8 @@ from vllm.v1.request import RequestStatus
 
 from kvflow.integrations.vllm.mapping import Blocks, SchedulerBook
 from kvflow.integrations.vllm.params import PeerRef
-from kvflow.integrations.vllm.standin import EngineOptions, StandInEngine
 from kvflow.protocol.state import Mode
+from kvflow_tools.standin import EngineOptions, StandInEngine
 from tests.vllm_pairs import (
     TOY_PROXY_P_PARAMS,
     consecutive_free_ports,

@@ -10,9 +10,9 @@ from collections.abc import Callable
 import zmq
 from vllm.v1.request import RequestStatus
 
-from kvflow.integrations.vllm.standin import StandInEngine
 from kvflow.integrations.vllm.stats import IN_FLIGHT_STATES, KVFlowConnectorStats
 from kvflow.transports.loopback import FaultPlan, LoopbackFabric, install_fabric
+from kvflow_tools.standin import StandInEngine
 from tests.vllm_compat_stats import StatLoggers, expected_bytes
 from tests.vllm_pairs import BLOCK_SIZE, dispatch, fabric, make_pair, params, settle
 from tests.vllm_pairs import run as run_until

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from vllm.v1.request import RequestStatus
 
-from kvflow.integrations.vllm.standin import EngineOptions, StandInEngine
+from kvflow_tools.standin import EngineOptions, StandInEngine
 from tests.vllm_pairs import dispatch, is_finished, kvflow_engine, make_pair, params, run
 
 TIMEOUT = {"transfer_timeout": 2.0}

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 
 from kvflow.integrations.vllm.connector import KVFlowConnector
-from kvflow.integrations.vllm.standin import StandInEngine
 from kvflow.integrations.vllm.worker import WorkerSide
+from kvflow_tools.standin import StandInEngine
 from tests.vllm_pairs import BLOCK_SIZE, dispatch, make_pair, settle
 
 

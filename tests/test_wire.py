@@ -32,7 +32,7 @@ from kvflow.protocol.messages import (
     require_engine_id,
 )
 from kvflow.protocol.state import Outcome
-from kvflow.testing import SMALL_SPEC, KVBuffers
+from kvflow_tools.testing import SMALL_SPEC, KVBuffers
 
 LAYOUT = layout_to_wire(KVBuffers(SMALL_SPEC, 8).layout)
 ids = st.text(min_size=1, max_size=40)  # transfer ids: any text

@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from kvflow.integrations.vllm import router
-from kvflow.integrations.vllm.standin import EngineOptions, ModelShape, StandInEngine
 from kvflow.protocol.state import Mode
+from kvflow_tools.routing import router
+from kvflow_tools.standin import EngineOptions, ModelShape, StandInEngine
 from tests.vllm_compat_registry import moves, refused_at_handshake, scenario
 from tests.vllm_pairs import consecutive_free_ports, fabric, kvflow_engine, make_pair, move_and_check, settle
 

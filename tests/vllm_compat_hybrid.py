@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 from vllm.v1.request import RequestStatus
 
-from kvflow.integrations.vllm.standin import ModelShape, StandInEngine
 from kvflow.protocol.messages import TransferKey
 from kvflow.protocol.state import Role
+from kvflow_tools.standin import ModelShape, StandInEngine
 from tests.vllm_compat_hetero import HND
 from tests.vllm_compat_registry import refused_at_handshake, scenario
 from tests.vllm_pairs import (

@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 from vllm.v1.request import RequestStatus
 
-from kvflow.integrations.vllm.standin import StandInEngine
 from kvflow.protocol.messages import TransferKey
 from kvflow.protocol.state import Outcome
+from kvflow_tools.standin import StandInEngine
 from tests.vllm_compat_registry import scenario
 from tests.vllm_pairs import BLOCK_SIZE, crash, dispatch, is_finished, kvflow_engine, make_pair, run, settle
 

@@ -20,9 +20,9 @@ from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MambaSpe
 from kvflow.errors import ConfigError
 from kvflow.integrations.vllm import kv_caches
 from kvflow.integrations.vllm.kv_caches import check_supported
-from kvflow.integrations.vllm.standin import EngineOptions, ModelShape, StandInEngine
-from kvflow.integrations.vllm.standin.build import vllm_config
 from kvflow.layout.states import parse_split
+from kvflow_tools.standin import EngineOptions, ModelShape, StandInEngine
+from kvflow_tools.standin.build import vllm_config
 from tests.vllm_compat_hybrid import moved_bytes, pulled, registered
 from tests.vllm_compat_registry import refused_at_handshake, scenario
 from tests.vllm_pairs import BLOCK_SIZE, kvflow_engine, make_pair, move_and_check

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvflow.integrations.vllm.standin import StandInEngine
+from kvflow_tools.standin import StandInEngine
 from tests.vllm_compat_registry import SCENARIOS, bound
 from tests.vllm_prefix import full_hit, pair, partial_hit, shared_in_flight
 

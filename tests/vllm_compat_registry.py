@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from vllm.v1.request import RequestStatus
 
-from kvflow.integrations.vllm.standin import StandInEngine
+from kvflow_tools.standin import StandInEngine
 from tests.vllm_pairs import BLOCK_SIZE, dispatch, make_pair, move_and_check, settle
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "vllm-compatibility.md"

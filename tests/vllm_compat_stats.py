@@ -21,8 +21,8 @@ from vllm.v1.metrics.loggers import LoggingStatLogger, PrometheusStatLogger
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
 from kvflow.integrations.vllm.connector import KVFlowConnector
-from kvflow.integrations.vllm.standin import StandInEngine
 from kvflow.integrations.vllm.stats import KVFlowConnectorStats
+from kvflow_tools.standin import StandInEngine
 from tests.vllm_compat_registry import scenario
 from tests.vllm_pairs import BLOCK_SIZE, make_pair, move_and_check
 

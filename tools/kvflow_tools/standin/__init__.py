@@ -1,0 +1,22 @@
+"""A stand-in for vLLM's engine core and model runner.
+
+Around vLLM's own scheduler, KV cache planning and allocation, and connector hooks: what the
+vLLM tests and `kvflow bench vllm` run.  `model` names the models and options, `build` the
+config and KV cache specs, `kv` the bytes and the lagging device, `engine` the steps; `engine`
+says what is vLLM's and what is stood in for."""
+
+from kvflow_tools.standin.engine import SAMPLED, Rank, StandInEngine
+from kvflow_tools.standin.kv import LaggingDevice, PagedKV
+from kvflow_tools.standin.model import BACKENDS, FAMILIES, EngineOptions, ModelShape
+
+__all__ = (
+    "BACKENDS",
+    "FAMILIES",
+    "SAMPLED",
+    "EngineOptions",
+    "LaggingDevice",
+    "ModelShape",
+    "PagedKV",
+    "Rank",
+    "StandInEngine",
+)
