@@ -41,7 +41,7 @@ TICK = os.sysconf("SC_CLK_TCK")
 SAMPLE_S = 0.01  # how often P's descriptors are counted
 CONNECT_AT = 0.2  # D connects once P holds this fraction of the flood's connections ...
 LIMIT_AT = 0.9  # ... or this fraction of its descriptor limit, whichever comes first
-GENUINE_TIMEOUT = 30.0  # seconds D may take to associate, and each side to decide the transfer
+PATIENCE = 30.0  # default seconds D may take to associate, and each side to decide the transfer
 ATTEMPT_S = 10.0  # the longest one connect of D's may wait for P's answer
 RETRY_S = 0.1  # D's wait before it connects again after P failed it for want of descriptors
 SHORT_OF_DESCRIPTORS = ("file descriptors left", "Too many open files", "HandshakeTimeout:")  # how that reads
@@ -129,15 +129,15 @@ async def _settled(p: Side) -> dict[str, Any]:
     return last
 
 
-async def _connect(p: Side, d: Side) -> tuple[dict[str, Any], list[str]]:
+async def _connect(p: Side, d: Side, patience: float) -> tuple[dict[str, Any], list[str]]:
     """D's connect to P, and why its earlier attempts failed.
 
     P short of descriptors refuses a Hello (`kvflow.runtime.descriptors`), or fails to open what
     the association needs, or cannot even open the socket its answer goes out on (D then hears
     nothing), until the flood's connections time out.  D, like a deployment's next request,
-    tries again after such a failure, each attempt within `ATTEMPT_S`, all within
-    `GENUINE_TIMEOUT`; any other failure ends it."""
-    deadline, failures = time.monotonic() + GENUINE_TIMEOUT, list[str]()
+    tries again after such a failure, each attempt within `ATTEMPT_S`, all within `patience`
+    seconds; any other failure ends it."""
+    deadline, failures = time.monotonic() + patience, list[str]()
     while True:
         left = min(deadline - time.monotonic(), ATTEMPT_S)
         connected = await d.ask(cmd="connect", peer="P", address=p.address, timeout=max(left, 0.1))
@@ -150,10 +150,10 @@ async def _connect(p: Side, d: Side) -> tuple[dict[str, Any], list[str]]:
         await asyncio.sleep(RETRY_S)
 
 
-async def _genuine(p: Side, d: Side) -> dict[str, Any]:
+async def _genuine(p: Side, d: Side, patience: float) -> dict[str, Any]:
     """D connects to P and moves one transfer of two blocks, whose bytes it checks."""
     start = time.monotonic()
-    connected, failures = await _connect(p, d)
+    connected, failures = await _connect(p, d, patience)
     result: dict[str, Any] = {
         "connect_s": round(time.monotonic() - start, 4),
         "connected": connected["event"],
@@ -167,15 +167,15 @@ async def _genuine(p: Side, d: Side) -> dict[str, Any]:
     await d.ask(cmd="expect", peer="P", blocks=[1, 2], verify=7, **common)
     await p.ask(cmd="kv_ready", peer="D", blocks=[5, 6], seed=7, **common)
     try:
-        done = await asyncio.wait_for(d.result_future("genuine"), GENUINE_TIMEOUT)
-        sent = await asyncio.wait_for(p.result_future("genuine"), GENUINE_TIMEOUT)
+        done = await asyncio.wait_for(d.result_future("genuine"), patience)
+        sent = await asyncio.wait_for(p.result_future("genuine"), patience)
     except TimeoutError:
         return {**result, "completed": False, "error": "no outcome"}
     ok = done["outcome"] == "succeeded" and sent["outcome"] == "succeeded" and done.get("verified") is True
     return {**result, "transfer_s": round(time.monotonic() - start, 4), "completed": ok, "outcome": done["outcome"]}
 
 
-async def _flood_run(connections: int, nofile: int, rate: float, logs: str) -> dict[str, Any]:
+async def _flood_run(connections: int, nofile: int, rate: float, patience: float, logs: str) -> dict[str, Any]:
     prefix, secret = f"kvflow-floods-{secrets.token_hex(4)}", secrets.token_hex(32)
     env = dict(os.environ, KVFLOW_SECRET=secret, PYTHONPATH=import_path())
     peer = [sys.executable, "-m", "kvflow_tools.testing.peer_process", "--transport", "shm"]
@@ -204,7 +204,7 @@ async def _flood_run(connections: int, nofile: int, rate: float, logs: str) -> d
         await asyncio.wait([ending, reached], return_when=asyncio.FIRST_COMPLETED)
         reached.cancel()
         held = peak.now
-        genuine = {**await _genuine(p, d), "during_flood": not ending.done(), "p_descriptors_then": held}
+        genuine = {**await _genuine(p, d, patience), "during_flood": not ending.done(), "p_descriptors_then": held}
         end = json.loads(await ending)
         after, total, seconds = cpu_ticks(p.pid), process_ticks(p.pid) - total, time.monotonic() - began
         await peak.stop()
@@ -261,18 +261,23 @@ def render(runs: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def run_floods(connections: int, nofile: int = 0, runs: int = 1, rate: float = 0.0) -> list[dict[str, Any]]:
+def run_floods(
+    connections: int, nofile: int = 0, runs: int = 1, rate: float = 0.0, patience: float = PATIENCE
+) -> list[dict[str, Any]]:
     """`runs` floods of `connections` connections each against a fresh P (`nofile`: its limit;
-    `rate`: connections a second, 0 as fast as one process can).
+    `rate`: connections a second, 0 as fast as one process can; `patience`: seconds the genuine
+    peer may take to associate, and each side to decide its transfer).
 
     :raises BenchError: a setting is out of range, or a process did not start or failed.
     """
     if connections < 1 or runs < 1 or nofile < 0 or not 0 <= rate < float("inf"):
         raise BenchError("bench floods: --connections and --runs must be >= 1, --nofile and --rate >= 0")
+    if not 0 < patience < float("inf"):
+        raise BenchError(f"bench floods: --patience must be a positive number of seconds, not {patience}")
     logs = os.environ.get("TMPDIR", "/tmp")
 
     async def every() -> list[dict[str, Any]]:
-        return [await _flood_run(connections, nofile, rate, logs) for _ in range(runs)]
+        return [await _flood_run(connections, nofile, rate, patience, logs) for _ in range(runs)]
 
     return asyncio.run(every())
 
@@ -280,12 +285,12 @@ def run_floods(connections: int, nofile: int = 0, runs: int = 1, rate: float = 0
 def main(args: argparse.Namespace) -> int:
     """Print the table; also write the runs as JSON with `--json`.  0 when every genuine
     transfer completed, 1 otherwise."""
-    runs = run_floods(args.connections, args.nofile, args.runs, args.rate)
+    runs = run_floods(args.connections, args.nofile, args.runs, args.rate, args.patience)
     sys.stdout.write(render(runs) + "\n")
     if args.json:
         config = {
             "connections": args.connections, "nofile": args.nofile, "rate": args.rate, "runs": args.runs,
-            "cpus": os.cpu_count(),
+            "patience": args.patience, "cpus": os.cpu_count(),
         }  # fmt: skip
         Path(args.json).write_text(json.dumps({"config": config, "runs": runs}, indent=1))
     return 0 if all(run["genuine"]["completed"] for run in runs) else 1
@@ -300,4 +305,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--rate", type=float, default=0.0, help="connections a second (default 0: as fast as one process can)"
     )
     parser.add_argument("--runs", type=int, default=1, help="floods, each against a fresh engine (default 1)")
+    parser.add_argument(
+        "--patience",
+        type=float,
+        default=PATIENCE,
+        help=f"seconds the genuine peer may take to associate, and each side its transfer (default {PATIENCE:g})",
+    )
     parser.add_argument("--json", help="also write the runs to this file")
