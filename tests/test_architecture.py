@@ -346,7 +346,7 @@ def strangers(modules: set[str]) -> list[str]:
 
 def test_the_integrations_folder_holds_the_connector_and_nothing_else() -> None:
     assert strangers(MODULES) == []
-    assert strangers(MODULES | {"kvflow_tools.routing.router"}) == ["kvflow_tools.routing.router"]
+    assert strangers(MODULES | {"kvflow.integrations.vllm.router"}) == ["kvflow.integrations.vllm.router"]
 
 
 def test_the_library_and_what_vllm_loads_import_nothing_else() -> None:
