@@ -19,6 +19,7 @@ import zmq
 from kvflow.control import wire
 from kvflow.control.auth import Secret
 from kvflow.control.channel import MAX_CLOCK_SKEW, LocalControlHub, incarnation_ceiling, new_incarnation
+from kvflow.control.counts import ControlCounts, Rejection
 from kvflow.control.zeromq import RECEIVE_QUEUE, YIELD_EVERY, ZmqControl, is_loopback
 from kvflow.errors import ConfigError, EngineClosed, HandshakeTimeout, PeerUnknown, PeerUnreachable, UsageError
 from kvflow.protocol.messages import (
@@ -477,3 +478,18 @@ async def test_a_failure_of_the_channels_own_receiving_reaches_its_owner_not_a_l
     finally:
         for control in (a, receiver, sender):
             control.close()
+
+
+def test_the_channels_counts_read_under_their_flat_names_and_a_count_never_made_reads_zero() -> None:
+    counts = ControlCounts()
+    assert counts.reject(Rejection.BAD_MAC) == 1 and counts.reject(Rejection.BAD_MAC) == 2
+    assert counts.reject(Rejection.REPLAYED) == 3
+    counts.frames_received += 3
+    counts.zap_refused += 1
+    flat = counts.snapshot({"connections_accepted": 5, "rejected_handshake": 1})
+    assert flat["rejected"] == 3 and flat["rejected_bad_mac"] == 2 and flat["rejected_replayed"] == 1
+    assert flat["frames_received"] == 3 and flat["zap_refused"] == 1 and flat["frames_sent"] == 0
+    assert flat["connections_accepted"] == 5 and flat["rejected_handshake"] == 1  # the monitor's, beside
+    assert flat["rejected_stale"] == 0  # never counted: 0, as a bag read before
+    flat["frames_sent"] += 1  # a copy: the channel's own counts stay
+    assert counts.frames_sent == 0 and counts.snapshot({})["rejected_bad_mac"] == 2

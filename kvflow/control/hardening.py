@@ -28,6 +28,7 @@ import zmq.asyncio
 from zmq.utils import z85
 
 from kvflow.control.auth import Secret
+from kvflow.control.counts import ControlCounts
 
 __all__ = (
     "ZAP_DOMAIN",
@@ -83,14 +84,17 @@ def zap_reply(request: list[bytes], allowed: frozenset[bytes]) -> tuple[list[byt
     return [b"1.0", request_id, b"400", b"unknown client key", b"", b""], False
 
 
-async def serve_zap(sock: zmq.asyncio.Socket, allowed: frozenset[bytes], counters: Counter[str]) -> None:
+async def serve_zap(sock: zmq.asyncio.Socket, allowed: frozenset[bytes], counts: ControlCounts) -> None:
     """Answer ZAP requests on `sock` until it closes.  Each is answered at once, without
     blocking (a reply ZeroMQ cannot take is dropped, and the handshake runs out)."""
     while True:
         try:
             request = await sock.recv_multipart()
             reply, admitted = zap_reply(request, allowed)
-            counters["zap_admitted" if admitted else "zap_refused"] += 1
+            if admitted:
+                counts.zap_admitted += 1
+            else:
+                counts.zap_refused += 1
             await sock.send_multipart(reply, flags=zmq.NOBLOCK)
         except zmq.ZMQError:
             if sock.closed:

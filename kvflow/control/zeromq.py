@@ -53,6 +53,7 @@ from zmq.utils import z85
 from kvflow.control.auth import MAC_BYTES, ReplayGuard, Secret, secret_from_env
 from kvflow.control.channel import Crashed, MessageHandler, incarnation_ceiling, new_incarnation
 from kvflow.control.connections import ConnectionWatch, raise_descriptor_limit
+from kvflow.control.counts import ControlCounts, Rejection
 from kvflow.control.hardening import (
     MONITORED,
     ZAP_DOMAIN,
@@ -193,7 +194,7 @@ class ZmqControl:
         self._tasks: set[asyncio.Task[None]] = set()
         self._handler: MessageHandler | None = None
         self._closed = False
-        self._counters: Counter[str] = Counter()
+        self._counts = ControlCounts()
         self._logged: set[tuple[bytes, str]] = set()
         self._drops = DropLog(self.engine_id)
         self.links = LinkMonitors()  # reports the DEALERs' connections once a listener is set
@@ -211,12 +212,10 @@ class ZmqControl:
 
     @property
     def counters(self) -> Counter[str]:
-        """What the channel counted; the connection counts are the monitor thread's totals,
-        read now (`kvflow.control.connections`)."""
-        if self._watch_connections is not None:
-            for name, value in self._watch_connections.counts().items():
-                self._counters[name] = value
-        return self._counters
+        """What the channel counted, under flat names (`kvflow.control.counts`), a copy; the
+        connection counts are the monitor thread's totals, read now (`kvflow.control.connections`)."""
+        watch = self._watch_connections
+        return self._counts.snapshot(watch.counts() if watch is not None else {})
 
     def add_route(self, peer: str, address: str) -> None:
         """:raises ConfigError: `peer` is not a valid engine id, `address` is a tcp:// one that is
@@ -244,7 +243,7 @@ class ZmqControl:
             self.links.unwatch(dealer)
             self._unwatch(dealer)
             dealer.close(linger=FORGET_LINGER_MS)
-            self._counters["connections_forgotten"] += 1
+            self._counts.connections_forgotten += 1
         if peer not in self._configured:
             self._routes.pop(peer, None)
 
@@ -274,7 +273,7 @@ class ZmqControl:
             zap.setsockopt(zmq.LINGER, 0)
             zap.bind(ZAP_ENDPOINT)
             self._helpers.append(zap)
-            self._spawn(serve_zap(zap, frozenset([z85.decode(self._keys.client_public)]), self._counters))
+            self._spawn(serve_zap(zap, frozenset([z85.decode(self._keys.client_public)]), self._counts))
         router: zmq.Socket[bytes] = zmq.Socket(self._ctx, zmq.ROUTER)  # plain: see the module's header
         self._harden(router)
         router.setsockopt(zmq.RCVHWM, min(self._send_queue, RECEIVE_QUEUE))
@@ -336,13 +335,13 @@ class ZmqControl:
         try:
             dealer.send_multipart([frame, mac], flags=zmq.NOBLOCK)
         except zmq.Again:
-            self._counters["send_queue_full"] += 1
+            self._counts.send_queue_full += 1
             raise PeerUnreachable(f"control queue to {peer!r} is full: the peer is not reading") from None
         except zmq.ZMQError as exc:
             raise PeerUnreachable(f"cannot send to {peer!r}: {exc}") from None
         finally:
             self._after_send(dealer)
-        self._counters["frames_sent"] += 1
+        self._counts.frames_sent += 1
 
     def _harden(self, sock: zmq.Socket[bytes]) -> None:
         sock.setsockopt(zmq.LINGER, 0)
@@ -481,7 +480,7 @@ class ZmqControl:
                 elif not reader.excess:
                     reader.excess = True
                     self._reject(
-                        reader.frames[0] if reader.peer is None else reader.peer, "shape", f"over {limit} parts"
+                        reader.frames[0] if reader.peer is None else reader.peer, Rejection.SHAPE, f"over {limit} parts"
                     )
                 if part.more:
                     continue
@@ -501,66 +500,65 @@ class ZmqControl:
             self._crashed(exc)
 
     def _on_frames(self, frames: list[bytes]) -> None:
-        self._counters["frames_received"] += 1
+        self._counts.frames_received += 1
         if len(frames) != 3:
-            self._reject(frames[0] if frames else b"", "shape", f"{len(frames)} parts")
+            self._reject(frames[0] if frames else b"", Rejection.SHAPE, f"{len(frames)} parts")
             return
         identity, frame, mac = frames
         if len(frame) > MAX_FRAME_BYTES:
-            self._reject(identity, "oversized", f"{len(frame)} bytes")
+            self._reject(identity, Rejection.OVERSIZED, f"{len(frame)} bytes")
             return
         if self.secret is not None:
             if len(mac) != MAC_BYTES or not self.secret.verify(frame, mac):
-                self._reject(identity, "bad_mac", "authentication failed")
+                self._reject(identity, Rejection.BAD_MAC, "authentication failed")
                 return
         elif mac:
-            self._reject(identity, "unexpected_mac", "peer signs frames but this engine has no secret")
+            self._reject(identity, Rejection.UNEXPECTED_MAC, "peer signs frames but this engine has no secret")
             return
         try:
             envelope = decode(frame)
         except UnsupportedVersion as exc:
-            self._reject(identity, "version", str(exc))
+            self._reject(identity, Rejection.VERSION, str(exc))
             self._refuse(identity, exc.sender, str(exc))
             return
         except PeerProtocolError as exc:
-            self._reject(identity, "malformed", str(exc))
+            self._reject(identity, Rejection.MALFORMED, str(exc))
             return
         if envelope.receiver != self.engine_id:
-            self._reject(identity, "misdirected", f"frame for {envelope.receiver!r}")
+            self._reject(identity, Rejection.MISDIRECTED, f"frame for {envelope.receiver!r}")
             return
         if envelope.sender.encode() != sender_of(identity):
-            self._reject(identity, "identity", f"frame claims to come from {envelope.sender!r}")
+            self._reject(identity, Rejection.IDENTITY, f"frame claims to come from {envelope.sender!r}")
             return
         if envelope.receiver_incarnation != self._incarnation:
             message = envelope.message
             opening = (isinstance(message, Hello) and not message.reply) or isinstance(message, Reject)
             if envelope.receiver_incarnation != 0:
-                self._reject(identity, "stale", "frame for an earlier run of this engine")
+                self._reject(identity, Rejection.STALE, "frame for an earlier run of this engine")
                 self._tell_restarted(identity, envelope.sender)
                 return
             if not opening:
-                self._reject(identity, "unbound", "frame names no run of this engine")
+                self._reject(identity, Rejection.UNBOUND, "frame names no run of this engine")
                 return
         if envelope.incarnation > incarnation_ceiling(time.time_ns()):  # it would shut the real sender's runs out
-            self._reject(identity, "future", f"incarnation {envelope.incarnation} is no clock reading yet")
+            self._reject(identity, Rejection.FUTURE, f"incarnation {envelope.incarnation} is no clock reading yet")
             return
         if not self._guard.accept(envelope.sender, envelope.incarnation, envelope.seq):
-            self._reject(identity, "replayed", "old incarnation or sequence number")
+            self._reject(identity, Rejection.REPLAYED, "old incarnation or sequence number")
             return
         message = envelope.message
         if isinstance(message, Hello) and message.control_address:
             try:
                 self.add_route(envelope.sender, message.control_address)
             except ConfigError as exc:
-                self._reject(identity, "route", str(exc))
+                self._reject(identity, Rejection.ROUTE, str(exc))
                 return
-        self._counters["messages_delivered"] += 1
+        self._counts.messages_delivered += 1
         if self._handler is not None:
             self._handler(envelope.sender, envelope.incarnation, message)
 
-    def _reject(self, identity: bytes, reason: str, detail: str) -> None:
-        self._counters[f"rejected_{reason}"] += 1
-        self._counters["rejected"] += 1
+    def _reject(self, identity: bytes, reason: Rejection, detail: str) -> None:
+        rejected = self._counts.reject(reason)
         if (identity, reason) not in self._logged and len(self._logged) < MAX_LOGGED:
             self._logged.add((identity, reason))
             log.warning(
@@ -571,7 +569,7 @@ class ZmqControl:
                 detail,
             )
         elif len(self._logged) >= MAX_LOGGED:  # too many senders to name each: a summary now and then
-            self._drops.note("frames", f"{self._counters['rejected']} rejected so far, last {reason}: {detail}")
+            self._drops.note("frames", f"{rejected} rejected so far, last {reason}: {detail}")
 
     def _tell_restarted(self, identity: bytes, peer: str) -> None:
         """`peer` still speaks to an earlier run of this engine: tell it (a Reject from this
