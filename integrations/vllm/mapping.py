@@ -55,7 +55,7 @@ from __future__ import annotations
 import logging
 import secrets
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvflow.errors import ConfigError
@@ -79,7 +79,7 @@ from kvflow.protocol.state import Mode
 
 log = logging.getLogger("kvflow.vllm")
 
-__all__ = ("Blocks", "Order", "Orders", "SchedulerBook")
+__all__ = ("BookCounts", "Blocks", "Order", "Orders", "SchedulerBook")
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +122,15 @@ class Orders:
 
     def __bool__(self) -> bool:
         return bool(self.expect or self.ready or self.abort or self.promise)
+
+
+@dataclass(slots=True)
+class BookCounts:
+    """What the scheduler-side book counts, cumulative, each count a field (`SchedulerBook.counters`
+    reads them by name, for vLLM's metrics)."""
+
+    unservable: int = 0  # do_remote_prefill / do_remote_decode requests computed locally instead
+    assigned: int = 0  # transfers assigned for a sequential router's request
 
 
 @dataclass(slots=True)
@@ -185,7 +194,12 @@ class SchedulerBook:
         self._loaded: set[str] = set()  # D requests whose one remote load was ordered
         self._pending = Orders()
         self.refused: dict[str, str] = {}  # request id -> why its kvflow params were refused
-        self.counters: dict[str, int] = {"unservable": 0, "assigned": 0}
+        self.counts = BookCounts()
+
+    @property
+    def counters(self) -> dict[str, int]:
+        """The counts by name (`BookCounts`), a copy.  Never raises."""
+        return asdict(self.counts)
 
     # ---------------------------------------------------------------- decode side
 
@@ -287,7 +301,7 @@ class SchedulerBook:
                 "no KV is kept for a decode engine",
             )
             return None
-        self.counters["assigned"] += 1
+        self.counts.assigned += 1
         return TransferParams(secrets.token_urlsafe(18), 1, Mode.PULL, self.producer, None)
 
     def producing(self, request_id: str) -> bool:
@@ -486,5 +500,5 @@ class SchedulerBook:
         """Log (once per request) and count a request kvflow cannot serve."""
         if request_id not in self.refused:
             self.refused[request_id] = why
-            self.counters["unservable"] += 1
+            self.counts.unservable += 1
             log.error("request %s: kvflow cannot serve its kv_transfer_params: %s; %s", request_id, why, consequence)
