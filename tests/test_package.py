@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import importlib
 import re
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -14,6 +15,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE_DIRS = [ROOT / "kvflow", ROOT / "transports", ROOT / "integrations", ROOT / "tools" / "kvflow_tools"]
+
+
+# what a wheel is not built from: environments, caches, earlier builds, the history
+NOT_SOURCES = (".git", ".venv*", "build", "*.egg-info", "__pycache__", ".*_cache", ".hypothesis", "*results")
 
 
 def sources() -> list[Path]:
@@ -49,7 +54,11 @@ def test_the_library_wheel_holds_the_library_and_the_tools_wheel_the_rest(tmp_pa
     """Two distributions: `kvflow` (what an engine or vLLM loads, the linked folders' files in
     it) and `kvflow-tools` (the command, benchmarks, stand-in, router, test kit)."""
     pip = [sys.executable, "-m", "pip"]
-    for project in (ROOT, ROOT / "tools"):
+    # built from a copy: setuptools reuses a checkout's build/ folder, and a file moved away since
+    # the last build would still be in the wheel
+    source = tmp_path / "source"
+    shutil.copytree(ROOT, source, symlinks=True, ignore=shutil.ignore_patterns(*NOT_SOURCES))
+    for project in (source, source / "tools"):
         build = [*pip, "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(project)]
         subprocess.run(build, check=True)
     (library,) = tmp_path.glob("kvflow-*.whl")
