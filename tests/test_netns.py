@@ -198,23 +198,31 @@ def test_bridged_hosts_take_a_slash_24_no_route_covers() -> None:
 
 
 @needs_namespaces
-def test_a_bridge_left_behind_does_not_take_the_new_hosts_traffic() -> None:
+def test_a_bridge_left_behind_does_not_take_the_new_hosts_traffic(tmp_path: Path) -> None:
     """A killed run leaves its namespaces, bridge and route behind; hosts made after it must
     still be reachable from here (with one fixed subnet, the old bridge took their packets)."""
     with BridgedHosts(["p"]) as left_behind, BridgedHosts(["p"]) as hosts:
         assert left_behind.here != hosts.here
         address = hosts.address("p")
-        server = subprocess.Popen(
-            [*hosts.command("p"), sys.executable, "-m", "http.server", "--bind", address, "18080"],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
+        log = tmp_path / "server.log"
+        with log.open("w") as output:
+            server = subprocess.Popen(
+                [*hosts.command("p"), sys.executable, "-m", "http.server", "--bind", address, "18080"],
+                stdout=output,
+                stderr=subprocess.STDOUT,
+            )
         try:
             deadline = time.monotonic() + 60.0
             while not http_ok(f"http://{address}:18080/") and time.monotonic() < deadline:
-                assert server.poll() is None, "the server in the namespace exited"
+                assert server.poll() is None, f"the server in the namespace exited: {log.read_text()}"
                 time.sleep(0.2)
-            assert http_ok(f"http://{address}:18080/")
+            # once failed beside other tests with nothing said: what the route, the neighbour and
+            # the server saw, if it fails again
+            seen = [
+                subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30, check=False).stdout
+                for args in (["route", "get", address], ["neigh", "show", address], ["-br", "link", "show"])
+            ]
+            assert http_ok(f"http://{address}:18080/"), (seen, server.poll(), log.read_text())
         finally:
             server.kill()
             server.wait()
