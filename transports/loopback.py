@@ -54,7 +54,9 @@ class FaultPlan:
     `LoopbackFabric.unstall` (or `stall_for` seconds when > 0).  With `late_completions` a
     WRITE's notification reaches its target before the initiator hears it completed, and that
     completion waits for `LoopbackFabric.release_completions` (as on shared memory, where the
-    target may answer before the initiator's loop sees its own completion).
+    target may answer before the initiator's loop sees its own completion).  A corrupted op
+    (`corrupt_ops`) lands with the last byte it writes flipped and reports success, as a bad link
+    or a wrong mapping would: nothing but an integrity check sees it.
     """
 
     seed: int = 0
@@ -67,6 +69,7 @@ class FaultPlan:
     duplicate_rate: float = 0.0
     reorder_rate: float = 0.0
     late_completions: bool = False
+    corrupt_ops: set[int] = field(default_factory=set)
 
 
 @dataclass(slots=True)
@@ -302,6 +305,10 @@ class LoopbackFabric:
         copies = op.copies[: len(op.copies) // 2] if op.fail else op.copies
         for dst, src, length in copies:
             ctypes.memmove(dst, src, length)
+        if op.number in self.faults.corrupt_ops and copies:
+            dst, _, length = copies[-1]
+            flipped = ctypes.c_ubyte.from_address(dst + length - 1)
+            flipped.value ^= 0xFF
         if op.fail:
             initiator.complete(Completion(op.op_id, "injected op failure"))
             return

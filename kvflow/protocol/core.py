@@ -94,6 +94,11 @@ class TransferCore:
     def machines(self) -> list[Machine]:
         return self.store.machines()
 
+    def registered(self, key: TransferKey) -> tuple[int, ...]:
+        """The blocks D registered for `key` (none: no such transfer on D).  Never raises."""
+        m = self.store.get(key, Role.DECODE)
+        return () if m is None else m.block_ids
+
     def live(self) -> list[Machine]:
         """Machines not yet terminal (including D's NOTIFIED awaiting delivery)."""
         return self.store.live()
@@ -432,13 +437,14 @@ class TransferCore:
             input_ = Input.LAST_OP_FAILED if last else Input.OP_FAILED
         return self._feed(m, input_, now, reason=error or "")
 
-    def notification(self, peer: str, payload: bytes, now: float) -> list[Action]:
-        """A WRITE notification arrived from `peer` (push, on D).  Never raises.
+    def notification(self, peer: str, payload: bytes, now: float, problem: str | None = None) -> list[Action]:
+        """A WRITE notification arrived from `peer` (push, on D); with a `problem` (the bytes it
+        announces are not what P wrote), it fails its transfer instead of counting.  Never raises.
 
         Deadlines that passed before `now` are honoured first: a notification handled after a
         transfer's deadline (the engine was stopped, or busy) comes too late for it.
         """
-        return self.timer(now) + self._inbox.notification(peer, payload, now)
+        return self.timer(now) + self._inbox.notification(peer, payload, now, problem)
 
     # ------------------------------------------------------------------ control messages
 

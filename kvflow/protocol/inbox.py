@@ -73,10 +73,11 @@ class PeerInbox:
             return False
         return True
 
-    def notification(self, peer: str, payload: bytes, now: float) -> list[Action]:
-        """A WRITE notification arrived from `peer` (push, on D)."""
+    def notification(self, peer: str, payload: bytes, now: float, problem: str | None = None) -> list[Action]:
+        """A WRITE notification arrived from `peer` (push, on D); `problem`: why what it carried
+        cannot be D's KV (this side's integrity check found it so), which fails the transfer."""
         try:
-            key, batch, last = decode_notification(payload)
+            key, batch, last, _ = decode_notification(payload)
         except PeerProtocolError:
             self.stats.malformed_notifications += 1
             return []
@@ -88,7 +89,7 @@ class PeerInbox:
             return []
         if batch in m.landed:
             return self.remote(m, Input.DUPLICATE, now)
-        problem = self._count_problem(m, batch, last)
+        problem = problem or self._count_problem(m, batch, last)
         if problem is not None:
             return self.remote(m, Input.INCOMPATIBLE, now, problem)
         total = batch + 1 if last else m.total if m.expected_batches == OPEN_BATCHES else m.expected_batches

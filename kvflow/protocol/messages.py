@@ -19,7 +19,7 @@ from typing import Any
 
 import msgpack
 
-from kvflow.errors import ConfigError, PeerProtocolError
+from kvflow.errors import ConfigError, InvalidBatch, PeerProtocolError
 from kvflow.protocol.state import Outcome
 
 __all__ = (
@@ -41,6 +41,7 @@ __all__ = (
     "Ready",
     "Registration",
     "Reject",
+    "Seal",
     "TransferKey",
     "decode_notification",
     "encode_notification",
@@ -58,7 +59,8 @@ NOTIFICATION_TAG = "kvf1"
 # A registration's batch count when D cannot know it (P's token budget splits the prompt into
 # chunks only P sees): P decides, and the notification of its last batch says it is the last.
 OPEN_BATCHES = 0
-MAX_NOTIFICATION_BYTES = 512
+MAX_NOTIFICATION_BYTES = 32_768  # a seal's digests of ~2,000 blocks fit (shm reads 64 KiB datagrams)
+MAX_LAYER = (1 << 16) - 1
 MAX_ENGINE_ID = 128
 # What a transfer key may hold: what the wire carries (`kvflow.control.wire`), checked where a
 # key enters (the local API, the vLLM connector's parameters), so that nothing accepted there
@@ -290,18 +292,83 @@ Message = Registration | Ready | Claim | Notice | Quiesced | Done  # about one t
 ControlMessage = Message | Hello | Heartbeat | Goodbye | Reject  # everything a control channel carries
 
 
-def encode_notification(key: TransferKey, batch: int, last: bool = False) -> bytes:
+@dataclass(frozen=True, slots=True)
+class Seal:
+    """What one WRITE carried, in its notification when P's integrity check is on: the D blocks
+    (in position order) and layers it wrote, and XXH3-64 digests of P's KV for each layer and
+    each of those blocks (`kvflow.runtime.integrity`)."""
+
+    blocks: tuple[int, ...]
+    layers: tuple[int, int] | None
+    layer_digests: tuple[tuple[int, int], ...]  # (layer, digest), by layer
+    block_digests: tuple[tuple[int, int], ...]  # (D block, digest), by block
+
+
+def _pack_digests(pairs: tuple[tuple[int, int], ...]) -> list[Any]:
+    return [[key for key, _ in pairs], b"".join(digest.to_bytes(8, "little") for _, digest in pairs)]
+
+
+def _digests(ids: Any, packed: Any, limit: int) -> tuple[tuple[int, int], ...]:
+    if (
+        not isinstance(ids, list)
+        or not isinstance(packed, bytes)
+        or len(ids) > MAX_BLOCKS
+        or len(packed) != 8 * len(ids)
+        or any(type(i) is not int or not 0 <= i <= limit for i in ids)
+    ):
+        raise PeerProtocolError("notification's digests are not ids with 8 bytes each")
+    return tuple((i, int.from_bytes(packed[8 * n : 8 * n + 8], "little")) for n, i in enumerate(ids))
+
+
+def _seal_from(value: Any) -> Seal:
+    if not isinstance(value, list) or len(value) != 6:
+        raise PeerProtocolError("notification's seal is not [blocks, layers, digests by layer, by block]")
+    blocks, layers = value[:2]
+    if (
+        not isinstance(blocks, list)
+        or not 0 < len(blocks) <= MAX_BLOCKS
+        or any(type(b) is not int or not 0 <= b <= MAX_BLOCK_ID for b in blocks)
+        or len(set(blocks)) != len(blocks)
+        or not (layers is None or (isinstance(layers, list) and len(layers) == 2))
+        or any(type(x) is not int or not 0 <= x <= MAX_LAYER for x in layers or ())
+        or (layers is not None and layers[0] >= layers[1])
+    ):
+        raise PeerProtocolError("notification's seal names blocks or layers out of range, or a block twice")
+    return Seal(
+        tuple(blocks),
+        None if layers is None else (layers[0], layers[1]),
+        _digests(value[2], value[3], MAX_LAYER),
+        _digests(value[4], value[5], MAX_BLOCK_ID),
+    )
+
+
+def encode_notification(key: TransferKey, batch: int, last: bool = False, seal: Seal | None = None) -> bytes:
     """The payload one WRITE carries so that D can count it against the right transfer; `last`
-    marks P's last batch (so D knows the count when it registered `OPEN_BATCHES`)."""
-    payload: bytes = msgpack.packb([NOTIFICATION_TAG, key.transfer_id, key.epoch, batch, last])
+    marks P's last batch (so D knows the count when it registered `OPEN_BATCHES`), `seal` what
+    the WRITE carried (P's integrity check on).
+
+    :raises InvalidBatch: with its seal, the payload is over `MAX_NOTIFICATION_BYTES`.
+    """
+    fields: list[Any] = [NOTIFICATION_TAG, key.transfer_id, key.epoch, batch, last]
+    if seal is not None:
+        layers = None if seal.layers is None else list(seal.layers)
+        fields.append(
+            [list(seal.blocks), layers] + _pack_digests(seal.layer_digests) + _pack_digests(seal.block_digests)
+        )
+    payload: bytes = msgpack.packb(fields)
+    if len(payload) > MAX_NOTIFICATION_BYTES:
+        raise InvalidBatch(
+            f"{key}: a notification with the digests of {len(seal.blocks) if seal else 0} blocks takes "
+            f"{len(payload)} bytes, over {MAX_NOTIFICATION_BYTES}: push in smaller batches"
+        )
     return payload
 
 
-def decode_notification(payload: bytes) -> tuple[TransferKey, int, bool]:
-    """Parse a WRITE notification: (key, batch index, whether it is P's last batch).
+def decode_notification(payload: bytes) -> tuple[TransferKey, int, bool, Seal | None]:
+    """Parse a WRITE notification: (key, batch index, whether it is P's last batch, its seal).
 
     :raises PeerProtocolError: for any payload that is not exactly what `encode_notification`
-        produces (wrong size, type, tag, or negative numbers).
+        produces (wrong size, type, tag, or numbers out of range).
     """
     if not isinstance(payload, bytes | bytearray) or len(payload) > MAX_NOTIFICATION_BYTES:
         raise PeerProtocolError("notification is not bytes or is too large")
@@ -311,7 +378,7 @@ def decode_notification(payload: bytes) -> tuple[TransferKey, int, bool]:
         raise PeerProtocolError(f"notification is not valid msgpack: {type(exc).__name__}") from exc
     if (
         not isinstance(value, list)
-        or len(value) != 5
+        or len(value) not in (5, 6)
         or value[0] != NOTIFICATION_TAG
         or not isinstance(value[1], str)
         or not value[1]
@@ -322,4 +389,5 @@ def decode_notification(payload: bytes) -> tuple[TransferKey, int, bool]:
         or type(value[4]) is not bool
     ):
         raise PeerProtocolError("notification does not have the shape [tag, transfer_id, epoch, batch, last]")
-    return TransferKey(value[1], value[2]), value[3], value[4]
+    seal = _seal_from(value[5]) if len(value) == 6 else None
+    return TransferKey(value[1], value[2]), value[3], value[4], seal

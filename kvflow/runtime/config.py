@@ -52,6 +52,10 @@ class EngineConfig:
     inline_op_bytes: int = 0
     # runs first on every thread the engine starts (its writer): a GPU host binds it to its device
     thread_setup: Callable[[], None] | None = None
+    # the end-to-end check of what each WRITE carried (`kvflow.runtime.integrity`): P seals each
+    # WRITE with digests of what it read, D checks what landed (off by default: it costs a hash of
+    # every byte on both sides); both sides must turn it on
+    integrity: bool = False
 
     def __post_init__(self) -> None:
         """:raises ConfigError: a timeout, the lease, the heartbeat interval or a bound is out of range."""

@@ -41,6 +41,7 @@ from kvflow.protocol.lifecycle import Do, Event, Life, Lifecycle
 from kvflow.protocol.messages import ControlMessage, TransferKey, require_engine_id, transfer_key
 from kvflow.protocol.state import Mode, Outcome, Role
 from kvflow.runtime.config import EngineConfig
+from kvflow.runtime.integrity import Integrity
 from kvflow.runtime.meter import TransferMeter
 from kvflow.runtime.peering import EngineHooks, PeerExecutor
 from kvflow.runtime.results import EngineCounters, TransferHandle, TransferResult, keep, open_handle
@@ -91,26 +92,15 @@ class Engine:
         grace = 0.0 if transport.capabilities.fences_inbound else cfg.unfenced_grace
         self.assoc = Associations(engine_id, fingerprint(layout.spec), *peering, grace=grace, hold=cfg.unfenced_hold)
         hooks = EngineHooks(
-            self._run,
-            self._now,
-            self._running_loop,
-            self._arm_timer,
-            self._soon,
-            lambda: self._life.closed,
+            self._run, self._now, self._running_loop, self._arm_timer, self._soon, lambda: self._life.closed
         )
-        self._peers = PeerExecutor(
-            engine_id,
-            layout,
-            transport,
-            control,
-            self.config,
-            self.assoc,
-            self.core,
-            self.counters,
-            hooks,
-            peer_worker
-            or WriterThread(f"kvflow-peers-{engine_id}", self._record_crash, thread_setup=self.config.thread_setup),
+        peer_thread = peer_worker or WriterThread(
+            f"kvflow-peers-{engine_id}", self._record_crash, thread_setup=self.config.thread_setup
         )
+        executing = (self.config, self.assoc, self.core, self.counters, hooks, peer_thread)
+        self._peers = PeerExecutor(engine_id, layout, transport, control, *executing)
+        # the end-to-end check of what each WRITE carried (opt-in): P seals, D checks
+        self._integrity = Integrity(engine_id, layout) if self.config.integrity else None
         self._handles: dict[tuple[TransferKey, Role], asyncio.Future[TransferResult]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._timer = DeadlineTimer()
@@ -467,7 +457,10 @@ class Engine:
                 plan = plan_transfer(
                     self.layout, remote, op.local_blocks, op.remote_blocks, op.layers, fine_start=op.fine_start
                 )
-                self.transport.submit(op.op_id, op.kind, op.peer, plan, op.notification)
+                note = op.notification
+                if self._integrity is not None and op.kind is OpKind.WRITE:
+                    note = self._integrity.seal(op, remote)
+                self.transport.submit(op.op_id, op.kind, op.peer, plan, note)
                 size = (plan.total_bytes, len(plan))
             except KVFlowError as exc:
                 error = f"{type(exc).__name__}: {exc}"
@@ -525,8 +518,10 @@ class Engine:
         for completion in completions:
             self._run(self.core.op_finished(completion.op_id, now, completion.error))
         for note in notifications:
-            if note.peer in self.assoc.layouts:
-                self._run(self.core.notification(note.peer, note.payload, now))
+            if (layout := self.assoc.layouts.get(note.peer)) is not None:
+                check = self._integrity.check if self._integrity is not None else None
+                problem = check(note.peer, note.payload, layout, self.core.registered) if check else None
+                self._run(self.core.notification(note.peer, note.payload, now, problem))
             else:
                 self.counters.notifications_from_unknown += 1
 

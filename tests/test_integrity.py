@@ -1,0 +1,183 @@
+"""The end-to-end integrity check (`EngineConfig.integrity`): P seals each WRITE with digests of
+its KV, D checks what landed before the batch counts.
+
+Real engines over the loopback fabric: a byte flipped in flight and a planner that sends a block
+where another belongs each fail the transfer with the layer, the block and the two engines
+named; a clean transfer with the check on moves the same bytes as one without; a seal is
+checked as hostile input (any bytes decode or are refused, never raise anything else).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import msgpack
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import kvflow.runtime.engine as engine_module
+from kvflow.control.channel import LocalControlHub
+from kvflow.errors import ConfigError, InvalidBatch, PeerProtocolError
+from kvflow.layout import KVLayout, Region, plan_transfer
+from kvflow.layout.plan import DescriptorPlan
+from kvflow.layout.spec import MemoryType
+from kvflow.protocol.core import CoreConfig
+from kvflow.protocol.messages import (
+    MAX_NOTIFICATION_BYTES,
+    Seal,
+    TransferKey,
+    decode_notification,
+    encode_notification,
+)
+from kvflow.protocol.state import Outcome
+from kvflow.runtime.engine import Engine, EngineConfig
+from kvflow.runtime.integrity import Integrity
+from kvflow.transports.loopback import FaultPlan, LoopbackFabric
+from kvflow_tools.testing import SMALL_SPEC, EnginePair, KVBuffers, same_kv
+
+CHECKED = EngineConfig(
+    core=CoreConfig(fence_timeout=0.5, retention=5.0), transfer_timeout=5.0, drain_timeout=2.0, integrity=True
+)
+UNCHECKED = EngineConfig(core=CoreConfig(fence_timeout=0.5, retention=5.0), transfer_timeout=5.0, drain_timeout=2.0)
+
+
+async def push(pair: EnginePair, p_blocks: Sequence[int], d_blocks: Sequence[int]) -> tuple[Any, Any]:
+    """One push transfer "r" of `p_blocks` into `d_blocks`, both results."""
+    pair.p_kv.fill(p_blocks, seed=3)
+    waiting = await pair.d.expect("r", 1, peer="P", block_ids=list(d_blocks))
+    sending = await pair.p.kv_ready("r", 1, block_ids=list(p_blocks), peer="D")
+    return await waiting.wait(10), await sending.wait(10)
+
+
+@pytest.mark.asyncio
+async def test_a_transfer_with_the_check_on_moves_the_kv_and_succeeds() -> None:
+    pair = await EnginePair(LoopbackFabric(), config=CHECKED).start()
+    try:
+        d, p = await push(pair, [5, 6, 7], [1, 2, 3])
+        assert d.ok and p.ok, (d, p)
+        assert same_kv(pair.p_kv, [5, 6, 7], pair.d_kv, [1, 2, 3])
+    finally:
+        await pair.close()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("checked", [True, False], ids=["check-on", "check-off"])
+async def test_a_byte_flipped_in_flight_fails_the_transfer_naming_the_layer_and_the_block(checked: bool) -> None:
+    """The loopback fabric flips the last byte the WRITE lands (the last layer's V of D's last
+    block).  Without the check, what it is for: the transfer "succeeds" with a wrong byte in D."""
+    faulty = LoopbackFabric(faults=FaultPlan(corrupt_ops={1}))
+    pair = await EnginePair(faulty, config=CHECKED if checked else UNCHECKED).start()
+    try:
+        d, p = await push(pair, [5, 6, 7], [1, 2, 3])
+        if checked:
+            assert d.outcome is Outcome.FAILED
+            last_layer = SMALL_SPEC.num_layers - 1
+            assert f"integrity: P -> D: the bytes that landed in layer {last_layer} and block 3 differ" in d.reason
+        else:
+            assert d.ok and p.ok
+            assert not same_kv(pair.p_kv, [7], pair.d_kv, [3]) and same_kv(pair.p_kv, [5, 6], pair.d_kv, [1, 2])
+    finally:
+        await pair.close()
+
+
+@pytest.mark.asyncio
+async def test_a_planner_that_swaps_two_blocks_fails_the_transfer_naming_both(monkeypatch: pytest.MonkeyPatch) -> None:
+    """P's digests come from its blocks by the layout, not from the planner's descriptors: a
+    planted wrong block mapping (P's first and last block sent to each other's place) is seen."""
+
+    def swapping(
+        local: KVLayout, remote: KVLayout, local_blocks: Sequence[int], *args: Any, **kw: Any
+    ) -> DescriptorPlan:
+        blocks = list(local_blocks)
+        blocks[0], blocks[-1] = blocks[-1], blocks[0]
+        return plan_transfer(local, remote, blocks, *args, **kw)
+
+    monkeypatch.setattr(engine_module, "plan_transfer", swapping)
+    pair = await EnginePair(LoopbackFabric(), config=CHECKED).start()
+    try:
+        d, _ = await push(pair, [5, 6, 7], [1, 2, 3])
+        assert d.outcome is Outcome.FAILED
+        assert "in layers 0, 1 and blocks 1, 3 differ from what P holds" in d.reason, d.reason
+    finally:
+        await pair.close()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(("p_checks", "d_checks"), [(False, True), (True, False)])
+async def test_the_check_on_one_side_only(p_checks: bool, d_checks: bool) -> None:
+    """D with the check on refuses an unsealed WRITE; D with it off takes a sealed one."""
+    fabric, hub = LoopbackFabric(), LocalControlHub()
+    p_kv, d_kv = KVBuffers(SMALL_SPEC, 16), KVBuffers(SMALL_SPEC, 16)
+    configs = {True: CHECKED, False: UNCHECKED}
+    p = Engine("P", p_kv.layout, fabric.endpoint("P"), hub.channel("P"), config=configs[p_checks])
+    d = Engine("D", d_kv.layout, fabric.endpoint("D"), hub.channel("D"), config=configs[d_checks])
+    await p.start()
+    await d.start()
+    try:
+        await d.connect("P")
+        p_kv.fill([5], seed=3)
+        waiting = await d.expect("r", 1, peer="P", block_ids=[1])
+        await p.kv_ready("r", 1, block_ids=[5], peer="D")
+        result = await waiting.wait(10)
+        if d_checks:
+            assert result.outcome is Outcome.FAILED and "came without digests" in result.reason, result.reason
+        else:
+            assert result.ok and same_kv(p_kv, [5], d_kv, [1])
+    finally:
+        await p.aclose()
+        await d.aclose()
+        fabric.close()
+
+
+def test_device_memory_is_refused_when_the_engine_is_made() -> None:
+    layout = KVLayout.per_layer_regions(SMALL_SPEC, 4, [Region(4096, 512, MemoryType.VRAM)] * SMALL_SPEC.num_layers)
+    with pytest.raises(ConfigError, match="device memory"):
+        Integrity("P", layout)
+
+
+KEY = TransferKey("r", 1)
+SEAL = Seal((1, 2), (0, 2), ((0, 11), (1, 12)), ((1, 2**64 - 1), (2, 0)))
+
+
+def test_a_seal_round_trips_and_a_plain_notification_has_none() -> None:
+    assert decode_notification(encode_notification(KEY, 3, True, SEAL)) == (KEY, 3, True, SEAL)
+    assert decode_notification(encode_notification(KEY, 0)) == (KEY, 0, False, None)
+
+
+def test_a_seal_too_large_for_a_notification_is_refused_when_sealing() -> None:
+    many = tuple(range(3000))
+    seal = Seal(many, None, (), tuple((block, 7) for block in many))
+    with pytest.raises(InvalidBatch, match=f"over {MAX_NOTIFICATION_BYTES}: push in smaller batches"):
+        encode_notification(KEY, 0, False, seal)
+
+
+HOSTILE = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**64), 2**64) | st.binary(max_size=24) | st.text(max_size=4),
+    lambda inner: st.lists(inner, max_size=8),
+    max_leaves=24,
+)
+
+
+@given(HOSTILE)
+def test_any_seal_a_peer_sends_decodes_or_is_refused_as_a_protocol_error(seal: Any) -> None:
+    try:
+        payload = msgpack.packb(["kvf1", "r", 1, 0, False, seal])
+    except (OverflowError, ValueError):
+        return  # msgpack cannot carry it: no peer can send it
+    try:
+        _, _, _, decoded = decode_notification(payload)
+    except PeerProtocolError:
+        return
+    assert isinstance(decoded, Seal) and len(decoded.blocks) == len(set(decoded.blocks)) > 0
+
+
+def test_d_checks_only_blocks_it_registered_and_leaves_a_malformed_payload_to_the_inbox() -> None:
+    kv = KVBuffers(SMALL_SPEC, 8)
+    check = Integrity("D", kv.layout).check
+    stranger = encode_notification(KEY, 0, True, Seal((1, 6), None, (), ()))
+    assert "names blocks [6] D did not register for" in (check("P", stranger, kv.layout, lambda key: (1, 2)) or "")
+    beyond = encode_notification(KEY, 0, True, Seal((1,), (0, 9), (), ()))
+    assert "its layers (0, 9) are not D's" in (check("P", beyond, kv.layout, lambda key: (1,)) or "")
+    assert check("P", b"\xc1 not msgpack", kv.layout, lambda key: ()) is None
