@@ -106,6 +106,11 @@ def main(argv: list[str] | None = None) -> int:
     from kvflow_tools.bench.bench_engine import add_arguments as engine_arguments
 
     engine_arguments(targets.add_parser("engine", help="control-plane transfers/s, latency and memory per transfer"))
+    from kvflow_tools.bench.bench_integrity import add_arguments as integrity_arguments
+
+    integrity_arguments(
+        targets.add_parser("integrity", help="what the end-to-end integrity check costs: digests, P->D latency")
+    )
     from kvflow_tools.bench.bench_frames import add_arguments as frames_arguments
 
     frames_arguments(targets.add_parser("frames", help="what the costliest control frames cost to decode"))
@@ -152,6 +157,10 @@ def main(argv: list[str] | None = None) -> int:
         from kvflow_tools.bench.bench_frames import main as bench_frames
 
         return bench_frames(args.repeats, args.json)
+    if args.command == "bench" and args.target == "integrity":
+        from kvflow_tools.bench.bench_integrity import main as bench_integrity
+
+        return bench_integrity(args)
     if args.command == "bench" and args.target == "floods":
         from kvflow_tools.bench.bench_floods import main as bench_floods
 
