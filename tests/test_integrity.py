@@ -10,6 +10,7 @@ checked as hostile input (any bytes decode or are refused, never raise anything 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import msgpack
@@ -23,6 +24,7 @@ from kvflow.errors import ConfigError, InvalidBatch, PeerProtocolError
 from kvflow.layout import KVLayout, Region, plan_transfer
 from kvflow.layout.plan import DescriptorPlan
 from kvflow.layout.spec import MemoryType
+from kvflow.protocol.actions import OpKind, SubmitOp
 from kvflow.protocol.core import CoreConfig
 from kvflow.protocol.messages import (
     MAX_NOTIFICATION_BYTES,
@@ -181,3 +183,12 @@ def test_d_checks_only_blocks_it_registered_and_leaves_a_malformed_payload_to_th
     beyond = encode_notification(KEY, 0, True, Seal((1,), (0, 9), (), ()))
     assert "its layers (0, 9) are not D's" in (check("P", beyond, kv.layout, lambda key: (1,)) or "")
     assert check("P", b"\xc1 not msgpack", kv.layout, lambda key: ()) is None
+
+
+def test_p_refuses_to_seal_a_write_to_a_peer_of_another_kv_spec() -> None:
+    """Heterogeneous tensor parallelism and block sizes are not checked yet: said, not guessed."""
+    p_kv, other = KVBuffers(SMALL_SPEC, 4), KVBuffers(replace(SMALL_SPEC, block_size=8), 4)
+    op = SubmitOp(1, KEY, "D", OpKind.WRITE, (0,), (0,), None, encode_notification(KEY, 0, True))
+    with pytest.raises(InvalidBatch, match="same KV spec"):
+        Integrity("P", p_kv.layout).seal(op, other.layout)
+    assert decode_notification(Integrity("P", p_kv.layout).seal(op, p_kv.layout))[3] is not None
