@@ -67,8 +67,9 @@ async def test_a_transfer_with_the_check_on_moves_the_kv_and_succeeds() -> None:
 @pytest.mark.asyncio
 @pytest.mark.parametrize("checked", [True, False], ids=["check-on", "check-off"])
 async def test_a_byte_flipped_in_flight_fails_the_transfer_naming_the_layer_and_the_block(checked: bool) -> None:
-    """The loopback fabric flips the last byte the WRITE lands (the last layer's V of D's last
-    block).  Without the check, what it is for: the transfer "succeeds" with a wrong byte in D."""
+    """The loopback fabric flips the first byte of the WRITE's last descriptor (the last layer's V,
+    from D's first block on).  Without the check, what it is for: the transfer "succeeds" with a
+    wrong byte in D."""
     faulty = LoopbackFabric(faults=FaultPlan(corrupt_ops={1}))
     pair = await EnginePair(faulty, config=CHECKED if checked else UNCHECKED).start()
     try:
@@ -76,10 +77,10 @@ async def test_a_byte_flipped_in_flight_fails_the_transfer_naming_the_layer_and_
         if checked:
             assert d.outcome is Outcome.FAILED
             last_layer = SMALL_SPEC.num_layers - 1
-            assert f"integrity: P -> D: the bytes that landed in layer {last_layer} and block 3 differ" in d.reason
+            assert f"integrity: P -> D: the bytes that landed in layer {last_layer} and block 1 differ" in d.reason
         else:
             assert d.ok and p.ok
-            assert not same_kv(pair.p_kv, [7], pair.d_kv, [3]) and same_kv(pair.p_kv, [5, 6], pair.d_kv, [1, 2])
+            assert not same_kv(pair.p_kv, [5], pair.d_kv, [1]) and same_kv(pair.p_kv, [6, 7], pair.d_kv, [2, 3])
     finally:
         await pair.close()
 

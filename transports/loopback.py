@@ -55,8 +55,8 @@ class FaultPlan:
     WRITE's notification reaches its target before the initiator hears it completed, and that
     completion waits for `LoopbackFabric.release_completions` (as on shared memory, where the
     target may answer before the initiator's loop sees its own completion).  A corrupted op
-    (`corrupt_ops`) lands with the last byte it writes flipped and reports success, as a bad link
-    or a wrong mapping would: nothing but an integrity check sees it.
+    (`corrupt_ops`) lands with the first byte of its last descriptor flipped and reports success,
+    as a bad link would: nothing but an integrity check sees it.
     """
 
     seed: int = 0
@@ -306,8 +306,7 @@ class LoopbackFabric:
         for dst, src, length in copies:
             ctypes.memmove(dst, src, length)
         if op.number in self.faults.corrupt_ops and copies:
-            dst, _, length = copies[-1]
-            flipped = ctypes.c_ubyte.from_address(dst + length - 1)
+            flipped = ctypes.c_ubyte.from_address(copies[-1][0])
             flipped.value ^= 0xFF
         if op.fail:
             initiator.complete(Completion(op.op_id, "injected op failure"))

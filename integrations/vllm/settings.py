@@ -75,6 +75,10 @@ class Settings:
     # networks of the control addresses it may dial, whatever a request's params name
     allowed_peers: tuple[str, ...] = ("*",)
     allowed_networks: tuple[str, ...] = DEFAULT_NETWORKS
+    # the end-to-end check (`kvflow.runtime.integrity`): P seals each WRITE with digests of its KV,
+    # D checks what landed before the request decodes (off: both sides hash every byte; host
+    # memory and P and D of the same KV spec only, for now); turn it on on both sides
+    integrity: bool = False
 
     def allow_list(self, ranks: bool = False) -> PeerAllowList:
         """The allow-list of vLLM engine ids, or (`ranks`) of the kvflow engines of their

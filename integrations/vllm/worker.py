@@ -141,6 +141,7 @@ class WorkerSide(ProducerSide):
             lease=settings.lease,
             allowed_peers=settings.allow_list(ranks=True),
             drain_timeout=SHUTDOWN_DRAIN,
+            integrity=settings.integrity,
         )
         port = self.port + self.rank if self.port else 0
         bind = f"tcp://{settings.host}:{port}"

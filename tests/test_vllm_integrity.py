@@ -1,0 +1,51 @@
+"""The integrity check through the vLLM connector (``kv_connector_extra_config``
+``{"integrity": true}`` on P and D), on vLLM's real scheduler and KV allocation (the stand-in,
+whose D checks every page it decodes from against P's).
+
+A byte flipped in flight fails D's request (vLLM's load-failure policy "fail") before D decodes
+a token; the same byte without the check reaches decode, which is what the check is for.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.v1.request import RequestStatus
+
+from kvflow.transports.loopback import FaultPlan, LoopbackFabric, install_fabric
+from tests.vllm_pairs import BLOCK_SIZE, dispatch, fabric, make_pair, move_and_check, settle
+
+
+def test_with_the_setting_on_both_sides_a_push_moves_checked_pages() -> None:
+    p, d = make_pair(extra={"integrity": True})
+    try:
+        move_and_check(p, d, "t-ok", 3 * BLOCK_SIZE)
+    finally:
+        d.close()
+        p.close()
+
+
+def flipped(integrity: bool) -> tuple[Any, Any, Any]:
+    """One request whose WRITE lands with a byte flipped: D's request and D, closed after."""
+    name = fabric()
+    install_fabric(name, LoopbackFabric(faults=FaultPlan(corrupt_ops={1})))
+    p, d = make_pair(extra={"fabric": name, "integrity": integrity, "transfer_timeout": 600.0})
+    try:
+        p_req, d_req = dispatch(p, d, "t-flip", 2 * BLOCK_SIZE)
+        settle((p, d), [p_req, d_req], limit=30.0)
+        return d_req, dict(d.checked), d
+    finally:
+        d.close()
+        p.close()
+
+
+def test_a_byte_flipped_in_flight_fails_ds_request_before_it_decodes() -> None:
+    d_req, checked, _ = flipped(integrity=True)
+    assert d_req.status == RequestStatus.FINISHED_ERROR and len(d_req.output_token_ids) == 0
+    assert checked == {}  # D never decoded from the pages
+
+
+def test_without_the_check_the_flipped_byte_reaches_decode() -> None:
+    d_req, checked, _ = flipped(integrity=False)
+    assert d_req.status == RequestStatus.FINISHED_LENGTH_CAPPED
+    assert checked[d_req.request_id] > 0  # the stand-in found pages that do not hold P's KV
