@@ -35,7 +35,7 @@ from kvflow.protocol.messages import (
 )
 from kvflow.protocol.state import Outcome
 from kvflow.runtime.engine import Engine, EngineConfig
-from kvflow.runtime.integrity import Integrity
+from kvflow.runtime.integrity import Integrity, sampled
 from kvflow.transports.loopback import FaultPlan, LoopbackFabric
 from kvflow_tools.testing import SMALL_SPEC, EnginePair, KVBuffers, same_kv
 
@@ -193,3 +193,21 @@ def test_p_refuses_to_seal_a_write_to_a_peer_of_another_kv_spec() -> None:
     with pytest.raises(InvalidBatch, match="same KV spec"):
         Integrity("P", p_kv.layout).seal(op, other.layout)
     assert decode_notification(Integrity("P", p_kv.layout).seal(op, p_kv.layout))[3] is not None
+
+
+def test_one_transfer_in_n_is_sealed_and_checked_the_same_ones_on_both_sides() -> None:
+    """`integrity_sample` N: P seals, and D demands a seal from, the same transfers (a digest of
+    the transfer id picks them), about one in N; the others go unsealed and unchecked."""
+    keys = [TransferKey(f"request-{i}", 1) for i in range(2000)]
+    picked = [key for key in keys if sampled(key, 4)]
+    assert 400 < len(picked) < 600 and all(sampled(key, 1) for key in keys)
+    p_kv, d_kv = KVBuffers(SMALL_SPEC, 4), KVBuffers(SMALL_SPEC, 4)
+    sealer, checker = Integrity("P", p_kv.layout, every=4), Integrity("D", d_kv.layout, every=4)
+    for key in (picked[0], next(key for key in keys if not sampled(key, 4))):
+        plain = encode_notification(key, 0, True)
+        op = SubmitOp(1, key, "D", OpKind.WRITE, (0,), (0,), None, plain)
+        sealed = decode_notification(sealer.seal(op, d_kv.layout))[3] is not None
+        unsealed = checker.check("P", plain, p_kv.layout, lambda key: (0,))
+        assert sealed is sampled(key, 4) and (unsealed is None) is (not sampled(key, 4)), (key, unsealed)
+    with pytest.raises(ConfigError, match="integrity_sample"):
+        EngineConfig(integrity=True, integrity_sample=0)

@@ -79,6 +79,7 @@ class Settings:
     # D checks what landed before the request decodes (off: both sides hash every byte; host
     # memory and P and D of the same KV spec only, for now); turn it on on both sides
     integrity: bool = False
+    integrity_sample: int = 1  # ... for one request in this many, the same ones on P and D
 
     def allow_list(self, ranks: bool = False) -> PeerAllowList:
         """The allow-list of vLLM engine ids, or (`ranks`) of the kvflow engines of their

@@ -142,6 +142,7 @@ class WorkerSide(ProducerSide):
             allowed_peers=settings.allow_list(ranks=True),
             drain_timeout=SHUTDOWN_DRAIN,
             integrity=settings.integrity,
+            integrity_sample=settings.integrity_sample,
         )
         port = self.port + self.rank if self.port else 0
         bind = f"tcp://{settings.host}:{port}"

@@ -56,9 +56,11 @@ class EngineConfig:
     # WRITE with digests of what it read, D checks what landed (off by default: it costs a hash of
     # every byte on both sides); both sides must turn it on
     integrity: bool = False
+    integrity_sample: int = 1  # ... for one transfer in this many (the same ones on both sides)
 
     def __post_init__(self) -> None:
-        """:raises ConfigError: a timeout, the lease, the heartbeat interval or a bound is out of range."""
+        """:raises ConfigError: a timeout, the lease, the heartbeat interval, a bound or the
+        integrity sample is out of range."""
         positive = (
             "transfer_timeout",
             "handshake_timeout",
@@ -75,5 +77,7 @@ class EngineConfig:
                 raise ConfigError(f"engine config {bound} must be >= 1")
         if self.inline_op_bytes < 0:
             raise ConfigError("engine config inline_op_bytes must be >= 0")
+        if type(self.integrity_sample) is not int or self.integrity_sample < 1:
+            raise ConfigError(f"engine config integrity_sample must be an integer >= 1, not {self.integrity_sample!r}")
         if self.heartbeat_interval is not None and not 0 < self.heartbeat_interval < self.lease:
             raise ConfigError("engine config heartbeat_interval must be in (0, lease)")

@@ -100,7 +100,8 @@ class Engine:
         executing = (self.config, self.assoc, self.core, self.counters, hooks, peer_thread)
         self._peers = PeerExecutor(engine_id, layout, transport, control, *executing)
         # the end-to-end check of what each WRITE carried (opt-in): P seals, D checks
-        self._integrity = Integrity(engine_id, layout) if self.config.integrity else None
+        checked = self.config.integrity
+        self._integrity = Integrity(engine_id, layout, self.config.integrity_sample) if checked else None
         self._handles: dict[tuple[TransferKey, Role], asyncio.Future[TransferResult]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._timer = DeadlineTimer()

@@ -10,15 +10,18 @@ or a planner that sent a block where another belonged, fails the transfer with t
 blocks and the two engines named.  One wrong byte changes one layer's digest and one block's.
 D with the check on refuses a WRITE that comes unsealed.
 
-Hashing is the `xxhash` package (C, about 13 GB/s on one core here) over the memory in place;
-host memory only (a VRAM region is refused when the engine is made), and P and D with the same
-KV spec (heterogeneous tensor parallelism and block sizes: refused, with why).  P hashes on the
-thread that plans and posts the WRITE; D, on its event loop as the notification arrives.
+`EngineConfig.integrity_sample` N checks one transfer in N, picked by a digest of its id so that
+P and D pick the same ones.  Hashing is the `xxhash` package (C, about 15 GiB/s on one core here)
+over the memory in place; host memory only (a VRAM region is refused when the engine is made),
+and P and D with the same KV spec (heterogeneous tensor parallelism and block sizes: refused,
+with why).  P hashes on the thread that plans and posts the WRITE; D, on its event loop as the
+notification arrives.
 """
 
 from __future__ import annotations
 
 import ctypes
+import hashlib
 from collections.abc import Callable, Sequence
 
 from kvflow.errors import ConfigError, InvalidBatch, PeerProtocolError
@@ -27,9 +30,10 @@ from kvflow.layout.spec import MemoryType, Region
 from kvflow.protocol.actions import SubmitOp
 from kvflow.protocol.messages import Seal, TransferKey, decode_notification, encode_notification
 
-__all__ = ("Integrity",)
+__all__ = ("Integrity", "sampled")
 
 Digests = tuple[tuple[int, int], ...]  # (layer or D block, digest), in order
+MAX_EVERY = 1 << 20
 
 
 def _hasher() -> Callable[[bytes | memoryview], int]:
@@ -45,8 +49,15 @@ def _hasher() -> Callable[[bytes | memoryview], int]:
 class Integrity:
     """Seals (P) and checks (D) the WRITEs of one engine, whose KV cache is `layout`."""
 
-    def __init__(self, engine_id: str, layout: KVLayout) -> None:
-        """:raises ConfigError: a region of `layout` is not host memory, or xxhash is missing."""
+    def __init__(self, engine_id: str, layout: KVLayout, every: int = 1) -> None:
+        """Checks one transfer in `every` (1: each), the same ones on both sides (`sampled`).
+
+        :raises ConfigError: a region of `layout` is not host memory, `every` is not a positive
+            integer, or xxhash is missing.
+        """
+        if type(every) is not int or not 0 < every <= MAX_EVERY:
+            raise ConfigError(f"integrity_sample must be an integer in 1..{MAX_EVERY}, not {every!r}")
+        self.every = every
         device = [i for i, region in enumerate(layout.regions) if region.memory is not MemoryType.DRAM]
         if device:
             raise ConfigError(f"the integrity check reads host memory; regions {device} are device memory")
@@ -68,6 +79,8 @@ class Integrity:
                 f"parallelism and block sizes are not checked yet): {self.layout.spec} and {remote.spec}"
             )
         key, batch, last, _ = decode_notification(op.notification)
+        if not sampled(key, self.every):
+            return op.notification
         layers, blocks = self._digests(op.local_blocks, op.remote_blocks, op.layers)
         seal = Seal(op.remote_blocks, op.layers, layers, blocks)
         return encode_notification(key, batch, last, seal)
@@ -84,6 +97,8 @@ class Integrity:
         except PeerProtocolError:
             return None
         where = f"{peer} -> {self.engine_id}"
+        if seal is None and not sampled(key, self.every):
+            return None
         if seal is None:
             return f"integrity: {where}: P's WRITE came without digests (P's integrity check is off)"
         strangers = sorted(set(seal.blocks) - set(registered(key)))
@@ -119,6 +134,13 @@ class Integrity:
         return tuple(
             (key, self.hash(b"".join(d.to_bytes(8, "little") for d in units))) for key, units in groups.items()
         )
+
+
+def sampled(key: TransferKey, every: int) -> bool:
+    """Whether the transfer `key` is one of the one in `every` checked: by a digest of its id, so
+    that P and D, told the same `every`, pick the same transfers.  Never raises."""
+    tag = hashlib.blake2b(key.transfer_id.encode("utf-8", "surrogatepass"), digest_size=8).digest()
+    return every <= 1 or int.from_bytes(tag, "little") % every == 0
 
 
 def _view(region: Region) -> memoryview:
