@@ -78,9 +78,11 @@ async def test_a_byte_flipped_in_flight_fails_the_transfer_naming_the_layer_and_
             assert d.outcome is Outcome.FAILED
             last_layer = SMALL_SPEC.num_layers - 1
             assert f"integrity: P -> D: the bytes that landed in layer {last_layer} and block 1 differ" in d.reason
+            assert pair.d.stats()["integrity_mismatches"] == 1
         else:
             assert d.ok and p.ok
             assert not same_kv(pair.p_kv, [5], pair.d_kv, [1]) and same_kv(pair.p_kv, [6, 7], pair.d_kv, [2, 3])
+            assert pair.d.stats()["integrity_mismatches"] == 0
     finally:
         await pair.close()
 

@@ -5,29 +5,13 @@ line) and `PrometheusStatLogger` (the rendered registry); real transfers, bytes 
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import zmq
 from vllm.v1.request import RequestStatus
 
 from kvflow.integrations.vllm.stats import IN_FLIGHT_STATES, KVFlowConnectorStats
 from kvflow.transports.loopback import FaultPlan, LoopbackFabric, install_fabric
-from kvflow_tools.standin import StandInEngine
 from tests.vllm_compat_stats import StatLoggers, expected_bytes
-from tests.vllm_pairs import BLOCK_SIZE, dispatch, fabric, make_pair, params, settle
-from tests.vllm_pairs import run as run_until
-
-
-def _stepping(engines: tuple[StandInEngine, ...], condition: Callable[[], bool], limit: float = 10.0) -> None:
-    """Step every engine, busy or idle (later requests would make them step), until
-    `condition()` holds; fails past `limit` seconds."""
-
-    def stepped() -> bool:
-        for engine in engines:
-            engine.step()
-        return condition()
-
-    run_until((), stepped, limit)
+from tests.vllm_pairs import BLOCK_SIZE, dispatch, fabric, make_pair, params, settle, stepping
 
 
 def test_both_ranks_figures_reach_vllms_log_line_and_prometheus() -> None:
@@ -64,7 +48,7 @@ def test_both_ranks_figures_reach_vllms_log_line_and_prometheus() -> None:
                 for engine in (0, 1)
             )
 
-        _stepping((p, d), settled)  # every rank's verdict, and the gauges, at vLLM's Prometheus logger
+        stepping((p, d), settled)  # every rank's verdict, and the gauges, at vLLM's Prometheus logger
         assert loggers.total(1).data["outcomes"] == {"succeeded": 2 * len(prompts)}
         assert loggers.metric("vllm:kvflow_num_failed_transfers_total", 0) == 0
 
@@ -92,7 +76,7 @@ def test_a_failed_write_shows_in_the_failures_on_both_sides() -> None:
         def failed_on_both() -> bool:
             return all(loggers.metric("vllm:kvflow_num_failed_transfers_total", e) == 1 for e in (0, 1))
 
-        _stepping((p, d), failed_on_both)
+        stepping((p, d), failed_on_both)
         assert loggers.total(0).num_timed_transfers == 0  # a failed transfer is not timed
         assert loggers.metric("vllm:kvflow_num_successful_transfers_total", 0) == 0
         for engine in (0, 1):
@@ -115,7 +99,7 @@ def test_in_flight_gauges_and_rejected_frames() -> None:
         def registered() -> bool:
             return loggers.metric("vllm:kvflow_transfers_in_flight", 1, state="registered") == 2
 
-        _stepping((d,), registered)  # both D ranks' registrations in vLLM's in-flight gauge
+        stepping((d,), registered)  # both D ranks' registrations in vLLM's in-flight gauge
 
         context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         with context.socket(zmq.DEALER) as stranger:
@@ -126,7 +110,7 @@ def test_in_flight_gauges_and_rejected_frames() -> None:
             def rejected() -> bool:
                 return loggers.metric("vllm:kvflow_rejected_frames_total", 0, reason="shape") >= 1
 
-            _stepping((p,), rejected)
+            stepping((p,), rejected)
 
         p_req = p.add("p-t-wait", 2 * BLOCK_SIZE, 1, {"do_remote_decode": True, "kvflow": kv}, tag="t-wait")
         settle((p, d), [p_req, d_req])
@@ -139,7 +123,7 @@ def test_in_flight_gauges_and_rejected_frames() -> None:
                 for s in IN_FLIGHT_STATES
             )
 
-        _stepping((p, d), drained)  # the in-flight gauges back at zero
+        stepping((p, d), drained)  # the in-flight gauges back at zero
     finally:
         d.close()
         p.close()

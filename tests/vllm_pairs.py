@@ -116,6 +116,18 @@ def run(engines: tuple[StandInEngine, ...], until: Callable[[], bool], limit: fl
         time.sleep(0.001)
 
 
+def stepping(engines: tuple[StandInEngine, ...], condition: Callable[[], bool], limit: float = 10.0) -> None:
+    """Step every engine, busy or idle (later requests would make them step), until
+    `condition()` holds; fails past `limit` seconds."""
+
+    def stepped() -> bool:
+        for engine in engines:
+            engine.step()
+        return condition()
+
+    run((), stepped, limit)
+
+
 def dispatch(p: StandInEngine, d: StandInEngine, tid: str, prompt_len: int, mode: str = "push") -> tuple[Any, Any]:
     """The router: both legs at once, the same transfer id, each told where the other is."""
     kv = params(p, d, tid, mode)

@@ -43,6 +43,7 @@ ENGINE_REJECTIONS = {
     "protocol_violations": "protocol_violation",
     "rejected_registrations": "rejected_registration",
     "over_quota": "over_quota",
+    "integrity_mismatches": "integrity_mismatch",  # a WRITE D's integrity check failed
 }
 
 PeerWire = Sequence[Any]  # [engine, address, tp_size]: a `PeerRef` as plain data

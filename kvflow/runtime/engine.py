@@ -522,6 +522,7 @@ class Engine:
             if (layout := self.assoc.layouts.get(note.peer)) is not None:
                 check = self._integrity.check if self._integrity is not None else None
                 problem = check(note.peer, note.payload, layout, self.core.registered) if check else None
+                self.counters.integrity_mismatches += problem is not None
                 self._run(self.core.notification(note.peer, note.payload, now, problem))
             else:
                 self.counters.notifications_from_unknown += 1

@@ -32,6 +32,7 @@ class EngineCounters:
     finished_dropped: int = 0  # ... and `Engine.finished`
     bytes_written: int = 0  # by the WRITEs this engine submitted (push P)
     bytes_read: int = 0  # by the READs this engine submitted (pull D)
+    integrity_mismatches: int = 0  # WRITEs D's integrity check failed (`kvflow.runtime.integrity`)
 
     def posted(self, write: bool, nbytes: int) -> None:
         """An op this engine submitted moves `nbytes`: a WRITE (push P) or a READ (pull D)."""
