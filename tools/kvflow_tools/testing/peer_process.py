@@ -126,6 +126,7 @@ class Peer:
             # engine's queues, which would otherwise keep 65,536 records each (memory that grows
             # with every transfer up to then, and a soak that counts memory must not see it)
             results_kept=64,
+            integrity=args.integrity,
         )
         control = ZmqControl(args.name, args.bind, curve=not args.no_curve)
         self.engine = Engine(args.name, layout, self.transport, control, config=config, on_release=self.released)
@@ -272,6 +273,7 @@ if __name__ == "__main__":
     parser.add_argument("--fault-seed", type=int, default=0, help="seed of the injected faults")
     parser.add_argument("--misstamp-every", type=int, default=0, help="every Nth kv_ready stamps another seed")
     parser.add_argument("--nofile", type=int, default=0, help="soft and hard open-files limit (0: inherited)")
+    parser.add_argument("--integrity", action="store_true", help="seal WRITEs with digests, check what lands")
     arguments = parser.parse_args()
     if arguments.nofile:  # soft and hard alike: the channel raises a soft limit to the hard one
         resource.setrlimit(resource.RLIMIT_NOFILE, (arguments.nofile, arguments.nofile))
