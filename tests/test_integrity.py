@@ -186,6 +186,7 @@ def test_d_checks_only_blocks_it_registered_and_leaves_a_malformed_payload_to_th
     beyond = encode_notification(KEY, 0, True, Seal((1,), (0, 9), (), ()))
     assert "its layers (0, 9) are not D's" in (check("P", beyond, kv.layout, lambda key: (1,)) or "")
     assert check("P", b"\xc1 not msgpack", kv.layout, lambda key: ()) is None
+    assert check("P", stranger, kv.layout, lambda key: ()) is None  # no such transfer: the inbox counts it
 
 
 def test_p_refuses_to_seal_a_write_to_a_peer_of_another_kv_spec() -> None:

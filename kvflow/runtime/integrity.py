@@ -96,12 +96,12 @@ class Integrity:
             key, _, _, seal = decode_notification(payload)
         except PeerProtocolError:
             return None
-        where = f"{peer} -> {self.engine_id}"
-        if seal is None and not sampled(key, self.every):
-            return None
+        where, mine = f"{peer} -> {self.engine_id}", registered(key)
+        if not mine or (seal is None and not sampled(key, self.every)):
+            return None  # no such transfer here (the inbox counts it), or one not checked
         if seal is None:
             return f"integrity: {where}: P's WRITE came without digests (P's integrity check is off)"
-        strangers = sorted(set(seal.blocks) - set(registered(key)))
+        strangers = sorted(set(seal.blocks) - set(mine))
         if strangers:
             return f"integrity: {where}: P's WRITE names blocks {strangers[:8]} D did not register for {key}"
         spans = seal.layers or (0, self.layout.spec.num_layers)
