@@ -196,6 +196,9 @@ def test_p_refuses_to_seal_a_write_to_a_peer_of_another_kv_spec() -> None:
     with pytest.raises(InvalidBatch, match="same KV spec"):
         Integrity("P", p_kv.layout).seal(op, other.layout)
     assert decode_notification(Integrity("P", p_kv.layout).seal(op, p_kv.layout))[3] is not None
+    # a transfer sampling leaves unchecked goes unsealed, whatever the peer's spec
+    every = next(n for n in range(2, 100) if not sampled(KEY, n))
+    assert Integrity("P", p_kv.layout, every=every).seal(op, other.layout) == op.notification
 
 
 def test_one_transfer_in_n_is_sealed_and_checked_the_same_ones_on_both_sides() -> None:

@@ -70,17 +70,17 @@ class Integrity:
         """`op`'s notification with the digests of the blocks it reads here (P, a WRITE to a peer
         whose KV cache is `remote`).
 
-        :raises InvalidBatch: the peer's KV spec differs from this side's (not supported yet), or
-            the digests do not fit in a notification.
+        :raises InvalidBatch: a transfer checked (`sampled`) goes to a peer whose KV spec differs
+            from this side's (not supported yet), or its digests do not fit in a notification.
         """
+        key, batch, last, _ = decode_notification(op.notification)
+        if not sampled(key, self.every):
+            return op.notification
         if remote.spec != self.layout.spec or op.fine_start or len(op.local_blocks) != len(op.remote_blocks):
             raise InvalidBatch(
                 f"{op.key}: the integrity check needs P and D with the same KV spec (heterogeneous tensor "
                 f"parallelism and block sizes are not checked yet): {self.layout.spec} and {remote.spec}"
             )
-        key, batch, last, _ = decode_notification(op.notification)
-        if not sampled(key, self.every):
-            return op.notification
         layers, blocks = self._digests(op.local_blocks, op.remote_blocks, op.layers)
         seal = Seal(op.remote_blocks, op.layers, layers, blocks)
         return encode_notification(key, batch, last, seal)
