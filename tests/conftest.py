@@ -23,7 +23,8 @@ from kvflow_tools.children import import_path
 if TYPE_CHECKING:
     from tests.hostile import Zmq
 
-os.environ["PYTHONPATH"] = import_path()  # the engine processes run this checkout's code
+# the engine processes run this checkout's code (before whatever PYTHONPATH already names)
+os.environ["PYTHONPATH"] = os.pathsep.join([import_path(), *filter(None, [os.environ.get("PYTHONPATH")])])
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
