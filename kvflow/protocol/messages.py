@@ -3,7 +3,8 @@
 Why a separate module: the core produces and consumes these as plain frozen dataclasses; how
 they travel (in-process hub, msgpack over ZeroMQ) is the control channel's business.  Only the
 WRITE notification is encoded here, because it rides inside the data plane (a NIXL notification
-or the loopback transport's) and the core must parse whatever bytes arrive there.
+or the loopback transport's) and the core must parse whatever bytes arrive there; with the
+integrity check on it carries a `Seal`, the digests of what the WRITE moved.
 
 Times never cross the wire as absolute values: hosts do not share a clock, so a registration
 carries a time-to-live in seconds and the receiver turns it into its own deadline.
