@@ -100,7 +100,8 @@ class Integrity:
         if not mine or (seal is None and not sampled(key, self.every)):
             return None  # no such transfer here (the inbox counts it), or one not checked
         if seal is None:
-            return f"integrity: {where}: P's WRITE came without digests (P's integrity check is off)"
+            why = "P's integrity check is off, or samples with another integrity_sample"
+            return f"integrity: {where}: P's WRITE came without digests ({why})"
         strangers = sorted(set(seal.blocks) - set(mine))
         if strangers:
             return f"integrity: {where}: P's WRITE names blocks {strangers[:8]} D did not register for {key}"
