@@ -191,10 +191,13 @@ def connection_flood(
     hold: float = 5.0,
     per_second: float = 0.0,
     halfway: threading.Event | None = None,
+    stop: threading.Event | None = None,
 ) -> AttackStats:
     """Open `connections` idle TCP connections to `address` (at most `per_second` a second; 0:
-    as fast as possible), each held until the target closes it or `hold` seconds pass; `halfway`
-    is set once half of them were opened.  `refused` counts connections the target refused or closed."""
+    as fast as possible), each held until the target closes it or `hold` seconds pass (`math.inf`:
+    until the target closes it); `halfway` is set once half of them were opened.  Once `stop` is
+    set, no more are opened and every one held is closed.  `refused` counts connections the target
+    refused or closed."""
     host, port = _host_port(address)
     start = time.monotonic()
     selector = selectors.DefaultSelector()
@@ -224,6 +227,8 @@ def connection_flood(
 
     try:
         for i in range(connections):
+            if stop is not None and stop.is_set():
+                break
             if per_second > 0:
                 while time.monotonic() < start + i / per_second:
                     reap(0.001)
@@ -241,7 +246,7 @@ def connection_flood(
             if i % 64 == 0:
                 reap(0)
         opened_in = time.monotonic() - start
-        while opened:
+        while opened and not (stop is not None and stop.is_set()):
             reap(0.05)
     finally:
         for sock in opened:

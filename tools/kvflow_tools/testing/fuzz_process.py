@@ -19,6 +19,7 @@ import json
 import os
 import resource
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict
@@ -111,7 +112,13 @@ def recorded_replay(address: str, secret: Secret, *, copies: int) -> AttackStats
 
 
 def _plan(
-    address: str, scale: int, secret: Secret, curve: bool, per_second: float = 0.0
+    address: str,
+    scale: int,
+    secret: Secret,
+    curve: bool,
+    per_second: float = 0.0,
+    hold: float = 5.0,
+    stop: threading.Event | None = None,
 ) -> list[tuple[str, Callable[[], AttackStats]]]:
     keys = curve_keys(secret)
     plan: list[tuple[str, Callable[[], AttackStats]]] = []
@@ -120,7 +127,10 @@ def _plan(
     plan += [
         ("bad_mac_flood", lambda: bad_mac_flood(address, frames=scale, frame_bytes=FRAME_BYTES, seconds=60.0)),
         ("insider_bad_mac", lambda: insider_bad_mac(address, secret, frames=scale)),
-        ("connection_flood", lambda: connection_flood(address, connections=scale, hold=5.0, per_second=per_second)),
+        (
+            "connection_flood",
+            lambda: connection_flood(address, connections=scale, hold=hold, per_second=per_second, stop=stop),
+        ),
         ("squat_identity", lambda: squat_identity(address, b"D", hold=2.0, keys=keys)),
         ("replay", lambda: recorded_replay(address, secret, copies=min(max(scale // 100, 1), 50))),
     ]
@@ -140,6 +150,13 @@ def _all_descriptors() -> None:
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
+def _set_at_eof(stop: threading.Event) -> None:
+    """Set `stop` once stdin ends: the parent closed it, or exited."""
+    while os.read(sys.stdin.fileno(), 4096):
+        pass
+    stop.set()
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run every attack in turn; a line per attack's beginning and end on stdout.
 
@@ -151,6 +168,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--per-second", type=float, default=0.0, help="connection_flood: connections a second (0: as fast as it can)"
     )
+    parser.add_argument(
+        "--hold", type=float, default=5.0, help="connection_flood: seconds to hold each (inf: till the target closes)"
+    )
+    parser.add_argument(
+        "--until-stdin-closes",
+        action="store_true",
+        help="connection_flood: stop opening, and close every connection held, when stdin closes",
+    )
     parser.add_argument("--no-curve", action="store_true", help="the target does not use CURVE")
     parser.add_argument("--attack", choices=ATTACKS, action="append", help="run only this attack (repeatable)")
     args = parser.parse_args(argv)
@@ -158,7 +183,11 @@ def main(argv: list[str] | None = None) -> int:
     secret = secret_from_env()
     if secret is None:
         raise ConfigError("the insider attacks need KVFLOW_SECRET")
-    for name, attack in _plan(args.address, args.scale, secret, not args.no_curve, args.per_second):
+    stop = threading.Event() if args.until_stdin_closes else None
+    if stop is not None:
+        threading.Thread(target=_set_at_eof, args=(stop,), daemon=True).start()
+    plan = _plan(args.address, args.scale, secret, not args.no_curve, args.per_second, args.hold, stop)
+    for name, attack in plan:
         if args.attack and name not in args.attack:
             continue
         _emit(event="begin", attack=name, t=time.monotonic())

@@ -40,7 +40,7 @@ import numpy as np
 import numpy.typing as npt
 
 import kvflow.control.wire
-from kvflow.control.zeromq import ZmqControl
+from kvflow.control.zeromq import HANDSHAKE_TIMEOUT, ZmqControl
 from kvflow.errors import KVFlowError
 from kvflow.layout import KVLayout, KVSpec
 from kvflow.layout.buffers import region_of
@@ -128,7 +128,7 @@ class Peer:
             results_kept=64,
             integrity=args.integrity,
         )
-        control = ZmqControl(args.name, args.bind, curve=not args.no_curve)
+        control = ZmqControl(args.name, args.bind, curve=not args.no_curve, handshake_timeout=args.handshake_timeout)
         self.engine = Engine(args.name, layout, self.transport, control, config=config, on_release=self.released)
 
     def released(self, release: ReleaseBlocks) -> None:
@@ -272,6 +272,9 @@ if __name__ == "__main__":
     parser.add_argument("--drop-notifications", type=float, default=0.0, help="shm: lose this fraction of them")
     parser.add_argument("--fault-seed", type=int, default=0, help="seed of the injected faults")
     parser.add_argument("--misstamp-every", type=int, default=0, help="every Nth kv_ready stamps another seed")
+    parser.add_argument(
+        "--handshake-timeout", type=float, default=HANDSHAKE_TIMEOUT, help="seconds a stranger has to authenticate"
+    )
     parser.add_argument("--nofile", type=int, default=0, help="soft and hard open-files limit (0: inherited)")
     parser.add_argument("--integrity", action="store_true", help="seal WRITEs with digests, check what lands")
     arguments = parser.parse_args()
