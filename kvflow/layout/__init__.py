@@ -1,7 +1,8 @@
 """KV-cache layouts: the pure mapping from logical block ids to registered byte ranges.
 
 `spec` describes a cache (`KVSpec`, `KVLayout`, the fingerprint two peers compare), `plan` turns
-block ids into coalesced descriptors, `pages` reads strided pages from a view's strides,
+block ids into coalesced descriptors, `heads` says where each KV head's tokens sit in a block
+(for the planner and the integrity check), `pages` reads strided pages from a view's strides,
 `groups` says which layers share a block table and which positions each keeps, `states` slices
 Mamba / linear-attention state pages between ranks of different tensor parallelism, and
 `buffers` turns numpy arrays and torch tensors into `Region`s.  No I/O, no clock.

@@ -30,7 +30,8 @@ import numpy.typing as npt
 
 from kvflow.errors import InvalidBatch, LayoutMismatch
 from kvflow.layout.groups import group_of
-from kvflow.layout.spec import KVLayout, heads_outer
+from kvflow.layout.heads import head_runs
+from kvflow.layout.spec import KVLayout
 from kvflow.layout.states import parse_split, state_runs
 
 __all__ = ("Descriptor", "DescriptorPlan", "plan_transfer")
@@ -224,55 +225,6 @@ def _plan_state(
     return DescriptorPlan(local_region, local_offset, remote_region, remote_offset, length, int(length.size))
 
 
-@dataclass(frozen=True)
-class _Units:
-    """Per (layer, head, sub-array) of one side: where its run of a block starts
-    (``base + block * stride``), and the bytes of one token of it."""
-
-    region: npt.NDArray[np.int64]
-    base: npt.NDArray[np.int64]
-    stride: npt.NDArray[np.int64]
-    token_bytes: int
-
-
-def _units(layout: KVLayout, layers: tuple[int, int], heads: range, whole: bool) -> _Units:
-    """Where each (layer, head in `heads`, sub-array) of `layout` sits in a block, in the same
-    order on both sides.  `whole`: both sides hold the same heads, so a tokens-outside-heads
-    layout moves every head of a token range at once (one unit per array).
-
-    :raises LayoutMismatch: the layout cannot give a head's tokens as one run of bytes.
-    """
-    spec = layout.spec
-    n_arrays, n_heads, block_len = spec.arrays_per_layer, spec.num_kv_heads, spec.block_len
-    places: list[tuple[int, int]]
-    if not heads_outer(spec.kv_layout):
-        if not whole:
-            raise LayoutMismatch(
-                "kv_layout", spec.kv_layout, spec.kv_layout, detail="tokens outside heads: a head is no run of bytes"
-            )
-        places, per_array = [(j, 0) for j in range(n_arrays)], 1  # each array's block is [tokens, ...]
-    elif n_arrays % n_heads == 0:  # one or more arrays per head (heads outside blocks: LHBNC, BHLNC)
-        per_head = n_arrays // n_heads
-        places = [((h - spec.head_start) * per_head + j, 0) for h in heads for j in range(per_head)]
-        per_array = 1
-    else:  # every array holds all the rank's heads, head-major: [heads, tokens, ...]
-        share = block_len // n_heads
-        places = [(j, (h - spec.head_start) * share) for h in heads for j in range(n_arrays)]
-        per_array = n_heads
-    token_bytes, rest = divmod(block_len, per_array * spec.block_size)
-    if rest:
-        raise LayoutMismatch(
-            "block_len", block_len, per_array * spec.block_size, detail="a block does not split into whole tokens"
-        )
-    rows = [
-        (array.region, array.offset + inner, array.stride)
-        for layer in range(*layers)
-        for array, inner in ((layout.layer_arrays(layer)[j], inner) for j, inner in places)
-    ]
-    region, base, stride = (np.array(column, dtype=np.int64) for column in zip(*rows, strict=True))
-    return _Units(region, base, stride, token_bytes)
-
-
 def _plan_sliced(
     local: KVLayout,
     remote: KVLayout,
@@ -306,7 +258,7 @@ def _plan_sliced(
             f"{coarse_ids.size} blocks of {coarse_size}"
         )
     whole = ls.heads == rs.heads
-    lu, ru = _units(local, layers, heads, whole), _units(remote, layers, heads, whole)
+    lu, ru = head_runs(local, layers, heads, whole), head_runs(remote, layers, heads, whole)
     if lu.token_bytes != ru.token_bytes or lu.base.size != ru.base.size:
         raise LayoutMismatch(
             "arrays_per_layer", ls.arrays_per_layer, rs.arrays_per_layer, detail="a head's runs differ in shape"
