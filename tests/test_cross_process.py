@@ -47,7 +47,9 @@ def test_sealed_writes_cross_each_transport_and_are_checked(prefix: str, transpo
     """With the integrity check on, each WRITE's notification carries its digests (over 900 bytes
     here, past the 512 a notification held before) through shared memory and NIXL-UCX."""
     blocks, sources = list(range(100)), list(range(100, 200))
-    seal = Seal(tuple(blocks), None, ((0, 2**64 - 1), (1, 2**64 - 1)), tuple((b, 2**64 - 1) for b in blocks))
+    seal = Seal(
+        tuple(blocks), None, 0, len(blocks), ((0, 2**64 - 1), (1, 2**64 - 1)), tuple((b, 2**64 - 1) for b in blocks)
+    )
     assert len(encode_notification(TransferKey("r", 1), 0, True, seal)) > 900
     p, d = start_pair(prefix, "--integrity", "--blocks", "200", *TRANSPORTS[transport])
     try:

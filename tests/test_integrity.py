@@ -4,7 +4,9 @@ its KV, D checks what landed before the batch counts.
 Real engines over the loopback fabric: a byte flipped in flight and a planner that sends a block
 where another belongs each fail the transfer with the layer, the block and the two engines
 named; a clean transfer with the check on moves the same bytes as one without; a seal is
-checked as hostile input (any bytes decode or are refused, never raise anything else).
+checked as hostile input (any bytes decode or are refused, never raise anything else).  Between
+ranks of other tensor parallelism and block sizes (the planner's property-test cases), the
+check passes what the plan moved and fails a flipped byte or a swapped block.
 """
 
 from __future__ import annotations
@@ -14,8 +16,10 @@ from dataclasses import replace
 from typing import Any
 
 import msgpack
+import numpy as np
+import numpy.typing as npt
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvflow.runtime.engine as engine_module
@@ -38,6 +42,8 @@ from kvflow.runtime.engine import Engine, EngineConfig
 from kvflow.runtime.integrity import Integrity, sampled
 from kvflow.transports.loopback import FaultPlan, LoopbackFabric
 from kvflow_tools.testing import SMALL_SPEC, EnginePair, KVBuffers, same_kv
+from tests.test_layout_hetero import Case as HeteroCase
+from tests.test_layout_hetero import cases as hetero_cases
 
 CHECKED = EngineConfig(
     core=CoreConfig(fence_timeout=0.5, retention=5.0), transfer_timeout=5.0, drain_timeout=2.0, integrity=True
@@ -143,7 +149,7 @@ def test_device_memory_is_refused_when_the_engine_is_made() -> None:
 
 
 KEY = TransferKey("r", 1)
-SEAL = Seal((1, 2), (0, 2), ((0, 11), (1, 12)), ((1, 2**64 - 1), (2, 0)))
+SEAL = Seal((1, 2), (0, 2), 1, 3, ((0, 11), (1, 12)), ((1, 2**64 - 1), (2, 0)))
 
 
 def test_a_seal_round_trips_and_a_plain_notification_has_none() -> None:
@@ -153,7 +159,7 @@ def test_a_seal_round_trips_and_a_plain_notification_has_none() -> None:
 
 def test_a_seal_too_large_for_a_notification_is_refused_when_sealing() -> None:
     many = tuple(range(3000))
-    seal = Seal(many, None, (), tuple((block, 7) for block in many))
+    seal = Seal(many, None, 0, len(many), (), tuple((block, 7) for block in many))
     with pytest.raises(InvalidBatch, match=f"over {MAX_NOTIFICATION_BYTES}: push in smaller batches"):
         encode_notification(KEY, 0, False, seal)
 
@@ -181,24 +187,72 @@ def test_any_seal_a_peer_sends_decodes_or_is_refused_as_a_protocol_error(seal: A
 def test_d_checks_only_blocks_it_registered_and_leaves_a_malformed_payload_to_the_inbox() -> None:
     kv = KVBuffers(SMALL_SPEC, 8)
     check = Integrity("D", kv.layout).check
-    stranger = encode_notification(KEY, 0, True, Seal((1, 6), None, (), ()))
+    stranger = encode_notification(KEY, 0, True, Seal((1, 6), None, 0, 2, (), ()))
     assert "names blocks [6] D did not register for" in (check("P", stranger, kv.layout, lambda key: (1, 2)) or "")
-    beyond = encode_notification(KEY, 0, True, Seal((1,), (0, 9), (), ()))
-    assert "its layers (0, 9) are not D's" in (check("P", beyond, kv.layout, lambda key: (1,)) or "")
+    beyond = encode_notification(KEY, 0, True, Seal((1,), (0, 9), 0, 1, (), ()))
+    assert "does not map onto D's KV cache: layers 0..9 outside" in (
+        check("P", beyond, kv.layout, lambda key: (1,)) or ""
+    )
+    unfilled = encode_notification(KEY, 0, True, Seal((1,), None, 0, 2, (), ()))  # 2 P blocks in one D block
+    assert "2 P blocks from position 0" in (check("P", unfilled, kv.layout, lambda key: (1,)) or "")
     assert check("P", b"\xc1 not msgpack", kv.layout, lambda key: ()) is None
     assert check("P", stranger, kv.layout, lambda key: ()) is None  # no such transfer: the inbox counts it
 
 
-def test_p_refuses_to_seal_a_write_to_a_peer_of_another_kv_spec() -> None:
-    """Heterogeneous tensor parallelism and block sizes are not checked yet: said, not guessed."""
-    p_kv, other = KVBuffers(SMALL_SPEC, 4), KVBuffers(replace(SMALL_SPEC, block_size=8), 4)
+def test_p_refuses_to_seal_a_write_its_planner_would_refuse_and_leaves_unsampled_ones_unsealed() -> None:
+    p_kv, other = KVBuffers(SMALL_SPEC, 4), KVBuffers(replace(SMALL_SPEC, block_size=6), 4)
     op = SubmitOp(1, KEY, "D", OpKind.WRITE, (0,), (0,), None, encode_notification(KEY, 0, True))
-    with pytest.raises(InvalidBatch, match="same KV spec"):
-        Integrity("P", p_kv.layout).seal(op, other.layout)
+    with pytest.raises(InvalidBatch, match="cannot read this WRITE: .*do not fill blocks of 6"):
+        Integrity("P", p_kv.layout).seal(op, other.layout)  # blocks of 4 tokens and of 6
     assert decode_notification(Integrity("P", p_kv.layout).seal(op, p_kv.layout))[3] is not None
     # a transfer sampling leaves unchecked goes unsealed, whatever the peer's spec
     every = next(n for n in range(2, 100) if not sampled(KEY, n))
     assert Integrity("P", p_kv.layout, every=every).seal(op, other.layout) == op.notification
+
+
+def _in_memory(layout: KVLayout) -> tuple[KVLayout, npt.NDArray[np.uint8]]:
+    """`layout` over real memory of its size (the planner's tests give made-up addresses)."""
+    (region,) = layout.regions
+    memory = np.zeros(region.length, dtype=np.uint8)
+    return replace(layout, regions=(Region(memory.ctypes.data, region.length),)), memory
+
+
+def _write(plan: DescriptorPlan, source: npt.NDArray[np.uint8], target: npt.NDArray[np.uint8]) -> list[int]:
+    """Do what the plan's descriptors say (one region each side); the target offsets written."""
+    written: list[int] = []
+    for d in plan:
+        target[d.remote_offset : d.remote_offset + d.length] = source[d.local_offset : d.local_offset + d.length]
+        written += range(d.remote_offset, d.remote_offset + d.length)
+    return written
+
+
+@settings(max_examples=150, deadline=None)
+@given(hetero_cases(), st.randoms(use_true_random=False))
+def test_heterogeneous_ranks_and_block_sizes_check_what_each_write_carries(case: HeteroCase, rng: Any) -> None:
+    """Any pair of ranks the planner moves KV between (other tensor parallelism: the heads both
+    hold; other block sizes: P's blocks at token offsets in D's, from any `fine_start`): a WRITE
+    that moved what the plan says passes D's check; one byte of it flipped, or D's first two
+    blocks swapped in the plan (where that changes D's bytes), fails it naming a block."""
+    (p, p_memory), (d, d_memory) = _in_memory(case[0]), _in_memory(case[1])
+    lids, rids, layers, start = case[2], case[3], (case[4].start, case[4].stop), case[5]
+    p_memory[:] = np.frombuffer(rng.randbytes(p_memory.size), dtype=np.uint8)
+    d_memory[:] = np.frombuffer(rng.randbytes(d_memory.size), dtype=np.uint8)
+    op = SubmitOp(1, KEY, "D", OpKind.WRITE, tuple(lids), tuple(rids), layers, encode_notification(KEY, 0), start)
+    sealed = Integrity("P", p).seal(op, d)
+    check = Integrity("D", d).check
+    clean = d_memory.copy()
+    written = _write(plan_transfer(p, d, lids, rids, layers, fine_start=start), p_memory, d_memory)
+    assert check("P", sealed, p, lambda key: rids) is None
+    flipped = rng.choice(written)
+    d_memory[flipped] ^= 0x01
+    assert "differ from what P holds" in (check("P", sealed, p, lambda key: rids) or "")
+    if len(rids) > 1:
+        d_memory[flipped] ^= 0x01
+        faithful, d_memory[:] = d_memory.copy(), clean
+        swapped = [rids[1], rids[0], *rids[2:]]
+        _write(plan_transfer(p, d, lids, swapped, layers, fine_start=start), p_memory, d_memory)
+        if (d_memory[written] != faithful[written]).any():  # tiny random blocks can be equal
+            assert "differ from what P holds" in (check("P", sealed, p, lambda key: rids) or "")
 
 
 def test_one_transfer_in_n_is_sealed_and_checked_the_same_ones_on_both_sides() -> None:

@@ -296,11 +296,15 @@ ControlMessage = Message | Hello | Heartbeat | Goodbye | Reject  # everything a 
 @dataclass(frozen=True, slots=True)
 class Seal:
     """What one WRITE carried, in its notification when P's integrity check is on: the D blocks
-    (in position order) and layers it wrote, and XXH3-64 digests of P's KV for each layer and
-    each of those blocks (`kvflow.runtime.integrity`)."""
+    (in position order) and layers it wrote, where its P blocks land in them (`count` P blocks,
+    the first at fine position `start` of D's first block when block sizes differ: the
+    planner's `fine_start`), and XXH3-64 digests of P's KV for each layer and each of those D
+    blocks (`kvflow.runtime.integrity`)."""
 
     blocks: tuple[int, ...]
     layers: tuple[int, int] | None
+    start: int
+    count: int
     layer_digests: tuple[tuple[int, int], ...]  # (layer, digest), by layer
     block_digests: tuple[tuple[int, int], ...]  # (D block, digest), by block
 
@@ -322,9 +326,9 @@ def _digests(ids: Any, packed: Any, limit: int) -> tuple[tuple[int, int], ...]:
 
 
 def _seal_from(value: Any) -> Seal:
-    if not isinstance(value, list) or len(value) != 6:
-        raise PeerProtocolError("notification's seal is not [blocks, layers, digests by layer, by block]")
-    blocks, layers = value[:2]
+    if not isinstance(value, list) or len(value) != 8:
+        raise PeerProtocolError("notification's seal is not [blocks, layers, start, count, digests by layer, by block]")
+    blocks, layers, start, count = value[:4]
     if (
         not isinstance(blocks, list)
         or not 0 < len(blocks) <= MAX_BLOCKS
@@ -333,13 +337,19 @@ def _seal_from(value: Any) -> Seal:
         or not (layers is None or (isinstance(layers, list) and len(layers) == 2))
         or any(type(x) is not int or not 0 <= x <= MAX_LAYER for x in layers or ())
         or (layers is not None and layers[0] >= layers[1])
+        or type(start) is not int
+        or type(count) is not int
+        or not 0 <= start < MAX_BLOCKS
+        or not 0 < count <= MAX_BLOCKS
     ):
-        raise PeerProtocolError("notification's seal names blocks or layers out of range, or a block twice")
+        raise PeerProtocolError("notification's seal names blocks, layers or positions out of range, or a block twice")
     return Seal(
         tuple(blocks),
         None if layers is None else (layers[0], layers[1]),
-        _digests(value[2], value[3], MAX_LAYER),
-        _digests(value[4], value[5], MAX_BLOCK_ID),
+        start,
+        count,
+        _digests(value[4], value[5], MAX_LAYER),
+        _digests(value[6], value[7], MAX_BLOCK_ID),
     )
 
 
@@ -354,7 +364,9 @@ def encode_notification(key: TransferKey, batch: int, last: bool = False, seal: 
     if seal is not None:
         layers = None if seal.layers is None else list(seal.layers)
         fields.append(
-            [list(seal.blocks), layers] + _pack_digests(seal.layer_digests) + _pack_digests(seal.block_digests)
+            [list(seal.blocks), layers, seal.start, seal.count]
+            + _pack_digests(seal.layer_digests)
+            + _pack_digests(seal.block_digests)
         )
     payload: bytes = msgpack.packb(fields)
     if len(payload) > MAX_NOTIFICATION_BYTES:

@@ -1,32 +1,43 @@
 """End-to-end KV integrity (opt-in): P seals each WRITE with digests of its KV, D checks what landed.
 
-Why: the costliest P/D failure is silent: the wrong blocks, or a torn WRITE, and D decodes from
-them with no error anywhere.  With `EngineConfig.integrity` on, P hashes, for each position of a
-WRITE, its own block of each layer the WRITE moves, read by the layout's arithmetic and not
-through the descriptors the planner made, and sends in the WRITE's notification one XXH3-64
-digest per layer and one per D block (`kvflow.protocol.messages.Seal`).  D hashes the blocks it
-registered for those positions the same way before the batch counts: a byte that landed wrong,
-or a planner that sent a block where another belonged, fails the transfer with the layers, the
-blocks and the two engines named.  One wrong byte changes one layer's digest and one block's.
-D with the check on refuses a WRITE that comes unsealed.
+Why: the costliest P/D failure is silent: the wrong blocks, a wrong head slice or a torn WRITE,
+and D decodes from them with no error anywhere.  With `EngineConfig.integrity` on, P hashes, for
+each position of a WRITE and each layer it moves, what that position carries, read from its
+memory by the layout's arithmetic and not through the descriptors the planner made, and sends
+in the WRITE's notification one XXH3-64 digest per layer and one per D block
+(`kvflow.protocol.messages.Seal`).  D hashes what it should have received the same way, from
+its own blocks, before the batch counts: a byte that landed wrong, or a planner that sent a
+block or a head where another belonged, fails the transfer with the layers, the blocks and the
+two engines named.  One wrong byte changes one layer's digest and one block's.  D with the
+check on refuses a WRITE that comes unsealed.
+
+What a position carries: a whole block of each of the layer's arrays between ranks that hold
+the same heads in blocks of one size; otherwise the KV heads both ranks hold, for the tokens of
+one block of the smaller block size, at their token offset in the other side's block
+(`kvflow.layout.heads`); between ranks of different tensor parallelism, the shards of a Mamba /
+linear-attention state page both hold (`kvflow.layout.states`).  Each side reads these in the
+same order (head, then array), so that the digests compare whatever the two layouts' strides.
 
 `EngineConfig.integrity_sample` N checks one transfer in N, picked by a digest of its id so that
 P and D pick the same ones.  Hashing is the `xxhash` package (C, about 15 GiB/s on one core here)
-over the memory in place; host memory only (a VRAM region is refused when the engine is made),
-and P and D with the same KV spec (heterogeneous tensor parallelism and block sizes: refused,
-with why).  P hashes on the thread that plans and posts the WRITE; D, on its event loop as the
-notification arrives.
+over the memory in place; host memory only (a VRAM region is refused when the engine is made).
+P hashes on the thread that plans and posts the WRITE; D, on its event loop as the notification
+arrives.
 """
 
 from __future__ import annotations
 
 import ctypes
 import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
 
-from kvflow.errors import ConfigError, InvalidBatch, PeerProtocolError
+from kvflow.errors import ConfigError, InvalidBatch, LayoutMismatch, PeerProtocolError
 from kvflow.layout import KVLayout
+from kvflow.layout.groups import group_of
+from kvflow.layout.heads import head_runs
 from kvflow.layout.spec import MemoryType, Region
+from kvflow.layout.states import parse_split, state_runs
 from kvflow.protocol.actions import SubmitOp
 from kvflow.protocol.messages import Seal, TransferKey, decode_notification, encode_notification
 
@@ -67,23 +78,22 @@ class Integrity:
         self.memory = [_view(region) for region in layout.regions]
 
     def seal(self, op: SubmitOp, remote: KVLayout) -> bytes:
-        """`op`'s notification with the digests of the blocks it reads here (P, a WRITE to a peer
-        whose KV cache is `remote`).
+        """`op`'s notification with the digests of what it reads here (P, a WRITE to a peer whose
+        KV cache is `remote`).
 
-        :raises InvalidBatch: a transfer checked (`sampled`) goes to a peer whose KV spec differs
-            from this side's (not supported yet), or its digests do not fit in a notification.
+        :raises InvalidBatch: a transfer checked (`sampled`) whose blocks, layers or heads do not
+            map onto the peer's (the planner refuses the same batch), or whose digests do not fit
+            in a notification.
         """
         key, batch, last, _ = decode_notification(op.notification)
         if not sampled(key, self.every):
             return op.notification
-        if remote.spec != self.layout.spec or op.fine_start or len(op.local_blocks) != len(op.remote_blocks):
-            raise InvalidBatch(
-                f"{op.key}: the integrity check needs P and D with the same KV spec (heterogeneous tensor "
-                f"parallelism and block sizes are not checked yet): {self.layout.spec} and {remote.spec}"
-            )
-        layers, blocks = self._digests(op.local_blocks, op.remote_blocks, op.layers)
-        seal = Seal(op.remote_blocks, op.layers, layers, blocks)
-        return encode_notification(key, batch, last, seal)
+        moved = Seal(op.remote_blocks, op.layers, op.fine_start, len(op.local_blocks), (), ())
+        try:
+            layers, blocks = self._digests(moved, self.layout, remote, op.local_blocks, is_p=True)
+        except (ConfigError, InvalidBatch, LayoutMismatch) as exc:
+            raise InvalidBatch(f"{op.key}: the integrity check cannot read this WRITE: {exc}") from exc
+        return encode_notification(key, batch, last, replace(moved, layer_digests=layers, block_digests=blocks))
 
     def check(
         self, peer: str, payload: bytes, remote: KVLayout, registered: Callable[[TransferKey], Sequence[int]]
@@ -105,36 +115,133 @@ class Integrity:
         strangers = sorted(set(seal.blocks) - set(mine))
         if strangers:
             return f"integrity: {where}: P's WRITE names blocks {strangers[:8]} D did not register for {key}"
-        spans = seal.layers or (0, self.layout.spec.num_layers)
-        if remote.spec != self.layout.spec or spans[1] > self.layout.spec.num_layers:
-            return f"integrity: {where}: P's KV spec is not D's, or its layers {spans} are not D's"
-        layers, blocks = self._digests(seal.blocks, seal.blocks, seal.layers)
+        try:
+            layers, blocks = self._digests(seal, remote, self.layout, seal.blocks, is_p=False)
+        except (ConfigError, InvalidBatch, LayoutMismatch) as exc:  # a hostile seal or layout included
+            return f"integrity: {where}: P's seal does not map onto D's KV cache: {exc}"
         return _compare(where, (layers, seal.layer_digests, "layer"), (blocks, seal.block_digests, "block"))
 
     def _digests(
-        self, here: Sequence[int], names: Sequence[int], layers: tuple[int, int] | None
+        self, moved: Seal, p: KVLayout, d: KVLayout, own: Sequence[int], *, is_p: bool
     ) -> tuple[Digests, Digests]:
-        """Per layer and per block (named by `names`, D's ids), the digest of their units' digests;
-        a unit is block `here[i]` of one layer, its arrays' bytes one after the other."""
-        first, stop = layers or (0, self.layout.spec.num_layers)
-        block_len = self.layout.block_len
+        """Per layer and per D block of `moved`, the digest of its units' digests.  A unit is
+        what one position of the WRITE carries in one layer, read from this side's memory
+        (`own`: this side's block ids, P's when `is_p`, else D's); `p` and `d` are the two
+        sides' layouts.
+
+        :raises InvalidBatch: the layers, positions or heads do not map between `p` and `d`.
+        :raises LayoutMismatch: a layout cannot be read head by head where it must be.
+        :raises ConfigError: P's state split does not parse.
+        """
+        first, stop = moved.layers or (0, self.layout.spec.num_layers)
+        if not 0 <= first < stop <= min(p.spec.num_layers, d.spec.num_layers):
+            raise InvalidBatch(f"layers {first}..{stop} outside the model's {self.layout.spec.num_layers} layers")
         by_layer: dict[int, list[int]] = {layer: [] for layer in range(first, stop)}
-        by_block: dict[int, list[int]] = {name: [] for name in names}
-        for block, name in zip(here, names, strict=True):
-            for layer in range(first, stop):
-                chunks = [
-                    self.memory[a.region][a.offset + block * a.stride : a.offset + block * a.stride + block_len]
-                    for a in self.layout.layer_arrays(layer)
-                ]
-                unit = self.hash(chunks[0] if len(chunks) == 1 else b"".join(chunks))
-                by_layer[layer].append(unit)
-                by_block[name].append(unit)
+        by_block: dict[int, list[int]] = {name: [] for name in moved.blocks}
+        for layer, name, chunks in _Reader(self, moved, (p, d), own, is_p).units((first, stop)):
+            unit = self.hash(chunks[0] if len(chunks) == 1 else b"".join(chunks))
+            by_layer[layer].append(unit)
+            by_block[name].append(unit)
         return self._folded(by_layer), self._folded(by_block)
 
     def _folded(self, groups: dict[int, list[int]]) -> Digests:
         return tuple(
             (key, self.hash(b"".join(d.to_bytes(8, "little") for d in units))) for key, units in groups.items()
         )
+
+
+Units = Iterator[tuple[int, int, list[memoryview]]]  # (layer, D block, the unit's chunks of memory)
+
+
+class _Reader:
+    """The bytes of each unit of one WRITE on one side, read by the layout's arithmetic alone:
+    whole blocks between equal ranks and block sizes, the heads both ranks hold at their token
+    offsets otherwise (`kvflow.layout.heads`), the shards both hold of a state page between
+    ranks of different tensor parallelism (`kvflow.layout.states`), in the same order on both
+    sides."""
+
+    def __init__(
+        self, integrity: Integrity, moved: Seal, sides: tuple[KVLayout, KVLayout], own: Sequence[int], is_p: bool
+    ) -> None:
+        self.memory, self.here, self.is_p = integrity.memory, integrity.layout, is_p
+        self.moved, (self.p, self.d), self.own = moved, sides, own
+
+    def units(self, layers: tuple[int, int]) -> Units:
+        """Each unit, position by position and layer by layer.
+
+        :raises InvalidBatch: positions that do not fill the blocks, or ranks with no head in common.
+        :raises LayoutMismatch: a layout that cannot be read head by head.
+        :raises ConfigError: P's state split does not parse.
+        """
+        ps, ds = self.p.spec, self.d.spec
+        group = group_of(ps.groups, layers)
+        if group is not None and group.state and ps.tp_size != ds.tp_size:
+            return self._state(layers)
+        if ps.heads != ds.heads or ps.block_size != ds.block_size:
+            return self._sliced(layers)
+        if self.moved.start or self.moved.count != len(self.moved.blocks) or len(self.own) != self.moved.count:
+            raise InvalidBatch(f"{self.moved.count} P blocks from position {self.moved.start} in equal-sized blocks")
+        if self.p.block_len != self.d.block_len or ps.arrays_per_layer != ds.arrays_per_layer:
+            raise InvalidBatch(f"blocks of {self.p.block_len} and {self.d.block_len} bytes, or other arrays")
+        return self._whole(layers)
+
+    def _whole(self, layers: tuple[int, int]) -> Units:
+        block_len = self.here.block_len
+        for block, name in zip(self.own, self.moved.blocks, strict=True):
+            for layer in range(*layers):
+                arrays = self.here.layer_arrays(layer)
+                yield layer, name, [self._at(a.region, a.offset + block * a.stride, block_len) for a in arrays]
+
+    def _state(self, layers: tuple[int, int]) -> Units:
+        ps, ds = self.p.spec, self.d.spec
+        split = parse_split(ps.state_split)
+        if split is None or ps.state_split != ds.state_split or len(self.own) != len(self.moved.blocks):
+            raise InvalidBatch(f"state pages split as {ps.state_split!r} and {ds.state_split!r}, or unpaired")
+        runs = state_runs(split, (ps.tp_rank, ps.tp_size), (ds.tp_rank, ds.tp_size))  # P's side first, on both
+        offsets = [(run.local if self.is_p else run.remote, run.length) for run in runs]
+        for block, name in zip(self.own, self.moved.blocks, strict=True):
+            for layer in range(*layers):
+                a = self.here.layer_arrays(layer)[0]
+                page = a.offset + block * a.stride
+                yield layer, name, [self._at(a.region, page + offset, length) for offset, length in offsets]
+
+    def _sliced(self, layers: tuple[int, int]) -> Units:
+        ps, ds, moved = self.p.spec, self.d.spec, self.moved
+        heads = range(max(ps.head_start, ds.head_start), min(ps.heads.stop, ds.heads.stop))
+        if not heads:
+            raise InvalidBatch(f"the ranks share no KV head (P's {ps.heads}, D's {ds.heads})")
+        fine, coarse = sorted((ps.block_size, ds.block_size))
+        ratio = coarse // fine
+        p_fine, d_fine = ps.block_size == fine, ds.block_size == fine
+        n = moved.count if p_fine else len(moved.blocks)  # positions: the fine side's blocks
+        coarse_count = moved.count if d_fine else len(moved.blocks)
+        if coarse % fine or not 0 <= moved.start < ratio or -(-(moved.start + n) // ratio) != coarse_count:
+            raise InvalidBatch(
+                f"{n} blocks of {fine} tokens from position {moved.start} do not fill blocks of {coarse}"
+            )
+        own_fine = p_fine if self.is_p else d_fine
+        if len(self.own) != (n if own_fine else coarse_count):
+            raise InvalidBatch(f"{len(self.own)} blocks here for {n} positions")
+        runs = head_runs(self.here, layers, heads, ps.heads == ds.heads)
+        per_layer = runs.base.size // (layers[1] - layers[0])
+        span = fine * runs.token_bytes
+        for i in range(n):
+            at = moved.start + i
+            block, inner = (self.own[i], 0) if own_fine else (self.own[at // ratio], (at % ratio) * span)
+            name = moved.blocks[i] if d_fine else moved.blocks[at // ratio]
+            for k, layer in enumerate(range(*layers)):
+                rows = range(k * per_layer, (k + 1) * per_layer)
+                yield (
+                    layer,
+                    name,
+                    [
+                        self._at(int(runs.region[r]), int(runs.base[r] + runs.stride[r] * block) + inner, span)
+                        for r in rows
+                    ],
+                )
+
+    def _at(self, region: int, offset: int, length: int) -> memoryview:
+        return self.memory[region][offset : offset + length]
 
 
 def sampled(key: TransferKey, every: int) -> bool:
