@@ -14,6 +14,7 @@ import logging
 import re
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 from vllm.config import ParallelConfig
@@ -24,11 +25,17 @@ from kvflow.integrations.vllm.connector import check_vllm_version
 from kvflow.integrations.vllm.kv_caches import check_supported
 from kvflow_tools.standin import EngineOptions, ModelShape, StandInEngine
 from kvflow_tools.standin.build import vllm_config
+from tests.vllm_compat_hetero import HND
+from tests.vllm_compat_hybrid import GEMMA2
+from tests.vllm_compat_mamba import OPTIONS as MAMBA_OPTIONS
 from tests.vllm_compat_registry import (
     OUTCOMES,
     RELEASES,
     SCENARIOS,
+    areas,
     bound,
+    checked_with_faults,
+    integrity_probe,
     moves,
     refused_at_handshake,
     releases,
@@ -354,3 +361,37 @@ for _module in sorted(Path(__file__).parent.glob("vllm_compat_*.py")):
 def test_the_row_holds(row_id: str, caplog: pytest.LogCaptureFixture) -> None:
     outcome, fragment = rows()[row_id]
     SCENARIOS[row_id](fragment, caplog)
+
+
+def integrity_rows() -> list[str]:
+    """The layout and attention rows where KV moves, and D's block size a multiple of P's in chunks."""
+    every = rows()
+    chosen = [row for row, area in areas().items() if area in ("KV layout", "attention") and every[row][0] == "moves"]
+    return [*sorted(chosen), "chunked-block-multiple"]
+
+
+@pytest.mark.parametrize("row_id", integrity_rows())
+def test_the_integrity_check_catches_a_flipped_byte_and_a_wrong_block_mapping_in_the_row(
+    row_id: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    with integrity_probe() as probed:
+        SCENARIOS[row_id](rows()[row_id][1], caplog)
+    assert probed, f"row {row_id}'s scenario moved no KV through `moves`: the check was not probed"
+
+
+def _tp(p_tp: int, d_tp: int, **options: Any) -> dict[str, Any]:
+    return {**options, "p_options": {"tensor_parallel": p_tp}, "d_options": {"tensor_parallel": d_tp}}
+
+
+# Rows of other areas whose WRITEs carry another rank's heads or state shards, with the
+# options of their scenarios (which make pairs of their own, not through `moves`).
+INTEGRITY_ELSEWHERE: dict[str, tuple[str, dict[str, Any]]] = {
+    "hybrid-tp-1-to-2": ("hybrid-tp", _tp(1, 2, model=GEMMA2, num_blocks=256, kv_cache_layout=HND)),
+    **{f"mamba-tp-{p}-to-{d}": ("mamba-tp", _tp(p, d, **MAMBA_OPTIONS)) for p, d in ((1, 2), (2, 1), (2, 4))},
+}
+
+
+@pytest.mark.parametrize(("row_id", "options"), list(INTEGRITY_ELSEWHERE.values()), ids=list(INTEGRITY_ELSEWHERE))
+def test_the_integrity_check_catches_both_faults_in_rows_of_other_areas(row_id: str, options: dict[str, Any]) -> None:
+    assert rows()[row_id][0] == "moves"
+    checked_with_faults(f"t-{row_id}", 300, None, dict(options))

@@ -8,17 +8,21 @@ imports them all before it checks that every row has a scenario.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
 from vllm.v1.request import RequestStatus
 
+import kvflow.runtime.engine as engine_module
+from kvflow.layout import DescriptorPlan, KVLayout, plan_transfer
+from kvflow.transports.loopback import FaultPlan, LoopbackFabric, install_fabric
 from kvflow_tools.standin import StandInEngine
-from tests.vllm_pairs import BLOCK_SIZE, dispatch, make_pair, move_and_check, settle
+from tests.vllm_pairs import BLOCK_SIZE, dispatch, fabric, make_pair, move_and_check, settle
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "vllm-compatibility.md"
 OUTCOMES = {"moves", "refused at start-up", "refused at the handshake", "computed locally"}
@@ -45,6 +49,11 @@ def rows() -> dict[str, tuple[str, str]]:
     return found
 
 
+def areas() -> dict[str, str]:
+    """id -> the row's area ("KV layout", "attention", ...)."""
+    return {row_id: cells[1] for row_id, cells in _cells().items()}
+
+
 def releases() -> dict[str, set[str]]:
     """id -> where the row is shown ("holds on")."""
     return {row_id: {part.strip() for part in cells[5].split(",")} for row_id, cells in _cells().items()}
@@ -68,7 +77,11 @@ Inspect = Callable[[StandInEngine, StandInEngine], object]
 
 def moves(tid: str, prompt: int = 3 * BLOCK_SIZE + 7, inspect: Inspect | None = None, **options: Any) -> None:
     """P and D made with `options`; one request's KV moves and is checked; both engines end
-    empty; then `inspect(p, d)` asserts more, before the engines close."""
+    empty; then `inspect(p, d)` asserts more, before the engines close.  Inside
+    `integrity_probe`, the row is also run with the integrity check on, and must catch faults."""
+    if _probed is not None:
+        _probed.append(tid)
+        return checked_with_faults(tid, prompt, inspect, options)
     p, d = make_pair(**options)
     try:
         move_and_check(p, d, tid, prompt)
@@ -77,6 +90,92 @@ def moves(tid: str, prompt: int = 3 * BLOCK_SIZE + 7, inspect: Inspect | None = 
     finally:
         d.close()
         p.close()
+
+
+_probed: list[str] | None = None  # the rows `moves` ran since `integrity_probe` began
+
+
+@contextlib.contextmanager
+def integrity_probe() -> Iterator[list[str]]:
+    """While it lasts, `moves` runs its row with the integrity check on both sides (the ids of
+    the requests it ran are yielded): the KV moves and is checked as without it; a byte flipped
+    in flight, then a planner that writes P's blocks into the wrong D blocks, each fail D's
+    request with the block named; and the next request moves again."""
+    global _probed
+    _probed = []
+    try:
+        yield _probed
+    finally:
+        _probed = None
+
+
+def checked_with_faults(tid: str, prompt: int, inspect: Inspect | None, options: dict[str, Any]) -> None:
+    """What `moves` does inside `integrity_probe`: P and D made with `options` and the integrity
+    check on; a request moves; one with a byte flipped in flight, then one whose blocks P's
+    planner maps wrong, fail at D with the block named; and a last one moves."""
+    assert options.get("transport", "loopback") == "loopback", "faults are injected on the loopback fabric"
+    name, faults = fabric(), FaultPlan()
+    network = LoopbackFabric(faults=faults)
+    install_fabric(name, network)
+    extra = {**options.pop("extra", {}), "fabric": name, "integrity": True, "transfer_timeout": 600.0}
+    p, d = make_pair(extra=extra, **options)
+    try:
+        move_and_check(p, d, tid, prompt)
+        if inspect is not None:
+            inspect(p, d)
+        faults.corrupt_ops.add(network.op_count + 1)  # the next op lands with a byte flipped
+        _caught(p, d, f"{tid}-flipped", prompt)
+        with _remapped():
+            _caught(p, d, f"{tid}-remapped", prompt)
+        d.checked.clear()
+        move_and_check(p, d, f"{tid}-after", prompt)
+    finally:
+        d.close()
+        p.close()
+
+
+INTEGRITY_FAILURE = re.compile(r"integrity: \S+ -> \S+: the bytes that landed in layers? [\d, ]+ and blocks? \d")
+
+
+def _caught(p: StandInEngine, d: StandInEngine, tid: str, prompt: int) -> None:
+    """D's request fails before it decodes, a rank's transfer failing for the reason the
+    integrity check gives, naming the rank pair, the layers and the blocks; nothing is leaked."""
+    with _logged("kvflow.runtime.engine") as reasons:  # where an engine says why a transfer failed
+        p_req, d_req = dispatch(p, d, tid, prompt)
+        settle((p, d), [p_req, d_req], limit=30.0)
+    assert d_req.status == RequestStatus.FINISHED_ERROR and not d_req.output_token_ids, d_req.status
+    assert any(INTEGRITY_FAILURE.search(reason) for reason in reasons), reasons
+
+
+@contextlib.contextmanager
+def _logged(name: str) -> Iterator[list[str]]:
+    """The messages logger `name` logs at WARNING and above meanwhile."""
+    messages: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: messages.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger(name)
+    logger.addHandler(handler)
+    try:
+        yield messages
+    finally:
+        logger.removeHandler(handler)
+
+
+@contextlib.contextmanager
+def _remapped() -> Iterator[None]:
+    """P's planner sends its blocks to D's in reverse order (one D block: to the block after it)."""
+    planner = plan_transfer
+
+    def remapped(
+        local: KVLayout, remote: KVLayout, local_blocks: Sequence[int], remote_blocks: Sequence[int], *a: Any, **kw: Any
+    ) -> DescriptorPlan:
+        ids = list(remote_blocks)
+        wrong = ids[::-1] if len(set(ids)) > 1 else [(ids[0] + 1) % remote.num_blocks]
+        return planner(local, remote, local_blocks, wrong, *a, **kw)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(engine_module, "plan_transfer", remapped)  # the engine's writer looks it up by name
+        yield
 
 
 def refused_at_handshake(
