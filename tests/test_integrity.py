@@ -11,6 +11,8 @@ check passes what the plan moved and fails a flipped byte or a swapped block.
 
 from __future__ import annotations
 
+import asyncio
+import threading
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
@@ -19,10 +21,11 @@ import msgpack
 import numpy as np
 import numpy.typing as npt
 import pytest
+import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import kvflow.runtime.engine as engine_module
+import kvflow.runtime.dataplane as dataplane_module
 from kvflow.control.channel import LocalControlHub
 from kvflow.errors import ConfigError, InvalidBatch, PeerProtocolError
 from kvflow.layout import KVLayout, Region, plan_transfer
@@ -37,7 +40,8 @@ from kvflow.protocol.messages import (
     decode_notification,
     encode_notification,
 )
-from kvflow.protocol.state import Outcome
+from kvflow.protocol.state import Outcome, Role
+from kvflow.runtime.dataplane import DataPlane
 from kvflow.runtime.engine import Engine, EngineConfig
 from kvflow.runtime.integrity import Integrity, sampled
 from kvflow.transports.loopback import FaultPlan, LoopbackFabric
@@ -105,13 +109,56 @@ async def test_a_planner_that_swaps_two_blocks_fails_the_transfer_naming_both(mo
         blocks[0], blocks[-1] = blocks[-1], blocks[0]
         return plan_transfer(local, remote, blocks, *args, **kw)
 
-    monkeypatch.setattr(engine_module, "plan_transfer", swapping)
+    monkeypatch.setattr(dataplane_module, "plan_transfer", swapping)
     pair = await EnginePair(LoopbackFabric(), config=CHECKED).start()
     try:
         d, _ = await push(pair, [5, 6, 7], [1, 2, 3])
         assert d.outcome is Outcome.FAILED
         assert "in layers 0, 1 and blocks 1, 3 differ from what P holds" in d.reason, d.reason
     finally:
+        await pair.close()
+
+
+@pytest.mark.asyncio
+async def test_d_hashes_off_its_event_loop_and_a_transfer_gone_meanwhile_is_not_a_mismatch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """D's check of a sealed WRITE runs on the engine's writer thread, so that hashing a long
+    prompt's KV does not stall the loop; while it runs the loop goes on (here: D's transfer is
+    aborted meanwhile), and a check that ends after its transfer is gone is not counted as a
+    mismatch (the blocks may hold another request's KV by then)."""
+    where: list[str] = []
+    running, release = threading.Event(), threading.Event()
+    verify = Integrity._verify
+
+    def held(self: Integrity, *args: Any) -> str | None:
+        where.append(threading.current_thread().name)
+        running.set()
+        assert release.wait(10)
+        return verify(self, *args) or "integrity: a planted mismatch"
+
+    fed, checked = threading.Event(), DataPlane._checked
+
+    def feeding(self: DataPlane, *args: Any) -> None:
+        checked(self, *args)
+        fed.set()
+
+    monkeypatch.setattr(Integrity, "_verify", held)
+    monkeypatch.setattr(DataPlane, "_checked", feeding)
+    pair = await EnginePair(LoopbackFabric(), config=CHECKED).start()
+    try:
+        pair.p_kv.fill([5, 6], seed=3)
+        waiting = await pair.d.expect("r", 1, peer="P", block_ids=[1, 2])
+        await pair.p.kv_ready("r", 1, block_ids=[5, 6], peer="D")
+        await asyncio.get_running_loop().run_in_executor(None, running.wait, 10)
+        await pair.d.abort("r", 1, Role.DECODE, "the request ended")  # the loop is not held
+        release.set()
+        result = await waiting.wait(10)
+        assert result.outcome is Outcome.ABORTED and where == ["kvflow-writer-D"]
+        assert await asyncio.get_running_loop().run_in_executor(None, fed.wait, 10)  # the check's end fed
+        assert pair.d.stats()["integrity_mismatches"] == 0 and not pair.d.crashed
+    finally:
+        release.set()
         await pair.close()
 
 
@@ -140,6 +187,13 @@ async def test_the_check_on_one_side_only(p_checks: bool, d_checks: bool) -> Non
         await p.aclose()
         await d.aclose()
         fabric.close()
+
+
+@given(st.lists(st.binary(max_size=300), min_size=1, max_size=6))
+def test_a_unit_digest_is_xxh3_of_its_chunks_one_after_the_other(chunks: list[bytes]) -> None:
+    """Hashed without joining (no copy of a block's arrays): the same XXH3-64 as of the joined
+    bytes, so the digest depends on the bytes alone, not on how a layout cuts them."""
+    assert Integrity("P", KVBuffers(SMALL_SPEC, 1).layout).hash(chunks) == xxhash.xxh3_64_intdigest(b"".join(chunks))
 
 
 def test_device_memory_is_refused_when_the_engine_is_made() -> None:

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from vllm.v1.request import RequestStatus
 
-import kvflow.runtime.engine as engine_module
+import kvflow.runtime.dataplane as dataplane_module
 from kvflow.layout import DescriptorPlan, KVLayout, plan_transfer
 from kvflow.transports.loopback import FaultPlan, LoopbackFabric, install_fabric
 from kvflow_tools.standin import StandInEngine
@@ -174,7 +174,7 @@ def _remapped() -> Iterator[None]:
         return planner(local, remote, local_blocks, wrong, *a, **kw)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(engine_module, "plan_transfer", remapped)  # the engine's writer looks it up by name
+        patch.setattr(dataplane_module, "plan_transfer", remapped)  # the writer looks it up by name
         yield
 
 

@@ -95,9 +95,11 @@ class TransferCore:
         return self.store.machines()
 
     def registered(self, key: TransferKey) -> tuple[int, ...]:
-        """The blocks D registered for `key` (none: no such transfer on D).  Never raises."""
+        """The blocks D registered for `key` while that transfer still takes WRITEs (none: no
+        such transfer on D, or it is winding down or over: its blocks may be another's soon).
+        Never raises."""
         m = self.store.get(key, Role.DECODE)
-        return () if m is None else m.block_ids
+        return m.block_ids if m is not None and m.state in ACTIVE else ()
 
     def live(self) -> list[Machine]:
         """Machines not yet terminal (including D's NOTIFIED awaiting delivery)."""

@@ -4,10 +4,11 @@
 executes their actions, arms one deadline timer (`timer`), never loses a task exception);
 `peering` executes what the associations decide; `config` is its `EngineConfig`; `results` are
 the handles, outcomes and counters a caller reads, `handshakes` the futures a `connect` awaits,
-`meter` the per-transfer figures for metrics; `writer` posts transport ops from a dedicated
-thread; `sleep` winds transfers down and lets go of the KV memory's registration (and takes it
-up again); `descriptors` checks file-descriptor headroom; `integrity` seals each WRITE with
-digests of the KV it moves and checks what landed (opt-in).
+`meter` the per-transfer figures for metrics; `dataplane` plans and posts the engine's ops and
+drains its transport; `writer` is the dedicated thread it posts them from; `sleep` winds
+transfers down and lets go of the KV memory's registration (and takes it up again);
+`descriptors` checks file-descriptor headroom; `integrity` seals each WRITE with digests of the
+KV it moves and checks what landed (opt-in).
 
 Embedding: `threaded` runs an engine on a thread of synchronous code (an inference engine's
 scheduler), `process` in a process of its own (`engine_process` is that process's program),

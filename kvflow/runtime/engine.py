@@ -6,9 +6,9 @@ clock, executes the returned actions, and re-arms one timer for the core's next 
 
 * control messages go out through a `ControlChannel`;
 * data-plane ops are planned and submitted on a dedicated writer thread (never on the loop, so
-  a slow `postXfer` cannot stall the loop or the host engine's main thread);
-* the transport's completions and notifications arrive through a listener that schedules one
-  drain on the loop;
+  a slow `postXfer` cannot stall the loop or the host engine's main thread), and the
+  transport's completions and notifications arrive through a listener that schedules one drain
+  on the loop (`kvflow.runtime.dataplane`, which also seals and checks WRITEs, off the loop);
 * released blocks go to `on_release` and to a queue any thread may poll (`released`; finished
   transfers go to `finished`); both keep the newest `config.results_kept` entries, dropping and
   counting the oldest when nobody polls;
@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
@@ -32,16 +31,16 @@ from functools import partial
 from typing import Any
 
 from kvflow.control.channel import ControlChannel
-from kvflow.errors import EngineClosed, EngineCrashed, KVFlowError, LedgerError, UnsendableMessage, UsageError
-from kvflow.layout import KVLayout, fingerprint, plan_transfer
-from kvflow.protocol.actions import Action, DeclarePeerLost, OpKind, ReleaseBlocks, Resolve, SendMessage, SubmitOp
+from kvflow.errors import EngineClosed, EngineCrashed, LedgerError, UnsendableMessage, UsageError
+from kvflow.layout import KVLayout, fingerprint
+from kvflow.protocol.actions import Action, DeclarePeerLost, ReleaseBlocks, Resolve, SendMessage, SubmitOp
 from kvflow.protocol.association import Associations
 from kvflow.protocol.core import TransferCore
 from kvflow.protocol.lifecycle import Do, Event, Life, Lifecycle
 from kvflow.protocol.messages import ControlMessage, TransferKey, require_engine_id, transfer_key
 from kvflow.protocol.state import Mode, Outcome, Role
 from kvflow.runtime.config import EngineConfig
-from kvflow.runtime.integrity import Integrity
+from kvflow.runtime.dataplane import DataPlane
 from kvflow.runtime.meter import TransferMeter
 from kvflow.runtime.peering import EngineHooks, PeerExecutor
 from kvflow.runtime.results import EngineCounters, TransferHandle, TransferResult, keep, open_handle
@@ -99,13 +98,12 @@ class Engine:
         )
         executing = (self.config, self.assoc, self.core, self.counters, hooks, peer_thread)
         self._peers = PeerExecutor(engine_id, layout, transport, control, *executing)
-        # the end-to-end check of what each WRITE carried (opt-in): P seals, D checks
-        checked = self.config.integrity
-        self._integrity = Integrity(engine_id, layout, self.config.integrity_sample) if checked else None
+        # ops planned and posted off the loop; P seals and D checks WRITEs there (opt-in)
+        parts = (self.core, self.assoc, self.counters, self.meter)
+        self.data = DataPlane(engine_id, layout, transport, self._submitter, parts, self.config, hooks, self._guard)
         self._handles: dict[tuple[TransferKey, Role], asyncio.Future[TransferResult]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._timer = DeadlineTimer()
-        self._drain_scheduled = False
         self._traffic = True  # what the transport was last told (`Transport.expect_traffic`)
         self._idle = asyncio.Event()
         self._life = Lifecycle()
@@ -127,7 +125,7 @@ class Engine:
         try:
             self.transport.register_regions(self.layout.regions)
             self._peers.start()
-            self.transport.set_listener(self._wake_from_transport)
+            self.transport.set_listener(self.data.wake)
             self.control.set_link_listener(self._guarded_link)
             self.control.start(self._loop, self._guarded_control, self._record_crash)
         except BaseException:
@@ -395,7 +393,7 @@ class Engine:
             if isinstance(action, SendMessage):
                 self._send(action)
             elif isinstance(action, SubmitOp):
-                self._submit(action)
+                self.data.submit(action)
             elif isinstance(action, ReleaseBlocks):
                 self.meter.released(action.key, action.role, action.outcome, self._now())
                 self.counters.released_dropped += keep(self.released, action)
@@ -436,53 +434,6 @@ class Engine:
         elif error is not None and action.peer in self.assoc.layouts:
             self._peers.tear_down(action.peer, f"cannot send to it: {error}")
 
-    def _submit(self, op: SubmitOp) -> None:
-        remote = self.assoc.layouts.get(op.peer)
-        if remote is None:
-            self._run(self.core.op_finished(op.op_id, self._now(), f"peer {op.peer!r} not connected"))
-            return
-        loop = self._running_loop()
-        role = Role.PREFILL if op.kind is OpKind.WRITE else Role.DECODE
-        self.meter.op_asked(op.key, role, self._now())
-        # a small op is planned and posted here, on the loop, when nothing is queued before it
-        # (no reordering): two thread hand-overs cost more than its planning and post
-        span = self.layout.spec.num_layers if op.layers is None else op.layers[1] - op.layers[0]
-        size = len(op.local_blocks) * span * self.layout.spec.arrays_per_layer * self.layout.block_len
-        inline = size <= self.config.inline_op_bytes and self._submitter.idle()
-        after = loop.call_soon if inline else loop.call_soon_threadsafe
-
-        def job() -> None:
-            error: str | None = None
-            started, size = time.perf_counter(), (0, 0)
-            try:
-                plan = plan_transfer(
-                    self.layout, remote, op.local_blocks, op.remote_blocks, op.layers, fine_start=op.fine_start
-                )
-                note = op.notification
-                if self._integrity is not None and op.kind is OpKind.WRITE:
-                    note = self._integrity.seal(op, remote)
-                self.transport.submit(op.op_id, op.kind, op.peer, plan, note)
-                size = (plan.total_bytes, len(plan))
-            except KVFlowError as exc:
-                error = f"{type(exc).__name__}: {exc}"
-            posted = (*size, time.perf_counter() - started)
-            after(self._guard, self._after_submit, op, role, error, posted)
-
-        if inline:
-            job()
-        else:
-            self._submitter.submit(job)
-
-    def _after_submit(self, op: SubmitOp, role: Role, error: str | None, posted: tuple[int, int, float]) -> None:
-        """On the loop, once the writer has posted `op` (or failed to): the meter, then the core."""
-        self.meter.op_posted(op.key, role, *posted)
-        now = self._now()
-        if error is None:
-            self.counters.posted(op.kind is OpKind.WRITE, posted[0])
-            self._run(self.core.op_submitted(op.op_id, now))
-        else:
-            self._run(self.core.op_finished(op.op_id, now, error))
-
     # ------------------------------------------------------------------ inbound events
 
     def _guarded_control(self, sender: str, incarnation: int, message: ControlMessage) -> None:
@@ -501,31 +452,6 @@ class Engine:
         suspect, lost within `config.suspect_timeout` unless it comes back."""
         if self._life.drives_inputs:
             self._peers.associate(self.assoc.link_changed(peer, up, self._now()))  # (re-arms the timer)
-
-    def _wake_from_transport(self) -> None:
-        """Called by the transport from any thread."""
-        if self._drain_scheduled or self._loop is None:
-            return
-        self._drain_scheduled = True
-        try:
-            self._loop.call_soon_threadsafe(self._guard, self._drain_transport)
-        except RuntimeError:
-            self._drain_scheduled = False  # the loop is closed; nothing to drain into
-
-    def _drain_transport(self) -> None:
-        self._drain_scheduled = False
-        completions, notifications = self.transport.poll()
-        now = self._now()
-        for completion in completions:
-            self._run(self.core.op_finished(completion.op_id, now, completion.error))
-        for note in notifications:
-            if (layout := self.assoc.layouts.get(note.peer)) is not None:
-                check = self._integrity.check if self._integrity is not None else None
-                problem = check(note.peer, note.payload, layout, self.core.registered) if check else None
-                self.counters.integrity_mismatches += problem is not None
-                self._run(self.core.notification(note.peer, note.payload, now, problem))
-            else:
-                self.counters.notifications_from_unknown += 1
 
     # ------------------------------------------------------------------ time
 

@@ -19,10 +19,11 @@ linear-attention state page both hold (`kvflow.layout.states`).  Each side reads
 same order (head, then array), so that the digests compare whatever the two layouts' strides.
 
 `EngineConfig.integrity_sample` N checks one transfer in N, picked by a digest of its id so that
-P and D pick the same ones.  Hashing is the `xxhash` package (C, about 15 GiB/s on one core here)
+P and D pick the same ones.  Hashing is the `xxhash` package (C, about 16 GiB/s on one core here)
 over the memory in place; host memory only (a VRAM region is refused when the engine is made).
-P hashes on the thread that plans and posts the WRITE; D, on its event loop as the notification
-arrives.
+P hashes on the thread that plans and posts the WRITE; D on that thread too (the engine's
+writer; a small check on the loop), before the notification reaches the core
+(`kvflow.runtime.dataplane`).  xxhash releases the GIL while it hashes a large buffer.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from __future__ import annotations
 import ctypes
 import hashlib
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from functools import partial
 
 from kvflow.errors import ConfigError, InvalidBatch, LayoutMismatch, PeerProtocolError
 from kvflow.layout import KVLayout
@@ -41,20 +43,52 @@ from kvflow.layout.states import parse_split, state_runs
 from kvflow.protocol.actions import SubmitOp
 from kvflow.protocol.messages import Seal, TransferKey, decode_notification, encode_notification
 
-__all__ = ("Integrity", "sampled")
+__all__ = ("Integrity", "PendingCheck", "sampled")
 
 Digests = tuple[tuple[int, int], ...]  # (layer or D block, digest), in order
 MAX_EVERY = 1 << 20
 
 
-def _hasher() -> Callable[[bytes | memoryview], int]:
-    """XXH3-64 of a buffer.  :raises ConfigError: the `xxhash` package is not installed."""
+Hash = Callable[[Sequence[bytes | memoryview]], int]
+
+
+def _hasher() -> Hash:
+    """XXH3-64 of buffers one after the other, as of their concatenation, without copying them.
+
+    :raises ConfigError: the `xxhash` package is not installed.
+    """
     try:
         import xxhash
     except ImportError:
         raise ConfigError("the integrity check needs the xxhash package: pip install xxhash") from None
-    hasher: Callable[[bytes | memoryview], int] = xxhash.xxh3_64_intdigest
-    return hasher
+
+    def digest(chunks: Sequence[bytes | memoryview]) -> int:
+        if len(chunks) == 1:
+            one: int = xxhash.xxh3_64_intdigest(chunks[0])
+            return one
+        state = xxhash.xxh3_64()
+        for chunk in chunks:
+            state.update(chunk)
+        many: int = state.intdigest()
+        return many
+
+    return digest
+
+
+@dataclass(frozen=True, slots=True)
+class PendingCheck:
+    """D's check of one WRITE, ready to `run` on any thread (it reads the KV memory and the
+    seal, nothing of the engine's state): why the bytes are not P's, or None.  `size`: about
+    how many bytes it hashes."""
+
+    key: TransferKey
+    size: int
+    run: Callable[[], str | None]
+
+    @classmethod
+    def found(cls, key: TransferKey, problem: str) -> PendingCheck:
+        """A check whose answer is already known."""
+        return cls(key, 0, lambda: problem)
 
 
 class Integrity:
@@ -99,22 +133,36 @@ class Integrity:
         self, peer: str, payload: bytes, remote: KVLayout, registered: Callable[[TransferKey], Sequence[int]]
     ) -> str | None:
         """Why the WRITE `payload` announces (from `peer`, whose KV cache is `remote`) did not put
-        here what P holds, or None when it did (D).  A payload that does not parse is the inbox's
-        business (None); `registered(key)` are the blocks this side registered for `key`.
-        Never raises."""
+        here what P holds, or None when it did (D): `prepare` and run it here.  Never raises."""
+        pending = self.prepare(peer, payload, remote, registered)
+        return None if pending is None else pending.run()
+
+    def prepare(
+        self, peer: str, payload: bytes, remote: KVLayout, registered: Callable[[TransferKey], Sequence[int]]
+    ) -> PendingCheck | None:
+        """The check of the WRITE `payload` announces, to run on any thread (D; on the thread
+        that owns `registered`, the blocks this side registered for each transfer): None when
+        there is nothing to check (a payload that does not parse, or names no transfer here, is
+        the inbox's business; a transfer sampling leaves out).  Never raises."""
         try:
             key, _, _, seal = decode_notification(payload)
         except PeerProtocolError:
             return None
-        where, mine = f"{peer} -> {self.engine_id}", registered(key)
+        where, mine = f"{peer} -> {self.engine_id}", tuple(registered(key))
         if not mine or (seal is None and not sampled(key, self.every)):
-            return None  # no such transfer here (the inbox counts it), or one not checked
+            return None
         if seal is None:
             why = "P's integrity check is off, or samples with another integrity_sample"
-            return f"integrity: {where}: P's WRITE came without digests ({why})"
+            return PendingCheck.found(key, f"integrity: {where}: P's WRITE came without digests ({why})")
         strangers = sorted(set(seal.blocks) - set(mine))
         if strangers:
-            return f"integrity: {where}: P's WRITE names blocks {strangers[:8]} D did not register for {key}"
+            problem = f"integrity: {where}: P's WRITE names blocks {strangers[:8]} D did not register for {key}"
+            return PendingCheck.found(key, problem)
+        first, stop = seal.layers or (0, self.layout.spec.num_layers)
+        size = len(seal.blocks) * max(stop - first, 0) * self.layout.block_len * self.layout.spec.arrays_per_layer
+        return PendingCheck(key, size, partial(self._verify, where, seal, remote))
+
+    def _verify(self, where: str, seal: Seal, remote: KVLayout) -> str | None:
         try:
             layers, blocks = self._digests(seal, remote, self.layout, seal.blocks, is_p=False)
         except (ConfigError, InvalidBatch, LayoutMismatch) as exc:  # a hostile seal or layout included
@@ -139,14 +187,14 @@ class Integrity:
         by_layer: dict[int, list[int]] = {layer: [] for layer in range(first, stop)}
         by_block: dict[int, list[int]] = {name: [] for name in moved.blocks}
         for layer, name, chunks in _Reader(self, moved, (p, d), own, is_p).units((first, stop)):
-            unit = self.hash(chunks[0] if len(chunks) == 1 else b"".join(chunks))
+            unit = self.hash(chunks)
             by_layer[layer].append(unit)
             by_block[name].append(unit)
         return self._folded(by_layer), self._folded(by_block)
 
     def _folded(self, groups: dict[int, list[int]]) -> Digests:
         return tuple(
-            (key, self.hash(b"".join(d.to_bytes(8, "little") for d in units))) for key, units in groups.items()
+            (key, self.hash([b"".join(d.to_bytes(8, "little") for d in units)])) for key, units in groups.items()
         )
 
 
