@@ -1,6 +1,6 @@
 """`kvflow bench integrity` at a tiny size through the CLI: every row holds the digests' cost and
-both pushes' latency, the JSON what the table prints; bad settings are refused (no timing
-asserted)."""
+the pushes' latency (the check off, on, and one transfer in 4 checked), the JSON what the table
+prints; bad settings are refused (no timing asserted)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,9 @@ from pathlib import Path
 import pytest
 
 from kvflow.errors import BenchError
+from kvflow.protocol.messages import TransferKey
+from kvflow.runtime.integrity import sampled
+from kvflow_tools.bench.bench_integrity import _one_sampled
 from kvflow_tools.cli import main
 
 
@@ -23,14 +26,22 @@ def test_a_tiny_run_reports_each_length_with_the_check_off_and_on(
     assert [row["tokens"] for row in report["rows"]] == [16, 100] and report["runs"] == 2
     for row in report["rows"]:
         assert row["seal_gib_s"] > 0 and row["check_gib_s"] > 0 and row["push_off_ms"] > 0 and row["push_on_ms"] > 0
+        assert row["push_sampled_ms"] > 0
         assert len(row["seal_ms"]) == len(row["check_ms"]) == 2  # best, median
     # 100 tokens are 7 blocks of 16: 2 layers x K and V x 7 blocks x 16 tokens x 2 heads x 16 x 2 bytes
     assert report["rows"][1]["kv_bytes"] == 2 * 2 * 7 * 16 * 2 * 16 * 2
     table = capsys.readouterr().out
-    assert "push on ms" in table and "load average" in table
+    assert "push on ms" in table and "1 in 4 ms" in table and "load average" in table and report["sample"] == 4
+
+
+def test_the_sampled_column_pushes_one_checked_transfer_and_the_rest_unchecked() -> None:
+    for every in (2, 4, 16):
+        transfers = _one_sampled(every)
+        assert len(set(transfers)) == every
+        assert [sampled(TransferKey(t, 1), every) for t in transfers] == [True] + [False] * (every - 1)
 
 
 def test_bench_integrity_refuses_bad_settings() -> None:
-    for argv in (["--tokens", "8"], ["--runs", "0"], ["--layers", "0"]):
+    for argv in (["--tokens", "8"], ["--runs", "0"], ["--layers", "0"], ["--sample", "1"]):
         with pytest.raises(BenchError, match="bench integrity"):
             main(["bench", "integrity", *argv])

@@ -6,8 +6,10 @@ it on at a cost read off this table.  Per prompt length, for a model shaped by `
 `--heads` and `--head-dim` (block size 16, float16): the time P takes to seal one WRITE of the
 whole prompt and D to check it (the digests alone; best and median of `--runs`), as GiB/s of KV,
 and the P→D latency of that push between two engines over the loopback fabric with the check off
-and on, run in turns (off, on, off, on, ...) so that whatever else loads the machine falls on
-both alike.  The load average at the start and the end is printed with the table.
+and on, after a push not counted, and the mean over `--sample` pushes with `integrity_sample` `--sample` (one of them
+checked, the rest not: what a sampled deployment pays on average), run in turns (off, on,
+sampled, off, ...) so that whatever else loads the machine falls on each alike.  The load
+average at the start and the end is printed with the table.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from kvflow.layout import KVSpec
 from kvflow.protocol.actions import OpKind, SubmitOp
 from kvflow.protocol.messages import TransferKey, encode_notification
 from kvflow.runtime.engine import EngineConfig
-from kvflow.runtime.integrity import Integrity
+from kvflow.runtime.integrity import Integrity, sampled
 from kvflow.transports.loopback import LoopbackFabric
 from kvflow_tools.testing import EnginePair, KVBuffers
 
@@ -64,42 +66,60 @@ def _digests(spec: KVSpec, blocks: int, runs: int) -> dict[str, list[float]]:
     return {"seal_s": seal_s, "check_s": check_s}
 
 
-async def _push(spec: KVSpec, blocks: int, checked: bool) -> float:
-    """Seconds from P's kv_ready to D's outcome for one push of `blocks` blocks."""
-    config = EngineConfig(transfer_timeout=120.0, integrity=checked)
+async def _pushes(spec: KVSpec, blocks: int, config: EngineConfig, transfers: list[str]) -> list[float]:
+    """Seconds from P's kv_ready to D's outcome for a push of `blocks` blocks per transfer id,
+    one after the other between the same two engines, after one push not counted (the first
+    faults D's fresh memory in)."""
     pair = await EnginePair(LoopbackFabric(), spec=spec, num_blocks=blocks, config=config).start()
     try:
-        ids = list(range(blocks))  # (what the blocks hold costs nothing to move or hash: left as made)
-        waiting = await pair.d.expect("r", 1, peer="P", block_ids=ids, timeout=120.0)
-        began = time.perf_counter()
-        await pair.p.kv_ready("r", 1, block_ids=ids, peer="D", timeout=120.0)
-        result = await waiting.wait(120.0)
-        elapsed = time.perf_counter() - began
-        if not result.ok:
-            raise BenchError(f"bench integrity: the push failed: {result.reason}")
-        return elapsed
+        ids, seconds = list(range(blocks)), []  # (what the blocks hold costs nothing to move or hash: as made)
+        for transfer in ["warm-up", *transfers]:
+            waiting = await pair.d.expect(transfer, 1, peer="P", block_ids=ids, timeout=120.0)
+            began = time.perf_counter()
+            await pair.p.kv_ready(transfer, 1, block_ids=ids, peer="D", timeout=120.0)
+            result = await waiting.wait(120.0)
+            seconds.append(time.perf_counter() - began)
+            if not result.ok:
+                raise BenchError(f"bench integrity: the push failed: {result.reason}")
+        return seconds[1:]
     finally:
         await pair.close()
 
 
-def measure(tokens: list[int], layers: int, heads: int, head_dim: int, runs: int) -> dict[str, Any]:
+def _one_sampled(every: int) -> list[str]:
+    """`every` transfer ids of which `integrity_sample` `every` checks exactly one (the first)."""
+    names = [f"r{i}" for i in range(64 * every)]  # (one in `every` is picked: some are, for sure)
+    picked = [name for name in names if sampled(TransferKey(name, 1), every)]
+    return picked[:1] + [name for name in names if name not in picked][: every - 1]
+
+
+def measure(tokens: list[int], layers: int, heads: int, head_dim: int, runs: int, every: int = 4) -> dict[str, Any]:
     """The rows of the table (see the module docstring).
 
     :raises BenchError: a setting is out of range, or a check or a push failed.
     """
-    if not tokens or min(tokens) < 16 or min(layers, heads, head_dim, runs) < 1:
-        raise BenchError("bench integrity: --tokens of at least 16 each, --layers/--heads/--head-dim/--runs >= 1")
+    if not tokens or min(tokens) < 16 or min(layers, heads, head_dim, runs) < 1 or every < 2:
+        raise BenchError(
+            "bench integrity: --tokens of at least 16 each, --layers/--heads/--head-dim/--runs >= 1, --sample >= 2"
+        )
+    configs = {
+        "off": EngineConfig(transfer_timeout=120.0),
+        "on": EngineConfig(transfer_timeout=120.0, integrity=True),
+        "sampled": EngineConfig(transfer_timeout=120.0, integrity=True, integrity_sample=every),
+    }
+    transfers = {"off": ["r"], "on": ["r"], "sampled": _one_sampled(every)}
     spec, load = _spec(layers, heads, head_dim), os.getloadavg()
     rows = []
     for count in tokens:
         blocks = -(-count // spec.block_size)
         kv_bytes = blocks * layers * spec.arrays_per_layer * spec.block_len
         times = _digests(spec, blocks, runs)
-        latency: dict[bool, list[float]] = {False: [], True: []}
+        latency: dict[str, list[float]] = {name: [] for name in configs}
         for _ in range(runs):
-            for checked in (False, True):
-                latency[checked].append(asyncio.run(_push(spec, blocks, checked)))
-        off, on = statistics.median(latency[False]), statistics.median(latency[True])
+            for name, config in configs.items():  # in turns: what else loads the machine falls on each
+                seconds = asyncio.run(_pushes(spec, blocks, config, transfers[name]))
+                latency[name].append(statistics.mean(seconds))
+        off, on, some = (statistics.median(latency[name]) for name in configs)
         rows.append(
             {
                 "tokens": count,
@@ -112,10 +132,12 @@ def measure(tokens: list[int], layers: int, heads: int, head_dim: int, runs: int
                 "push_off_ms": round(off * 1e3, 2),
                 "push_on_ms": round(on * 1e3, 2),
                 "added_ms": round((on - off) * 1e3, 2),
+                "push_sampled_ms": round(some * 1e3, 2),
             }
         )
     shape = {"layers": layers, "heads": heads, "head_dim": head_dim, "block_size": 16, "dtype": "float16"}
-    return {"model": shape, "runs": runs, "rows": rows, "load": {"start": load, "end": os.getloadavg()}}
+    end = os.getloadavg()
+    return {"model": shape, "runs": runs, "sample": every, "rows": rows, "load": {"start": load, "end": end}}
 
 
 def _best_median(seconds: list[float]) -> list[float]:
@@ -128,13 +150,13 @@ def render(report: dict[str, Any]) -> str:
         f"kvflow bench integrity: {m['layers']} layers x {m['heads']} KV heads x {m['head_dim']}, "
         f"{m['dtype']}, blocks of {m['block_size']}; best/median of {report['runs']}",
         f"{'tokens':>7} {'KV MiB':>8} {'seal ms':>15} {'check ms':>15} {'seal GiB/s':>10} {'check GiB/s':>11}"
-        f" {'push off ms':>11} {'push on ms':>10} {'added ms':>9}",
+        f" {'push off ms':>11} {'push on ms':>10} {'added ms':>9} {'1 in ' + str(report['sample']) + ' ms':>10}",
     ]
     for r in report["rows"]:
         seal, check = "/".join(map(str, r["seal_ms"])), "/".join(map(str, r["check_ms"]))
         lines.append(
             f"{r['tokens']:>7} {r['kv_mib']:>8} {seal:>15} {check:>15} {r['seal_gib_s']:>10} {r['check_gib_s']:>11}"
-            f" {r['push_off_ms']:>11} {r['push_on_ms']:>10} {r['added_ms']:>9}"
+            f" {r['push_off_ms']:>11} {r['push_on_ms']:>10} {r['added_ms']:>9} {r['push_sampled_ms']:>10}"
         )
     start, end = report["load"]["start"], report["load"]["end"]
     lines.append(f"load average (1, 5, 15 min): {start[0]:.2f} {start[1]:.2f} {start[2]:.2f} at the start, "
@@ -144,7 +166,7 @@ def render(report: dict[str, Any]) -> str:
 
 def main(args: argparse.Namespace) -> int:
     """Print the table; also write it as JSON with `--json`.  :raises BenchError: see `measure`."""
-    report = measure(args.tokens, args.layers, args.heads, args.head_dim, args.runs)
+    report = measure(args.tokens, args.layers, args.heads, args.head_dim, args.runs, args.sample)
     sys.stdout.write(render(report) + "\n")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
@@ -160,4 +182,5 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--heads", type=int, default=8, help="KV heads (default 8)")
     parser.add_argument("--head-dim", type=int, default=128, help="head size (default 128)")
     parser.add_argument("--runs", type=int, default=5, help="runs of each measurement (default 5)")
+    parser.add_argument("--sample", type=int, default=4, help="the sampled column's integrity_sample (default 4)")
     parser.add_argument("--json", help="also write the report to this file")
