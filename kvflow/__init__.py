@@ -10,7 +10,6 @@ from __future__ import annotations
 from kvflow.control.channel import ControlChannel, LocalControlHub
 from kvflow.control.zeromq import ZmqControl
 from kvflow.errors import (
-    BenchError,
     BlockConflict,
     BlockSizeMismatch,
     ConfigError,
@@ -24,14 +23,10 @@ from kvflow.errors import (
     KVFlowError,
     LayoutMismatch,
     LedgerError,
-    LegFailed,
-    NoBackend,
     PeerNotAllowed,
     PeerProtocolError,
     PeerUnknown,
     PeerUnreachable,
-    RequestRefused,
-    ServerFailed,
     StaleEpoch,
     Timeout,
     TransferFailed,
@@ -57,7 +52,6 @@ from kvflow.transports.registry import available_transports, load_transport
 __version__ = "0.1.0"
 
 __all__ = (
-    "BenchError",
     "BlockConflict",
     "BlockSizeMismatch",
     "ConfigError",
@@ -78,8 +72,6 @@ __all__ = (
     "KVSpec",
     "LayoutMismatch",
     "LedgerError",
-    "LegFailed",
-    "NoBackend",
     "LocalControlHub",
     "MemoryType",
     "Mode",
@@ -88,8 +80,6 @@ __all__ = (
     "PeerNotAllowed",
     "PeerUnknown",
     "PeerUnreachable",
-    "RequestRefused",
-    "ServerFailed",
     "Region",
     "Role",
     "StaleEpoch",

@@ -1,8 +1,9 @@
 """kvflow's exception hierarchy: one root, errors named by what went wrong.
 
-Why a single module: every exception kvflow raises is defined here and derives from
+Why a single module: every exception the library raises is defined here and derives from
 `KVFlowError`, and every public function documents what it raises, so a caller that catches
-`KVFlowError` catches every failure kvflow reports.  A few also derive from the builtin a caller
+`KVFlowError` catches every failure kvflow reports (the tools' own exceptions, in
+`kvflow_tools.errors`, derive from it too).  A few also derive from the builtin a caller
 would reach for: `UnknownTransfer` is a `KeyError`, `InvalidBatch` and `ConfigError` are
 `ValueError`s, `UnknownTransport` a `LookupError`, `Timeout` (a transfer's, a handshake's or an
 engine's) a `TimeoutError` and `UsageError` a `RuntimeError`.
@@ -16,7 +17,6 @@ it as the failure of a call, and only those types, chained with ``from`` (`map_e
 * a missing backend package (`ModuleNotFoundError`) becomes `TransportUnavailable`;
 * ZeroMQ's `ZMQError` becomes `ConfigError` when binding, `PeerUnreachable` when connecting to
   or sending to a peer (as does asyncio's `RuntimeError` for the closed loop of an in-process peer);
-* aiohttp's `ClientError`, or no answer in time, on one of the router's legs becomes `LegFailed`;
 * `OSError` opening a peer's shared memory, and torch's `RuntimeError` for a device error,
   become `TransportError`;
 * msgpack's exceptions on a peer's bytes become `PeerProtocolError` (control frames and WRITE
@@ -38,7 +38,6 @@ import contextlib
 from collections.abc import Iterator, Mapping
 
 __all__ = (
-    "BenchError",
     "BlockConflict",
     "BlockSizeMismatch",
     "ConfigError",
@@ -52,14 +51,10 @@ __all__ = (
     "KVFlowError",
     "LayoutMismatch",
     "LedgerError",
-    "LegFailed",
-    "NoBackend",
     "PeerProtocolError",
     "PeerNotAllowed",
     "PeerUnknown",
     "PeerUnreachable",
-    "RequestRefused",
-    "ServerFailed",
     "StaleEpoch",
     "Timeout",
     "TransferFailed",
@@ -235,42 +230,6 @@ class TransportError(KVFlowError):
 
 class TransportUnavailable(TransportError):
     """A transport's library or device is missing; the message carries an install hint."""
-
-
-class BenchError(KVFlowError):
-    """A benchmark could not finish: an engine process died, or a request or an op failed or
-    did not complete in time."""
-
-
-class LegFailed(KVFlowError):
-    """The router's prefill or decode leg (`leg`) got no answer, or an HTTP error, from its server."""
-
-    def __init__(self, leg: str, reason: str) -> None:
-        self.leg = leg
-        super().__init__(f"{leg} leg failed: {reason}")
-
-
-class RequestRefused(KVFlowError):
-    """The router refused a client's request at one of its limits (`limit`: the option that
-    sets it) before the request was dispatched; `status` is the HTTP status the client gets."""
-
-    def __init__(self, status: int, limit: str, message: str) -> None:
-        self.status = status
-        self.limit = limit
-        super().__init__(message)
-
-
-class ServerFailed(KVFlowError):
-    """A process that kvflow's launcher started (a vLLM server, the router) exited, or did not
-    become healthy by its deadline."""
-
-
-class NoBackend(KVFlowError):
-    """The router has no healthy backend for `role` (prefill or decode)."""
-
-    def __init__(self, role: str, message: str) -> None:
-        self.role = role
-        super().__init__(message)
 
 
 @contextlib.contextmanager

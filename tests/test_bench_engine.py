@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from kvflow.errors import BenchError
 from kvflow_tools.cli import main
+from kvflow_tools.errors import BenchError
 
 
 def test_bench_engine_runs_every_cell_and_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

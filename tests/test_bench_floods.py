@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from kvflow.errors import BenchError
 from kvflow_tools.bench.bench_floods import SHORT_OF_DESCRIPTORS
 from kvflow_tools.cli import main
+from kvflow_tools.errors import BenchError
 
 
 def flood(tmp_path: Path, *options: str) -> dict[str, object]:

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from kvflow.errors import BenchError
 from kvflow.protocol.messages import TransferKey
 from kvflow.runtime.integrity import sampled
 from kvflow_tools.bench.bench_integrity import _one_sampled
 from kvflow_tools.cli import main
+from kvflow_tools.errors import BenchError
 
 
 def test_a_tiny_run_reports_each_length_with_the_check_off_and_on(

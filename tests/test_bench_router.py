@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from kvflow.errors import BenchError
 from kvflow_tools.cli import main
+from kvflow_tools.errors import BenchError
 
 SLOWLORIS = ["--trickling", "3", "--idle", "2", "--duration", "0.1", "--grace", "60", "--trickle-interval", "0.05"]
 BODIES = ["--bodies", "3", "--body-mib", "1", "--body-budget", "2200000", "--max-body", "1100000"]

@@ -20,8 +20,9 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
-from kvflow.errors import ConfigError, NoBackend
+from kvflow.errors import ConfigError
 from kvflow.integrations.vllm.params import SEQUENTIAL_PREFILL_PARAMS
+from kvflow_tools.errors import NoBackend
 from kvflow_tools.routing.backends import Backend, BackendPool
 from kvflow_tools.testing.params_fuzz import hostile_params
 from tests.router_processes import ROUTER_MODULE, WAIT, Process, start_fake, stop_clean

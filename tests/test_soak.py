@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from kvflow.errors import BenchError
 from kvflow_tools.bench.soak import MUST_BE_ZERO, SoakConfig, render, run_soak
 from kvflow_tools.cli import main as kvflow_cli
+from kvflow_tools.errors import BenchError
 from kvflow_tools.testing.fuzz_process import ATTACKS
 
 

@@ -94,8 +94,8 @@ def test_the_command_refuses_an_unknown_connector_before_starting_anything() -> 
 def test_a_pair_that_does_not_start_in_time_is_started_again_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """A start that hangs (seen once in CI: engines that never said ready) gets one more try with
     fresh ports; an engine that exits is not retried, and a second hang is reported."""
-    from kvflow.errors import BenchError
     from kvflow_tools.bench import bench_vllm as bench
+    from kvflow_tools.errors import BenchError
 
     attempts: list[str] = []
 

@@ -6,7 +6,7 @@ vLLM (the library, `kvflow`, imports nothing of it; `tests/test_architecture.py`
 - `cli`: the `kvflow` command; `doctor` (the environment check), `diagrams` (the state diagrams
   drawn from the transition tables), `children` (child processes started from asyncio with no
   Python run before their exec), `netns` (hosts in network namespaces joined by links that can be
-  cut).
+  cut), `errors` (the tools' exceptions, under the library's `KVFlowError`).
 - `bench`: the benchmarks and soaks; `standin` (vLLM's real scheduler and KV allocation without a
   model), `pd` (`kvflow bench pd`), `serve` (real vLLM servers: `kvflow serve`, `kvflow demo`,
   `kvflow bench serve`).

@@ -31,7 +31,6 @@ import numpy as np
 
 from kvflow.control.channel import LocalControlHub
 from kvflow.control.zeromq import ZmqControl
-from kvflow.errors import BenchError
 from kvflow.layout import KVLayout, KVSpec
 from kvflow.layout.buffers import region_of
 from kvflow.protocol.core import CoreConfig
@@ -42,6 +41,7 @@ from kvflow.runtime.results import TransferHandle
 from kvflow.transports.loopback import LoopbackFabric
 from kvflow.transports.shm import ShmTransport
 from kvflow_tools.children import spawn
+from kvflow_tools.errors import BenchError
 
 __all__ = ("BenchConfig", "Cell", "main", "run_bench")
 

@@ -31,9 +31,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvflow.errors import BenchError
 from kvflow_tools.bench.peer_driver import ROOT, Side
 from kvflow_tools.children import Child, import_path, spawn
+from kvflow_tools.errors import BenchError
 
 __all__ = ("add_arguments", "cpu_ticks", "main", "process_ticks", "render", "run_floods")
 

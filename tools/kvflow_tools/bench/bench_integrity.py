@@ -26,13 +26,13 @@ from typing import Any
 
 import numpy as np
 
-from kvflow.errors import BenchError
 from kvflow.layout import KVSpec
 from kvflow.protocol.actions import OpKind, SubmitOp
 from kvflow.protocol.messages import TransferKey, encode_notification
 from kvflow.runtime.engine import EngineConfig
 from kvflow.runtime.integrity import Integrity, sampled
 from kvflow.transports.loopback import LoopbackFabric
+from kvflow_tools.errors import BenchError
 from kvflow_tools.testing import EnginePair, KVBuffers
 
 __all__ = ("add_arguments", "main", "measure", "render")

@@ -28,12 +28,12 @@ from typing import Any
 
 import numpy as np
 
-from kvflow.errors import BenchError
 from kvflow.layout import DescriptorPlan, KVLayout, KVSpec, plan_transfer
 from kvflow.layout.buffers import region_of
 from kvflow.protocol.actions import OpKind
 from kvflow.runtime.meter import quantile
 from kvflow.transports.nixl import NixlTransport, load_nixl
+from kvflow_tools.errors import BenchError
 
 __all__ = ("Row", "main", "run")
 

@@ -19,7 +19,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kvflow.errors import BenchError, ConfigError
+from kvflow.errors import ConfigError
+from kvflow_tools.errors import BenchError
 from kvflow_tools.standin import EngineOptions, StandInEngine
 from kvflow_tools.standin.model import ModelShape
 

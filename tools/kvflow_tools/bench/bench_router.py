@@ -38,7 +38,6 @@ from typing import Any
 
 import aiohttp
 
-from kvflow.errors import BenchError
 from kvflow.runtime.meter import quantile
 from kvflow_tools.bench.router_stand import (
     MIB,
@@ -53,6 +52,7 @@ from kvflow_tools.bench.router_stand import (
     until,
     until_closed,
 )
+from kvflow_tools.errors import BenchError
 from kvflow_tools.routing import router
 
 __all__ = ("SCENARIOS", "RouterBenchConfig", "add_arguments", "config_from", "main", "run_bench")

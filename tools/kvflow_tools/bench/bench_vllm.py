@@ -48,11 +48,12 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from kvflow.errors import BenchError, ConfigError
+from kvflow.errors import ConfigError
 from kvflow.integrations.vllm.params import SEQUENTIAL_PREFILL_PARAMS
 from kvflow.runtime.meter import quantile
 from kvflow_tools.bench.bench_report import Cell, render, render_hooks, summarize, verdict
 from kvflow_tools.bench.runner import EngineSpec, spec_line
+from kvflow_tools.errors import BenchError
 from kvflow_tools.standin.model import EngineOptions, ModelShape
 
 __all__ = ("CONNECTORS", "Cell", "main", "run")

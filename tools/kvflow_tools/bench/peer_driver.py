@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvflow.errors import BenchError
 from kvflow_tools.children import Child, spawn
+from kvflow_tools.errors import BenchError
 
 __all__ = ("ROOT", "Side", "last_line")
 

@@ -32,8 +32,8 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from kvflow.errors import BenchError
 from kvflow_tools.children import import_path
+from kvflow_tools.errors import BenchError
 from kvflow_tools.routing import router
 
 __all__ = (

@@ -35,10 +35,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from kvflow.errors import BenchError, KVFlowError
+from kvflow.errors import KVFlowError
 from kvflow_tools.bench.peer_driver import Side
 from kvflow_tools.bench.soak_fuzz import Fuzzer, render_fuzz
 from kvflow_tools.children import import_path
+from kvflow_tools.errors import BenchError
 from kvflow_tools.netns import TwoHosts, unavailable
 
 __all__ = ("FAULTS", "SoakConfig", "main", "render", "run_soak")

@@ -22,8 +22,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvflow.errors import BenchError
 from kvflow_tools.bench.bench_vllm import Flight, Pair, start_pair
+from kvflow_tools.errors import BenchError
 from kvflow_tools.pd.contract import percentiles
 from kvflow_tools.pd.sizing import STANDIN_BLOCK, Sizing
 from kvflow_tools.pd.workload import Arrival

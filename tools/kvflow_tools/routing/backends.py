@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from kvflow.errors import ConfigError, NoBackend
+from kvflow.errors import ConfigError
 from kvflow.integrations.vllm.params import PeerRef
+from kvflow_tools.errors import NoBackend
 
 __all__ = ("Backend", "BackendPool", "Lease", "check_health")
 

@@ -59,7 +59,8 @@ from typing import Any, cast
 
 from aiohttp import web
 
-from kvflow.errors import ConfigError, RequestRefused
+from kvflow.errors import ConfigError
+from kvflow_tools.errors import RequestRefused
 
 __all__ = (
     "LIMITS",

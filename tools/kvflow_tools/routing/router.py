@@ -54,10 +54,11 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from kvflow.errors import ConfigError, LegFailed, NoBackend, RequestRefused
+from kvflow.errors import ConfigError
 from kvflow.integrations.vllm.params import SEQUENTIAL_PREFILL_PARAMS, TransferParams
 from kvflow.protocol.messages import address_problem
 from kvflow.protocol.state import Mode
+from kvflow_tools.errors import LegFailed, NoBackend, RequestRefused
 from kvflow_tools.routing import http_limits
 from kvflow_tools.routing.backends import Backend as Backend
 from kvflow_tools.routing.backends import BackendPool, check_health

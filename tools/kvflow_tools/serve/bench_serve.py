@@ -32,7 +32,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from kvflow.errors import BenchError, ConfigError
+from kvflow.errors import ConfigError
+from kvflow_tools.errors import BenchError
 from kvflow_tools.pd.workload import Arrival, LengthDist, arrivals
 from kvflow_tools.serve.client import Result, deltas, group_usage, metric_sum, run_requests
 from kvflow_tools.serve.launcher import ROOT, Deployment, ServeOptions, Server

@@ -16,8 +16,9 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from kvflow.errors import ConfigError, ServerFailed
+from kvflow.errors import ConfigError
 from kvflow.integrations.vllm.settings import setting_arg
+from kvflow_tools.errors import ServerFailed
 from kvflow_tools.serve.launcher import CONNECTORS, ROUTER_MODES, Deployment, ServeOptions
 
 __all__ = ("add_arguments", "main", "options_from")

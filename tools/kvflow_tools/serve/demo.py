@@ -20,7 +20,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from kvflow.errors import ConfigError, ServerFailed
+from kvflow.errors import ConfigError
+from kvflow_tools.errors import ServerFailed
 from kvflow_tools.serve.client import metric_sum
 from kvflow_tools.serve.launcher import Deployment, ServeOptions, Server
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from kvflow.errors import ServerFailed
+from kvflow_tools.errors import ServerFailed
 
 __all__ = ("Group", "ServerFailed", "free_port", "group_alive", "http_ok", "wait_all")
 
