@@ -104,15 +104,16 @@ def test_a_small_run_of_the_command_measures_every_system(tmp_path: Path) -> Non
     out = tmp_path / "host.json"
     code = cli(
         [
-            "bench", "host", "--systems", "alone,kvflow", "--rates", "20", "--duration", "0.5", "--turns", "2",
-            "--idle", "0.3", "--warmup", "0.2", "--python-ms", "1", "--wait-ms", "2", "--json", str(out),
+            "bench", "host", "--systems", "alone,kvflow,kvflow-integrity", "--rates", "20", "--duration", "0.5",
+            "--turns", "2", "--idle", "0.3", "--warmup", "0.2", "--python-ms", "1", "--wait-ms", "2",
+            "--json", str(out),
         ]
     )  # fmt: skip
     assert code == 0
     results = json.loads(out.read_text())
-    assert set(results["idle"]) == {"alone", "kvflow"}
+    assert set(results["idle"]) == {"alone", "kvflow", "kvflow-integrity"}
     by_system = {row["system"]: row for row in results["rows"]}
-    assert set(by_system) == {"alone", "kvflow"}
+    assert set(by_system) == {"alone", "kvflow", "kvflow-integrity"}
     for row in by_system.values():
         assert row["requests"] == 20 and row["failed"] == 0 and row["bad_pages"] == 0
         for engine in row["engines"].values():

@@ -17,7 +17,8 @@ SIGSTOP while another is measured, so idle systems cost nothing):
 * ``alone``: no KV connector (each engine computes its prompts): the baseline;
 * ``kvflow``: kvflow's connector, push, layer group by layer group;
 * ``vllm-pull``: vLLM's ``NixlConnector`` (D READs from its own step loop), P's answer relayed
-  to D as vLLM's proxy does; ``vllm-push`` can be asked for.
+  to D as vLLM's proxy does; ``vllm-push`` can be asked for, and ``kvflow-integrity`` (kvflow
+  with the end-to-end integrity check on both sides, every transfer checked).
 
 Where things run: by default anywhere (on a machine with few cores, kvflow's engine processes
 then compete with the engines for cores).  With ``--host-cpus`` and ``--engine-cpus`` the

@@ -63,6 +63,8 @@ CONNECTORS: dict[str, tuple[str, str | None]] = {  # name -> (vLLM class, module
     "kvflow-pull": ("KVFlowConnector", "kvflow.integrations.vllm"),
     # kvflow push with each rank's engine on a thread of the worker's process, not a process of its own
     "kvflow-thread": ("KVFlowConnector", "kvflow.integrations.vllm"),
+    # kvflow push with the end-to-end integrity check on both sides (every transfer checked)
+    "kvflow-integrity": ("KVFlowConnector", "kvflow.integrations.vllm"),
     # as vLLM's toy proxy: P with vLLM's own params, then D with P's answer (D pulls)
     "kvflow-sequential": ("KVFlowConnector", "kvflow.integrations.vllm"),
     "vllm-push": ("NixlPushConnector", None),
@@ -201,6 +203,8 @@ class Pair:
             extra = {"transport": "nixl", "port": 0, "host": "127.0.0.1", **options.get("kvflow_settings", {})}
             if connector == "kvflow-thread":
                 extra["engine_process"] = "thread"
+            if connector == "kvflow-integrity":
+                extra["integrity"] = True
         self.engines: dict[str, EngineProcess] = {}
         self.hooks: dict[str, list[float]] = {"P": [], "D": []}  # µs per step inside connector hooks
         self.hooks_cpu: dict[str, list[float]] = {"P": [], "D": []}  # ... of it, the stepping thread's CPU
@@ -310,7 +314,7 @@ class Pair:
             d.send(op="add", id=rid, prompt_len=tokens, max_tokens=flight.decode_tokens, tag=tag, params={})
             flight.d_dispatched = True
             return
-        if self.connector in ("kvflow", "kvflow-thread", "kvflow-pull"):
+        if self.connector in ("kvflow", "kvflow-thread", "kvflow-integrity", "kvflow-pull"):
             kv = {
                 "transfer_id": rid,
                 "epoch": 1,
