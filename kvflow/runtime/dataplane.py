@@ -113,12 +113,12 @@ class DataPlane:
         now = self.hooks.now()
         for completion in completions:
             self.hooks.run(self.core.op_finished(completion.op_id, now, completion.error))
+        check, registered = self.integrity, self.core.registered
         for note in notifications:
             if (layout := self.assoc.layouts.get(note.peer)) is None:
                 self.counters.notifications_from_unknown += 1
                 continue
-            registered = self.core.registered
-            pending = self.integrity.prepare(note.peer, note.payload, layout, registered) if self.integrity else None
+            pending = check.prepare(note.peer, note.payload, layout, registered) if check is not None else None
             if pending is None:
                 self.hooks.run(self.core.notification(note.peer, note.payload, now, None))
                 continue
