@@ -7,12 +7,11 @@ way (no traceback, no unclosed resource in their output).
 from __future__ import annotations
 
 import os
-import queue
 import re
-import subprocess
 import sys
-import threading
 from pathlib import Path
+
+from kvflow_tools.children import Collected
 
 ROOT = Path(__file__).resolve().parent.parent
 ROUTER_MODULE = "kvflow_tools.routing.router"
@@ -20,52 +19,22 @@ WAIT = 20.0  # the most any one wait in these tests may take
 BAD_OUTPUT = ("Traceback", "ResourceWarning", "Unclosed", "never retrieved", "Error handling request")
 
 
-class Process:
-    """A child process; a thread collects its output lines (stdout and stderr together)."""
+class Process(Collected):
+    """A child Python process, ResourceWarnings shown, whose output lines a thread collects."""
 
     def __init__(self, *args: str) -> None:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.popen = subprocess.Popen(
-            [sys.executable, "-W", "default::ResourceWarning", *args],
-            cwd=ROOT,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        self.output: list[str] = []
-        self._lines: queue.Queue[str] = queue.Queue()
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
+        super().__init__([sys.executable, "-W", "default::ResourceWarning", *args], env=env, cwd=ROOT)
 
-    def _read(self) -> None:
-        assert self.popen.stdout is not None
-        for line in self.popen.stdout:
-            self.output.append(line)
-            self._lines.put(line)
+    def wait_for(self, pattern: str, timeout: float = WAIT) -> re.Match[str]:
+        """:raises AssertionError: no line matched within `timeout` seconds."""
+        match = super().wait_for(pattern, timeout)
+        if match is None:
+            raise AssertionError(f"no line matching {pattern!r}; output: {''.join(self.output)}")
+        return match
 
-    def wait_for(self, pattern: str) -> re.Match[str]:
-        while True:
-            try:
-                line = self._lines.get(timeout=WAIT)
-            except queue.Empty:
-                raise AssertionError(f"no line matching {pattern!r}; output: {''.join(self.output)}") from None
-            if match := re.search(pattern, line):
-                return match
-
-    def stop(self) -> str:
-        """Terminate, wait (then kill), and return everything it wrote."""
-        self.popen.terminate()
-        try:
-            self.popen.wait(timeout=WAIT)
-        except subprocess.TimeoutExpired:
-            self.popen.kill()
-            self.popen.wait(timeout=WAIT)
-        self._reader.join(timeout=WAIT)
-        assert self.popen.stdout is not None
-        self.popen.stdout.close()
-        return "".join(self.output)
+    def stop(self, timeout: float = WAIT) -> str:
+        return super().stop(timeout)
 
 
 def start_fake(name: str) -> tuple[Process, str]:

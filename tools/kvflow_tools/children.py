@@ -7,21 +7,26 @@ handlers work on state another thread may have held at the fork: a child died of
 or corruption" before its exec when tests ran side by side.  `subprocess.Popen` without
 `preexec_fn` runs only C there, on any loop; this wraps it with asyncio streams on its pipes and
 an exit awaited through a pidfd.  `import_path` makes a child import the `kvflow` and
-`kvflow_tools` its parent imported.
+`kvflow_tools` its parent imported.  `Collected` is the same for synchronous code: a child whose
+output lines a thread collects, waited on for a line and stopped with a deadline.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import queue
+import re
 import subprocess
+import threading
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import kvflow
 import kvflow_tools
 
-__all__ = ("PIPE", "Child", "import_path", "spawn")
+__all__ = ("PIPE", "Child", "Collected", "import_path", "spawn")
 
 PIPE = subprocess.PIPE
 
@@ -164,3 +169,63 @@ async def spawn(
         popen.wait()
         raise
     return Child(popen, writer, out, err)
+
+
+class Collected:
+    """A child process of synchronous code; a thread collects its output (stdout and stderr, one
+    stream of lines): `output` so far, `wait_for` a line, `stop`."""
+
+    def __init__(self, argv: Sequence[str], *, env: Mapping[str, str] | None = None, cwd: Path | None = None) -> None:
+        """:raises OSError: the program cannot be started."""
+        self.popen = subprocess.Popen(
+            list(argv),
+            cwd=cwd,
+            env=None if env is None else dict(env),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        self.pid = self.popen.pid
+        self.output: list[str] = []
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.popen.stdout is not None
+        for line in self.popen.stdout:
+            self.output.append(line)
+            self._lines.put(line)
+        self._lines.put(None)
+
+    def wait_for(self, pattern: str, timeout: float) -> re.Match[str] | None:
+        """The next line matching `pattern`; None when the process's output ended, or `timeout`
+        seconds passed, without one.  Never raises."""
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                line = self._lines.get(timeout=left)
+            except queue.Empty:
+                return None
+            if line is None:
+                self._lines.put(None)  # a later wait sees the end too
+                return None
+            if match := re.search(pattern, line):
+                return match
+        return None
+
+    def stop(self, timeout: float) -> str:
+        """SIGTERM (SIGKILL when it has not ended `timeout` seconds later); everything it wrote.
+        Never raises."""
+        if self.popen.poll() is None:
+            self.popen.terminate()
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(timeout)
+        self._reader.join(timeout)
+        if self.popen.stdout is not None:
+            self.popen.stdout.close()
+        return "".join(self.output)

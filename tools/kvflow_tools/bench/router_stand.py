@@ -15,12 +15,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import queue
 import re
-import signal
-import subprocess
 import sys
-import threading
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
@@ -32,7 +28,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from kvflow_tools.children import import_path
+from kvflow_tools.children import Collected, import_path
 from kvflow_tools.errors import BenchError
 from kvflow_tools.routing import router
 
@@ -154,47 +150,20 @@ async def serving(backends: Backends) -> AsyncIterator[Backends]:
 # ---------------------------------------------------------------- the router's process
 
 
-class RouterProcess:
+class RouterProcess(Collected):
     """``python -m kvflow_tools.routing.router`` in front of `urls` ("P", "D"), its output
-    collected by a thread; the kvflow this tool imports is the one it runs."""
+    collected; the kvflow this tool imports is the one it runs."""
 
     def __init__(self, urls: dict[str, str], options: tuple[str, ...]) -> None:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         env["PYTHONPATH"] = os.pathsep.join([import_path(), *filter(None, [env.get("PYTHONPATH")])])
         args = [sys.executable, "-m", router.__name__, "--port", "0", "--health-interval", "1000", *options]
-        self.popen = subprocess.Popen(
-            [*args, "--prefill", urls["P"], "--decode", urls["D"]],
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        self.pid = self.popen.pid
-        self.output: list[str] = []
-        self._lines: queue.Queue[str | None] = queue.Queue()
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.popen.stdout is not None
-        for line in self.popen.stdout:
-            self.output.append(line)
-            self._lines.put(line)
-        self._lines.put(None)
+        super().__init__([*args, "--prefill", urls["P"], "--decode", urls["D"]], env=env)
 
     def url(self) -> str:
         """Where it listens, once it says so.  :raises BenchError: it ended or said nothing in time."""
-        deadline = time.monotonic() + WAIT
-        while (left := deadline - time.monotonic()) > 0:
-            try:
-                line = self._lines.get(timeout=left)
-            except queue.Empty:
-                break
-            if line is None:
-                break
-            if match := re.search(r"router listening on (http://\S+)", line):
-                return match.group(1)
+        if match := self.wait_for(r"router listening on (http://\S+)", WAIT):
+            return match.group(1)
         raise BenchError("the router did not start: " + "".join(self.output)[-2000:])
 
     def fds(self) -> int:
@@ -214,19 +183,9 @@ class RouterProcess:
         fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
-    def stop(self) -> int:
-        """SIGTERM, then the tracebacks it printed (0 on a clean run)."""
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
-            try:
-                self.popen.wait(30)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait()
-        self._reader.join()
-        if self.popen.stdout is not None:
-            self.popen.stdout.close()
-        return "".join(self.output).count("Traceback")
+    def finish(self) -> int:
+        """Stop it (SIGTERM, SIGKILL 30 s later); the tracebacks it printed (0 on a clean run)."""
+        return self.stop(30.0).count("Traceback")
 
 
 @dataclass
@@ -264,7 +223,7 @@ async def stand(backends: Backends, router_options: tuple[str, ...] = ()) -> Asy
             async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=WAIT)) as http:
                 yield Stand(backends, process, url, http)
         finally:
-            tracebacks = await asyncio.to_thread(process.stop)
+            tracebacks = await asyncio.to_thread(process.finish)
         if tracebacks:
             raise BenchError("the router printed tracebacks: " + "".join(process.output)[-4000:])
 
