@@ -76,8 +76,8 @@ class Settings:
     allowed_peers: tuple[str, ...] = ("*",)
     allowed_networks: tuple[str, ...] = DEFAULT_NETWORKS
     # the end-to-end check (`kvflow.runtime.integrity`): P seals each WRITE with digests of its KV,
-    # D checks what landed before the request decodes (off: both sides hash every byte; host
-    # memory and P and D of the same KV spec only, for now); turn it on on both sides
+    # D checks what landed before the request decodes (off by default: both sides hash every
+    # byte; host memory only, for now); turn it on on both sides
     integrity: bool = False
     integrity_sample: int = 1  # ... for one request in this many, the same ones on P and D
 
