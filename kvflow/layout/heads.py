@@ -18,9 +18,9 @@ import numpy as np
 import numpy.typing as npt
 
 from kvflow.errors import LayoutMismatch
-from kvflow.layout.spec import KVLayout, heads_outer
+from kvflow.layout.spec import KVLayout, KVSpec, heads_outer
 
-__all__ = ("HeadRuns", "head_runs")
+__all__ = ("HeadRuns", "head_runs", "shared_heads")
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,11 @@ class HeadRuns:
     base: npt.NDArray[np.int64]
     stride: npt.NDArray[np.int64]
     token_bytes: int
+
+
+def shared_heads(a: KVSpec, b: KVSpec) -> range:
+    """The model's KV heads two ranks both hold (empty: none).  Never raises."""
+    return range(max(a.head_start, b.head_start), min(a.heads.stop, b.heads.stop))
 
 
 def head_runs(layout: KVLayout, layers: tuple[int, int], heads: range, whole: bool) -> HeadRuns:

@@ -30,7 +30,7 @@ import numpy.typing as npt
 
 from kvflow.errors import InvalidBatch, LayoutMismatch
 from kvflow.layout.groups import group_of
-from kvflow.layout.heads import head_runs
+from kvflow.layout.heads import head_runs, shared_heads
 from kvflow.layout.spec import KVLayout
 from kvflow.layout.states import parse_split, state_runs
 
@@ -241,7 +241,7 @@ def _plan_sliced(
     :raises LayoutMismatch: block sizes that are not multiples, or layouts that cannot be sliced.
     """
     ls, rs = local.spec, remote.spec
-    heads = range(max(ls.head_start, rs.head_start), min(ls.heads.stop, rs.heads.stop))
+    heads = shared_heads(ls, rs)
     if not heads:
         raise InvalidBatch(f"the ranks share no KV head (heads {ls.heads} here, {rs.heads} there)")
     fine_size, coarse_size = sorted((ls.block_size, rs.block_size))

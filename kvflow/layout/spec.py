@@ -368,6 +368,11 @@ class KVLayout:
     def layer_arrays(self, layer: int) -> tuple[BlockArray, ...]:
         return self._by_layer[layer]
 
+    def bytes_of(self, blocks: int, layers: tuple[int, int] | None = None) -> int:
+        """The bytes `blocks` blocks take in every array of `layers` (None: all).  Never raises."""
+        first, stop = layers or (0, self.spec.num_layers)
+        return blocks * max(stop - first, 0) * self.spec.arrays_per_layer * self.block_len
+
     @classmethod
     def per_layer_regions(cls, spec: KVSpec, num_blocks: int, regions: Sequence[Region]) -> KVLayout:
         """One region per layer, each holding all K blocks then all V blocks (vLLM's

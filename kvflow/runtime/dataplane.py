@@ -63,9 +63,7 @@ class DataPlane:
         loop = self.hooks.loop()
         role = Role.PREFILL if op.kind is OpKind.WRITE else Role.DECODE
         self.meter.op_asked(op.key, role, self.hooks.now())
-        span = self.layout.spec.num_layers if op.layers is None else op.layers[1] - op.layers[0]
-        size = len(op.local_blocks) * span * self.layout.spec.arrays_per_layer * self.layout.block_len
-        inline = self._inline(size)
+        inline = self._inline(self.layout.bytes_of(len(op.local_blocks), op.layers))
         after = loop.call_soon if inline else loop.call_soon_threadsafe
 
         def job() -> None:

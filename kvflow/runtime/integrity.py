@@ -37,7 +37,7 @@ from functools import partial
 from kvflow.errors import ConfigError, InvalidBatch, LayoutMismatch, PeerProtocolError
 from kvflow.layout import KVLayout
 from kvflow.layout.groups import group_of
-from kvflow.layout.heads import head_runs
+from kvflow.layout.heads import head_runs, shared_heads
 from kvflow.layout.spec import MemoryType, Region
 from kvflow.layout.states import parse_split, state_runs
 from kvflow.protocol.actions import SubmitOp
@@ -158,8 +158,7 @@ class Integrity:
         if strangers:
             problem = f"integrity: {where}: P's WRITE names blocks {strangers[:8]} D did not register for {key}"
             return PendingCheck.found(key, problem)
-        first, stop = seal.layers or (0, self.layout.spec.num_layers)
-        size = len(seal.blocks) * max(stop - first, 0) * self.layout.block_len * self.layout.spec.arrays_per_layer
+        size = self.layout.bytes_of(len(seal.blocks), seal.layers)
         return PendingCheck(key, size, partial(self._verify, where, seal, remote))
 
     def _verify(self, where: str, seal: Seal, remote: KVLayout) -> str | None:
@@ -255,7 +254,7 @@ class _Reader:
 
     def _sliced(self, layers: tuple[int, int]) -> Units:
         ps, ds, moved = self.p.spec, self.d.spec, self.moved
-        heads = range(max(ps.head_start, ds.head_start), min(ps.heads.stop, ds.heads.stop))
+        heads = shared_heads(ps, ds)
         if not heads:
             raise InvalidBatch(f"the ranks share no KV head (P's {ps.heads}, D's {ds.heads})")
         fine, coarse = sorted((ps.block_size, ds.block_size))
