@@ -112,6 +112,7 @@ class StandInEngine:
         self.host: HostLoad | None = None  # the host engine's own work in each step (`kvflow bench host`)
         self.host_python = 0.0  # seconds the step's host work (`host`) took, interpreter held
         self.slept = 0.0  # the step's time spent waiting for its pace, not working
+        self.forward_ended = 0.0  # when the step's last layer was computed, before its KV was handed on
         self.step_starts: deque[float] = deque(maxlen=200_000)
         self.most_in_flight = 0
         self.tags: dict[str, str] = {}  # request id -> transfer tag (P writes it, D checks it)
@@ -429,8 +430,8 @@ class StandInEngine:
             self.emit(ev="hstep", t=started, dur=now - started, py=self.host_python, **busy)
         spent, by_name, cpu = self.ranks[0].hooks.take()  # rank 0's time inside connector hooks
         self.emit(ev="hooks", s=spent, by=by_name, cpu=cpu)
-        for request_id in work.completed:  # `started`: the start of the step that completed it
-            self.emit(ev="computed", id=request_id, t=now, started=started)
+        for request_id in work.completed:  # made when the forward ended: a push may land before the step ends
+            self.emit(ev="computed", id=request_id, t=self.forward_ended, started=started)
         if self.pacer is not None:
             real_ms = (now - started - self.slept) * 1e3
             self.emit(ev="step", t=started, **self.pacer.report(self.scheduler, self.step_ms, real_ms))
@@ -537,9 +538,8 @@ class StandInEngine:
         """Layer by layer, as attention layers do: ``wait_for_layer_load``, the layer's KV
         writes (enqueued on a lagging device), ``save_kv_layer`` (not under a full CUDA graph).
         A step of `step_ms` ends no sooner than `step_ms` after it started."""
-        names, shared = self.layer_names(), dict(self.shape.shared)
+        names, shared, hooks = self.layer_names(), dict(self.shape.shared), rank.worker is not None
         total = len(names)
-        hooks = rank.worker is not None
         for layer in layers:
             name = names[layer]
             if self.host is not None:  # the forward's own Python for this layer (kernel launches)
@@ -562,6 +562,7 @@ class StandInEngine:
                 pause = max(0.0, layer_end - time.perf_counter())
                 self.slept += pause
                 time.sleep(pause)
+            self.forward_ended = time.perf_counter()
             if hooks and not self.options.full_cudagraph:
                 rank.hooks.save_kv_layer(name, rank.kv_caches[name], None)
 
