@@ -49,6 +49,7 @@ def test_a_flood_is_counted_by_the_engine_and_a_genuine_peer_moves_kv_meanwhile(
     assert "conn/s" in table and "accept_failed" in table and "yes" in table
 
 
+@pytest.mark.system
 @pytest.mark.parametrize("rate", ["0", "50"])  # as fast as it can (bursts that time out together), or paced
 def test_at_a_descriptor_limit_the_engine_holds_no_more_and_the_genuine_peer_still_connects(
     tmp_path: Path, rate: str

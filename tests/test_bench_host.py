@@ -100,6 +100,7 @@ def test_the_stand_in_does_the_host_work_and_steps_with_nothing_scheduled() -> N
     assert all(s["dur"] >= 0.001 and s["py"] > 0 and s["busy"] >= s["cpu"] - 1e-3 for s in steps)
 
 
+@pytest.mark.system
 def test_a_small_run_of_the_command_measures_every_system(tmp_path: Path) -> None:
     out = tmp_path / "host.json"
     code = cli(

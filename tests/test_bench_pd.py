@@ -178,6 +178,7 @@ def test_the_engine_lasts_each_step_as_the_model_says_and_reports_it() -> None:
 # ---------------------------------------------------------------- the command
 
 
+@pytest.mark.system
 def test_a_small_run_of_the_command_writes_the_whole_contract(tmp_path: Path) -> None:
     folder = tmp_path / "pd"
     code = cli(

@@ -41,6 +41,7 @@ def test_console_script_is_installed() -> None:
     assert "UCX" in result.stdout
 
 
+@pytest.mark.system
 def test_soak_fuzz_also_sends_hostile_kv_transfer_params_and_reports_them(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

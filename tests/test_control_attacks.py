@@ -161,6 +161,7 @@ FLOOD_DESCRIPTORS = 4096  # the flooding process's limit
 FLOOD_CONNECTIONS = 3000  # what it opens, and holds until P closes them
 
 
+@pytest.mark.system
 def test_idle_connections_do_not_take_every_descriptor(prefix: str) -> None:
     limit = 400
     with fd_limit(limit):
@@ -188,6 +189,7 @@ def test_idle_connections_do_not_take_every_descriptor(prefix: str) -> None:
         p.close()
 
 
+@pytest.mark.system
 def test_a_genuine_peer_associates_during_a_flood_as_fast_as_a_process_can_open_connections(prefix: str) -> None:
     # P starts with the soft limit many hosts default to (1,024): the flood (its own process, raw
     # TCP connects as fast as it can) holds more at once than that.  P must not run out of

