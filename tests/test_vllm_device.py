@@ -177,15 +177,17 @@ def test_a_forward_without_saves_posts_every_group_at_wait_for_save_gated() -> N
         p.close()
 
 
-def test_the_stand_ins_device_resolver_goes_with_its_last_lagging_engine() -> None:
-    """The resolver is process-wide: left installed, it would outlive the engines it serves."""
-    from kvflow.integrations.vllm import device as seam
+def test_a_device_injected_after_the_kv_caches_are_registered_is_refused_and_changes_nothing() -> None:
+    """A host hands its connector the device before registering (no process-wide resolver: an
+    engine beside it keeps its own); after, kvflow's engine already waits on the first device."""
+    from kvflow.errors import ConfigError
 
-    p, d = make_pair(device_lag=0.01)
+    p, d = make_pair(device_lag=0.05)
     try:
-        assert seam._resolver is not None
+        worker = d.ranks[0].worker
+        with pytest.raises(ConfigError, match="before register_kv_caches"):
+            worker.inject(device=HostDevice())
+        move_and_check(p, d, "t-late-inject", 2 * BLOCK_SIZE + 3)  # the lagging device still gates
     finally:
         d.close()
-        assert seam._resolver is not None  # P's device still lags
         p.close()
-    assert seam._resolver is None

@@ -29,7 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.request import RequestStatus
 
 from kvflow.errors import ConfigError, UsageError
-from kvflow.integrations.vllm.device import device_for
+from kvflow.integrations.vllm.device import Device, device_for
 from kvflow.integrations.vllm.kv_caches import cache_groups, check_supported, describe_kv_caches
 from kvflow.integrations.vllm.mapping import Orders, SchedulerBook
 from kvflow.integrations.vllm.stats import KVFlowConnectorStats, KVFlowPromMetrics, RankMeter, counter_deltas
@@ -133,6 +133,7 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler_counted: dict[str, int] = {}
         self._left_for_decode: set[str] = set()  # P requests whose last prompt token D computes
         self._manager: KVCacheManager | None = None  # vLLM's scheduler binds it (the block tables)
+        self._device: Device | None = None  # `inject`ed; otherwise the KV tensors' own
         # With prefix caching a consumer receives only the blocks after a request's local hit,
         # and vLLM shares received blocks only once their load completed (see mapping.py).
         prefix_caching = bool(vllm_config.cache_config.enable_prefix_caching)
@@ -278,7 +279,18 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
             layout_name=kv_cache_config.kv_cache_layout or config.cache_config.kv_cache_layout,
             tp_size=config.parallel_config.tensor_parallel_size,
         )
-        worker.register(caches, device_for(next(iter(kv_caches.values()))))
+        worker.register(caches, self._device or device_for(next(iter(kv_caches.values()))))
+
+    def inject(self, *, device: Device) -> None:
+        """For a host that builds this connector itself, not vLLM's model runner: `device` holds
+        the KV caches it will register (kvflow waits on `device`'s gates before a WRITE reads them),
+        in place of the device the tensors name.  Call it before `register_kv_caches`.
+
+        :raises ConfigError: the KV caches are registered already.
+        """
+        if self._worker is not None and self._worker.link is not None:
+            raise ConfigError("kvflow: inject a device before register_kv_caches, not after")
+        self._device = device
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         """The step's orders arrive: D's registrations (and aborts) go out now, before the

@@ -9,9 +9,10 @@ scheduling keeps its overlap), no polling.  And every thread kvflow starts that 
 memory or NIXL is bound to the device first (`Device.bind_thread`), as vLLM does for its NIXL
 threads: UCX disables CUDA IPC on a thread with no CUDA device set.
 
-Everything GPU-only is here.  `device_for` picks the device of the KV tensors; a test installs a
-fake device whose kernels run when the test says (`set_device_resolver`), so the gate's order is
-tested on CPU: a WRITE posted before its gate opens moves bytes the fake device has not written.
+Everything GPU-only is here.  `device_for` picks the device of the KV tensors; a host that
+builds the connector itself may hand it another (`KVFlowConnector.inject`): the stand-in's fake
+device, whose kernels run when the test says, so the gate's order is tested on CPU: a WRITE
+posted before its gate opens moves bytes the fake device has not written.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import asyncio
 import concurrent.futures
 import queue
 import threading
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvflow.errors import TransferTimeout, TransportError
@@ -28,7 +28,7 @@ from kvflow.errors import TransferTimeout, TransportError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ("CudaDevice", "Device", "Gate", "GateWaiter", "HostDevice", "device_for", "set_device_resolver")
+__all__ = ("CudaDevice", "Device", "Gate", "GateWaiter", "HostDevice", "device_for")
 
 
 class Gate(Protocol):
@@ -95,20 +95,8 @@ class CudaDevice:
         return _CudaGate(event)
 
 
-_resolver: Callable[[torch.Tensor], Device | None] | None = None
-
-
-def set_device_resolver(resolver: Callable[[torch.Tensor], Device | None] | None) -> None:
-    """Let `resolver` pick the device of KV tensors first (it returns None to fall through):
-    how a test stands in a fake device for the GPU.  None removes it."""
-    global _resolver
-    _resolver = resolver
-
-
 def device_for(tensor: torch.Tensor) -> Device:
     """The device holding `tensor`."""
-    if _resolver is not None and (device := _resolver(tensor)) is not None:
-        return device
     if tensor.device.type == "cuda":
         return CudaDevice(int(tensor.device.index or 0))
     return HostDevice()

@@ -42,7 +42,6 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 import torch
 
-from kvflow.integrations.vllm.device import Device, set_device_resolver
 from kvflow.integrations.vllm.ranks import heads_of
 from kvflow.layout.groups import KVGroup
 from kvflow_tools.standin.build import (
@@ -74,13 +73,6 @@ class Rank:
 
     def __post_init__(self) -> None:
         self.hooks = HookClock(self.worker)  # how the model runner calls the connector
-
-
-_DEVICES: dict[int, LaggingDevice] = {}  # KV buffer address -> the lagging device that owns it
-
-
-def _lagging_device_of(tensor: torch.Tensor) -> Device | None:
-    return _DEVICES.get(int(tensor.untyped_storage().data_ptr()))
 
 
 @dataclass
@@ -201,6 +193,8 @@ class StandInEngine:
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.v1.worker.utils import allocate_kv_cache, prepare_kernel_block_sizes
 
+        from kvflow.integrations.vllm.connector import KVFlowConnector
+
         o, config, kv_cache_config = self.options, self.config, self.kv_cache_config
         config.parallel_config.rank = rank  # what a worker process of that rank has
         worker: Any = None  # no connector: the engine alone
@@ -222,12 +216,9 @@ class StandInEngine:
         kv_caches = allocate_kv_cache(kv_cache_config, place, self.layout, kernel_block_sizes)
         for layer, target in self.shape.shared:  # appended last, as vLLM's init_kv_cache does
             kv_caches[self.shape.layer_name(layer)] = kv_caches[self.shape.layer_name(target)]
-        device = None
-        if o.device_lag is not None:
-            device = LaggingDevice(o.device_lag)
-            for tensor in kv_caches.values():
-                _DEVICES[int(tensor.untyped_storage().data_ptr())] = device
-            set_device_resolver(_lagging_device_of)
+        device = None if o.device_lag is None else LaggingDevice(o.device_lag)
+        if device is not None and isinstance(worker, KVFlowConnector):  # another connector ignores it
+            worker.inject(device=device)
         if worker is not None:
             worker.register_kv_caches(kv_caches)
         if worker is not None and o.distributed:
@@ -592,8 +583,4 @@ class StandInEngine:
             if rank.worker is not None:
                 rank.worker.shutdown()
             if rank.device is not None:
-                for tensor in rank.kv_caches.values():
-                    _DEVICES.pop(int(tensor.untyped_storage().data_ptr()), None)
                 rank.device.close()
-        if not _DEVICES:  # no lagging device left: tensors are the host's own again
-            set_device_resolver(None)
