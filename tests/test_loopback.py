@@ -18,9 +18,8 @@ from kvflow.transports.loopback import (
     LinkModel,
     LoopbackFabric,
     LoopbackTransport,
-    install_fabric,
-    named_fabric,
 )
+from kvflow_tools.standin.fabrics import fabric_of, install_fabric, named_fabric
 
 
 def plan(rows: list[tuple[int, int, int, int, int]]) -> DescriptorPlan:
@@ -210,3 +209,10 @@ def test_a_named_fabric_is_shared_while_in_use_and_forgotten_with_its_last_endpo
     endpoint.close()
     fabric.close()
     faulty.close()
+
+
+def test_the_stand_ins_fabric_keys_never_reach_the_connectors_settings() -> None:
+    extra = {"transport": "loopback", "fabric": "f1", "port": 0}
+    assert fabric_of(extra) == ({"port": 0}, "f1")
+    assert fabric_of({"transport": "loopback"}) == ({}, "default")
+    assert fabric_of({"transport": "nixl", "fabric": "f2", "port": 1}) == ({"transport": "nixl", "port": 1}, None)

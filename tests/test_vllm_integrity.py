@@ -12,7 +12,8 @@ from typing import Any
 
 from vllm.v1.request import RequestStatus
 
-from kvflow.transports.loopback import FaultPlan, LoopbackFabric, install_fabric
+from kvflow.transports.loopback import FaultPlan, LoopbackFabric
+from kvflow_tools.standin.fabrics import install_fabric
 from tests.vllm_compat_stats import StatLoggers
 from tests.vllm_pairs import BLOCK_SIZE, dispatch, fabric, make_pair, move_and_check, settle, stepping
 

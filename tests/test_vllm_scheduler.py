@@ -16,8 +16,9 @@ import pytest
 from vllm.v1.request import RequestStatus
 
 from kvflow.errors import ConfigError
-from kvflow.transports.loopback import FaultPlan, LoopbackFabric, install_fabric
+from kvflow.transports.loopback import FaultPlan, LoopbackFabric
 from kvflow_tools.standin import StandInEngine
+from kvflow_tools.standin.fabrics import install_fabric
 from tests.vllm_pairs import (
     BLOCK_SIZE,
     crash,

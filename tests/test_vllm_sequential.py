@@ -58,7 +58,7 @@ def test_a_second_decode_engine_handed_the_same_answer_is_refused() -> None:
     p, d = make_pair(p_extra={"port": consecutive_free_ports(1)})
     other = StandInEngine(
         EngineOptions(
-            "decode2", "kv_consumer", {"transport": "loopback", "port": 0, "fabric": p.worker.settings.fabric}
+            "decode2", "kv_consumer", {"transport": "loopback", "port": 0, "fabric": p.options.extra["fabric"]}
         )
     )
     try:

@@ -23,9 +23,9 @@ def test_settings_default_without_extra_config() -> None:
 
 def test_settings_read_known_keys() -> None:
     settings = Settings.from_extra(
-        {"transport": "loopback", "port": 0, "push_layer_groups": 2, "nixl_backends": ["UCX", "GDS"]}
+        {"transport": "nixl", "port": 0, "push_layer_groups": 2, "nixl_backends": ["UCX", "GDS"]}
     )
-    assert settings.transport == "loopback" and settings.port == 0 and settings.push_layer_groups == 2
+    assert settings.transport == "nixl" and settings.port == 0 and settings.push_layer_groups == 2
     assert settings.nixl_backends == ("UCX", "GDS")
 
 
@@ -61,8 +61,9 @@ def test_settings_refuse_a_bad_push_layer_groups(value: Any) -> None:
         ("nixl_backends", "UCX"),  # not a list: never read as ("U", "C", "X")
         ("nixl_backends", 5),
         ("nixl_backends", ["UCX", 1]),
-        ("fabric", 1),
+        ("fabric", "default"),  # the stand-in's key, not the connector's
         ("transport", None),
+        ("transport", "loopback"),  # a host injects another transport; it is not a setting
         ("engine_process", "yes"),
         ("engine_process", True),
         ("engine_cpus", [0, "1"]),

@@ -9,7 +9,8 @@ import zmq
 from vllm.v1.request import RequestStatus
 
 from kvflow.integrations.vllm.stats import IN_FLIGHT_STATES, KVFlowConnectorStats
-from kvflow.transports.loopback import FaultPlan, LoopbackFabric, install_fabric
+from kvflow.transports.loopback import FaultPlan, LoopbackFabric
+from kvflow_tools.standin.fabrics import install_fabric
 from tests.vllm_compat_stats import StatLoggers, expected_bytes
 from tests.vllm_pairs import BLOCK_SIZE, dispatch, fabric, make_pair, params, settle, stepping
 

@@ -20,7 +20,7 @@ TIMEOUT = {"transfer_timeout": 2.0}
 
 def test_a_rogue_engine_registering_a_stolen_transfer_id_first_gets_none_of_ps_kv() -> None:
     p, d = make_pair(p_extra=TIMEOUT, d_extra=TIMEOUT)
-    fabric = p.worker.settings.fabric
+    fabric = p.options.extra["fabric"]
     rogue = StandInEngine(
         EngineOptions("rogue", "kv_consumer", {"transport": "loopback", "port": 0, "fabric": fabric, **TIMEOUT})
     )

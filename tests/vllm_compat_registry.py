@@ -20,8 +20,9 @@ from vllm.v1.request import RequestStatus
 
 import kvflow.runtime.dataplane as dataplane_module
 from kvflow.layout import DescriptorPlan, KVLayout, plan_transfer
-from kvflow.transports.loopback import FaultPlan, LoopbackFabric, install_fabric
+from kvflow.transports.loopback import FaultPlan, LoopbackFabric
 from kvflow_tools.standin import StandInEngine
+from kvflow_tools.standin.fabrics import install_fabric
 from tests.vllm_pairs import BLOCK_SIZE, dispatch, fabric, make_pair, move_and_check, settle
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "vllm-compatibility.md"

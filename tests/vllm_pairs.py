@@ -19,8 +19,8 @@ from vllm.v1.request import Request, RequestStatus
 from kvflow.integrations.vllm.connector import KVFlowConnector
 from kvflow.integrations.vllm.params import SEQUENTIAL_PREFILL_PARAMS
 from kvflow.protocol.lifecycle import Life
-from kvflow.transports.loopback import named_fabric
 from kvflow_tools.standin import EngineOptions, StandInEngine
+from kvflow_tools.standin.fabrics import fabric_of, named_fabric
 
 BLOCK_SIZE = 32
 _fabrics = itertools.count()
@@ -165,7 +165,9 @@ def kvflow_engine(engine: StandInEngine, rank: int = 0) -> Any:
 def crash(engine: StandInEngine) -> None:
     """The engine's process dies: no goodbye, its memory and control socket gone."""
     assert isinstance(engine.worker, KVFlowConnector)
-    fabric_ = named_fabric(engine.worker.settings.fabric)
+    name = fabric_of(engine.options.extra)[1]
+    assert name is not None, "crash() kills an engine on a loopback fabric"
+    fabric_ = named_fabric(name)
     fabric_.kill(kvflow_engine(engine).engine_id)
     side = engine.worker._worker
     assert side is not None and side.thread is not None

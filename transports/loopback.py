@@ -30,7 +30,7 @@ from kvflow.layout import DescriptorPlan, MemoryType, Region
 from kvflow.protocol.actions import OpKind
 from kvflow.transports.base import Completion, Notification, TransportCapabilities, drain, region_address
 
-__all__ = ("FaultPlan", "LinkModel", "LoopbackFabric", "LoopbackTransport", "install_fabric", "named_fabric")
+__all__ = ("FaultPlan", "LinkModel", "LoopbackFabric", "LoopbackTransport")
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,36 +87,6 @@ class _Op:
     cancelled: bool = False
 
 
-# Fabrics engines of one process share by name (a connector configured with transport
-# "loopback" and a fabric name): each lives while endpoints are on it, and is forgotten with its
-# last one, so that the registry holds only fabrics in use.
-_NAMED: dict[str, LoopbackFabric] = {}
-_NAMED_LOCK = threading.Lock()
-
-
-def named_fabric(name: str) -> LoopbackFabric:
-    """The fabric of this process named `name`, made on first use.  Never raises."""
-    with _NAMED_LOCK:
-        fabric = _NAMED.get(name)
-        if fabric is None:
-            fabric = _NAMED[name] = LoopbackFabric()
-            fabric.registered_as = name
-        return fabric
-
-
-def install_fabric(name: str, fabric: LoopbackFabric) -> None:
-    """Make `fabric` (one with a link model or faults, say) the fabric named `name`, for the
-    endpoints that attach to that name from now on.
-
-    :raises ConfigError: a fabric of that name is in use.
-    """
-    with _NAMED_LOCK:
-        if name in _NAMED:
-            raise ConfigError(f"loopback fabric {name!r} is in use")
-        _NAMED[name] = fabric
-        fabric.registered_as = name
-
-
 class LoopbackFabric:
     """The in-process network joining `LoopbackTransport` endpoints."""
 
@@ -137,7 +107,7 @@ class LoopbackFabric:
         self._manual = manual
         self._open: set[str] = set()  # endpoints attached and not closed: a thread runs while any is
         self._thread: threading.Thread | None = None
-        self.registered_as = ""  # its name in this process's named fabrics, if it has one
+        self.on_idle: Callable[[], None] | None = None  # called when its last open endpoint closes
 
     # ------------------------------------------------------------------ endpoints and faults
 
@@ -160,20 +130,15 @@ class LoopbackFabric:
         `attach` starts another)."""
         with self._lock:
             self._open.discard(endpoint.name)
-            if not self._open and self.registered_as:
-                self._forget_name()
+            idle = self.on_idle if not self._open else None
             thread = self._thread if not self._open else None
             if thread is not None:
                 self._thread = None  # it ends; `attach` starts another if one is needed
                 self._wake.notify_all()
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=5.0)
-
-    def _forget_name(self) -> None:
-        with _NAMED_LOCK:
-            if _NAMED.get(self.registered_as) is self:
-                del _NAMED[self.registered_as]
-        self.registered_as = ""
+        if idle is not None:
+            idle()
 
     def attached(self, name: str) -> LoopbackTransport | None:
         return self._endpoints.get(name)

@@ -16,7 +16,7 @@ blocks move with that group's layers, a sliding-window group's only within its w
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -46,6 +46,8 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
+
+    from kvflow.transports.base import Transport
 
 __all__ = (
     "SLEEP_MODE_UNSUPPORTED",
@@ -134,6 +136,7 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
         self._left_for_decode: set[str] = set()  # P requests whose last prompt token D computes
         self._manager: KVCacheManager | None = None  # vLLM's scheduler binds it (the block tables)
         self._device: Device | None = None  # `inject`ed; otherwise the KV tensors' own
+        self._transport: Callable[[str], Transport] | None = None  # `inject`ed; otherwise NIXL
         # With prefix caching a consumer receives only the blocks after a request's local hit,
         # and vLLM shares received blocks only once their load completed (see mapping.py).
         prefix_caching = bool(vllm_config.cache_config.enable_prefix_caching)
@@ -279,18 +282,22 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
             layout_name=kv_cache_config.kv_cache_layout or config.cache_config.kv_cache_layout,
             tp_size=config.parallel_config.tensor_parallel_size,
         )
-        worker.register(caches, self._device or device_for(next(iter(kv_caches.values()))))
+        worker.register(caches, self._device or device_for(next(iter(kv_caches.values()))), self._transport)
 
-    def inject(self, *, device: Device) -> None:
-        """For a host that builds this connector itself, not vLLM's model runner: `device` holds
-        the KV caches it will register (kvflow waits on `device`'s gates before a WRITE reads them),
-        in place of the device the tensors name.  Call it before `register_kv_caches`.
+    def inject(self, *, device: Device | None = None, transport: Callable[[str], Transport] | None = None) -> None:
+        """For a host that builds this connector itself, not vLLM's model runner (the stand-in):
+        `device` holds the KV caches it will register (kvflow waits on `device`'s gates before a
+        WRITE reads them), in place of the device the tensors name; `transport` makes this rank's
+        engine's transport from its engine id (a loopback fabric's endpoint, say), in place of
+        NIXL's, and the engine then runs on a thread of this process.  Call it before
+        `register_kv_caches`.
 
         :raises ConfigError: the KV caches are registered already.
         """
         if self._worker is not None and self._worker.link is not None:
-            raise ConfigError("kvflow: inject a device before register_kv_caches, not after")
-        self._device = device
+            raise ConfigError("kvflow: inject a device or transport before register_kv_caches, not after")
+        self._device = device or self._device
+        self._transport = transport or self._transport
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         """The step's orders arrive: D's registrations (and aborts) go out now, before the

@@ -5,8 +5,9 @@ interpreter, and its Python work lengthens the host's steps (`kvflow bench host`
 its own process (`kvflow.runtime.process.EngineProcess`) does not, but needs the KV memory to
 be shareable (host memory, moved onto shared memory in place) and a transport that crosses
 processes.  So a rank runs its engine in a process when it can, and on a thread for what a
-process cannot serve yet: GPU memory (CUDA IPC is not built), the in-process loopback fabric of
-tests, and a fake device.  Both run the same `RankAgent` commands, so the worker is written once.
+process cannot serve yet: GPU memory (CUDA IPC is not built), a transport the host injected
+(the in-process loopback fabric of tests), and a fake device.  Both run the same `RankAgent`
+commands, so the worker is written once.
 """
 
 from __future__ import annotations

@@ -54,14 +54,13 @@ def push_units(
 class Settings:
     """`kv_connector_extra_config` keys (all optional)."""
 
-    transport: str = "nixl"  # "nixl" | "loopback" (one process, for tests)
+    transport: str = "nixl"  # the one transport between vLLM's engines (a host may inject another)
     host: str = "127.0.0.1"  # where this rank's control channel binds
     port: int = 5700  # rank r binds port + r; 0: any free port
     transfer_timeout: float = 60.0
     lease: float = 30.0
     fence_timeout: float = 10.0
     nixl_backends: tuple[str, ...] = ("UCX",)
-    fabric: str = "default"  # loopback only
     push_layer_groups: int = 4  # push: WRITEs per prefill chunk, at most, each posted once its layers are saved
     push_group_bytes: int = 4 << 20  # ... each moving at least this much (0: always push_layer_groups)
     kv_cache_layout: str = ""  # a vLLM KVCacheLayout for kvflow to request; "": the backend's choice
@@ -111,8 +110,8 @@ class Settings:
             raise ConfigError(
                 f"kvflow engine_process must be one of {list(ENGINE_PLACES)}, not {settings.engine_process!r}"
             )
-        if settings.transport not in ("nixl", "loopback"):
-            raise ConfigError(f"kvflow transport must be 'nixl' or 'loopback', not {settings.transport!r}")
+        if settings.transport != "nixl":
+            raise ConfigError(f"kvflow transport must be 'nixl', not {settings.transport!r}")
         if settings.host in ("", "*", "0.0.0.0", "::", "[::]"):
             raise ConfigError(
                 f"kvflow host must be an address the peer can reach, not the wildcard {settings.host!r}: "

@@ -19,8 +19,8 @@ reads what came back; descriptor planning, posting and polling happen with the e
 
 Where the engine runs (`links`): in a process of its own when the KV caches are host memory
 and the transport is NIXL (``engine_process``: "auto", the default), so that none of its Python
-runs in the host's interpreter; on a thread of this process otherwise (GPU memory, the loopback
-fabric of tests), or when asked (``engine_process: "thread"``).  Measured with `kvflow bench
+runs in the host's interpreter; on a thread of this process otherwise (GPU memory, a transport
+the host injected), or when asked (``engine_process: "thread"``).  Measured with `kvflow bench
 host`, an engine thread in the host's interpreter took the GIL from the host's steps: at 100
 transfers/s P's steps were 30 % fewer and 13 ms longer at p99.
 """
@@ -33,6 +33,7 @@ import dataclasses
 import logging
 import os
 import time
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -118,9 +119,12 @@ class WorkerSide(ProducerSide):
 
     # ---------------------------------------------------------------- setup
 
-    def register(self, caches: CacheDescription, device: Device) -> None:
+    def register(
+        self, caches: CacheDescription, device: Device, transport: Callable[[str], Transport] | None = None
+    ) -> None:
         """Start this rank's engine on its KV memory, in a process of its own or on a thread
-        (see the module's header); every thread it starts here uses `device`.
+        (see the module's header); every thread it starts here uses `device`.  `transport`, when
+        given, makes the engine's transport from its engine id in place of NIXL's (on a thread).
 
         :raises ConfigError: ``engine_process: "process"`` where a process cannot serve, or
             the layout is not what this rank holds.
@@ -146,13 +150,13 @@ class WorkerSide(ProducerSide):
         )
         port = self.port + self.rank if self.port else 0
         bind = f"tcp://{settings.host}:{port}"
-        why_not = self._why_not_a_process(device)
+        why_not = "a transport handed to it does not cross processes" if transport else self._why_not_a_process(device)
         if why_not is None:
             self._start_process(layout, config, bind)
         elif settings.engine_process == "process":
             raise ConfigError(f"kvflow engine_process 'process' cannot serve rank {self.engine_id}: {why_not}")
         else:
-            self._start_thread(layout, config, bind, device)
+            self._start_thread(layout, config, bind, device, transport)
         groups = layout.spec.kv_groups
         if groups:  # vLLM's hybrid KV cache manager: each group's blocks move with its own layers
             log.info("kvflow engine %s: KV cache groups %s", self.engine_id, groups)
@@ -162,8 +166,6 @@ class WorkerSide(ProducerSide):
         """Why this rank's engine cannot run in a process of its own (None: it can)."""
         if self.settings.engine_process == "thread":
             return "asked for a thread"
-        if self.settings.transport != "nixl":
-            return f"the {self.settings.transport} transport does not cross processes"
         if not isinstance(device, HostDevice):
             return "its KV caches are device memory (sharing them through CUDA IPC is not built)"
         if not host_memory.supported():
@@ -198,16 +200,21 @@ class WorkerSide(ProducerSide):
         self.link = ProcessLink(process)
         self._where = f"engine process pid {process.pid}"
 
-    def _start_thread(self, layout: KVLayout, config: EngineConfig, bind: str, device: Device) -> None:
+    def _start_thread(
+        self,
+        layout: KVLayout,
+        config: EngineConfig,
+        bind: str,
+        device: Device,
+        make_transport: Callable[[str], Transport] | None,
+    ) -> None:
         settings = self.settings
         config = dataclasses.replace(config, thread_setup=device.bind_thread)
 
         def factory() -> Engine:
             transport: Transport
-            if settings.transport == "loopback":
-                from kvflow.transports.loopback import named_fabric
-
-                transport = named_fabric(settings.fabric).endpoint(self.engine_id)
+            if make_transport is not None:
+                transport = make_transport(self.engine_id)
             else:
                 from kvflow.transports.nixl import NixlTransport
 

@@ -2,8 +2,9 @@
 
 Around vLLM's own scheduler, KV cache planning and allocation, and connector hooks: what the
 vLLM tests and `kvflow bench vllm` run.  `model` names the models and options, `build` the
-config and KV cache specs, `kv` the bytes and the lagging device, `engine` the steps; `engine`
-says what is vLLM's and what is stood in for."""
+config and KV cache specs, `kv` the bytes and the lagging device, `fabrics` the loopback
+fabrics engines of one process share by name, `engine` the steps; `engine` says what is vLLM's
+and what is stood in for."""
 
 from kvflow_tools.standin.engine import SAMPLED, Rank, StandInEngine
 from kvflow_tools.standin.kv import LaggingDevice, PagedKV

@@ -11,6 +11,7 @@ import importlib
 from dataclasses import dataclass
 from typing import Any
 
+from kvflow_tools.standin.fabrics import fabric_of
 from kvflow_tools.standin.model import BACKENDS, EngineOptions
 
 __all__ = (
@@ -84,7 +85,7 @@ def vllm_config(o: EngineOptions) -> Any:
             kv_connector_module_path=o.module_path,
             kv_role=o.role,  # type: ignore[arg-type]
             engine_id=o.engine_id or o.name,
-            kv_connector_extra_config=o.extra,
+            kv_connector_extra_config=fabric_of(o.extra)[0],  # the stand-in's own keys out
             kv_load_failure_policy=o.failure_policy,  # type: ignore[arg-type]
             kv_buffer_device=o.kv_buffer_device,
         )

@@ -52,6 +52,7 @@ from kvflow_tools.standin.build import (
     mamba_shape,
     vllm_config,
 )
+from kvflow_tools.standin.fabrics import fabric_of, named_fabric
 from kvflow_tools.standin.kv import LaggingDevice, PagedKV, StatePages
 from kvflow_tools.standin.model import EngineOptions
 from kvflow_tools.standin.pacing import HookClock, HostLoad, Pacer, thread_times
@@ -217,8 +218,9 @@ class StandInEngine:
         for layer, target in self.shape.shared:  # appended last, as vLLM's init_kv_cache does
             kv_caches[self.shape.layer_name(layer)] = kv_caches[self.shape.layer_name(target)]
         device = None if o.device_lag is None else LaggingDevice(o.device_lag)
-        if device is not None and isinstance(worker, KVFlowConnector):  # another connector ignores it
-            worker.inject(device=device)
+        fabric = fabric_of(o.extra)[1]
+        if isinstance(worker, KVFlowConnector):  # what another connector would ignore
+            worker.inject(device=device, transport=named_fabric(fabric).endpoint if fabric is not None else None)
         if worker is not None:
             worker.register_kv_caches(kv_caches)
         if worker is not None and o.distributed:
