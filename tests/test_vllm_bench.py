@@ -82,7 +82,9 @@ def test_every_connector_moves_and_verifies_real_bytes() -> None:
 def test_a_long_prompt_prefilled_in_chunks_moves_and_is_compared_from_ps_last_step() -> None:
     """The long-prompt cell alone: P's budget of 64 tokens makes a 256-token prefill four steps."""
     connectors = ["kvflow", "vllm-pull"]
-    cells = run(connectors, [], [1], [0.0], 2, 1, 0, QUIET_NIXL, long_tokens=256, long_chunks=4)
+    cells = run(
+        connectors, [], [1], [0.0], requests=2, repeats=1, warmup=0, options=QUIET_NIXL, long_tokens=256, long_chunks=4
+    )
     rows = summarize(cells)
     assert sorted((r["connector"], r["chunks"]) for r in rows) == [("kvflow", 4), ("vllm-pull", 4)]
     for row in rows:

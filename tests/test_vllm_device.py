@@ -191,3 +191,11 @@ def test_a_device_injected_after_the_kv_caches_are_registered_is_refused_and_cha
     finally:
         d.close()
         p.close()
+
+
+def test_an_engine_asked_to_run_in_a_process_with_a_transport_handed_to_it_is_refused_by_name() -> None:
+    """An injected transport (here the stand-in's loopback fabric) lives in this process only."""
+    from kvflow.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="engine_process 'process' cannot serve .*does not cross processes"):
+        make_pair(extra={"engine_process": "process"})

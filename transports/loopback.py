@@ -107,7 +107,7 @@ class LoopbackFabric:
         self._manual = manual
         self._open: set[str] = set()  # endpoints attached and not closed: a thread runs while any is
         self._thread: threading.Thread | None = None
-        self.on_idle: Callable[[], None] | None = None  # called when its last open endpoint closes
+        self.on_idle: Callable[[], None] | None = None  # called, under its lock, when its last open endpoint closes
 
     # ------------------------------------------------------------------ endpoints and faults
 
@@ -130,15 +130,14 @@ class LoopbackFabric:
         `attach` starts another)."""
         with self._lock:
             self._open.discard(endpoint.name)
-            idle = self.on_idle if not self._open else None
+            if not self._open and self.on_idle is not None:
+                self.on_idle()  # under the lock: no endpoint can attach between the last close and it
             thread = self._thread if not self._open else None
             if thread is not None:
                 self._thread = None  # it ends; `attach` starts another if one is needed
                 self._wake.notify_all()
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=5.0)
-        if idle is not None:
-            idle()
 
     def attached(self, name: str) -> LoopbackTransport | None:
         return self._endpoints.get(name)

@@ -150,7 +150,7 @@ class WorkerSide(ProducerSide):
         )
         port = self.port + self.rank if self.port else 0
         bind = f"tcp://{settings.host}:{port}"
-        why_not = "a transport handed to it does not cross processes" if transport else self._why_not_a_process(device)
+        why_not = self._why_not_a_process(device, transport is not None)
         if why_not is None:
             self._start_process(layout, config, bind)
         elif settings.engine_process == "process":
@@ -162,10 +162,12 @@ class WorkerSide(ProducerSide):
             log.info("kvflow engine %s: KV cache groups %s", self.engine_id, groups)
         log.info("kvflow engine %s up at %s (%s)", self.engine_id, self.address, self._where)
 
-    def _why_not_a_process(self, device: Device) -> str | None:
+    def _why_not_a_process(self, device: Device, injected_transport: bool) -> str | None:
         """Why this rank's engine cannot run in a process of its own (None: it can)."""
         if self.settings.engine_process == "thread":
             return "asked for a thread"
+        if injected_transport:
+            return "the transport the host handed it does not cross processes"
         if not isinstance(device, HostDevice):
             return "its KV caches are device memory (sharing them through CUDA IPC is not built)"
         if not host_memory.supported():
