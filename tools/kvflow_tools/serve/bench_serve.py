@@ -96,6 +96,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-engines", type=int, default=4, help="vLLM engines alive at once (2 per pair)")
     parser.add_argument("--kv-cache-gib", type=int, default=1, help="KV cache of each engine (GiB)")
     parser.add_argument("--results", default="", help="folder for results (default results/serve-bench-<time>)")
+    parser.add_argument(
+        "--nixl-progress-delay-us",
+        type=int,
+        default=None,
+        help="µs vLLM's NIXL agents sleep between progress polls (default: stock, a core per agent without pause)",
+    )
     parser.add_argument("--quick", action="store_true", help=f"a few minutes: {QUICK['qps']} req/s, 8 requests")
 
 
@@ -129,16 +135,21 @@ def _wait_for_memory(engines: int, say: Callable[[str], None], patience: float =
 class Pairs:
     """The deployments alive now, by connector: started, warmed up, stopped and resumed."""
 
-    def __init__(self, folder: Path, model: Path, max_model_len: int, kv_cache_gib: int) -> None:
+    def __init__(
+        self, folder: Path, model: Path, max_model_len: int, kv_cache_gib: int, nixl_progress_delay_us: int | None
+    ) -> None:
         self.folder, self.model, self.max_model_len, self.kv_cache_gib = folder, model, max_model_len, kv_cache_gib
+        self.nixl_progress_delay_us = nixl_progress_delay_us  # for vLLM's connectors' pairs
         self.alive: dict[str, Deployment] = {}
         self.rss_gib: dict[str, float] = {}  # server name -> its group's RSS sum after warm-up
 
     def options(self, connector: str, mode: str) -> ServeOptions:
         settings = {"lease": 3600.0} if connector == "kvflow" else {}  # a stopped pair keeps its peers
+        delay = self.nixl_progress_delay_us if connector != "kvflow" else None
         return ServeOptions(connector=connector, mode=mode, model=self.model, port=0, run_dir=self.folder / connector,
                             max_model_len=self.max_model_len, kv_cache_gib=self.kv_cache_gib,
-                            kvflow_settings=settings, startup_timeout=1200.0)  # fmt: skip
+                            kvflow_settings=settings, startup_timeout=1200.0,
+                            nixl_progress_delay_us=delay)  # fmt: skip
 
     def keep(self, connectors: list[str], systems: list[str], say: Callable[[str], None]) -> None:
         """Stop the deployments not in `connectors`, start the missing ones (at once), add a
@@ -287,8 +298,9 @@ def _main(args: argparse.Namespace) -> int:
     folder.mkdir(parents=True, exist_ok=True)
     points = [(qps, arrivals(qps, count, prompt, output, args.seed)) for qps in rates]
     config = _describe(rates, count, prompt, output, args.seed, systems, phases, args.max_engines)
+    config["nixl_progress_delay_us"] = args.nixl_progress_delay_us  # None: stock NIXL (polls without pause)
     model = write_model(folder / "model", MODEL)
-    pairs = Pairs(folder, model, prompt.high + output.high + 64, args.kv_cache_gib)
+    pairs = Pairs(folder, model, prompt.high + output.high + 64, args.kv_cache_gib, args.nixl_progress_delay_us)
     per_phase = [[s for s in systems if SYSTEMS[s][0] in p] for p in phases]
     total = sum(len(p) for p in per_phase) * len(rates) * count
     sys.stdout.write("\n".join(serve_report.header_lines({"config": config | {"load_after": "—"}})) + "\n")

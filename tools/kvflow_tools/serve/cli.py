@@ -60,6 +60,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a kv_connector_extra_config entry for kvflow's connector, e.g. transfer_timeout=30",
     )
     parser.add_argument("--vllm-arg", dest="vllm_args", action="append", default=[], help="passed to every server")
+    parser.add_argument(
+        "--nixl-progress-delay-us",
+        type=int,
+        default=None,
+        help="with vLLM's connectors: µs their NIXL agents' progress threads sleep between polls (default: "
+        "stock NIXL, a core per agent polling without pause, which starves a host with fewer cores than engines)",
+    )
 
 
 def options_from(args: argparse.Namespace) -> ServeOptions:
@@ -86,6 +93,7 @@ def options_from(args: argparse.Namespace) -> ServeOptions:
         vllm_args=tuple(args.vllm_args),
         python=args.vllm_python,
         startup_timeout=args.startup_timeout,
+        nixl_progress_delay_us=args.nixl_progress_delay_us,
         **changes,
     )
     options.check()

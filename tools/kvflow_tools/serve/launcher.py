@@ -37,6 +37,7 @@ from kvflow_tools.serve.processes import Group, ServerFailed, free_port, http_ok
 
 __all__ = (
     "CONNECTORS",
+    "NIXL_PROGRESS_DELAY",
     "ROUTER_MODES",
     "Deployment",
     "Host",
@@ -49,6 +50,7 @@ __all__ = (
 
 ROOT = Path(__file__).resolve().parents[3]
 CONNECTORS = ("kvflow", "nixl", "nixl-push", "none")  # kvflow's, vLLM's NixlConnector (pull) and NixlPushConnector
+NIXL_PROGRESS_DELAY = "KVFLOW_NIXL_PROGRESS_DELAY_US"  # read by scripts/vllm-cpu/sitecustomize.py
 ROUTER_MODES = ("push", "pull", "sequential", "nixl-push")
 NIXL = {"nixl": "NixlConnector", "nixl-push": "NixlPushConnector"}  # connector -> vLLM's class
 
@@ -100,6 +102,9 @@ class ServeOptions:
     startup_timeout: float = 600.0  # seconds for every server to answer /health
     stop_grace: float = 15.0  # seconds between SIGTERM and SIGKILL
     hosts: Mapping[str, Host] = field(default_factory=dict)  # server name -> where it runs (default: here)
+    # µs vLLM's NIXL agents (connector nixl / nixl-push) sleep between progress polls; None: stock
+    # NIXL, which polls without pause, a core per agent (see scripts/vllm-cpu/sitecustomize.py)
+    nixl_progress_delay_us: int | None = None
 
     def check(self) -> None:
         """:raises ConfigError: a value no deployment can have, named."""
@@ -121,6 +126,11 @@ class ServeOptions:
             raise ConfigError(f"kv_cache_gib must be a whole number of GiB >= 1, not {self.kv_cache_gib!r}")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"router port must be 0..65535, not {self.port}")
+        delay = self.nixl_progress_delay_us
+        if delay is not None and (isinstance(delay, bool) or not isinstance(delay, int) or not 0 <= delay <= 10**6):
+            raise ConfigError(f"nixl_progress_delay_us must be a whole number of µs in 0..1000000, not {delay!r}")
+        if delay is not None and self.connector not in NIXL:
+            raise ConfigError(f"nixl_progress_delay_us is for vLLM's connectors {list(NIXL)}, not {self.connector!r}")
         names = {f"prefill-{i}" for i in range(self.prefill)} | {f"decode-{i}" for i in range(self.decode)}
         unknown = sorted(set(self.hosts) - names - ({"reference"} if self.reference else set()))
         if unknown:
@@ -295,6 +305,8 @@ class Deployment:
                 "VLLM_NIXL_SIDE_CHANNEL_HOST": server.address,
                 "VLLM_NIXL_SIDE_CHANNEL_PORT": str(server.side_channel),
             }
+        if o.nixl_progress_delay_us is not None and server.role != "reference":
+            env[NIXL_PROGRESS_DELAY] = str(o.nixl_progress_delay_us)
         if self._off_loopback() and not {"KVFLOW_SECRET", "KVFLOW_SECRET_FILE"} & set(env):
             env["KVFLOW_SECRET_FILE"] = str(self._secret_file())
         return env | dict(server.host.env if server.host else {})
