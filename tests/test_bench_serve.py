@@ -121,6 +121,10 @@ def _results() -> dict[str, Any]:
 
 def test_the_table_orders_by_phase_and_system_and_warns_of_failures() -> None:
     text = serve_report.render_table(_results())
+    assert "vLLM's NIXL progress threads: stock, polling without pause" in text
+    slowed = _results()
+    slowed["config"]["nixl_progress_delay_us"] = 1000
+    assert "vLLM's NIXL progress threads: sleeping 1000 µs between polls" in serve_report.render_table(slowed)
     assert "32 KiB/token" in text and "phase 1, 1 req/s" in text and "phase 2, 1 req/s" in text
     phase1 = text.split("phase 1, 1 req/s")[1].split("phase 2")[0]
     assert phase1.index("kvflow") < phase1.index("vllm-pull")

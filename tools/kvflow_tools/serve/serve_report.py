@@ -143,6 +143,10 @@ COLUMNS = ("system", "done/failed", *_LATENCY, "KV tokens xfer/prompt", "KV MiB"
            "CPU idle P/D", "CPU load P/D")  # fmt: skip
 
 
+def _progress(delay_us: int | None) -> str:
+    return "stock, polling without pause" if delay_us is None else f"sleeping {delay_us} µs between polls"
+
+
 def header_lines(results: Mapping[str, Any]) -> list[str]:
     config = results["config"]
     m, w = config["model"], config["workload"]
@@ -156,6 +160,7 @@ def header_lines(results: Mapping[str, Any]) -> list[str]:
         f"seed {w['seed']}",
         f"order: {config['order']}",
         f"machine: {config['machine']}; load {config['load_before']} before, {config['load_after']} after",
+        f"vLLM's NIXL progress threads: {_progress(config.get('nixl_progress_delay_us'))}",
     ]
     lines += [f"left out: {s}: {why}" for s, why in config.get("left_out", {}).items()]
     return lines
