@@ -19,6 +19,7 @@ import zmq
 from kvflow.control import wire
 from kvflow.control.auth import Secret
 from kvflow.control.channel import MAX_CLOCK_SKEW, LocalControlHub, incarnation_ceiling, new_incarnation
+from kvflow.control.connections import ConnectionWatch
 from kvflow.control.counts import ControlCounts, Rejection
 from kvflow.control.zeromq import RECEIVE_QUEUE, YIELD_EVERY, ZmqControl, is_loopback
 from kvflow.errors import ConfigError, EngineClosed, HandshakeTimeout, PeerUnknown, PeerUnreachable, UsageError
@@ -185,6 +186,50 @@ def test_a_connection_flood_costs_the_event_loop_no_turn_per_connection() -> Non
         loop.close()
     assert not [t for t in threading.enumerate() if t.name == "kvflow-connections-P"]  # stopped with the channel
     assert turns < connections // 10, f"the loop turned {turns} times for about {3 * connections} connection events"
+
+
+class FailingMonitor:
+    """A monitor socket whose first polls raise `errors`, then one with nothing to read, which
+    waits until the test is done (`done`), as a poll of an idle monitor would wait."""
+
+    def __init__(self, *errors: zmq.ZMQError) -> None:
+        self.errors = list(errors)
+        self.polled_after_errors = threading.Event()
+        self.done = threading.Event()
+        self.closed = threading.Event()
+
+    def poll(self, timeout: int) -> int:
+        if self.errors:
+            raise self.errors.pop(0)
+        self.polled_after_errors.set()
+        self.done.wait(timeout / 1000)
+        return 0
+
+    def close(self, linger: int | None = None) -> None:
+        self.closed.set()
+
+
+def test_a_monitor_error_is_logged_and_the_watch_reads_on_since_an_unread_monitor_blocks_libzmq(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    monitor = FailingMonitor(zmq.ZMQError(zmq.EFAULT), zmq.ZMQError(zmq.EINVAL))
+    with caplog.at_level(logging.WARNING, logger="kvflow.control.zeromq"):
+        watch = ConnectionWatch(monitor, "P")  # type: ignore[arg-type]
+        try:
+            assert monitor.polled_after_errors.wait(30.0), "the watch stopped reading after a monitor error"
+        finally:
+            monitor.done.set()
+            watch.close()
+    assert monitor.closed.is_set()
+    assert "the connection monitor could not read" in caplog.text and "P" in caplog.text
+
+
+def test_a_terminating_context_ends_the_watch_quietly() -> None:
+    monitor = FailingMonitor(zmq.ZMQError(zmq.ETERM))
+    watch = ConnectionWatch(monitor, "P")  # type: ignore[arg-type]
+    assert monitor.closed.wait(30.0)  # the thread closed its socket and ended, without being told
+    assert not monitor.polled_after_errors.is_set()
+    watch.close()
 
 
 @pytest.mark.asyncio

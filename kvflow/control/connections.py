@@ -115,12 +115,18 @@ class ConnectionWatch:
                 except Exception:  # the host's set-up: counting needs no device, so go on
                     log.exception("the connection monitor thread's set-up failed")
             while not self._stop.is_set():
-                if not sock.poll(POLL_MS):
-                    continue
-                read = self._batch(sock)
+                try:
+                    if not sock.poll(POLL_MS):
+                        continue
+                    read = self._batch(sock)
+                except zmq.ZMQError as exc:
+                    if exc.errno == zmq.ETERM:  # the context is terminating
+                        return
+                    # any other error: read on, since a monitor left unread fills and then
+                    # blocks libzmq's I/O thread, and with it every connection of the context
+                    self._drops.note("monitor_error", f"the connection monitor could not read: {exc}")
+                    read = BURST
                 self._stop.wait(PAUSE if read >= BURST else GAP)
-        except zmq.ZMQError:  # the context is terminating
-            pass
         finally:
             sock.close(linger=0)
 
