@@ -7,6 +7,7 @@ plans which pairs are alive together are checked here on hand-made data in milli
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ from kvflow_tools.pd.workload import Arrival
 from kvflow_tools.routing.backends import Backend
 from kvflow_tools.routing.router import nixl_push_decode_body
 from kvflow_tools.serve import serve_report
-from kvflow_tools.serve.bench_serve import MODEL, kv_bytes_per_token, plan_phases, rotated
+from kvflow_tools.serve.bench_serve import MODEL, add_arguments, kv_bytes_per_token, main, plan_phases, rotated
 from kvflow_tools.serve.client import Result, deltas, group_usage, metric_sum, prompt_ids
 from kvflow_tools.serve.launcher import place
 
@@ -170,3 +171,16 @@ def test_no_prefill_server_shares_a_cpu_with_a_decode_server_when_there_are_two(
     assert place(names, [3]) == [3, 3, 3, 3]  # one CPU: nothing else to do
     with pytest.raises(ConfigError, match="no CPU"):
         place(names, [])
+
+
+@pytest.mark.parametrize("delay", ["-1", "1000001"])
+def test_a_bad_progress_delay_is_refused_before_anything_is_written(
+    tmp_path: Path, delay: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    results = tmp_path / "results"
+    args = parser.parse_args(["--quick", "--results", str(results), "--nixl-progress-delay-us", delay])
+    assert main(args) == 2
+    assert f"nixl_progress_delay_us must be a whole number of µs in 0..1000000, not {delay}" in capsys.readouterr().err
+    assert not results.exists()

@@ -36,7 +36,7 @@ from kvflow.errors import ConfigError
 from kvflow_tools.errors import BenchError
 from kvflow_tools.pd.workload import Arrival, LengthDist, arrivals
 from kvflow_tools.serve.client import Result, deltas, group_usage, metric_sum, run_requests
-from kvflow_tools.serve.launcher import ROOT, Deployment, ServeOptions, Server
+from kvflow_tools.serve.launcher import ROOT, Deployment, ServeOptions, Server, check_progress_delay
 from kvflow_tools.serve.processes import ServerFailed, http_ok
 from kvflow_tools.serve.tiny_model import TinyModel, write_model
 
@@ -290,6 +290,7 @@ def _main(args: argparse.Namespace) -> int:
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     if not systems or any(s not in SYSTEMS for s in systems):
         raise ConfigError(f"--systems: choose from {list(SYSTEMS)}, not {systems}")
+    check_progress_delay(args.nixl_progress_delay_us)
     rates, count, prompt, output, idle = _workload(args)
     connectors = list(dict.fromkeys(SYSTEMS[s][0] for s in systems))
     phases = plan_phases(connectors, max(1, args.max_engines // 2))

@@ -43,6 +43,7 @@ __all__ = (
     "Host",
     "Server",
     "ServeOptions",
+    "check_progress_delay",
     "deployment",
     "place",
     "vllm_python",
@@ -51,8 +52,19 @@ __all__ = (
 ROOT = Path(__file__).resolve().parents[3]
 CONNECTORS = ("kvflow", "nixl", "nixl-push", "none")  # kvflow's, vLLM's NixlConnector (pull) and NixlPushConnector
 NIXL_PROGRESS_DELAY = "KVFLOW_NIXL_PROGRESS_DELAY_US"  # read by scripts/vllm-cpu/sitecustomize.py
+MAX_PROGRESS_DELAY_US = 1_000_000  # as that hook allows: a second between polls already stalls every transfer
 ROUTER_MODES = ("push", "pull", "sequential", "nixl-push")
 NIXL = {"nixl": "NixlConnector", "nixl-push": "NixlPushConnector"}  # connector -> vLLM's class
+
+
+def check_progress_delay(delay: object) -> None:
+    """:raises ConfigError: `delay` is neither None nor a whole number of µs in 0..`MAX_PROGRESS_DELAY_US`."""
+    if delay is not None and (
+        isinstance(delay, bool) or not isinstance(delay, int) or not 0 <= delay <= MAX_PROGRESS_DELAY_US
+    ):
+        raise ConfigError(
+            f"nixl_progress_delay_us must be a whole number of µs in 0..{MAX_PROGRESS_DELAY_US}, not {delay!r}"
+        )
 
 
 def vllm_python() -> Path:
@@ -126,10 +138,8 @@ class ServeOptions:
             raise ConfigError(f"kv_cache_gib must be a whole number of GiB >= 1, not {self.kv_cache_gib!r}")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"router port must be 0..65535, not {self.port}")
-        delay = self.nixl_progress_delay_us
-        if delay is not None and (isinstance(delay, bool) or not isinstance(delay, int) or not 0 <= delay <= 10**6):
-            raise ConfigError(f"nixl_progress_delay_us must be a whole number of µs in 0..1000000, not {delay!r}")
-        if delay is not None and self.connector not in NIXL:
+        check_progress_delay(self.nixl_progress_delay_us)
+        if self.nixl_progress_delay_us is not None and self.connector not in NIXL:
             raise ConfigError(f"nixl_progress_delay_us is for vLLM's connectors {list(NIXL)}, not {self.connector!r}")
         names = {f"prefill-{i}" for i in range(self.prefill)} | {f"decode-{i}" for i in range(self.decode)}
         unknown = sorted(set(self.hosts) - names - ({"reference"} if self.reference else set()))
