@@ -90,15 +90,20 @@ def vllm_config(o: EngineOptions) -> Any:
             kv_buffer_device=o.kv_buffer_device,
         )
     )
+    # vLLM 0.34's option only where asked for: 0.33's SchedulerConfig has no such field
+    inflight: dict[str, Any] = {}
+    if o.max_num_inflight_kv_loads is not None:
+        inflight["max_num_inflight_kv_loads"] = o.max_num_inflight_kv_loads
     config = VllmConfig(
         model_config=model,
         scheduler_config=SchedulerConfig(
             # vLLM refuses a token budget below max_num_seqs: small budgets (chunked prefill) lower it
-            max_num_seqs=min(64, o.max_num_batched_tokens),
+            max_num_seqs=o.max_num_seqs or min(64, o.max_num_batched_tokens),
             max_num_batched_tokens=o.max_num_batched_tokens,
             max_model_len=o.max_model_len,
             is_encoder_decoder=False,
             async_scheduling=o.async_scheduling,
+            **inflight,
         ),
         cache_config=CacheConfig(
             block_size=o.block_size, enable_prefix_caching=o.prefix_caching, cache_dtype=o.cache_dtype

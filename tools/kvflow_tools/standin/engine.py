@@ -38,7 +38,6 @@ from types import SimpleNamespace
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 import torch
 
@@ -56,6 +55,7 @@ from kvflow_tools.standin.fabrics import fabric_of, named_fabric
 from kvflow_tools.standin.kv import LaggingDevice, PagedKV, StatePages
 from kvflow_tools.standin.model import EngineOptions
 from kvflow_tools.standin.pacing import HookClock, HostLoad, Pacer, thread_times
+from kvflow_tools.standin.releases import runner_output
 
 __all__ = ("SAMPLED", "Rank", "StandInEngine")
 
@@ -408,14 +408,14 @@ class StandInEngine:
             else:
                 connector_output = self._run_hooks(rank, so, work, started)
             outputs.append(
-                ModelRunnerOutput(
+                runner_output(
+                    ModelRunnerOutput,
                     req_ids=work.req_ids,
-                    req_id_to_index={r: i for i, r in enumerate(work.req_ids)},
                     sampled_token_ids=work.sampled,
                     kv_connector_output=connector_output,
                 )
             )
-        output = self.aggregator.aggregate(outputs)  # type: ignore[arg-type]
+        output = self.aggregator.aggregate(outputs)
         assert output is not None
         busy = self.host.finish(clock) if self.host is not None and clock is not None else None
         now = time.perf_counter()

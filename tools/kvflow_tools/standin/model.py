@@ -168,6 +168,9 @@ class EngineOptions:
     num_blocks: int = 64
     max_model_len: int = 1024
     max_num_batched_tokens: int = 1024
+    max_num_seqs: int | None = None  # the running batch's size; None: 64, or the token budget if smaller
+    # vLLM 0.34's --max-num-inflight-kv-loads: requests the connector may load while the batch is full
+    max_num_inflight_kv_loads: int | None = None
     tensor_parallel: int = 1
     data_parallel: tuple[int, int] = (0, 1)  # (this engine's DP rank, DP size): one DP rank per stand-in
     prefix_caching: bool = False
