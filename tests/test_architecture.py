@@ -45,7 +45,7 @@ THIRD_PARTY_PRIVATE: dict[tuple[str, str], str] = {
     # vLLM's Request keeps its prompt twice (prompt_token_ids and _all_token_ids) and has no
     # method that shortens it; P leaves a Mamba model's last prompt token for D as vLLM's own
     # NIXL connector does (`_truncate_request_for_prefill`), shortening both
-    ("integrations/vllm/connector.py", "_all_token_ids"): "vLLM's Request has no API to shorten a prompt",
+    ("integrations/vllm/releases.py", "_all_token_ids"): "vLLM's Request has no API to shorten a prompt",
 }
 
 PURE_LAYERS = ("kvflow.protocol", "kvflow.layout")
@@ -290,6 +290,7 @@ CONNECTOR_MODULES = frozenset(
     f"kvflow.integrations.vllm.{name}"
     for name in (
         "connector",  # the class vLLM instantiates, both roles
+        "releases",  # what differs between the vLLM releases it runs on
         "mapping",  # scheduler side: vLLM requests to transfers
         "stages",  # its requests' table
         "params",

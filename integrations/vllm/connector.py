@@ -1,4 +1,4 @@
-"""`KVFlowConnector`: kvflow behind vLLM's KV-connector V1 API (vLLM 0.32.x and 0.33.x).
+"""`KVFlowConnector`: kvflow behind vLLM's KV-connector V1 API (vLLM 0.32.x, 0.33.x and 0.34.x).
 
 Why a thin facade: vLLM builds one instance per role.  The scheduler-role instance keeps the
 pure `SchedulerBook` (mapping.py) and ships its per-step orders to the workers as connector
@@ -11,7 +11,8 @@ with::
                            "kv_connector_extra_config": {"port": 5700}}'
 
 It declares vLLM's `SupportsHMA`: with the hybrid KV cache manager on, each KV cache group's
-blocks move with that group's layers, a sliding-window group's only within its window.
+blocks move with that group's layers, a sliding-window group's only within its window.  What
+differs between the releases it runs on is in releases.py.
 """
 
 from __future__ import annotations
@@ -32,6 +33,13 @@ from kvflow.errors import ConfigError, UsageError
 from kvflow.integrations.vllm.device import Device, device_for
 from kvflow.integrations.vllm.kv_caches import cache_groups, check_supported, describe_kv_caches
 from kvflow.integrations.vllm.mapping import Orders, SchedulerBook
+from kvflow.integrations.vllm.releases import (
+    cache_access,
+    check_sleep_mode,
+    check_vllm_version,
+    drop_prompt_tail,
+    skips_external_kv,
+)
 from kvflow.integrations.vllm.stats import KVFlowConnectorStats, KVFlowPromMetrics, RankMeter, counter_deltas
 from kvflow.integrations.vllm.worker import Settings, WorkerSide
 from kvflow.runtime.engine import Engine
@@ -39,6 +47,7 @@ from kvflow.runtime.engine import Engine
 if TYPE_CHECKING:
     import torch
     from vllm.config import VllmConfig
+    from vllm.config.kv_transfer import KVCacheAccess, KVTransferConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats, PromMetric, PromMetricT
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -49,59 +58,7 @@ if TYPE_CHECKING:
 
     from kvflow.transports.base import Transport
 
-__all__ = (
-    "SLEEP_MODE_UNSUPPORTED",
-    "SUPPORTED_VLLM",
-    "KVFlowConnector",
-    "KVFlowMetadata",
-    "check_sleep_mode",
-    "check_vllm_version",
-)
-
-SUPPORTED_VLLM = ">=0.32,<0.34"
-# What a connector sees is the same in both (factory, KV views and layouts, hook order, stats);
-# 0.33 adds sleep mode's hooks (see `unregister_kv_caches`) and scheduler-output fields kvflow
-# does not use.
-_SUPPORTED_RELEASES = ((0, 32), (0, 33))
-SLEEP_MODE_UNSUPPORTED = (
-    "kvflow's connector supports sleep mode from vLLM 0.33 on: vLLM 0.32 frees the KV memory without "
-    "telling the connector, under the transport's registration (start the engine without --enable-sleep-mode)"
-)
-
-
-def check_vllm_version(version: str) -> None:
-    """kvflow reads what vLLM hands a connector (layouts, hook order) as vLLM 0.32 and 0.33 do.
-
-    :raises ConfigError: another vLLM release.
-    """
-    from packaging.version import InvalidVersion, Version
-
-    try:
-        supported = Version(version).release[:2] in _SUPPORTED_RELEASES  # pre-releases and dev builds too
-    except InvalidVersion:
-        supported = False
-    if not supported:
-        raise ConfigError(f"kvflow's connector supports vLLM {SUPPORTED_VLLM}, not vLLM {version}")
-
-
-def check_sleep_mode(vllm_config: VllmConfig, version: str) -> None:
-    """Sleep mode frees the KV cache's memory between rollouts.  vLLM 0.33 tells the connector
-    first (`KVFlowConnector.unregister_kv_caches`) and after (`restore_kv_caches`); vLLM 0.32
-    does not, so with it kvflow refuses the combination at start-up.
-
-    :raises ConfigError: sleep mode on, with a vLLM before 0.33.
-    """
-    from packaging.version import InvalidVersion, Version
-
-    model = getattr(vllm_config, "model_config", None)
-    if model is None or not bool(getattr(model, "enable_sleep_mode", False)):
-        return
-    try:
-        hooks = Version(version).release[:2] >= (0, 33)
-    except InvalidVersion:
-        hooks = False
-    if not hooks:
-        raise ConfigError(SLEEP_MODE_UNSUPPORTED)
+__all__ = ("KVFlowConnector", "KVFlowMetadata")
 
 
 class KVFlowMetadata(KVConnectorMetadata):
@@ -163,6 +120,27 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
         return Settings.from_extra(extra).kv_cache_layout or None
 
     @classmethod
+    def kv_cache_access(cls, kv_transfer_config: KVTransferConfig) -> KVCacheAccess:
+        """vLLM 0.34 asks how the workers reach the KV cache, to choose how it allocates a GPU
+        cache: kvflow registers it with NIXL, and UCX peers on the same host import it by
+        legacy CUDA IPC (`releases.cache_access` says which flags and why)."""
+        from vllm.config.kv_transfer import KVCacheAccess
+        from vllm.platforms import current_platform
+
+        access = KVCacheAccess.IN_PROCESS
+        for name in cache_access(gpu=current_platform.is_cuda_alike()):
+            access |= KVCacheAccess[name]
+        return access
+
+    @classmethod
+    def supports_lookahead_block_hashes(cls, kv_transfer_config: KVTransferConfig) -> bool:
+        """No (vLLM 0.34 asks): vLLM then keeps the block hashes of 0.33, as for its own NIXL
+        connectors.  kvflow moves blocks by position, never by hash, so lookahead hashes would
+        change only which blocks D's prefix cache finds, and no test of kvflow runs vLLM's
+        speculative decoding with them."""
+        return False
+
+    @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: object) -> bool:
         """Yes (vLLM 0.33 asks this when ``--enable-sleep-mode`` is on): the worker's sleep and
         wake-up hooks below let go of the KV memory's registration and take it up again."""
@@ -196,6 +174,12 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
             request.request_id, request.kv_transfer_params, len(request.prompt_token_ids or ()), num_computed_tokens
         )
 
+    def may_load_async(self, request: Request) -> bool:
+        """Whether `get_num_new_matched_tokens` may load `request` asynchronously (vLLM 0.34 asks,
+        as the request enters its waiting queues, for ``--max-num-inflight-kv-loads``): a
+        remote prefill whose kvflow entry this engine accepts, not yet loaded.  Side-effect free."""
+        return self._scheduler().may_load(request.request_id, request.kv_transfer_params)
+
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         self._scheduler().allocated(
             request.request_id,
@@ -207,7 +191,11 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
 
     def on_new_request(self, request: Request) -> None:
         book = self._scheduler()
-        if book.replay and request.request_id not in self._left_for_decode and _leave_for_decode(request, book.replay):
+        if (
+            book.replay
+            and request.request_id not in self._left_for_decode
+            and _leave_for_decode(request, book.replay, self._hash_block_size())
+        ):
             self._left_for_decode.add(request.request_id)  # once: a preempted request comes back
         book.new_request(request.request_id, request.kv_transfer_params, len(request.prompt_token_ids or ()))
 
@@ -391,6 +379,17 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
         meta = self._get_connector_metadata()
         return meta.orders if isinstance(meta, KVFlowMetadata) else Orders()
 
+    def _hash_block_size(self) -> int:
+        """The tokens each of a request's block hashes covers, as vLLM's engine core resolved it."""
+        config: KVCacheConfig | None = self._kv_cache_config  # None where a host built the connector without one
+        if config is None:
+            return int(self._block_size)
+        if config.hash_block_size is not None:
+            return int(config.hash_block_size)
+        from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes  # a host that built the scheduler itself
+
+        return int(resolve_kv_cache_block_sizes(config, self._vllm_config)[1])
+
     def _scheduler(self) -> SchedulerBook:
         if self._book is None:
             raise UsageError("scheduler-side hook called on a worker-role KVFlowConnector")
@@ -402,11 +401,11 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
         return self._worker
 
 
-def _leave_for_decode(request: Any, tokens: int) -> bool:
+def _leave_for_decode(request: Any, tokens: int, hash_block_size: int) -> bool:
     """P, for a model with Mamba / linear-attention state: drop the prompt's last `tokens`, so
     that P's state is the one after the token before them and D, which loads that state, computes
     them itself (as vLLM's NIXL connector does, `_truncate_request_for_prefill`); whether it
-    did.  Not for a request that reads no prefix cache (prompt logprobs): D computes its whole
+    did.  Not for a request that reads no external KV (prompt logprobs): D computes its whole
     prompt."""
     params = request.kv_transfer_params
     if (
@@ -414,13 +413,10 @@ def _leave_for_decode(request: Any, tokens: int) -> bool:
         or params.get("do_remote_decode") is not True
         or request.prompt_token_ids is None
         or request.num_prompt_tokens <= tokens
-        or request.get_skip_reading_prefix_cache()
+        or skips_external_kv(request)
     ):
         return False
-    del request.prompt_token_ids[-tokens:]
-    del request._all_token_ids[-tokens:]
-    request.num_prompt_tokens -= tokens
-    request.max_tokens = 1
+    drop_prompt_tail(request, tokens, hash_block_size)
     return True
 
 

@@ -221,6 +221,18 @@ class SchedulerBook:
             return 0, False  # a full hit: `allocated` sends P an empty registration
         return (count, True) if count > 0 else (0, False)
 
+    def may_load(self, request_id: str, params: object) -> bool:
+        """vLLM 0.34's `may_load_async`: whether `matched_tokens` may answer an asynchronous
+        load for the request, which is a remote prefill with a kvflow entry this engine accepts
+        and has not been loaded yet.  Side-effect free and silent: `matched_tokens` logs and
+        counts what it refuses.  (A prompt D's prefix cache holds whole is the one case it
+        answers yes and `matched_tokens` no.)"""
+        if not isinstance(params, Mapping) or _roles_problem(params) is not None:
+            return False
+        if not params.get("do_remote_prefill") or request_id in self._loaded:
+            return False
+        return self._accepted(params, receiving=True)[0] is not None
+
     def allocated(
         self,
         request_id: str,
@@ -463,22 +475,31 @@ class SchedulerBook:
         """The request's kvflow params; malformed ones, and a remote prefill without a kvflow
         entry (`receiving`), are refused (logged once per request and counted) and the request
         runs as if it had none: computed locally, never a crash of the scheduler."""
+        parsed, problem = self._accepted(params, receiving)
+        if problem is not None:
+            self._unservable(request_id, problem, "it is computed locally")
+        return parsed
+
+    def _accepted(
+        self, params: Mapping[str, Any] | None, receiving: bool = False
+    ) -> tuple[TransferParams | None, str | None]:
+        """`_parse` without its log and count: the params, or why they are refused."""
         try:
             parsed = TransferParams.parse(params)
-            if parsed is None and receiving:
-                keys = sorted(str(key) for key in (params or {}))[:12]
-                raise ConfigError(
-                    f"kv_transfer_params ask for a remote prefill but hold no kvflow entry (keys {keys}: "
-                    "another connector's params, or a router that dropped P's answer)"
-                )
-            peer = None if parsed is None else parsed.prefill if receiving else parsed.decode
-            problem = None if peer is None else self.allowed.problem(peer.engine, peer.address)
-            if problem is not None:
-                raise ConfigError(f"kv_transfer_params name a peer this engine may not transfer with: {problem}")
-            return parsed
         except ConfigError as exc:
-            self._unservable(request_id, str(exc), "it is computed locally")
-            return None
+            return None, str(exc)
+        if parsed is None and receiving:
+            keys = sorted(str(key) for key in (params or {}))[:12]
+            why = (
+                f"kv_transfer_params ask for a remote prefill but hold no kvflow entry (keys {keys}: "
+                "another connector's params, or a router that dropped P's answer)"
+            )
+            return None, why
+        peer = None if parsed is None else parsed.prefill if receiving else parsed.decode
+        problem = None if peer is None else self.allowed.problem(peer.engine, peer.address)
+        if problem is not None:
+            return None, f"kv_transfer_params name a peer this engine may not transfer with: {problem}"
+        return parsed, None
 
     def _mapping(self, request_id: str, params: object) -> Mapping[str, Any]:
         """vLLM's ``kv_transfer_params`` as a mapping: None is none, and so is anything that is
@@ -487,11 +508,8 @@ class SchedulerBook:
             self._unservable(request_id, f"kv_transfer_params is a {type(params).__name__}, not a mapping", "ignored")
             return {}
         params = params or {}
-        flags = [params.get(flag) for flag in ("do_remote_prefill", "do_remote_decode")]
-        if any(flag not in (None, True, False) for flag in flags) or all(flags):
-            # a request is P's (remote decode) or D's (remote prefill), never both, and vLLM
-            # reads the flags as truths: anything but a boolean is refused as a whole
-            why = f"do_remote_prefill {flags[0]!r:.40} and do_remote_decode {flags[1]!r:.40} are not one role"
+        why = _roles_problem(params)
+        if why is not None:
             self._unservable(request_id, why, "it is computed locally")
             return {}
         return params
@@ -502,3 +520,13 @@ class SchedulerBook:
             self.refused[request_id] = why
             self.counts.unservable += 1
             log.error("request %s: kvflow cannot serve its kv_transfer_params: %s; %s", request_id, why, consequence)
+
+
+def _roles_problem(params: Mapping[str, Any]) -> str | None:
+    """Why the params' role flags are refused, or None: a request is P's (remote decode) or D's
+    (remote prefill), never both, and vLLM reads the flags as truths, so anything but a boolean
+    is refused as a whole."""
+    flags = [params.get(flag) for flag in ("do_remote_prefill", "do_remote_decode")]
+    if any(flag not in (None, True, False) for flag in flags) or all(flags):
+        return f"do_remote_prefill {flags[0]!r:.40} and do_remote_decode {flags[1]!r:.40} are not one role"
+    return None
