@@ -21,8 +21,8 @@ from vllm.config import ParallelConfig
 from vllm.v1.request import RequestStatus
 
 from kvflow.errors import ConfigError
-from kvflow.integrations.vllm.connector import check_vllm_version
 from kvflow.integrations.vllm.kv_caches import check_supported
+from kvflow.integrations.vllm.releases import check_vllm_version
 from kvflow_tools.standin import EngineOptions, ModelShape, StandInEngine
 from kvflow_tools.standin.build import vllm_config
 from tests.vllm_compat_hetero import HND
@@ -32,6 +32,7 @@ from tests.vllm_compat_registry import (
     OUTCOMES,
     RELEASES,
     SCENARIOS,
+    STAND_INS,
     areas,
     bound,
     checked_with_faults,
@@ -40,20 +41,27 @@ from tests.vllm_compat_registry import (
     refused_at_handshake,
     releases,
     rows,
+    rows_here,
     scenario,
+    stand_in_here,
 )
 from tests.vllm_pairs import BLOCK_SIZE, dispatch, kvflow_engine, make_pair, move_and_check, settle
 
 # ---------------------------------------------------------------- vLLM
 
 
-@scenario("vllm-0.33")
-def _vllm_033(fragment: str, caplog: pytest.LogCaptureFixture) -> None:
+def _installed_release(release: str) -> None:
+    """The vLLM this process runs is `release`, and kvflow's connector accepts it, its
+    pre-releases and dev builds."""
     import vllm
 
-    check_vllm_version(vllm.__version__)
-    for version in ("0.33.0", "0.33.2", "0.33.1rc1", "0.33.1.dev7+g1234abc"):
+    assert vllm.__version__.startswith(f"{release}."), vllm.__version__
+    for version in (vllm.__version__, f"{release}.0", f"{release}.2", f"{release}.1rc1", f"{release}.1.dev7+g1234abc"):
         check_vllm_version(version)
+
+
+SCENARIOS["vllm-0.34"] = bound(_installed_release, release="0.34")
+SCENARIOS["vllm-0.33"] = bound(_installed_release, release="0.33")
 
 
 @scenario("vllm-0.32")
@@ -65,20 +73,21 @@ def _vllm_032(fragment: str, caplog: pytest.LogCaptureFixture) -> None:
 
 @scenario("vllm-other")
 def _vllm_other(fragment: str, caplog: pytest.LogCaptureFixture) -> None:
-    for version in ("0.31.9", "0.34.0", "1.0.0", "not-a-version"):
+    for version in ("0.31.9", "0.35.0", "0.35.0rc1", "1.0.0", "not-a-version"):
         with pytest.raises(ConfigError, match=re.escape(fragment)):
             check_vllm_version(version)
 
 
 @scenario("sleep-mode")
 def _sleep_mode(fragment: str, caplog: pytest.LogCaptureFixture) -> None:
-    from kvflow.integrations.vllm.connector import KVFlowConnector, check_sleep_mode
+    from kvflow.integrations.vllm.connector import KVFlowConnector
+    from kvflow.integrations.vllm.releases import check_sleep_mode
 
     options = EngineOptions("prefill", "kv_producer", {"transport": "loopback", "port": 0}, num_blocks=64)
     config = vllm_config(options)
     config.model_config.enable_sleep_mode = True  # (vLLM refuses it on a CPU platform before this point)
     assert KVFlowConnector.supports_sleep_mode(config.kv_transfer_config)
-    config._verify_kv_transfer_compat()  # vLLM 0.33 asks the connector: accepted
+    config._verify_kv_transfer_compat()  # vLLM asks the connector (from 0.33 on): accepted
     check_sleep_mode(config, "0.33.0")
     with pytest.raises(ConfigError, match=re.escape(fragment)):  # 0.32 has no sleep hooks: refused
         check_sleep_mode(config, "0.32.0")
@@ -357,7 +366,21 @@ for _module in sorted(Path(__file__).parent.glob("vllm_compat_*.py")):
     importlib.import_module(f"tests.{_module.stem}")  # each registers its area's scenarios
 
 
-@pytest.mark.parametrize("row_id", sorted(rows()))
+def test_this_vllm_is_a_stand_in_the_matrix_names_and_ci_runs_the_matrix_on_each() -> None:
+    assert stand_in_here() in STAND_INS
+    script = (Path(__file__).resolve().parents[1] / "scripts" / "test").read_text()
+    for venv in (".venv/bin/python -m pytest", ".venv-vllm-033/bin/python -m pytest"):  # 0.34, 0.33
+        assert venv in script, f"scripts/test no longer runs the quick tests with {venv}"
+    assert "tests/test_vllm_*.py" in script
+
+
+def test_a_row_this_vllm_does_not_check_is_shown_on_another_stand_in() -> None:
+    here = set(rows_here())
+    for row_id, shown in releases().items():
+        assert row_id in here or shown & (STAND_INS - {stand_in_here()}), f"row {row_id} is checked nowhere"
+
+
+@pytest.mark.parametrize("row_id", rows_here())
 def test_the_row_holds(row_id: str, caplog: pytest.LogCaptureFixture) -> None:
     outcome, fragment = rows()[row_id]
     SCENARIOS[row_id](fragment, caplog)
@@ -365,8 +388,12 @@ def test_the_row_holds(row_id: str, caplog: pytest.LogCaptureFixture) -> None:
 
 def integrity_rows() -> list[str]:
     """The layout and attention rows where KV moves, and D's block size a multiple of P's in chunks."""
-    every = rows()
-    chosen = [row for row, area in areas().items() if area in ("KV layout", "attention") and every[row][0] == "moves"]
+    every, here = rows(), set(rows_here())
+    chosen = [
+        row
+        for row, area in areas().items()
+        if area in ("KV layout", "attention") and every[row][0] == "moves" and row in here
+    ]
     return [*sorted(chosen), "chunked-block-multiple"]
 
 

@@ -29,7 +29,18 @@ DOC = Path(__file__).resolve().parents[1] / "docs" / "vllm-compatibility.md"
 OUTCOMES = {"moves", "refused at start-up", "refused at the handshake", "computed locally"}
 
 
-RELEASES = {"0.33 stand-in", "0.32 engine"}  # where a row is shown (the table's last column)
+# Where a row is shown (the table's last column): vLLM 0.34's and 0.33's scheduler and
+# allocation with the stand-in (scripts/test runs the vLLM tests in .venv and .venv-vllm-033),
+# and real vLLM 0.32 servers of the CPU build.
+STAND_INS = {"0.34 stand-in", "0.33 stand-in"}
+RELEASES = {*STAND_INS, "0.32 engine"}
+
+
+def stand_in_here() -> str:
+    """The "holds on" label of the vLLM this process runs the stand-in with."""
+    import vllm
+
+    return ".".join(vllm.__version__.split(".")[:2]) + " stand-in"
 
 
 def _cells() -> dict[str, list[str]]:
@@ -58,6 +69,13 @@ def areas() -> dict[str, str]:
 def releases() -> dict[str, set[str]]:
     """id -> where the row is shown ("holds on")."""
     return {row_id: {part.strip() for part in cells[5].split(",")} for row_id, cells in _cells().items()}
+
+
+def rows_here() -> list[str]:
+    """The rows this process checks: those shown on the stand-in of the vLLM it runs, and those
+    shown on no stand-in (their scenarios check release strings, whatever vLLM runs them)."""
+    here = stand_in_here()
+    return sorted(row for row, shown in releases().items() if here in shown or not shown & STAND_INS)
 
 
 Scenario = Callable[[str, pytest.LogCaptureFixture], None]
