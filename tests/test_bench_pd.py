@@ -201,6 +201,14 @@ def test_a_small_run_of_the_command_writes_the_whole_contract(tmp_path: Path) ->
     assert {"dist", "min", "max", "mean"} <= set(config["workload"]["prompt"])
     assert config["systems"] == ["kvflow", "vllm-pull"] and config["transport"] in ("nixl-ucx", "shm")
     assert "machine" in config
+    import vllm
+
+    assert config["vllm"] == {"kvflow": vllm.__version__, "vllm-pull": vllm.__version__}  # 0.34: this environment's
+    assert config["nixl_progress_delay_us"] == 1000  # vLLM's NIXL agents at their best here, not spinning
+    from kvflow_tools.pd.report import header_lines
+
+    said = f"vLLM: kvflow {vllm.__version__}, vllm-pull {vllm.__version__}; vLLM's NIXL progress threads sleeping 1000"
+    assert any(line.startswith(said) for line in header_lines(results)), header_lines(results)
     assert [c["system"] for c in results["cells"]] == ["kvflow", "vllm-pull"]
     for cell in results["cells"]:
         assert cell["failed"] == 0 and cell["bad_pages"] == 0 and cell["completed"] == cell["requests"] == 3
@@ -224,3 +232,11 @@ def test_a_small_run_of_the_command_writes_the_whole_contract(tmp_path: Path) ->
 def test_the_command_refuses_an_unknown_system_before_starting_anything(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="--systems"):
         cli(["bench", "pd", "--systems", "sglang", "--results", str(tmp_path)])
+
+
+@pytest.mark.parametrize("delay", ["-2", "1000001"])
+def test_the_command_refuses_a_bad_nixl_delay_before_starting_anything(tmp_path: Path, delay: str) -> None:
+    folder = tmp_path / "pd"
+    with pytest.raises(ConfigError, match="nixl_progress_delay_us"):
+        cli(["bench", "pd", "--systems", "vllm-pull", "--nixl-progress-delay-us", delay, "--results", str(folder)])
+    assert not folder.exists()

@@ -26,7 +26,7 @@ from kvflow_tools.pd import plots
 from kvflow_tools.pd.contract import SCHEMA, percentiles, validate
 from kvflow_tools.pd.report import load, markdown_table, render_table, write
 
-SYSTEMS = ["kvflow", "kvflow-pull", "vllm-pull", "vllm-push"]
+SYSTEMS = ["kvflow", "kvflow-pull", "vllm-pull", "vllm-push", "vllm-push-0.33"]
 QPS = [1.0, 4.0]
 PNGS = ["ttft_vs_qps.png", "tpot_vs_qps.png", "ttft_cdf.png", "ttft_split.png", "blocks.png"]
 
@@ -290,8 +290,8 @@ def test_plots_handle_a_missing_cell_an_unknown_system_and_a_wide_spread() -> No
 
 @settings(max_examples=15, deadline=None)
 @given(
-    keep=st.lists(st.booleans(), min_size=8, max_size=8).filter(any),
-    empty=st.lists(st.booleans(), min_size=8, max_size=8),
+    keep=st.lists(st.booleans(), min_size=2 * len(SYSTEMS), max_size=2 * len(SYSTEMS)).filter(any),
+    empty=st.lists(st.booleans(), min_size=2 * len(SYSTEMS), max_size=2 * len(SYSTEMS)),
 )
 def test_any_subset_of_cells_with_any_statistic_missing_still_renders(keep: list[bool], empty: list[bool]) -> None:
     """A run cut short, or a system whose requests all failed: every output still renders, with
@@ -326,6 +326,7 @@ def test_render_table_shows_every_system_the_header_and_ratios_by_hand() -> None
     set_p50(results, "kvflow", 4.0, ttft=41.0, tpot=30.0)
     set_p50(results, "vllm-pull", 4.0, ttft=100.0, tpot=24.0)
     set_p50(results, "vllm-push", 4.0, ttft=82.0, tpot=60.0)
+    set_p50(results, "vllm-push-0.33", 4.0, ttft=164.0, tpot=15.0)
     printed = io.StringIO()
     text = render_table(results, Console(file=printed, width=80, color_system=None))
     assert text == printed.getvalue()  # printed as laid out: no row wrapped on a narrow console
@@ -343,10 +344,10 @@ def test_render_table_shows_every_system_the_header_and_ratios_by_hand() -> None
         assert expected in text
     assert "QPS 1" in text and "QPS 4" in text and "900/1800" in text and "0.25/0.00" in text
     assert "16,000 tokens" in text and "WARNING" not in text
-    # 41 / 100 = 0.41, 41 / 82 = 0.50; 30 / 24 = 1.25, 30 / 60 = 0.50
+    # 41 / 100 = 0.41, 41 / 82 = 0.50, 41 / 164 = 0.25; 30 / 24 = 1.25, 30 / 60 = 0.50, 30 / 15 = 2.00
     expected = "kvflow/vLLM at QPS 4: "
-    expected += "TTFT p50 0.41× vllm-pull, 0.50× vllm-push"
-    expected += "; TPOT p50 1.25× vllm-pull, 0.50× vllm-push"
+    expected += "TTFT p50 0.41× vllm-pull, 0.50× vllm-push, 0.25× vllm-push-0.33"
+    expected += "; TPOT p50 1.25× vllm-pull, 0.50× vllm-push, 2.00× vllm-push-0.33"
     assert expected in text
 
 
@@ -356,7 +357,8 @@ def test_render_table_marks_missing_systems_and_ratios() -> None:
     cell_of(results, "kvflow", 1.0)["tpot_ms"]["p50"] = None
     text = render_table(results)
     assert "sglang" in text
-    assert "QPS 4: TTFT p50 — vllm-pull, — vllm-push; TPOT p50 — vllm-pull, — vllm-push" in text
+    missing = "— vllm-pull, — vllm-push, — vllm-push-0.33"
+    assert f"QPS 4: TTFT p50 {missing}; TPOT p50 {missing}" in text
     assert "QPS 1: TTFT p50" in text and "TPOT p50 — vllm-pull" in text
     qps4 = text.split("QPS 4", 1)[1].split("kvflow/vLLM", 1)[0]
     (row,) = [line for line in qps4.splitlines() if "vllm-pull" in line]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import vllm
 
 from kvflow.errors import ConfigError
 from kvflow_tools.bench.bench_report import render, render_hooks, summarize, verdict
@@ -51,9 +52,11 @@ def test_pattern_check_catches_stale_torn_and_misplaced_pages(layout: str) -> No
 
 
 @pytest.mark.system
-@pytest.mark.timeout(900)  # three pairs of engine processes, each started again once if it hangs
+@pytest.mark.timeout(1200)  # four pairs of engine processes, each started again once if it hangs
 def test_every_connector_moves_and_verifies_real_bytes() -> None:
-    connectors = ["kvflow", "vllm-push", "vllm-pull"]
+    """vLLM 0.34's push (NixlConnector in push mode) and pull, and 0.33's NixlPushConnector,
+    whose engine processes run in 0.33's environment: each engine says which vLLM it runs."""
+    connectors = ["kvflow", "vllm-push", "vllm-push-0.33", "vllm-pull"]
     cells = run(
         connectors, tokens=[96], concurrency=[2], step_ms=[0.0], requests=3, repeats=1, warmup=1, options=QUIET_NIXL
     )
@@ -63,8 +66,12 @@ def test_every_connector_moves_and_verifies_real_bytes() -> None:
         assert row["failed"] == 0 and row["bad_pages"] == 0, row
         assert row["bytes_per_request"] == 3 * 8 * 32 * 1024, row  # 3 blocks x 8 layers x 32 KiB
         assert row["bytes_verified"] == 3 * row["bytes_per_request"], row  # 3 requests
+    releases = {row["connector"]: row["vllm"] for row in rows}
+    assert releases["vllm-push-0.33"].startswith("0.33.") and releases["vllm-push"].startswith("0.34.")
+    assert releases["vllm-pull"].startswith("0.34.") and releases["kvflow"] == vllm.__version__
     table = render(rows)
     assert all(name in table for name in connectors)
+    assert "vllm-push-0.33 on 0.33." in table.splitlines()[0]
     assert "start→recv" in table
     for row in rows:  # every flight is measured from the start of P's last prefill step too
         assert row["start_to_recv_p50_ms"] >= row["kv_to_recv_p50_ms"], row
@@ -131,3 +138,40 @@ def test_a_pair_that_does_not_start_in_time_is_started_again_once(monkeypatch: p
     with pytest.raises(BenchError, match="timed out"):
         bench.start_pair("kvflow", 96, 1, {})
     assert len(attempts) == 2
+
+
+def test_each_vllm_connector_runs_from_the_environment_of_its_release(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    from kvflow_tools.bench.systems import CONNECTORS, ENVIRONMENTS, ROOT, Connector, installed_release, python_for
+    from kvflow_tools.errors import BenchError
+
+    here = installed_release()
+    assert vllm.__version__.startswith(here + ".")
+    assert python_for(CONNECTORS["kvflow"]) == sys.executable  # kvflow: whatever vLLM is here
+    for name in ("vllm-push", "vllm-pull", "vllm-push-0.33"):
+        release = CONNECTORS[name].release
+        assert release is not None
+        expected = sys.executable if release == here else str(ROOT / ENVIRONMENTS[release] / "bin" / "python")
+        assert python_for(CONNECTORS[name]) == expected, name
+    assert CONNECTORS["vllm-push"].extra == {"transfer_mode": "push"}  # 0.34 names its push connector so
+    monkeypatch.setenv("KVFLOW_VLLM_031_PYTHON", "/nowhere/python")
+    with pytest.raises(BenchError, match=r"vLLM 0\.31 runs in another environment, and /nowhere/python does not"):
+        python_for(Connector("NixlPushConnector", release="0.31"))
+
+
+@pytest.mark.system
+@pytest.mark.timeout(300)
+def test_a_connector_whose_engines_run_another_vllm_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """0.33's NixlPushConnector pointed at an environment of another vLLM: the engines say which
+    they run, and the pair is refused before any request, naming both."""
+    import sys
+
+    from kvflow_tools.bench.bench_vllm import start_pair
+    from kvflow_tools.bench.systems import installed_release
+    from kvflow_tools.errors import BenchError
+
+    assert installed_release() != "0.33"  # this environment's vLLM, standing in for the wrong one
+    monkeypatch.setenv("KVFLOW_VLLM_033_PYTHON", sys.executable)
+    with pytest.raises(BenchError, match=r"vllm-push-0\.33 needs vLLM 0\.33, and its engines run vLLM 0\.34\."):
+        start_pair("vllm-push-0.33", 96, 1, QUIET_NIXL)

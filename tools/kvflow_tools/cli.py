@@ -40,9 +40,11 @@ def main(argv: list[str] | None = None) -> int:
     pd_report.add_argument("results", help="the folder holding results.json (plots are written there), or the file")
     pd_report.add_argument("--markdown", action="store_true", help="also print the Markdown table")
     vllm = targets.add_parser(
-        "vllm", help="P->D latency inside vLLM's Scheduler: kvflow vs vLLM's NixlPushConnector and NixlConnector"
+        "vllm",
+        help="P->D latency inside vLLM's Scheduler: kvflow vs vLLM 0.34's push and pull NixlConnector and 0.33's "
+        "NixlPushConnector",
     )
-    vllm.add_argument("--connectors", type=_names, default=["kvflow", "vllm-push", "vllm-pull"])
+    vllm.add_argument("--connectors", type=_names, default=["kvflow", "vllm-push", "vllm-push-0.33", "vllm-pull"])
     vllm.add_argument("--tokens", type=_ints, default=[512, 4096], help="prompt lengths (comma-separated)")
     vllm.add_argument("--concurrency", type=_ints, default=[1, 4], help="requests in flight (comma-separated)")
     vllm.add_argument("--step-ms", type=_floats, default=[0.0, 5.0], help="step pacing, 0 = as fast as possible")

@@ -41,6 +41,7 @@ class Cell:
     bytes_verified: int = 0
     bad_pages: int = 0
     failed: int = 0
+    vllm: str = ""  # the vLLM release its engines ran
 
 
 def summarize(cells: list[Cell]) -> list[dict[str, Any]]:
@@ -59,6 +60,7 @@ def summarize(cells: list[Cell]) -> list[dict[str, Any]]:
         rows.append(
             {
                 "connector": connector,
+                "vllm": group[0].vllm,
                 "tokens": n_tokens,
                 "chunks": chunks,
                 "concurrency": conc,
@@ -110,18 +112,20 @@ def _per_request(group: list[Cell]) -> int:
 
 
 def render(rows: list[dict[str, Any]]) -> str:
+    runs = {r["connector"]: r.get("vllm", "") for r in rows}
+    releases = ", ".join(f"{connector} on {release or '?'}" for connector, release in sorted(runs.items()))
     header = (
-        f"{'connector':<12} {'tokens':>6} {'chunks':>6} {'conc':>4} {'step':>5} | {'fin→recv p50':>12} {'p90':>7} "
+        f"{'connector':<14} {'tokens':>6} {'chunks':>6} {'conc':>4} {'step':>5} | {'fin→recv p50':>12} {'p90':>7} "
         f"{'kv→recv p50':>11} {'start→recv':>10} {'p90':>6} | {'D steps p50':>11} {'p90':>5} | "
         f"{'P free p50':>10} {'steps':>5} {'p90':>3} | "
         f"{'P hooks µs p50':>14} {'p99':>6} {'CPU p99':>7} {'D p50':>6} {'p99':>6} {'CPU p99':>7} | "
         f"{'KiB/req':>8} {'verified':>9} {'bad':>4} {'failed':>6}"
     )
-    lines = [header, "-" * len(header)]
+    lines = [f"vLLM: {releases}", header, "-" * len(header)]
     for r in sorted(rows, key=lambda r: (r["tokens"], r["chunks"], r["concurrency"], r["step_ms"], r["connector"])):
         pace = f"{r['step_ms']:g}ms" if r["step_ms"] else "fast"
         lines.append(
-            f"{r['connector']:<12} {r['tokens']:>6} {r['chunks']:>6} {r['concurrency']:>4} {pace:>5} | "
+            f"{r['connector']:<14} {r['tokens']:>6} {r['chunks']:>6} {r['concurrency']:>4} {pace:>5} | "
             f"{r['fin_to_recv_p50_ms']:>12.1f} {r['fin_to_recv_p90_ms']:>7.1f} {r['kv_to_recv_p50_ms']:>11.1f} "
             f"{r['start_to_recv_p50_ms']:>10.1f} {r['start_to_recv_p90_ms']:>6.1f} | "
             f"{r['d_steps_p50']:>11.0f} {r['d_steps_p90']:>5.0f} | {r['fin_to_sent_p50_ms']:>10.1f} "
@@ -152,15 +156,16 @@ def _ratio(row: dict[str, Any], theirs: dict[str, Any], metric: str) -> str:
 
 
 def verdict(rows: list[dict[str, Any]], ours: str = "kvflow") -> list[str]:
-    """Per cell: our p50 against the better of vLLM's two connectors; for a chunked prefill,
+    """Per cell: our p50 against the best of vLLM's connectors measured; for a chunked prefill,
     from the end of P's last step (``kv→recv``), where pushing earlier chunks pays off."""
     out = []
     keyed = {(r["connector"], r["tokens"], r["chunks"], r["concurrency"], r["step_ms"]): r for r in rows}
     for (connector, n_tokens, chunks, conc, pace), row in sorted(keyed.items(), key=lambda kv: kv[0][1:]):
         if connector != ours:
             continue
-        cells = [(c, n_tokens, chunks, conc, pace) for c in ("vllm-push", "vllm-pull")]
-        theirs = [keyed[cell] for cell in cells if cell in keyed]
+        theirs = [
+            r for key, r in keyed.items() if key[0].startswith("vllm-") and key[1:] == (n_tokens, chunks, conc, pace)
+        ]
         if not theirs:
             continue
         metric, name = ("kv_to_recv_p50_ms", "kv→recv") if chunks > 1 else ("fin_to_recv_p50_ms", "fin→recv")

@@ -53,25 +53,13 @@ from kvflow.integrations.vllm.params import SEQUENTIAL_PREFILL_PARAMS
 from kvflow.runtime.meter import quantile
 from kvflow_tools.bench.bench_report import Cell, render, render_hooks, summarize, verdict
 from kvflow_tools.bench.runner import EngineSpec, spec_line
+from kvflow_tools.bench.systems import CONNECTORS, python_for
 from kvflow_tools.errors import BenchError
 from kvflow_tools.standin.model import EngineOptions, ModelShape
+from kvflow_tools.standin.platform import platform_env
 
 __all__ = ("CONNECTORS", "Cell", "main", "run")
 
-CONNECTORS: dict[str, tuple[str, str | None]] = {  # name -> (vLLM class, module path)
-    "kvflow": ("KVFlowConnector", "kvflow.integrations.vllm"),
-    "kvflow-pull": ("KVFlowConnector", "kvflow.integrations.vllm"),
-    # kvflow push with each rank's engine on a thread of the worker's process, not a process of its own
-    "kvflow-thread": ("KVFlowConnector", "kvflow.integrations.vllm"),
-    # kvflow push with the end-to-end integrity check on both sides (every transfer checked)
-    "kvflow-integrity": ("KVFlowConnector", "kvflow.integrations.vllm"),
-    # as vLLM's toy proxy: P with vLLM's own params, then D with P's answer (D pulls)
-    "kvflow-sequential": ("KVFlowConnector", "kvflow.integrations.vllm"),
-    "vllm-push": ("NixlPushConnector", None),
-    "vllm-pull": ("NixlConnector", None),
-    # no KV connector: P and D each compute the prompt (`kvflow bench host`'s baseline)
-    "alone": ("", None),
-}
 DECODE_TOKENS = 4
 # 8 layers of 4 KV heads x 64, fp16, 32-token blocks: 32 KiB per layer and block, 8 KiB per token
 BENCH_MODEL = ModelShape(family="opt", layers=8, kv_heads=4, head_dim=64, dtype="float16")
@@ -112,12 +100,18 @@ class Flight:
 class EngineProcess:
     """A runner process: commands in on stdin, events out on stdout, logs in a file."""
 
-    def __init__(self, spec: EngineSpec, env: dict[str, str], events: queue.Queue[tuple[str, dict[str, Any]]]):
+    def __init__(
+        self,
+        spec: EngineSpec,
+        env: dict[str, str],
+        events: queue.Queue[tuple[str, dict[str, Any]]],
+        python: str = sys.executable,
+    ):
         self.name = spec.options.name
         self.log_path = Path(tempfile.mkstemp(prefix=f"kvflow-bench-{spec.options.name}-", suffix=".log")[1])
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "kvflow_tools.bench.runner"],
+                [python, "-m", "kvflow_tools.bench.runner"],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=log,
@@ -190,7 +184,8 @@ class Pair:
         if connector not in CONNECTORS:
             raise ConfigError(f"unknown connector {connector!r}; choose from {sorted(CONNECTORS)}")
         self.connector = connector
-        cls, module_path = CONNECTORS[connector]
+        system = CONNECTORS[connector]
+        python = python_for(system)
         self.events: queue.Queue[tuple[str, dict[str, Any]]] = queue.Queue()
         secret = secrets.token_hex(32)
         max_model_len = max(8192, tokens + 64)
@@ -198,7 +193,7 @@ class Pair:
         blocks = max(concurrency * (-(-tokens // 32) + 2) + 64, -(-max_model_len // 32) + 1)
         p_side, d_side = _free_ports(2)
         self.side_ports = {"P": p_side, "D": d_side}
-        extra: dict[str, Any] = {}
+        extra: dict[str, Any] = dict(system.extra)
         if connector.startswith("kvflow"):
             extra = {"transport": "nixl", "port": 0, "host": "127.0.0.1", **options.get("kvflow_settings", {})}
             if connector == "kvflow-thread":
@@ -215,8 +210,8 @@ class Pair:
                 engine_options = EngineOptions(
                     name=name,
                     role=role,
-                    connector=cls,
-                    module_path=module_path,
+                    connector=system.vllm_class,
+                    module_path=system.module_path,
                     engine_id="prefill" if name == "P" else "decode",
                     # sequential: P names its control address in its answer, so it needs a fixed port
                     extra={**extra, "port": self.side_ports["P"]}
@@ -236,24 +231,26 @@ class Pair:
                 # a caller's fields for this engine (`kvflow bench pd`: model, blocks, block size)
                 engine_options = replace(engine_options, **options.get("engines", {}).get(name, {}))
                 spec = EngineSpec(engine_options, options.get("nixl_progress_delay_us"), options.get("cpus", ()))
-                env = dict(os.environ)
+                env = platform_env(os.environ)  # vLLM's CPU platform: its NIXL connectors read the device type
                 env.update(
                     KVFLOW_SECRET=secret,
                     HF_HUB_OFFLINE="1",
-                    VLLM_TARGET_DEVICE="cpu",
                     VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1",
                     VLLM_NIXL_SIDE_CHANNEL_PORT=str(self.side_ports[name]),
                     VLLM_LOGGING_LEVEL=env.get("VLLM_LOGGING_LEVEL", "WARNING"),
                     NIXL_LOG_LEVEL=env.get("NIXL_LOG_LEVEL", "WARN"),
                     UCX_NET_DEVICES=env.get("UCX_NET_DEVICES", "lo"),
                 )
-                self.engines[name] = EngineProcess(spec, env, self.events)
+                self.engines[name] = EngineProcess(spec, env, self.events, python)
             self.ready: dict[str, dict[str, Any]] = {}
             deadline = time.monotonic() + START_TIMEOUT
             while len(self.ready) < 2:
                 name, event = self.next_event(deadline, "engines to start")
                 if event["ev"] == "ready":
                     self.ready[name] = event
+            self.vllm = self.ready["P"].get("vllm", "")
+            if system.release is not None and not self.vllm.startswith(system.release + "."):
+                raise BenchError(f"{connector} needs vLLM {system.release}, and its engines run vLLM {self.vllm}")
         except BaseException:
             self.close()
             raise
@@ -335,7 +332,7 @@ class Pair:
             flight.d_dispatched = True
             return
         p_params: dict[str, Any] = dict(SEQUENTIAL_PREFILL_PARAMS)
-        if self.connector == "vllm-push":  # as vLLM's push proxy: D learns P's coordinates up front
+        if CONNECTORS[self.connector].push_proxy:  # as vLLM's push proxy: D learns P's coordinates up front
             p_params["transfer_id"] = rid
             d_params = {
                 "do_remote_decode": False,
@@ -529,7 +526,7 @@ def _run_cells(
         for n_tokens in tokens:
             for conc in concurrency:
                 for pace in step_ms:
-                    cell = Cell(pair.connector, n_tokens, conc, pace, repeat, requests, chunks=chunks)
+                    cell = Cell(pair.connector, n_tokens, conc, pace, repeat, requests, chunks=chunks, vllm=pair.vllm)
                     pair.run_cell(cell, warmup)
                     cells.append(cell)
                     if progress is not None:

@@ -100,8 +100,11 @@ def serve(spec: EngineSpec, commands: queue.Queue[dict[str, Any] | None], events
     from vllm.utils.gc_utils import freeze_gc_heap
 
     freeze_gc_heap()  # as vLLM's engine core and GPU worker do once started: the GC skips their heap
+    from vllm import __version__ as vllm_version
+
     emit(
         ev="ready",
+        vllm=vllm_version,
         engine_id=spec.options.engine_id or spec.options.name,
         control_address=getattr(engine.worker, "control_address", ""),
         page_bytes=engine.ranks[0].pages.page_bytes,

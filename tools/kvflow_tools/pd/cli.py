@@ -22,7 +22,13 @@ if TYPE_CHECKING:
 
 __all__ = ("Progress", "add_arguments", "main")
 
-SYSTEMS = ("kvflow", "kvflow-pull", "vllm-pull", "vllm-push")
+SYSTEMS = (
+    "kvflow",
+    "kvflow-pull",
+    "vllm-pull",
+    "vllm-push",
+    "vllm-push-0.33",
+)  # bench_vllm.CONNECTORS says what each runs
 DEFAULT_SYSTEMS = SYSTEMS
 QUICK = {"qps": [1.0, 4.0], "requests": 24, "prompt_dist": "uniform:128:4096", "output_dist": "uniform:16:64"}
 
@@ -48,6 +54,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scale", type=int, default=16, help="the stand-in's head_dim is the model's / SCALE")
     parser.add_argument("--p-blocks", type=int, default=0, help="P's KV blocks (default: as the GPU holds)")
     parser.add_argument("--d-blocks", type=int, default=0, help="D's KV blocks (default: as the GPU holds)")
+    parser.add_argument(
+        "--nixl-progress-delay-us",
+        type=int,
+        default=1000,
+        help="vLLM's connectors: their NIXL agents' progress threads sleep this long between polls "
+        "(-1: stock NIXL, a busy poll that takes a core per agent; default 1000)",
+    )
     parser.add_argument("--results", default="", help="folder for results.json and plots (default results/pd-<time>)")
     parser.add_argument("--quick", action="store_true", help="a few minutes: qps 1,4, 8 requests, prompts <= 4k")
 
@@ -85,6 +98,10 @@ def main(args: argparse.Namespace) -> int:
     unknown = [s for s in systems if s not in SYSTEMS]
     if unknown or not systems:
         raise ConfigError(f"--systems: unknown {unknown}; choose from {SYSTEMS}")
+    from kvflow_tools.serve.launcher import check_progress_delay
+
+    delay = None if args.nixl_progress_delay_us == -1 else args.nixl_progress_delay_us
+    check_progress_delay(delay)  # before any engine starts
     points = [(qps, arrivals(qps, count, prompt, output, args.seed)) for qps in rates]
     per_request = -(-(prompt.high + output.high) // STANDIN_BLOCK)
     needed = max(sum(-(-(a.prompt + a.output) // STANDIN_BLOCK) for a in reqs) for _, reqs in points)
@@ -92,6 +109,7 @@ def main(args: argparse.Namespace) -> int:
     max_model_len = prompt.high + output.high + STANDIN_BLOCK
     folder = Path(args.results or f"results/pd-{time.strftime('%Y%m%d-%H%M%S')}")
     config = _describe(model, sizing, prompt, output, rates, count, args.seed, systems)
+    config["nixl_progress_delay_us"] = delay
     sys.stdout.write(_header(config) + "\n")
     total = len(systems) * len(rates) * count
     cells: list[dict[str, Any]] = []
@@ -100,7 +118,8 @@ def main(args: argparse.Namespace) -> int:
         with Progress(total) as progress:
             for system in systems:
                 progress.label(f"{system}: starting")
-                pairs[system] = start_system(system, model, sizing, max_model_len)
+                pairs[system] = start_system(system, model, sizing, max_model_len, delay)
+            config["vllm"] = {system: pairs[system].vllm for system in systems}
             for index, (qps, requests) in enumerate(points):
                 turn = index % len(systems)  # each rate starts with the next system
                 for system in systems[turn:] + systems[:turn]:

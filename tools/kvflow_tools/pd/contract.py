@@ -35,9 +35,15 @@ __all__ = (
 )
 
 RESULTS_FILE = "results.json"
-KNOWN_SYSTEMS = ("kvflow", "kvflow-pull", "vllm-pull", "vllm-push")  # the order tables and legends use
+KNOWN_SYSTEMS = (
+    "kvflow",
+    "kvflow-pull",
+    "vllm-pull",
+    "vllm-push",
+    "vllm-push-0.33",
+)  # the order tables and legends use
 OURS = "kvflow"
-BASELINES = ("vllm-pull", "vllm-push")
+BASELINES = ("vllm-pull", "vllm-push", "vllm-push-0.33")
 SPLIT_PARTS = ("p_queue", "prefill", "transfer_wait", "d_queue")
 
 # Leaves: "str", "int", "num" (int or float), "num?" (a number or null: a statistic of no

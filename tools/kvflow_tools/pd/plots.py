@@ -32,7 +32,13 @@ __all__ = (
     "ttft_vs_qps",
 )
 
-COLOURS = {"kvflow": "#1f77b4", "kvflow-pull": "#17becf", "vllm-pull": "#d62728", "vllm-push": "#ff7f0e"}
+COLOURS = {
+    "kvflow": "#1f77b4",
+    "kvflow-pull": "#17becf",
+    "vllm-pull": "#d62728",
+    "vllm-push": "#ff7f0e",
+    "vllm-push-0.33": "#8c564b",
+}
 _OTHERS = ("#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22")
 LOG_SPREAD = 20.0  # a y axis spanning more than this factor is drawn on a log scale
 _SPLIT_LABELS = {

@@ -119,6 +119,11 @@ def header_lines(results: Mapping[str, Any]) -> list[str]:
         f"output {_dist(workload['output'])} tokens; seed {workload['seed']}",
         f"transport {config['transport']} on {config['machine']}",
     ]
+    if "vllm" in config:  # which vLLM each system's engines ran, and how vLLM's NIXL agents polled
+        delay = config.get("nixl_progress_delay_us")
+        polling = "stock, polling without pause" if delay is None else f"sleeping {delay} µs between polls"
+        runs = ", ".join(f"{system} {release}" for system, release in config["vllm"].items())
+        lines.append(f"vLLM: {runs}; vLLM's NIXL progress threads {polling}")
     return lines
 
 
@@ -136,7 +141,7 @@ def warnings(results: Mapping[str, Any], qps: float) -> list[str]:
 
 
 def ratio_line(results: Mapping[str, Any], qps: float) -> str:
-    """kvflow push against vLLM's two connectors at `qps`: TTFT p50 and TPOT p50 ratios."""
+    """kvflow push against each of vLLM's connectors at `qps`: TTFT p50 and TPOT p50 ratios."""
     parts = []
     for metric, name in (("ttft_ms", "TTFT p50"), ("tpot_ms", "TPOT p50")):
         each = ", ".join(f"{_times(ratio(results, qps, metric, b))} {b}" for b in BASELINES)

@@ -115,14 +115,19 @@ def _engines(model: StepModel, sizing: Sizing, max_model_len: int) -> dict[str, 
     return {"P": {**common, "num_blocks": sizing.p_blocks}, "D": {**common, "num_blocks": sizing.d_blocks}}
 
 
-def start_system(system: str, model: StepModel, sizing: Sizing, max_model_len: int) -> Pair:
+def start_system(
+    system: str, model: StepModel, sizing: Sizing, max_model_len: int, nixl_progress_delay_us: int | None = None
+) -> Pair:
     """`system`'s pair, paced by `model`, its connections made by one unmeasured request, then
-    stopped (`resume` it for its turn).
+    stopped (`resume` it for its turn); vLLM's connectors with their NIXL agents' progress
+    threads sleeping `nixl_progress_delay_us` between polls (None: stock NIXL, a busy poll).
 
     :raises BenchError: NIXL is missing, an engine died or the warm-up request did not finish.
     """
     transport()
     options: dict[str, Any] = {"engines": _engines(model, sizing, max_model_len), "kvflow_settings": {"lease": LEASE}}
+    if nixl_progress_delay_us is not None and not system.startswith("kvflow"):
+        options["nixl_progress_delay_us"] = nixl_progress_delay_us  # kvflow's agents run no progress thread
     pair = start_pair(system, max_model_len - 1, 1, options)
     try:
         for engine in pair.engines.values():
