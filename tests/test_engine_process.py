@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import msgpack
 import numpy as np
 import pytest
 
@@ -36,8 +37,10 @@ from kvflow.errors import (
 from kvflow.layout import MemoryType, Region
 from kvflow.protocol.actions import ReleaseBlocks
 from kvflow.protocol.state import Outcome, Role
+from kvflow.runtime.frames import FrameReader, encode_frame, error_from_record
 from kvflow.runtime.host_memory import MappedSpans, share_in_place
-from kvflow.runtime.process import EngineProcess, FrameReader, ProcessSpec, encode_frame, error_from_record
+from kvflow.runtime.process import STALL_LIMIT, EngineProcess, ProcessSpec
+from kvflow.runtime.ring import HEADER, RECORD_HEADER
 
 SPEC = kvflow.KVSpec(num_layers=4, block_size=16, num_kv_heads=8, head_dim=128, dtype="float16")
 NUM_BLOCKS = 16
@@ -372,3 +375,87 @@ def test_errors_cross_by_class_name_and_unknown_ones_stay_kvflow_errors() -> Non
     assert type(known) is InvalidBatch and str(known) == "block 99 out of range"
     foreign = error_from_record(["ZeroDivisionError", "oops"])
     assert type(foreign) is KVFlowError and "ZeroDivisionError: oops" in str(foreign)
+
+
+def _reserve(process: EngineProcess) -> tuple[int, concurrent.futures.Future[Any]]:
+    """A sequence number and the future its answer settles, as `EngineProcess.call` makes them."""
+    future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+    with process._lock:
+        process._seq += 1
+        process._futures[process._seq] = future
+        return process._seq, future
+
+
+def test_hostile_records_in_the_ring_are_refused_and_the_engine_goes_on(pair) -> None:  # type: ignore[no-untyped-def]
+    p, _, _, _ = pair
+    bad_args, bad_args_future = _reserve(p)
+    unknown, unknown_future = _reserve(p)
+    for record in (
+        b"\xc1",  # not msgpack
+        msgpack.packb(["close"]),  # close comes on the socket only
+        msgpack.packb(["call", "seven", "stats", []]),  # no sequence number: nobody to answer
+        msgpack.packb({"call": 1}),
+        msgpack.packb(["call", bad_args, "stats", "not a list"]),
+        msgpack.packb(["call", unknown, "__init__", []]),
+    ):
+        assert p._rings.orders.write(record)
+    p._rings.wake()
+    answered(p, bad_args_future, unknown_future)
+    with pytest.raises(UsageError, match="refused"):
+        bad_args_future.result()
+    with pytest.raises(UsageError, match="no command"):
+        unknown_future.result()
+    stats = p.call("stats")
+    answered(p, stats)
+    assert stats.result()["crashed"] == 0 and p.alive
+
+
+def test_a_record_written_without_a_wake_up_is_still_answered(pair) -> None:  # type: ignore[no-untyped-def]
+    """A wake-up the writer missed (its store of the ring's head and the reader's going to
+    sleep passing each other) delays a record, never loses it."""
+    p, _, _, _ = pair
+    seq, future = _reserve(p)
+    assert p._rings.orders.write(msgpack.packb(["call", seq, "stats", []]))  # and no eventfd write
+    answered(p, future)
+    assert future.result()["crashed"] == 0
+
+
+def test_a_ring_record_that_stays_unreadable_closes_the_engine_and_fails_what_was_pending() -> None:
+    p = engine("torn-0", cache())
+    try:
+        os.kill(p.pid, signal.SIGSTOP)  # it must not read the record before it is torn
+        at = p._rings.orders._head % p._rings.orders.capacity
+        pending = p.call("stats")
+        p._rings._map[HEADER + at + RECORD_HEADER] ^= 0xFF  # the payload no longer matches its checksum
+        os.kill(p.pid, signal.SIGCONT)
+
+        def failed() -> bool:
+            p.pump()
+            return pending.done()
+
+        until(failed, "the engine to give up on its ring", timeout=STALL_LIMIT + 30)
+        with pytest.raises(EngineCrashed, match="gone"):
+            pending.result()
+        assert not p.alive
+    finally:
+        if p.alive:
+            os.kill(p.pid, signal.SIGCONT)
+        p.close()
+
+
+def test_a_call_too_large_for_the_ring_is_refused_before_anything_is_sent(pair) -> None:  # type: ignore[no-untyped-def]
+    p, _, _, _ = pair
+    with pytest.raises(ConfigError, match="ring"):
+        p.call("stats", "x" * (p._rings.orders.max_record + 1))
+    stats = p.call("stats")
+    answered(p, stats)
+    assert stats.result()["crashed"] == 0
+
+
+def test_an_unknown_scheduling_policy_is_refused_before_a_process_starts() -> None:
+    before = _children()
+    regions = [kvflow.region_of(a) for a in cache()]
+    layout = kvflow.KVLayout.per_layer_regions(SPEC, NUM_BLOCKS, regions)
+    with pytest.raises(ConfigError, match="scheduled"):
+        EngineProcess(ProcessSpec("fifo-0", layout, scheduling="fifo"), [])
+    assert _children() == before

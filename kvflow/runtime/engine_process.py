@@ -2,9 +2,13 @@
 
 Why a program of its own: the host's interpreter stays the host's.  Here the engine runs on
 this process's event loop (uvloop when installed) with its writer, its transport's threads and
-its control channel; the host's calls arrive as records on the socket, run on an agent in
-arrival order (each to its first wait, as `EngineThread` runs them), and their results,
-released blocks and per-transfer figures go back in one frame per pass of the loop.
+its control channel; the host's calls arrive as records in a ring of shared memory (the loop
+wakes on an eventfd when the host finds it asleep, and looks at the ring every `RING_LOOK` in
+case a wake-up was missed), run on an agent in arrival order (each to its first wait, as
+`EngineThread` runs them), and their results, released blocks and per-transfer figures go back
+through the other ring, written once per pass of the loop.  A record that is not a call the
+agent has is refused (answered with `UsageError` when it names a call) and counted; a ring
+that stays unreadable is corrupt, and the engine closes as if its host had gone.
 
 The agent is the engine's API as commands (`EngineAgent`); an embedder extends it with its own
 commands (vLLM's connector: `kvflow.integrations.vllm.rank_agent`).  Only the names an agent
@@ -28,8 +32,11 @@ import os
 import signal
 import socket
 import sys
+import time
 import traceback
 from typing import Any, ClassVar
+
+import msgpack
 
 from kvflow.control.zeromq import ZmqControl
 from kvflow.errors import ConfigError, KVFlowError
@@ -40,9 +47,12 @@ from kvflow.protocol.core import CoreConfig
 from kvflow.protocol.state import Mode, Role
 from kvflow.runtime.config import EngineConfig
 from kvflow.runtime.engine import Engine
+from kvflow.runtime.frames import FrameReader, encode_frame, encode_record, error_record
 from kvflow.runtime.host_memory import MappedSpans
 from kvflow.runtime.loop import new_event_loop
-from kvflow.runtime.process import FrameReader, encode_frame, error_record
+from kvflow.runtime.process import STALL_LIMIT
+from kvflow.runtime.ring import RingCorrupt
+from kvflow.runtime.ring_memory import EngineRings
 from kvflow.transports.registry import load_transport
 
 __all__ = ("SHUTDOWN_TIMEOUT", "EngineAgent", "main")
@@ -51,6 +61,13 @@ log = logging.getLogger(__name__)
 
 SHUTDOWN_TIMEOUT = 20.0
 PARENT_CHECK = 1.0  # seconds between two looks at whether the host is still this process's parent
+RING_LOOK = 0.05  # seconds between two looks at the ring of orders without a wake-up
+# After orders came, the loop keeps looking at the ring this long (every `RING_POLL`) before it
+# says it sleeps: a prefill step's layer groups come a few milliseconds apart, and each found
+# asleep would cost the host a wake-up (on a busy host, its core for a while)
+RING_LINGER = 0.005
+RING_POLL = 0.001
+RING_RETRY = 0.001  # seconds before a ring that had no room (or a record not yet whole) is tried again
 
 
 class EngineAgent:
@@ -117,8 +134,13 @@ class Server:
         self.agent: EngineAgent | None = None
         self._reader = FrameReader()
         self._out: list[Any] = []
-        self._pending = bytearray()
+        self._backlog: list[bytes] = []  # answers the ring had no room for yet, in order
         self._flush_scheduled = False
+        self._stall: tuple[int, float] | None = None  # (ring position, since when) of an unreadable order
+        self._awake_until = 0.0  # the loop's time until which it looks at the ring without being woken
+        self._polling = False  # a look at the ring is scheduled within `RING_POLL`
+        self.refused_records = 0  # orders that were not calls of the agent
+        self.rings: EngineRings | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._closing: asyncio.Future[None] | None = None
 
@@ -136,13 +158,16 @@ class Server:
                 with contextlib.suppress(KVFlowError):
                     await self.engine.aclose(drain_timeout=0.1)
             return 1
-        self.sock.setblocking(False)
         gc.collect()
         gc.freeze()  # what start-up made lives as long as the process: the collector skips it
-        self._queue(["ready", engine.control.address, os.getpid()])
+        self.sock.sendall(encode_frame([["ready", engine.control.address, os.getpid()]]))
+        self.sock.setblocking(False)
         loop.add_reader(self.sock.fileno(), self._readable)
+        loop.add_reader(self._ends().wake_fd, self._woken)
         self._watch_parent(os.getppid())
+        self._look()
         await self._closing
+        loop.remove_reader(self._ends().wake_fd)
         loop.remove_reader(self.sock.fileno())
         self.agent.close()
         crashes: list[str] = []
@@ -153,13 +178,13 @@ class Server:
             crashes.append(f"{type(exc).__name__}: {exc}")
         except TimeoutError:
             crashes.append(f"the engine did not close within {SHUTDOWN_TIMEOUT}s")
-        self._queue(["closed", crashes])
-        self._flush(final=True)
+        self._say_closed(crashes)
         return 0 if not crashes else 1
 
     def _build(self) -> Engine:
         """:raises KVFlowError: the memory, transport or control channel cannot be set up."""
         spec = self.spec
+        self.rings = EngineRings(*spec["rings"])
         mapped = MappedSpans([tuple(span) for span in spec["spans"]])
         layout = layout_from_wire(spec["layout"])
         layout = dataclasses.replace(layout, regions=tuple(mapped.translate(r) for r in layout.regions))
@@ -172,7 +197,88 @@ class Server:
         self.engine = Engine(spec["engine_id"], layout, transport, control, config=config, on_release=self._released)
         return self.engine
 
+    def _ends(self) -> EngineRings:
+        assert self.rings is not None  # made by `_build`, before anything reads or writes them
+        return self.rings
+
     # ---------------------------------------------------------------- from the host
+
+    def _woken(self) -> None:
+        self._ends().take_wake()
+        self._drain()
+
+    def _look(self) -> None:
+        """The ring every `RING_LOOK` seconds, whether or not the host woke us."""
+        if self._closing is None or self._closing.done():
+            return
+        self._drain()
+        asyncio.get_running_loop().call_later(RING_LOOK, self._look)
+
+    def _drain(self) -> None:
+        """Obey every order in the ring; keep looking for `RING_LINGER` after the last one;
+        then say we sleep, and look once more (an order written meanwhile may have found us
+        awake and not woken us)."""
+        loop = asyncio.get_running_loop()
+        orders = self._ends().orders
+        orders.wake()
+        try:
+            while True:
+                records = orders.read()
+                for payload in records:
+                    self._obey_packed(payload)
+                if orders.stalled:
+                    self._stalled(orders.position)
+                    return
+                self._stall = None
+                if records:
+                    self._awake_until = loop.time() + RING_LINGER
+                if loop.time() < self._awake_until:
+                    if not self._polling:
+                        self._polling = True
+                        loop.call_later(RING_POLL, self._poll)
+                    return
+                orders.sleep()
+                if not orders.pending():
+                    return
+                orders.wake()
+        except RingCorrupt as exc:
+            log.error("engine process: %s; closing", exc)
+            self._close()
+
+    def _poll(self) -> None:
+        self._polling = False
+        if self._closing is not None and not self._closing.done():
+            self._drain()
+
+    def _stalled(self, position: int) -> None:
+        """A record not (yet) whole: look again soon; one that stays so means the ring is corrupt."""
+        loop = asyncio.get_running_loop()
+        if self._stall is None or self._stall[0] != position:
+            self._stall = (position, loop.time())
+        elif loop.time() - self._stall[1] > STALL_LIMIT:
+            log.error(
+                "engine process: an order at %d stayed unreadable for %ss: the ring is corrupt", position, STALL_LIMIT
+            )
+            self._close()
+            return
+        loop.call_later(RING_RETRY, self._drain)
+
+    def _obey_packed(self, payload: bytes) -> None:
+        try:
+            record = msgpack.unpackb(payload, raw=False, use_list=True, strict_map_key=False)
+        except (ValueError, TypeError, msgpack.UnpackException) as exc:
+            self._refuse(None, f"an order that is not msgpack ({exc})")
+            return
+        if record == ["close"]:  # the host says that on the socket, after what it ordered here
+            self._refuse(None, "a close in the ring")
+            return
+        self._obey(record)
+
+    def _refuse(self, seq: object, why: str) -> None:
+        self.refused_records += 1
+        log.error("engine process: refused %s", why)
+        if isinstance(seq, int) and not isinstance(seq, bool):
+            self._queue(["done", seq, ["UsageError", f"the engine process refused {why}"], None])
 
     def _readable(self) -> None:
         while True:
@@ -193,14 +299,21 @@ class Server:
                 for record in frame:
                     self._obey(record)
 
-    def _obey(self, record: list[Any]) -> None:
-        if record[0] == "close":
+    def _obey(self, record: Any) -> None:
+        if record == ["close"]:
+            self._drain()  # what the host ordered before it said close
             self._close()
+            return
+        if not (isinstance(record, list) and len(record) == 4 and record[0] == "call"):
+            self._refuse(record[1] if isinstance(record, list) and len(record) > 1 else None, f"{record!r:.100}")
             return
         _, seq, name, args = record
         assert self.agent is not None
-        if name not in self.agent.COMMANDS:
-            self._queue(["done", seq, ["UsageError", f"the engine process has no command {name!r}"], None])
+        if not isinstance(seq, int) or isinstance(seq, bool) or not isinstance(args, list):
+            self._refuse(seq, f"a call with sequence number {seq!r:.40} and arguments {args!r:.60}")
+            return
+        if not isinstance(name, str) or name not in self.agent.COMMANDS:
+            self._queue(["done", seq, ["UsageError", f"the engine process has no command {name!r:.80}"], None])
             return
         task = asyncio.get_running_loop().create_task(self._call(seq, getattr(self.agent, name), args))
         self._tasks.add(task)
@@ -247,38 +360,56 @@ class Server:
             self._flush_scheduled = True
             asyncio.get_running_loop().call_soon(self._flush)
 
-    def _flush(self, final: bool = False) -> None:
-        """One frame of everything queued (with the meter's news), written as far as the socket takes it."""
+    def _flush(self) -> None:
+        """Everything queued (with the meter's news) into the ring of answers, as far as it has room."""
         self._flush_scheduled = False
         if self.engine is not None:
             reading = self.engine.meter.take()
             if reading.samples or reading.outcomes or reading.dropped:
                 samples = [[s.seconds, s.post_seconds, s.nbytes, s.descriptors] for s in reading.samples]
                 self._out.append(["meter", samples, reading.outcomes, reading.dropped])
-        if self._out:
-            self._pending += encode_frame(self._out)
-            self._out = []
-        if final:
-            self.sock.setblocking(True)
-            with contextlib.suppress(OSError):
-                self.sock.sendall(self._pending)
-            self._pending.clear()
-            return
-        loop = asyncio.get_running_loop()
-        try:
-            sent = self.sock.send(self._pending) if self._pending else 0
-        except BlockingIOError:
-            sent = 0
-        except OSError:  # the host is gone: closing follows from the reader
-            self._pending.clear()
-            return
-        del self._pending[:sent]
-        if self._pending:
-            loop.add_writer(self.sock.fileno(), self._writable)
+        for record in self._out:
+            try:
+                self._backlog.append(encode_record(record))
+            except KVFlowError as exc:  # a result msgpack cannot carry: the call fails instead
+                log.error("engine process: %s", exc)
+                if record[0] == "done":
+                    self._backlog.append(encode_record(["done", record[1], error_record(exc), None]))
+        self._out = []
+        if self._write_backlog():
+            asyncio.get_running_loop().call_later(RING_RETRY, self._flush)
 
-    def _writable(self) -> None:
-        asyncio.get_running_loop().remove_writer(self.sock.fileno())
+    def _write_backlog(self) -> bool:
+        """Write what the ring takes; whether some is left."""
+        answers, written = self._ends().answers, 0
+        try:
+            for packed in self._backlog:
+                if len(packed) > answers.max_record:
+                    log.error(
+                        "engine process: an answer of %d bytes exceeds the ring's %d: dropped: %r",
+                        len(packed),
+                        answers.max_record,
+                        packed[:80],
+                    )
+                elif not answers.write(packed):
+                    break
+                written += 1
+        except RingCorrupt as exc:
+            log.error("engine process: %s; closing", exc)
+            self._close()
+        del self._backlog[:written]
+        return bool(self._backlog)
+
+    def _say_closed(self, crashes: list[str]) -> None:
+        """The last answers into the ring (the host reads them while it waits), then ``closed`` on the socket."""
+        self._flush_scheduled = False
         self._flush()
+        deadline = time.monotonic() + SHUTDOWN_TIMEOUT / 4
+        while self._write_backlog() and time.monotonic() < deadline:
+            time.sleep(RING_RETRY)
+        self.sock.setblocking(True)
+        with contextlib.suppress(OSError):
+            self.sock.sendall(encode_frame([["closed", crashes]]))
 
 
 def _read_spec(sock: socket.socket) -> dict[str, Any]:
@@ -300,6 +431,9 @@ def main(argv: list[str] | None = None) -> int:
     spec = _read_spec(sock)
     if spec.get("cpus"):  # before any thread starts: every thread of the engine runs there
         os.sched_setaffinity(0, spec["cpus"])
+    if spec.get("scheduling", "batch") == "batch":  # before any thread starts: they inherit it
+        with contextlib.suppress(OSError, AttributeError):  # not Linux: the default policy
+            os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
     logging.basicConfig(
         level=int(spec.get("log_level", logging.WARNING)),
         format=f"%(asctime)s %(levelname)s kvflow engine process {spec.get('engine_id')} (pid {os.getpid()}): "

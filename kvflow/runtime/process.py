@@ -5,26 +5,32 @@ Why: an inference engine's step loop is Python.  An engine on a thread of the ho
 writer, NIXL's polling), and takes it in the middle of the host's steps: measured with
 `kvflow bench host`, the steps of a host moving 100 transfers/s got 30 % fewer and up to 13 ms
 longer at p99, far more than what its hooks cost.  `EngineProcess` runs the engine, its threads
-and its transport in a child process; the host only writes orders to a socket and reads results
-from it, so what it pays is a system call per hook that has something to say.
+and its transport in a child process; the host only copies orders into shared memory and reads
+results from it.
 
 The KV memory reaches the child as shared memory: `host_memory.share_in_place` moves the
 host's pages onto memory files at the same addresses, and the child maps the files and
 registers its mapping with the transport.  (GPU memory would travel as CUDA IPC handles; until
 that is built and measured, a GPU host runs its engine on a thread.)
 
-The protocol, over one Unix stream socket pair: frames of a 4-byte big-endian length and a
-msgpack array of records.  The host sends its spec first, then ``["call", seq, name, args]``
-records (each runs `name` on the child's agent, which is the engine's own API or an
-embedder's extension of it, `engine_process.EngineAgent`) and ``["close"]``.  The child
-answers ``["ready", address, pid]``, then ``["done", seq, error, result]`` for each call,
-``["released", transfer_id, epoch, role, outcome, block_ids]`` whenever the engine gives blocks
-back, ``["meter", samples, outcomes, dropped]`` with the engine's per-transfer figures, and
-``["closed", crashes]``.  Nothing but msgpack's plain types crosses.
+The protocol: records, each a msgpack array of plain types.  The host's calls,
+``["call", seq, name, args]`` (each runs `name` on the child's agent, which is the engine's own
+API or an embedder's extension of it, `engine_process.EngineAgent`), go through a ring in shared
+memory (`ring`, `ring_memory`), and the child's answers come back through another:
+``["done", seq, error, result]`` for each call, ``["released", transfer_id, epoch, role,
+outcome, block_ids]`` whenever the engine gives blocks back, ``["meter", samples, outcomes,
+dropped]`` with the engine's per-transfer figures, ``["crashed", texts]``.  A hook's call costs
+a copy into the ring, and an eventfd write only when the engine process sleeps and nobody has
+woken it yet; the host reads the answers on each step with no system call.  The life of the
+link goes over one Unix stream socket pair, in frames of a 4-byte big-endian length and a
+msgpack array of records: the host's spec first (with the rings' descriptors), the child's
+``["ready", address, pid]`` or ``["failed", ...]``, the host's ``["close"]``, the child's
+``["closed", crashes]``.
 
 The child exits when the host's end of the socket closes (the host died or closed it); the host
-learns of a dead child from its socket too (every pending call then fails with
-`EngineCrashed`).  Every wait here has a deadline; nothing here blocks a hook.
+learns of a dead child from its socket too, looked at every `LIVENESS_CHECK` seconds (every
+pending call then fails with `EngineCrashed`).  Every wait here has a deadline; nothing here
+blocks a hook.
 """
 
 from __future__ import annotations
@@ -34,7 +40,6 @@ import contextlib
 import logging
 import select
 import socket
-import struct
 import subprocess
 import sys
 import threading
@@ -46,113 +51,27 @@ from typing import Any
 
 import msgpack
 
-import kvflow.errors as errors
 from kvflow.errors import ConfigError, EngineClosed, EngineCrashed, EngineTimeout, KVFlowError
 from kvflow.layout import KVLayout, layout_to_wire
 from kvflow.protocol.actions import ReleaseBlocks
 from kvflow.protocol.messages import TransferKey
 from kvflow.protocol.state import Outcome, Role
 from kvflow.runtime.config import EngineConfig
+from kvflow.runtime.frames import READ_CHUNK, FrameReader, encode_frame, encode_record, error_from_record
 from kvflow.runtime.host_memory import SharedSpan
 from kvflow.runtime.meter import MeterReading, TransferSample
+from kvflow.runtime.ring import RingCorrupt
+from kvflow.runtime.ring_memory import HostRings
 
-__all__ = (
-    "EngineProcess",
-    "FrameReader",
-    "ProcessSpec",
-    "encode_frame",
-    "encode_record",
-    "error_from_record",
-    "error_record",
-    "frame_of",
-)
+__all__ = ("SCHEDULING", "STALL_LIMIT", "EngineProcess", "ProcessSpec")
 
 log = logging.getLogger(__name__)
 
-MAX_FRAME = 256 << 20  # one frame's msgpack body, at most
 SOCKET_BUFFER = 4 << 20
-READ_CHUNK = 256 << 10  # bytes read from the socket at a time, into a buffer kept for it
 LAZY_WAIT = 0.05  # seconds a lazy call may wait for another to go with before `pump` sends it
-_LENGTH = struct.Struct(">I")
-
-
-def encode_frame(records: Any) -> bytes:
-    """One frame: its length, then the msgpack of `records`."""
-    body: bytes = msgpack.packb(records, use_bin_type=True)
-    return _LENGTH.pack(len(body)) + body
-
-
-def encode_record(record: Any) -> bytes:
-    """One record of a frame, packed on its own (`frame_of` joins them), so that a record that
-    cannot be packed fails alone, before it is queued with others.
-
-    :raises ConfigError: a value msgpack cannot carry (an integer past 64 bits, a lone surrogate).
-    """
-    try:
-        packed: bytes = msgpack.packb(record, use_bin_type=True)
-    except (OverflowError, ValueError, TypeError) as exc:
-        raise ConfigError(f"cannot send {record[:3]!r:.200} to the engine process: {exc}") from None
-    return packed
-
-
-def frame_of(records: Sequence[bytes]) -> bytes:
-    """The frame of records packed by `encode_record`: the same bytes `encode_frame` makes."""
-    packer = msgpack.Packer(use_bin_type=True)
-    body = packer.pack_array_header(len(records)) + b"".join(records)
-    return _LENGTH.pack(len(body)) + body
-
-
-class FrameReader:
-    """Cuts a byte stream into frames and unpacks each (`feed` returns the complete ones)."""
-
-    def __init__(self) -> None:
-        self._buffer = bytearray()
-        self._chunk = bytearray(READ_CHUNK)
-        self._view = memoryview(self._chunk)
-
-    def read(self, sock: socket.socket) -> tuple[int, list[Any]]:
-        """Read what `sock` has (up to `READ_CHUNK`) into the kept buffer, with no allocation
-        of its own (``recv(n)`` allocates n bytes on every call, 1 MiB cost 50-100 µs): the
-        bytes read (0: the peer closed) and the frames now complete.
-
-        :raises BlockingIOError: nothing to read (a non-blocking socket).
-        :raises OSError: the socket failed.
-        :raises KVFlowError: see `feed`.
-        """
-        count = sock.recv_into(self._view)
-        return count, self.feed(self._view[:count]) if count else []
-
-    def feed(self, data: bytes | memoryview) -> list[Any]:
-        """:raises KVFlowError: a frame longer than `MAX_FRAME` (the stream is not ours)."""
-        self._buffer += data
-        frames = []
-        while len(self._buffer) >= _LENGTH.size:
-            (length,) = _LENGTH.unpack_from(self._buffer)
-            if length > MAX_FRAME:
-                raise KVFlowError(f"engine process frame of {length} bytes exceeds {MAX_FRAME}")
-            if len(self._buffer) < _LENGTH.size + length:
-                break
-            body = bytes(self._buffer[_LENGTH.size : _LENGTH.size + length])
-            del self._buffer[: _LENGTH.size + length]
-            frames.append(msgpack.unpackb(body, raw=False, use_list=True, strict_map_key=False))
-        return frames
-
-
-def error_record(exc: BaseException) -> list[str]:
-    """How an exception raised in the engine process travels: its class name and message."""
-    return [type(exc).__name__, str(exc)]
-
-
-def error_from_record(record: Sequence[Any]) -> KVFlowError:
-    """The `KVFlowError` an error record names (its class when kvflow has one by that name,
-    else `KVFlowError`), carrying the message the engine process gave."""
-    name, message = str(record[0]), str(record[1])
-    cls = getattr(errors, name, None)
-    if not (isinstance(cls, type) and issubclass(cls, KVFlowError)):
-        cls, message = KVFlowError, f"{name}: {message}"
-    exc = cls.__new__(cls)  # some classes take other arguments; the message is what travels
-    Exception.__init__(exc, message)
-    return exc
+SCHEDULING = ("batch", "normal")  # SCHED_BATCH, SCHED_OTHER
+LIVENESS_CHECK = 0.05  # seconds between two looks at the socket (is the child still there?)
+STALL_LIMIT = 1.0  # seconds a ring record may stay unreadable before the ring is taken as corrupt
 
 
 @dataclass(frozen=True)
@@ -172,6 +91,7 @@ class ProcessSpec:
     agent_options: dict[str, Any] = field(default_factory=dict)
     log_level: int = logging.WARNING
     cpus: tuple[int, ...] = ()  # the CPUs the engine process runs on; empty: the host's
+    scheduling: str = "batch"  # its Linux policy (`SCHEDULING`): "batch" never preempts the host on waking
 
     def to_wire(self, spans: Sequence[SharedSpan]) -> dict[str, Any]:
         config = {k: v for k, v in asdict(self.config).items() if k != "thread_setup"}
@@ -189,6 +109,7 @@ class ProcessSpec:
             "agent_options": self.agent_options,
             "log_level": self.log_level,
             "cpus": list(self.cpus),
+            "scheduling": self.scheduling,
         }
 
 
@@ -197,15 +118,18 @@ class EngineProcess:
     it (but for `__init__` and `close`, which wait for the child with a deadline).
 
     `call` returns a `concurrent.futures.Future` at once; futures, released blocks and the
-    meter are brought up to date by `pump`, which every reading method calls (a system call
-    that returns at once when there is nothing to read).
+    meter are brought up to date by `pump`, which every reading method calls (it reads the
+    ring of answers: no system call, but for a look at the socket every `LIVENESS_CHECK`).
 
+    :raises ConfigError: a spec with an unknown `scheduling`.
     :raises EngineTimeout: the child did not say ready within `start_timeout`.
     :raises KVFlowError: the child could not build or start its engine (the error it reported,
         by class); `TransportError` if the memory cannot be handed over.
     """
 
     def __init__(self, spec: ProcessSpec, spans: Sequence[SharedSpan], *, start_timeout: float = 60.0) -> None:
+        if spec.scheduling not in SCHEDULING:
+            raise ConfigError(f"an engine process is scheduled as one of {list(SCHEDULING)}, not {spec.scheduling!r}")
         self.engine_id = spec.engine_id
         self._lock = threading.RLock()
         self._seq = 0
@@ -213,7 +137,11 @@ class EngineProcess:
         self._pending: list[bytes] | None = None  # the calls of an open `batch`, packed
         self._lazy: list[bytes] = []  # calls that go with the next one sent
         self._lazy_since = 0.0  # when the oldest of them was made
-        self._out = bytearray()
+        self._out = bytearray()  # socket bytes not written yet (only ``close`` goes that way)
+        self._backlog: deque[bytes] = deque()  # records the ring had no room for yet, in order
+        self._looked = 0.0  # when `pump` last looked at the socket
+        self._stall: tuple[int, float] | None = None  # (ring position, since when) of an unreadable record
+        self.wakeups = 0  # eventfd writes made to wake the engine process
         self._reader = FrameReader()
         self._released: deque[ReleaseBlocks] = deque()
         self._samples: list[TransferSample] = []
@@ -225,15 +153,21 @@ class EngineProcess:
         for end in (ours, theirs):
             end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
             end.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER)
-        fds = [theirs.fileno(), *(span.fd for span in spans)]
+        self._rings = HostRings()
+        fds = [theirs.fileno(), *self._rings.fds, *(span.fd for span in spans)]
         wire = spec.to_wire(spans)
-        wire["spans"] = [[fds[1 + i], span.base, span.length] for i, span in enumerate(spans)]
+        wire["spans"] = [[fds[3 + i], span.base, span.length] for i, span in enumerate(spans)]
+        wire["rings"] = [*self._rings.fds, self._rings.capacity]
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "kvflow.runtime.engine_process", str(theirs.fileno())],
                 pass_fds=fds,
                 stdin=subprocess.DEVNULL,
             )
+        except BaseException:
+            self._rings.close()
+            ours.close()
+            raise
         finally:
             theirs.close()
         self._sock = ours
@@ -259,13 +193,19 @@ class EngineProcess:
         costs no system call (and no wake-up of the engine process) of its own.
 
         :raises EngineClosed: the engine process is gone or closing.
-        :raises ConfigError: `args` hold a value msgpack cannot carry (nothing is sent).
+        :raises ConfigError: `args` hold a value msgpack cannot carry, or more than a ring
+            record holds (nothing is sent).
         """
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
         with self._lock:
             if self.dead is not None:
                 raise EngineClosed(f"engine process of {self.engine_id!r} is gone: {self.dead}")
             record = encode_record(["call", self._seq + 1, name, list(args)])
+            if len(record) > self._rings.orders.max_record:
+                raise ConfigError(
+                    f"cannot send {name!r} to the engine process: {len(record)} bytes, "
+                    f"more than its ring's {self._rings.orders.max_record}"
+                )
             self._seq += 1
             self._futures[self._seq] = future
             if lazy:
@@ -280,8 +220,8 @@ class EngineProcess:
 
     @contextlib.contextmanager
     def batch(self) -> Iterator[None]:
-        """The calls made inside go out together when it ends: one system call for them all.
-        Nested batches join the outer one.  Never raises."""
+        """The calls made inside go out together when it ends (at most one wake-up of the
+        engine process for them all).  Nested batches join the outer one.  Never raises."""
         with self._lock:
             if self._pending is not None:
                 yield
@@ -296,12 +236,23 @@ class EngineProcess:
                     self._send(records)
 
     def _send(self, records: list[bytes]) -> None:
-        """Queue a frame (the lazy calls first, in their order) and write what the socket takes
-        now (the rest goes with the next write or `pump`); a broken socket marks the child dead."""
+        """Put records in the ring (the lazy calls first, in their order), wake the engine
+        process if it sleeps; what the ring has no room for waits for `pump`, in order."""
         if self._lazy:
             records, self._lazy = self._lazy + records, []
-        self._out += frame_of(records)
-        self._flush()
+        self._backlog.extend(records)
+        self._write_backlog()
+
+    def _write_backlog(self) -> None:
+        orders = self._rings.orders
+        try:
+            while self._backlog and orders.write(self._backlog[0]):
+                self._backlog.popleft()
+            if orders.unread() and orders.wake_owed():  # also a wake-up an earlier pass missed
+                self.wakeups += 1
+                self._rings.wake()
+        except RingCorrupt as exc:
+            self._gone(f"its ring is corrupt: {exc}")
 
     def _flush(self) -> None:
         if not self._out or self.dead is not None:
@@ -318,29 +269,64 @@ class EngineProcess:
     # ---------------------------------------------------------------- results
 
     def pump(self) -> None:
-        """Read whatever the child sent (never blocks): resolve calls, queue released blocks,
+        """Read whatever the child said (never blocks): resolve calls, queue released blocks,
         gather the meter; a closed socket means the child is gone.  Lazy calls waiting longer
-        than `LAZY_WAIT` go out now."""
+        than `LAZY_WAIT`, and calls the ring had no room for, go out now."""
         with self._lock:
-            if self._lazy and self.dead is None and time.monotonic() - self._lazy_since >= LAZY_WAIT:
+            if self.dead is not None:
+                return
+            now = time.monotonic()
+            if self._lazy and now - self._lazy_since >= LAZY_WAIT:
                 self._send([])
-            self._flush()
-            while self.dead is None:
-                try:
-                    count, frames = self._reader.read(self._sock)
-                except BlockingIOError:
-                    break
-                except OSError as exc:
-                    self._gone(f"its socket broke: {exc}")
-                    break
-                if not count:
-                    self._gone(self._exit_status())
-                    break
-                for frame in frames:
-                    for record in frame:
-                        self._take(record)
-                if count < READ_CHUNK:  # the socket is drained (what comes meanwhile waits for the next pump)
-                    break
+            elif self._backlog or self._rings.orders.unread():
+                self._write_backlog()
+            self._read_answers(now)
+            if now - self._looked >= LIVENESS_CHECK:
+                self._looked = now
+                self._read_socket()
+
+    def _read_answers(self, now: float) -> None:
+        """Take every record the ring holds; one that stays unreadable for `STALL_LIMIT` means the ring is corrupt."""
+        answers = self._rings.answers
+        try:
+            records = answers.read()
+        except RingCorrupt as exc:
+            self._gone(f"its ring is corrupt: {exc}")
+            return
+        for payload in records:
+            try:
+                self._take(msgpack.unpackb(payload, raw=False, use_list=True, strict_map_key=False))
+            except (ValueError, TypeError, IndexError, KeyError, msgpack.UnpackException) as exc:
+                log.error(
+                    "%s: engine process sent a record that is not one: %r (%s)", self.engine_id, payload[:64], exc
+                )
+        if not answers.stalled:
+            self._stall = None
+        elif self._stall is None or self._stall[0] != answers.position:
+            self._stall = (answers.position, now)
+        elif now - self._stall[1] > STALL_LIMIT:
+            self._gone(f"its ring is corrupt: a record at {answers.position} stayed unreadable for {STALL_LIMIT}s")
+
+    def _read_socket(self) -> None:
+        """Whether the child is still there (its socket's end of file), and what it said there."""
+        self._flush()
+        while self.dead is None:
+            try:
+                count, frames = self._reader.read(self._sock)
+            except BlockingIOError:
+                break
+            except OSError as exc:
+                self._gone(f"its socket broke: {exc}")
+                break
+            if not count:
+                self._read_answers(time.monotonic())  # what it said before it went
+                self._gone(self._exit_status())
+                break
+            for frame in frames:
+                for record in frame:
+                    self._take(record)
+            if count < READ_CHUNK:  # the socket is drained (what comes meanwhile waits for the next pump)
+                break
 
     def _take(self, record: list[Any]) -> None:
         kind = record[0]
@@ -375,13 +361,15 @@ class EngineProcess:
         :raises KVFlowError: what the call raised in the engine process.
         """
         deadline = time.monotonic() + timeout
+        nap = 0.0005  # answers come through the ring, which nothing signals: look again soon, then less often
         while not future.done():
             left = deadline - time.monotonic()
             if left <= 0:
                 raise EngineTimeout(f"engine process of {self.engine_id!r}: no answer within {timeout}s")
             if self.dead is not None:
                 raise EngineClosed(f"engine process of {self.engine_id!r} is gone: {self.dead}")
-            select.select([self._sock], [], [], min(left, 0.1))
+            time.sleep(min(left, nap))
+            nap = min(nap * 2, 0.02)
             self.pump()
         return future.result()
 
@@ -397,6 +385,8 @@ class EngineProcess:
         """The engine's per-transfer figures gathered since the last call (by `pump`, which the
         host calls each step for its results; never blocks)."""
         with self._lock:
+            if not (self._samples or self._outcomes or self._dropped):  # most steps
+                return MeterReading()
             reading = MeterReading(self._samples, dict(self._outcomes), self._dropped)
             self._samples, self._outcomes, self._dropped = [], Counter(), 0
         return reading
@@ -412,6 +402,7 @@ class EngineProcess:
         with self._lock:
             alive = self.dead is None
             if alive:
+                self._write_backlog()  # the child reads its ring to the end before it closes
                 self._sock.setblocking(True)
                 with contextlib.suppress(OSError):
                     self._sock.sendall(bytes(self._out) + encode_frame([["close"]]))
@@ -424,9 +415,9 @@ class EngineProcess:
                 self.proc.wait(timeout=max(1.0, timeout / 4))
             except subprocess.TimeoutExpired:
                 late = True
-        self._kill()
         with self._lock:
             self._gone("closed")
+        self._kill()
         if self.crashes or late:
             reasons: list[BaseException] = [RuntimeError(text) for text in self.crashes]
             if late:
@@ -444,7 +435,11 @@ class EngineProcess:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise EngineTimeout(f"engine process of {self.engine_id!r} did not {what} within {timeout}s")
-            readable, _, _ = select.select([self._sock], [], [], min(left, 1.0))
+            with self._lock:
+                if self.dead is None:
+                    self._write_backlog()
+                    self._read_answers(time.monotonic())  # the child's last answers may wait for room in the ring
+            readable, _, _ = select.select([self._sock], [], [], min(left, 0.01))
             if not readable:
                 if self.proc.poll() is not None:
                     raise EngineCrashed([RuntimeError(f"engine process did not {what}: {self._exit_status()}")])
@@ -488,6 +483,10 @@ class EngineProcess:
                 self.proc.wait(timeout=5.0)
         with contextlib.suppress(OSError):
             self._sock.close()
+        with self._lock:
+            if self.dead is None:
+                self.dead = "killed"
+            self._rings.close()
 
     @property
     def alive(self) -> bool:
