@@ -69,6 +69,8 @@ def test_settings_refuse_a_bad_push_layer_groups(value: Any) -> None:
         ("engine_cpus", [0, "1"]),
         ("engine_cpus", [-1]),
         ("engine_cpus", 3),
+        ("engine_scheduling", "fifo"),  # a real-time policy could starve the host: not offered
+        ("engine_scheduling", 1),
         ("push_group_bytes", -1),
         ("push_group_bytes", 1.5),
         ("push_group_bytes", 1 << 41),
@@ -80,9 +82,12 @@ def test_settings_refuse_a_bad_value_naming_its_key(key: str, value: Any) -> Non
 
 
 def test_settings_read_where_the_engine_runs() -> None:
-    settings = Settings.from_extra({"engine_process": "thread", "engine_cpus": [2, 3], "push_group_bytes": 0})
+    settings = Settings.from_extra(
+        {"engine_process": "thread", "engine_cpus": [2, 3], "push_group_bytes": 0, "engine_scheduling": "normal"}
+    )
     assert (settings.engine_process, settings.engine_cpus, settings.push_group_bytes) == ("thread", (2, 3), 0)
-    assert Settings().engine_process == "auto"
+    assert settings.engine_scheduling == "normal"
+    assert (Settings().engine_process, Settings().engine_scheduling) == ("auto", "batch")
 
 
 def test_settings_take_json_integers_for_seconds() -> None:

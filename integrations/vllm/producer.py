@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from kvflow.errors import ConfigError
@@ -27,8 +29,36 @@ from kvflow.integrations.vllm.settings import Settings, push_units
 from kvflow.layout.groups import KVGroup
 from kvflow.protocol.messages import TransferKey
 from kvflow.protocol.state import Mode, Role
+from kvflow.runtime.frames import error_from_record
 
 __all__ = ("ProducerSide",)
+
+
+@dataclass(frozen=True, slots=True)
+class _Part:
+    """One push part handed to the engine: its `RankAgent.post_group` arguments (but the gate)."""
+
+    wire: list[Any]
+    request_id: str
+    key: TransferKey
+    opened: bool  # the transfer's first part: its failure leaves kvflow holding nothing
+
+
+def _settle_parts(settled: dict[int, concurrent.futures.Future[Any]], future: concurrent.futures.Future[Any]) -> None:
+    """The answer to a ``post_groups`` order onto each first part's own future: the errors it
+    names by index, or the order's own error for all."""
+    error = future.exception()
+    failures: dict[int, BaseException] = {}
+    if error is None:
+        for index, record in future.result() or []:
+            failures[int(index)] = error_from_record(record)
+    for index, part_future in settled.items():
+        failure = error if error is not None else failures.get(index)
+        if failure is None:
+            part_future.set_result(None)
+        else:
+            part_future.set_exception(failure)
+
 
 log = logging.getLogger("kvflow.vllm")
 
@@ -48,6 +78,9 @@ class ProducerSide:
     _unit_sets: dict[int, list[tuple[int, tuple[int, int]]]]
     _saved: set[int]
     _groups_sent: dict[str, int]
+    _step_units: dict[str, list[tuple[int, tuple[int, int]]]]
+    _step_blocks: set[TransferKey]
+    _step_parts: dict[tuple[str, Role], list[tuple[int, int, TransferKey]] | ConfigError]
     _requests: dict[tuple[TransferKey, Role], str]
     _late_frees: set[str]
     _ready_starts: list[tuple[concurrent.futures.Future[Any], str, TransferKey]]
@@ -58,34 +91,41 @@ class ProducerSide:
     def _parts(self, params: Any, role: Role) -> list[tuple[int, int, TransferKey]]:
         raise NotImplementedError
 
-    def _save_layer(self, orders: Orders, layer_name: str) -> None:
+    def _completed_by(self, orders: Orders, layer_name: str) -> list[tuple[Order, int]]:
+        """Mark a layer saved: the push orders whose next parts it completes, each with how
+        many of its parts are complete now (most layers complete none: nothing else happens)."""
         layer = self.layer_of.get(layer_name)
-        if layer is None or not orders.ready:
-            return
+        if layer is None:
+            return []
         self._saved.add(layer)
-        gate: Gate | None = None
-        recorded = False
+        completed = []
         for order in orders.ready:
             if order.params.mode is not Mode.PUSH:
                 continue
             units = self._units(order)
-            complete = self._groups_sent.get(order.request_id, 0)
+            sent = complete = self._groups_sent.get(order.request_id, 0)
             while complete < len(units) and self._saved.issuperset(range(*units[complete][1])):
                 complete += 1
-            if complete > self._groups_sent.get(order.request_id, 0):
-                if not recorded:  # one device event for every part this layer completes
-                    gate, recorded = self.device.record(), True
-                self._post_units(order, complete, gate)
+            if complete > sent:
+                completed.append((order, complete))
+        return completed
+
+    def _post_completed(self, completed: list[tuple[Order, int]]) -> None:
+        parts: list[_Part] = []
+        for order, complete in completed:
+            self._post_units(order, complete, parts)
+        self._send_parts(parts, self.device.record())  # one device event for every part this layer completes
 
     def _save(self, orders: Orders) -> None:
         if not orders.ready:
             return
         gate = self.device.record()
+        pushed: list[_Part] = []
         for order in orders.ready:
             if order.reason:  # vLLM's block table lacks a block its rules say it holds
                 log.error("%s: the KV of %s is not all there: %s", self.engine_id, order.request_id, order.reason)
             if order.params.mode is Mode.PUSH:
-                self._post_units(order, len(self._units(order)), gate)
+                self._post_units(order, len(self._units(order)), pushed)
                 self._groups_sent.pop(order.request_id, None)
                 continue
             parts = self._sending_parts(order)
@@ -109,15 +149,21 @@ class ProducerSide:
                     list(self.kv_groups[group].layers) if many else None,
                 )
                 self._ready_starts.append((future, order.request_id, key))
+        self._send_parts(pushed, gate)
 
     def _sending_parts(self, order: Order) -> list[tuple[int, int, TransferKey]]:
         """P: the part transfers this rank feeds for `order`'s request; none (or params it cannot
         use): kvflow takes no block, and the request is reported sent once vLLM says it finished."""
         request_id = order.request_id
-        try:
-            parts = self._parts(order.params, Role.PREFILL)
-        except ConfigError as exc:
-            log.error("%s: could not hand over the KV of %s: %s", self.engine_id, request_id, exc)
+        parts = self._step_parts.get((request_id, Role.PREFILL))
+        if parts is None:  # once per request and step, not once per part
+            try:
+                parts = self._parts(order.params, Role.PREFILL)
+            except ConfigError as exc:
+                parts = exc
+            self._step_parts[(request_id, Role.PREFILL)] = parts
+        if isinstance(parts, ConfigError):
+            log.error("%s: could not hand over the KV of %s: %s", self.engine_id, request_id, parts)
             parts = []
         if not parts and not self.pairs.has(request_id, Role.PREFILL):
             self._late_frees.add(request_id)
@@ -133,9 +179,9 @@ class ProducerSide:
         self._requests[(key, Role.PREFILL)] = request_id
         return True
 
-    def _post_units(self, order: Order, upto: int, gate: Gate | None) -> None:
-        """Hand the engine parts ``[sent, upto)`` of a push order, in order, for each D rank
-        this rank feeds; each part of a group goes to that group's transfer."""
+    def _post_units(self, order: Order, upto: int, parts: list[_Part]) -> None:
+        """Parts ``[sent, upto)`` of a push order, in order, for each D rank this rank feeds
+        (each part of a group goes to that group's transfer), added to `parts`."""
         first = self._groups_sent.get(order.request_id, 0)
         if first >= upto:
             return
@@ -151,29 +197,45 @@ class ProducerSide:
                 if units[unit][0] != group:
                     continue
                 opened = self._opened(order.request_id, key)
-                future = self._link().command(
-                    "post_group",
+                named = key in self._step_blocks  # the chunk's blocks go with its first group only
+                self._step_blocks.add(key)
+                wire = [
                     key.transfer_id,
                     key.epoch,
-                    list(blocks.ids),
+                    None if named else list(blocks.ids),
                     unit,
                     list(units[unit][1]),
                     order.final and unit == last[group],
                     blocks.first,
                     opened,
-                    gate,
                     # the KV goes to the D rank the params name, never to whichever engine
                     # registered the transfer id first
                     None if decode is None else rank_name(decode.engine, target),
-                )
-                if opened:
-                    self._ready_starts.append((future, order.request_id, key))
+                ]
+                parts.append(_Part(wire, order.request_id, key, opened))
+
+    def _send_parts(self, parts: list[_Part], gate: Gate | None) -> None:
+        """One order for every part a hook completed (one record, whatever their number); each
+        transfer's first part settles a future of its own (see `results`)."""
+        if not parts:
+            return
+        future = self._link().command("post_groups", gate, [part.wire for part in parts])
+        firsts = {index: part for index, part in enumerate(parts) if part.opened}
+        if not firsts:
+            return
+        settled = {index: concurrent.futures.Future[Any]() for index in firsts}
+        for index, part in firsts.items():
+            self._ready_starts.append((settled[index], part.request_id, part.key))
+        future.add_done_callback(partial(_settle_parts, settled))
 
     def _units(self, order: Order) -> list[tuple[int, tuple[int, int]]]:
         """The parts a push order's blocks go out in: the forward cut into as many stretches as
         ``push_layer_groups`` allows with at least ``push_group_bytes`` in each (one stretch for
         a small chunk: every WRITE costs the engine the same work whatever its size, and a
-        small one gains nothing from starting before the forward ends)."""
+        small one gains nothing from starting before the forward ends).  Once per request and step."""
+        units = self._step_units.get(order.request_id)
+        if units is not None:
+            return units
         count = self.settings.push_layer_groups
         if self.settings.push_group_bytes:
             moved = sum(len(part.ids) * group.count for part, group in zip(order.blocks, self.kv_groups, strict=False))
@@ -181,4 +243,5 @@ class ProducerSide:
         units = self._unit_sets.get(count)
         if units is None:
             units = self._unit_sets[count] = push_units(self._run_order, self.kv_groups, count)
+        self._step_units[order.request_id] = units
         return units

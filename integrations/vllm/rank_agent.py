@@ -16,10 +16,10 @@ import asyncio
 import contextlib
 import logging
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from typing import Any, ClassVar
 
-from kvflow.errors import BlockSizeMismatch, KVFlowError, UnknownTransfer
+from kvflow.errors import BlockSizeMismatch, KVFlowError, UnknownTransfer, UsageError
 from kvflow.integrations.vllm.device import Device, Gate, GateWaiter, HostDevice
 from kvflow.integrations.vllm.params import PeerRef
 from kvflow.integrations.vllm.ranks import reach_rank
@@ -27,6 +27,7 @@ from kvflow.protocol.messages import OPEN_BATCHES, TransferKey
 from kvflow.protocol.state import Mode, Role
 from kvflow.runtime.engine import Engine
 from kvflow.runtime.engine_process import EngineAgent
+from kvflow.runtime.frames import error_record
 
 __all__ = ("ENGINE_REJECTIONS", "RankAgent")
 
@@ -70,6 +71,7 @@ class RankAgent(EngineAgent):
         "promise_prefill",
         "ready_pull",
         "post_group",
+        "post_groups",
         "abort_pair",
         "snapshot",
         "describe",
@@ -85,6 +87,7 @@ class RankAgent(EngineAgent):
         self._chains: dict[TransferKey, asyncio.Future[None]] = {}
         self._broken: set[TransferKey] = set()
         self._registrations: dict[TransferKey, asyncio.Future[Any]] = {}  # D: expects not returned yet
+        self._chunk_blocks: dict[TransferKey, list[int]] = {}  # P: each push transfer's blocks of its chunk
 
     # ---------------------------------------------------------------- D
 
@@ -171,6 +174,7 @@ class RankAgent(EngineAgent):
         """Give up on a pair transfer; D's registration still under way is waited for first
         (bounded: its handshake has a deadline).  Nothing to abort is no error."""
         key = TransferKey(transfer_id, epoch)
+        self._chunk_blocks.pop(key, None)
         registration = self._registrations.get(key) if Role(role) is Role.DECODE else None
         if registration is not None:
             await asyncio.wait([registration])
@@ -216,7 +220,7 @@ class RankAgent(EngineAgent):
         self,
         transfer_id: str,
         epoch: int,
-        block_ids: list[int],
+        block_ids: list[int] | None,
         group: int,
         layers: Sequence[int],
         final: bool,
@@ -227,15 +231,89 @@ class RankAgent(EngineAgent):
     ) -> None:
         """Push: layer group `group` (`layers`) of one chunk's blocks, posted after the ones before it once the
         device has written it, for D rank `peer` only (a registration from any other engine is
-        refused).  A failure of the transfer's first group leaves kvflow holding
-        nothing (vLLM frees the blocks): it is raised; a later failure aborts the transfer,
-        whose blocks then come back through the engine's release.
+        refused).  `block_ids` None: the blocks the transfer's previous group named (the host
+        sends a chunk's blocks with its first group only).  A failure of the transfer's first
+        group leaves kvflow holding nothing (vLLM frees the blocks): it is raised; a later
+        failure aborts the transfer, whose blocks then come back through the engine's release.
 
+        :raises UsageError: `block_ids` None for a transfer with no group before.
         :raises KVFlowError: the transfer's first group was refused."""
+        part = [transfer_id, epoch, block_ids, group, layers, final, first_position, first_of_transfer, peer]
+        posting = self._admit(part, gate)
+        if posting is not None:
+            await posting
+
+    async def post_groups(self, gate: Gate | None, parts: list[list[Any]]) -> list[list[Any]]:
+        """Several `post_group` orders given together (each part its arguments but `gate`),
+        each taking its place in its transfer's chain in their order; returns ``[index,
+        error]`` for each part that raised.
+
+        :raises UsageError: `parts` is not a list.
+        """
+        if not isinstance(parts, list):
+            raise UsageError(f"post_groups takes a list of parts, not {parts!r:.80}")
+        failures: list[list[Any]] = []
+        postings: list[tuple[int, Coroutine[Any, Any, None]]] = []
+        for index, part in enumerate(parts):
+            try:
+                posting = self._admit(part, gate)
+            except KVFlowError as exc:
+                failures.append([index, error_record(exc)])
+                continue
+            if posting is not None:
+                postings.append((index, posting))
+        results = await asyncio.gather(*(posting for _, posting in postings), return_exceptions=True)
+        for (index, _), result in zip(postings, results, strict=True):
+            if isinstance(result, KVFlowError):
+                failures.append([index, error_record(result)])
+            elif isinstance(result, BaseException):
+                raise result
+        return failures
+
+    def _admit(self, part: Any, gate: Gate | None) -> Coroutine[Any, Any, None] | None:
+        """A push part (`post_group`'s arguments but the gate, in its order) takes its place
+        in its transfer's chain now (in the order the host gave the parts); its posting, to
+        be awaited (None: skipped, an earlier group failed).
+
+        :raises UsageError: not 9 arguments, or `block_ids` None for a transfer with no group before."""
+        if not isinstance(part, list) or len(part) != 9:
+            raise UsageError(f"a push part is a list of 9 arguments, not {part!r:.80}")
+        transfer_id, epoch, block_ids, group, layers, final, first_position, first_of_transfer, peer = part
         key = TransferKey(transfer_id, epoch)
+        if block_ids is None:
+            block_ids = self._chunk_blocks.get(key)
+            if block_ids is None and key in self._broken:
+                if final:
+                    self._broken.discard(key)
+                return None
+            if block_ids is None:
+                raise UsageError(f"layer group {group} of {key} names no blocks, and no group before it did")
+        if final:
+            self._chunk_blocks.pop(key, None)
+        else:
+            self._chunk_blocks[key] = block_ids
         previous = self._chains.get(key)
         mine: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._chains[key] = mine
+        return self._post_in_turn(
+            key, previous, mine, block_ids, group, layers, final, first_position, first_of_transfer, gate, peer
+        )
+
+    async def _post_in_turn(
+        self,
+        key: TransferKey,
+        previous: asyncio.Future[None] | None,
+        mine: asyncio.Future[None],
+        block_ids: list[int],
+        group: int,
+        layers: Sequence[int],
+        final: bool,
+        first_position: int,
+        first_of_transfer: bool,
+        gate: Gate | None,
+        peer: str | None,
+    ) -> None:
+        """:raises KVFlowError: see `post_group`."""
         try:
             if previous is not None:
                 await previous
@@ -244,8 +322,8 @@ class RankAgent(EngineAgent):
             try:
                 await self._wait_for_device(gate)
                 await self.engine.kv_ready(
-                    transfer_id,
-                    epoch,
+                    key.transfer_id,
+                    key.epoch,
                     block_ids=block_ids,
                     layers=(int(layers[0]), int(layers[1])),
                     final=final,
@@ -254,11 +332,12 @@ class RankAgent(EngineAgent):
                 )
             except KVFlowError as exc:
                 self._broken.add(key)
+                self._chunk_blocks.pop(key, None)
                 if first_of_transfer:
                     raise
                 log.error("%s: layer group %d of %s refused: %s", self.engine.engine_id, group, key, exc)
                 with contextlib.suppress(KVFlowError):
-                    await self.engine.abort(transfer_id, epoch, Role.PREFILL, f"layer group {group}: {exc}")
+                    await self.engine.abort(key.transfer_id, key.epoch, Role.PREFILL, f"layer group {group}: {exc}")
         finally:
             mine.set_result(None)
             if self._chains.get(key) is mine:

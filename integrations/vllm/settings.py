@@ -18,6 +18,7 @@ from kvflow.integrations.vllm.params import PeerRef
 from kvflow.layout import MAX_SPEC_TEXT
 from kvflow.layout.groups import KVGroup
 from kvflow.protocol.admission import DEFAULT_NETWORKS, PeerAllowList
+from kvflow.runtime.process import SCHEDULING
 
 __all__ = ("KV_CACHE_LAYOUTS", "Settings", "layer_groups", "push_units", "setting_arg")
 
@@ -70,6 +71,10 @@ class Settings:
     engine_process: str = "auto"
     # the CPUs each rank's engine process runs on (Linux CPU numbers); empty: the worker's own
     engine_cpus: tuple[int, ...] = ()
+    # how Linux schedules each rank's engine process: "batch" (SCHED_BATCH: a wake-up of it
+    # never preempts the model runner mid-step; it runs on an idle core at once, else when the
+    # running task's slice ends) or "normal" (SCHED_OTHER)
+    engine_scheduling: str = "batch"
     # the engines this one may transfer with (shell-style patterns of engine ids) and the
     # networks of the control addresses it may dial, whatever a request's params name
     allowed_peers: tuple[str, ...] = ("*",)
@@ -109,6 +114,10 @@ class Settings:
         if settings.engine_process not in ENGINE_PLACES:
             raise ConfigError(
                 f"kvflow engine_process must be one of {list(ENGINE_PLACES)}, not {settings.engine_process!r}"
+            )
+        if settings.engine_scheduling not in SCHEDULING:
+            raise ConfigError(
+                f"kvflow engine_scheduling must be one of {list(SCHEDULING)}, not {settings.engine_scheduling!r}"
             )
         if settings.transport != "nixl":
             raise ConfigError(f"kvflow transport must be 'nixl', not {settings.transport!r}")

@@ -50,7 +50,9 @@ from kvflow.runtime.meter import quantile
 
 __all__ = ("IN_FLIGHT_STATES", "KVFlowConnectorStats", "KVFlowPromMetrics", "RankMeter", "counter_deltas")
 
-SNAPSHOT_INTERVAL = 0.05  # seconds between two gauge snapshots of a rank's engine, at least
+# seconds between two gauge snapshots of a rank's engine, at least: vLLM logs its stats every
+# few seconds and Prometheus scrapes every few more; each snapshot costs the step that reads it
+SNAPSHOT_INTERVAL = 0.5
 SAMPLE_KEYS = ("transfer_duration", "post_duration", "bytes_transferred", "num_descriptors")
 COUNT_KEYS = ("outcomes", "rejected_frames", "scheduler")
 TERMINAL = {State.ABORTED, State.FAILED, State.EXPIRED}

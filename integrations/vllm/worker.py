@@ -115,6 +115,10 @@ class WorkerSide(ProducerSide):
         self.layer_of: dict[str, int] = {}  # vLLM layer name -> kvflow layer (execution order)
         self.device: Device = HostDevice()
         self._saved: set[int] = set()  # kvflow layers saved in this step's forward
+        # what this step computed once per request: its push parts, its pair transfers
+        self._step_units: dict[str, list[tuple[int, tuple[int, int]]]] = {}
+        self._step_parts: dict[tuple[str, Role], list[tuple[int, int, TransferKey]] | ConfigError] = {}
+        self._step_blocks: set[TransferKey] = set()  # push transfers whose blocks this step named
         self._groups_sent: dict[str, int] = {}  # push request -> parts of its chunk handed to the engine
 
     # ---------------------------------------------------------------- setup
@@ -193,6 +197,7 @@ class WorkerSide(ProducerSide):
             agent_options={"transfer_timeout": self.settings.transfer_timeout},
             log_level=log.getEffectiveLevel(),
             cpus=self.settings.engine_cpus,
+            scheduling=self.settings.engine_scheduling,
         )
         try:
             process = EngineProcess(spec, spans)
@@ -253,11 +258,15 @@ class WorkerSide(ProducerSide):
 
     def start_load(self, orders: Orders) -> None:
         """Expect and abort orders: handed to the engine, never waited on."""
-        with self._batch():
-            self._start_load(orders)
+        self._saved.clear()  # a new step: its forward has saved no layer yet
+        self._step_units.clear()
+        self._step_parts.clear()
+        self._step_blocks.clear()
+        if orders.expect or orders.abort or orders.promise:
+            with self._batch():
+                self._start_load(orders)
 
     def _start_load(self, orders: Orders) -> None:
-        self._saved.clear()  # a new step: its forward has saved no layer yet
         for order in orders.expect:
             self._expect(order)
         for order in orders.abort:  # after the expects: a request may end in the step it was allocated
@@ -321,15 +330,18 @@ class WorkerSide(ProducerSide):
         the parts before it) is saved, those parts are posted, each WRITE waiting for the
         device to have run the kernels enqueued so far.  A layer whose KV is another's, or that
         kvflow does not know, completes nothing."""
-        with self._batch():
-            self._save_layer(orders, layer_name)
+        completed = self._completed_by(orders, layer_name)
+        if completed:
+            with self._batch():
+                self._post_completed(completed)
 
     def save(self, orders: Orders) -> None:
         """Ready orders, once the forward that computed their KV is enqueued: pull readiness,
         and every push part not posted yet, each waiting for the device (never this thread) to
         have run the forward."""
-        with self._batch():
-            self._save(orders)
+        if orders.ready:
+            with self._batch():
+                self._save(orders)
 
     def _abort(self, order: Order) -> None:
         role = Role.PREFILL if order.producer else Role.DECODE
@@ -365,6 +377,10 @@ class WorkerSide(ProducerSide):
         sending: set[str] = set()
         recving: set[str] = set()
         failed: set[str] = set()
+        if not (released or self._failed_starts or self._ready_starts or self._late_frees):  # most steps
+            if self._finished_ids:
+                self._finished_ids &= self._sending_ids()
+            return sending, recving, failed
         for start in list(self._failed_starts):
             future, request_id, blocks, key = start
             if not future.done():
@@ -401,7 +417,8 @@ class WorkerSide(ProducerSide):
         # finish later; vLLM reports a request finished after the step that saved its KV, so
         # every other finished id (every decode request, every request kvflow never sent) is
         # dropped here instead of kept for the life of the process.
-        self._finished_ids &= self._sending_ids()
+        if self._finished_ids:
+            self._finished_ids &= self._sending_ids()
         return sending, recving, failed
 
     @property
