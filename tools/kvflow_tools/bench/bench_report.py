@@ -36,6 +36,9 @@ class Cell:
     d_hooks_us: list[float] = field(default_factory=list)
     p_hooks_cpu_us: list[float] = field(default_factory=list)  # ... of it, the model runner thread's CPU
     d_hooks_cpu_us: list[float] = field(default_factory=list)
+    p_prefill_hooks_us: list[float] = field(default_factory=list)  # per P step that computed prompt tokens
+    p_prefill_hooks_cpu_us: list[float] = field(default_factory=list)
+    p_prefill_step_ms: list[float] = field(default_factory=list)  # ... the step's length
     p_hook_us: dict[str, list[float]] = field(default_factory=dict)  # per hook name, per P step it ran in
     d_hook_us: dict[str, list[float]] = field(default_factory=dict)
     bytes_verified: int = 0
@@ -80,6 +83,10 @@ def summarize(cells: list[Cell]) -> list[dict[str, Any]]:
                 "d_hooks_p50_us": med("d_hooks_us", 0.5),
                 "d_hooks_p99_us": med("d_hooks_us", 0.99),
                 "p_hooks_cpu_p99_us": med("p_hooks_cpu_us", 0.99),
+                "p_prefill_hooks_p50_us": med("p_prefill_hooks_us", 0.5),
+                "p_prefill_hooks_p99_us": med("p_prefill_hooks_us", 0.99),
+                "p_prefill_hooks_cpu_p50_us": med("p_prefill_hooks_cpu_us", 0.5),
+                "p_prefill_step_p50_ms": med("p_prefill_step_ms", 0.5),
                 "d_hooks_cpu_p99_us": med("d_hooks_cpu_us", 0.99),
                 "p_hook_us": _per_hook(group, "p_hook_us"),
                 "d_hook_us": _per_hook(group, "d_hook_us"),
@@ -148,6 +155,27 @@ def render_hooks(rows: list[dict[str, Any]]) -> str:
             hooks = r.get(f"{side}_hook_us", {})
             shown = ", ".join(f"{name} {v['p50']:.0f}/{v['p99']:.0f}" for name, v in hooks.items())
             lines.append(f"    {side.upper()}: {shown or '-'}")
+    return "\n".join(lines)
+
+
+def render_costs(rows: list[dict[str, Any]]) -> str:
+    """Per cell, every connector side by side: what P's hooks cost per step and per prefill
+    step (wall and CPU, µs p50), P's prefill step (ms p50), and P's finish to D's receipt."""
+    header = (
+        f"{'cell':<22} {'connector':<14} | {'P hooks/step p50':>16} {'p99':>6} | {'per prefill step p50':>20} "
+        f"{'p99':>6} {'CPU p50':>7} | {'prefill step ms p50':>19} | {'fin→recv p50':>12} {'p90':>6}"
+    )
+    lines = ["what P's hooks cost, cell by cell (µs unless said):", header, "-" * len(header)]
+    order = sorted(rows, key=lambda r: (r["tokens"], r["chunks"], r["concurrency"], r["step_ms"], r["connector"]))
+    for r in order:
+        pace = f"{r['step_ms']:g}ms" if r["step_ms"] else "fast"
+        cell = f"{r['tokens']}/{r['chunks']} c{r['concurrency']} {pace}"
+        lines.append(
+            f"{cell:<22} {r['connector']:<14} | {r['p_hooks_p50_us']:>16.0f} {r['p_hooks_p99_us']:>6.0f} | "
+            f"{r.get('p_prefill_hooks_p50_us', 0.0):>20.0f} {r.get('p_prefill_hooks_p99_us', 0.0):>6.0f} "
+            f"{r.get('p_prefill_hooks_cpu_p50_us', 0.0):>7.0f} | {r.get('p_prefill_step_p50_ms', 0.0):>19.2f} | "
+            f"{r['fin_to_recv_p50_ms']:>12.1f} {r['fin_to_recv_p90_ms']:>6.1f}"
+        )
     return "\n".join(lines)
 
 

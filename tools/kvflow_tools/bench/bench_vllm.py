@@ -51,7 +51,7 @@ from typing import Any
 from kvflow.errors import ConfigError
 from kvflow.integrations.vllm.params import SEQUENTIAL_PREFILL_PARAMS
 from kvflow.runtime.meter import quantile
-from kvflow_tools.bench.bench_report import Cell, render, render_hooks, summarize, verdict
+from kvflow_tools.bench.bench_report import Cell, render, render_costs, render_hooks, summarize, verdict
 from kvflow_tools.bench.runner import EngineSpec, spec_line
 from kvflow_tools.bench.systems import CONNECTORS, python_for
 from kvflow_tools.errors import BenchError
@@ -203,6 +203,7 @@ class Pair:
         self.engines: dict[str, EngineProcess] = {}
         self.hooks: dict[str, list[float]] = {"P": [], "D": []}  # µs per step inside connector hooks
         self.hooks_cpu: dict[str, list[float]] = {"P": [], "D": []}  # ... of it, the stepping thread's CPU
+        self.prefill: list[tuple[float, float, float]] = []  # P's prefill steps: hooks, their CPU, the step (s)
         self.hook_names: dict[str, dict[str, list[float]]] = {"P": {}, "D": {}}  # the same, per hook
         self.failed = False
         try:
@@ -389,11 +390,15 @@ class Pair:
         self._run_flights(warmup, 1, cell.tokens)
         self.hooks, self.hook_names = {"P": [], "D": []}, {"P": {}, "D": {}}
         self.hooks_cpu = {"P": [], "D": []}
+        self.prefill = []
         for flight in self._run_flights(cell.requests, cell.concurrency, cell.tokens):
             _record(cell, flight)
         cell.p_hooks_us, cell.d_hooks_us = self.hooks["P"], self.hooks["D"]
         cell.p_hooks_cpu_us, cell.d_hooks_cpu_us = self.hooks_cpu["P"], self.hooks_cpu["D"]
         cell.p_hook_us, cell.d_hook_us = self.hook_names["P"], self.hook_names["D"]
+        cell.p_prefill_hooks_us = [spent * 1e6 for spent, _, _ in self.prefill]
+        cell.p_prefill_hooks_cpu_us = [cpu * 1e6 for _, cpu, _ in self.prefill]
+        cell.p_prefill_step_ms = [step * 1e3 for _, _, step in self.prefill]
 
     def _run_flights(self, count: int, concurrency: int, tokens: int) -> list[Flight]:
         flights: dict[str, Flight] = {}
@@ -413,6 +418,8 @@ class Pair:
                 self.hooks_cpu[name].append(event.get("cpu", 0.0) * 1e6)
                 for hook, seconds in event.get("by", {}).items():
                     self.hook_names[name].setdefault(hook, []).append(seconds * 1e6)
+                if name == "P" and event.get("tokens"):
+                    self.prefill.append((event["s"], event.get("cpu", 0.0), event.get("dur", 0.0)))
             flight_for = flights.get(event.get("id", ""))
             if flight_for is None:
                 continue
@@ -567,7 +574,16 @@ def main(argv_options: dict[str, Any]) -> int:
         long_chunks=o.get("long_chunks", 4),
     )
     rows = summarize(cells)
-    sys.stdout.write(render(rows) + "\n\n" + render_hooks(rows) + "\n\n" + "\n".join(verdict(rows)) + "\n")
+    sys.stdout.write(
+        render(rows)
+        + "\n\n"
+        + render_costs(rows)
+        + "\n\n"
+        + render_hooks(rows)
+        + "\n\n"
+        + "\n".join(verdict(rows))
+        + "\n"
+    )
     if o.get("json"):
         Path(o["json"]).write_text(
             json.dumps({"options": o, "summary": rows, "cells": [asdict(c) for c in cells]}, indent=1)

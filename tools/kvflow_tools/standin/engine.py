@@ -422,7 +422,8 @@ class StandInEngine:
         if busy is not None:
             self.emit(ev="hstep", t=started, dur=now - started, py=self.host_python, **busy)
         spent, by_name, cpu = self.ranks[0].hooks.take()  # rank 0's time inside connector hooks
-        self.emit(ev="hooks", s=spent, by=by_name, cpu=cpu)
+        # with the step's scheduled tokens (a prefill step on P: any) and its length, paced sleep included
+        self.emit(ev="hooks", s=spent, by=by_name, cpu=cpu, tokens=so.total_num_scheduled_tokens, dur=now - started)
         for request_id in work.completed:  # made when the forward ended: a push may land before the step ends
             self.emit(ev="computed", id=request_id, t=self.forward_ended, started=started)
         if self.pacer is not None:
