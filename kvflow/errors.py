@@ -55,6 +55,7 @@ __all__ = (
     "PeerNotAllowed",
     "PeerUnknown",
     "PeerUnreachable",
+    "RingCorrupt",
     "StaleEpoch",
     "Timeout",
     "TransferFailed",
@@ -151,6 +152,11 @@ class EngineClosed(KVFlowError):
 class EngineAsleep(KVFlowError):
     """The engine let go of its KV memory's registration (vLLM's sleep mode): it starts no
     transfer and accepts no handshake until the memory is registered again."""
+
+
+class RingCorrupt(KVFlowError):
+    """A ring shared with an engine process holds a header or record its protocol never writes
+    (the memory is not the ring's, or the other side is hostile)."""
 
 
 class EngineCrashed(KVFlowError):

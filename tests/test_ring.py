@@ -18,8 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvflow.errors import ConfigError
-from kvflow.runtime.ring import HEADER, RECORD_HEADER, RingCorrupt, RingReader, RingWriter, ring_bytes
+from kvflow.errors import ConfigError, RingCorrupt
+from kvflow.runtime.ring import HEADER, RECORD_HEADER, RingReader, RingWriter, ring_bytes
 
 CAPACITY = 1024
 

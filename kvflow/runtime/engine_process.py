@@ -39,7 +39,7 @@ from typing import Any, ClassVar
 import msgpack
 
 from kvflow.control.zeromq import ZmqControl
-from kvflow.errors import ConfigError, KVFlowError
+from kvflow.errors import ConfigError, KVFlowError, RingCorrupt
 from kvflow.layout import layout_from_wire
 from kvflow.protocol.actions import ReleaseBlocks
 from kvflow.protocol.admission import PeerAllowList
@@ -51,7 +51,6 @@ from kvflow.runtime.frames import FrameReader, encode_frame, encode_record, erro
 from kvflow.runtime.host_memory import MappedSpans
 from kvflow.runtime.loop import new_event_loop
 from kvflow.runtime.process import STALL_LIMIT
-from kvflow.runtime.ring import RingCorrupt
 from kvflow.runtime.ring_memory import EngineRings
 from kvflow.transports.registry import load_transport
 

@@ -5,7 +5,7 @@ Why apart from `process`: both ends use them (the host in `process`, the child i
 array of plain types; a frame (on the socket that carries the link's life) is a 4-byte
 big-endian length and a msgpack array of records; an error crosses as its class name and
 message and comes back as the `KVFlowError` of that name.  Nothing but msgpack's plain types
-crosses: no pickle.
+crosses.
 """
 
 from __future__ import annotations

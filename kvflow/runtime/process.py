@@ -51,7 +51,7 @@ from typing import Any
 
 import msgpack
 
-from kvflow.errors import ConfigError, EngineClosed, EngineCrashed, EngineTimeout, KVFlowError
+from kvflow.errors import ConfigError, EngineClosed, EngineCrashed, EngineTimeout, KVFlowError, RingCorrupt
 from kvflow.layout import KVLayout, layout_to_wire
 from kvflow.protocol.actions import ReleaseBlocks
 from kvflow.protocol.messages import TransferKey
@@ -60,7 +60,6 @@ from kvflow.runtime.config import EngineConfig
 from kvflow.runtime.frames import READ_CHUNK, FrameReader, encode_frame, encode_record, error_from_record
 from kvflow.runtime.host_memory import SharedSpan
 from kvflow.runtime.meter import MeterReading, TransferSample
-from kvflow.runtime.ring import RingCorrupt
 from kvflow.runtime.ring_memory import HostRings
 
 __all__ = ("SCHEDULING", "STALL_LIMIT", "EngineProcess", "ProcessSpec")

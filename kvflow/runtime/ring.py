@@ -1,15 +1,15 @@
-"""A single-producer, single-consumer ring of records in shared memory: how a host's hooks and
-its engine process talk without a system call.
+"""A single-producer, single-consumer ring of records in shared memory, without system calls.
 
-Why: a hook that wrote its orders to a socket paid a system call, and on a busy host the wake-up
-of the engine process that came with it (the woken process took the hook's core in the middle of
-the hook: 90-150 µs per write measured under `kvflow bench vllm`); reading the answers cost
-another call per step.  With a ring per direction the hook copies its record into shared memory
-and moves on; the reader finds it there.  The engine process sleeps between bursts of work, so
-the writer owes it a wake-up (an eventfd write, which the driver makes) only once per sleep: the
-reader says when it goes to sleep (`RingReader.sleep`), and `RingWriter.wake_owed` says whether
-this sleep has been interrupted already.  The host polls its ring of answers once per step and
-never sleeps on it, so nothing wakes the host.
+Why: it is how a host's hooks and its engine process talk. A hook that wrote its orders to a
+socket paid a system call, and on a busy host the wake-up of the engine process that came with
+it (the woken process took the hook's core in the middle of the hook: 90-150 µs per write
+measured under `kvflow bench vllm`); reading the answers cost another call per step. With a ring
+per direction the hook copies its record into shared memory and moves on; the reader finds it
+there. The engine process sleeps between bursts of work, so the writer owes it a wake-up (an
+eventfd write, which the driver makes) only once per sleep: the reader says when it goes to
+sleep (`RingReader.sleep`), and `RingWriter.wake_owed` says whether this sleep has been
+interrupted already. The host polls its ring of answers once per step and never sleeps on it, so
+nothing wakes the host.
 
 Pure: no system call, no clock.  The driver (`kvflow.runtime.process`, `engine_process`) maps
 the memory, makes the wake-up and decides what a ring that stays unreadable means.
@@ -47,9 +47,9 @@ from __future__ import annotations
 import struct
 import zlib
 
-from kvflow.errors import ConfigError, KVFlowError
+from kvflow.errors import ConfigError, RingCorrupt
 
-__all__ = ("ALIGN", "HEADER", "RECORD_HEADER", "SKIP", "RingCorrupt", "RingReader", "RingWriter", "ring_bytes")
+__all__ = ("ALIGN", "HEADER", "RECORD_HEADER", "SKIP", "RingReader", "RingWriter", "ring_bytes")
 
 HEADER = 256
 ALIGN = 16
@@ -59,10 +59,6 @@ RECORD_HEADER = _RECORD.size
 _U64 = struct.Struct("<Q")
 _HEAD, _TAIL, _SLEEPS, _CAPACITY = 0, 64, 128, 192
 _SEAL = struct.Struct("<IQ")  # what a record's checksum covers besides its payload
-
-
-class RingCorrupt(KVFlowError):
-    """The ring's header or a record in it is not what this protocol writes."""
 
 
 def ring_bytes(capacity: int) -> int:
