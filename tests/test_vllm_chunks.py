@@ -38,8 +38,10 @@ def landed(d: Any, tid: str) -> int:
         {"hook_order": "v1", "async_scheduling": True},
         {"hook_order": "v2", "full_cudagraph": True},
         {"hook_order": "v1", "device_lag": 0.002},
+        {"extra": {"push_posting": "step"}},
+        {"extra": {"push_posting": "step"}, "device_lag": 0.002},  # each part still waits for its own event
     ],
-    ids=["sync-v1", "sync-v2", "async-v2", "async-v1", "full-cudagraph", "lagging-device"],
+    ids=["sync-v1", "sync-v2", "async-v2", "async-v1", "full-cudagraph", "lagging-device", "step", "step-lagging"],
 )
 def test_a_prompt_of_three_chunks_moves_byte_for_byte(options: dict[str, Any]) -> None:
     p, d = make_pair(p_options={"max_num_batched_tokens": BUDGET}, **options)

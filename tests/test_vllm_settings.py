@@ -71,6 +71,7 @@ def test_settings_refuse_a_bad_push_layer_groups(value: Any) -> None:
         ("engine_cpus", 3),
         ("engine_scheduling", "fifo"),  # a real-time policy could starve the host: not offered
         ("engine_scheduling", 1),
+        ("push_posting", "forward"),
         ("push_group_bytes", -1),
         ("push_group_bytes", 1.5),
         ("push_group_bytes", 1 << 41),

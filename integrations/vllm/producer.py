@@ -80,6 +80,7 @@ class ProducerSide:
     _groups_sent: dict[str, int]
     _step_units: dict[str, list[tuple[int, tuple[int, int]]]]
     _step_blocks: set[TransferKey]
+    _step_completed: list[tuple[Gate | None, list[tuple[Order, int]]]]
     _step_parts: dict[tuple[str, Role], list[tuple[int, int, TransferKey]] | ConfigError]
     _requests: dict[tuple[TransferKey, Role], str]
     _late_frees: set[str]
@@ -111,14 +112,27 @@ class ProducerSide:
         return completed
 
     def _post_completed(self, completed: list[tuple[Order, int]]) -> None:
+        """The parts a layer completes: handed over now (``push_posting`` "layer"), or kept with
+        their device event until the forward has been enqueued (``"step"``: one pass over
+        every part of the step, each still waiting for its own event)."""
+        gate = self.device.record()  # one device event for every part this layer completes
+        if self.settings.push_posting == "step":
+            self._step_completed.append((gate, completed))
+            return
+        self._hand_over(completed, gate)
+
+    def _hand_over(self, completed: list[tuple[Order, int]], gate: Gate | None) -> None:
         parts: list[_Part] = []
         for order, complete in completed:
             self._post_units(order, complete, parts)
-        self._send_parts(parts, self.device.record())  # one device event for every part this layer completes
+        self._send_parts(parts, gate)
 
     def _save(self, orders: Orders) -> None:
         if not orders.ready:
             return
+        for earlier, completed in self._step_completed:  # "step" posting: the parts the layers completed
+            self._hand_over(completed, earlier)
+        self._step_completed.clear()
         gate = self.device.record()
         pushed: list[_Part] = []
         for order in orders.ready:

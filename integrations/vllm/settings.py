@@ -64,6 +64,10 @@ class Settings:
     nixl_backends: tuple[str, ...] = ("UCX",)
     push_layer_groups: int = 4  # push: WRITEs per prefill chunk, at most, each posted once its layers are saved
     push_group_bytes: int = 4 << 20  # ... each moving at least this much (0: always push_layer_groups)
+    # when P's hooks hand a push chunk's parts over: "layer" (as the forward saves each part's last
+    # layer) or "step" (all at once when the forward has been enqueued, each part still waiting for
+    # the device event recorded at its last layer: on a GPU the WRITEs start as early)
+    push_posting: str = "layer"
     kv_cache_layout: str = ""  # a vLLM KVCacheLayout for kvflow to request; "": the backend's choice
     model_id: str = ""  # the model's identity in the handshake; "": vLLM's model name or path
     # where each rank's engine runs: "process" (its own, so that its Python never runs in the
@@ -115,6 +119,8 @@ class Settings:
             raise ConfigError(
                 f"kvflow engine_process must be one of {list(ENGINE_PLACES)}, not {settings.engine_process!r}"
             )
+        if settings.push_posting not in ("layer", "step"):
+            raise ConfigError(f"kvflow push_posting must be 'layer' or 'step', not {settings.push_posting!r}")
         if settings.engine_scheduling not in SCHEDULING:
             raise ConfigError(
                 f"kvflow engine_scheduling must be one of {list(SCHEDULING)}, not {settings.engine_scheduling!r}"

@@ -119,6 +119,7 @@ class WorkerSide(ProducerSide):
         self._step_units: dict[str, list[tuple[int, tuple[int, int]]]] = {}
         self._step_parts: dict[tuple[str, Role], list[tuple[int, int, TransferKey]] | ConfigError] = {}
         self._step_blocks: set[TransferKey] = set()  # push transfers whose blocks this step named
+        self._step_completed: list[tuple[Any, list[tuple[Order, int]]]] = []  # "step" posting: parts kept
         self._groups_sent: dict[str, int] = {}  # push request -> parts of its chunk handed to the engine
 
     # ---------------------------------------------------------------- setup
@@ -262,6 +263,7 @@ class WorkerSide(ProducerSide):
         self._step_units.clear()
         self._step_parts.clear()
         self._step_blocks.clear()
+        self._step_completed.clear()
         if orders.expect or orders.abort or orders.promise:
             with self._batch():
                 self._start_load(orders)
