@@ -138,6 +138,7 @@ class Server:
         self._stall: tuple[int, float] | None = None  # (ring position, since when) of an unreadable order
         self._awake_until = 0.0  # the loop's time until which it looks at the ring without being woken
         self._polling = False  # a look at the ring is scheduled within `RING_POLL`
+        self._retrying = False  # a look at a record not yet whole is scheduled within `RING_RETRY`
         self.refused_records = 0  # orders that were not calls of the agent
         self.rings: EngineRings | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -260,7 +261,14 @@ class Server:
             )
             self._close()
             return
-        loop.call_later(RING_RETRY, self._drain)
+        if not self._retrying:  # one retry at a time, whatever woke us meanwhile
+            self._retrying = True
+            loop.call_later(RING_RETRY, self._retry)
+
+    def _retry(self) -> None:
+        self._retrying = False
+        if self._closing is not None and not self._closing.done():
+            self._drain()
 
     def _obey_packed(self, payload: bytes) -> None:
         try:
