@@ -71,3 +71,23 @@ def test_a_part_that_is_not_one_is_refused_alone_by_its_index() -> None:
     assert [index for index, _ in failures] == [1, 2, 3]
     assert all(type(error_from_record(record)).__name__ == "UsageError" for _, record in failures)
     assert engine.posted == [("a", (1,), (0, 2), True)]
+
+
+def test_an_answer_that_is_not_a_list_of_failures_fails_every_first_part_instead_of_leaving_it_open() -> None:
+    """Each transfer's first part has a future the worker waits on to learn whether kvflow
+    holds the blocks; an unreadable answer must settle them all, as failures."""
+    import concurrent.futures
+
+    from kvflow.errors import KVFlowError
+    from kvflow.integrations.vllm.producer import _settle_parts
+
+    settled = {0: concurrent.futures.Future[Any](), 2: concurrent.futures.Future[Any]()}
+    answer: concurrent.futures.Future[Any] = concurrent.futures.Future()
+    answer.set_result([["one", "two", "three"]])  # not [index, error]
+    _settle_parts(settled, answer)
+    assert all(isinstance(f.exception(), KVFlowError) for f in settled.values())
+    good: concurrent.futures.Future[Any] = concurrent.futures.Future()
+    good.set_result([[2, ["UsageError", "refused"]]])
+    settled = {0: concurrent.futures.Future[Any](), 2: concurrent.futures.Future[Any]()}
+    _settle_parts(settled, good)
+    assert settled[0].result() is None and type(settled[2].exception()).__name__ == "UsageError"

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from kvflow.errors import ConfigError
+from kvflow.errors import ConfigError, KVFlowError
 from kvflow.integrations.vllm.device import Device, Gate
 from kvflow.integrations.vllm.links import EngineLink
 from kvflow.integrations.vllm.mapping import Order, Orders
@@ -50,8 +50,11 @@ def _settle_parts(settled: dict[int, concurrent.futures.Future[Any]], future: co
     error = future.exception()
     failures: dict[int, BaseException] = {}
     if error is None:
-        for index, record in future.result() or []:
-            failures[int(index)] = error_from_record(record)
+        try:
+            for index, record in future.result() or []:
+                failures[int(index)] = error_from_record(record)
+        except (TypeError, ValueError) as exc:  # an answer that is not one: every part's start failed
+            error = KVFlowError(f"the engine's answer to the push parts is not a list of failures: {exc}")
     for index, part_future in settled.items():
         failure = error if error is not None else failures.get(index)
         if failure is None:
