@@ -47,7 +47,7 @@ from kvflow.protocol.core import CoreConfig
 from kvflow.protocol.state import Mode, Role
 from kvflow.runtime.config import EngineConfig
 from kvflow.runtime.engine import Engine
-from kvflow.runtime.frames import FrameReader, encode_frame, encode_record, error_record
+from kvflow.runtime.frames import FrameReader, decode_record, encode_frame, encode_record, error_record
 from kvflow.runtime.host_memory import MappedSpans
 from kvflow.runtime.loop import new_event_loop
 from kvflow.runtime.process import STALL_LIMIT
@@ -272,7 +272,7 @@ class Server:
 
     def _obey_packed(self, payload: bytes) -> None:
         try:
-            record = msgpack.unpackb(payload, raw=False, use_list=True, strict_map_key=False)
+            record = decode_record(payload)
         except (ValueError, TypeError, msgpack.UnpackException) as exc:
             self._refuse(None, f"an order that is not msgpack ({exc})")
             return

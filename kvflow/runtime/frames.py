@@ -24,11 +24,11 @@ __all__ = (
     "MAX_FRAME",
     "READ_CHUNK",
     "FrameReader",
+    "decode_record",
     "encode_frame",
     "encode_record",
     "error_from_record",
     "error_record",
-    "frame_of",
 )
 
 MAX_FRAME = 256 << 20  # one frame's msgpack body, at most
@@ -43,8 +43,8 @@ def encode_frame(records: Any) -> bytes:
 
 
 def encode_record(record: Any) -> bytes:
-    """One record of a frame, packed on its own (`frame_of` joins them), so that a record that
-    cannot be packed fails alone, before it is queued with others.
+    """One record, packed on its own (a ring record), so that a record that cannot be packed
+    fails alone, before it is queued with others.
 
     :raises ConfigError: a value msgpack cannot carry (an integer past 64 bits, a lone surrogate).
     """
@@ -55,11 +55,13 @@ def encode_record(record: Any) -> bytes:
     return packed
 
 
-def frame_of(records: Sequence[bytes]) -> bytes:
-    """The frame of records packed by `encode_record`: the same bytes `encode_frame` makes."""
-    packer = msgpack.Packer(use_bin_type=True)
-    body = packer.pack_array_header(len(records)) + b"".join(records)
-    return _LENGTH.pack(len(body)) + body
+def decode_record(packed: bytes) -> Any:
+    """What `encode_record` (or a frame's body) packed.
+
+    :raises ValueError: not msgpack, or more than one value.
+    :raises msgpack.UnpackException: the bytes end inside a value.
+    """
+    return msgpack.unpackb(packed, raw=False, use_list=True, strict_map_key=False)
 
 
 class FrameReader:
@@ -94,7 +96,7 @@ class FrameReader:
                 break
             body = bytes(self._buffer[_LENGTH.size : _LENGTH.size + length])
             del self._buffer[: _LENGTH.size + length]
-            frames.append(msgpack.unpackb(body, raw=False, use_list=True, strict_map_key=False))
+            frames.append(decode_record(body))
         return frames
 
 

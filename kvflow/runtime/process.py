@@ -57,7 +57,7 @@ from kvflow.protocol.actions import ReleaseBlocks
 from kvflow.protocol.messages import TransferKey
 from kvflow.protocol.state import Outcome, Role
 from kvflow.runtime.config import EngineConfig
-from kvflow.runtime.frames import READ_CHUNK, FrameReader, encode_frame, encode_record, error_from_record
+from kvflow.runtime.frames import READ_CHUNK, FrameReader, decode_record, encode_frame, encode_record, error_from_record
 from kvflow.runtime.host_memory import SharedSpan
 from kvflow.runtime.meter import MeterReading, TransferSample
 from kvflow.runtime.ring_memory import HostRings
@@ -136,7 +136,6 @@ class EngineProcess:
         self._pending: list[bytes] | None = None  # the calls of an open `batch`, packed
         self._lazy: list[bytes] = []  # calls that go with the next one sent
         self._lazy_since = 0.0  # when the oldest of them was made
-        self._out = bytearray()  # socket bytes not written yet (only ``close`` goes that way)
         self._backlog: deque[bytes] = deque()  # records the ring had no room for yet, in order
         self._looked = 0.0  # when `pump` last looked at the socket
         self._stall: tuple[int, float] | None = None  # (ring position, since when) of an unreadable record
@@ -253,18 +252,6 @@ class EngineProcess:
         except RingCorrupt as exc:
             self._gone(f"its ring is corrupt: {exc}")
 
-    def _flush(self) -> None:
-        if not self._out or self.dead is not None:
-            return
-        try:
-            sent = self._sock.send(self._out)
-        except BlockingIOError:
-            return
-        except OSError as exc:
-            self._gone(f"its socket broke: {exc}")
-            return
-        del self._out[:sent]
-
     # ---------------------------------------------------------------- results
 
     def pump(self) -> None:
@@ -294,7 +281,7 @@ class EngineProcess:
             return
         for payload in records:
             try:
-                self._take(msgpack.unpackb(payload, raw=False, use_list=True, strict_map_key=False))
+                self._take(decode_record(payload))
             except (ValueError, TypeError, IndexError, KeyError, msgpack.UnpackException) as exc:
                 log.error(
                     "%s: engine process sent a record that is not one: %r (%s)", self.engine_id, payload[:64], exc
@@ -308,7 +295,6 @@ class EngineProcess:
 
     def _read_socket(self) -> None:
         """Whether the child is still there (its socket's end of file), and what it said there."""
-        self._flush()
         while self.dead is None:
             try:
                 count, frames = self._reader.read(self._sock)
@@ -404,8 +390,7 @@ class EngineProcess:
                 self._write_backlog()  # the child reads its ring to the end before it closes
                 self._sock.setblocking(True)
                 with contextlib.suppress(OSError):
-                    self._sock.sendall(bytes(self._out) + encode_frame([["close"]]))
-                self._out.clear()
+                    self._sock.sendall(encode_frame([["close"]]))
         late = False
         if alive:
             with contextlib.suppress(KVFlowError):
