@@ -161,3 +161,14 @@ def test_a_sleeping_reader_is_owed_one_wake_up_per_sleep() -> None:
     assert not writer.wake_owed()
     reader.sleep()
     assert writer.wake_owed()  # a new sleep
+
+
+def test_a_reader_says_how_long_it_has_been_stopped_at_the_same_record() -> None:
+    memory, writer, reader = ring()
+    writer.write(b"torn")
+    memory[HEADER + RECORD_HEADER] ^= 0xFF
+    assert reader.read() == [] and reader.stalled_for(10.0) == 0.0  # stopped just now
+    reader.read()
+    assert reader.stalled_for(12.5) == 2.5
+    memory[HEADER + RECORD_HEADER] ^= 0xFF  # the bytes land: no longer stopped
+    assert reader.read() == [b"torn"] and reader.stalled_for(13.0) == 0.0

@@ -65,8 +65,8 @@ RING_LOOK = 0.05  # seconds between two looks at the ring of orders without a wa
 # says it sleeps: a prefill step's layer groups come a few milliseconds apart, and each found
 # asleep would cost the host a wake-up (on a busy host, its core for a while)
 RING_LINGER = 0.005
-RING_POLL = 0.001
-RING_RETRY = 0.001  # seconds before a ring that had no room (or a record not yet whole) is tried again
+RING_POLL = 0.001  # ... and after a record not yet whole
+RING_RETRY = 0.001  # seconds before a ring of answers that had no room is tried again
 
 
 class EngineAgent:
@@ -135,10 +135,8 @@ class Server:
         self._out: list[Any] = []
         self._backlog: list[bytes] = []  # answers the ring had no room for yet, in order
         self._flush_scheduled = False
-        self._stall: tuple[int, float] | None = None  # (ring position, since when) of an unreadable order
         self._awake_until = 0.0  # the loop's time until which it looks at the ring without being woken
-        self._polling = False  # a look at the ring is scheduled within `RING_POLL`
-        self._retrying = False  # a look at a record not yet whole is scheduled within `RING_RETRY`
+        self._look_due = False  # a look at the ring is scheduled within `RING_POLL`
         self.refused_records = 0  # orders that were not calls of the agent
         self.rings: EngineRings | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -227,15 +225,12 @@ class Server:
                 for payload in records:
                     self._obey_packed(payload)
                 if orders.stalled:
-                    self._stalled(orders.position)
+                    self._stalled()
                     return
-                self._stall = None
                 if records:
                     self._awake_until = loop.time() + RING_LINGER
                 if loop.time() < self._awake_until:
-                    if not self._polling:
-                        self._polling = True
-                        loop.call_later(RING_POLL, self._poll)
+                    self._look_soon()
                     return
                 orders.sleep()
                 if not orders.pending():
@@ -245,30 +240,29 @@ class Server:
             log.error("engine process: %s; closing", exc)
             self._close()
 
-    def _poll(self) -> None:
-        self._polling = False
+    def _look_soon(self) -> None:
+        """Look at the ring again within `RING_POLL` (once, however many ask meanwhile)."""
+        if not self._look_due:
+            self._look_due = True
+            asyncio.get_running_loop().call_later(RING_POLL, self._look_now)
+
+    def _look_now(self) -> None:
+        self._look_due = False
         if self._closing is not None and not self._closing.done():
             self._drain()
 
-    def _stalled(self, position: int) -> None:
+    def _stalled(self) -> None:
         """A record not (yet) whole: look again soon; one that stays so means the ring is corrupt."""
-        loop = asyncio.get_running_loop()
-        if self._stall is None or self._stall[0] != position:
-            self._stall = (position, loop.time())
-        elif loop.time() - self._stall[1] > STALL_LIMIT:
+        orders = self._ends().orders
+        if orders.stalled_for(asyncio.get_running_loop().time()) > STALL_LIMIT:
             log.error(
-                "engine process: an order at %d stayed unreadable for %ss: the ring is corrupt", position, STALL_LIMIT
+                "engine process: an order at %d stayed unreadable for %ss: the ring is corrupt",
+                orders.position,
+                STALL_LIMIT,
             )
             self._close()
             return
-        if not self._retrying:  # one retry at a time, whatever woke us meanwhile
-            self._retrying = True
-            loop.call_later(RING_RETRY, self._retry)
-
-    def _retry(self) -> None:
-        self._retrying = False
-        if self._closing is not None and not self._closing.done():
-            self._drain()
+        self._look_soon()
 
     def _obey_packed(self, payload: bytes) -> None:
         try:

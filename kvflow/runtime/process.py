@@ -138,7 +138,6 @@ class EngineProcess:
         self._lazy_since = 0.0  # when the oldest of them was made
         self._backlog: deque[bytes] = deque()  # records the ring had no room for yet, in order
         self._looked = 0.0  # when `pump` last looked at the socket
-        self._stall: tuple[int, float] | None = None  # (ring position, since when) of an unreadable record
         self.wakeups = 0  # eventfd writes made to wake the engine process
         self._reader = FrameReader()
         self._released: deque[ReleaseBlocks] = deque()
@@ -286,11 +285,7 @@ class EngineProcess:
                 log.error(
                     "%s: engine process sent a record that is not one: %r (%s)", self.engine_id, payload[:64], exc
                 )
-        if not answers.stalled:
-            self._stall = None
-        elif self._stall is None or self._stall[0] != answers.position:
-            self._stall = (answers.position, now)
-        elif now - self._stall[1] > STALL_LIMIT:
+        if answers.stalled_for(now) > STALL_LIMIT:
             self._gone(f"its ring is corrupt: a record at {answers.position} stayed unreadable for {STALL_LIMIT}s")
 
     def _read_socket(self) -> None:

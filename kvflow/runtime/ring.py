@@ -157,6 +157,7 @@ class RingReader(_Ring):
         self._sequence = 0
         self._sleeps = self._load(_SLEEPS)
         self.stalled = False  # the last `read` stopped at a record not (yet) whole
+        self._stall: tuple[int, float] | None = None  # (position, since when) of the record it stopped at
 
     def pending(self) -> bool:
         """Whether the writer has announced records not read yet."""
@@ -201,6 +202,17 @@ class RingReader(_Ring):
         if self._tail != start_tail:
             _U64.pack_into(self._buffer, _TAIL, self._tail)  # after the checks on the copies: see the header
         return records
+
+    def stalled_for(self, now: float) -> float:
+        """How long, on the caller's clock (`now`), the reader has been stopped at the same
+        record not whole: 0 when the last `read` was not stopped.  A record that stays so is
+        corruption, not a store still on its way.  Never raises."""
+        if not self.stalled:
+            self._stall = None
+            return 0.0
+        if self._stall is None or self._stall[0] != self._tail:
+            self._stall = (self._tail, now)
+        return now - self._stall[1]
 
     @property
     def position(self) -> int:
