@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -31,7 +31,18 @@ from kvflow.protocol.messages import TransferKey
 from kvflow.protocol.state import Mode, Role
 from kvflow.runtime.frames import error_from_record
 
-__all__ = ("ProducerSide",)
+__all__ = ("ProducerSide", "StepMemo")
+
+
+@dataclass(slots=True)
+class StepMemo:
+    """What P's hooks work out once per request in one step (a new one for each step)."""
+
+    saved: set[int] = field(default_factory=set)  # kvflow layers the forward has saved
+    units: dict[str, list[tuple[int, tuple[int, int]]]] = field(default_factory=dict)  # request -> its push parts
+    parts: dict[str, list[tuple[int, int, TransferKey]] | ConfigError] = field(default_factory=dict)  # its pairs
+    named: set[TransferKey] = field(default_factory=set)  # push transfers whose chunk blocks a record named
+    held: list[tuple[Gate | None, list[tuple[Order, int]]]] = field(default_factory=list)  # "step" posting
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,12 +90,8 @@ class ProducerSide:
     _run_order: tuple[int, ...]
     _page_bytes: int
     _unit_sets: dict[int, list[tuple[int, tuple[int, int]]]]
-    _saved: set[int]
+    _step: StepMemo
     _groups_sent: dict[str, int]
-    _step_units: dict[str, list[tuple[int, tuple[int, int]]]]
-    _step_blocks: set[TransferKey]
-    _step_completed: list[tuple[Gate | None, list[tuple[Order, int]]]]
-    _step_parts: dict[tuple[str, Role], list[tuple[int, int, TransferKey]] | ConfigError]
     _requests: dict[tuple[TransferKey, Role], str]
     _late_frees: set[str]
     _ready_starts: list[tuple[concurrent.futures.Future[Any], str, TransferKey]]
@@ -101,14 +108,14 @@ class ProducerSide:
         layer = self.layer_of.get(layer_name)
         if layer is None:
             return []
-        self._saved.add(layer)
+        self._step.saved.add(layer)
         completed = []
         for order in orders.ready:
             if order.params.mode is not Mode.PUSH:
                 continue
             units = self._units(order)
             sent = complete = self._groups_sent.get(order.request_id, 0)
-            while complete < len(units) and self._saved.issuperset(range(*units[complete][1])):
+            while complete < len(units) and self._step.saved.issuperset(range(*units[complete][1])):
                 complete += 1
             if complete > sent:
                 completed.append((order, complete))
@@ -120,7 +127,7 @@ class ProducerSide:
         every part of the step, each still waiting for its own event)."""
         gate = self.device.record()  # one device event for every part this layer completes
         if self.settings.push_posting == "step":
-            self._step_completed.append((gate, completed))
+            self._step.held.append((gate, completed))
             return
         self._hand_over(completed, gate)
 
@@ -133,9 +140,9 @@ class ProducerSide:
     def _save(self, orders: Orders) -> None:
         if not orders.ready:
             return
-        for earlier, completed in self._step_completed:  # "step" posting: the parts the layers completed
+        for earlier, completed in self._step.held:  # "step" posting: the parts the layers completed
             self._hand_over(completed, earlier)
-        self._step_completed.clear()
+        self._step.held.clear()
         gate = self.device.record()
         pushed: list[_Part] = []
         for order in orders.ready:
@@ -172,13 +179,13 @@ class ProducerSide:
         """P: the part transfers this rank feeds for `order`'s request; none (or params it cannot
         use): kvflow takes no block, and the request is reported sent once vLLM says it finished."""
         request_id = order.request_id
-        parts = self._step_parts.get((request_id, Role.PREFILL))
+        parts = self._step.parts.get(request_id)
         if parts is None:  # once per request and step, not once per part
             try:
                 parts = self._parts(order.params, Role.PREFILL)
             except ConfigError as exc:
                 parts = exc
-            self._step_parts[(request_id, Role.PREFILL)] = parts
+            self._step.parts[request_id] = parts
         if isinstance(parts, ConfigError):
             log.error("%s: could not hand over the KV of %s: %s", self.engine_id, request_id, parts)
             parts = []
@@ -214,8 +221,8 @@ class ProducerSide:
                 if units[unit][0] != group:
                     continue
                 opened = self._opened(order.request_id, key)
-                named = key in self._step_blocks  # the chunk's blocks go with its first group only
-                self._step_blocks.add(key)
+                named = key in self._step.named  # the chunk's blocks go with its first group only
+                self._step.named.add(key)
                 wire = [
                     key.transfer_id,
                     key.epoch,
@@ -250,7 +257,7 @@ class ProducerSide:
         ``push_layer_groups`` allows with at least ``push_group_bytes`` in each (one stretch for
         a small chunk: every WRITE costs the engine the same work whatever its size, and a
         small one gains nothing from starting before the forward ends).  Once per request and step."""
-        units = self._step_units.get(order.request_id)
+        units = self._step.units.get(order.request_id)
         if units is not None:
             return units
         count = self.settings.push_layer_groups
@@ -260,5 +267,5 @@ class ProducerSide:
         units = self._unit_sets.get(count)
         if units is None:
             units = self._unit_sets[count] = push_units(self._run_order, self.kv_groups, count)
-        self._step_units[order.request_id] = units
+        self._step.units[order.request_id] = units
         return units

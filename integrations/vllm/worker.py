@@ -45,7 +45,7 @@ from kvflow.integrations.vllm.kv_caches import CacheDescription
 from kvflow.integrations.vllm.links import EngineLink, ProcessLink, ThreadLink
 from kvflow.integrations.vllm.mapping import Order, Orders
 from kvflow.integrations.vllm.notices import PeerNotices
-from kvflow.integrations.vllm.producer import ProducerSide
+from kvflow.integrations.vllm.producer import ProducerSide, StepMemo
 from kvflow.integrations.vllm.rank_agent import peer_wire
 from kvflow.integrations.vllm.ranks import PairBook, rank_name, ranked_layout, tp_sizes, transfer_parts
 from kvflow.integrations.vllm.settings import Settings, layer_groups
@@ -114,12 +114,7 @@ class WorkerSide(ProducerSide):
         self._unit_sets: dict[int, list[tuple[int, tuple[int, int]]]] = {}
         self.layer_of: dict[str, int] = {}  # vLLM layer name -> kvflow layer (execution order)
         self.device: Device = HostDevice()
-        self._saved: set[int] = set()  # kvflow layers saved in this step's forward
-        # what this step computed once per request: its push parts, its pair transfers
-        self._step_units: dict[str, list[tuple[int, tuple[int, int]]]] = {}
-        self._step_parts: dict[tuple[str, Role], list[tuple[int, int, TransferKey]] | ConfigError] = {}
-        self._step_blocks: set[TransferKey] = set()  # push transfers whose blocks this step named
-        self._step_completed: list[tuple[Any, list[tuple[Order, int]]]] = []  # "step" posting: parts kept
+        self._step = StepMemo()  # what this step's hooks worked out (the layers saved, each request's parts)
         self._groups_sent: dict[str, int] = {}  # push request -> parts of its chunk handed to the engine
 
     # ---------------------------------------------------------------- setup
@@ -259,11 +254,7 @@ class WorkerSide(ProducerSide):
 
     def start_load(self, orders: Orders) -> None:
         """Expect and abort orders: handed to the engine, never waited on."""
-        self._saved.clear()  # a new step: its forward has saved no layer yet
-        self._step_units.clear()
-        self._step_parts.clear()
-        self._step_blocks.clear()
-        self._step_completed.clear()
+        self._step = StepMemo()  # a new step: its forward has saved no layer yet
         if orders.expect or orders.abort or orders.promise:
             with self._batch():
                 self._start_load(orders)
