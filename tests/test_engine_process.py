@@ -261,6 +261,24 @@ def test_an_engine_process_ends_when_its_host_dies_even_if_its_socket_stays_open
             os.kill(pid, signal.SIGKILL)
 
 
+def test_an_engine_process_whose_host_died_before_it_began_watching_still_ends(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A host killed between the engine process's ready and its first look at its parent: by
+    then its parent is whoever adopted it, so it must compare with the host's pid it was told,
+    not the parent it finds.  Here it is told of a host that is not its parent (one that has
+    already exited), which is what it finds in that race."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait(timeout=30)
+    to_wire = ProcessSpec.to_wire
+    monkeypatch.setattr(ProcessSpec, "to_wire", lambda spec, spans: {**to_wire(spec, spans), "host_pid": gone.pid})
+    p = engine("adopted-0", cache())
+    try:
+        until(lambda: p.proc.poll() is not None, "the engine process to see its host gone")
+    finally:
+        p.close(timeout=5.0)
+
+
 def _children_of(child: int, parent_gone: int) -> list[int]:
     """The keeper the dead host forked: a process whose command line is the host's script."""
     keepers = []

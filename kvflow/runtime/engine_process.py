@@ -162,7 +162,8 @@ class Server:
         self.sock.setblocking(False)
         loop.add_reader(self.sock.fileno(), self._readable)
         loop.add_reader(self._ends().wake_fd, self._woken)
-        self._watch_parent(os.getppid())
+        # the host's pid, not `os.getppid()` now: the host may have died since it forked us
+        self._watch_parent(int(self.spec["host_pid"]))
         self._look()
         await self._closing
         loop.remove_reader(self._ends().wake_fd)

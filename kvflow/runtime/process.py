@@ -38,6 +38,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import logging
+import os
 import select
 import socket
 import subprocess
@@ -109,6 +110,7 @@ class ProcessSpec:
             "log_level": self.log_level,
             "cpus": list(self.cpus),
             "scheduling": self.scheduling,
+            "host_pid": os.getpid(),  # the engine process's parent, until the host dies
         }
 
 
