@@ -90,8 +90,11 @@ class CudaDevice:
     def record(self) -> Gate | None:
         import torch
 
-        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        event.record(torch.cuda.current_stream(self.index))  # the stream the forward's kernels run on
+        # blocking: the waiter sleeps in cudaEventSynchronize instead of spinning a core on it
+        event = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
+        # the hooks run inside the forward (or right after it), on its thread: the current
+        # stream is the one the forward enqueued the layer's KV writes on
+        event.record(torch.cuda.current_stream(self.index))
         return _CudaGate(event)
 
 
