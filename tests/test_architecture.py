@@ -46,6 +46,9 @@ THIRD_PARTY_PRIVATE: dict[tuple[str, str], str] = {
     # method that shortens it; P leaves a Mamba model's last prompt token for D as vLLM's own
     # NIXL connector does (`_truncate_request_for_prefill`), shortening both
     ("integrations/vllm/releases.py", "_all_token_ids"): "vLLM's Request has no API to shorten a prompt",
+    # the GPU check's gating trial needs a kernel of a known length ahead of a copy on one
+    # stream, and its CPU-wait measurement one to wait on; torch has only `torch.cuda._sleep`
+    ("tools/kvflow_tools/gpu/engine_child.py", "_sleep"): "torch has no public kernel that runs for a set time",
 }
 
 PURE_LAYERS = ("kvflow.protocol", "kvflow.layout")

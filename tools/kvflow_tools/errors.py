@@ -10,12 +10,36 @@ from __future__ import annotations
 
 from kvflow.errors import KVFlowError
 
-__all__ = ("BenchError", "LegFailed", "NoBackend", "RequestRefused", "ServerFailed")
+__all__ = (
+    "BenchError",
+    "GpuCheckError",
+    "GpuChildFailed",
+    "GpuPhaseTimeout",
+    "LegFailed",
+    "NoBackend",
+    "RequestRefused",
+    "ServerFailed",
+)
 
 
 class BenchError(KVFlowError):
     """A benchmark could not finish: an engine process died, or a request or an op failed or
     did not complete in time."""
+
+
+class GpuCheckError(KVFlowError):
+    """The GPU check (`kvflow_tools.gpu`) failed on its own account, not a finding of the check:
+    a wheel it carries could not be fetched, stripped or installed, or what it carries is over
+    the size that can travel; its subclasses, a child or a phase."""
+
+
+class GpuChildFailed(GpuCheckError):
+    """A child process of the GPU check (P, D or phase A's environment child) exited, could not
+    start, or answered a command with an error."""
+
+
+class GpuPhaseTimeout(GpuCheckError):
+    """A phase of the GPU check reached its deadline waiting for a child's reply."""
 
 
 class LegFailed(KVFlowError):
