@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
-import pytest_asyncio
 from hypothesis import HealthCheck, settings
 
 from kvflow_tools.children import import_path
@@ -32,15 +31,21 @@ settings.register_profile("kvflow", deadline=None, suppress_health_check=[Health
 settings.load_profile("kvflow")
 
 
-@pytest_asyncio.fixture
-async def zmq_p() -> AsyncIterator[Zmq]:
-    """A running engine "P" over authenticated ZeroMQ (`tests.hostile.Zmq`)."""
-    from tests.hostile import Zmq
+try:
+    import pytest_asyncio
+except ImportError:  # a GPU machine runs the hardware tests only, and has no pytest-asyncio
+    pass
+else:
 
-    engine = Zmq()
-    await engine.p.start()
-    yield engine
-    await engine.close()
+    @pytest_asyncio.fixture
+    async def zmq_p() -> AsyncIterator[Zmq]:
+        """A running engine "P" over authenticated ZeroMQ (`tests.hostile.Zmq`)."""
+        from tests.hostile import Zmq
+
+        engine = Zmq()
+        await engine.p.start()
+        yield engine
+        await engine.close()
 
 
 @pytest.fixture

@@ -1,12 +1,21 @@
 """NIXL on hardware this CI machine does not have: GPUDirect (CUDA VRAM), AWS EFA, Trainium, and
 kvflow's vLLM connector on GPU KV caches.
 
-Each test runs where its hardware is present and is skipped, naming the missing hardware,
-elsewhere.  `kvflow doctor` reports what this machine offers.
+Each test runs where its hardware and what it needs (nixl, vLLM) are present and is skipped,
+naming what is missing, elsewhere.  `kvflow doctor` reports what this machine offers.  The
+GPUDirect test moves VRAM between two processes, as a P/D pair does: UCX does not carry peers in
+one process over cuda_ipc, so a one-process test would not take the path a real pair takes.  On
+a GPU machine without pytest-asyncio (the device image), run this file with ``pytest -c
+/dev/null`` and PYTHONPATH naming the checkout and its tools/ (``scripts/gpu-check run`` does).
 """
 
 from __future__ import annotations
 
+import importlib.util
+import json
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -26,6 +35,18 @@ def cuda_devices() -> int:
     import torch
 
     return int(torch.cuda.device_count()) if torch.cuda.is_available() else 0
+
+
+def need(what: str, *modules: str) -> None:
+    """Skip, naming `what`, unless one of `modules` can be imported."""
+    if not any(importlib.util.find_spec(name) for name in modules):
+        pytest.skip(f"needs {what} ({' or '.join(modules)} is not installed)")
+
+
+def need_cuda(what: str) -> None:
+    if not cuda_devices():
+        pytest.skip(f"needs a CUDA GPU ({what})")
+    need("NIXL", "nixl", "nixl_cu13", "nixl_cu12")
 
 
 def efa_devices() -> list[str]:
@@ -67,10 +88,24 @@ def move_and_compare(backends: tuple[str, ...], device: str) -> None:
         b.close()
 
 
-def test_gpudirect_vram_write_over_ucx() -> None:
-    if not cuda_devices():
-        pytest.skip("needs a CUDA GPU (GPUDirect VRAM transfers)")
-    move_and_compare(("UCX",), "cuda")
+def test_gpudirect_vram_push_between_two_processes(tmp_path: Path) -> None:
+    """P and D, each a kvflow engine in a process of its own with its KV caches in VRAM, push
+    scattered blocks over NIXL (UCX); D's digest of what landed must equal P's and its other
+    blocks stay zero (the GPU check's phase B, which also records UCX's lane)."""
+    need_cuda("GPUDirect VRAM transfers")
+    root = Path(__file__).resolve().parent.parent
+    path = os.pathsep.join([str(root), str(root / "tools"), *filter(None, [os.environ.get("PYTHONPATH")])])
+    done = subprocess.run(
+        [sys.executable, "-m", "kvflow_tools.gpu", "--device", "cuda", "--phases", "B", "--out", str(tmp_path)],
+        env={**os.environ, "PYTHONPATH": path},
+        timeout=240,
+        check=False,
+    )
+    phase = next(p for p in json.loads((tmp_path / "results.json").read_text())["phases"] if p["phase"] == "B")
+    assert done.returncode == 0 and phase["status"] == "ok", phase
+    assert {kind for side in phase["memory"].values() for kind in side} == {"VRAM"}, phase["memory"]
+    assert phase["transfers"] and all(t["digest_equal"] for t in phase["transfers"]), phase
+    assert not any(t["d_outside_nonzero_bytes"] for t in phase["transfers"]), phase
 
 
 @pytest.mark.parametrize("step", ["full CUDA graph", "speculative decoding"])
@@ -80,8 +115,8 @@ def test_two_gpu_ranks_push_byte_exact_kv_in_vram_from_vllms_hooks(step: str) ->
     over NIXL (GPUDirect) once each layer group's CUDA event completes, every page checked on
     D: after a step replayed as a full CUDA graph (no save_kv_layer), and after a speculative
     step (results read before wait_for_save, the draft layer saved after them)."""
-    if not cuda_devices():
-        pytest.skip("needs a CUDA GPU (two ranks' KV caches in VRAM, pushed over NIXL)")
+    need_cuda("two ranks' KV caches in VRAM, pushed over NIXL")
+    need("vLLM", "vllm")
     from kvflow_tools.standin import ModelShape
     from tests.vllm_pairs import BLOCK_SIZE, make_pair, move_and_check
 
@@ -101,12 +136,14 @@ def test_two_gpu_ranks_push_byte_exact_kv_in_vram_from_vllms_hooks(step: str) ->
 def test_efa_write_over_libfabric() -> None:
     if not efa_devices():
         pytest.skip("needs AWS EFA devices and libfabric >= 1.21 for the LIBFABRIC backend")
+    need("NIXL", "nixl", "nixl_cu13", "nixl_cu12")
     move_and_compare(("LIBFABRIC",), "cuda" if cuda_devices() else "cpu")
 
 
 def test_trainium_hosts_offer_device_memory_through_libfabric() -> None:
     if not list(Path("/dev").glob("neuron*")):
         pytest.skip("needs AWS Neuron (Trainium) devices; Neuron HBM registers as VRAM through LIBFABRIC")
+    need("NIXL", "nixl", "nixl_cu13", "nixl_cu12")
     transport = NixlTransport("neuron-probe", backends=("LIBFABRIC",))
     try:
         # the LIBFABRIC plugin adds VRAM support when it detects the Neuron runtime
