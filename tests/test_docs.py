@@ -115,6 +115,7 @@ MAPPED_PACKAGES = (
     "tools/kvflow_tools/routing",
     "tools/kvflow_tools/bench",
     "tools/kvflow_tools/testing",
+    "tools/kvflow_tools/gpu",
 )
 
 

@@ -19,6 +19,7 @@ import pytest
 
 import kvflow
 from kvflow.errors import EngineAsleep, PeerProtocolError
+from kvflow.integrations.vllm.device import HostDevice
 from kvflow.integrations.vllm.links import ProcessLink
 from kvflow.protocol.state import Outcome, Role
 from kvflow.runtime.engine import EngineConfig
@@ -97,7 +98,7 @@ def links() -> Iterator[tuple[ProcessLink, ProcessLink, list[np.ndarray], list[n
     except BaseException:
         p.close()
         raise
-    yield ProcessLink(p), ProcessLink(d), p_cache, d_cache
+    yield ProcessLink(p, HostDevice()), ProcessLink(d, HostDevice()), p_cache, d_cache
     d.close()
     p.close()
 

@@ -17,6 +17,7 @@ import pytest
 
 from kvflow.errors import TransferTimeout, TransportError
 from kvflow.integrations.vllm.device import GateWaiter, HostDevice
+from kvflow.integrations.vllm.links import ProcessLink
 from kvflow_tools.standin import LaggingDevice, ModelShape
 from tests.vllm_pairs import BLOCK_SIZE, make_pair, move_and_check
 from tests.waiting import eventually
@@ -109,13 +110,18 @@ def test_the_stand_in_device_refuses_a_wait_from_the_model_runner_thread() -> No
 @pytest.mark.parametrize("mode", ["push", "pull"])
 @pytest.mark.parametrize("hook_order", ["v1", "v2"])
 @pytest.mark.parametrize("speculative", [False, True])
-def test_writes_wait_for_the_device_and_no_hook_does(mode: str, hook_order: str, speculative: bool) -> None:
+@pytest.mark.parametrize("transport", ["loopback", "nixl"])
+def test_writes_wait_for_the_device_and_no_hook_does(
+    mode: str, hook_order: str, speculative: bool, transport: str
+) -> None:
     """Kernels run 50 ms after their launch; D still reads exactly P's KV, and no hook of P
-    waited (the device raises in a hook that does)."""
+    waited (the device raises in a hook that does).  Over the loopback fabric the engine is on
+    a thread and its agent waits for the gate; over NIXL it is in a process of its own, and the
+    link holds the gated orders here until the device has run their kernels."""
     model = ModelShape(draft_layers=1 if speculative else 0)
-    p, d = make_pair(device_lag=0.05, hook_order=hook_order, model=model)
+    p, d = make_pair(transport, device_lag=0.05, hook_order=hook_order, model=model)
     try:
-        move_and_check(p, d, f"t-{mode}-{hook_order}-{speculative}", 4 * BLOCK_SIZE + 9, mode)
+        move_and_check(p, d, f"t-{mode}-{hook_order}-{speculative}-{transport}", 4 * BLOCK_SIZE + 9, mode)
     finally:
         d.close()
         p.close()
@@ -123,6 +129,9 @@ def test_writes_wait_for_the_device_and_no_hook_does(mode: str, hook_order: str,
 
 @pytest.mark.parametrize("transport", ["loopback", "nixl"])
 def test_every_thread_kvflow_starts_is_bound_to_the_device(transport: str) -> None:
+    """Over the loopback fabric (a transport handed in) each engine runs on threads of this
+    process; over NIXL in a process of its own, and the one thread kvflow starts here is P's
+    gate waiter."""
     p, d = make_pair(transport, device_lag=0.01)
     try:
         move_and_check(p, d, f"t-bound-{transport}", 2 * BLOCK_SIZE + 1)
@@ -131,6 +140,11 @@ def test_every_thread_kvflow_starts_is_bound_to_the_device(transport: str) -> No
             assert device is not None
             engine_id = f"{engine.options.name}-tp0"
             started = {t.name for t in threading.enumerate() if t.name.startswith("kvflow") and engine_id in t.name}
+            if transport == "nixl":
+                assert isinstance(engine.ranks[0].worker._worker.link, ProcessLink)
+                expected = {f"kvflow-gates-{engine_id}"} if engine is p else set()
+                assert started == expected and started <= device.bound, (started, device.bound)
+                continue
             expected = {f"kvflow-{engine_id}", f"kvflow-peers-{engine_id}"}
             expected |= {f"kvflow-connections-{engine_id}"}  # the control channel's connection monitor
             expected |= {f"kvflow-nixl-{engine_id}"} if transport == "nixl" else set()

@@ -8,6 +8,7 @@ guards against a hang; it is never the property under test.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 
 
@@ -29,3 +30,15 @@ async def quiesce(turns: int = 20) -> None:
     engines are delivered with `call_soon`, so every reply to what was already sent lands."""
     for _ in range(turns):
         await asyncio.sleep(0)
+
+
+def eventually_sync(condition: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
+    """`eventually` for a test with no loop of its own: poll `condition()` every 2 ms.
+
+    :raises AssertionError: it did not hold within `timeout` seconds.
+    """
+    end = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > end:
+            raise AssertionError(f"not within {timeout}s: {what}")
+        time.sleep(0.002)

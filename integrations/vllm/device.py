@@ -28,7 +28,7 @@ from kvflow.errors import TransferTimeout, TransportError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ("CudaDevice", "Device", "Gate", "GateWaiter", "HostDevice", "device_for")
+__all__ = ("CudaDevice", "Device", "Gate", "GateWaiter", "HostDevice", "device_for", "is_gate")
 
 
 class Gate(Protocol):
@@ -98,6 +98,11 @@ class CudaDevice:
         return _CudaGate(event)
 
 
+def is_gate(value: object) -> bool:
+    """Whether `value` is a `Gate` (what a hook recorded), not plain data."""
+    return callable(getattr(value, "done", None)) and callable(getattr(value, "wait", None))
+
+
 def device_for(tensor: torch.Tensor) -> Device:
     """The device holding `tensor`."""
     if tensor.device.type == "cuda":
@@ -131,6 +136,14 @@ class GateWaiter:
                 else:
                     future.set_result(None)
 
+    def submit(self, gate: Gate) -> concurrent.futures.Future[None]:
+        """A future settled once the device has run the work before `gate` (gates are waited
+        for in the order they were submitted); it fails with `TransportError` on a device error.
+        Never blocks."""
+        future: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._gates.put((gate, future))
+        return future
+
     async def wait(self, gate: Gate | None, timeout: float) -> None:
         """Return once the device has run the work before `gate` (at once when it has).
 
@@ -140,8 +153,7 @@ class GateWaiter:
         """
         if gate is None or gate.done():
             return
-        future: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self._gates.put((gate, future))
+        future = self.submit(gate)
         try:
             await asyncio.wait_for(asyncio.wrap_future(future), timeout)
         except TimeoutError:

@@ -5,18 +5,32 @@ interpreter, and its Python work lengthens the host's steps (`kvflow bench host`
 its own process (`kvflow.runtime.process.EngineProcess`) does not, but needs the KV memory to
 be shareable (host memory, moved onto shared memory in place) and a transport that crosses
 processes.  So a rank runs its engine in a process when it can, and on a thread for what a
-process cannot serve yet: GPU memory (CUDA IPC is not built), a transport the host injected
-(the in-process loopback fabric of tests), and a fake device.  Both run the same `RankAgent`
-commands, so the worker is written once.
+process cannot serve yet: GPU memory (CUDA IPC is not built) and a transport the host injected
+(the in-process loopback fabric of tests).  Both run the same `RankAgent` commands, so the
+worker is written once.
+
+Gates and the engine process: a device gate (what a hook recorded after enqueueing the KV's
+kernels) is an object of this process.  The thread link hands it to the agent, which waits for
+it before its WRITE; the process link keeps a command that carries one here, with every command
+given after it (their order is the engine's), until a waiter thread of this process has seen
+the device run the gate's work, and only then sends them, the gate left out.  A WRITE can
+therefore not start before its bytes are written, whichever side waits; a device that never
+finishes keeps the commands until `close`, and the engine's transfer deadlines fail what they
+held meanwhile.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import threading
+from collections import deque
+from dataclasses import dataclass
+from functools import partial
 from typing import Any, Protocol
 
-from kvflow.errors import EngineTimeout
+from kvflow.errors import EngineClosed, EngineTimeout, KVFlowError
+from kvflow.integrations.vllm.device import Device, GateWaiter, is_gate
 from kvflow.integrations.vllm.rank_agent import RankAgent
 from kvflow.protocol.actions import ReleaseBlocks
 from kvflow.runtime.engine import Engine
@@ -108,15 +122,74 @@ class ThreadLink:
                 agent.close()
 
 
-class ProcessLink:
-    """The engine in a process of its own (`EngineProcess`), its agent there."""
+@dataclass(slots=True)
+class _Held:
+    """A command the process link keeps until the device has run its gate's work."""
 
-    def __init__(self, process: EngineProcess) -> None:
+    name: str
+    args: tuple[Any, ...]
+    lazy: bool
+    future: concurrent.futures.Future[Any]  # the caller's
+    gate: concurrent.futures.Future[None] | None  # settled once the device ran the work (None: no gate)
+
+
+def _settle_from(outer: concurrent.futures.Future[Any], inner: concurrent.futures.Future[Any]) -> None:
+    error = inner.exception()
+    if error is not None:
+        outer.set_exception(error)
+    else:
+        outer.set_result(inner.result())
+
+
+class ProcessLink:
+    """The engine in a process of its own (`EngineProcess`), its agent there; gates are waited
+    for here (see the module's header)."""
+
+    def __init__(self, process: EngineProcess, device: Device) -> None:
         self.process = process
         self.address = process.address
+        self._device = device
+        self._waiter: GateWaiter | None = None  # started by the first gate not yet done
+        self._held: deque[_Held] = deque()
+        self._lock = threading.Lock()  # taken before the process's own, never after it
 
     def command(self, name: str, *args: Any, lazy: bool = False) -> concurrent.futures.Future[Any]:
-        return self.process.call(name, *args, lazy=lazy)
+        """:raises EngineClosed, ConfigError: see `EngineProcess.call` (a command held behind a
+        gate fails its future with them instead, once sent)."""
+        gate = next((arg for arg in args if is_gate(arg)), None)
+        if gate is not None:
+            args = tuple(None if arg is gate else arg for arg in args)
+        waiting = None if gate is None or gate.done() else self._gates().submit(gate)
+        with self._lock:
+            if waiting is None and not self._held:
+                return self.process.call(name, *args, lazy=lazy)
+            held = _Held(name, args, lazy, concurrent.futures.Future(), waiting)
+            self._held.append(held)
+        if waiting is not None:
+            waiting.add_done_callback(lambda _: self._flush())
+        return held.future
+
+    def _gates(self) -> GateWaiter:
+        if self._waiter is None:
+            self._waiter = GateWaiter(self._device, f"kvflow-gates-{self.process.engine_id}")
+        return self._waiter
+
+    def _flush(self) -> None:
+        """Send the held commands, in order, up to the first whose gate is still closed; one
+        whose gate failed (a device error) fails with it, unsent."""
+        with self._lock:
+            while self._held and (self._held[0].gate is None or self._held[0].gate.done()):
+                held = self._held.popleft()
+                error = held.gate.exception() if held.gate is not None else None
+                if error is not None:
+                    held.future.set_exception(error)
+                    continue
+                try:
+                    inner = self.process.call(held.name, *held.args, lazy=held.lazy)
+                except KVFlowError as exc:
+                    held.future.set_exception(exc)
+                    continue
+                inner.add_done_callback(partial(_settle_from, held.future))
 
     def batch(self) -> contextlib.AbstractContextManager[None]:
         return self.process.batch()
@@ -136,5 +209,16 @@ class ProcessLink:
         return None
 
     def close(self, timeout: float) -> None:
-        """:raises EngineCrashed: see `EngineProcess.close`."""
-        self.process.close(timeout=timeout)
+        """Send what the device lets go within half of `timeout`, fail the rest (EngineClosed),
+        then close the process.  :raises EngineCrashed: see `EngineProcess.close`."""
+        if self._waiter is not None:
+            with self._lock:
+                gates = [entry.gate for entry in self._held if entry.gate is not None]
+            concurrent.futures.wait(gates, timeout=timeout / 2)
+            self._flush()
+            with self._lock:
+                left, self._held = list(self._held), deque()
+            for entry in left:
+                entry.future.set_exception(EngineClosed("the engine closed before the device ran the KV's kernels"))
+            self._waiter.close(timeout=1.0)
+        self.process.close(timeout=timeout / 2 if self._waiter is not None else timeout)

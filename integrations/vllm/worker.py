@@ -49,7 +49,7 @@ from kvflow.integrations.vllm.producer import ProducerSide, StepMemo
 from kvflow.integrations.vllm.rank_agent import peer_wire
 from kvflow.integrations.vllm.ranks import PairBook, rank_name, ranked_layout, tp_sizes, transfer_parts
 from kvflow.integrations.vllm.settings import Settings, layer_groups
-from kvflow.layout import KVLayout
+from kvflow.layout import KVLayout, MemoryType
 from kvflow.layout.groups import KVGroup
 from kvflow.protocol.actions import ReleaseBlocks
 from kvflow.protocol.core import CoreConfig
@@ -150,7 +150,7 @@ class WorkerSide(ProducerSide):
         )
         port = self.port + self.rank if self.port else 0
         bind = f"tcp://{settings.host}:{port}"
-        why_not = self._why_not_a_process(device, transport is not None)
+        why_not = self._why_not_a_process(layout, transport is not None)
         if why_not is None:
             self._start_process(layout, config, bind)
         elif settings.engine_process == "process":
@@ -162,13 +162,13 @@ class WorkerSide(ProducerSide):
             log.info("kvflow engine %s: KV cache groups %s", self.engine_id, groups)
         log.info("kvflow engine %s up at %s (%s)", self.engine_id, self.address, self._where)
 
-    def _why_not_a_process(self, device: Device, injected_transport: bool) -> str | None:
+    def _why_not_a_process(self, layout: KVLayout, injected_transport: bool) -> str | None:
         """Why this rank's engine cannot run in a process of its own (None: it can)."""
         if self.settings.engine_process == "thread":
             return "asked for a thread"
         if injected_transport:
             return "the transport the host handed it does not cross processes"
-        if not isinstance(device, HostDevice):
+        if any(region.memory is not MemoryType.DRAM for region in layout.regions):
             return "its KV caches are device memory (sharing them through CUDA IPC is not built)"
         if not host_memory.supported():
             return "this platform cannot share host memory (Linux memfd needed)"
@@ -200,7 +200,7 @@ class WorkerSide(ProducerSide):
         finally:
             for span in spans:  # the child has its own; this process's mapping keeps the memory
                 os.close(span.fd)
-        self.link = ProcessLink(process)
+        self.link = ProcessLink(process, self.device)
         self._where = f"engine process pid {process.pid}"
 
     def _start_thread(

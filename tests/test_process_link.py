@@ -1,0 +1,131 @@
+"""A rank's link to an engine in a process of its own (`links.ProcessLink`) and the device's gates.
+
+A gate is an object of the host, so the link keeps a command that carries one here until the
+device has run the gate's work, and every command given after it behind it (the engine sees
+them in the order the hooks gave them); the gate never crosses.  A real engine process over NIXL
+runs `RankAgent`; the gates are opened by the test.  (That a WRITE so held carries the bytes the
+device wrote is `tests/test_vllm_device.py`'s, over a lagging device.)
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import threading
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+import kvflow
+from kvflow.errors import EngineClosed, TransportError
+from kvflow.integrations.vllm.device import HostDevice
+from kvflow.integrations.vllm.links import ProcessLink
+from kvflow.runtime.host_memory import share_in_place
+from kvflow.runtime.process import EngineProcess, ProcessSpec
+from tests.waiting import eventually_sync
+
+SPEC = kvflow.KVSpec(num_layers=1, block_size=16, num_kv_heads=1, head_dim=64)
+
+
+class TestGate:
+    """A gate the test opens (or fails, as a device error does)."""
+
+    __test__ = False
+
+    def __init__(self, error: Exception | None = None) -> None:
+        self.opened = threading.Event()
+        self.error = error
+
+    def done(self) -> bool:
+        return self.opened.is_set()
+
+    def wait(self) -> None:
+        self.opened.wait()
+        if self.error is not None:
+            raise self.error
+
+
+@pytest.fixture
+def link() -> Iterator[ProcessLink]:
+    cache = np.zeros((2, 4, SPEC.block_len), np.uint8)
+    regions = [kvflow.region_of(cache)]
+    spans = share_in_place(regions)
+    try:
+        layout = kvflow.KVLayout.per_layer_regions(SPEC, 4, regions)
+        spec = ProcessSpec(
+            "linked-0",
+            layout,
+            transport_options={"cuda": False},
+            agent="kvflow.integrations.vllm.rank_agent:RankAgent",
+            agent_options={"transfer_timeout": 10.0},
+        )
+        process = EngineProcess(spec, spans)
+    finally:
+        for span in spans:
+            os.close(span.fd)
+    link = ProcessLink(process, HostDevice())
+    yield link
+    link.close(timeout=10.0)
+
+
+def settled(link: ProcessLink, *futures: concurrent.futures.Future[object]) -> None:
+    def done() -> bool:
+        link.poll_released()  # reads the engine process's answers
+        return all(future.done() for future in futures)
+
+    eventually_sync(done, "the engine process's answers")
+
+
+def test_a_gated_command_and_those_after_it_wait_for_the_device_then_go_in_order(link: ProcessLink) -> None:
+    gate = TestGate()
+    gated = link.command("post_groups", gate, [])
+    after = link.command("post_groups", None, [])  # no gate of its own: it must not overtake
+    time.sleep(0.3)
+    link.poll_released()
+    assert not gated.done() and not after.done()
+    gate.opened.set()
+    settled(link, gated, after)
+    assert gated.result() == [] and after.result() == []
+    now = link.command("post_groups", None, [])  # nothing held: straight to the engine process
+    settled(link, now)
+
+
+def test_a_gate_already_open_holds_nothing(link: ProcessLink) -> None:
+    gate = TestGate()
+    gate.opened.set()
+    future = link.command("post_groups", gate, [])
+    settled(link, future)
+    assert future.result() == [] and link._waiter is None  # no waiter thread was needed
+
+
+def test_a_device_error_fails_its_command_unsent_and_the_next_goes(link: ProcessLink) -> None:
+    gate = TestGate(error=RuntimeError("CUDA error: an illegal memory access was encountered"))
+    failed = link.command("post_groups", gate, [])
+    after = link.command("post_groups", None, [])
+    gate.opened.set()
+    settled(link, failed, after)
+    with pytest.raises(TransportError, match="illegal memory access"):
+        failed.result()
+    assert after.result() == []
+
+
+def test_close_fails_what_a_device_that_never_finishes_still_holds() -> None:
+    cache = np.zeros((2, 4, SPEC.block_len), np.uint8)
+    regions = [kvflow.region_of(cache)]
+    spans = share_in_place(regions)
+    try:
+        layout = kvflow.KVLayout.per_layer_regions(SPEC, 4, regions)
+        spec = ProcessSpec("stuck-0", layout, transport_options={"cuda": False})
+        link = ProcessLink(EngineProcess(spec, spans), HostDevice())
+    finally:
+        for span in spans:
+            os.close(span.fd)
+    held = link.command("stats", TestGate())
+    started = time.monotonic()
+    link.close(timeout=2.0)
+    assert time.monotonic() - started < 10.0  # bounded: half the timeout for the device, then the process
+    with pytest.raises(EngineClosed, match="before the device ran"):
+        held.result(timeout=0)
+    assert not link.process.alive
