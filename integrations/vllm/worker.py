@@ -56,6 +56,7 @@ from kvflow.protocol.core import CoreConfig
 from kvflow.protocol.messages import TransferKey
 from kvflow.protocol.state import Outcome, Role
 from kvflow.runtime import host_memory
+from kvflow.runtime.cuda_ipc import CudaDriver, Share, plan_shares
 from kvflow.runtime.engine import Engine, EngineConfig
 from kvflow.runtime.process import EngineProcess, ProcessSpec
 from kvflow.runtime.threaded import EngineThread
@@ -168,8 +169,10 @@ class WorkerSide(ProducerSide):
             return "asked for a thread"
         if injected_transport:
             return "the transport the host handed it does not cross processes"
-        if any(region.memory is not MemoryType.DRAM for region in layout.regions):
-            return "its KV caches are device memory (sharing them through CUDA IPC is not built)"
+        on_gpu = any(region.memory is MemoryType.VRAM for region in layout.regions)
+        if on_gpu and self.settings.engine_process != "process":
+            # built (legacy CUDA IPC, `kvflow.runtime.cuda_ipc`) but not yet run on a GPU: only when asked
+            return "its KV caches are GPU memory (CUDA IPC into an engine process is taken only when asked)"
         if not host_memory.supported():
             return "this platform cannot share host memory (Linux memfd needed)"
         return None
@@ -177,7 +180,13 @@ class WorkerSide(ProducerSide):
     def _start_process(self, layout: KVLayout, config: EngineConfig, bind: str) -> None:
         # the engine process's loop is kvflow's alone: a small op is posted there (see EngineConfig)
         config = dataclasses.replace(config, inline_op_bytes=INLINE_OP_BYTES)
-        spans = host_memory.share_in_place(layout.regions)
+        spans = host_memory.share_in_place([r for r in layout.regions if r.memory is MemoryType.DRAM])
+        try:
+            shares = self._gpu_shares(layout)
+        except KVFlowError:
+            for span in spans:
+                os.close(span.fd)
+            raise
         spec = ProcessSpec(
             self.engine_id,
             layout,
@@ -185,7 +194,7 @@ class WorkerSide(ProducerSide):
             transport_options={
                 "backends": list(self.settings.nixl_backends),
                 "granule": layout.block_len,
-                "cuda": False,
+                "cuda": bool(shares),
             },
             bind=bind,
             config=config,
@@ -196,12 +205,22 @@ class WorkerSide(ProducerSide):
             scheduling=self.settings.engine_scheduling,
         )
         try:
-            process = EngineProcess(spec, spans)
+            process = EngineProcess(spec, spans, cuda_shares=shares)
         finally:
             for span in spans:  # the child has its own; this process's mapping keeps the memory
                 os.close(span.fd)
         self.link = ProcessLink(process, self.device)
-        self._where = f"engine process pid {process.pid}"
+        self._where = f"engine process pid {process.pid}" + (" (GPU memory by CUDA IPC)" if shares else "")
+
+    @staticmethod
+    def _gpu_shares(layout: KVLayout) -> list[Share]:
+        """The allocations holding the layout's GPU regions, exported for the engine process.
+        :raises ConfigError, TransportError: see `cuda_ipc.plan_shares`, `CudaDriver`."""
+        on_gpu = [region for region in layout.regions if region.memory is MemoryType.VRAM]
+        if not on_gpu:
+            return []
+        driver = CudaDriver()
+        return driver.export(plan_shares(on_gpu, driver.allocation_of))
 
     def _start_thread(
         self,

@@ -40,12 +40,13 @@ import msgpack
 
 from kvflow.control.zeromq import ZmqControl
 from kvflow.errors import ConfigError, KVFlowError, RingCorrupt
-from kvflow.layout import layout_from_wire
+from kvflow.layout import MemoryType, Region, layout_from_wire
 from kvflow.protocol.actions import ReleaseBlocks
 from kvflow.protocol.admission import PeerAllowList
 from kvflow.protocol.core import CoreConfig
 from kvflow.protocol.state import Mode, Role
 from kvflow.runtime.config import EngineConfig
+from kvflow.runtime.cuda_ipc import OpenedShares, shares_from_wire
 from kvflow.runtime.engine import Engine
 from kvflow.runtime.frames import FrameReader, decode_record, encode_frame, encode_record, error_record
 from kvflow.runtime.host_memory import MappedSpans
@@ -139,6 +140,7 @@ class Server:
         self._look_due = False  # a look at the ring is scheduled within `RING_POLL`
         self.refused_records = 0  # orders that were not calls of the agent
         self.rings: EngineRings | None = None
+        self.gpu: OpenedShares | None = None  # the host's GPU memory, when the layout has some
         self._tasks: set[asyncio.Task[None]] = set()
         self._closing: asyncio.Future[None] | None = None
 
@@ -177,6 +179,8 @@ class Server:
             crashes.append(f"{type(exc).__name__}: {exc}")
         except TimeoutError:
             crashes.append(f"the engine did not close within {SHUTDOWN_TIMEOUT}s")
+        if self.gpu is not None:
+            self.gpu.close()
         self._say_closed(crashes)
         return 0 if not crashes else 1
 
@@ -185,13 +189,28 @@ class Server:
         spec = self.spec
         self.rings = EngineRings(*spec["rings"])
         mapped = MappedSpans([tuple(span) for span in spec["spans"]])
-        layout = layout_from_wire(spec["layout"])
-        layout = dataclasses.replace(layout, regions=tuple(mapped.translate(r) for r in layout.regions))
         self.mapped = mapped  # the mappings live as long as the engine
+        shares = shares_from_wire(spec.get("cuda_shares", []))
+        gpu = self.gpu = OpenedShares(shares) if shares else None
+
+        def place(region: Region) -> Region:
+            return (
+                gpu.translate(region)
+                if gpu is not None and region.memory is MemoryType.VRAM
+                else mapped.translate(region)
+            )
+
+        layout = layout_from_wire(spec["layout"])
+        layout = dataclasses.replace(layout, regions=tuple(place(r) for r in layout.regions))
         raw = dict(spec["config"])
         allowed = PeerAllowList(tuple(raw["allowed_peers"]["engines"]), tuple(raw["allowed_peers"]["networks"]))
         config = EngineConfig(**{**raw, "core": CoreConfig(**raw["core"]), "allowed_peers": allowed})
-        transport = load_transport(spec["transport"])(spec["engine_id"], **spec["transport_options"])
+        options = dict(spec["transport_options"])
+        if gpu is not None:  # every thread that touches the memory (the engine's, NIXL's) on its GPU
+            gpu.bind()
+            config = dataclasses.replace(config, thread_setup=gpu.bind)
+            options.update(cuda=True, thread_setup=gpu.bind)
+        transport = load_transport(spec["transport"])(spec["engine_id"], **options)
         control = ZmqControl(spec["engine_id"], bind=spec["bind"])
         self.engine = Engine(spec["engine_id"], layout, transport, control, config=config, on_release=self._released)
         return self.engine

@@ -10,8 +10,10 @@ results from it.
 
 The KV memory reaches the child as shared memory: `host_memory.share_in_place` moves the
 host's pages onto memory files at the same addresses, and the child maps the files and
-registers its mapping with the transport.  (GPU memory would travel as CUDA IPC handles; until
-that is built and measured, a GPU host runs its engine on a thread.)
+registers its mapping with the transport.  GPU memory travels as legacy CUDA IPC handles
+(`cuda_ipc`: one per allocation), opened by the child, whose threads are bound to the device;
+not yet run on a GPU, so the vLLM worker uses it only when asked (``engine_process:
+"process"``) and the GPU check's phase G is its test.
 
 The protocol: records, each a msgpack array of plain types.  The host's calls,
 ``["call", seq, name, args]`` (each runs `name` on the child's agent, which is the engine's own
@@ -58,6 +60,7 @@ from kvflow.protocol.actions import ReleaseBlocks
 from kvflow.protocol.messages import TransferKey
 from kvflow.protocol.state import Outcome, Role
 from kvflow.runtime.config import EngineConfig
+from kvflow.runtime.cuda_ipc import Share, shares_to_wire
 from kvflow.runtime.frames import READ_CHUNK, FrameReader, decode_record, encode_frame, encode_record, error_from_record
 from kvflow.runtime.host_memory import SharedSpan
 from kvflow.runtime.meter import MeterReading, TransferSample
@@ -128,7 +131,16 @@ class EngineProcess:
         by class); `TransportError` if the memory cannot be handed over.
     """
 
-    def __init__(self, spec: ProcessSpec, spans: Sequence[SharedSpan], *, start_timeout: float = 60.0) -> None:
+    def __init__(
+        self,
+        spec: ProcessSpec,
+        spans: Sequence[SharedSpan],
+        *,
+        cuda_shares: Sequence[Share] = (),
+        start_timeout: float = 60.0,
+    ) -> None:
+        """`spans`: the host memory of the layout's DRAM regions; `cuda_shares`: the exported
+        allocations (`cuda_ipc`) holding its VRAM regions."""
         if spec.scheduling not in SCHEDULING:
             raise ConfigError(f"an engine process is scheduled as one of {list(SCHEDULING)}, not {spec.scheduling!r}")
         self.engine_id = spec.engine_id
@@ -157,6 +169,7 @@ class EngineProcess:
         wire = spec.to_wire(spans)
         wire["spans"] = [[fds[3 + i], span.base, span.length] for i, span in enumerate(spans)]
         wire["rings"] = [*self._rings.fds, self._rings.capacity]
+        wire["cuda_shares"] = shares_to_wire(cuda_shares)
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "kvflow.runtime.engine_process", str(theirs.fileno())],
