@@ -84,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--geometry", choices=["b", "bw"], default="b", help=argparse.SUPPRESS)
     ap.add_argument("--blocks", type=int, default=BLOCKS_B, help=argparse.SUPPRESS)
     ap.add_argument("--unbound", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--engine-process", action="store_true", help=argparse.SUPPRESS)
     return ap
 
 

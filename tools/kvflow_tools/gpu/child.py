@@ -39,9 +39,15 @@ def child_entry(args: argparse.Namespace) -> int:
     events = own_stdout()
     try:
         import kvflow
-        from kvflow_tools.gpu.engine_child import serve
 
-        kvflow.run(serve(args, events))
+        if args.engine_process:  # P's engine in an engine process over the memory this child owns
+            from kvflow_tools.gpu.process_child import serve_owner
+
+            kvflow.run(serve_owner(args, events))
+        else:
+            from kvflow_tools.gpu.engine_child import serve
+
+            kvflow.run(serve(args, events))
         return 0
     except BaseException as exc:
         line = {

@@ -28,7 +28,7 @@ import kvflow
 from kvflow.transports.nixl import NixlTransport
 from kvflow_tools.gpu.plan import SPEC_B, SPEC_D, STALE, TRANSFER_S, block_len
 
-__all__ = ("EngineChild", "cuda_event", "event_done", "serve", "sleep_kernel")
+__all__ = ("EngineChild", "answer", "cuda_event", "event_done", "serve", "sleep_kernel")
 
 
 def sleep_kernel(cycles: int) -> None:
@@ -53,8 +53,9 @@ def event_done(event: torch.cuda.Event) -> bool:
 class EngineChild:
     """One engine (P or D) in this process, its KV caches, and the commands it answers."""
 
-    def __init__(self, args: argparse.Namespace, events: TextIO) -> None:
-        """An engine named ``args.name`` on ``args.device``, its caches zeroed; not started.
+    def __init__(self, args: argparse.Namespace, events: TextIO, *, engine: bool = True) -> None:
+        """An engine named ``args.name`` on ``args.device``, its caches zeroed; not started
+        (`engine` False: the caches only, for a subclass that runs its engine elsewhere).
 
         :raises kvflow.KVFlowError: the engine, its transport or its control channel cannot be made.
         :raises RuntimeError: CUDA cannot be used (torch's).
@@ -82,13 +83,15 @@ class EngineChild:
         # a GPU host binds every kvflow/NIXL thread to its device: UCX disables CUDA IPC otherwise
         bind = bind_thread if self.cuda and not args.unbound else None
         self.regions = [kvflow.region_of(t) for t in self.layers]
+        self.watchers: set[asyncio.Task[None]] = set()
+        self.stream = torch.cuda.Stream() if self.cuda else None  # type: ignore[no-untyped-call]
+        if not engine:
+            return
         layout = kvflow.KVLayout.per_layer_regions(self.spec, self.nb, self.regions)
         transport = NixlTransport(args.name, thread_setup=bind, cuda=self.cuda)
         control = kvflow.ZmqControl(args.name, "tcp://127.0.0.1:0", thread_setup=bind)
         config = kvflow.EngineConfig(transfer_timeout=TRANSFER_S, drain_timeout=2.0, thread_setup=bind)
         self.engine = kvflow.Engine(args.name, layout, transport, control, config=config)
-        self.watchers: set[asyncio.Task[None]] = set()
-        self.stream = torch.cuda.Stream() if self.cuda else None  # type: ignore[no-untyped-call]
 
     def emit(self, event: str, **fields: Any) -> None:
         """One JSON line to the parent.  :raises OSError: the parent is gone."""
@@ -323,9 +326,9 @@ class EngineChild:
 
 
 async def serve(args: argparse.Namespace, events: TextIO) -> None:
-    """Start the engine, say "ready" (its address, pid, memory types, its regions' kinds), answer
-    commands from stdin until "close" or its end, then say "closed" with the engine's counters.
-    A command that fails is answered with an "error" line and the next one is read.
+    """Start the engine, say "ready" (its address, pid, memory types, its regions' kinds),
+    answer commands from stdin until "close" or its end, then say "closed" with the engine's
+    counters.  A command that fails is answered with an "error" line and the next one is read.
 
     :raises kvflow.KVFlowError: the engine cannot be made or started.
     :raises OSError: the parent is gone.
@@ -340,15 +343,19 @@ async def serve(args: argparse.Namespace, events: TextIO) -> None:
             memory_types=sorted(m.value for m in caps.memory_types),
             regions=[r.memory.value for r in child.regions],
         )
-        loop = asyncio.get_running_loop()
-        while line := await loop.run_in_executor(None, sys.stdin.readline):
-            cmd = json.loads(line)
-            if cmd["cmd"] == "close":
-                break
-            try:
-                await child.handle(cmd)
-            except Exception as exc:
-                child.emit(
-                    "error", id=cmd.get("id"), error=f"{type(exc).__name__}: {exc}", trace=traceback.format_exc()
-                )
+        await answer(child)
     child.emit("closed", stats={k: v for k, v in child.engine.stats().items() if isinstance(v, int)})
+
+
+async def answer(child: EngineChild) -> None:
+    """Commands from stdin until "close" or its end; a command that fails is answered with an
+    "error" line.  :raises OSError: the parent is gone."""
+    loop = asyncio.get_running_loop()
+    while line := await loop.run_in_executor(None, sys.stdin.readline):
+        cmd = json.loads(line)
+        if cmd["cmd"] == "close":
+            break
+        try:
+            await child.handle(cmd)
+        except Exception as exc:
+            child.emit("error", id=cmd.get("id"), error=f"{type(exc).__name__}: {exc}", trace=traceback.format_exc())

@@ -42,11 +42,12 @@ class Phase:
 
 
 def plan_phases(run: Run, keys: str, sizes_mib: Sequence[int]) -> list[Phase]:
-    """The check's phases named by `keys` (letters of ABECDF), in that order.  Never raises."""
+    """The check's phases named by `keys` (letters of `PHASE_ORDER`), in that order.  Never raises."""
     table: dict[str, tuple[str, Callable[[float], dict[str, Any]]]] = {
         "A": ("environment", lambda dl: phase_a(run, dl)),
         "B": ("two processes, NIXL, scattered blocks", lambda dl: phase_b(run, dl)),
         "E": ("phase B with UCX_PROTO_INFO=y", lambda dl: phase_e(run, dl)),
+        "G": ("phase B with P's engine in an engine process over memory its owner shares", lambda dl: phase_g(run, dl)),
         "C": ("gating on a CUDA event; event-wait CPU cost", lambda dl: phase_c(run, dl)),
         "D": ("bandwidth", lambda dl: phase_d(run, dl, list(sizes_mib))),
         "F": ("phase B with no thread bound to the GPU (extra)", lambda dl: phase_f(run, dl)),
@@ -106,6 +107,7 @@ def start_pair(
     env_extra: dict[str, str] | None = None,
     unbound: bool = False,
     stderr: dict[str, Path] | None = None,
+    engine_process: bool = False,
 ) -> tuple[Proc, Proc, dict[str, Any]]:
     """P (prefill-0) and D (decode-0), each ready, D connected to P; `stderr` (when given) gets
     their stderr files at once, for a caller that reads them whatever happens.
@@ -116,7 +118,8 @@ def start_pair(
     """
     env = child_env(env_extra)
     extra = ["--geometry", geometry, "--blocks", str(blocks)] + (["--unbound"] if unbound else [])
-    p = Proc(run, "prefill-0", child_argv("p", run.device, "--name", "prefill-0", *extra), env, tag)
+    p_extra = ["--engine-process"] if engine_process else []
+    p = Proc(run, "prefill-0", child_argv("p", run.device, "--name", "prefill-0", *extra, *p_extra), env, tag)
     d = Proc(run, "decode-0", child_argv("d", run.device, "--name", "decode-0", *extra), env, tag)
     if stderr is not None:
         stderr.update(p=p.err_path, d=d.err_path)
@@ -236,13 +239,17 @@ def phase_b(
     env_extra: dict[str, str] | None = None,
     unbound: bool = False,
     stderr: dict[str, Path] | None = None,
+    engine_process: bool = False,
 ) -> dict[str, Any]:
     """P→D pushes of scattered blocks and one pull, each byte-exact; the regions' memory kinds.
+    `engine_process`: P's engine runs in an engine process over the memory P exports.
 
     :raises GpuChildFailed: a child failed.
     :raises GpuPhaseTimeout: a reply did not come by `deadline`.
     """
-    p, d, info = start_pair(run, tag, deadline, env_extra=env_extra, unbound=unbound, stderr=stderr)
+    p, d, info = start_pair(
+        run, tag, deadline, env_extra=env_extra, unbound=unbound, stderr=stderr, engine_process=engine_process
+    )
     transfers: list[dict[str, Any]] = []
     run.partial["transfers"] = transfers  # kept in results.json if the phase ends early
     try:
@@ -267,7 +274,19 @@ def phase_b(
         "bytes": sum(t["bytes"] for t in transfers),
         "start_s": info["start_s"],
         "transfers": transfers,
+        **({"p_shared": info["p_ready"].get("shared")} if engine_process else {}),
     }
+
+
+def phase_g(run: Run, deadline: float) -> dict[str, Any]:
+    """Phase B with P's engine in an engine process (`kvflow.runtime.process`) over the caches
+    P's child owns and fills: on a GPU exported by legacy CUDA IPC (`kvflow.runtime.cuda_ipc`)
+    and opened there, in the dry run host memory shared in place.  D's digest must equal the
+    owner's: the engine process WRITEs the owner's bytes.
+
+    :raises GpuChildFailed, GpuPhaseTimeout: see `phase_b`.
+    """
+    return phase_b(run, deadline, tag="G", engine_process=True)
 
 
 def phase_e(run: Run, deadline: float, tag: str = "E", unbound: bool = False) -> dict[str, Any]:
