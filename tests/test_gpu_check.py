@@ -332,6 +332,10 @@ def test_the_cpu_dry_run_moves_byte_exact_blocks_and_measures_each_size(tmp_path
     assert len(phases["G"]["transfers"]) == 4 and phases["G"]["p_shared"] >= 1
     csv = (out / "bandwidth.csv").read_text().splitlines()
     assert [row.split(",")[:4] for row in csv[1:]] == [["1", "1048576", "8", "7/7"], ["4", "4194304", "32", "7/7"]]
+    header = csv[0].split(",")
+    raw = [dict(zip(header, row.split(","), strict=True)) for row in csv[1:]]
+    assert [r["raw_verified"] for r in raw] == ["7/7", "7/7"]  # the bare NIXL baseline moved the same bytes
+    assert all(float(r["kvflow_over_raw"]) > 0 for r in raw)
     assert "== phase D: ok" in (out / "run.log").read_text()
     assert "=== phase E: d stderr with UCX_PROTO_INFO=y ===" in (out / "ucx.log").read_text()
 

@@ -10,16 +10,19 @@ leaves its findings in DIR as it goes, for a run cut off to keep what finished: 
 ``--device cpu`` is the same run on host memory (phases C and F skipped), a dry run anywhere.
 
 The phases, in the order they run: A the environment; B P→D transfers of scattered blocks,
-byte-exact; E phase B with UCX's protocol log; C (cuda) gating on a CUDA event and the CPU cost
-of waiting on one; D bandwidth against a torch copy; F (cuda, never fails the run) phase B with
-no thread bound to the GPU.  The exit status is 0 when no phase failed, 1 otherwise, 2 when the
-run was interrupted.
+byte-exact; E phase B with UCX's protocol log; G phase B with P's engine in an engine process
+over the memory P's child owns (CUDA IPC on a GPU); C (cuda) gating on a CUDA event and the CPU
+cost of waiting on one; D bandwidth against bare NIXL agents and a torch copy; F (cuda, never
+fails the run) phase B with no thread bound to the GPU.  The exit status is 0 when no phase
+failed, 1 otherwise, 2 when the run was interrupted.
 
 - `__main__`: the command line, for the parent and its children (``--role``).
-- `phases`: phases A to F and `run_phases`, which runs them under their time limits.
+- `phases`: the phases and `run_phases`, which runs them under their time limits.
 - `run`: the parent's output folder (`Run`) and its child processes (`Proc`).
 - `child`: the children's entry points and phase A's environment report.
 - `engine_child`: the engine (P or D) a child runs, and its commands.
+- `process_child`: P whose engine runs in an engine process over the memory it owns (phase G).
+- `raw_nixl`: the bandwidth baseline, a bare NIXL agent in each child.
 - `ucx`: UCX's protocol tables read out of a child's log.
 - `plan`: the geometries, transfers and time limits both sides share.
 - `wheels`: the wheels the check carries to a GPU machine that cannot fetch them.

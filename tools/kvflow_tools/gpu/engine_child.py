@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import hashlib
 import json
 import os
@@ -27,6 +28,7 @@ import torch
 import kvflow
 from kvflow.transports.nixl import NixlTransport
 from kvflow_tools.gpu.plan import SPEC_B, SPEC_D, STALE, TRANSFER_S, block_len
+from kvflow_tools.gpu.raw_nixl import RawNixl
 
 __all__ = ("EngineChild", "answer", "cuda_event", "event_done", "serve", "sleep_kernel")
 
@@ -84,6 +86,7 @@ class EngineChild:
         bind = bind_thread if self.cuda and not args.unbound else None
         self.regions = [kvflow.region_of(t) for t in self.layers]
         self.watchers: set[asyncio.Task[None]] = set()
+        self.raw: RawNixl  # made by the raw_open command (the bandwidth baseline)
         self.stream = torch.cuda.Stream() if self.cuda else None  # type: ignore[no-untyped-call]
         if not engine:
             return
@@ -199,6 +202,40 @@ class EngineChild:
         result = await handle.wait(TRANSFER_S + 5)
         t1 = time.monotonic()
         self.emit("sent", id=cmd["id"], t0=t0, t_p_done=t1, outcome=result.outcome.value, reason=result.reason)
+
+    def cmd_raw_open(self, cmd: dict[str, Any]) -> None:
+        """A bare NIXL agent on this child's caches (the bandwidth baseline); its metadata."""
+        layers = [(int(t.data_ptr()), t.numel()) for t in self.layers]
+        self.raw = RawNixl(f"raw-{cmd['name']}", layers, self.nb, self.blen, self.cuda)
+        self.emit("raw_opened", id=cmd["id"], metadata=base64.b64encode(self.raw.metadata()).decode(), layers=layers)
+
+    def cmd_raw_peer(self, cmd: dict[str, Any]) -> None:
+        self.raw.add_peer(base64.b64decode(cmd["metadata"]), [(int(a), int(n)) for a, n in cmd["layers"]])
+        self.emit("raw_peered", id=cmd["id"])
+
+    async def cmd_raw_write(self, cmd: dict[str, Any]) -> None:
+        """P: the baseline WRITE of blocks [0, count), notification `tag`."""
+        t0, t1 = await asyncio.to_thread(self.raw.write, int(cmd["count"]), cmd["tag"].encode(), TRANSFER_S)
+        self.emit("raw_written", id=cmd["id"], t0=t0, t_p_done=t1)
+
+    async def cmd_raw_expect(self, cmd: dict[str, Any]) -> None:
+        """D: zero the cache, say so at once, then when notification `tag` came and the landed
+        blocks' digest."""
+        for layer in self.layers:
+            layer.zero_()
+        self.sync()
+        task = asyncio.ensure_future(self._raw_watch(cmd))
+        self.watchers.add(task)
+        task.add_done_callback(self.watchers.discard)
+        self.emit("raw_expecting", id=cmd["id"])
+
+    async def _raw_watch(self, cmd: dict[str, Any]) -> None:
+        try:
+            t_done = await asyncio.to_thread(self.raw.notified, cmd["tag"].encode(), TRANSFER_S)
+            self.sync()
+            self.emit("raw_result", id=cmd["id"], t_done=t_done, digest=self.digest(list(range(int(cmd["count"])))))
+        except Exception as exc:
+            self.emit("error", id=cmd["id"], error=f"{type(exc).__name__}: {exc}", trace=traceback.format_exc())
 
     def cmd_calibrate(self, cmd: dict[str, Any]) -> None:
         """cuda: GPU clock cycles per second of `sleep_kernel`, measured with CUDA events."""

@@ -388,13 +388,16 @@ def phase_c(run: Run, deadline: float) -> dict[str, Any]:
 
 BANDWIDTH_HEADER = (
     "size_mib,bytes,blocks,verified,kvflow_median_ms,kvflow_min_ms,kvflow_median_gbps,kvflow_best_gbps,"
-    "p_side_median_ms,copy_median_ms,copy_median_gbps,copy_equal\n"
+    "p_side_median_ms,copy_median_ms,copy_median_gbps,copy_equal,"
+    "raw_verified,raw_median_ms,raw_median_gbps,kvflow_over_raw\n"
 )
 
 
 def phase_d(run: Run, deadline: float, sizes_mib: list[int], warmup: int = 2, iters: int = 5) -> dict[str, Any]:
-    """Bandwidth: per size, `warmup` + `iters` contiguous pushes, each checked by digest, and a
-    torch copy of the same size; a row of bandwidth.csv per size as it ends.
+    """Bandwidth: per size, `warmup` + `iters` contiguous pushes, each checked by digest, the
+    same WRITEs made with bare NIXL agents (`raw_nixl`: kvflow's bandwidth over theirs is
+    ``kvflow_over_raw``), and a torch copy of the same size; a row of bandwidth.csv per size as
+    it ends.
 
     :raises GpuChildFailed: a child failed, or a transfer did not succeed.
     :raises GpuPhaseTimeout: a reply did not come by `deadline`.
@@ -404,6 +407,14 @@ def phase_d(run: Run, deadline: float, sizes_mib: list[int], warmup: int = 2, it
     p, d, info = start_pair(run, "D", deadline, geometry="bw", blocks=blocks)
     csv = run.out / "bandwidth.csv"
     csv.write_text(BANDWIDTH_HEADER)
+    try:
+        raw = {name: proc.request("raw_open", "raw_opened", deadline, name=name) for name, proc in (("p", p), ("d", d))}
+        p.request("raw_peer", "raw_peered", deadline, metadata=raw["d"]["metadata"], layers=raw["d"]["layers"])
+        d.request("raw_peer", "raw_peered", deadline, metadata=raw["p"]["metadata"], layers=raw["p"]["layers"])
+    except BaseException:
+        p.close()
+        d.close()
+        raise
     rows: list[dict[str, Any]] = []
     run.partial["rows"] = rows
     try:
@@ -422,6 +433,16 @@ def phase_d(run: Run, deadline: float, sizes_mib: list[int], warmup: int = 2, it
                     timed.append(t["ms_kv_ready_to_d_result"] / 1e3)
                     p_side.append(t["ms_kv_ready_to_p_result"] / 1e3)
             size = n * per_block
+            raw_timed, raw_verified = [], 0
+            for i in range(warmup + iters):
+                tag = f"raw-{mib}-{i}"
+                ident = d.send("raw_expect", tag=tag, count=n)
+                d.wait("raw_expecting", ident, deadline)
+                written = p.request("raw_write", "raw_written", deadline, tag=tag, count=n)
+                landed = d.wait("raw_result", ident, deadline)
+                raw_verified += landed["digest"] == digest
+                if i >= warmup:
+                    raw_timed.append(landed["t_done"] - written["t0"])
             cp = p.request("copy_bw", "copied", deadline, size=size, warmup=warmup, iters=iters)
             row = {
                 "size_mib": mib,
@@ -436,6 +457,10 @@ def phase_d(run: Run, deadline: float, sizes_mib: list[int], warmup: int = 2, it
                 "copy_median_ms": statistics.median(cp["times"]) * 1e3,
                 "copy_median_gbps": size / statistics.median(cp["times"]) / 1e9,
                 "copy_equal": cp["equal"],
+                "raw_verified": f"{raw_verified}/{warmup + iters}",
+                "raw_median_ms": statistics.median(raw_timed) * 1e3,
+                "raw_median_gbps": size / statistics.median(raw_timed) / 1e9,
+                "kvflow_over_raw": statistics.median(raw_timed) / statistics.median(timed),
             }
             rows.append(row)
             with open(csv, "a") as f:
@@ -443,7 +468,8 @@ def phase_d(run: Run, deadline: float, sizes_mib: list[int], warmup: int = 2, it
             run.log(
                 f"  D {mib:>4} MiB: kvflow {row['kvflow_median_gbps']:8.2f} GB/s "
                 f"(median {row['kvflow_median_ms']:.3f} ms, verified {row['verified']}); "
-                f"torch copy {row['copy_median_gbps']:8.2f} GB/s"
+                f"raw NIXL {row['raw_median_gbps']:8.2f} GB/s (kvflow/raw {row['kvflow_over_raw']:.2f}, "
+                f"verified {row['raw_verified']}); torch copy {row['copy_median_gbps']:8.2f} GB/s"
             )
     finally:
         p.close()
@@ -451,7 +477,8 @@ def phase_d(run: Run, deadline: float, sizes_mib: list[int], warmup: int = 2, it
     ok = (
         rows
         and len(rows) == len(sizes_mib)
-        and all(r["verified"] == f"{warmup + iters}/{warmup + iters}" and r["copy_equal"] for r in rows)
+        and all(r["verified"] == r["raw_verified"] == f"{warmup + iters}/{warmup + iters}" for r in rows)
+        and all(r["copy_equal"] for r in rows)
     )
     return {"status": "ok" if ok else "fail", "block_bytes_all_layers": per_block, "rows": rows}
 
