@@ -211,9 +211,10 @@ class CudaDriver:
         for local in opened:
             self._lib.cuIpcCloseMemHandle(ctypes.c_uint64(local))
 
-    def copy_to_host(self, address: int, length: int) -> bytes:
-        """`length` bytes of device memory at `address` (for a check, never a transfer).
-        :raises TransportError: CUDA's."""
+    def copy_to_host(self, device: int, address: int, length: int) -> bytes:
+        """`length` bytes of GPU `device`'s memory at `address` (for a check, never a transfer),
+        on the calling thread (bound to the device first).  :raises TransportError: CUDA's."""
+        self.bind(device)
         buffer = ctypes.create_string_buffer(length)
         self._check(
             self._lib.cuMemcpyDtoH_v2(buffer, ctypes.c_uint64(address), ctypes.c_size_t(length)), "cuMemcpyDtoH"

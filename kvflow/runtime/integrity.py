@@ -20,7 +20,10 @@ same order (head, then array), so that the digests compare whatever the two layo
 
 `EngineConfig.integrity_sample` N checks one transfer in N, picked by a digest of its id so that
 P and D pick the same ones.  Hashing is the `xxhash` package (C, about 16 GiB/s on one core here)
-over the memory in place; host memory only (a VRAM region is refused when the engine is made).
+over host memory in place; GPU memory is copied to the host unit by unit first (the driver's
+``cuMemcpyDtoH``, `cuda_ipc.CudaDriver`, on the thread that hashes), so both sides compute the
+same digests whatever memory each holds.  That copy is the check's cost on a GPU (not yet
+measured on one); a kernel hashing on the device would spare it.
 P hashes on the thread that plans and posts the WRITE; D on that thread too (the engine's
 writer; a small check on the loop), before the notification reaches the core
 (`kvflow.runtime.dataplane`).  xxhash releases the GIL while it hashes a large buffer.
@@ -42,6 +45,7 @@ from kvflow.layout.spec import MemoryType, Region
 from kvflow.layout.states import parse_split, state_runs
 from kvflow.protocol.actions import SubmitOp
 from kvflow.protocol.messages import Seal, TransferKey, decode_notification, encode_notification
+from kvflow.runtime.cuda_ipc import CudaDriver
 
 __all__ = ("Integrity", "PendingCheck", "sampled")
 
@@ -50,6 +54,7 @@ MAX_EVERY = 1 << 20
 
 
 Hash = Callable[[Sequence[bytes | memoryview]], int]
+DeviceCopy = Callable[[int, int, int], bytes]  # (GPU, address, length) -> those bytes, on the host
 
 
 def _hasher() -> Hash:
@@ -94,22 +99,29 @@ class PendingCheck:
 class Integrity:
     """Seals (P) and checks (D) the WRITEs of one engine, whose KV cache is `layout`."""
 
-    def __init__(self, engine_id: str, layout: KVLayout, every: int = 1) -> None:
+    def __init__(self, engine_id: str, layout: KVLayout, every: int = 1, device_copy: DeviceCopy | None = None) -> None:
         """Checks one transfer in `every` (1: each), the same ones on both sides (`sampled`).
+        GPU regions are read through `device_copy` (device, address, length) -> bytes; None:
+        the CUDA driver's, made when the layout has a GPU region.
 
-        :raises ConfigError: a region of `layout` is not host memory, `every` is not a positive
-            integer, or xxhash is missing.
+        :raises ConfigError: a region of `layout` is neither host nor GPU memory, `every` is not
+            a positive integer, or xxhash is missing.
+        :raises TransportUnavailable: GPU regions and no CUDA driver.
         """
         if type(every) is not int or not 0 < every <= MAX_EVERY:
             raise ConfigError(f"integrity_sample must be an integer in 1..{MAX_EVERY}, not {every!r}")
         self.every = every
-        device = [i for i, region in enumerate(layout.regions) if region.memory is not MemoryType.DRAM]
-        if device:
-            raise ConfigError(f"the integrity check reads host memory; regions {device} are device memory")
+        other = [i for i, r in enumerate(layout.regions) if r.memory not in (MemoryType.DRAM, MemoryType.VRAM)]
+        if other:
+            raise ConfigError(f"the integrity check reads host and GPU memory; regions {other} are neither")
+        if device_copy is None and any(r.memory is MemoryType.VRAM for r in layout.regions):
+            device_copy = CudaDriver().copy_to_host
         self.engine_id = engine_id
         self.layout = layout
         self.hash = _hasher()
-        self.memory = [_view(region) for region in layout.regions]
+        self.memory: list[memoryview | _DeviceBytes] = [
+            _view(r) if r.memory is MemoryType.DRAM else _DeviceBytes(r, device_copy) for r in layout.regions
+        ]
 
     def seal(self, op: SubmitOp, remote: KVLayout) -> bytes:
         """`op`'s notification with the digests of what it reads here (P, a WRITE to a peer whose
@@ -197,7 +209,7 @@ class Integrity:
         )
 
 
-Units = Iterator[tuple[int, int, list[memoryview]]]  # (layer, D block, the unit's chunks of memory)
+Units = Iterator[tuple[int, int, list[memoryview | bytes]]]  # (layer, D block, the unit's chunks of memory)
 
 
 class _Reader:
@@ -287,7 +299,7 @@ class _Reader:
                     ],
                 )
 
-    def _at(self, region: int, offset: int, length: int) -> memoryview:
+    def _at(self, region: int, offset: int, length: int) -> memoryview | bytes:
         return self.memory[region][offset : offset + length]
 
 
@@ -296,6 +308,19 @@ def sampled(key: TransferKey, every: int) -> bool:
     that P and D, told the same `every`, pick the same transfers.  Never raises."""
     tag = hashlib.blake2b(key.transfer_id.encode("utf-8", "surrogatepass"), digest_size=8).digest()
     return every <= 1 or int.from_bytes(tag, "little") % every == 0
+
+
+class _DeviceBytes:
+    """A GPU region's bytes, sliced as a memoryview is: each slice is copied to the host."""
+
+    def __init__(self, region: Region, copy: DeviceCopy | None) -> None:
+        assert copy is not None  # made for every layout with a GPU region (see Integrity)
+        self.region, self.copy = region, copy
+
+    def __getitem__(self, span: slice) -> bytes:
+        """:raises TransportError: the device refused the copy."""
+        start, stop, _ = span.indices(self.region.length)
+        return self.copy(self.region.device_id, self.region.base + start, max(0, stop - start))
 
 
 def _view(region: Region) -> memoryview:
