@@ -49,7 +49,7 @@ def run(tmp_path: Path) -> Iterator[Run]:
 @pytest.mark.parametrize(
     ("phases", "message"),
     [
-        ("ABX", "unknown phase 'X': the phases are A, B, E, G, C, D, F"),
+        ("ABX", "unknown phase 'X': the phases are A, B, E, G, I, C, D, F"),
         ("abed", "unknown phase 'a'"),
         ("ABB", "phase 'B' named twice"),
         ("", "no phase named"),
@@ -68,7 +68,7 @@ def test_phases_and_sizes_are_parsed_with_their_defaults() -> None:
     args = parse_args(["--device", "cuda", "--out", "x", "--phases", "BD", "--sizes", "1,16,256"])
     assert (args.phases, args.sizes, args.budget, args.limit_scale) == ("BD", [1, 16, 256], 320.0, 1.0)
     args = parse_args(["--device", "cpu", "--out", "x"])
-    assert (args.phases, args.sizes, args.role) == ("ABEGCDF", [1, 4, 16, 64, 256], "parent")
+    assert (args.phases, args.sizes, args.role) == ("ABEGICDF", [1, 4, 16, 64, 256], "parent")
 
 
 @pytest.mark.parametrize(
@@ -310,7 +310,7 @@ def test_the_cpu_dry_run_moves_byte_exact_blocks_and_measures_each_size(tmp_path
     out = tmp_path / "tmp"
     env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable}
     done = subprocess.run(
-        ["bash", str(ROOT / "scripts" / "gpu-check"), "dry-run", "--sizes", "1,4", "--phases", "ABEGD"],
+        ["bash", str(ROOT / "scripts" / "gpu-check"), "dry-run", "--sizes", "1,4", "--phases", "ABEGID"],
         cwd=tmp_path,
         env=env,
         capture_output=True,
@@ -319,7 +319,7 @@ def test_the_cpu_dry_run_moves_byte_exact_blocks_and_measures_each_size(tmp_path
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     doc = json.loads((out / "results.json").read_text())
-    assert doc["summary"] == {"A": "ok", "B": "ok", "E": "ok", "G": "ok", "D": "ok"}
+    assert doc["summary"] == {"A": "ok", "B": "ok", "E": "ok", "G": "ok", "I": "ok", "D": "ok"}
     phases = {p["phase"]: p for p in doc["phases"]}
     assert phases["A"]["details"]["kvflow"] == str(ROOT / "kvflow" / "__init__.py")
     transfers = phases["B"]["transfers"]
@@ -330,6 +330,8 @@ def test_the_cpu_dry_run_moves_byte_exact_blocks_and_measures_each_size(tmp_path
     # G: P's engine in an engine process over the memory its owner shared (4 layers' runs)
     assert all(t["digest_equal"] and t["d_outside_nonzero_bytes"] == 0 for t in phases["G"]["transfers"])
     assert len(phases["G"]["transfers"]) == 4 and phases["G"]["p_shared"] >= 1
+    # I: the integrity check passes the clean blocks and names the one with a flipped bit
+    assert phases["I"]["clean"] is None and "block 63" in phases["I"]["flipped"]
     csv = (out / "bandwidth.csv").read_text().splitlines()
     assert [row.split(",")[:4] for row in csv[1:]] == [["1", "1048576", "8", "7/7"], ["4", "4194304", "32", "7/7"]]
     header = csv[0].split(",")

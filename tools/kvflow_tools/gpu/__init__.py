@@ -11,9 +11,10 @@ leaves its findings in DIR as it goes, for a run cut off to keep what finished: 
 
 The phases, in the order they run: A the environment; B P→D transfers of scattered blocks,
 byte-exact; E phase B with UCX's protocol log; G phase B with P's engine in an engine process
-over the memory P's child owns (CUDA IPC on a GPU); C (cuda) gating on a CUDA event and the CPU
-cost of waiting on one; D bandwidth against bare NIXL agents and a torch copy; F (cuda, never
-fails the run) phase B with no thread bound to the GPU.  The exit status is 0 when no phase
+over the memory P's child owns (CUDA IPC on a GPU); I the integrity check on the caches'
+memory; C (cuda) gating on a CUDA event and the CPU cost of waiting on one; D bandwidth against
+bare NIXL agents and a torch copy; F (cuda, never fails the run) phase B with no thread bound to
+the GPU.  The exit status is 0 when no phase
 failed, 1 otherwise, 2 when the run was interrupted.
 
 - `__main__`: the command line, for the parent and its children (``--role``).

@@ -26,6 +26,9 @@ from typing import Any, TextIO
 import torch
 
 import kvflow
+from kvflow.protocol.actions import OpKind, SubmitOp
+from kvflow.protocol.messages import TransferKey, encode_notification
+from kvflow.runtime.integrity import Integrity
 from kvflow.transports.nixl import NixlTransport
 from kvflow_tools.gpu.plan import SPEC_B, SPEC_D, STALE, TRANSFER_S, block_len
 from kvflow_tools.gpu.raw_nixl import RawNixl
@@ -236,6 +239,40 @@ class EngineChild:
             self.emit("raw_result", id=cmd["id"], t_done=t_done, digest=self.digest(list(range(int(cmd["count"])))))
         except Exception as exc:
             self.emit("error", id=cmd["id"], error=f"{type(exc).__name__}: {exc}", trace=traceback.format_exc())
+
+    def cmd_integrity(self, cmd: dict[str, Any]) -> None:
+        """The integrity check on this child's caches (GPU memory read through the CUDA driver's
+        copy): P's seal of `count` filled blocks, D's check of the same blocks (must pass), then
+        one byte flipped in the last block (must fail, naming it); the seal's and check's rate."""
+        blocks = list(range(int(cmd["count"])))
+        idx = self.index(blocks)
+        for layer, src in zip(self.layers, self.pattern(int(cmd["seed"]), len(blocks)), strict=True):
+            layer.index_copy_(1, idx, src)
+        self.sync()
+        layout = self.engine.layout
+        integrity = Integrity(self.engine.engine_id, layout)
+        key = TransferKey("integrity", 1)
+        op = SubmitOp(
+            1, key, "self", OpKind.WRITE, tuple(blocks), tuple(blocks), None, encode_notification(key, 0, True)
+        )
+        t0 = time.perf_counter()
+        sealed = integrity.seal(op, layout)
+        t1 = time.perf_counter()
+        clean = integrity.check("self", sealed, layout, lambda _: blocks)
+        t2 = time.perf_counter()
+        self.layers[0][0, blocks[-1], 7] ^= 1  # one bit of one byte of layer 0's K in the last block
+        self.sync()
+        flipped = integrity.check("self", sealed, layout, lambda _: blocks)
+        size = len(blocks) * self.spec.num_layers * 2 * self.blen
+        self.emit(
+            "integrity",
+            id=cmd["id"],
+            bytes=size,
+            clean=clean,
+            flipped=flipped,
+            seal_gib_per_s=size / (t1 - t0) / 2**30,
+            check_gib_per_s=size / (t2 - t1) / 2**30,
+        )
 
     def cmd_calibrate(self, cmd: dict[str, Any]) -> None:
         """cuda: GPU clock cycles per second of `sleep_kernel`, measured with CUDA events."""

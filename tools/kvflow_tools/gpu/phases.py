@@ -48,6 +48,7 @@ def plan_phases(run: Run, keys: str, sizes_mib: Sequence[int]) -> list[Phase]:
         "B": ("two processes, NIXL, scattered blocks", lambda dl: phase_b(run, dl)),
         "E": ("phase B with UCX_PROTO_INFO=y", lambda dl: phase_e(run, dl)),
         "G": ("phase B with P's engine in an engine process over memory its owner shares", lambda dl: phase_g(run, dl)),
+        "I": ("the integrity check on the cache's memory: a flipped byte caught", lambda dl: phase_i(run, dl)),
         "C": ("gating on a CUDA event; event-wait CPU cost", lambda dl: phase_c(run, dl)),
         "D": ("bandwidth", lambda dl: phase_d(run, dl, list(sizes_mib))),
         "F": ("phase B with no thread bound to the GPU (extra)", lambda dl: phase_f(run, dl)),
@@ -496,3 +497,28 @@ def phase_f(run: Run, deadline: float) -> dict[str, Any]:
         res = {"status": "error", "error": f"{type(exc).__name__}: {exc}", **run.partial}
     res["status"] = "info: " + res["status"]
     return res
+
+
+def phase_i(run: Run, deadline: float) -> dict[str, Any]:
+    """The integrity check (`kvflow.runtime.integrity`) on one child's caches, GPU memory read
+    through the driver's copy: a seal of 64 filled blocks checks clean, and fails naming the
+    block once one bit of it is flipped; the seal's and the check's rate (GiB/s).
+
+    :raises GpuChildFailed: the child failed.
+    :raises GpuPhaseTimeout: no reply by `deadline`.
+    """
+    env = child_env(None)
+    child = Proc(run, "integrity-0", child_argv("d", run.device, "--name", "integrity-0"), env, "I")
+    try:
+        child.wait("ready", None, min(deadline, time.monotonic() + READY_S))
+        res = child.request("integrity", "integrity", deadline, count=BLOCKS_B, seed=7)
+    finally:
+        child.close()
+    last = BLOCKS_B - 1
+    caught = isinstance(res["flipped"], str) and f"block {last}" in res["flipped"]
+    ok = res["clean"] is None and caught
+    run.log(f"  I: clean {res['clean']!r}; flipped: {res['flipped']!r}")
+    run.log(
+        f"  I: {res['bytes']} bytes, seal {res['seal_gib_per_s']:.2f} GiB/s, check {res['check_gib_per_s']:.2f} GiB/s"
+    )
+    return {"status": "ok" if ok else "fail", **{k: v for k, v in res.items() if k not in ("event", "id")}}
