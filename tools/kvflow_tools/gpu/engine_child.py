@@ -26,6 +26,7 @@ from typing import Any, TextIO
 import torch
 
 import kvflow
+from kvflow.integrations.vllm.device import CudaDevice, GateWaiter
 from kvflow.protocol.actions import OpKind, SubmitOp
 from kvflow.protocol.messages import TransferKey, encode_notification
 from kvflow.runtime.integrity import Integrity
@@ -289,8 +290,9 @@ class EngineChild:
 
     async def cmd_gate(self, cmd: dict[str, Any]) -> None:
         """cuda: old bytes (STALE) in P's blocks; on one stream a long kernel, then the pattern's
-        copy, then an event.  wait=True: kv_ready only once the event completed; wait=False (the
-        negative control): kv_ready at once, while the kernel still runs."""
+        copy, then kvflow's gate (`CudaDevice.record`, on the stream current there, as in a
+        forward).  wait=True: kv_ready once kvflow's `GateWaiter` says the gate opened;
+        wait=False (the negative control): kv_ready at once, while the kernel still runs."""
         blocks = cmd["blocks"]
         idx = self.index(blocks)  # made (an H2D copy) before the stream gets its long kernel
         for layer in self.layers:
@@ -301,25 +303,30 @@ class EngineChild:
         for s in src:
             h.update(s.cpu().numpy().data)
         expected = h.hexdigest()
-        ev = cuda_event()
         assert self.stream is not None
+        device = CudaDevice(0)
         with torch.cuda.stream(self.stream):
             sleep_kernel(int(cmd["cycles"]))
             for layer, s in zip(self.layers, src, strict=True):
                 for i, b in enumerate(blocks):
                     layer[:, b].copy_(s[:, i])  # plain strided copies: no host synchronisation
-            ev.record(self.stream)
+            gate = device.record()  # what a hook does after enqueueing a layer group's kernels
+        assert gate is not None
         t_enqueued = time.monotonic()
         waited = 0.0
         if cmd["wait"]:
-            await asyncio.to_thread(ev.synchronize)
+            waiter = GateWaiter(device, "gpu-check-gates")
+            try:
+                await waiter.wait(gate, TRANSFER_S)
+            finally:
+                waiter.close()
             waited = time.monotonic() - t_enqueued
-        pending_at_kv_ready = not event_done(ev)  # True: the copy had not run when the WRITE was posted
+        pending_at_kv_ready = not gate.done()  # True: the copy had not run when the WRITE was posted
         t0 = time.monotonic()
         handle = await self.engine.kv_ready(cmd["tid"], 1, block_ids=blocks, mode=kvflow.Mode.PUSH, peer=cmd["peer"])
         result = await handle.wait(TRANSFER_S + 5)
         t1 = time.monotonic()
-        await asyncio.to_thread(ev.synchronize)
+        await asyncio.to_thread(gate.wait)
         self.emit(
             "gated",
             id=cmd["id"],
@@ -335,7 +342,8 @@ class EngineChild:
 
     async def cmd_cpu_wait(self, cmd: dict[str, Any]) -> None:
         """cuda: CPU time of one thread waiting for a ~1 s kernel: event.synchronize() on a default
-        event (may spin), on Event(blocking=True) (should sleep), and a query() poll every 1 ms."""
+        event (may spin), on Event(blocking=True) (should sleep), a query() poll every 1 ms, and
+        kvflow's own gate (`CudaDevice.record`, waited as its `GateWaiter` does)."""
         cycles = int(cmd["cycles"])
         stream = self.stream
         assert stream is not None
@@ -349,6 +357,7 @@ class EngineChild:
                 sleep_kernel(cycles)
                 k1.record(stream)
                 ev.record(stream)
+                gate = CudaDevice(0).record() if kind == "kvflow_gate_wait" else None  # kvflow's own
             out: dict[str, Any] = {}
 
             def waiter() -> None:
@@ -356,6 +365,8 @@ class EngineChild:
                 if kind == "query_poll_1ms":
                     while not event_done(ev):
                         time.sleep(0.001)
+                elif gate is not None:
+                    gate.wait()
                 else:
                     ev.synchronize()
                 out["cpu_s"], out["wall_s"] = time.thread_time() - c0, time.perf_counter() - w0
@@ -368,7 +379,7 @@ class EngineChild:
             out["cpu_per_wall"] = out["cpu_s"] / out["wall_s"] if out["wall_s"] > 0 else None
             return {"kind": kind, **out}
 
-        kinds = ("default_event_synchronize", "blocking_event_synchronize", "query_poll_1ms")
+        kinds = ("default_event_synchronize", "blocking_event_synchronize", "query_poll_1ms", "kvflow_gate_wait")
         rows = [await asyncio.to_thread(measure, kind) for kind in kinds]
         self.emit("cpu_waited", id=cmd["id"], rows=rows)
 

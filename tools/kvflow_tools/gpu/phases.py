@@ -316,8 +316,9 @@ def phase_e(run: Run, deadline: float, tag: str = "E", unbound: bool = False) ->
 
 
 def phase_c(run: Run, deadline: float) -> dict[str, Any]:
-    """(cuda) Gating: kv_ready after a CUDA event must carry the fresh bytes; a negative control
-    that does not wait; the CPU cost of waiting on an event.
+    """(cuda) Gating with kvflow's own gate (`CudaDevice.record`, `GateWaiter`): kv_ready once it
+    opened must carry the fresh bytes; a negative control that does not wait; the CPU cost of
+    waiting on an event, kvflow's included, which must sleep (under `SLEEPING_CPU_PER_WALL`).
 
     :raises GpuChildFailed: a child failed.
     :raises GpuPhaseTimeout: a reply did not come by `deadline`.
@@ -377,8 +378,12 @@ def phase_c(run: Run, deadline: float) -> dict[str, Any]:
         d.close()
     gated = [t for t in trials if t["kind"] == "gated"]
     ok = len(gated) == 2 and all(t["ok"] for t in gated) and all(t["p_blocks_final_equal_pattern"] for t in trials)
+    # kvflow's own gate must let its waiter sleep: a spinning wait costs a core per rank
+    mine = [w["cpu_per_wall"] for w in waits if w["kind"] == "kvflow_gate_wait"]
+    waiter_sleeps = bool(mine) and mine[0] is not None and mine[0] < SLEEPING_CPU_PER_WALL
     return {
-        "status": "ok" if ok else "fail",
+        "status": "ok" if ok and waiter_sleeps else "fail",
+        "kvflow_waiter_sleeps": waiter_sleeps,
         "gated_ok": f"{sum(bool(t['ok']) for t in gated)}/{len(gated)}",
         "negative_control": [t["landed"] for t in trials if t["kind"] == "ungated"],
         "sleep_cycles_per_s": rate,
@@ -386,6 +391,8 @@ def phase_c(run: Run, deadline: float) -> dict[str, Any]:
         "cpu_wait": waits,
     }
 
+
+SLEEPING_CPU_PER_WALL = 0.2  # CPU seconds per second of waiting under which a waiter sleeps
 
 BANDWIDTH_HEADER = (
     "size_mib,bytes,blocks,verified,kvflow_median_ms,kvflow_min_ms,kvflow_median_gbps,kvflow_best_gbps,"
