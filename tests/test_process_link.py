@@ -20,7 +20,6 @@ import pytest
 
 import kvflow
 from kvflow.errors import EngineClosed, TransportError
-from kvflow.integrations.vllm.device import HostDevice
 from kvflow.integrations.vllm.links import ProcessLink
 from kvflow.runtime.host_memory import share_in_place
 from kvflow.runtime.process import EngineProcess, ProcessSpec
@@ -47,6 +46,16 @@ class TestGate:
             raise self.error
 
 
+class GpuLike:
+    """A device whose hooks record gates (as a GPU's do); the gates themselves are the test's."""
+
+    def bind_thread(self) -> None:
+        return None
+
+    def record(self) -> TestGate | None:
+        return None
+
+
 @pytest.fixture
 def link() -> Iterator[ProcessLink]:
     cache = np.zeros((2, 4, SPEC.block_len), np.uint8)
@@ -65,7 +74,7 @@ def link() -> Iterator[ProcessLink]:
     finally:
         for span in spans:
             os.close(span.fd)
-    link = ProcessLink(process, HostDevice())
+    link = ProcessLink(process, GpuLike())
     yield link
     link.close(timeout=10.0)
 
@@ -118,7 +127,7 @@ def test_close_fails_what_a_device_that_never_finishes_still_holds() -> None:
     try:
         layout = kvflow.KVLayout.per_layer_regions(SPEC, 4, regions)
         spec = ProcessSpec("stuck-0", layout, transport_options={"cuda": False})
-        link = ProcessLink(EngineProcess(spec, spans), HostDevice())
+        link = ProcessLink(EngineProcess(spec, spans), GpuLike())
     finally:
         for span in spans:
             os.close(span.fd)

@@ -30,7 +30,7 @@ from functools import partial
 from typing import Any, Protocol
 
 from kvflow.errors import EngineClosed, EngineTimeout, KVFlowError
-from kvflow.integrations.vllm.device import Device, GateWaiter, is_gate
+from kvflow.integrations.vllm.device import Device, GateWaiter, HostDevice, is_gate
 from kvflow.integrations.vllm.rank_agent import RankAgent
 from kvflow.protocol.actions import ReleaseBlocks
 from kvflow.runtime.engine import Engine
@@ -149,6 +149,7 @@ class ProcessLink:
         self.process = process
         self.address = process.address
         self._device = device
+        self._gated = not isinstance(device, HostDevice)  # host memory records no gates: no look at each call
         self._waiter: GateWaiter | None = None  # started by the first gate not yet done
         self._held: deque[_Held] = deque()
         self._lock = threading.Lock()  # taken before the process's own, never after it
@@ -156,6 +157,8 @@ class ProcessLink:
     def command(self, name: str, *args: Any, lazy: bool = False) -> concurrent.futures.Future[Any]:
         """:raises EngineClosed, ConfigError: see `EngineProcess.call` (a command held behind a
         gate fails its future with them instead, once sent)."""
+        if not self._gated:  # the hooks' common case, kept as cheap as a direct call
+            return self.process.call(name, *args, lazy=lazy)
         gate = next((arg for arg in args if is_gate(arg)), None)
         if gate is not None:
             args = tuple(None if arg is gate else arg for arg in args)
