@@ -8,16 +8,18 @@ plans which pairs are alive together are checked here on hand-made data in milli
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from kvflow.errors import ConfigError
+from kvflow_tools.errors import BenchError
 from kvflow_tools.pd.workload import Arrival
 from kvflow_tools.routing.backends import Backend
 from kvflow_tools.routing.router import nixl_push_decode_body
-from kvflow_tools.serve import serve_report
+from kvflow_tools.serve import bench_serve, serve_report
 from kvflow_tools.serve.bench_serve import MODEL, add_arguments, kv_bytes_per_token, main, plan_phases, rotated
 from kvflow_tools.serve.client import Result, deltas, group_usage, metric_sum, prompt_ids
 from kvflow_tools.serve.launcher import place
@@ -126,12 +128,12 @@ def test_the_table_orders_by_phase_and_system_and_warns_of_failures() -> None:
     slowed = _results()
     slowed["config"]["nixl_progress_delay_us"] = 1000
     assert "vLLM's NIXL progress threads: sleeping 1000 µs between polls" in serve_report.render_table(slowed)
-    assert "32 KiB/token" in text and "phase 1, 1 req/s" in text and "phase 2, 1 req/s" in text
-    phase1 = text.split("phase 1, 1 req/s")[1].split("phase 2")[0]
+    assert "32 KiB/token" in text and "phase 1, run 1, 1 req/s" in text and "phase 2, run 1, 1 req/s" in text
+    phase1 = text.split("phase 1, run 1, 1 req/s")[1].split("phase 2")[0]
     assert phase1.index("kvflow") < phase1.index("vllm-pull")
     assert "WARNING vllm-pull: 1 of 11 failed" in text
     markdown = serve_report.markdown_table(_results())
-    assert markdown.count("\n") == 2 + 3 and "| 1 | 1 | vllm-pull | 10/1 |" in markdown
+    assert markdown.count("\n") == 2 + 3 and "| 1 | 1 | 1 | vllm-pull | 10/1 |" in markdown
 
 
 def test_results_and_plots_are_written(tmp_path: Path) -> None:
@@ -173,7 +175,7 @@ def test_no_prefill_server_shares_a_cpu_with_a_decode_server_when_there_are_two(
         place(names, [])
 
 
-@pytest.mark.parametrize("delay", ["-1", "1000001"])
+@pytest.mark.parametrize("delay", ["-2", "1000001"])
 def test_a_bad_progress_delay_is_refused_before_anything_is_written(
     tmp_path: Path, delay: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -184,3 +186,76 @@ def test_a_bad_progress_delay_is_refused_before_anything_is_written(
     assert main(args) == 2
     assert f"nixl_progress_delay_us must be a whole number of µs in 0..1000000, not {delay}" in capsys.readouterr().err
     assert not results.exists()
+
+
+def test_the_spread_gives_each_run_s_ttft_and_kvflow_s_ratio_run_by_run() -> None:
+    results = _results()
+    slower = _cell("kvflow", 1, 1.0) | {"repeat": 2}
+    slower["ttft_ms"] = slower["ttft_ms"] | {"p50": 209.0}
+    results["cells"] = serve_report.order([*results["cells"], slower, _cell("vllm-pull", 1, 1.0) | {"repeat": 2}])
+    lines = serve_report.spread_lines(results["cells"])
+    assert lines[0] == (
+        "TTFT p50 by run, phase 1, 1 req/s: kvflow 104.5 / 209.0; vllm-pull 104.5 / 104.5; "
+        "kvflow/vllm-pull 1.00x / 2.00x"
+    )
+    assert lines[1] == "TTFT p50 by run, phase 2, 1 req/s: kvflow 104.5"
+    text = serve_report.render_table(results)
+    assert "phase 1, run 2, 1 req/s" in text and lines[0] in text
+
+
+class FakePairs:
+    """Pairs that start nothing: the vllm-push pair's warm-up fails, as it did on the CPU build."""
+
+    def __init__(self, folder: Path, *_: object) -> None:
+        self.folder, self.stopped = folder, 0
+        self.kept: list[tuple[list[str], int | None]] = []
+        self.rss_gib: dict[str, float] = {}
+        FakePairs.last = self
+
+    last: FakePairs
+
+    def keep(self, connectors: list[str], systems: list[str], say: object) -> None:
+        written = self.folder / serve_report.RESULTS_FILE
+        cells = len(json.loads(written.read_text())["cells"]) if written.exists() else None
+        self.kept.append((list(connectors), cells))
+        if "nixl-push" in connectors:
+            raise BenchError("nixl-push (nixl-push): warm-up request failed: no complete answer within 300 s")
+
+    def stop(self) -> None:
+        self.stopped += 1
+
+
+def test_a_phase_that_fails_loses_nothing_else_and_each_phase_is_written_before_the_next(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    turns: list[tuple[str, int, float]] = []
+
+    def fake_turn(pairs: object, system: str, phase: int, qps: float, *_: object) -> dict[str, Any]:
+        turns.append((system, phase, qps))
+        return _cell(system, phase, qps)
+
+    monkeypatch.setattr(bench_serve, "Pairs", FakePairs)
+    monkeypatch.setattr(bench_serve, "turn", fake_turn)
+    monkeypatch.setattr(bench_serve, "write_model", lambda folder, model: folder)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    folder = tmp_path / "results"
+    args = parser.parse_args(["--quick", "--results", str(folder), "--systems", "kvflow,vllm-push,vllm-pull",
+                              "--max-engines", "4", "--requests", "3"])  # fmt: skip
+    assert main(args) == 2  # a phase failed: said, and the others' figures kept
+    pairs = FakePairs.last
+    # kvflow beside vllm-push, then beside vllm-pull; phase 1's failure was written before phase 2 began
+    assert pairs.kept == [(["kvflow", "nixl-push"], None), (["kvflow", "nixl"], 0)]
+    order = ["kvflow", "vllm-pull", "vllm-pull", "kvflow", "vllm-pull", "kvflow", "kvflow", "vllm-pull"]
+    assert [t[:2] for t in turns] == [(s, 2) for s in order]
+    # runs rotate the first system at a rate: run 1 at 1 req/s starts with kvflow, run 2 with vllm-pull
+    assert turns[0] == ("kvflow", 2, 1.0) and turns[4] == ("vllm-pull", 2, 1.0)
+    written = json.loads((folder / serve_report.RESULTS_FILE).read_text())
+    assert written["config"]["complete"] is True and written["config"]["repeats"] == 2
+    assert written["config"]["nixl_progress_delay_us"] == 1000  # fair to vLLM unless asked otherwise
+    assert [f["phase"] for f in written["config"]["failed_phases"]] == [1]
+    assert len(written["cells"]) == 8 and {c["repeat"] for c in written["cells"]} == {1, 2}
+    out, err = capsys.readouterr()
+    assert "phase 1 (kvflow, vllm-push) failed: nixl-push (nixl-push): warm-up request failed" in err
+    assert "FAILED phase 1 (kvflow, vllm-push)" in out and "kvflow/vllm-pull" in out
+    assert pairs.stopped >= 2  # the failed phase's pairs, and everything at the end

@@ -14,6 +14,14 @@ idle pair takes no CPU from the measured one.  An engine costs gigabytes: when t
 all fit in ``--max-engines``, the run goes in phases, kvflow's pair in every phase and vLLM's
 pairs in turn beside it, so that each vLLM connector is compared with kvflow measured in the
 same stretch of time (and kvflow's figures from two phases show the drift between them).
+
+Fair to vLLM by default: its NIXL agents' progress threads sleep 1 ms between polls (stock NIXL
+polls without pause, a core per agent, which on a small host measures the host; ``-1`` asks for
+it, and the header says which ran).  Each phase runs ``--repeats`` times, the first system of a
+rate rotating from repetition to repetition, and the report gives the spread between them.
+Every finished phase is written out before the next starts, and a phase that fails (a server
+that does not start, a warm-up that does not answer) is recorded with its cause while the run
+goes on to the next: one system cannot lose the others' figures.
 """
 
 from __future__ import annotations
@@ -36,7 +44,7 @@ from kvflow.errors import ConfigError
 from kvflow_tools.errors import BenchError
 from kvflow_tools.pd.workload import Arrival, LengthDist, arrivals
 from kvflow_tools.serve.client import Result, deltas, group_usage, metric_sum, run_requests
-from kvflow_tools.serve.launcher import ROOT, Deployment, ServeOptions, Server, check_progress_delay
+from kvflow_tools.serve.launcher import Deployment, ServeOptions, Server, check_progress_delay
 from kvflow_tools.serve.processes import ServerFailed, http_ok
 from kvflow_tools.serve.tiny_model import TinyModel, write_model
 
@@ -53,12 +61,13 @@ SYSTEMS = {
 # prompt), little compute a token, so that moving the KV is a real share of a request's time.
 MODEL = TinyModel(num_layers=32, hidden_size=128, num_heads=4, num_kv_heads=4, intermediate_size=256)
 DTYPE_BYTES = 4  # float32
-QUICK = {"qps": [1.0, 2.0], "requests": 8, "prompt": "uniform:256:1024", "output": "uniform:8:24", "idle": 2.0}
+QUICK = {"qps": [1.0, 2.0], "requests": 24, "prompt": "uniform:256:1024", "output": "uniform:8:24", "idle": 2.0}
 FULL = {"qps": [0.5, 1.0, 2.0], "requests": 24, "prompt": "uniform:512:2048", "output": "uniform:16:48", "idle": 4.0}
 ENGINE_GIB = 3.0  # what one engine may take (measured RSS is reported), for the memory check
 MARGIN_GIB = 2.0  # left free for everything else on the machine
 WARMUP = 2  # unmeasured requests per system after its pair starts: connections, NIXL handshakes
 TRANSFER_METRICS = ("kvflow", "nixl")  # vllm:<name>_bytes_transferred_sum on P and D
+DEFAULT_PROGRESS_DELAY_US = 1000  # vLLM's NIXL agents: what the anchor tests and bench pd use
 
 
 def kv_bytes_per_token(model: TinyModel = MODEL) -> int:
@@ -95,14 +104,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--max-engines", type=int, default=4, help="vLLM engines alive at once (2 per pair)")
     parser.add_argument("--kv-cache-gib", type=int, default=1, help="KV cache of each engine (GiB)")
-    parser.add_argument("--results", default="", help="folder for results (default results/serve-bench-<time>)")
+    parser.add_argument("--results", default="", help="folder for results (default ./results/serve-bench-<time>)")
     parser.add_argument(
         "--nixl-progress-delay-us",
         type=int,
-        default=None,
-        help="µs vLLM's NIXL agents sleep between progress polls (default: stock, a core per agent without pause)",
+        default=DEFAULT_PROGRESS_DELAY_US,
+        help="µs vLLM's NIXL agents sleep between progress polls (default "
+        f"{DEFAULT_PROGRESS_DELAY_US}, their best on a small host; -1: stock NIXL, a core per agent without pause)",
     )
-    parser.add_argument("--quick", action="store_true", help=f"a few minutes: {QUICK['qps']} req/s, 8 requests")
+    parser.add_argument("--repeats", type=int, default=2, help="runs of every phase, the first system rotating")
+    parser.add_argument(
+        "--quick", action="store_true", help=f"{QUICK['qps']} req/s, {QUICK['requests']} requests, shorter prompts"
+    )
 
 
 def _workload(args: argparse.Namespace) -> tuple[list[float], int, LengthDist, LengthDist, float]:
@@ -274,8 +287,9 @@ def turn(pairs: Pairs, system: str, phase: int, qps: float, requests: list[Arriv
 
 def main(args: argparse.Namespace) -> int:
     """Every system at every rate, interleaved; results.json, plots and the table in the
-    results folder.  1 when a request failed, 2 when the run could not finish (said on stderr:
-    a bad option, a server that died or did not start, no memory); every server is stopped."""
+    results folder (written again after each phase).  1 when a request failed, 2 when the run or
+    one of its phases could not finish (said on stderr: a bad option, a server that died or did
+    not start, a warm-up with no answer, no memory); every server is stopped."""
     try:
         return _main(args)
     except (ConfigError, ServerFailed, BenchError) as exc:
@@ -290,38 +304,58 @@ def _main(args: argparse.Namespace) -> int:
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     if not systems or any(s not in SYSTEMS for s in systems):
         raise ConfigError(f"--systems: choose from {list(SYSTEMS)}, not {systems}")
-    check_progress_delay(args.nixl_progress_delay_us)
+    if args.repeats < 1:
+        raise ConfigError(f"--repeats must be 1 or more, not {args.repeats}")
+    delay = None if args.nixl_progress_delay_us == -1 else args.nixl_progress_delay_us
+    check_progress_delay(delay)
     rates, count, prompt, output, idle = _workload(args)
     connectors = list(dict.fromkeys(SYSTEMS[s][0] for s in systems))
     phases = plan_phases(connectors, max(1, args.max_engines // 2))
     # absolute: the servers run in folders of their own and load the model from here
-    folder = Path(args.results or ROOT / "results" / f"serve-bench-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    folder = Path(args.results or Path("results") / f"serve-bench-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     folder.mkdir(parents=True, exist_ok=True)
     points = [(qps, arrivals(qps, count, prompt, output, args.seed)) for qps in rates]
     config = _describe(rates, count, prompt, output, args.seed, systems, phases, args.max_engines)
-    config["nixl_progress_delay_us"] = args.nixl_progress_delay_us  # None: stock NIXL (polls without pause)
+    config |= {"nixl_progress_delay_us": delay, "repeats": args.repeats}  # delay None: stock NIXL
     model = write_model(folder / "model", MODEL)
-    pairs = Pairs(folder, model, prompt.high + output.high + 64, args.kv_cache_gib, args.nixl_progress_delay_us)
+    pairs = Pairs(folder, model, prompt.high + output.high + 64, args.kv_cache_gib, delay)
     per_phase = [[s for s in systems if SYSTEMS[s][0] in p] for p in phases]
-    total = sum(len(p) for p in per_phase) * len(rates) * count
+    total = sum(len(p) for p in per_phase) * len(rates) * count * args.repeats
     sys.stdout.write("\n".join(serve_report.header_lines({"config": config | {"load_after": "—"}})) + "\n")
     cells: list[dict[str, Any]] = []
+    failed_phases: list[dict[str, Any]] = []
+
+    def results(complete: bool) -> dict[str, Any]:
+        done = serve_report.order(cells)
+        return {"config": config | {"complete": complete, "failed_phases": failed_phases}, "cells": done}
+
     try:
         with Progress(total, "bench serve") as progress:
             for phase, (alive, measured) in enumerate(zip(phases, per_phase, strict=True), 1):
-                pairs.keep(alive, systems, progress.label)
-                for index, (qps, requests) in enumerate(points):
-                    for system in rotated(measured, index):
-                        progress.label(f"phase {phase}: {system} at {qps:g} req/s")
-                        cells.append(turn(pairs, system, phase, qps, requests, idle, progress.advance))
+                try:
+                    pairs.keep(alive, systems, progress.label)
+                    for repeat in range(1, args.repeats + 1):
+                        for index, (qps, requests) in enumerate(points):
+                            for system in rotated(measured, index + repeat - 1):
+                                progress.label(f"phase {phase}, run {repeat}: {system} at {qps:g} req/s")
+                                cell = turn(pairs, system, phase, qps, requests, idle, progress.advance)
+                                cells.append(cell | {"repeat": repeat})
+                except (ServerFailed, BenchError) as error:
+                    # the phase's figures so far stay; its pairs go (the next phase starts what it needs)
+                    failed_phases.append({"phase": phase, "systems": measured, "error": str(error)})
+                    sys.stderr.write(f"kvflow bench serve: phase {phase} ({', '.join(measured)}) failed: {error}\n")
+                    pairs.stop()
+                serve_report.write(results(complete=False), folder)  # what is done so far, before going on
     finally:
         pairs.stop()
     config |= {"load_after": _load(), "finished": time.strftime("%Y-%m-%d %H:%M:%S"), "engine_rss_gib": pairs.rss_gib}
-    results = {"config": config, "cells": serve_report.order(cells)}
-    paths = serve_report.write(results, folder)
-    sys.stdout.write(serve_report.render_table(results))
+    final = results(complete=True)
+    paths = serve_report.write(final, folder)
+    sys.stdout.write(serve_report.render_table(final))
     sys.stdout.write(f"engine RSS (GiB, sum over each group): {pairs.rss_gib}\n")
     sys.stdout.write(f"results: {folder}/ ({', '.join(p.name for p in paths)})\n")
+    if failed_phases:
+        return 2
     return 1 if any(c["failed"] for c in cells) else 0
 
 

@@ -17,7 +17,7 @@ from typing import Any
 from kvflow.errors import ConfigError
 from kvflow_tools.pd.contract import percentiles
 
-__all__ = ("RESULTS_FILE", "markdown_table", "plot", "render_table", "summarise", "write")
+__all__ = ("RESULTS_FILE", "markdown_table", "plot", "render_table", "spread_lines", "summarise", "write")
 
 RESULTS_FILE = "results.json"
 SYSTEM_ORDER = ("kvflow", "kvflow-pull", "vllm-pull", "vllm-push")
@@ -86,11 +86,11 @@ def summarise(
 
 
 def order(cells: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
-    """By phase, rate, then the systems' usual order."""
+    """By phase, run, rate, then the systems' usual order."""
 
-    def key(c: Mapping[str, Any]) -> tuple[int, float, int, str]:
+    def key(c: Mapping[str, Any]) -> tuple[int, int, float, int, str]:
         s = str(c["system"])
-        return int(c["phase"]), float(c["qps"]), SYSTEM_ORDER.index(s) if s in SYSTEM_ORDER else 99, s
+        return int(c["phase"]), _run(c), float(c["qps"]), SYSTEM_ORDER.index(s) if s in SYSTEM_ORDER else 99, s
 
     return sorted(cells, key=key)
 
@@ -107,6 +107,10 @@ def write(results: Mapping[str, Any], folder: Path) -> list[Path]:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / RESULTS_FILE).write_text(text + "\n")
     return [folder / RESULTS_FILE, *plot(results, folder)]
+
+
+def _run(cell: Mapping[str, Any]) -> int:
+    return int(cell.get("repeat", 1))  # results written before runs were repeated had one
 
 
 def _ms(value: float | None) -> str:
@@ -161,8 +165,14 @@ def header_lines(results: Mapping[str, Any]) -> list[str]:
         f"order: {config['order']}",
         f"machine: {config['machine']}; load {config['load_before']} before, {config['load_after']} after",
         f"vLLM's NIXL progress threads: {_progress(config.get('nixl_progress_delay_us'))}",
+        f"runs: {config.get('repeats', 1)} of every phase, the first system at each rate rotating between them",
     ]
     lines += [f"left out: {s}: {why}" for s, why in config.get("left_out", {}).items()]
+    lines += [
+        f"FAILED phase {f['phase']} ({', '.join(f['systems'])}): {f['error']}" for f in config.get("failed_phases", [])
+    ]
+    if config.get("complete") is False:
+        lines.append("INCOMPLETE: the run was still going when this was written")
     return lines
 
 
@@ -181,36 +191,60 @@ def render_table(results: Mapping[str, Any]) -> str:
     cells = order(results["cells"])
     out = io.StringIO()
     console = Console(file=out, width=220, color_system=None, force_terminal=False)
-    for phase, qps in dict.fromkeys((int(c["phase"]), float(c["qps"])) for c in cells):
-        table = Table(
-            title=f"phase {phase}, {qps:g} req/s (ms; CPU in cores)", title_justify="left", box=box.SIMPLE_HEAD
-        )
+    for phase, run, qps in dict.fromkeys((int(c["phase"]), _run(c), float(c["qps"])) for c in cells):
+        title = f"phase {phase}, run {run}, {qps:g} req/s (ms; CPU in cores)"
+        table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD)
         for i, name in enumerate(COLUMNS):
             table.add_column(name, justify="left" if i == 0 else "right", no_wrap=True)
-        here = [c for c in cells if int(c["phase"]) == phase and float(c["qps"]) == qps]
+        here = [c for c in cells if (int(c["phase"]), _run(c), float(c["qps"])) == (phase, run, qps)]
         for c in here:
             table.add_row(*_row(c))
         console.print(table)
         for c in here:
             if c["failed"]:
                 console.print(f"WARNING {c['system']}: {c['failed']} of {c['requests']} failed: {c['errors']}")
-    lines = [*header_lines(results), *out.getvalue().splitlines()]
+    lines = [*header_lines(results), *out.getvalue().splitlines(), *spread_lines(cells)]
     return "\n".join(line.rstrip() for line in lines) + "\n"
+
+
+def spread_lines(cells: Sequence[Mapping[str, Any]], first: str = "kvflow") -> list[str]:
+    """Per phase and rate: each system's TTFT p50 in every run, and `first`'s ratio to each other
+    system run by run (the comparison, and how much it moved between runs)."""
+    lines: list[str] = []
+    by_point: dict[tuple[int, float], dict[str, dict[int, float | None]]] = {}
+    for c in order(cells):
+        point = by_point.setdefault((int(c["phase"]), float(c["qps"])), {})
+        point.setdefault(str(c["system"]), {})[_run(c)] = c["ttft_ms"]["p50"]
+    for (phase, qps), systems in by_point.items():
+        runs = sorted({r for p50s in systems.values() for r in p50s})
+        parts = [f"{s} {' / '.join(_ms(p50s.get(r)) for r in runs)}" for s, p50s in systems.items()]
+        mine = systems.get(first, {})
+        for other, theirs in systems.items():
+            if other == first or not mine:
+                continue
+            ratios = [_ratio(mine.get(r), theirs.get(r)) for r in runs]
+            parts.append(f"{first}/{other} {' / '.join(ratios)}")
+        lines.append(f"TTFT p50 by run, phase {phase}, {qps:g} req/s: " + "; ".join(parts))
+    return lines
+
+
+def _ratio(mine: float | None, theirs: float | None) -> str:
+    return "—" if mine is None or not theirs else f"{mine / theirs:.2f}x"
 
 
 def markdown_table(results: Mapping[str, Any]) -> str:
     """Every cell as one row of a GitHub Markdown table."""
-    head = "| phase | req/s | " + " | ".join(COLUMNS) + " |"
-    lines = [head, "|---:|---:|---|" + "---:|" * (len(COLUMNS) - 1)]
+    head = "| phase | run | req/s | " + " | ".join(COLUMNS) + " |"
+    lines = [head, "|---:|---:|---:|---|" + "---:|" * (len(COLUMNS) - 1)]
     for c in order(results["cells"]):
-        lines.append(f"| {c['phase']} | {float(c['qps']):g} | " + " | ".join(_row(c)) + " |")
+        lines.append(f"| {c['phase']} | {_run(c)} | {float(c['qps']):g} | " + " | ".join(_row(c)) + " |")
     return "\n".join(lines) + "\n"
 
 
-def _series(results: Mapping[str, Any]) -> dict[tuple[str, int], list[Mapping[str, Any]]]:
-    out: dict[tuple[str, int], list[Mapping[str, Any]]] = {}
+def _series(results: Mapping[str, Any]) -> dict[tuple[str, int, int], list[Mapping[str, Any]]]:
+    out: dict[tuple[str, int, int], list[Mapping[str, Any]]] = {}
     for c in order(results["cells"]):
-        out.setdefault((str(c["system"]), int(c["phase"])), []).append(c)
+        out.setdefault((str(c["system"]), int(c["phase"]), _run(c)), []).append(c)
     return out
 
 
@@ -234,13 +268,14 @@ def plot(results: Mapping[str, Any], folder: Path) -> list[Path]:
         figure = Figure(figsize=(8.0, 5.0), layout="constrained")
         FigureCanvasAgg(figure)
         ax = figure.add_subplot()
-        for (system, phase), cells in series.items():
+        for (system, phase, run), cells in series.items():
             for q, style in (("p50", "-"), ("p90", "--")):
                 points = [(float(c["qps"]), c[metric][q]) for c in cells if c[metric][q] is not None]
                 if points:
                     xs, ys = zip(*points, strict=True)
                     ax.plot(xs, ys, style, marker=markers[(phase - 1) % len(markers)],
-                            color=COLOURS.get(system, "#7f7f7f"), label=f"{system} (phase {phase}) {q}")  # fmt: skip
+                            color=COLOURS.get(system, "#7f7f7f"),
+                            label=f"{system} (phase {phase}, run {run}) {q}")  # fmt: skip
         ax.set_xlabel("offered load (requests/s, Poisson)")
         ax.set_ylabel(f"{name} (ms)")
         ax.set_title(f"{name} p50 (solid) and p90 (dashed) against load\n{subtitle}")
@@ -254,7 +289,7 @@ def plot(results: Mapping[str, Any], folder: Path) -> list[Path]:
     ax = figure.add_subplot()
     labels, idle, load = [], [], []
     for c in order(results["cells"]):
-        labels.append(f"{c['system']}\nph{c['phase']} {float(c['qps']):g}/s")
+        labels.append(f"{c['system']}\nph{c['phase']} r{_run(c)} {float(c['qps']):g}/s")
         idle.append(sum(v or 0.0 for v in c["cpu_cores"]["idle"].values()))
         load.append(sum(v or 0.0 for v in c["cpu_cores"]["load"].values()))
     at = list(range(len(labels)))
