@@ -162,6 +162,27 @@ def test_a_lazy_call_goes_with_the_next_call_or_the_next_pump(pair) -> None:  # 
     assert alone.result()["crashed"] == 0
 
 
+def test_a_host_asleep_on_its_answers_is_woken_by_its_engine_process_when_blocks_come_back(pair) -> None:  # type: ignore[no-untyped-def]
+    """A decode step with nothing to do sleeps on the ring of answers (`wait_for_answers`) instead
+    of stepping again at once; the KV landing ends the sleep, by the engine process's eventfd,
+    not by the sleep's deadline (with no wake-up this waits out its 30 s and `woken` stays)."""
+    p, d, _, _ = pair
+    expected = d.call("expect", "asleep-1", 1, "prefill-0", [7], "push")
+    answered(d, expected)
+    d.poll_released()
+    woken = d.woken
+    p.call("kv_ready", "asleep-1", 1, [3], "push", None)
+    got: list[ReleaseBlocks] = []
+    for _ in range(10):  # the engine process may say something else first (its figures)
+        assert d.wait_for_answers(30.0)
+        got += d.poll_released()
+        if got:
+            break
+    assert [(r.block_ids, r.outcome) for r in got] == [((7,), Outcome.SUCCEEDED)]
+    assert d.woken > woken
+    released(p, 1)
+
+
 def test_an_engine_that_cannot_start_raises_its_error_and_leaves_nothing_running() -> None:
     before = _children()
     with pytest.raises(UnknownTransport, match="warp-drive"):

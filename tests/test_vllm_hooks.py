@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import FrameType
@@ -20,7 +21,7 @@ from typing import Any
 
 from kvflow.protocol.state import Role, State
 from kvflow.runtime.threaded import EngineThread
-from tests.vllm_pairs import BLOCK_SIZE, dispatch, kvflow_engine, make_pair, run, settle
+from tests.vllm_pairs import BLOCK_SIZE, dispatch, is_finished, kvflow_engine, make_pair, move_and_check, run, settle
 
 HOLD_LIMIT = 30.0  # seconds an engine thread is held still at most (the test fails long before)
 # calls the model runner's thread must never make inside a hook: waiting (for a future, an
@@ -47,11 +48,14 @@ def held(thread: EngineThread) -> Iterator[None]:
 
 class WatchedHooks:
     """The worker connector as the model runner calls it, every Python call made inside a hook
-    (on this thread) recorded when its name is one of `FORBIDDEN`, and every ``time.sleep``."""
+    (on this thread) recorded when its name is one of `FORBIDDEN`, and every ``time.sleep``;
+    except the one wait a hook may make: the step's results on a step that ran nothing while
+    transfers are outstanding (vLLM would step again at once), counted in `idle_waits`."""
 
     def __init__(self, worker: Any) -> None:
         self._worker = worker
         self.seen: list[str] = []
+        self.idle_waits = 0
 
     def _profile(self, frame: FrameType, event: str, arg: Any) -> None:
         if event == "call" and frame.f_code.co_name in FORBIDDEN:
@@ -67,6 +71,9 @@ class WatchedHooks:
         method = getattr(self._worker, name)
 
         def watched(*args: Any, **kwargs: Any) -> Any:
+            if name == "get_transfer_results" and self._worker._orders().idle_wait > 0:
+                self.idle_waits += 1  # may sleep until the engine has news: nothing else to do
+                return method(*args, **kwargs)
             sys.setprofile(self._profile)
             try:
                 return method(*args, **kwargs)
@@ -128,6 +135,38 @@ def test_ps_blocks_come_back_when_its_write_completed_not_when_d_answers() -> No
             assert d.checked == {}, "D read the KV while held"
         settle((p, d), [p_req, d_req])
         assert d.checked == {d_req.request_id: 0}
+    finally:
+        p.close()
+        d.close()
+
+
+def test_d_sleeps_through_steps_with_nothing_to_do_until_its_kv_lands() -> None:
+    """D's only request waits for P's KV, so each of D's steps schedules nothing and vLLM's engine
+    core would step again at once.  D's results hook sleeps instead (up to ``idle_wait``): while
+    P's engine thread is held still for half a second, D steps a few times, not hundreds (its
+    step loop here looks again every millisecond), and once P's WRITE lands the sleep under way
+    ends by kvflow's news of the blocks, not by its deadline (the link's ``woken``)."""
+    p, d = make_pair(d_extra={"idle_wait": 1.0})
+    try:
+        move_and_check(p, d, "warm", BLOCK_SIZE)  # associated: D's registrations need nothing of P's
+        p_req, d_req = dispatch(p, d, "idle-1", 3 * BLOCK_SIZE)
+        (p_thread,) = _threads(p)
+        decoding = threading.Thread(target=run, args=((d,), lambda: is_finished(d_req), 20.0), daemon=True)
+        with held(p_thread):
+            run((p,), lambda: p.steps >= 2, 10.0)  # the whole prefill, its WRITEs handed to the held engine
+            decoding.start()  # D's engine core, on a thread of its own as in a deployment
+            before = d.steps
+            time.sleep(0.5)
+            spins = d.steps - before
+            link = d.ranks[0].worker._worker.link
+            woken = link.woken  # D's registration is answered by now: what wakes D next is the KV
+        run((p,), lambda: is_finished(p_req) and p.idle(), 20.0)
+        decoding.join(30.0)
+        assert not decoding.is_alive() and is_finished(d_req)
+        assert spins <= 3, f"D stepped {spins} times in 0.5 s with nothing to do"
+        assert link.woken > woken, "D's sleep ended by its deadline, not by the KV landing"
+        settle((p, d), [p_req, d_req])
+        assert d.checked[d_req.request_id] == 0
     finally:
         p.close()
         d.close()

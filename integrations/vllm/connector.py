@@ -210,7 +210,12 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
             if book.producing(request_id):  # the block tables of the requests that hand KV over only
                 scheduled = scheduler_output.num_scheduled_tokens.get(request_id, 0)
                 book.scheduled(request_id, computed, scheduled, _request_block_ids(self._bound_manager(), request_id))
-        return KVFlowMetadata(book.take_orders())
+        # a step that runs no token while transfers are outstanding: vLLM's engine core would
+        # step again at once, so the workers may sleep until their engines have news
+        idle = scheduler_output.total_num_scheduled_tokens == 0 and book.pending_work()
+        orders = book.take_orders()
+        orders.idle_wait = self.settings.idle_wait if idle else 0.0
+        return KVFlowMetadata(orders)
 
     def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
         """vLLM's scheduler hands its KV cache manager over: the block tables of the requests P
@@ -312,7 +317,7 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker_side().save(self._orders())
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        sending, recving, failed = self._worker_side().results(finished_req_ids)
+        sending, recving, failed = self._worker_side().results(finished_req_ids, self._orders().idle_wait)
         return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving, failed_recving=failed)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:

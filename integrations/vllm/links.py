@@ -25,6 +25,7 @@ import concurrent.futures
 import contextlib
 import threading
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Protocol
@@ -63,6 +64,15 @@ class EngineLink(Protocol):
     def poll_released(self) -> list[ReleaseBlocks]:
         """Blocks handed back since the last call.  Never blocks."""
 
+    def wait_for_engine(self, timeout: float, ready: Callable[[], bool]) -> None:
+        """Sleep until the engine has news for `poll_released` (or a command's answer), or
+        `timeout` seconds pass: for a step with nothing else to do; not at all if `ready()`
+        (the caller's own look, made after this link can no longer miss news).  Never raises."""
+
+    @property
+    def woken(self) -> int:
+        """How many of those sleeps the engine's news ended (not their deadline)."""
+
     def meter_take(self) -> MeterReading:
         """The engine's per-transfer figures since the last call.  Never blocks."""
 
@@ -77,8 +87,11 @@ class EngineLink(Protocol):
 class ThreadLink:
     """The engine on a thread of this process (`EngineThread`), its agent with it."""
 
-    def __init__(self, thread: EngineThread, transfer_timeout: float, device: Any) -> None:
+    def __init__(self, thread: EngineThread, transfer_timeout: float, device: Any, news: threading.Event) -> None:
+        """`news` is set by the engine whenever it gives blocks back (its `on_release`)."""
         self.thread = thread
+        self._news = news
+        self.woken = 0  # waits of `wait_for_engine` the engine's news ended
         self.address = thread.engine.control.address
         self._options = (transfer_timeout, device)
         self._agent: RankAgent | None = None  # made on the engine thread, by the first command
@@ -89,7 +102,12 @@ class ThreadLink:
                 self._agent = RankAgent(engine, *self._options)
             return getattr(self._agent, name)(*args)
 
-        return self.thread.call(run)
+        future = self.thread.call(run)
+        future.add_done_callback(self._answered)
+        return future
+
+    def _answered(self, _: concurrent.futures.Future[Any]) -> None:
+        self._news.set()  # a step asleep in `wait_for_engine` acts on the answer
 
     def batch(self) -> contextlib.AbstractContextManager[None]:
         return self.thread.batch()
@@ -104,6 +122,13 @@ class ThreadLink:
     def poll_released(self) -> list[ReleaseBlocks]:
         self.thread.poll_finished()  # outcomes are read from releases; keep the queue short
         return self.thread.poll_released()
+
+    def wait_for_engine(self, timeout: float, ready: Callable[[], bool]) -> None:
+        self._news.clear()  # before the looks: news after it sets it again
+        if self.thread.engine.released or ready():
+            return
+        if self._news.wait(max(0.0, timeout)):
+            self.woken += 1
 
     def meter_take(self) -> MeterReading:
         return self.thread.engine.meter.take()
@@ -203,6 +228,14 @@ class ProcessLink:
 
     def poll_released(self) -> list[ReleaseBlocks]:
         return self.process.poll_released()
+
+    def wait_for_engine(self, timeout: float, ready: Callable[[], bool]) -> None:
+        if not ready():  # an answer coming after this look wakes the sleep (`wait_for_answers`)
+            self.process.wait_for_answers(timeout)
+
+    @property
+    def woken(self) -> int:
+        return self.process.woken
 
     def meter_take(self) -> MeterReading:
         return self.process.meter_take()

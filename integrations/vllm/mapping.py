@@ -119,6 +119,9 @@ class Orders:
     ready: list[Order] = field(default_factory=list)
     abort: list[Order] = field(default_factory=list)
     promise: list[Order] = field(default_factory=list)  # P: requests now queued here (see `new_request`)
+    # seconds the workers may sleep at the step's end waiting for their engines: the step
+    # schedules nothing while transfers are outstanding (0: return at once)
+    idle_wait: float = 0.0
 
     def __bool__(self) -> bool:
         return bool(self.expect or self.ready or self.abort or self.promise)

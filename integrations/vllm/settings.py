@@ -23,6 +23,7 @@ from kvflow.runtime.process import SCHEDULING
 __all__ = ("KV_CACHE_LAYOUTS", "Settings", "layer_groups", "push_units", "setting_arg")
 
 ENGINE_PLACES = ("auto", "process", "thread")
+MAX_IDLE_WAIT = 1.0  # seconds: a request that arrives meanwhile is scheduled at most this late
 KV_CACHE_LAYOUTS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")  # vLLM 0.33's KVCacheLayout
 
 
@@ -88,6 +89,10 @@ class Settings:
     # byte; host memory only, for now); turn it on on both sides
     integrity: bool = False
     integrity_sample: int = 1  # ... for one request in this many, the same ones on P and D
+    # seconds a worker's step that schedules nothing, while transfers are outstanding, may sleep
+    # until its engine says something (KV landed, blocks given back) instead of returning at once:
+    # vLLM's engine core steps without pause while a request waits for remote KV; 0: no sleep
+    idle_wait: float = 0.02
 
     def allow_list(self, ranks: bool = False) -> PeerAllowList:
         """The allow-list of vLLM engine ids, or (`ranks`) of the kvflow engines of their
@@ -137,6 +142,8 @@ class Settings:
         for key in ("transfer_timeout", "lease", "fence_timeout", "push_layer_groups"):
             if getattr(settings, key) <= 0:
                 raise ConfigError(f"kvflow {key} must be positive, not {getattr(settings, key)!r}")
+        if not 0 <= settings.idle_wait <= MAX_IDLE_WAIT:
+            raise ConfigError(f"kvflow idle_wait must be 0..{MAX_IDLE_WAIT} seconds, not {settings.idle_wait!r}")
         if not 0 <= settings.push_group_bytes <= 1 << 40:
             raise ConfigError(f"kvflow push_group_bytes must be 0..2**40, not {settings.push_group_bytes!r}")
         if settings.kv_cache_layout and settings.kv_cache_layout not in KV_CACHE_LAYOUTS:

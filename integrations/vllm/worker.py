@@ -32,6 +32,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 from functools import partial
@@ -247,10 +248,11 @@ class WorkerSide(ProducerSide):
                     thread_setup=device.bind_thread,
                 )
             control: ControlChannel = ZmqControl(self.engine_id, bind=bind, thread_setup=device.bind_thread)
-            return Engine(self.engine_id, layout, transport, control, config=config)
+            return Engine(self.engine_id, layout, transport, control, config=config, on_release=lambda _: news.set())
 
+        news = threading.Event()  # the engine gave blocks back: a step waiting for it goes on
         self.thread = EngineThread(factory, name=f"kvflow-{self.engine_id}", thread_setup=device.bind_thread)
-        self.link = ThreadLink(self.thread, settings.transfer_timeout, device)
+        self.link = ThreadLink(self.thread, settings.transfer_timeout, device, news)
         self._where = f"engine thread, pid {os.getpid()}"
 
     def _ranked(self, layout: KVLayout) -> KVLayout:
@@ -380,8 +382,10 @@ class WorkerSide(ProducerSide):
 
     # ---------------------------------------------------------------- results
 
-    def results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
-        """(finished_sending, finished_recving, failed_recving) since the last call."""
+    def results(self, finished_req_ids: set[str], idle_wait: float = 0.0) -> tuple[set[str], set[str], set[str]]:
+        """(finished_sending, finished_recving, failed_recving) since the last call; with nothing
+        to report, sleeps up to `idle_wait` seconds for the engine to give blocks back (a step
+        with no work: see `Orders.idle_wait`)."""
         self._finished_ids |= finished_req_ids
         # first: whatever the engine said since the last step (an engine process's answers
         # settle the futures below)
@@ -389,6 +393,10 @@ class WorkerSide(ProducerSide):
         sending: set[str] = set()
         recving: set[str] = set()
         failed: set[str] = set()
+        if idle_wait > 0 and self.link is not None and not (released or self._late_frees):
+            # instead of vLLM's engine core stepping again at once
+            self.link.wait_for_engine(idle_wait, self._settled_start)
+            released = self.link.poll_released()
         if not (released or self._failed_starts or self._ready_starts or self._late_frees):  # most steps
             if self._finished_ids:
                 self._finished_ids &= self._sending_ids()
@@ -432,6 +440,12 @@ class WorkerSide(ProducerSide):
         if self._finished_ids:
             self._finished_ids &= self._sending_ids()
         return sending, recving, failed
+
+    def _settled_start(self) -> bool:
+        """Whether a registration or hand-over the engine was given has an answer to act on."""
+        return any(start[0].done() for start in self._failed_starts) or any(
+            ready[0].done() for ready in self._ready_starts
+        )
 
     @property
     def finished_waiting(self) -> int:

@@ -419,6 +419,8 @@ class Server:
             log.error("engine process: %s; closing", exc)
             self._close()
         del self._backlog[:written]
+        if answers.unread() and answers.wake_owed():  # the host sleeps on its ring (also a wake-up missed before)
+            self._ends().wake_host()
         return bool(self._backlog)
 
     def _say_closed(self, crashes: list[str]) -> None:

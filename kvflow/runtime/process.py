@@ -23,7 +23,9 @@ memory (`ring`, `ring_memory`), and the child's answers come back through anothe
 outcome, block_ids]`` whenever the engine gives blocks back, ``["meter", samples, outcomes,
 dropped]`` with the engine's per-transfer figures, ``["crashed", texts]``.  A hook's call costs
 a copy into the ring, and an eventfd write only when the engine process sleeps and nobody has
-woken it yet; the host reads the answers on each step with no system call.  The life of the
+woken it yet; the host reads the answers on each step with no system call, and a host step
+with nothing to do but wait for the engine may sleep on them (`wait_for_answers`), woken by
+the engine process's eventfd write once per sleep.  The life of the
 link goes over one Unix stream socket pair, in frames of a 4-byte big-endian length and a
 msgpack array of records: the host's spec first (with the rings' descriptors), the child's
 ``["ready", address, pid]`` or ``["failed", ...]``, the host's ``["close"]``, the child's
@@ -153,6 +155,7 @@ class EngineProcess:
         self._backlog: deque[bytes] = deque()  # records the ring had no room for yet, in order
         self._looked = 0.0  # when `pump` last looked at the socket
         self.wakeups = 0  # eventfd writes made to wake the engine process
+        self.woken = 0  # sleeps of `wait_for_answers` the engine process ended with its eventfd
         self._reader = FrameReader()
         self._released: deque[ReleaseBlocks] = deque()
         self._samples: list[TransferSample] = []
@@ -167,7 +170,8 @@ class EngineProcess:
         self._rings = HostRings()
         fds = [theirs.fileno(), *self._rings.fds, *(span.fd for span in spans)]
         wire = spec.to_wire(spans)
-        wire["spans"] = [[fds[3 + i], span.base, span.length] for i, span in enumerate(spans)]
+        first_span = 1 + len(self._rings.fds)
+        wire["spans"] = [[fds[first_span + i], span.base, span.length] for i, span in enumerate(spans)]
         wire["rings"] = [*self._rings.fds, self._rings.capacity]
         wire["cuda_shares"] = shares_to_wire(cuda_shares)
         try:
@@ -367,6 +371,28 @@ class EngineProcess:
             nap = min(nap * 2, 0.02)
             self.pump()
         return future.result()
+
+    def wait_for_answers(self, timeout: float) -> bool:
+        """Sleep until the engine process says something (a call's answer, released blocks, its
+        figures) or `timeout` seconds pass, whichever is first; whether it said anything.  For a
+        host with nothing to do until then: the engine process wakes it with one eventfd write
+        per sleep.  Never raises (a dead engine process is seen by the next call, as ever)."""
+        self.pump()
+        answers = self._rings.answers
+        if self.dead is not None or self._released or answers.pending():
+            return True
+        answers.sleep()
+        try:
+            if not answers.pending():  # written just before the sleep was announced: no wake-up comes
+                with contextlib.suppress(OSError, ValueError):  # an fd closed meanwhile: the link is closing
+                    readable, _, _ = select.select([self._rings.host_wake_fd], [], [], max(0.0, timeout))
+                    self.woken += bool(readable)
+        finally:
+            answers.wake()
+            self._rings.take_wake()
+        said = answers.pending()
+        self.pump()
+        return said or bool(self._released)
 
     def poll_released(self) -> list[ReleaseBlocks]:
         """Blocks the engine gave back since the last call (never blocks)."""

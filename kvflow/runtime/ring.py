@@ -8,8 +8,9 @@ per direction the hook copies its record into shared memory and moves on; the re
 there. The engine process sleeps between bursts of work, so the writer owes it a wake-up (an
 eventfd write, which the driver makes) only once per sleep: the reader says when it goes to
 sleep (`RingReader.sleep`), and `RingWriter.wake_owed` says whether this sleep has been
-interrupted already. The host polls its ring of answers once per step and never sleeps on it, so
-nothing wakes the host.
+interrupted already. The host reads its ring of answers on every step; it sleeps on it only in
+a step with nothing to do but wait for its engine, and the engine process then owes it one
+wake-up per such sleep, the same way.
 
 Pure: no system call, no clock.  The driver (`kvflow.runtime.process`, `engine_process`) maps
 the memory, makes the wake-up and decides what a ring that stays unreadable means.
