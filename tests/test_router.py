@@ -426,7 +426,9 @@ def run_script(tmp_path: Path, script: str, env: dict[str, str], *args: str) -> 
     recorded = tmp_path / "args"
     for name in ("vllm", "python-stub"):
         stub = tmp_path / name
-        stub.write_text(f'#!/usr/bin/env bash\nprintf "%s\\n" "$@" > {recorded}\n')
+        stub.write_text(
+            f'#!/usr/bin/env bash\nprintf "%s\\n" "$@" > {recorded}\nenv | grep "^VLLM_" > {recorded}.env || true\n'
+        )
         stub.chmod(0o755)
     clean = {key: value for key, value in os.environ.items() if not key.startswith("KVFLOW_SECRET")}
     full_env = clean | {"PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}", "PYTHON": str(tmp_path / "python-stub")}
@@ -456,7 +458,11 @@ def option(args: list[str], name: str) -> str:
 def test_serve_scripts(tmp_path: Path, script: str, role: str, engine: str, http: str, kvflow: int) -> None:
     status, stderr, args = run_script(tmp_path, script, {"KVFLOW_SECRET": "s" * 32}, "--tensor-parallel-size", "2")
     assert status == 0, stderr
-    assert args[:2] == ["serve", "Qwen/Qwen2.5-0.5B-Instruct"]
+    # vLLM's OpenAI server by module: `vllm serve` does not start the CPU build (no `vllm` distribution)
+    assert args[:4] == ["-m", "vllm.entrypoints.openai.api_server", "--model", "Qwen/Qwen2.5-0.5B-Instruct"]
+    # what vLLM's CPU build needs (a GPU build ignores it)
+    exported = dict(line.split("=", 1) for line in (tmp_path / "args.env").read_text().splitlines())
+    assert exported["VLLM_CPU_KVCACHE_SPACE"] == "1" and exported["VLLM_HOST_IP"] == "127.0.0.1"
     assert option(args, "--port") == http and option(args, "--host") == "127.0.0.1"
     # D keeps vLLM's default prefix caching (it receives only the blocks after a local hit)
     assert ("--no-enable-prefix-caching" in args) == (role == "kv_producer") and "--block-size" not in args
@@ -476,11 +482,16 @@ def test_serve_scripts(tmp_path: Path, script: str, role: str, engine: str, http
     env = {"KVFLOW_SECRET_FILE": "/dev/null", "KVFLOW_HOST": "10.0.0.2", "KVFLOW_PORT": "6000", "MODEL": "m"}
     status, stderr, args = run_script(tmp_path, script, env)
     assert status == 0, stderr
-    assert args[1] == "m"
+    assert option(args, "--model") == "m"
     assert json.loads(option(args, "--kv-transfer-config"))["kv_connector_extra_config"] == {
         "host": "10.0.0.2",
         "port": 6000,
     }
+    status, stderr, args = run_script(tmp_path, script, env | {"ENGINE_CPUS": "0,3"})
+    assert status == 0, stderr
+    assert json.loads(option(args, "--kv-transfer-config"))["kv_connector_extra_config"]["engine_cpus"] == [0, 3]
+    status, stderr, _ = run_script(tmp_path, script, env | {"ENGINE_CPUS": "0,x"})
+    assert status == 2 and "ENGINE_CPUS must be CPU numbers" in stderr
 
 
 @pytest.mark.parametrize("script", ["serve_prefill.sh", "serve_decode.sh"])

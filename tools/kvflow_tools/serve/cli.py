@@ -48,7 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--kv-cache-gib", type=int, default=defaults.kv_cache_gib, help="KV cache of each engine")
     parser.add_argument("--vllm-python", type=Path, default=defaults.python, help="the interpreter with vLLM")
-    parser.add_argument("--run-dir", type=Path, default=None, help="logs and the model (default results/serve-<time>)")
+    parser.add_argument(
+        "--run-dir", type=Path, default=None, help="logs and the model (default ./results/serve-<time>)"
+    )
     parser.add_argument("--startup-timeout", type=float, default=defaults.startup_timeout, help="seconds to be healthy")
     parser.add_argument(
         "--kvflow-setting",

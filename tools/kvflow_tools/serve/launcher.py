@@ -108,7 +108,8 @@ class ServeOptions:
     kvflow_settings: Mapping[str, Any] = field(default_factory=dict)  # kv_connector_extra_config entries
     vllm_args: tuple[str, ...] = ()  # more arguments for every vLLM server
     python: Path = field(default_factory=vllm_python)
-    run_dir: Path = field(default_factory=lambda: ROOT / "results" / f"serve-{time.strftime('%Y%m%d-%H%M%S')}")
+    # under the current directory, as the help says: never into the checkout from elsewhere
+    run_dir: Path = field(default_factory=lambda: Path.cwd() / "results" / f"serve-{time.strftime('%Y%m%d-%H%M%S')}")
     # every server's VLLM_CACHE_ROOT (None: in the run folder); deployments may share one
     vllm_cache: Path | None = None
     startup_timeout: float = 600.0  # seconds for every server to answer /health
