@@ -7,7 +7,7 @@ tiny local model), freezes P (SIGSTOP) so that nothing P does races the reading,
 group over `--seconds`: idle first, then with the requests waiting, then idle again after P is
 thawed and they are done.
 
-    .venv/bin/python -m examples.vllm_1p1d.d_waiting_cpu --requests 4 --seconds 5
+    .venv/bin/python -m examples.vllm_1p1d.d_waiting_cpu --requests 4 --seconds 5 [--idle-wait 0]
 """
 
 from __future__ import annotations
@@ -74,9 +74,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--requests", type=int, default=4)
     parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument(
+        "--idle-wait", type=float, default=None, help="the connector's idle_wait (default: its own; 0: no sleep)"
+    )
     args = parser.parse_args()
     run_dir = Path(tempfile.mkdtemp(prefix="kvflow-d-waiting-"))
-    settings = {"lease": 30.0, "transfer_timeout": 300.0}  # P stays frozen well within both
+    settings: dict[str, object] = {"lease": 30.0, "transfer_timeout": 300.0}  # P stays frozen well within both
+    if args.idle_wait is not None:
+        settings["idle_wait"] = args.idle_wait
     with Deployment(ServeOptions(port=0, run_dir=run_dir, kvflow_settings=settings)) as pd:
         p, d = pd.server("prefill-0"), pd.server("decode-0")
         print("D idle:", cores(d, args.seconds))
