@@ -53,6 +53,12 @@ def test_prompts_are_repeatable_and_differ_between_systems() -> None:
     assert len(prompt_ids(arrival, "x")) == 64 and all(0 < t < 1000 for t in prompt_ids(arrival, "x"))
 
 
+def test_a_second_run_sends_prompts_no_prefix_cache_holds_from_the_first() -> None:
+    arrival = Arrival("q1-0", 0.1, 64, 4)
+    first, second = (prompt_ids(arrival, bench_serve.run_salt("kvflow", 1, run)) for run in (1, 2))
+    assert first[:16] != second[:16]  # the first block differs, so no block of the second run is cached
+
+
 def test_metric_sum_adds_the_samples_whose_labels_match() -> None:
     text = "\n".join(
         [
@@ -229,9 +235,11 @@ def test_a_phase_that_fails_loses_nothing_else_and_each_phase_is_written_before_
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     turns: list[tuple[str, int, float]] = []
+    runs: list[int] = []
 
-    def fake_turn(pairs: object, system: str, phase: int, qps: float, *_: object) -> dict[str, Any]:
+    def fake_turn(pairs: object, system: str, phase: int, qps: float, *rest: object) -> dict[str, Any]:
         turns.append((system, phase, qps))
+        runs.append(int(rest[-1]))  # type: ignore[call-overload]
         return _cell(system, phase, qps)
 
     monkeypatch.setattr(bench_serve, "Pairs", FakePairs)
@@ -250,6 +258,7 @@ def test_a_phase_that_fails_loses_nothing_else_and_each_phase_is_written_before_
     assert [t[:2] for t in turns] == [(s, 2) for s in order]
     # runs rotate the first system at a rate: run 1 at 1 req/s starts with kvflow, run 2 with vllm-pull
     assert turns[0] == ("kvflow", 2, 1.0) and turns[4] == ("vllm-pull", 2, 1.0)
+    assert runs == [1, 1, 1, 1, 2, 2, 2, 2]  # each turn knows its run, which salts its prompts
     written = json.loads((folder / serve_report.RESULTS_FILE).read_text())
     assert written["config"]["complete"] is True and written["config"]["repeats"] == 2
     assert written["config"]["nixl_progress_delay_us"] == 1000  # fair to vLLM unless asked otherwise

@@ -258,8 +258,9 @@ def _cpu(servers: list[Server]) -> dict[str, float]:
 
 
 def turn(pairs: Pairs, system: str, phase: int, qps: float, requests: list[Arrival], idle: float,
-         progress: Callable[[int], None]) -> dict[str, Any]:  # fmt: skip
-    """One system at one rate: resumed, `idle` seconds of idle CPU, the requests, stopped again."""
+         progress: Callable[[int], None], run: int = 1) -> dict[str, Any]:  # fmt: skip
+    """One system at one rate: resumed, `idle` seconds of idle CPU, the requests, stopped again.
+    Prompts are salted with the run, so a second run misses the prefix caches the first one filled."""
     from kvflow_tools.serve.serve_report import summarise
 
     connector, mode = SYSTEMS[system]
@@ -271,7 +272,7 @@ def turn(pairs: Pairs, system: str, phase: int, qps: float, requests: list[Arriv
         cpu1 = _cpu(servers)
         before = _counters(servers)
         start = time.perf_counter()
-        results: list[Result] = run_requests(url, "tiny", requests, f"{system}/{phase}", 300.0, progress)
+        results: list[Result] = run_requests(url, "tiny", requests, run_salt(system, phase, run), 300.0, progress)
         duration = time.perf_counter() - start
         cpu2 = _cpu(servers)
         time.sleep(1.0)  # the last steps' stats reach /metrics
@@ -283,6 +284,11 @@ def turn(pairs: Pairs, system: str, phase: int, qps: float, requests: list[Arriv
     moved = deltas(before, after, after.keys())
     rows = [r.row() for r in results]
     return summarise(system, phase, qps, rows, duration, moved, cpu, kv_bytes_per_token())
+
+
+def run_salt(system: str, phase: int, run: int) -> str:
+    """What a run's prompts are drawn from: the same arrivals in another run get other tokens."""
+    return f"{system}/{phase}/{run}"
 
 
 def main(args: argparse.Namespace) -> int:
@@ -338,7 +344,7 @@ def _main(args: argparse.Namespace) -> int:
                         for index, (qps, requests) in enumerate(points):
                             for system in rotated(measured, index + repeat - 1):
                                 progress.label(f"phase {phase}, run {repeat}: {system} at {qps:g} req/s")
-                                cell = turn(pairs, system, phase, qps, requests, idle, progress.advance)
+                                cell = turn(pairs, system, phase, qps, requests, idle, progress.advance, repeat)
                                 cells.append(cell | {"repeat": repeat})
                 except (ServerFailed, BenchError) as error:
                     # the phase's figures so far stay; its pairs go (the next phase starts what it needs)
