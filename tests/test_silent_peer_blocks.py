@@ -20,6 +20,7 @@ from kvflow.errors import KVFlowError
 from kvflow.protocol.core import CoreConfig
 from kvflow.protocol.messages import ControlMessage
 from kvflow.protocol.state import Outcome
+from kvflow.protocol.teardown import HoldReport
 from kvflow.runtime.engine import Engine, EngineConfig
 from kvflow.transports.base import TransportCapabilities
 from kvflow.transports.loopback import LoopbackFabric, LoopbackTransport
@@ -133,6 +134,8 @@ async def test_a_silent_peers_blocks_go_back_only_after_it_associated_again(time
     engines.hub.cut = True
     await at(1040.0)  # a lease of silence: both tear down; D's removal returns at once
     assert engines.d.peers() == [] and engines.p.peers() == []
+    # D's metrics say the rule: in its grace, then the whole hold unless P comes back
+    assert engines.d.hold_report() == HoldReport({"grace": 1}, 10.0 + 600.0)
     assert waiting.done() is False  # D's grace: a write the link held may still land
     await at(1049.9)
     assert waiting.done() is False
@@ -143,15 +146,19 @@ async def test_a_silent_peers_blocks_go_back_only_after_it_associated_again(time
     result = await waiting.wait(5)
     assert result.outcome is Outcome.FAILED and "lost" in result.reason
     assert engines.d.core.ledger.quarantined_blocks == 1
+    assert engines.d.hold_report() == HoldReport({"holding": 1}, 600.0)
     timed.clock.now = 1060.0
     await engines.d.connect("P", timeout=60)
     assert engines.d.peers() == ["P"]
+    assert engines.d.hold_report() == HoldReport({"holding": 1}, 10.0 + 40.0 + 20.0)  # shortened
     # associated 20 s after the teardown: a segment still retransmitted from before it has
     # waited at most the lease and those 20 s; it gets that, plus the grace, to land
     await at(1060.0 + 10.0 + 40.0 + 20.0 - 0.1)
     assert engines.d.core.ledger.quarantined_blocks == 1
     await at(1060.0 + 10.0 + 40.0 + 20.0)
     assert engines.d.core.ledger.held_blocks == 0 and engines.d.crashed == []
+    # (the jump of 70 s on the manual clock was another lease of silence: a new teardown's grace)
+    assert "holding" not in engines.d.hold_report().by_phase
 
 
 @pytest.mark.asyncio

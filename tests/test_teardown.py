@@ -225,3 +225,23 @@ def test_any_order_of_inputs_keeps_the_promises(steps: list[tuple[str, str, int,
     # every peer lost had a removal asked for first; nothing is lost twice per teardown
     assert set(model.gone) <= set(model.removes.values())
     assert len(model.gone) <= len(model.removes)
+
+
+def test_the_report_says_each_phase_and_when_the_last_held_block_goes_back() -> None:
+    t = Teardowns(GRACE, HOLD, LEASE)
+    silent = removal(t.torn_down("P", "silent", 100.0, answered=False))
+    answered = removal(t.torn_down("Q", "goodbye", 100.0, answered=True))
+    report = t.report(100.0)
+    assert report.by_phase == {"removing": 2} and report.release_in == 0.0  # no removal returned yet
+    t.removed(answered.number, 100.0)
+    assert t.report(101.0).release_in == GRACE - 1.0  # Q's blocks go back when its grace ends
+    t.removed(silent.number, 101.0)
+    report = t.report(102.0)
+    assert report.by_phase == {"grace": 2} and report.release_in == 101.0 + GRACE + HOLD - 102.0
+    t.tick(106.0)
+    report = t.report(106.0)
+    assert report.by_phase == {"holding": 1} and report.release_in == HOLD
+    t.heard_again("P", 110.0)  # back: the hold ends once a retransmitted segment had its chance
+    assert t.report(110.0).release_in == GRACE + LEASE + 10.0
+    t.tick(155.0)
+    assert t.report(155.0) == t.report(0.0) and t.report(155.0).by_phase == {}

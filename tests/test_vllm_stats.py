@@ -5,6 +5,8 @@ line) and `PrometheusStatLogger` (the rendered registry); real transfers, bytes 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import zmq
 from vllm.v1.request import RequestStatus
 
@@ -12,7 +14,7 @@ from kvflow.integrations.vllm.stats import IN_FLIGHT_STATES, KVFlowConnectorStat
 from kvflow.transports.loopback import FaultPlan, LoopbackFabric
 from kvflow_tools.standin.fabrics import install_fabric
 from tests.vllm_compat_stats import StatLoggers, expected_bytes
-from tests.vllm_pairs import BLOCK_SIZE, dispatch, fabric, make_pair, params, settle, stepping
+from tests.vllm_pairs import BLOCK_SIZE, dispatch, fabric, make_pair, params, settle, stepping, stopped
 
 
 def test_both_ranks_figures_reach_vllms_log_line_and_prometheus() -> None:
@@ -146,10 +148,18 @@ def test_stats_aggregate_add_up_and_keep_each_ranks_latest_gauges() -> None:
         data={
             "outcomes": {"failed": 1},
             "rejected_frames": {"bad_mac": 2},
-            "ranks": {"p-tp1": {"quarantined_blocks": 3, "in_flight": {"failing": 1}}},
+            "ranks": {
+                "p-tp1": {
+                    "quarantined_blocks": 3,
+                    "in_flight": {"failing": 1},
+                    "teardowns": {"holding": 1, "grace": 1},
+                    "hold_release_in_s": 61.5,
+                }
+            },
         }
     )
-    later = KVFlowConnectorStats(data={"ranks": {"p-tp0": {"quarantined_blocks": 0, "in_flight": {}}}})
+    held = {"quarantined_blocks": 0, "in_flight": {}, "teardowns": {"holding": 1}, "hold_release_in_s": 12.0}
+    later = KVFlowConnectorStats(data={"ranks": {"p-tp0": held}})
     total = rank0.aggregate(rank1).aggregate(later)
     assert isinstance(total, KVFlowConnectorStats)
     assert total.in_flight() == {"failing": 1} and total.quarantined_blocks() == 3
@@ -157,6 +167,9 @@ def test_stats_aggregate_add_up_and_keep_each_ranks_latest_gauges() -> None:
     assert summary["Transfers succeeded"] == 1 and summary["Transfers failed"] == 1
     assert summary["Timed transfers"] == 1 and summary["Avg MB per transfer"] == 1.0
     assert summary["Rejected frames"] == 2 and summary["In flight"] == 1
+    # teardowns summed over the ranks; the hold ends when the last rank's ends
+    assert total.teardowns() == {"holding": 2, "grace": 1} and total.hold_release_in() == 61.5
+    assert summary["Peer teardowns"] == 3 and summary["Hold ends in (s)"] == 61.5
     assert not total.is_empty() and KVFlowConnectorStats().is_empty()
     assert rank1.data["outcomes"] == {"failed": 1}  # the other payload is left as it was
 
@@ -176,6 +189,57 @@ def test_scheduler_side_counts_join_the_workers_in_vllms_scheduler_stats() -> No
         assert loggers.metric("vllm:kvflow_scheduler_events_total", 1, event="unservable") == 1
         assert "Scheduler unservable=1" in "\n".join(loggers.log_lines(1))
         assert not loggers.total(0).data.get("scheduler")  # P served everything
+    finally:
+        d.close()
+        p.close()
+
+
+def test_the_fencing_rules_gauges_reach_prometheus_per_engine_and_phase() -> None:
+    """A rank's hold, as its snapshot reports it, in the gauges a scrape renders; back at zero
+    once the rank reports its hold over."""
+    p, d = make_pair(log_stats=True)
+    try:
+        loggers = StatLoggers(p, d)
+        prom = loggers.prometheus.kv_connector_prom
+        held = {"quarantined_blocks": 94, "in_flight": {}, "teardowns": {"holding": 1}, "hold_release_in_s": 47.5}
+        prom.observe({"ranks": {"d-tp0": held}}, engine_idx=1)
+        assert loggers.metric("vllm:kvflow_peer_teardowns", 1, phase="holding") == 1
+        assert loggers.metric("vllm:kvflow_peer_teardowns", 1, phase="grace") == 0
+        assert loggers.metric("vllm:kvflow_hold_release_seconds", 1) == 47.5
+        assert loggers.metric("vllm:kvflow_quarantined_blocks", 1) == 94
+        assert loggers.metric("vllm:kvflow_hold_release_seconds", 0) == 0  # P holds nothing
+        over = {"quarantined_blocks": 0, "in_flight": {}, "teardowns": {}, "hold_release_in_s": 0.0}
+        prom.observe({"ranks": {"d-tp0": over}}, engine_idx=1)
+        assert loggers.metric("vllm:kvflow_peer_teardowns", 1, phase="holding") == 0
+        assert loggers.metric("vllm:kvflow_hold_release_seconds", 1) == 0
+    finally:
+        d.close()
+        p.close()
+
+
+def test_a_silent_ps_hold_on_ds_blocks_shows_in_ds_metrics() -> None:
+    """Over NIXL, which cannot fence a removed peer's WRITEs: P's engine process stops while D
+    waits for its KV; D tears P down, its grace passes, and the blocks stay held.  D's Prometheus gauges
+    show the teardown's phase and when the blocks go back by the fencing rule."""
+    p, d = make_pair(transport="nixl", extra={"lease": 1.0, "transfer_timeout": 600.0}, log_stats=True)
+    try:
+        loggers = StatLoggers(p, d)
+        kv = params(p, d, "t-silent")
+        d.add("d-t-silent", 2 * BLOCK_SIZE, 4, {"do_remote_prefill": True, "kvflow": kv}, tag="t-silent")
+        stepping((d,), lambda: loggers.metric("vllm:kvflow_transfers_in_flight", 1, state="registered") == 1)
+        with stopped(p):
+
+            def phase(name: str) -> Callable[[], bool]:
+                return lambda: loggers.metric("vllm:kvflow_peer_teardowns", 1, phase=name) == 1
+
+            stepping((d,), phase("grace"), limit=20.0)
+            # in the grace: the grace's rest and then the whole hold (120 s by default)
+            assert 120.0 < loggers.metric("vllm:kvflow_hold_release_seconds", 1) <= 125.0
+            stepping((d,), phase("holding"), limit=20.0)
+            assert 100.0 < loggers.metric("vllm:kvflow_hold_release_seconds", 1) <= 120.0
+            assert loggers.metric("vllm:kvflow_quarantined_blocks", 1) == 2
+            [line] = loggers.log_lines(1)[-1:]
+            assert "Peer teardowns=1" in line and "Hold ends in (s)=" in line, line
     finally:
         d.close()
         p.close()

@@ -8,15 +8,19 @@ bytes move over the loopback transport (or NIXL-UCX) and a real ZeroMQ control p
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import os
+import signal
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from vllm.v1.request import Request, RequestStatus
 
 from kvflow.integrations.vllm.connector import KVFlowConnector
+from kvflow.integrations.vllm.links import ProcessLink
 from kvflow.integrations.vllm.params import SEQUENTIAL_PREFILL_PARAMS
 from kvflow.protocol.lifecycle import Life
 from kvflow_tools.standin import EngineOptions, StandInEngine
@@ -172,6 +176,20 @@ def crash(engine: StandInEngine) -> None:
     side = engine.worker._worker
     assert side is not None and side.thread is not None
     side.thread.call(_silence).result(timeout=5)
+
+
+@contextlib.contextmanager
+def stopped(engine: StandInEngine) -> Iterator[None]:
+    """The engine's kvflow engine process stopped (SIGSTOP) for the block: silent, its sockets
+    and memory left as they are; continued afterwards."""
+    side = engine.worker._worker
+    assert side is not None and isinstance(side.link, ProcessLink), "stopped() needs an engine process"
+    pid = side.link.process.pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
 
 
 async def _silence(engine: Any) -> None:

@@ -368,7 +368,13 @@ class RankAgent(EngineAgent):
             if name.startswith("rejected_"):
                 rejected[name.removeprefix("rejected_")] = int(value)
         in_flight = Counter(machine.state.value for machine in engine.core.live())
-        gauges = {"quarantined_blocks": int(stats["quarantined_blocks"]), "in_flight": dict(in_flight)}
+        hold = engine.hold_report()
+        gauges = {
+            "quarantined_blocks": int(stats["quarantined_blocks"]),
+            "in_flight": dict(in_flight),
+            "teardowns": dict(hold.by_phase),
+            "hold_release_in_s": round(hold.release_in, 3),
+        }
         return {"rejected": rejected, "gauges": gauges}
 
     async def describe(self) -> str:

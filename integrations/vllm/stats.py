@@ -14,7 +14,8 @@ plain dicts, lists and numbers); there ``LoggingStatLogger`` rebuilds the stats 
 What a worker reports (`RankMeter`), each since its previous report: per transfer the side
 that posted its data ops timed (P pushing, D pulling; see `kvflow.runtime.meter`), how
 transfers ended on this rank, the control frames and messages it refused, by reason; and a
-snapshot of this rank's gauges (transfers in flight by state, quarantined blocks).  The
+snapshot of this rank's gauges (transfers in flight by state, quarantined blocks, peer teardowns
+by phase and the seconds until the last held block goes back by the fencing rule).  The
 snapshot is taken on the engine's thread (asked for at most every `SNAPSHOT_INTERVAL`) and
 read by a later step, so a hook never waits for the engine; a step with nothing new returns
 None.  A rank's gauges go out with each snapshot while they are non-zero, and once when they
@@ -46,9 +47,17 @@ from vllm.v1.metrics.utils import create_metric_per_engine
 from kvflow.errors import KVFlowError
 from kvflow.integrations.vllm.links import EngineLink
 from kvflow.protocol.state import Outcome, State
+from kvflow.protocol.teardown import Phase
 from kvflow.runtime.meter import quantile
 
-__all__ = ("IN_FLIGHT_STATES", "KVFlowConnectorStats", "KVFlowPromMetrics", "RankMeter", "counter_deltas")
+__all__ = (
+    "IN_FLIGHT_STATES",
+    "TEARDOWN_PHASES",
+    "KVFlowConnectorStats",
+    "KVFlowPromMetrics",
+    "RankMeter",
+    "counter_deltas",
+)
 
 # seconds between two gauge snapshots of a rank's engine, at least: vLLM logs its stats every
 # few seconds and Prometheus scrapes every few more; each snapshot costs the step that reads it
@@ -57,13 +66,16 @@ SAMPLE_KEYS = ("transfer_duration", "post_duration", "bytes_transferred", "num_d
 COUNT_KEYS = ("outcomes", "rejected_frames", "scheduler")
 TERMINAL = {State.ABORTED, State.FAILED, State.EXPIRED}
 IN_FLIGHT_STATES = tuple(state.value for state in State if state not in TERMINAL)
+TEARDOWN_PHASES = tuple(phase.value for phase in Phase if phase is not Phase.ENDED)
 
 
 def _empty() -> dict[str, Any]:
     data: dict[str, Any] = {key: [] for key in SAMPLE_KEYS}
     data.update({key: {} for key in COUNT_KEYS})
     data["samples_dropped"] = 0
-    data["ranks"] = {}  # rank -> {"quarantined_blocks": n, "in_flight": {state: n}}
+    # rank -> {"quarantined_blocks": n, "in_flight": {state: n}, "teardowns": {phase: n},
+    #          "hold_release_in_s": seconds}
+    data["ranks"] = {}
     return data
 
 
@@ -108,15 +120,28 @@ class KVFlowConnectorStats(KVConnectorStats):
     def num_timed_transfers(self) -> int:
         return len(self.data["transfer_duration"])
 
-    def in_flight(self) -> dict[str, int]:
-        """Transfers in flight by state, summed over the ranks in this payload."""
+    def _summed(self, gauge: str) -> dict[str, int]:
+        """A gauge counted by label (`gauge` of each rank), summed over the ranks in this payload."""
         total: Counter[str] = Counter()
         for rank in self.data["ranks"].values():
-            total.update(rank.get("in_flight", {}))
+            total.update(rank.get(gauge, {}))
         return dict(total)
+
+    def in_flight(self) -> dict[str, int]:
+        """Transfers in flight by state, summed over the ranks in this payload."""
+        return self._summed("in_flight")
 
     def quarantined_blocks(self) -> int:
         return sum(int(rank.get("quarantined_blocks", 0)) for rank in self.data["ranks"].values())
+
+    def teardowns(self) -> dict[str, int]:
+        """Peer teardowns under way by phase, summed over the ranks in this payload."""
+        return self._summed("teardowns")
+
+    def hold_release_in(self) -> float:
+        """Seconds until the last block held for a torn-down peer goes back, over the ranks (as
+        each rank's latest snapshot said it)."""
+        return max((float(rank.get("hold_release_in_s", 0.0)) for rank in self.data["ranks"].values()), default=0.0)
 
     def reduce(self) -> dict[str, int | float]:
         """The log line's figures: transfer counts by outcome, time and size of the timed
@@ -147,6 +172,8 @@ class KVFlowConnectorStats(KVConnectorStats):
         summary["Rejected frames"] = sum(data["rejected_frames"].values())
         summary["In flight"] = sum(self.in_flight().values())
         summary["Quarantined blocks"] = self.quarantined_blocks()
+        summary["Peer teardowns"] = sum(self.teardowns().values())
+        summary["Hold ends in (s)"] = round(self.hold_release_in(), 1)
         for name, count in sorted(data["scheduler"].items()):
             summary[f"Scheduler {name}"] = count
         return summary
@@ -160,7 +187,7 @@ def counter_deltas(now: Mapping[str, int], before: Mapping[str, int]) -> dict[st
 @dataclass(frozen=True)
 class _Snapshot:
     rejected: dict[str, int]  # cumulative, by reason
-    gauges: dict[str, Any]  # {"quarantined_blocks": n, "in_flight": {state: n}}
+    gauges: dict[str, Any]  # see `_empty`'s "ranks"
 
 
 def _stats_of(data: dict[str, Any]) -> KVFlowConnectorStats:
@@ -171,7 +198,9 @@ def _stats_of(data: dict[str, Any]) -> KVFlowConnectorStats:
 
 
 def _busy(gauges: Mapping[str, Any]) -> bool:
-    return bool(gauges["quarantined_blocks"] or any(gauges["in_flight"].values()))
+    return bool(
+        gauges["quarantined_blocks"] or any(gauges["in_flight"].values()) or any(gauges.get("teardowns", {}).values())
+    )
 
 
 class RankMeter:
@@ -182,7 +211,9 @@ class RankMeter:
     def __init__(self, rank: str) -> None:
         self.rank = rank
         self._pending: concurrent.futures.Future[dict[str, Any]] | None = None
-        self._latest = _Snapshot({}, {"quarantined_blocks": 0, "in_flight": {}})
+        self._latest = _Snapshot(
+            {}, {"quarantined_blocks": 0, "in_flight": {}, "teardowns": {}, "hold_release_in_s": 0.0}
+        )
         self._rejected_reported: dict[str, int] = {}
         self._gauges_reported: dict[str, Any] = self._latest.gauges
         self._next_snapshot = 0.0
@@ -318,6 +349,23 @@ class KVFlowPromMetrics(KVConnectorPromMetrics):
             ),
             values,
         )
+        self.teardowns = gauge(
+            name="vllm:kvflow_peer_teardowns",
+            documentation="Peers kvflow tore down whose transfers' blocks it has not given back yet, by "
+            "phase (removing, backing-off, grace, holding: see kvflow's fencing rule).",
+            labelnames=[*labelnames, "phase"],
+            multiprocess_mode="mostrecent",
+        )
+        self.hold_release = _per_engine(
+            gauge(
+                name="vllm:kvflow_hold_release_seconds",
+                documentation="Seconds until the last KV block held for a torn-down peer goes back by "
+                "kvflow's fencing rule as it stands (0: none held; a peer that comes back shortens it).",
+                labelnames=labelnames,
+                multiprocess_mode="mostrecent",
+            ),
+            values,
+        )
         self.rejected = counter(
             name="vllm:kvflow_rejected_frames",
             documentation="Control frames and peer messages kvflow refused, by reason.",
@@ -338,6 +386,8 @@ class KVFlowPromMetrics(KVConnectorPromMetrics):
         for labels in values.values():
             for state in IN_FLIGHT_STATES:
                 self.in_flight.labels(*labels, state).set(0)
+            for phase in TEARDOWN_PHASES:
+                self.teardowns.labels(*labels, phase).set(0)
 
     def _engine_counter(self, counter: Any, name: str, documentation: str) -> dict[int, Any]:
         metric = counter(name=name, documentation=documentation, labelnames=self._labelnames)
@@ -375,3 +425,7 @@ class KVFlowPromMetrics(KVConnectorPromMetrics):
             in_flight = ranks.in_flight()
             for state in IN_FLIGHT_STATES:
                 self.in_flight.labels(*labels, state).set(in_flight.get(state, 0))
+            teardowns = ranks.teardowns()
+            for phase in TEARDOWN_PHASES:
+                self.teardowns.labels(*labels, phase).set(teardowns.get(phase, 0))
+            self.hold_release[engine_idx].set(ranks.hold_release_in())

@@ -44,6 +44,7 @@ __all__ = (
     "TABLES",
     "Do",
     "Event",
+    "HoldReport",
     "Kind",
     "Phase",
     "PeerFenced",
@@ -180,6 +181,18 @@ class PeerFenced:
 TeardownAction = RemovePeer | RemovalFailed | PeerGone | PeerFenced
 
 
+@dataclass(frozen=True, slots=True)
+class HoldReport:
+    """Where the teardowns under way stand, for metrics: how many are in each phase, and in how
+    many seconds the last of their blocks goes back by the rule as it stands now (a hold that the
+    peer's return shortens counts with its shortened end).  `release_in` leaves out teardowns
+    whose removal has not returned (no deadline is known for them: `by_phase` counts them) and
+    is 0.0 when none has a deadline."""
+
+    by_phase: Mapping[str, int]
+    release_in: float
+
+
 @dataclass(slots=True)
 class Teardown:
     """One teardown of a peer, as it walks its table."""
@@ -291,6 +304,19 @@ class Teardowns:
 
     def under_way(self) -> list[Teardown]:
         return sorted(self._under_way.values(), key=lambda r: r.number)
+
+    def report(self, now: float) -> HoldReport:
+        """The teardowns by phase and when the last one's blocks go back (`HoldReport`)."""
+        by_phase: dict[str, int] = {}
+        ends: list[float] = []
+        for record in self._under_way.values():
+            by_phase[record.phase.value] = by_phase.get(record.phase.value, 0) + 1
+            if record.deadline is None or record.phase is Phase.BACKING_OFF:
+                continue  # the removal has not returned: its grace and hold have not begun
+            # a silent peer's grace is followed by the whole hold
+            then = self.hold if record.phase is Phase.GRACE and record.kind is Kind.SILENT else 0.0
+            ends.append(record.deadline + then)
+        return HoldReport(by_phase, max(max(ends) - now, 0.0) if ends else 0.0)
 
     # ---------------------------------------------------------------- the table
 

@@ -39,6 +39,7 @@ from kvflow.protocol.core import TransferCore
 from kvflow.protocol.lifecycle import Do, Event, Life, Lifecycle
 from kvflow.protocol.messages import ControlMessage, TransferKey, require_engine_id, transfer_key
 from kvflow.protocol.state import Mode, Outcome, Role
+from kvflow.protocol.teardown import HoldReport
 from kvflow.runtime.config import EngineConfig
 from kvflow.runtime.dataplane import DataPlane
 from kvflow.runtime.meter import TransferMeter
@@ -376,6 +377,14 @@ class Engine:
             "unfenced_peers": len(self.assoc.teardowns.unremoved()),
             "crashed": len(self.crashed),
         }
+
+    def hold_report(self) -> HoldReport:
+        """Where the teardowns under way stand and when their held blocks go back, on the engine's
+        clock (`Teardowns.report`).
+
+        :raises EngineClosed: the engine was never started and has no injected clock.
+        """
+        return self.assoc.teardowns.report(self._now())
 
     def poke(self) -> None:
         """Run due deadlines now (tests driving an injected clock call this).
