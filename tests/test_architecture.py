@@ -302,6 +302,7 @@ CONNECTOR_MODULES = frozenset(
         "worker",  # worker side: KV caches, engines, their links
         "kv_caches",
         "device",
+        "gpu_export",  # how GPU KV reaches an engine process
         "links",
         "notices",
         "rank_agent",

@@ -147,6 +147,7 @@ def test_a_rank_with_gpu_caches_takes_an_engine_process_only_when_asked_and_says
     """ "auto" keeps GPU caches on a thread (CUDA IPC into a process is not yet run on a GPU);
     "process" takes the process, which needs the CUDA driver to export them."""
     import kvflow
+    from kvflow.integrations.vllm.gpu_export import export_gpu_memory
     from kvflow.integrations.vllm.settings import Settings
     from kvflow.integrations.vllm.worker import WorkerSide
 
@@ -158,4 +159,6 @@ def test_a_rank_with_gpu_caches_takes_an_engine_process_only_when_asked_and_says
     asked = WorkerSide("gpu-0", 0, Settings.from_extra({"engine_process": "process"}))
     assert asked._why_not_a_process(layout, injected_transport=False) is None
     with pytest.raises(TransportError, match="libcuda.so.1|cuPointerGetAttribute|cuMemGetAddressRange"):
-        WorkerSide._gpu_shares(layout)  # no driver here; on a GPU host, no allocation at that address
+        export_gpu_memory(
+            layout.regions, asked.settings.gpu_export
+        )  # no driver here; on a GPU host, no allocation there

@@ -72,6 +72,8 @@ def test_settings_refuse_a_bad_push_layer_groups(value: Any) -> None:
         ("engine_scheduling", "fifo"),  # a real-time policy could starve the host: not offered
         ("engine_scheduling", 1),
         ("push_posting", "forward"),
+        ("gpu_export", "fabric"),
+        ("gpu_export", 1),
         ("push_group_bytes", -1),
         ("push_group_bytes", 1.5),
         ("push_group_bytes", 1 << 41),
@@ -89,6 +91,7 @@ def test_settings_read_where_the_engine_runs() -> None:
     assert (settings.engine_process, settings.engine_cpus, settings.push_group_bytes) == ("thread", (2, 3), 0)
     assert settings.engine_scheduling == "normal"
     assert (Settings().engine_process, Settings().engine_scheduling) == ("auto", "batch")
+    assert (Settings().gpu_export, Settings.from_extra({"gpu_export": "fd"}).gpu_export) == ("legacy-ipc", "fd")
 
 
 def test_settings_take_json_integers_for_seconds() -> None:

@@ -38,13 +38,19 @@ def _gpu_host(imex: bool, rocm: bool = False) -> Iterator[None]:
 
 
 def _extensible(
-    connector: str, module_path: str | None, imex: bool, rocm: bool = False, asked: bool | None = None
+    connector: str,
+    module_path: str | None,
+    imex: bool,
+    rocm: bool = False,
+    asked: bool | None = None,
+    export: str = "legacy-ipc",
 ) -> Any:
     """Whether vLLM 0.34's own resolution (`VllmConfig._resolve_extensible_kv_cache`) gives an
-    engine with this connector its extensible KV cache on a GPU host: True, False, or the error
-    it raises when `asked` for one it cannot have."""
+    engine with this connector (kvflow's with its ``gpu_export`` setting `export`) its extensible
+    KV cache on a GPU host: True, False, or the error it raises when `asked` for one it cannot have."""
     role = "kv_consumer"
-    options = EngineOptions("decode", role, {"transport": "loopback", "port": 0}, connector, module_path)
+    extra = {"transport": "loopback", "port": 0, "gpu_export": export}
+    options = EngineOptions("decode", role, extra, connector, module_path)
     config = vllm_config(options)
     cache = config.cache_config
     cache.num_gpu_blocks_override = None  # the stand-in's fixed size would rule the extensible cache out
@@ -80,6 +86,20 @@ def _kv_cache_access(fragment: str, caplog: pytest.LogCaptureFixture) -> None:
     assert _extensible("NixlConnector", None, imex=True) is True
     refused = _extensible(*kvflow, imex=True, asked=True)  # --enable-extensible-kv-cache
     assert isinstance(refused, ValueError) and re.search("legacy CUDA IPC", str(refused)), refused
+    # gpu_export "fd": the extensible cache, its chunks exported as descriptors to the engine process
+    exported = KVTransferConfig(
+        kv_connector="KVFlowConnector",
+        kv_connector_module_path="kvflow.integrations.vllm",
+        kv_role="kv_consumer",
+        kv_connector_extra_config={"gpu_export": "fd"},
+    )
+    with _gpu_host(imex=False):
+        assert KVConnectorFactory.kv_cache_access(exported) == KVCacheAccess.REGISTERS | KVCacheAccess.EXPORTS_FD
+    assert KVConnectorFactory.kv_cache_access(exported) == KVCacheAccess.IN_PROCESS  # host memory: nothing asked
+    for imex in (False, True):
+        assert _extensible(*kvflow, imex=imex, export="fd") is True
+    refused = _extensible(*kvflow, imex=False, asked=False, export="fd")  # --no-enable-extensible-kv-cache
+    assert isinstance(refused, ValueError) and re.search("POSIX file descriptors", str(refused)), refused
     p, d = make_pair()
     try:
         move_and_check(p, d, "t-access", 3 * BLOCK_SIZE + 7)

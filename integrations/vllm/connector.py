@@ -35,6 +35,7 @@ from kvflow.integrations.vllm.kv_caches import cache_groups, check_supported, de
 from kvflow.integrations.vllm.mapping import Orders, SchedulerBook
 from kvflow.integrations.vllm.releases import (
     cache_access,
+    check_gpu_export,
     check_sleep_mode,
     check_vllm_version,
     drop_prompt_tail,
@@ -76,6 +77,7 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
         transfer = vllm_config.kv_transfer_config
         assert transfer is not None  # checked by the base class
         self.settings = Settings.from_extra(transfer.kv_connector_extra_config)
+        check_gpu_export(self.settings.gpu_export, vllm_version)
         # data parallelism: one engine per DP rank, named as vLLM's engine core names it
         # (``<engine_id>_dp<k>``, which it does itself when it runs DP ranks), its ranks' ports
         # after the DP ranks' before it (as vLLM's NIXL connector offsets its side channel)
@@ -123,12 +125,16 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
     def kv_cache_access(cls, kv_transfer_config: KVTransferConfig) -> KVCacheAccess:
         """vLLM 0.34 asks how the workers reach the KV cache, to choose how it allocates a GPU
         cache: kvflow registers it with NIXL, and UCX peers on the same host import it by
-        legacy CUDA IPC (`releases.cache_access` says which flags and why)."""
+        legacy CUDA IPC, or (``gpu_export: "fd"``) its engine process imports the chunks by file
+        descriptor (`releases.cache_access` says which flags and why).
+
+        :raises ConfigError: a bad kvflow setting (named)."""
         from vllm.config.kv_transfer import KVCacheAccess
         from vllm.platforms import current_platform
 
+        export = Settings.from_extra(kv_transfer_config.kv_connector_extra_config).gpu_export
         access = KVCacheAccess.IN_PROCESS
-        for name in cache_access(gpu=current_platform.is_cuda_alike()):
+        for name in cache_access(gpu=current_platform.is_cuda_alike(), export=export):
             access |= KVCacheAccess[name]
         return access
 

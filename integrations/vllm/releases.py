@@ -7,7 +7,8 @@ the installed vLLM what it has where that is possible, named with the release th
 - 0.33: sleep mode's hooks (`unregister_kv_caches` / `restore_kv_caches`).  Before them sleep
   mode frees the KV memory under the transport's registration, so kvflow refuses it.
 - 0.34: `kv_cache_access`, how the workers reach the KV cache, which decides whether vLLM
-  allocates a GPU cache as its extensible (driver-mapped) cache and how (`cache_access`);
+  allocates a GPU cache as its extensible (driver-mapped) cache and how (`cache_access`;
+  exportable as file descriptors only there, `check_gpu_export`);
   `may_load_async` for ``--max-num-inflight-kv-loads`` (answered by the scheduler's book);
   `supports_lookahead_block_hashes`; a request's ``skip_reading_external_kv`` in place of
   ``get_skip_reading_prefix_cache()``; and a shortened prompt must drop the block hashes of the
@@ -29,6 +30,7 @@ __all__ = (
     "SLEEP_MODE_UNSUPPORTED",
     "SUPPORTED_VLLM",
     "cache_access",
+    "check_gpu_export",
     "check_sleep_mode",
     "check_vllm_version",
     "drop_prompt_tail",
@@ -78,7 +80,21 @@ def check_sleep_mode(vllm_config: VllmConfig, version: str) -> None:
         raise ConfigError(SLEEP_MODE_UNSUPPORTED)
 
 
-def cache_access(gpu: bool) -> tuple[str, ...]:
+def check_gpu_export(export: str, version: str) -> None:
+    """GPU chunks exported as file descriptors (``gpu_export: "fd"``) are vLLM 0.34's
+    extensible cache; before it vLLM allocates nothing exportable so.
+
+    :raises ConfigError: ``fd`` with a vLLM before 0.34.
+    """
+    release = _release(version)
+    if export == "fd" and (release is None or release < (0, 34)):
+        raise ConfigError(
+            f"kvflow gpu_export 'fd' exports vLLM 0.34's extensible KV cache, which vLLM {version} does not "
+            "allocate: use 'legacy-ipc'"
+        )
+
+
+def cache_access(gpu: bool, export: str = "legacy-ipc") -> tuple[str, ...]:
     """The names of vLLM 0.34's `KVCacheAccess` flags that say how kvflow reaches the KV cache.
 
     GPU memory (`gpu`: vLLM allocates the cache on a CUDA or ROCm device): each rank's NIXL
@@ -90,8 +106,15 @@ def cache_access(gpu: bool) -> tuple[str, ...]:
     ``--enable-extensible-kv-cache`` at start-up.  Host memory: any allocation serves (NIXL
     registers host pages wherever they lie, and the engine process maps them by remapping them
     in place), so nothing is asked of vLLM's allocation (``IN_PROCESS``, no flag).
+
+    With `export` ``fd`` (the ``gpu_export`` setting) a GPU cache is vLLM's extensible one,
+    its chunks exported as file descriptors to the engine process (``EXPORTS_FD``), still one
+    physical allocation per segment for NIXL (``REGISTERS``).  Without an IMEX channel its
+    memory cannot travel between same-host UCX peers by cuda_ipc, which legacy handles can.
     """
-    return ("REGISTERS", "LEGACY_IPC") if gpu else ()
+    if not gpu:
+        return ()
+    return ("REGISTERS", "EXPORTS_FD") if export == "fd" else ("REGISTERS", "LEGACY_IPC")
 
 
 def skips_external_kv(request: Any) -> bool:

@@ -80,6 +80,11 @@ class Settings:
     # never preempts the model runner mid-step; it runs on an idle core at once, else when the
     # running task's slice ends) or "normal" (SCHED_OTHER)
     engine_scheduling: str = "batch"
+    # how GPU KV caches reach a rank's engine process, and so how kvflow asks vLLM 0.34 to
+    # allocate them: "legacy-ipc" (vLLM's plain cache, legacy CUDA IPC handles; same-host UCX
+    # peers keep cuda_ipc) or "fd" (vLLM 0.34's extensible cache, its chunks exported as file
+    # descriptors; needs vLLM 0.34)
+    gpu_export: str = "legacy-ipc"
     # the engines this one may transfer with (shell-style patterns of engine ids) and the
     # networks of the control addresses it may dial, whatever a request's params name
     allowed_peers: tuple[str, ...] = ("*",)
@@ -130,6 +135,8 @@ class Settings:
             raise ConfigError(
                 f"kvflow engine_scheduling must be one of {list(SCHEDULING)}, not {settings.engine_scheduling!r}"
             )
+        if settings.gpu_export not in ("legacy-ipc", "fd"):
+            raise ConfigError(f"kvflow gpu_export must be 'legacy-ipc' or 'fd', not {settings.gpu_export!r}")
         if settings.transport != "nixl":
             raise ConfigError(f"kvflow transport must be 'nixl', not {settings.transport!r}")
         if settings.host in ("", "*", "0.0.0.0", "::", "[::]"):

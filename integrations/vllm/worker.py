@@ -42,6 +42,7 @@ from kvflow.control.channel import ControlChannel
 from kvflow.control.zeromq import ZmqControl
 from kvflow.errors import ConfigError, KVFlowError, UsageError
 from kvflow.integrations.vllm.device import Device, HostDevice
+from kvflow.integrations.vllm.gpu_export import GpuExport, export_gpu_memory
 from kvflow.integrations.vllm.kv_caches import CacheDescription
 from kvflow.integrations.vllm.links import EngineLink, ProcessLink, ThreadLink
 from kvflow.integrations.vllm.mapping import Order, Orders
@@ -57,7 +58,6 @@ from kvflow.protocol.core import CoreConfig
 from kvflow.protocol.messages import TransferKey
 from kvflow.protocol.state import Outcome, Role
 from kvflow.runtime import host_memory
-from kvflow.runtime.cuda_ipc import CudaDriver, Share, plan_shares
 from kvflow.runtime.engine import Engine, EngineConfig
 from kvflow.runtime.process import EngineProcess, ProcessSpec
 from kvflow.runtime.threaded import EngineThread
@@ -96,6 +96,7 @@ class WorkerSide(ProducerSide):
         self.settings = settings
         self.pairs = PairBook()  # each request's pair transfers on this rank
         self.link: EngineLink | None = None  # to this rank's engine, wherever it runs
+        self._gpu = GpuExport("legacy-ipc")  # how GPU memory reached an engine process (none yet)
         self.thread: EngineThread | None = None  # the engine's thread, when it runs on one
         self.notices = PeerNotices(self.engine_id, tp_size, self._link, self._parts)
         self._requests: dict[tuple[TransferKey, Role], str] = {}
@@ -183,7 +184,7 @@ class WorkerSide(ProducerSide):
         config = dataclasses.replace(config, inline_op_bytes=INLINE_OP_BYTES)
         spans = host_memory.share_in_place([r for r in layout.regions if r.memory is MemoryType.DRAM])
         try:
-            shares = self._gpu_shares(layout)
+            gpu = export_gpu_memory(layout.regions, self.settings.gpu_export)
         except KVFlowError:
             for span in spans:
                 os.close(span.fd)
@@ -195,7 +196,7 @@ class WorkerSide(ProducerSide):
             transport_options={
                 "backends": list(self.settings.nixl_backends),
                 "granule": layout.block_len,
-                "cuda": bool(shares),
+                "cuda": bool(gpu.regions),
             },
             bind=bind,
             config=config,
@@ -206,22 +207,14 @@ class WorkerSide(ProducerSide):
             scheduling=self.settings.engine_scheduling,
         )
         try:
-            process = EngineProcess(spec, spans, cuda_shares=shares)
+            process = EngineProcess(spec, spans, cuda_shares=gpu.shares, cuda_chunks=gpu.chunks)
         finally:
             for span in spans:  # the child has its own; this process's mapping keeps the memory
                 os.close(span.fd)
+            gpu.close_fds()
         self.link = ProcessLink(process, self.device)
-        self._where = f"engine process pid {process.pid}" + (" (GPU memory by CUDA IPC)" if shares else "")
-
-    @staticmethod
-    def _gpu_shares(layout: KVLayout) -> list[Share]:
-        """The allocations holding the layout's GPU regions, exported for the engine process.
-        :raises ConfigError, TransportError: see `cuda_ipc.plan_shares`, `CudaDriver`."""
-        on_gpu = [region for region in layout.regions if region.memory is MemoryType.VRAM]
-        if not on_gpu:
-            return []
-        driver = CudaDriver()
-        return driver.export(plan_shares(on_gpu, driver.allocation_of))
+        self._gpu = gpu
+        self._where = f"engine process pid {process.pid}" + (f" ({gpu.what})" if gpu.what else "")
 
     def _start_thread(
         self,
@@ -518,12 +511,21 @@ class WorkerSide(ProducerSide):
 
     def sleep(self, asleep: bool) -> None:
         """vLLM's sleep mode: before the KV memory is freed (`asleep`), this rank's engine fails
-        what is live, says Goodbye to its peers and deregisters the memory; on wake-up it
-        registers it again.  Blocks until done (bounded); idempotent; nothing before register.
+        what is live, says Goodbye to its peers and deregisters the memory (an engine process
+        also unmaps GPU chunks it imported); on wake-up it registers it again (GPU chunks
+        exported anew and handed over first).  Blocks until done (bounded); idempotent; nothing
+        before register.
         :raises KVFlowError: see `Engine.unregister_memory`, `EngineLink.wait`."""
-        if self.link is not None:
-            name = "unregister_memory" if asleep else "restore_memory"
-            self.link.wait(self.link.command(name), SHUTDOWN_DRAIN + self.settings.fence_timeout + 20)
+        if self.link is None:
+            return
+        timeout = SHUTDOWN_DRAIN + self.settings.fence_timeout + 20
+        if asleep:
+            self.link.wait(self.link.command("unregister_memory"), timeout)
+            return
+        # GPU chunks an engine process maps come back as new descriptors: vLLM remapped them
+        chunks = self._gpu.send_again(self.link.process) if isinstance(self.link, ProcessLink) else None
+        args = () if chunks is None else (chunks,)
+        self.link.wait(self.link.command("restore_memory", *args), timeout)
 
     def _load_failed(self, blocks: tuple[int, ...]) -> None:
         """A failed load's blocks, for vLLM's load-failure policy.  Not with several KV cache

@@ -13,7 +13,8 @@ KV it moves and checks what landed (opt-in).
 Embedding: `threaded` runs an engine on a thread of synchronous code (an inference engine's
 scheduler), `process` in a process of its own (`engine_process` is that process's program),
 with `host_memory` sharing the host's KV caches in place (`cuda_ipc` its GPU memory, by legacy
-CUDA IPC handles); the host's calls and the process's
+CUDA IPC handles, `cuda_vmm` by file descriptors of driver-mapped chunks, which `fd_passing`
+hands over to a running engine process); the host's calls and the process's
 answers go through two rings in shared memory (`ring` the protocol, `ring_memory` the memory
 file and the wake-up) and the link's life through a socket (`frames` packs both's records);
 `loop` picks uvloop when it is installed.

@@ -11,7 +11,7 @@ pure); the engine process opens each once and moves every region by its offset i
 the engine process needs no torch to open the memory.
 
 Not yet run on a GPU: the GPU check's phase G (`scripts/gpu-check`) is its test there.  The
-0.34 extensible cache's POSIX file descriptors (``EXPORTS_FD``) are a second kind not built yet.
+0.34 extensible cache's chunks travel as file descriptors instead (`cuda_vmm`, ``EXPORTS_FD``).
 """
 
 from __future__ import annotations

@@ -46,8 +46,10 @@ from kvflow.protocol.admission import PeerAllowList
 from kvflow.protocol.core import CoreConfig
 from kvflow.protocol.state import Mode, Role
 from kvflow.runtime.config import EngineConfig
-from kvflow.runtime.cuda_ipc import OpenedShares, shares_from_wire
+from kvflow.runtime.cuda_ipc import OpenedShares
+from kvflow.runtime.cuda_vmm import ImportedChunks, chunks_from_wire, open_gpu_memory
 from kvflow.runtime.engine import Engine
+from kvflow.runtime.fd_passing import FdInbox
 from kvflow.runtime.frames import FrameReader, decode_record, encode_frame, encode_record, error_record
 from kvflow.runtime.host_memory import MappedSpans
 from kvflow.runtime.loop import new_event_loop
@@ -140,7 +142,8 @@ class Server:
         self._look_due = False  # a look at the ring is scheduled within `RING_POLL`
         self.refused_records = 0  # orders that were not calls of the agent
         self.rings: EngineRings | None = None
-        self.gpu: OpenedShares | None = None  # the host's GPU memory, when the layout has some
+        self.gpu: OpenedShares | ImportedChunks | None = None  # the host's GPU memory, when the layout has some
+        self.inbox = FdInbox()  # descriptors the host sent since start, for the call that takes them
         self._tasks: set[asyncio.Task[None]] = set()
         self._closing: asyncio.Future[None] | None = None
 
@@ -190,8 +193,7 @@ class Server:
         self.rings = EngineRings(*spec["rings"])
         mapped = MappedSpans([tuple(span) for span in spec["spans"]])
         self.mapped = mapped  # the mappings live as long as the engine
-        shares = shares_from_wire(spec.get("cuda_shares", []))
-        gpu = self.gpu = OpenedShares(shares) if shares else None
+        gpu = self.gpu = open_gpu_memory(spec)
 
         def place(region: Region) -> Region:
             return (
@@ -304,7 +306,7 @@ class Server:
     def _readable(self) -> None:
         while True:
             try:
-                count, frames = self._reader.read(self.sock)
+                count, frames = self._reader.read(self.sock, self.inbox)
             except BlockingIOError:
                 return
             except OSError:
@@ -325,6 +327,8 @@ class Server:
             self._drain()  # what the host ordered before it said close
             self._close()
             return
+        if isinstance(record, list) and len(record) == 2 and record[0] == "fds":
+            return  # descriptors came with it: into the inbox, for the call that takes them
         if not (isinstance(record, list) and len(record) == 4 and record[0] == "call"):
             self._refuse(record[1] if isinstance(record, list) and len(record) > 1 else None, f"{record!r:.100}")
             return
@@ -336,7 +340,10 @@ class Server:
         if not isinstance(name, str) or name not in self.agent.COMMANDS:
             self._queue(["done", seq, ["UsageError", f"the engine process has no command {name!r:.80}"], None])
             return
-        task = asyncio.get_running_loop().create_task(self._call(seq, getattr(self.agent, name), args))
+        # the memory's own commands: the engine's, and what this process maps of the host's GPU memory
+        mine = name in ("unregister_memory", "restore_memory")
+        method = getattr(self, "_" + name) if mine else getattr(self.agent, name)
+        task = asyncio.get_running_loop().create_task(self._call(seq, method, args))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -353,7 +360,37 @@ class Server:
         else:
             self._queue(["done", seq, None, result])
 
+    async def _unregister_memory(self) -> None:
+        """The engine lets go of the memory; then this process's mapping of exported GPU chunks
+        goes, or it would keep the physical memory the host is about to release.
+        :raises KVFlowError: see `Engine.unregister_memory`."""
+        assert self.agent is not None
+        await self.agent.unregister_memory()
+        if isinstance(self.gpu, ImportedChunks):
+            self.gpu.unmap()
+
+    async def _restore_memory(self, chunks: Any = None) -> None:
+        """Exported GPU chunks come back (`chunks`, their descriptors sent before the call) and
+        are mapped where they were; then the engine registers the memory again.
+        :raises ConfigError: chunks given where none are mapped, or missing where they are.
+        :raises KVFlowError: see `ImportedChunks.remap`, `Engine.restore_memory`."""
+        assert self.agent is not None
+        if isinstance(self.gpu, ImportedChunks) != (chunks is not None):
+            raise ConfigError("exported GPU chunks come back to the engine process that maps them, and only there")
+        if isinstance(self.gpu, ImportedChunks):
+            count = len(chunks) if isinstance(chunks, list) else 0
+            fds = self.inbox.take(count, refill=self._readable)
+            try:
+                back = chunks_from_wire(chunks, fds)
+            except ConfigError:
+                for fd in fds:
+                    os.close(fd)
+                raise
+            self.gpu.remap(back)
+        await self.agent.restore_memory()
+
     def _close(self) -> None:
+        self.inbox.close()
         if self._closing is not None and not self._closing.done():
             self._closing.set_result(None)
 

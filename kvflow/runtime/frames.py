@@ -19,6 +19,7 @@ import msgpack
 
 import kvflow.errors as errors
 from kvflow.errors import ConfigError, KVFlowError
+from kvflow.runtime.fd_passing import FdInbox
 
 __all__ = (
     "MAX_FRAME",
@@ -72,16 +73,17 @@ class FrameReader:
         self._chunk = bytearray(READ_CHUNK)
         self._view = memoryview(self._chunk)
 
-    def read(self, sock: socket.socket) -> tuple[int, list[Any]]:
+    def read(self, sock: socket.socket, inbox: FdInbox | None = None) -> tuple[int, list[Any]]:
         """Read what `sock` has (up to `READ_CHUNK`) into the kept buffer, with no allocation
         of its own (``recv(n)`` allocates n bytes on every call, 1 MiB cost 50-100 µs): the
-        bytes read (0: the peer closed) and the frames now complete.
+        bytes read (0: the peer closed) and the frames now complete.  Descriptors that come
+        attached join `inbox` (without one, none may come).
 
         :raises BlockingIOError: nothing to read (a non-blocking socket).
         :raises OSError: the socket failed.
         :raises KVFlowError: see `feed`.
         """
-        count = sock.recv_into(self._view)
+        count = sock.recv_into(self._view) if inbox is None else inbox.read(sock, self._view)
         return count, self.feed(self._view[:count]) if count else []
 
     def feed(self, data: bytes | memoryview) -> list[Any]:

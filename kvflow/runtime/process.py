@@ -11,9 +11,11 @@ results from it.
 The KV memory reaches the child as shared memory: `host_memory.share_in_place` moves the
 host's pages onto memory files at the same addresses, and the child maps the files and
 registers its mapping with the transport.  GPU memory travels as legacy CUDA IPC handles
-(`cuda_ipc`: one per allocation), opened by the child, whose threads are bound to the device;
-not yet run on a GPU, so the vLLM worker uses it only when asked (``engine_process:
-"process"``) and the GPU check's phase G is its test.
+(`cuda_ipc`: one per allocation) or, for vLLM 0.34's exportable cache, as file descriptors of
+its physical chunks (`cuda_vmm`; again over the socket, `send_fds`, after the host remapped
+them), opened by the child, whose threads are bound to the device; not yet run on a GPU, so
+the vLLM worker uses it only when asked (``engine_process: "process"``) and the GPU check's
+phases G and V are its test.
 
 The protocol: records, each a msgpack array of plain types.  The host's calls,
 ``["call", seq, name, args]`` (each runs `name` on the child's agent, which is the engine's own
@@ -63,6 +65,8 @@ from kvflow.protocol.messages import TransferKey
 from kvflow.protocol.state import Outcome, Role
 from kvflow.runtime.config import EngineConfig
 from kvflow.runtime.cuda_ipc import Share, shares_to_wire
+from kvflow.runtime.cuda_vmm import Chunk, chunks_to_wire
+from kvflow.runtime.fd_passing import send_fds
 from kvflow.runtime.frames import READ_CHUNK, FrameReader, decode_record, encode_frame, encode_record, error_from_record
 from kvflow.runtime.host_memory import SharedSpan
 from kvflow.runtime.meter import MeterReading, TransferSample
@@ -139,10 +143,12 @@ class EngineProcess:
         spans: Sequence[SharedSpan],
         *,
         cuda_shares: Sequence[Share] = (),
+        cuda_chunks: Sequence[Chunk] = (),
         start_timeout: float = 60.0,
     ) -> None:
         """`spans`: the host memory of the layout's DRAM regions; `cuda_shares`: the exported
-        allocations (`cuda_ipc`) holding its VRAM regions."""
+        allocations (`cuda_ipc`) holding its VRAM regions, or `cuda_chunks` the exported chunks
+        (`cuda_vmm`; the caller keeps its descriptors)."""
         if spec.scheduling not in SCHEDULING:
             raise ConfigError(f"an engine process is scheduled as one of {list(SCHEDULING)}, not {spec.scheduling!r}")
         self.engine_id = spec.engine_id
@@ -168,12 +174,14 @@ class EngineProcess:
             end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
             end.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER)
         self._rings = HostRings()
-        fds = [theirs.fileno(), *self._rings.fds, *(span.fd for span in spans)]
+        fds = [theirs.fileno(), *self._rings.fds, *(span.fd for span in spans), *(chunk.fd for chunk in cuda_chunks)]
         wire = spec.to_wire(spans)
         first_span = 1 + len(self._rings.fds)
         wire["spans"] = [[fds[first_span + i], span.base, span.length] for i, span in enumerate(spans)]
         wire["rings"] = [*self._rings.fds, self._rings.capacity]
         wire["cuda_shares"] = shares_to_wire(cuda_shares)
+        wire["cuda_chunks"] = chunks_to_wire(cuda_chunks)
+        wire["cuda_chunk_fds"] = [chunk.fd for chunk in cuda_chunks]
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "kvflow.runtime.engine_process", str(theirs.fileno())],
@@ -233,6 +241,18 @@ class EngineProcess:
             else:
                 self._send([record])
         return future
+
+    def send_fds(self, fds: Sequence[int], timeout: float = 5.0) -> None:
+        """Hand `fds` to the engine process (the caller keeps its own), for the next call that
+        takes descriptors (`engine_process.Server`: ``restore_memory`` of exported GPU chunks).
+
+        :raises EngineClosed: the engine process is gone.
+        :raises EngineTimeout, TransportError, ConfigError: see `fd_passing.send_fds`.
+        """
+        with self._lock:
+            if self.dead is not None:
+                raise EngineClosed(f"engine process of {self.engine_id!r} is gone: {self.dead}")
+            send_fds(self._sock, encode_frame([["fds", len(fds)]]), fds, timeout)
 
     @contextlib.contextmanager
     def batch(self) -> Iterator[None]:
