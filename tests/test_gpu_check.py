@@ -49,7 +49,7 @@ def run(tmp_path: Path) -> Iterator[Run]:
 @pytest.mark.parametrize(
     ("phases", "message"),
     [
-        ("ABX", "unknown phase 'X': the phases are A, B, E, G, I, C, D, F"),
+        ("ABX", "unknown phase 'X': the phases are A, B, E, G, V, I, C, D, F"),
         ("abed", "unknown phase 'a'"),
         ("ABB", "phase 'B' named twice"),
         ("", "no phase named"),
@@ -68,7 +68,7 @@ def test_phases_and_sizes_are_parsed_with_their_defaults() -> None:
     args = parse_args(["--device", "cuda", "--out", "x", "--phases", "BD", "--sizes", "1,16,256"])
     assert (args.phases, args.sizes, args.budget, args.limit_scale) == ("BD", [1, 16, 256], 320.0, 1.0)
     args = parse_args(["--device", "cpu", "--out", "x"])
-    assert (args.phases, args.sizes, args.role) == ("ABEGICDF", [1, 4, 16, 64, 256], "parent")
+    assert (args.phases, args.sizes, args.role) == ("ABEGVICDF", [1, 4, 16, 64, 256], "parent")
 
 
 @pytest.mark.parametrize(
@@ -310,7 +310,7 @@ def test_the_cpu_dry_run_moves_byte_exact_blocks_and_measures_each_size(tmp_path
     out = tmp_path / "tmp"
     env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable}
     done = subprocess.run(
-        ["bash", str(ROOT / "scripts" / "gpu-check"), "dry-run", "--sizes", "1,4", "--phases", "ABEGID"],
+        ["bash", str(ROOT / "scripts" / "gpu-check"), "dry-run", "--sizes", "1,4", "--phases", "ABEGVID"],
         cwd=tmp_path,
         env=env,
         capture_output=True,
@@ -319,8 +319,9 @@ def test_the_cpu_dry_run_moves_byte_exact_blocks_and_measures_each_size(tmp_path
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     doc = json.loads((out / "results.json").read_text())
-    assert doc["summary"] == {"A": "ok", "B": "ok", "E": "ok", "G": "ok", "I": "ok", "D": "ok"}
+    assert doc["summary"] == {"A": "ok", "B": "ok", "E": "ok", "G": "ok", "V": "skipped", "I": "ok", "D": "ok"}
     phases = {p["phase"]: p for p in doc["phases"]}
+    assert "driver-mapped memory" in phases["V"]["why"]  # a GPU run's alone
     assert phases["A"]["details"]["kvflow"] == str(ROOT / "kvflow" / "__init__.py")
     transfers = phases["B"]["transfers"]
     assert [t["mode"] for t in transfers] == ["push", "push", "push", "pull"]

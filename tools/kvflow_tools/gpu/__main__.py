@@ -85,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--blocks", type=int, default=BLOCKS_B, help=argparse.SUPPRESS)
     ap.add_argument("--unbound", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--engine-process", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--exported", action="store_true", help=argparse.SUPPRESS)  # P's caches: driver-mapped chunks
     return ap
 
 

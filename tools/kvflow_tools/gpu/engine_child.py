@@ -33,6 +33,7 @@ from kvflow.runtime.integrity import Integrity
 from kvflow.transports.nixl import NixlTransport
 from kvflow_tools.gpu.plan import SPEC_B, SPEC_D, STALE, TRANSFER_S, block_len
 from kvflow_tools.gpu.raw_nixl import RawNixl
+from kvflow_tools.gpu.vmm import ExportableMemory
 
 __all__ = ("EngineChild", "answer", "cuda_event", "event_done", "serve", "sleep_kernel")
 
@@ -77,11 +78,17 @@ class EngineChild:
         self.nb: int = args.blocks
         self.blen = self.spec.block_len
         assert self.blen == block_len(spec_args)
-        # per layer: K blocks then V blocks, as bytes (the quickstart's shape, as a torch tensor)
-        self.layers = [
-            torch.zeros((2, self.nb, self.blen), dtype=torch.uint8, device=self.dev)
-            for _ in range(self.spec.num_layers)
-        ]
+        # per layer: K blocks then V blocks, as bytes (the quickstart's shape, as a torch tensor);
+        # `--exported`: each layer one driver-mapped chunk, as vLLM 0.34's exportable cache holds it
+        shape = (2, self.nb, self.blen)
+        self.chunks = (
+            [ExportableMemory(2 * self.nb * self.blen) for _ in range(self.spec.num_layers)] if args.exported else []
+        )
+        self.layers = (
+            [chunk.as_tensor(2 * self.nb * self.blen).view(shape).zero_() for chunk in self.chunks]
+            if self.chunks
+            else [torch.zeros(shape, dtype=torch.uint8, device=self.dev) for _ in range(self.spec.num_layers)]
+        )
 
         def bind_thread() -> None:
             torch.cuda.set_device(0)

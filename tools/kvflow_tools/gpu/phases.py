@@ -27,7 +27,18 @@ from kvflow_tools.gpu.plan import B_TRANSFERS, BLOCKS_B, PHASE_LIMITS, READY_S, 
 from kvflow_tools.gpu.run import Proc, Run, child_argv, child_env
 from kvflow_tools.gpu.ucx import ucx_summary
 
-__all__ = ("Phase", "phase_a", "phase_b", "phase_c", "phase_d", "phase_e", "phase_f", "plan_phases", "run_phases")
+__all__ = (
+    "Phase",
+    "phase_a",
+    "phase_b",
+    "phase_c",
+    "phase_d",
+    "phase_e",
+    "phase_f",
+    "phase_v",
+    "plan_phases",
+    "run_phases",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +59,7 @@ def plan_phases(run: Run, keys: str, sizes_mib: Sequence[int]) -> list[Phase]:
         "B": ("two processes, NIXL, scattered blocks", lambda dl: phase_b(run, dl)),
         "E": ("phase B with UCX_PROTO_INFO=y", lambda dl: phase_e(run, dl)),
         "G": ("phase B with P's engine in an engine process over memory its owner shares", lambda dl: phase_g(run, dl)),
+        "V": ("phase G over driver-mapped memory exported by descriptor, remapped once", lambda dl: phase_v(run, dl)),
         "I": ("the integrity check on the cache's memory: a flipped byte caught", lambda dl: phase_i(run, dl)),
         "C": ("gating on a CUDA event; event-wait CPU cost", lambda dl: phase_c(run, dl)),
         "D": ("bandwidth", lambda dl: phase_d(run, dl, list(sizes_mib))),
@@ -109,6 +121,7 @@ def start_pair(
     unbound: bool = False,
     stderr: dict[str, Path] | None = None,
     engine_process: bool = False,
+    exported: bool = False,
 ) -> tuple[Proc, Proc, dict[str, Any]]:
     """P (prefill-0) and D (decode-0), each ready, D connected to P; `stderr` (when given) gets
     their stderr files at once, for a caller that reads them whatever happens.
@@ -119,7 +132,7 @@ def start_pair(
     """
     env = child_env(env_extra)
     extra = ["--geometry", geometry, "--blocks", str(blocks)] + (["--unbound"] if unbound else [])
-    p_extra = ["--engine-process"] if engine_process else []
+    p_extra = (["--engine-process"] if engine_process else []) + (["--exported"] if exported else [])
     p = Proc(run, "prefill-0", child_argv("p", run.device, "--name", "prefill-0", *extra, *p_extra), env, tag)
     d = Proc(run, "decode-0", child_argv("d", run.device, "--name", "decode-0", *extra), env, tag)
     if stderr is not None:
@@ -288,6 +301,43 @@ def phase_g(run: Run, deadline: float) -> dict[str, Any]:
     :raises GpuChildFailed, GpuPhaseTimeout: see `phase_b`.
     """
     return phase_b(run, deadline, tag="G", engine_process=True)
+
+
+def phase_v(run: Run, deadline: float) -> dict[str, Any]:
+    """Phase G over memory as vLLM 0.34's extensible cache holds it (one driver-mapped chunk per
+    layer, `kvflow_tools.gpu.vmm`), reaching the engine process as file descriptors
+    (`kvflow.runtime.cuda_vmm`); then sleep mode's remap (the engine process lets go, the owner
+    maps new chunks at the same addresses and hands them over again over the socket) and one
+    more push, whose bytes must be the new chunks'.
+
+    :raises GpuChildFailed, GpuPhaseTimeout: see `phase_b`.
+    """
+    if run.device != "cuda":
+        return {"status": "skipped", "why": "needs CUDA (driver-mapped memory exported by descriptor)"}
+    p, d, info = start_pair(run, "V", deadline, engine_process=True, exported=True)
+    transfers: list[dict[str, Any]] = []
+    run.partial["transfers"] = transfers
+    remapped: dict[str, Any] = {}
+    try:
+        for i, (mode, pb, db, seed) in enumerate(B_TRANSFERS):
+            transfers.append(one_transfer(p, d, deadline, f"V-{i}", mode, pb, db, seed))
+        if all(t["ok"] for t in transfers):
+            remapped = p.request("remap", "remapped", deadline)
+            run.log(f"  V: remapped {remapped.get('chunks')} chunks in {remapped.get('ms')} ms")
+            mode, pb, db, seed = B_TRANSFERS[0]
+            transfers.append(one_transfer(p, d, deadline, "V-remapped", mode, pb, db, seed + 1000))
+    finally:
+        p.close()
+        d.close()
+    ok = len(transfers) == len(B_TRANSFERS) + 1 and all(t["ok"] for t in transfers)
+    return {
+        "status": "ok" if ok else "fail",
+        "transfers_ok": f"{sum(t['ok'] for t in transfers)}/{len(transfers)}",
+        "p_shared": info["p_ready"].get("shared"),
+        "remap": remapped,
+        "start_s": info["start_s"],
+        "transfers": transfers,
+    }
 
 
 def phase_e(run: Run, deadline: float, tag: str = "E", unbound: bool = False) -> dict[str, Any]:

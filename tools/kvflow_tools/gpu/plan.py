@@ -39,9 +39,9 @@ STALE = 0xA5  # phase C: P's blocks hold this byte before the pattern is copied 
 UCX_LINES = 200  # of each child's stderr kept in ucx.log
 READY_S = 45.0  # a child not ready by then (torch, CUDA, NIXL/UCX set up) will not be
 TRANSFER_S = 15.0  # a transfer's deadline: even 256 MiB over TCP takes far less; a hang fails fast
-PHASE_ORDER = "ABEGICDF"  # the phases, in the order a full run takes them
+PHASE_ORDER = "ABEGVICDF"  # the phases, in the order a full run takes them
 # seconds, before --limit-scale
-PHASE_LIMITS = {"A": 60, "B": 90, "E": 60, "G": 90, "I": 60, "C": 90, "D": 150, "F": 60}
+PHASE_LIMITS = {"A": 60, "B": 90, "E": 60, "G": 90, "V": 90, "I": 60, "C": 90, "D": 150, "F": 60}
 DEFAULT_SIZES_MIB = (1, 4, 16, 64, 256)  # phase D's
 
 

@@ -5,7 +5,9 @@ Why: a vLLM worker keeps its KV caches and runs kvflow's engine in a process of 
 CUDA IPC handles (`kvflow.runtime.cuda_ipc`, one per allocation, opened by the engine process),
 in the CPU dry run through host memory shared in place.  This child owns the caches (and fills
 them with the pattern, as a forward would), and the engine process WRITEs from them: D's digest
-must equal the owner's.  It answers the parent as `EngineChild` does, the commands it needs.
+must equal the owner's.  It answers the parent as `EngineChild` does, the commands it needs.  With ``--exported``
+(phase V) its caches are driver-mapped chunks that reach the engine process as file descriptors
+(`kvflow.runtime.cuda_vmm`), remapped once as sleep mode does (``remap``).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import kvflow
 from kvflow.protocol.messages import TransferKey
 from kvflow.runtime import host_memory
 from kvflow.runtime.cuda_ipc import CudaDriver, plan_shares
+from kvflow.runtime.cuda_vmm import Chunk, VmmDriver, chunks_to_wire
 from kvflow.runtime.process import EngineProcess, ProcessSpec
 from kvflow_tools.gpu.engine_child import EngineChild, answer
 from kvflow_tools.gpu.plan import TRANSFER_S
@@ -35,8 +38,10 @@ class ProcessEngineChild(EngineChild):
         :raises RuntimeError: CUDA cannot be used (torch's)."""
         super().__init__(args, events, engine=False)
         layout = kvflow.KVLayout.per_layer_regions(self.spec, self.nb, self.regions)
-        shares, spans = [], []
-        if self.cuda:
+        shares, spans, chunks = [], [], []
+        if self.chunks:  # driver-mapped: each chunk exported as a file descriptor
+            chunks = self._export()
+        elif self.cuda:
             driver = CudaDriver()
             shares = driver.export(plan_shares(self.regions, driver.allocation_of))
         else:
@@ -48,11 +53,38 @@ class ProcessEngineChild(EngineChild):
             config=kvflow.EngineConfig(transfer_timeout=TRANSFER_S, drain_timeout=2.0),
         )
         try:
-            self.process = EngineProcess(spec, spans, cuda_shares=shares)
+            self.process = EngineProcess(spec, spans, cuda_shares=shares, cuda_chunks=chunks)
         finally:
-            for span in spans:
-                os.close(span.fd)
-        self.shares = len(shares) or len(spans)
+            for fd in [span.fd for span in spans] + [chunk.fd for chunk in chunks]:
+                os.close(fd)
+        self.shares = len(shares) or len(spans) or len(chunks)
+
+    def _export(self) -> list[Chunk]:
+        """Each physical chunk holding the caches, exported as a file descriptor (the caller closes them).
+        :raises kvflow.KVFlowError: the driver refused."""
+        driver = VmmDriver()
+        return [
+            driver.export_fd(Chunk(s.device, s.base, s.length)) for s in plan_shares(self.regions, driver.allocation_of)
+        ]
+
+    async def cmd_remap(self, cmd: dict[str, Any]) -> None:
+        """Sleep mode, as vLLM 0.34 does it to an exportable cache: the engine process lets go of
+        the memory, each chunk is freed and a new one mapped at the same addresses, exported
+        again and handed over on the socket; the engine process maps them and registers again."""
+        t0 = time.monotonic()
+        await self._settled(self.process.call("unregister_memory"))
+        for memory in self.chunks:
+            memory.release()
+        for memory in self.chunks:
+            memory.commit()
+        exported = self._export()
+        try:
+            self.process.send_fds([chunk.fd for chunk in exported])
+        finally:
+            for chunk in exported:
+                os.close(chunk.fd)
+        await self._settled(self.process.call("restore_memory", chunks_to_wire(exported)))
+        self.emit("remapped", id=cmd["id"], chunks=len(exported), ms=round((time.monotonic() - t0) * 1e3, 2))
 
     async def cmd_connect(self, cmd: dict[str, Any]) -> None:
         await self._settled(self.process.call("connect", cmd["peer"], cmd["address"]))
