@@ -17,7 +17,9 @@ same stretch of time (and kvflow's figures from two phases show the drift betwee
 
 Fair to vLLM by default: its NIXL agents' progress threads sleep 1 ms between polls (stock NIXL
 polls without pause, a core per agent, which on a small host measures the host; ``-1`` asks for
-it, and the header says which ran).  Each phase runs ``--repeats`` times, the first system of a
+it, and the header says which ran), and its workers stay on the cores they were bound to (vLLM's
+NIXL worker would pin P's and D's model runners to the host's last core; the launcher).
+Each phase runs ``--repeats`` times, the first system of a
 rate rotating from repetition to repetition, and the report gives the spread between them.
 Every finished phase is written out before the next starts, and a phase that fails (a server
 that does not start, a warm-up that does not answer) is recorded with its cause while the run
