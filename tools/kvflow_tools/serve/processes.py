@@ -5,7 +5,8 @@ CPUs the workers it spawns, multiprocessing's resource tracker).  Signalling the
 alone can leave the others running, holding gigabytes and ports.  Each server is started as the
 leader of a new session, so its whole tree shares one process group id; stopping sends SIGTERM
 to the group, waits, then SIGKILLs what is left, and reports the group empty only when no
-process of it remains.  Every wait has a deadline.
+process of it remains.  Every wait has a deadline.  A warden process (`kvflow_tools.serve.warden`)
+stops the groups still running when the process that started them dies without stopping them.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -22,9 +25,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from kvflow_tools.children import import_path
 from kvflow_tools.errors import ServerFailed
 
-__all__ = ("Group", "ServerFailed", "free_port", "group_alive", "http_ok", "wait_all")
+__all__ = ("WARDEN", "Group", "ServerFailed", "free_port", "group_alive", "http_ok", "wait_all")
 
 LOG_TAIL_BYTES = 6000  # how much of a failed server's log its error quotes
 
@@ -60,6 +64,46 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
+class _Warden:
+    """This process's one warden, started with the first group, and the pipe it watches."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._process: subprocess.Popen[bytes] | None = None
+
+    def tell(self, line: str, start: bool = True) -> None:
+        """Write `line` to the warden, starting it first if need be and `start` allows.
+
+        :raises ServerFailed: the warden cannot be started."""
+        with self._lock:
+            if self._process is None or self._process.poll() is not None:
+                if not start:
+                    return
+                try:
+                    self._process = subprocess.Popen(
+                        [sys.executable, "-m", "kvflow_tools.serve.warden"],
+                        stdin=subprocess.PIPE,
+                        stdout=subprocess.DEVNULL,
+                        env=dict(os.environ, PYTHONPATH=import_path()),
+                        start_new_session=True,  # out of reach of the terminal's Ctrl-C
+                    )
+                except OSError as exc:
+                    raise ServerFailed(f"cannot start the warden of this process's servers: {exc}") from exc
+            assert self._process.stdin is not None
+            with contextlib.suppress(OSError):  # a warden that died: the next start begins another
+                self._process.stdin.write(line.encode() + b"\n")
+                self._process.stdin.flush()
+
+    @property
+    def pid(self) -> int:
+        """The warden's pid, 0 before the first group."""
+        with self._lock:
+            return self._process.pid if self._process is not None else 0
+
+
+WARDEN = _Warden()
+
+
 def http_ok(url: str, timeout: float = 2.0) -> bool:
     """Whether GET `url` answers 200 within `timeout` seconds."""
     try:
@@ -93,7 +137,9 @@ class Group:
     _out: IO[bytes] | None = field(default=None, init=False, repr=False)
 
     def start(self) -> None:
-        """:raises ServerFailed: the command cannot be started."""
+        """Start the command, watched by this process's warden.
+
+        :raises ServerFailed: the command, or the warden, cannot be started."""
         self.log.parent.mkdir(parents=True, exist_ok=True)
         self._out = open(self.log, "ab")  # noqa: SIM115 (closed in stop)
         try:
@@ -109,6 +155,11 @@ class Group:
         except OSError as exc:
             self._out.close()
             raise ServerFailed(f"{self.name}: cannot start {self.argv[0]}: {exc}") from exc
+        try:
+            WARDEN.tell(f"+{self.process.pid}")
+        except ServerFailed:
+            self.stop(grace=0.0)
+            raise
 
     @property
     def pid(self) -> int:
@@ -160,6 +211,8 @@ class Group:
         if self._out is not None:
             self._out.close()
             self._out = None
+        if empty:
+            WARDEN.tell(f"-{pgid}", start=False)
         return empty
 
     def _reap(self, pgid: int, deadline: float) -> bool:
