@@ -24,20 +24,12 @@ import signal
 import sys
 import time
 
+from kvflow_tools.serve.processes import group_alive
+
 __all__ = ("main", "stop_groups")
 
 GRACE_S = 15.0  # as `Group.stop`'s default: vLLM's servers take seconds to shut their engines down
 POLL_S = 0.1
-
-
-def _alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _reap_children() -> None:
@@ -55,18 +47,18 @@ def stop_groups(pgids: set[int], grace: float) -> set[int]:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pgid, sig)
     deadline = time.monotonic() + grace
-    left = {pgid for pgid in pgids if _alive(pgid)}
+    left = {pgid for pgid in pgids if group_alive(pgid)}
     while left and time.monotonic() < deadline:
         time.sleep(POLL_S)
         _reap_children()
-        left = {pgid for pgid in left if _alive(pgid)}
+        left = {pgid for pgid in left if group_alive(pgid)}
     for pgid in left:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pgid, signal.SIGKILL)
     deadline = time.monotonic() + 1.0
     while left and time.monotonic() < deadline:
         time.sleep(POLL_S)
-        left = {pgid for pgid in left if _alive(pgid)}
+        left = {pgid for pgid in left if group_alive(pgid)}
     return left
 
 
