@@ -85,11 +85,17 @@ class ConnectionWatch:
     ) -> ConnectionWatch:
         """Monitor `events` of `sock` (of context `ctx`) and count them on a new thread.
 
-        :raises zmq.ZMQError: the monitor cannot be set up (out of descriptors)."""
+        :raises zmq.ZMQError: the monitor cannot be set up (out of descriptors); then `sock` is
+            left unmonitored (see `kvflow.control.monitor.open_monitor` for why the reader comes first)."""
         endpoint = f"inproc://kvflow-connections-{id(sock):x}"
-        sock.monitor(endpoint, events)
         monitor: zmq.Socket[bytes] = zmq.Socket(ctx, zmq.PAIR)  # plain: used by the watch's thread alone
-        monitor.connect(endpoint)
+        try:
+            monitor.setsockopt(zmq.LINGER, 0)
+            monitor.connect(endpoint)  # an inproc connect may come before the bind
+            sock.monitor(endpoint, events)
+        except zmq.ZMQError:
+            monitor.close(linger=0)
+            raise
         return cls(monitor, owner, thread_setup)
 
     def counts(self) -> dict[str, int]:

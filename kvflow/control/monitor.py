@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -20,10 +21,37 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-__all__ = ("LinkListener", "LinkMonitors")
+__all__ = ("LinkListener", "LinkMonitors", "open_monitor")
 
 LinkListener = Callable[[str, bool], None]  # (peer, link up?)
 EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_MONITOR_STOPPED
+_SERIAL = itertools.count()  # inproc endpoints are never reused, even for a socket at the same address
+
+
+def open_monitor(sock: zmq.Socket[Any], events: int) -> zmq.Socket[Any] | None:
+    """A PAIR socket (of `sock`'s context) receiving `events` of `sock`, or None when one cannot
+    be made (out of descriptors); then `sock` is left unmonitored.  Never raises.
+
+    The reader exists, and is connected, before libzmq starts sending: pyzmq's
+    `get_monitor_socket` enables the monitor first, and when its reader then cannot be made (one
+    descriptor short) the monitor stays on with no peer, so libzmq's I/O thread blocks for good
+    on the first event it sends (a send to a PAIR without a peer waits), and with it every
+    connection, timer and close of the context, while stopping such a monitor blocks its caller
+    the same way.  An inproc connect may come before the bind.
+    """
+    endpoint = f"inproc://kvflow-monitor-{id(sock):x}-{next(_SERIAL)}"
+    try:
+        reader: zmq.Socket[Any] = sock.context.socket(zmq.PAIR)
+    except zmq.ZMQError:
+        return None
+    try:
+        reader.setsockopt(zmq.LINGER, 0)
+        reader.connect(endpoint)
+        sock.monitor(endpoint, events)
+    except zmq.ZMQError:  # the monitor was not enabled (libzmq undoes a half-made one itself)
+        reader.close(linger=0)
+        return None
+    return reader
 
 
 class LinkMonitors:
@@ -38,13 +66,16 @@ class LinkMonitors:
         `loop`.  Never raises: a socket that cannot be monitored is only watched by the lease."""
         if self.listener is None or loop is None:
             return
-        try:
-            # a socket of an asyncio context (as the channel's are) gives an asyncio monitor
-            monitor = cast("zmq.asyncio.Socket", sock.get_monitor_socket(EVENTS))
-        except zmq.ZMQError:  # out of sockets: the lease still notices a silent peer
+        opened = open_monitor(sock, EVENTS)
+        if opened is None:  # out of sockets: the lease still notices a silent peer
             return
+        monitor = cast("zmq.asyncio.Socket", opened)  # a socket of an asyncio context, as the channel's are
         task = loop.create_task(self._read(monitor, peer), name=f"kvflow-link-{peer}")
         self._watched[sock] = (monitor, task)
+
+    def watching(self) -> int:
+        """How many sockets' links are watched now."""
+        return len(self._watched)
 
     def unwatch(self, sock: zmq.Socket[Any]) -> None:
         """Stop watching `sock` (before it closes).  Never raises."""
