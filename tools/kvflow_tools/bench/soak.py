@@ -344,6 +344,8 @@ class Soak:
             self.examples["unexpected_exits"] = exits[:5]
         self.notes += [f"{side.name} printed: {line}" for side in (self.p, self.d) for line in side.stray]
         report.update(self.summary(elapsed, aborted))
+        if report.get("fuzz", {}).get("failure"):  # a phase that did not do what it claims fails the run
+            report["ok"] = False
         return report
 
     async def settle(self) -> dict[str, Any]:

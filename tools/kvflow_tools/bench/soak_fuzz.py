@@ -18,7 +18,7 @@ from typing import Any
 from kvflow.runtime.meter import quantile
 from kvflow_tools.children import PIPE, spawn
 
-__all__ = ("Fuzzer", "latency", "render_fuzz")
+__all__ = ("Fuzzer", "latency", "render_fuzz", "window_counts")
 
 PStats = Callable[[], Awaitable[dict[str, Any]]]
 
@@ -51,11 +51,25 @@ class Fuzzer:
             if event.get("event") == "begin":
                 before = counters
                 continue
-            event["p_counters"] = {k: v - before.get(k, 0) for k, v in counters.items() if v != before.get(k, 0)}
+            event["p_counters"], event["p_restarted"] = window_counts(before, counters)
             self.attacks.append(event)
+            self._check(event)
         error = (await process.stderr.read()).decode(errors="replace").strip()
         if await process.wait() != 0:
             self.failure = f"the attacker exited with {process.returncode}: {error[-500:]}"
+
+    def _check(self, event: dict[str, Any]) -> None:
+        """An attack that could not run, or neither sent anything nor was refused (a try P turned
+        down, as CURVE turns a stranger's, counts), did not do what the run claims: the first
+        such is the fuzz's failure."""
+        name = event.get("attack", "?")
+        if "error" in event:
+            why = f"attack {name} could not run: {event['error']}"
+        elif not event.get("sent") and not event.get("refused"):
+            why = f"attack {name} sent nothing"
+        else:
+            return
+        self.failure = self.failure or why
 
     async def _counters(self) -> dict[str, int]:
         try:
@@ -81,6 +95,15 @@ class Fuzzer:
         return {"attacks": self.attacks, "outside": latency(outside), "p_end": p_end, "failure": self.failure}
 
 
+def window_counts(before: dict[str, int], after: dict[str, int]) -> tuple[dict[str, int], bool]:
+    """What P's counters grew by over a window (those that moved), and whether P restarted
+    within it: then a counter is lower than at the window's start, and what it holds is what
+    the new process counted, a lower bound; a difference would go negative."""
+    restarted = any(after.get(k, 0) < v for k, v in before.items())
+    base = {} if restarted else before
+    return {k: v - base.get(k, 0) for k, v in after.items() if v != base.get(k, 0)}, restarted
+
+
 def latency(transfers: list[tuple[float, float, str]]) -> dict[str, Any]:
     """Count, failures and p50 / p99 / max latency (ms) of (start, end, D's outcome) records."""
     if not transfers:
@@ -104,7 +127,8 @@ def render_fuzz(fuzz: dict[str, Any]) -> list[str]:
             continue
         lines.append(
             f"  fuzz {a['attack']:<20} sent {a['sent']} refused {a['refused']} in {a['duration']:.2f} s "
-            f"({a['rate']:.0f}/s); P rejected {a['p_rejected_per_s']}/s, counters {a['p_counters']}; "
+            f"({a['rate']:.0f}/s); P rejected {a['p_rejected_per_s']}/s, counters {a['p_counters']}"
+            f"{' (P restarted: since then)' if a.get('p_restarted') else ''}; "
             f"transfers meanwhile {a['transfers']}"
         )
     lines.append(f"  fuzz transfers outside the attacks {fuzz['outside']}")

@@ -33,6 +33,7 @@ __all__ = (
     "AttackStats",
     "RecordingProxy",
     "bad_mac_flood",
+    "carries_messages",
     "connection_flood",
     "insider_dealer",
     "replay",
@@ -333,15 +334,26 @@ class RecordingProxy:
         self._listener.close()
 
 
-def _commands(stream: bytes) -> list[bytes]:
-    """`stream` cut into the greeting, each handshake command, and the rest (the messages)."""
-    pieces, at = [stream[:GREETING]], GREETING
+def _command_ends(stream: bytes) -> list[int]:
+    """Where the greeting and each handshake command of a ZMTP client stream end."""
+    ends, at = [GREETING], GREETING
     while at + 2 <= len(stream) and stream[at] & 0x04:  # a command frame
         flags = stream[at]
         head, size = (9, int.from_bytes(stream[at + 1 : at + 9], "big")) if flags & 0x02 else (2, stream[at + 1])
-        pieces.append(stream[at : at + head + size])
         at += head + size
-    pieces.append(stream[at:])
+        ends.append(at)
+    return ends
+
+
+def carries_messages(stream: bytes) -> bool:
+    """Whether a recorded client stream holds anything after its greeting and handshake."""
+    return _command_ends(stream)[-1] < len(stream)
+
+
+def _commands(stream: bytes) -> list[bytes]:
+    """`stream` cut into the greeting, each handshake command, and the rest (the messages)."""
+    ends = _command_ends(stream)
+    pieces = [stream[start:end] for start, end in zip([0, *ends], [*ends, len(stream)], strict=True)]
     return [piece for piece in pieces if piece]
 
 

@@ -34,6 +34,7 @@ from kvflow_tools.testing.fuzz import (
     AttackStats,
     RecordingProxy,
     bad_mac_flood,
+    carries_messages,
     connection_flood,
     insider_dealer,
     replay,
@@ -87,6 +88,7 @@ def recorded_replay(address: str, secret: Secret, *, copies: int) -> AttackStats
 
     :raises zmq.ZMQError: the address is unusable.
     :raises OSError: the proxy cannot listen.
+    :raises ValueError: the proxy recorded no message to replay.
     """
     proxy = RecordingProxy(address)
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
@@ -106,7 +108,10 @@ def recorded_replay(address: str, secret: Secret, *, copies: int) -> AttackStats
             time.sleep(0.2)
     finally:
         proxy.close()
-    streams = [bytes(stream) for stream in proxy.streams] * copies
+    recorded = [bytes(stream) for stream in proxy.streams if carries_messages(bytes(stream))]
+    if not recorded:  # nothing to replay: say so rather than replay nothing and report it done
+        raise ValueError("the recording proxy forwarded no message past the handshake")
+    streams = recorded * copies
     stats = replay(address, streams, hold=0.1)
     return AttackStats("replay", stats.sent, stats.refused, stats.duration)
 
