@@ -5,13 +5,15 @@ loaded first, an unhealthy one skipped until it answers its health check again, 
 merely slow to answer kept for a few checks in a row, none left is an error naming the role)
 that is testable without HTTP, and a backend's description grows with
 deployments (a data-parallel rank, say) without touching how requests are relayed.  Only
-`check_health` does I/O: one ``GET /health`` per backend, each bounded by a deadline.
+`check_health` does I/O: one ``GET /health`` per backend, each bounded by a deadline; `Recheck`
+runs it on behalf of a request that found no healthy backend.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -21,9 +23,11 @@ from kvflow.errors import ConfigError
 from kvflow.integrations.vllm.params import PeerRef
 from kvflow_tools.errors import NoBackend
 
-__all__ = ("Backend", "BackendPool", "Lease", "check_health")
+__all__ = ("RECHECK_GAP_S", "Backend", "BackendPool", "Lease", "Recheck", "check_health")
 
 log = logging.getLogger("kvflow.router")
+
+RECHECK_GAP_S = 1.0  # at most one health check a second on behalf of requests, per role
 
 
 @dataclass(frozen=True)
@@ -166,3 +170,41 @@ async def check_health(session: aiohttp.ClientSession, pool: BackendPool, deadli
             pool.missed(backend, f"GET /health: {exc.__class__.__name__}: {exc}")
 
     await asyncio.gather(*(one(backend) for backend in pool))
+
+
+class Recheck:
+    """When a request finds no healthy backend of a role, one health check of that role at once,
+    then the choice again, before the 503: a backend back from a restart serves the next request,
+    not the first one after the next periodic check (seconds later, every request failing
+    meanwhile).  Requests arriving during a check wait for that same check, and a role is checked
+    this way at most once every `gap` seconds, so that a stream of requests against a dead role
+    costs the backends no more than that."""
+
+    def __init__(self, deadline: float, gap: float = RECHECK_GAP_S) -> None:
+        self.deadline, self.gap = deadline, gap
+        self.checks = 0  # health checks made on behalf of requests
+        self._running: dict[str, asyncio.Future[None]] = {}
+        self._last: dict[str, float] = {}
+
+    async def acquire(self, session: aiohttp.ClientSession, pool: BackendPool) -> Lease:
+        """`pool.acquire()`, with one recheck of the role first when it finds nothing healthy.
+
+        :raises NoBackend: still nothing healthy after the recheck (or within `gap` of the last).
+        """
+        try:
+            return pool.acquire()
+        except NoBackend:
+            pass
+        running = self._running.get(pool.role)
+        if running is None and time.monotonic() - self._last.get(pool.role, -self.gap) >= self.gap:
+            running = asyncio.ensure_future(check_health(session, pool, self.deadline))
+            self._running[pool.role] = running
+            self.checks += 1
+            running.add_done_callback(lambda _: self._done(pool.role))
+        if running is not None:
+            await asyncio.shield(running)  # a client that leaves does not cancel the others' check
+        return pool.acquire()
+
+    def _done(self, role: str) -> None:
+        self._running.pop(role, None)
+        self._last[role] = time.monotonic()

@@ -5,7 +5,9 @@ the original request), each the healthy one of its role with the fewest requests
 D's answer is streamed back.  Every backend's ``GET /health`` is checked periodically (each check
 with a deadline); a backend that answers it with an error, refuses the connection, or leaves
 ``--health-misses`` checks in a row unanswered is skipped until it answers again, and with none
-healthy for a role the client gets 503 naming the role.  ``GET /backends`` shows what the router sees.
+healthy for a role the client gets 503 naming the role, after one health check of that role
+made at once (`Recheck`: a backend back from a restart serves the next request).
+``GET /backends`` shows what the router sees.
 
 Two ways to dispatch (``--mode``):
 
@@ -61,7 +63,7 @@ from kvflow.protocol.state import Mode
 from kvflow_tools.errors import LegFailed, NoBackend, RequestRefused
 from kvflow_tools.routing import http_limits
 from kvflow_tools.routing.backends import Backend as Backend
-from kvflow_tools.routing.backends import BackendPool, check_health
+from kvflow_tools.routing.backends import BackendPool, Recheck, check_health
 from kvflow_tools.routing.http_limits import LIMITS, ClientLimits, Limits, middleware
 
 log = logging.getLogger("kvflow.router")
@@ -95,6 +97,7 @@ class Pools:
 CONFIG = web.AppKey("config", RouterConfig)
 SESSION = web.AppKey("session", aiohttp.ClientSession)
 POOLS = web.AppKey("pools", Pools)
+RECHECK = web.AppKey("recheck", Recheck)
 
 
 # ---------------------------------------------------------------- pure parts
@@ -242,12 +245,13 @@ async def proxy(request: web.Request) -> web.StreamResponse:
         return web.json_response(error_body(400, "request body is JSON nested too deeply"), status=400)
     if not isinstance(body, dict):
         return web.json_response(error_body(400, "request body must be a JSON object"), status=400)
+    recheck, session = request.app[RECHECK], request.app[SESSION]
     try:
-        p_lease = pools.prefill.acquire()
+        p_lease = await recheck.acquire(session, pools.prefill)
     except NoBackend as exc:
         return web.json_response(error_body(503, str(exc), exc.role), status=503)
     try:
-        d_lease = pools.decode.acquire()
+        d_lease = await recheck.acquire(session, pools.decode)
     except NoBackend as exc:
         p_lease.release()
         return web.json_response(error_body(503, str(exc), exc.role), status=503)
@@ -402,6 +406,7 @@ def make_app(config: RouterConfig) -> web.Application:
         BackendPool("prefill", config.prefill, config.health_misses),
         BackendPool("decode", config.decode, config.health_misses),
     )
+    app[RECHECK] = Recheck(config.health_timeout)
 
     async def client(app: web.Application) -> AsyncIterator[None]:
         # No pool cap: a capped pool shared by both legs could be filled with D requests that
