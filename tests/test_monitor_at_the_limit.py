@@ -42,7 +42,7 @@ try:
         links.watch(dealer, "peer", loop)
         made = "monitored" if links.watching() else "unmonitored"
     else:
-        ConnectionWatch.start(router, ctx, zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED, "P")
+        ConnectionWatch.start(router, zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED, "P")
 except zmq.ZMQError:
     made = "refused"
 resource.setrlimit(resource.RLIMIT_NOFILE, (4096, hard))

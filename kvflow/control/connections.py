@@ -31,11 +31,11 @@ import resource
 import threading
 from collections import Counter
 from collections.abc import Callable
-from typing import Any
 
 import zmq
 
 from kvflow.control.hardening import DropLog
+from kvflow.control.monitor import open_monitor
 
 __all__ = ("BURST", "DESCRIPTORS", "GAP", "PAUSE", "ConnectionWatch", "raise_descriptor_limit")
 
@@ -78,24 +78,15 @@ class ConnectionWatch:
     def start(
         cls,
         sock: zmq.Socket[bytes],
-        ctx: zmq.Context[Any],
         events: int,
         owner: str,
         thread_setup: Callable[[], None] | None = None,
     ) -> ConnectionWatch:
-        """Monitor `events` of `sock` (of context `ctx`) and count them on a new thread.
+        """Monitor `events` of `sock` and count them on a new thread.
 
         :raises zmq.ZMQError: the monitor cannot be set up (out of descriptors); then `sock` is
-            left unmonitored (see `kvflow.control.monitor.open_monitor` for why the reader comes first)."""
-        endpoint = f"inproc://kvflow-connections-{id(sock):x}"
-        monitor: zmq.Socket[bytes] = zmq.Socket(ctx, zmq.PAIR)  # plain: used by the watch's thread alone
-        try:
-            monitor.setsockopt(zmq.LINGER, 0)
-            monitor.connect(endpoint)  # an inproc connect may come before the bind
-            sock.monitor(endpoint, events)
-        except zmq.ZMQError:
-            monitor.close(linger=0)
-            raise
+            left unmonitored (`kvflow.control.monitor.open_monitor`)."""
+        monitor: zmq.Socket[bytes] = open_monitor(sock, events, zmq.Socket)  # plain: the watch's thread alone reads it
         return cls(monitor, owner, thread_setup)
 
     def counts(self) -> dict[str, int]:

@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import itertools
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any, TypeVar
 
 import zmq
 import zmq.asyncio
@@ -25,12 +25,12 @@ __all__ = ("LinkListener", "LinkMonitors", "open_monitor")
 
 LinkListener = Callable[[str, bool], None]  # (peer, link up?)
 EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_MONITOR_STOPPED
+_Reader = TypeVar("_Reader", bound="zmq.Socket[Any]")
 _SERIAL = itertools.count()  # inproc endpoints are never reused, even for a socket at the same address
 
 
-def open_monitor(sock: zmq.Socket[Any], events: int) -> zmq.Socket[Any] | None:
-    """A PAIR socket (of `sock`'s context) receiving `events` of `sock`, or None when one cannot
-    be made (out of descriptors); then `sock` is left unmonitored.  Never raises.
+def open_monitor(sock: zmq.Socket[Any], events: int, kind: type[_Reader]) -> _Reader:
+    """A PAIR socket of class `kind` (in `sock`'s context) receiving `events` of `sock`.
 
     The reader exists, and is connected, before libzmq starts sending: pyzmq's
     `get_monitor_socket` enables the monitor first, and when its reader then cannot be made (one
@@ -38,19 +38,19 @@ def open_monitor(sock: zmq.Socket[Any], events: int) -> zmq.Socket[Any] | None:
     on the first event it sends (a send to a PAIR without a peer waits), and with it every
     connection, timer and close of the context, while stopping such a monitor blocks its caller
     the same way.  An inproc connect may come before the bind.
+
+    :raises zmq.ZMQError: the reader or the monitor cannot be made (out of descriptors); then
+        `sock` is left unmonitored (libzmq undoes a half-made monitor itself).
     """
     endpoint = f"inproc://kvflow-monitor-{id(sock):x}-{next(_SERIAL)}"
-    try:
-        reader: zmq.Socket[Any] = sock.context.socket(zmq.PAIR)
-    except zmq.ZMQError:
-        return None
+    reader = kind(sock.context, zmq.PAIR)
     try:
         reader.setsockopt(zmq.LINGER, 0)
         reader.connect(endpoint)
         sock.monitor(endpoint, events)
-    except zmq.ZMQError:  # the monitor was not enabled (libzmq undoes a half-made one itself)
+    except zmq.ZMQError:
         reader.close(linger=0)
-        return None
+        raise
     return reader
 
 
@@ -66,10 +66,10 @@ class LinkMonitors:
         `loop`.  Never raises: a socket that cannot be monitored is only watched by the lease."""
         if self.listener is None or loop is None:
             return
-        opened = open_monitor(sock, EVENTS)
-        if opened is None:  # out of sockets: the lease still notices a silent peer
+        try:
+            monitor = open_monitor(sock, EVENTS, zmq.asyncio.Socket)
+        except zmq.ZMQError:  # out of sockets: the lease still notices a silent peer
             return
-        monitor = cast("zmq.asyncio.Socket", opened)  # a socket of an asyncio context, as the channel's are
         task = loop.create_task(self._read(monitor, peer), name=f"kvflow-link-{peer}")
         self._watched[sock] = (monitor, task)
 

@@ -281,9 +281,7 @@ class ZmqControl:
             router.setsockopt(zmq.CURVE_SERVER, 1)
             router.setsockopt(zmq.CURVE_SECRETKEY, self._keys.server_secret)
             router.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN.encode())
-        self._watch_connections = ConnectionWatch.start(
-            router, self._ctx, MONITORED, self.engine_id, self._thread_setup
-        )
+        self._watch_connections = ConnectionWatch.start(router, MONITORED, self.engine_id, self._thread_setup)
         try:
             router.bind(self._bind)
         except zmq.ZMQError as exc:
