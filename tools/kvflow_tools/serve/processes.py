@@ -20,7 +20,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -28,9 +28,10 @@ from typing import IO
 from kvflow_tools.children import import_path
 from kvflow_tools.errors import ServerFailed
 
-__all__ = ("WARDEN", "Group", "ServerFailed", "free_port", "group_alive", "http_ok", "wait_all")
+__all__ = ("WARDEN", "Group", "ServerFailed", "free_port", "group_alive", "http_ok", "stop_groups", "wait_all")
 
 LOG_TAIL_BYTES = 6000  # how much of a failed server's log its error quotes
+POLL_S = 0.1  # how often a group being stopped is looked at
 
 
 _HANDED_OUT: set[int] = set()
@@ -102,6 +103,35 @@ class _Warden:
 
 
 WARDEN = _Warden()
+
+
+def stop_groups(pgids: Collection[int], grace: float, kill_wait: float, reap: Callable[[], object]) -> set[int]:
+    """SIGCONT (a stopped group cannot act on SIGTERM) and SIGTERM to every process group of
+    `pgids`, SIGKILL after `grace` seconds to those with a process left; the groups still alive
+    `kill_wait` seconds after that.  `reap` runs before each look, to collect leaders that are
+    the caller's children (a zombie leader would count as alive).  Never raises."""
+
+    def send(groups: Collection[int], sig: signal.Signals) -> None:
+        for pgid in groups:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pgid, sig)
+
+    def survivors(groups: Collection[int], deadline: float) -> set[int]:
+        left = set(groups)
+        while True:
+            reap()
+            left = {pgid for pgid in left if group_alive(pgid)}
+            if not left or time.monotonic() >= deadline:
+                return left
+            time.sleep(POLL_S)
+
+    send(pgids, signal.SIGCONT)
+    send(pgids, signal.SIGTERM)
+    left = survivors(pgids, time.monotonic() + grace)
+    if left:
+        send(left, signal.SIGKILL)
+        left = survivors(left, time.monotonic() + kill_wait)
+    return left
 
 
 def http_ok(url: str, timeout: float = 2.0) -> bool:
@@ -202,28 +232,13 @@ class Group:
         if self.process is None:
             return True
         pgid = self.process.pid
-        self.signal(signal.SIGCONT)  # a stopped group cannot act on SIGTERM
-        self.signal(signal.SIGTERM)
-        empty = self._reap(pgid, time.monotonic() + grace)
-        if not empty:
-            self.signal(signal.SIGKILL)
-            empty = self._reap(pgid, time.monotonic() + kill_wait)
+        empty = not stop_groups({pgid}, grace, kill_wait, self.process.poll)  # poll reaps the leader
         if self._out is not None:
             self._out.close()
             self._out = None
         if empty:
             WARDEN.tell(f"-{pgid}", start=False)
         return empty
-
-    def _reap(self, pgid: int, deadline: float) -> bool:
-        assert self.process is not None
-        while True:
-            self.process.poll()  # reaps the leader, so that it does not count as alive
-            if not group_alive(pgid):
-                return True
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.1)
 
 
 def wait_all(waits: Sequence[tuple[Group, Callable[[], bool]]], deadline: float, what: str, poll: float = 0.5) -> None:

@@ -22,14 +22,13 @@ import contextlib
 import os
 import signal
 import sys
-import time
 
-from kvflow_tools.serve.processes import group_alive
+from kvflow_tools.serve.processes import stop_groups
 
-__all__ = ("main", "stop_groups")
+__all__ = ("main",)
 
 GRACE_S = 15.0  # as `Group.stop`'s default: vLLM's servers take seconds to shut their engines down
-POLL_S = 0.1
+KILL_WAIT_S = 1.0  # how long after SIGKILL a group may take to be gone
 
 
 def _reap_children() -> None:
@@ -37,29 +36,6 @@ def _reap_children() -> None:
     with contextlib.suppress(ChildProcessError):
         while os.waitpid(-1, os.WNOHANG)[0]:
             pass
-
-
-def stop_groups(pgids: set[int], grace: float) -> set[int]:
-    """SIGCONT and SIGTERM to each group of `pgids`, SIGKILL after `grace` seconds to those with a
-    process left; the groups still alive after a further second (normally none).  Never raises."""
-    for sig in (signal.SIGCONT, signal.SIGTERM):
-        for pgid in pgids:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pgid, sig)
-    deadline = time.monotonic() + grace
-    left = {pgid for pgid in pgids if group_alive(pgid)}
-    while left and time.monotonic() < deadline:
-        time.sleep(POLL_S)
-        _reap_children()
-        left = {pgid for pgid in left if group_alive(pgid)}
-    for pgid in left:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pgid, signal.SIGKILL)
-    deadline = time.monotonic() + 1.0
-    while left and time.monotonic() < deadline:
-        time.sleep(POLL_S)
-        left = {pgid for pgid in left if group_alive(pgid)}
-    return left
 
 
 def _watched(lines: list[str]) -> set[int]:
@@ -83,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.suppress(OSError):  # a broken pipe ends the watch as its end does
         for line in sys.stdin:
             lines.append(line)
-    left = stop_groups(_watched(lines), grace)
+    left = stop_groups(_watched(lines), grace, KILL_WAIT_S, _reap_children)
     if left:
         sys.stderr.write(f"warden: process groups {sorted(left)} outlived SIGKILL\n")
     return 1 if left else 0
