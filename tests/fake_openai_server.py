@@ -13,7 +13,9 @@ serves them at ``GET /requests``.  SIGTERM stops it.  What it does with a reques
 * ``status``: answer with this error status and a JSON error;
 * ``chunks``: with ``"stream": true`` in the body, the number of SSE data events (default 3);
 * ``hold_after``: stream that many events, then wait for ``POST /release`` before the rest;
-* ``no_params``: answer a ``do_remote_decode`` request without ``kv_transfer_params``.
+* ``no_params``: answer a ``do_remote_decode`` request without ``kv_transfer_params``;
+* ``answer``: a non-streamed answer's JSON, sent as given (with ``kv_transfer_params`` added as below);
+* ``events``: a streamed answer's data events, sent as given (each a JSON value), then ``[DONE]``.
 
 A request whose connection closes before the answer is complete ends with outcome "cancelled".
 A non-streamed answer to a request with ``do_remote_decode`` carries ``kv_transfer_params``, as
@@ -99,17 +101,19 @@ async def completion(request: web.Request) -> web.StreamResponse:
             text = f"{state.name}-answer" + "x" * int(how.get("bloat", 0))  # "bloat": pad by that many bytes
             choice = {"index": 0, "text": text, "finish_reason": "length"}
             answer: dict[str, Any] = {"id": "cmpl-fake", "object": "text_completion", "choices": [choice]}
+            answer = dict(how.get("answer", answer))
             if (body.get("kv_transfer_params") or {}).get("do_remote_decode") and not how.get("no_params"):
                 number = len(state.records)
                 answer["kv_transfer_params"] = {"do_remote_prefill": True, "from": state.name, "request": number}
             return web.json_response(answer)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
-        for index in range(int(how.get("chunks", 3))):
+        given = how.get("events")
+        for index in range(len(given) if given is not None else int(how.get("chunks", 3))):
             if index == how.get("hold_after") and not await _hold(state, record):
                 record["outcome"] = "hold limit"
                 return response
-            await response.write(_event(index))
+            await response.write(_event(index) if given is None else f"data: {json.dumps(given[index])}\n\n".encode())
             await asyncio.sleep(0)  # one write per event
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()

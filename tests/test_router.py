@@ -177,8 +177,8 @@ async def test_decode_is_sent_while_prefill_runs_with_the_same_transfer(live: Li
     assert d_request["headers"]["x-request-id"] == request_id and re.fullmatch(r"kvflow-[0-9a-f]{32}", request_id)
     assert transfer_id not in request_id  # a capability: never in a header vLLM logs
 
-    prefill = dict(body, max_tokens=1, stream=False)
-    del prefill["stream_options"], prefill["min_tokens"]
+    prefill = dict(body, max_tokens=1, stream=False, min_tokens=1)  # P's token is not EOS where one engine's is not
+    del prefill["stream_options"]
     prefill["kv_transfer_params"] = {"do_remote_decode": True, "kvflow": expected_params(transfer_id)}
     assert p_request["body"] == prefill
     decode = dict(body, kv_transfer_params={"do_remote_prefill": True, "kvflow": expected_params(transfer_id)})
@@ -349,11 +349,13 @@ def test_prefill_body_asks_one_token_without_streaming() -> None:
     assert out == {
         "prompt": "p",
         "max_tokens": 1,
+        "min_tokens": 1,  # P may not end on EOS where one engine may not
         "stream": False,
         "n": 1,
         "kv_transfer_params": {"do_remote_decode": True, "kvflow": params},
     }
     assert body["max_tokens"] == 7 and "stream_options" in body  # the client's body is left alone
+    assert "min_tokens" not in router.prefill_body({"min_tokens": 0}, params)
     assert "max_completion_tokens" not in out
     assert router.prefill_body({"max_completion_tokens": 5}, params)["max_completion_tokens"] == 1
 

@@ -12,6 +12,7 @@ from kvflow.errors import KVFlowError
 
 __all__ = (
     "BenchError",
+    "Diverged",
     "GpuCheckError",
     "GpuChildFailed",
     "GpuPhaseTimeout",
@@ -25,6 +26,11 @@ __all__ = (
 class BenchError(KVFlowError):
     """A benchmark could not finish: an engine process died, or a request or an op failed or
     did not complete in time."""
+
+
+class Diverged(KVFlowError):
+    """D's stream contradicts the first token the router already sent from P's answer (D drew
+    another token), or is not the stream it should be; the client's answer is cut short."""
 
 
 class GpuCheckError(KVFlowError):

@@ -9,6 +9,10 @@ healthy for a role the client gets 503 naming the role, after one health check o
 made at once (`Recheck`: a backend back from a restart serves the next request).
 ``GET /backends`` shows what the router sees.
 
+With ``--first-token prefill``, a streamed request's first token goes to the client from P's
+answer the moment P has it, and D's stream follows, checked against it (first_token.py): the
+time to the first token is P's prefill and one hop.
+
 Two ways to dispatch (``--mode``):
 
 * ``push`` (default) or ``pull``: both legs at the same time, carrying the same kvflow transfer
@@ -47,6 +51,7 @@ import argparse
 import asyncio
 import json
 import logging
+import secrets
 import signal
 import uuid
 from collections.abc import AsyncIterator, Mapping
@@ -61,16 +66,18 @@ from kvflow.integrations.vllm.params import SEQUENTIAL_PREFILL_PARAMS, TransferP
 from kvflow.protocol.messages import address_problem
 from kvflow.protocol.state import Mode
 from kvflow_tools.errors import LegFailed, NoBackend, RequestRefused
-from kvflow_tools.routing import http_limits
+from kvflow_tools.routing import first_token, http_limits
 from kvflow_tools.routing.backends import Backend as Backend
 from kvflow_tools.routing.backends import BackendPool, Recheck, check_health
 from kvflow_tools.routing.http_limits import LIMITS, ClientLimits, Limits, middleware
+from kvflow_tools.routing.relay import after_prefill, cancel, opened, relay
 
 log = logging.getLogger("kvflow.router")
 
 ROUTES = ("/v1/completions", "/v1/chat/completions")
 ERROR_DETAIL_BYTES = 2048  # how much of a failed leg's answer is quoted to the client
 MAX_PREFILL_ANSWER = 1 << 20  # bytes of P's answer (one token's) the router holds; more fails the leg
+Legs = tuple[bytes, "asyncio.Task[aiohttp.ClientResponse]"]  # P's answer, and the task opening D's leg
 
 
 @dataclass(frozen=True)
@@ -86,6 +93,7 @@ class RouterConfig:
     health_misses: int = 3  # unanswered health checks in a row before a backend is skipped
     backend_keepalive: float = 2.0  # seconds an idle connection to a backend is reused; see make_app
     limits: Limits = Limits()  # what a client can make the router hold (http_limits)
+    first_token: bool = False  # the first token from P's answer, sent at once (first_token.py)
 
 
 @dataclass(frozen=True)
@@ -117,7 +125,9 @@ def prefill_body(body: Mapping[str, Any], params: Mapping[str, Any] | None) -> d
         out["max_completion_tokens"] = 1
     out["stream"] = False
     out.pop("stream_options", None)
-    out.pop("min_tokens", None)  # vLLM refuses min_tokens > max_tokens
+    min_tokens = out.pop("min_tokens", None)  # vLLM refuses min_tokens > max_tokens
+    if isinstance(min_tokens, int) and min_tokens >= 1:
+        out["min_tokens"] = 1  # and P must not stop on its one token where one engine would not
     if params is None:
         out["kv_transfer_params"] = dict(SEQUENTIAL_PREFILL_PARAMS)
     else:
@@ -219,14 +229,6 @@ async def _prefill(
         response.release()
 
 
-async def _cancel(task: asyncio.Task[Any]) -> None:
-    """Stop a leg; a response it already holds is closed, which makes vLLM abort the request."""
-    task.cancel()
-    await asyncio.wait({task})
-    if not task.cancelled() and task.exception() is None and isinstance(task.result(), aiohttp.ClientResponse):
-        task.result().close()
-
-
 # ---------------------------------------------------------------- handlers
 
 
@@ -257,12 +259,17 @@ async def proxy(request: web.Request) -> web.StreamResponse:
         return web.json_response(error_body(503, str(exc), exc.role), status=503)
     request_id = uuid.uuid4().hex
     headers = leg_headers(request_id, request.headers.get("Authorization"))
+    first = config.first_token and first_token.ineligible(body) is None
+    if first:  # both legs draw with one seed, so D draws the first token P sent (first_token.py)
+        body = first_token.with_seed(body, secrets.randbelow(1 << 31))
     try:
-        upstream = await _dispatch(request, body, (p_lease.backend, d_lease.backend), headers, request_id)
-        del body  # not held while D's answer streams, nor its share of the budget (else given back
-        held.release()  # when the handler ends: http_limits.middleware)
+        answer, decode = await _dispatch(request, body, (p_lease.backend, d_lease.backend), headers, request_id)
+        held.release()  # its share of the budget is not held while the answer streams
         p_lease.release()
-        return await _relay(request, upstream, request_id, config.timeout)
+        if first:
+            return await after_prefill(request, answer, decode, body, request_id, config.timeout)
+        del body  # not held while D's answer streams
+        return await relay(request, await opened(decode), request_id, config.timeout)
     except LegFailed as exc:
         log.warning("%s: %s", request_id, exc)
         return web.json_response(error_body(502, str(exc), exc.leg), status=502)
@@ -273,9 +280,10 @@ async def proxy(request: web.Request) -> web.StreamResponse:
 
 async def _dispatch(
     request: web.Request, body: dict[str, Any], backends: tuple[Backend, Backend], headers: dict[str, str], rid: str
-) -> aiohttp.ClientResponse:
-    """Both legs, as the config says (`backends`: P, D; `rid`: the request id); D's response once P
-    has answered.  The legs' bodies end with this call.  :raises LegFailed: either leg failed."""
+) -> Legs:
+    """Both legs, as the config says (`backends`: P, D; `rid`: the request id), until P has
+    answered: P's answer and the task opening D's leg.  The legs' bodies end with this call.
+    :raises LegFailed: either leg failed (the other is cancelled)."""
     config, session, path = request.app[CONFIG], request.app[SESSION], request.path
     prefill, decode = backends
     urls = (prefill.url + path, decode.url + path)
@@ -299,7 +307,7 @@ async def _sequential(
     headers: tuple[dict[str, str], dict[str, str]],
     request_id: str,
     timeout: float,
-) -> aiohttp.ClientResponse:
+) -> Legs:
     """P, then D with what P answered (`urls` and `headers`: P's, D's; `request_id`: for the
     log).  :raises LegFailed: either leg failed."""
     (p_url, d_url), (p_headers, d_headers) = urls, headers
@@ -314,7 +322,7 @@ async def _sequential(
     d_body.pop("kv_transfer_params", None)  # the client's own never reach a backend
     if params is not None:
         d_body["kv_transfer_params"] = params
-    return await _open(session, "decode", d_url, d_body, d_headers, timeout)
+    return answer, asyncio.create_task(_open(session, "decode", d_url, d_body, d_headers, timeout))
 
 
 async def _concurrent(
@@ -324,9 +332,9 @@ async def _concurrent(
     urls: tuple[str, str],
     headers: tuple[dict[str, str], dict[str, str]],
     timeout: float,
-) -> aiohttp.ClientResponse:
-    """Both legs at once (`urls` and `headers`: P's, D's); D's response once P has answered.
-    :raises LegFailed: either leg failed (the other is cancelled)."""
+) -> Legs:
+    """Both legs at once (`urls` and `headers`: P's, D's), until P has answered; D's response
+    head may still be coming.  :raises LegFailed: either leg failed (the other is cancelled)."""
     (p_url, d_url), (p_headers, d_headers) = urls, headers
     p_task = asyncio.create_task(_prefill(session, p_url, p_body, p_headers, timeout))
     d_task = asyncio.create_task(_open(session, "decode", d_url, d_body, d_headers, timeout))
@@ -337,47 +345,11 @@ async def _concurrent(
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             for task in sorted(done, key=lambda task: task is not p_task):  # P's failure first: its cause
                 task.result()
-        upstream = await d_task
         legs_ok = True
-        return upstream
+        return p_task.result(), d_task
     finally:  # a leg failed, or the client went away (aiohttp cancels the handler): stop both
         if not legs_ok:
-            await asyncio.gather(_cancel(p_task), _cancel(d_task))
-
-
-async def _relay(
-    request: web.Request, upstream: aiohttp.ClientResponse, request_id: str, timeout: float
-) -> web.StreamResponse:
-    """D's answer to the client, chunk by chunk as it arrives."""
-    response = web.StreamResponse(status=upstream.status)
-    response.content_type = upstream.content_type
-    if upstream.charset:
-        response.charset = upstream.charset
-    complete = False
-    try:
-        await response.prepare(request)
-        while True:
-            async with asyncio.timeout(timeout):
-                chunk = await upstream.content.readany()
-                if not chunk:
-                    break
-                await response.write(chunk)
-        complete = True
-    except (TimeoutError, aiohttp.ClientError, ConnectionError) as exc:
-        # Headers are out: all that is left is to end the connection, so the client sees a
-        # truncated answer rather than a clean end.
-        log.warning("%s: answer cut short: %s", request_id, exc.__class__.__name__)
-        if request.transport is not None:
-            request.transport.close()
-        return response
-    finally:
-        if complete:
-            upstream.release()
-        else:
-            upstream.close()  # D stops generating for a client that is gone
-    await response.write_eof()
-    log.info("%s: HTTP %d", request_id, upstream.status)
-    return response
+            await asyncio.gather(cancel(p_task), cancel(d_task))
 
 
 async def health(request: web.Request) -> web.Response:
@@ -474,6 +446,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="push or pull: both legs at once with a kvflow entry; sequential: P, then D with P's answer; "
         "nixl-push: both legs at once for vLLM's NixlPushConnector",
     )
+    parser.add_argument(
+        "--first-token",
+        choices=("decode", "prefill"),
+        default="decode",
+        help="prefill: a streamed request's first token is sent from P's answer as soon as P has it, and D's "
+        "stream follows, checked against it (default decode: D's stream alone)",
+    )
     parser.add_argument("--timeout", type=_positive, default=600.0, help="seconds any one wait may take (default 600)")
     parser.add_argument("--health-interval", type=_positive, default=5.0, help="seconds between health checks")
     parser.add_argument("--health-timeout", type=_positive, default=2.0, help="deadline of one health check")
@@ -539,6 +518,7 @@ def config_from(args: argparse.Namespace) -> RouterConfig:
         args.health_misses,
         args.backend_keepalive,
         http_limits.limits_from(args),
+        args.first_token == "prefill",
     )
 
 
