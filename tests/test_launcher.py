@@ -52,6 +52,17 @@ def test_a_server_on_another_host_runs_there_listens_on_its_address_and_gets_its
     assert env["UCX_TLS"] == "tcp" and env["UCX_NET_DEVICES"] == "kv0" and pd.env(d).get("UCX_NET_DEVICES") != "kv0"
     router = pd.router_argv(8000, "push")
     assert router[router.index("--prefill") + 1] == p.url and router[router.index("--prefill-kvflow") + 1] == p.kvflow
+    assert "--first-token" not in router
+    first = pd.router_argv(8000, "push", first_token=True)
+    assert first[first.index("--first-token") + 1] == "prefill"
+
+
+def test_a_router_route_is_a_mode_or_a_mode_and_first(tmp_path: Path) -> None:
+    pd = Deployment(options(tmp_path))
+    with pytest.raises(ConfigError, match="'push\\+last'"):
+        pd.add_router("push+last")
+    with pytest.raises(ConfigError, match="router mode"):
+        pd.add_router("sideways+first")
 
 
 def test_off_loopback_every_server_shares_one_secret_readable_by_this_user_only(

@@ -117,7 +117,7 @@ async def test_unstreamed_a_final_first_token_is_ps_answer_without_its_transfer_
     fake = {"P": {"answer": p_answer("Hel", "length")}, "D": {"hold": True}}
     async with http.post(router + "/v1/completions", json=request(fake, stream=False, max_tokens=1)) as response:
         answer = await response.json()
-    assert answer == p_answer("Hel", "length")
+    assert answer == p_answer("Hel", "length") | {"kv_transfer_params": None}  # as one engine's
     assert (await ended(http, d))["outcome"] == "cancelled"
 
 
@@ -144,14 +144,24 @@ async def test_a_d_that_draws_another_first_token_ends_the_answer_with_an_error(
 
 
 @pytest.mark.asyncio
-async def test_n_above_one_gets_ds_stream_alone_and_no_seed(urls: Urls, http: aiohttp.ClientSession) -> None:
+async def test_echo_gets_ds_stream_alone_and_no_seed(urls: Urls, http: aiohttp.ClientSession) -> None:
     p, d, router = urls
     fake = {"P": {"answer": p_answer("Hel")}, "D": {"events": [chunk("A"), chunk("B")]}}
-    async with http.post(router + "/v1/completions", json=request(fake, n=2)) as response:
+    async with http.post(router + "/v1/completions", json=request(fake, echo=True)) as response:
         got = datas(await response.read())
     assert text_of(got) == "AB"
     (p_record,) = await records(http, p)
     assert "seed" not in p_record["body"]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("field", ["n", "best_of"])
+async def test_several_samples_are_refused_before_any_leg(urls: Urls, http: aiohttp.ClientSession, field: str) -> None:
+    p, d, router = urls
+    async with http.post(router + "/v1/completions", json=request({}, **{field: 2})) as response:
+        assert response.status == 400
+        assert "send one request per sample" in (await response.json())["error"]["message"]
+    assert await records(http, p) == [] and await records(http, d) == []
 
 
 @pytest.mark.asyncio

@@ -136,15 +136,18 @@ def head(answer: Any, body: Mapping[str, Any], chat: bool) -> Head | None:
         return None  # nothing to send early
     base = {key: answer.get(key) for key in ("id", "created", "model")}
     base["object"] = "chat.completion.chunk" if chat else "text_completion"
-    usage = answer.get("usage") if _continuous_usage(body) else None
+    # a streamed answer's usage leaves out what is unset, as vLLM's does
+    given = answer.get("usage")
+    usage = {k: v for k, v in given.items() if v is not None} if isinstance(given, dict) else None
+    continuous = usage if _continuous_usage(body) else None
     events = bytearray()
     if chat:
         role: dict[str, Any] = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None}
         first = base | {"choices": [role | {"finish_reason": None}]}
         if answer.get("prompt_token_ids") is not None:
             first["prompt_token_ids"] = answer["prompt_token_ids"]
-        if usage is not None:
-            first["usage"] = dict(usage) | {"completion_tokens": 0, "total_tokens": usage.get("prompt_tokens")}
+        if continuous is not None:
+            first["usage"] = continuous | {"completion_tokens": 0, "total_tokens": continuous.get("prompt_tokens")}
         events += _event(first)
         part: dict[str, Any] = {"index": 0, "delta": {"content": sent}, "logprobs": logprobs}
     else:
@@ -155,10 +158,10 @@ def head(answer: Any, body: Mapping[str, Any], chat: bool) -> Head | None:
         part["token_ids"] = choice["token_ids"]
     part["finish_reason"] = finish if final else None
     part["stop_reason"] = choice.get("stop_reason") if final else None
-    events += _event(base | {"choices": [part]} | ({"usage": usage} if usage is not None else {}))
+    events += _event(base | {"choices": [part]} | ({"usage": continuous} if continuous is not None else {}))
     if final:
-        if _include_usage(body) and answer.get("usage") is not None:
-            events += _event(base | {"choices": [], "usage": answer["usage"]})
+        if _include_usage(body) and usage is not None:
+            events += _event(base | {"choices": [], "usage": usage})
         events += b"data: [DONE]\n\n"
     return Head(bytes(events), sent, entries, final, token_id, logprob_token)
 

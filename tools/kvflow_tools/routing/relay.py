@@ -101,7 +101,8 @@ async def after_prefill(
     elif not body.get("stream"):
         if first.final:  # P's answer is the whole answer: D's request ends unread
             await cancel(decode)
-            parsed.pop("kv_transfer_params", None)
+            if "kv_transfer_params" in parsed:
+                parsed["kv_transfer_params"] = None  # as one engine's: P's were for D
             log.info("%s: answered by P alone", request_id)
             return web.json_response(parsed)
     else:

@@ -154,6 +154,16 @@ def nixl_push_decode_body(body: Mapping[str, Any], prefill: Backend, request_id:
     return out
 
 
+def several_samples(body: Mapping[str, Any]) -> str | None:
+    """Why a request with a kvflow transfer cannot be served (None: it can): vLLM makes each of
+    `n` (or `best_of`) samples a request of its own on D, and a transfer fills one request's
+    blocks, so every sample but one would fail."""
+    for name in ("n", "best_of"):
+        if body.get(name) not in (None, 1):
+            return f"{name} {body[name]!r}: a prompt's KV moves to one request on D; send one request per sample"
+    return None
+
+
 def decode_body(body: Mapping[str, Any], params: Mapping[str, Any]) -> dict[str, Any]:
     """D's request: the client's, told that its prompt's KV comes from P."""
     out = dict(body)
@@ -247,6 +257,8 @@ async def proxy(request: web.Request) -> web.StreamResponse:
         return web.json_response(error_body(400, "request body is JSON nested too deeply"), status=400)
     if not isinstance(body, dict):
         return web.json_response(error_body(400, "request body must be a JSON object"), status=400)
+    if not (config.sequential or config.nixl_push) and (why := several_samples(body)):
+        return web.json_response(error_body(400, why), status=400)
     recheck, session = request.app[RECHECK], request.app[SESSION]
     try:
         p_lease = await recheck.acquire(session, pools.prefill)

@@ -56,6 +56,7 @@ __all__ = ("MODEL", "SYSTEMS", "add_arguments", "main", "plan_phases")
 SYSTEMS = {
     "kvflow": ("kvflow", "push"),
     "kvflow-pull": ("kvflow", "pull"),
+    "kvflow-first": ("kvflow", "push+first"),  # the first token from P's answer (the router's --first-token)
     "vllm-pull": ("nixl", "sequential"),
     "vllm-push": ("nixl-push", "nixl-push"),
 }
@@ -252,6 +253,10 @@ def _counters(servers: list[Server]) -> dict[str, float]:
             out["local_tokens"] = metric_sum(text, name, {"source": "local_compute"})
         for metric in TRANSFER_METRICS:
             out[f"{role}_{metric}_bytes"] = metric_sum(text, f"vllm:{metric}_bytes_transferred_sum")
+        if role == "p":  # P's own view of each request: arrival to its token, and its prefill alone
+            for key, histogram in (("p_ttft", "time_to_first_token"), ("p_prefill", "request_prefill_time")):
+                out[f"{key}_s_sum"] = metric_sum(text, f"vllm:{histogram}_seconds_sum")
+                out[f"{key}_count"] = metric_sum(text, f"vllm:{histogram}_seconds_count")
     return out
 
 

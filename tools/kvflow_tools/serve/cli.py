@@ -61,6 +61,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="KEY=JSON",
         help="a kv_connector_extra_config entry for kvflow's connector, e.g. transfer_timeout=30",
     )
+    parser.add_argument(
+        "--first-token",
+        choices=("decode", "prefill"),
+        default="decode",
+        help="prefill: the router sends a streamed request's first token from P's answer the moment P has it, "
+        "then D's stream, checked against it (default decode: D's stream alone)",
+    )
     parser.add_argument("--vllm-arg", dest="vllm_args", action="append", default=[], help="passed to every server")
     parser.add_argument(
         "--nixl-progress-delay-us",
@@ -96,6 +103,7 @@ def options_from(args: argparse.Namespace) -> ServeOptions:
         python=args.vllm_python,
         startup_timeout=args.startup_timeout,
         nixl_progress_delay_us=args.nixl_progress_delay_us,
+        first_token=args.first_token == "prefill",
         **changes,
     )
     options.check()

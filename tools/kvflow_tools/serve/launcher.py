@@ -124,6 +124,7 @@ class ServeOptions:
     # µs vLLM's NIXL agents (connector nixl / nixl-push) sleep between progress polls; None: stock
     # NIXL, which polls without pause, a core per agent (see scripts/vllm-cpu/sitecustomize.py)
     nixl_progress_delay_us: int | None = None
+    first_token: bool = False  # every router sends a streamed request's first token from P's answer
 
     def check(self) -> None:
         """:raises ConfigError: a value no deployment can have, named."""
@@ -225,7 +226,7 @@ class Deployment:
         self.run_dir = options.run_dir
         self.model = options.model
         self.servers: list[Server] = []
-        self.routers: dict[str, tuple[Group, str]] = {}  # mode -> the router and its URL
+        self.routers: dict[str, tuple[Group, str]] = {}  # route (add_router) -> the router and its URL
         self.router_url = ""  # the router of `options.mode`
         cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0]
         self.cpus = tuple(cpus)
@@ -352,10 +353,12 @@ class Deployment:
         secret_from_env({"KVFLOW_SECRET_FILE": str(path)})  # one left there by anyone else is refused here
         return path
 
-    def router_argv(self, port: int, mode: str) -> list[str]:
+    def router_argv(self, port: int, mode: str, first_token: bool = False) -> list[str]:
         o = self.options
         argv = [sys.executable, "-m", "kvflow_tools.routing.router", "--host", o.host, "--port", str(port)]
         argv += ["--mode", mode, "--health-interval", "1"]
+        if first_token:
+            argv += ["--first-token", "prefill"]
         for server in self.servers:
             if server.role in ("prefill", "decode"):
                 # nixl-push: a P's side channel stands in for its kvflow address
@@ -390,23 +393,28 @@ class Deployment:
             raise
         return self
 
-    def add_router(self, mode: str, port: int = 0, deadline: float | None = None) -> str:
-        """The URL of a router of `mode` in front of this deployment's servers, started if
-        there is none yet (a router is light: one per dispatch mode can run at once).
+    def add_router(self, route: str, port: int = 0, deadline: float | None = None) -> str:
+        """The URL of a router of `route` in front of this deployment's servers, started if
+        there is none yet (a router is light: one per route can run at once).  A route is a
+        dispatch mode, or a mode and ``+first`` for a router that sends a streamed request's first
+        token from P's answer (as every router does with the options' `first_token`).
 
-        :raises ConfigError: `mode` is not a router mode, or not one this connector can serve.
+        :raises ConfigError: `route` is not a router mode (and ``+first``), or not one this
+            connector can serve.
         :raises ServerFailed: it did not answer /health by `deadline` (default: 60 s from now).
         """
-        if mode in self.routers:
-            return self.routers[mode][1]
+        if route in self.routers:
+            return self.routers[route][1]
+        mode, plus, extra = route.partition("+")
+        if plus and extra != "first":
+            raise ConfigError(f"a router route is a mode, or a mode and '+first', not {route!r}")
         replace(self.options, mode=mode).check()
         port = port or free_port(self.options.host)
-        router = Group(
-            f"router-{mode}", self.router_argv(port, mode), dict(os.environ), self.run_dir / f"router-{mode}.log"
-        )
+        argv = self.router_argv(port, mode, first_token=bool(plus) or self.options.first_token)
+        router = Group(f"router-{route}", argv, dict(os.environ), self.run_dir / f"router-{route}.log")
         router.start()
         url = f"http://{self.options.host}:{port}"
-        self.routers[mode] = (router, url)
+        self.routers[route] = (router, url)
         router.wait_until(_healthy(url), deadline or time.monotonic() + 60.0, "health")
         return url
 

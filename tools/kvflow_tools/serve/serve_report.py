@@ -20,8 +20,9 @@ from kvflow_tools.pd.contract import percentiles
 __all__ = ("RESULTS_FILE", "markdown_table", "plot", "render_table", "spread_lines", "summarise", "write")
 
 RESULTS_FILE = "results.json"
-SYSTEM_ORDER = ("kvflow", "kvflow-pull", "vllm-pull", "vllm-push")
-COLOURS = {"kvflow": "#1f77b4", "kvflow-pull": "#17becf", "vllm-pull": "#d62728", "vllm-push": "#ff7f0e"}
+SYSTEM_ORDER = ("kvflow", "kvflow-first", "kvflow-pull", "vllm-pull", "vllm-push")
+COLOURS = {"kvflow": "#1f77b4", "kvflow-first": "#2ca02c", "kvflow-pull": "#17becf", "vllm-pull": "#d62728",
+           "vllm-push": "#ff7f0e"}  # fmt: skip
 MiB = 2**20
 
 
@@ -56,6 +57,11 @@ def summarise(
         return round(cpu[role][f"{window}_cpu_s"] / seconds, 4) if seconds > 0 else None
 
     load_cpu = sum(cpu.get(role, {}).get("load_cpu_s", 0.0) for role in ("p", "d"))
+
+    def p_mean_ms(key: str) -> float | None:  # from P's vLLM histogram: what a first token from P can reach
+        count = counters.get(f"{key}_count", 0.0)
+        return round(counters[f"{key}_s_sum"] * 1e3 / count, 1) if count > 0 else None
+
     return {
         "system": system,
         "phase": phase,
@@ -67,6 +73,8 @@ def summarise(
         "duration_s": round(duration_s, 3),
         "output_tokens_per_s": round(tokens / duration_s, 2) if duration_s > 0 else None,
         "ttft_ms": _stats(values("ttft_ms")),
+        "p_ttft_ms_mean": p_mean_ms("p_ttft"),  # P's own: arrival at P to its token
+        "p_prefill_ms_mean": p_mean_ms("p_prefill"),  # P's prefill alone
         "tpot_ms": _stats(values("tpot_ms")),
         "e2e_ms": _stats(values("e2e_ms")),
         "kv": {
@@ -132,6 +140,7 @@ def _row(c: Mapping[str, Any]) -> list[str]:
         c["system"],
         f"{c['completed']}/{c['failed']}",
         *(_ms(c["ttft_ms"][k]) for k in ("p50", "p90", "p99")),
+        _ms(c.get("p_ttft_ms_mean")),
         *(_ms(c["tpot_ms"][k]) for k in ("p50", "p90", "p99")),
         *(_ms(c["e2e_ms"][k]) for k in ("p50", "p90", "p99")),
         f"{kv['external_tokens']}/{kv['prompt_tokens']}",
@@ -143,8 +152,8 @@ def _row(c: Mapping[str, Any]) -> list[str]:
 
 
 _LATENCY = tuple(f"{m} {q}" if q == "p50" else q for m in ("TTFT", "TPOT", "E2E") for q in ("p50", "p90", "p99"))
-COLUMNS = ("system", "done/failed", *_LATENCY, "KV tokens xfer/prompt", "KV MiB", "connector MiB",
-           "CPU idle P/D", "CPU load P/D")  # fmt: skip
+COLUMNS = ("system", "done/failed", *_LATENCY[:3], "P's TTFT mean", *_LATENCY[3:], "KV tokens xfer/prompt",
+           "KV MiB", "connector MiB", "CPU idle P/D", "CPU load P/D")  # fmt: skip
 
 
 def _progress(delay_us: int | None) -> str:
