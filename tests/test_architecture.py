@@ -304,6 +304,7 @@ CONNECTOR_MODULES = frozenset(
         "device",
         "gpu_export",  # how GPU KV reaches an engine process
         "links",
+        "supervision",  # an engine process started, and started again after it died
         "notices",
         "rank_agent",
         "ranks",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -19,8 +20,9 @@ import numpy as np
 import pytest
 
 import kvflow
-from kvflow.errors import EngineClosed, TransportError
+from kvflow.errors import EngineClosed, EngineCrashed, TransportError
 from kvflow.integrations.vllm.links import ProcessLink
+from kvflow.integrations.vllm.supervision import RestartPolicy
 from kvflow.runtime.host_memory import share_in_place
 from kvflow.runtime.process import EngineProcess, ProcessSpec
 from tests.waiting import eventually_sync
@@ -138,3 +140,27 @@ def test_close_fails_what_a_device_that_never_finishes_still_holds() -> None:
     with pytest.raises(EngineClosed, match="before the device ran"):
         held.result(timeout=0)
     assert not link.process.alive
+
+
+def test_a_command_to_a_dead_engine_process_fails_its_future_and_never_raises(link: ProcessLink) -> None:
+    """A hook that gives a command after the engine process died (an OOM kill) must not raise
+    out of vLLM's step: the future fails, and the worker ends the transfer (supervision.py)."""
+    os.kill(link.process.pid, signal.SIGKILL)
+    eventually_sync(lambda: not link.process.alive, "the engine process gone")
+    link.poll_released()  # the link reads the end of its socket
+    for gated in (None, TestGate()):
+        future = link.command("describe", *(() if gated is None else (gated,)))
+        if gated is not None:
+            gated.opened.set()
+        settled(link, future)
+        with pytest.raises((EngineClosed, EngineCrashed)):
+            future.result()
+
+
+def test_restarts_are_allowed_up_to_the_limit_within_the_window() -> None:
+    policy = RestartPolicy(limit=2, window=60.0)
+    assert policy.allow(0.0) and policy.allow(10.0)
+    assert not policy.allow(20.0) and not policy.allow(59.9)  # two within the last 60 s
+    assert policy.allow(60.0)  # the first has left the window
+    assert not policy.allow(65.0)
+    assert policy.allow(130.0)

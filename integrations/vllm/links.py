@@ -39,7 +39,7 @@ from kvflow.runtime.meter import MeterReading
 from kvflow.runtime.process import EngineProcess
 from kvflow.runtime.threaded import EngineThread
 
-__all__ = ("ProcessLink", "EngineLink", "ThreadLink")
+__all__ = ("EngineLink", "ProcessLink", "ThreadLink", "failed_future")
 
 
 class EngineLink(Protocol):
@@ -49,8 +49,9 @@ class EngineLink(Protocol):
 
     def command(self, name: str, *args: Any, lazy: bool = False) -> concurrent.futures.Future[Any]:
         """Run `RankAgent.<name>(*args)` with the engine; returns at once.  A `lazy` command
-        may wait for the next one that is not, or for the step's results.
-        :raises EngineClosed: the engine has stopped."""
+        may wait for the next one that is not, or for the step's results.  An engine that has
+        stopped (or whose process died) fails the future with `EngineClosed`: a hook that gives
+        a command never raises for it."""
 
     def batch(self) -> contextlib.AbstractContextManager[None]:
         """The commands given inside start together when it ends.  Never raises."""
@@ -102,7 +103,10 @@ class ThreadLink:
                 self._agent = RankAgent(engine, *self._options)
             return getattr(self._agent, name)(*args)
 
-        future = self.thread.call(run)
+        try:
+            future = self.thread.call(run)
+        except EngineClosed as exc:
+            return failed_future(exc)
         future.add_done_callback(self._answered)
         return future
 
@@ -158,6 +162,13 @@ class _Held:
     gate: concurrent.futures.Future[None] | None  # settled once the device ran the work (None: no gate)
 
 
+def failed_future(exc: BaseException) -> concurrent.futures.Future[Any]:
+    """A future already failed with `exc`."""
+    future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+    future.set_exception(exc)
+    return future
+
+
 def _settle_from(outer: concurrent.futures.Future[Any], inner: concurrent.futures.Future[Any]) -> None:
     error = inner.exception()
     if error is not None:
@@ -180,17 +191,23 @@ class ProcessLink:
         self._lock = threading.Lock()  # taken before the process's own, never after it
 
     def command(self, name: str, *args: Any, lazy: bool = False) -> concurrent.futures.Future[Any]:
-        """:raises EngineClosed, ConfigError: see `EngineProcess.call` (a command held behind a
-        gate fails its future with them instead, once sent)."""
+        """:raises ConfigError: see `EngineProcess.call` (a command held behind a gate fails its
+        future with it instead, once sent)."""
         if not self._gated:  # the hooks' common case, kept as cheap as a direct call
-            return self.process.call(name, *args, lazy=lazy)
+            try:
+                return self.process.call(name, *args, lazy=lazy)
+            except EngineClosed as exc:
+                return failed_future(exc)
         gate = next((arg for arg in args if is_gate(arg)), None)
         if gate is not None:
             args = tuple(None if arg is gate else arg for arg in args)
         waiting = None if gate is None or gate.done() else self._gates().submit(gate)
         with self._lock:
             if waiting is None and not self._held:
-                return self.process.call(name, *args, lazy=lazy)
+                try:
+                    return self.process.call(name, *args, lazy=lazy)
+                except EngineClosed as exc:
+                    return failed_future(exc)
             held = _Held(name, args, lazy, concurrent.futures.Future(), waiting)
             self._held.append(held)
         if waiting is not None:

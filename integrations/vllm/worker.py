@@ -31,26 +31,23 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import logging
-import os
-import threading
 import time
 from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-from kvflow.control.channel import ControlChannel
-from kvflow.control.zeromq import ZmqControl
 from kvflow.errors import ConfigError, KVFlowError, UsageError
 from kvflow.integrations.vllm.device import Device, HostDevice
-from kvflow.integrations.vllm.gpu_export import GpuExport, export_gpu_memory
+from kvflow.integrations.vllm.gpu_export import GpuExport
 from kvflow.integrations.vllm.kv_caches import CacheDescription
-from kvflow.integrations.vllm.links import EngineLink, ProcessLink, ThreadLink
+from kvflow.integrations.vllm.links import EngineLink, ProcessLink, failed_future
 from kvflow.integrations.vllm.mapping import Order, Orders
 from kvflow.integrations.vllm.notices import PeerNotices
 from kvflow.integrations.vllm.producer import ProducerSide, StepMemo
 from kvflow.integrations.vllm.rank_agent import peer_wire
 from kvflow.integrations.vllm.ranks import PairBook, rank_name, ranked_layout, tp_sizes, transfer_parts
 from kvflow.integrations.vllm.settings import Settings, layer_groups
+from kvflow.integrations.vllm.supervision import ProcessStart, RestartPolicy, start_process, start_thread
 from kvflow.layout import KVLayout, MemoryType
 from kvflow.layout.groups import KVGroup
 from kvflow.protocol.actions import ReleaseBlocks
@@ -59,7 +56,6 @@ from kvflow.protocol.messages import TransferKey
 from kvflow.protocol.state import Outcome, Role
 from kvflow.runtime import host_memory
 from kvflow.runtime.engine import Engine, EngineConfig
-from kvflow.runtime.process import EngineProcess, ProcessSpec
 from kvflow.runtime.threaded import EngineThread
 from kvflow.transports.base import Transport
 
@@ -67,17 +63,10 @@ __all__ = ("Settings", "WorkerSide", "layer_groups")  # Settings, layer_groups: 
 
 log = logging.getLogger("kvflow.vllm")
 
-INLINE_OP_BYTES = 1 << 20  # in an engine process, ops of up to 1 MiB are posted from its loop
 # At shutdown a rank's engine lets its transfers finish this long (a WRITE in flight, a
 # registration on its way), then aborts the rest, telling their peers: one waiting for a peer
 # that never comes must not hold vLLM's shutdown for the 30 s an engine drains by default.
 SHUTDOWN_DRAIN = 2.0
-
-
-def _failed(exc: BaseException) -> concurrent.futures.Future[Any]:
-    future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-    future.set_exception(exc)
-    return future
 
 
 class WorkerSide(ProducerSide):
@@ -119,6 +108,10 @@ class WorkerSide(ProducerSide):
         self.device: Device = HostDevice()
         self._step = StepMemo()  # what this step's hooks worked out (the layers saved, each request's parts)
         self._groups_sent: dict[str, int] = {}  # push request -> parts of its chunk handed to the engine
+        self._process_start: ProcessStart | None = None  # what the engine process started from
+        self._restarts = RestartPolicy()
+        self._lost: dict[tuple[TransferKey, Role], str] = {}  # the pairs a dead engine process held
+        self._gave_up = False  # the restarts ran out: said once
 
     # ---------------------------------------------------------------- setup
 
@@ -155,11 +148,13 @@ class WorkerSide(ProducerSide):
         bind = f"tcp://{settings.host}:{port}"
         why_not = self._why_not_a_process(layout, transport is not None)
         if why_not is None:
-            self._start_process(layout, config, bind)
+            self._start_process(ProcessStart(self.engine_id, layout, config, bind, settings, device))
         elif settings.engine_process == "process":
             raise ConfigError(f"kvflow engine_process 'process' cannot serve rank {self.engine_id}: {why_not}")
         else:
-            self._start_thread(layout, config, bind, device, transport)
+            self.thread, self.link, self._where = start_thread(
+                self.engine_id, layout, config, bind, settings, device, transport
+            )
         groups = layout.spec.kv_groups
         if groups:  # vLLM's hybrid KV cache manager: each group's blocks move with its own layers
             log.info("kvflow engine %s: KV cache groups %s", self.engine_id, groups)
@@ -179,74 +174,10 @@ class WorkerSide(ProducerSide):
             return "this platform cannot share host memory (Linux memfd needed)"
         return None
 
-    def _start_process(self, layout: KVLayout, config: EngineConfig, bind: str) -> None:
-        # the engine process's loop is kvflow's alone: a small op is posted there (see EngineConfig)
-        config = dataclasses.replace(config, inline_op_bytes=INLINE_OP_BYTES)
-        spans = host_memory.share_in_place([r for r in layout.regions if r.memory is MemoryType.DRAM])
-        try:
-            gpu = export_gpu_memory(layout.regions, self.settings.gpu_export)
-        except KVFlowError:
-            for span in spans:
-                os.close(span.fd)
-            raise
-        spec = ProcessSpec(
-            self.engine_id,
-            layout,
-            transport="nixl",
-            transport_options={
-                "backends": list(self.settings.nixl_backends),
-                "granule": layout.block_len,
-                "cuda": bool(gpu.regions),
-            },
-            bind=bind,
-            config=config,
-            agent="kvflow.integrations.vllm.rank_agent:RankAgent",
-            agent_options={"transfer_timeout": self.settings.transfer_timeout},
-            log_level=log.getEffectiveLevel(),
-            cpus=self.settings.engine_cpus,
-            scheduling=self.settings.engine_scheduling,
-        )
-        try:
-            process = EngineProcess(spec, spans, cuda_shares=gpu.shares, cuda_chunks=gpu.chunks)
-        finally:
-            for span in spans:  # the child has its own; this process's mapping keeps the memory
-                os.close(span.fd)
-            gpu.close_fds()
-        self.link = ProcessLink(process, self.device)
-        self._gpu = gpu
-        self._where = f"engine process pid {process.pid}" + (f" ({gpu.what})" if gpu.what else "")
-
-    def _start_thread(
-        self,
-        layout: KVLayout,
-        config: EngineConfig,
-        bind: str,
-        device: Device,
-        make_transport: Callable[[str], Transport] | None,
-    ) -> None:
-        settings = self.settings
-        config = dataclasses.replace(config, thread_setup=device.bind_thread)
-
-        def factory() -> Engine:
-            transport: Transport
-            if make_transport is not None:
-                transport = make_transport(self.engine_id)
-            else:
-                from kvflow.transports.nixl import NixlTransport
-
-                transport = NixlTransport(
-                    self.engine_id,
-                    backends=settings.nixl_backends,
-                    granule=layout.block_len,
-                    thread_setup=device.bind_thread,
-                )
-            control: ControlChannel = ZmqControl(self.engine_id, bind=bind, thread_setup=device.bind_thread)
-            return Engine(self.engine_id, layout, transport, control, config=config, on_release=lambda _: news.set())
-
-        news = threading.Event()  # the engine gave blocks back: a step waiting for it goes on
-        self.thread = EngineThread(factory, name=f"kvflow-{self.engine_id}", thread_setup=device.bind_thread)
-        self.link = ThreadLink(self.thread, settings.transfer_timeout, device, news)
-        self._where = f"engine thread, pid {os.getpid()}"
+    def _start_process(self, start: ProcessStart) -> None:
+        """:raises KVFlowError: see `supervision.start_process`."""
+        self.link, self._gpu, self._where = start_process(start)
+        self._process_start = start
 
     def _ranked(self, layout: KVLayout) -> KVLayout:
         """:raises ConfigError: see `ranks.ranked_layout`."""
@@ -267,7 +198,9 @@ class WorkerSide(ProducerSide):
     # ---------------------------------------------------------------- orders
 
     def start_load(self, orders: Orders) -> None:
-        """Expect and abort orders: handed to the engine, never waited on."""
+        """Expect and abort orders: handed to the engine, never waited on.  First, a dead engine
+        process is seen to (vLLM calls this at every step, one with nothing scheduled too)."""
+        self._supervise()
         self._step = StepMemo()  # a new step: its forward has saved no layer yet
         if orders.expect or orders.abort or orders.promise:
             with self._batch():
@@ -293,7 +226,7 @@ class WorkerSide(ProducerSide):
                 raise ConfigError(f"cannot register the KV of {order.request_id}: {order.reason}")
             parts = self._parts(params, Role.DECODE)
         except ConfigError as exc:
-            self._failed_starts.append((_failed(exc), order.request_id, every, None))
+            self._failed_starts.append((failed_future(exc), order.request_id, every, None))
             return
 
         def wanted(group: int) -> bool:
@@ -390,7 +323,7 @@ class WorkerSide(ProducerSide):
             # instead of vLLM's engine core stepping again at once
             self.link.wait_for_engine(idle_wait, self._settled_start)
             released = self.link.poll_released()
-        if not (released or self._failed_starts or self._ready_starts or self._late_frees):  # most steps
+        if not (released or self._failed_starts or self._ready_starts or self._late_frees or self._lost):  # most
             if self._finished_ids:
                 self._finished_ids &= self._sending_ids()
             return sending, recving, failed
@@ -419,6 +352,11 @@ class WorkerSide(ProducerSide):
                     )
                     self._requests.pop((key, Role.PREFILL), None)
                     self._pair_ended(request_id, Role.PREFILL, key, recving, failed, hard=True)
+        for (key, role), request_id in self._lost.items():  # what a dead engine process held
+            if self._requests.get((key, role)) == request_id:
+                del self._requests[(key, role)]
+                self._pair_ended(request_id, role, key, recving, failed, hard=True)
+        self._lost.clear()
         for release in released:
             self._on_release(release, recving, failed)
         for request_id in list(self._late_frees):
@@ -433,6 +371,38 @@ class WorkerSide(ProducerSide):
         if self._finished_ids:
             self._finished_ids &= self._sending_ids()
         return sending, recving, failed
+
+    def _supervise(self) -> None:
+        """A dead engine process: the pairs it held end (at this step's `results`) and a new
+        process starts, as far as the restart policy allows (supervision.py).  Never raises."""
+        link, start = self.link, self._process_start
+        if not isinstance(link, ProcessLink) or start is None or link.process.alive:
+            return
+        if not self._lost and self._gave_up:
+            return
+        with contextlib.suppress(KVFlowError):
+            link.close(timeout=1.0)  # reaped: every command it had not answered fails
+        self._lost.update(self._requests)
+        if not self._restarts.allow(time.monotonic()):
+            if not self._gave_up:
+                log.error("%s: kvflow's engine process died again: no more restarts within %gs; "
+                          "every transfer of this rank fails", self.engine_id, self._restarts.window)  # fmt: skip
+            self._gave_up = True
+            return
+        process = link.process
+        log.error("%s: kvflow's engine process (pid %d) died, exit status %s: its %d transfers fail; starting a "
+                  "new one", self.engine_id, process.pid, process.proc.returncode, len(self._lost))  # fmt: skip
+        try:  # at the address peers and routers know, where it can still be had
+            self._start_process(dataclasses.replace(start, bind=link.address) if link.address else start)
+        except KVFlowError as exc:
+            log.error("%s: kvflow's engine process did not start again at %s: %s", self.engine_id, link.address, exc)
+            try:
+                self._start_process(start)
+            except KVFlowError as again:
+                log.error("%s: kvflow's engine process did not start again: %s", self.engine_id, again)
+                return
+        self._gave_up = False
+        log.info("kvflow engine %s up again at %s (%s)", self.engine_id, self.address, self._where)
 
     def _settled_start(self) -> bool:
         """Whether a registration or hand-over the engine was given has an answer to act on."""

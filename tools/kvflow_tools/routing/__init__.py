@@ -1,6 +1,8 @@
 """The P/D router in front of vLLM servers: `python -m kvflow_tools.routing.router`.
 
-`router` (the HTTP front: each request to P and D at once, or P then D), `backends` (least-loaded
-selection and health checks), `http_limits` (bounds on what a client can make it hold).  P and D
+`router` (the HTTP front: each request to P and D at once, or P then D), `relay` (answers to
+the client as they arrive), `first_token` (a first token sent from P's answer and D's stream
+checked against it), `backends` (least-loaded selection and health checks), `http_limits`
+(bounds on what a client can make it hold).  P and D
 hosts need none of it: vLLM loads only the connector (`kvflow.integrations.vllm`).
 """
