@@ -13,6 +13,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -43,11 +44,12 @@ def test_a_server_on_another_host_runs_there_listens_on_its_address_and_gets_its
     assert p.url.startswith("http://10.232.0.1:") and p.kvflow.startswith("tcp://10.232.0.1:")
     assert d.url.startswith("http://127.0.0.1:") and d.kvflow.startswith("tcp://127.0.0.1:")
     argv = pd.argv(p)
-    assert tuple(argv[: len(NETNS)]) == NETNS and argv[len(NETNS)] == sys.executable
+    pin = [shutil.which("taskset"), "-c", str(p.cpu)]  # every process of the server on its CPU
+    assert tuple(argv[: len(NETNS)]) == NETNS and argv[len(NETNS) : len(NETNS) + 4] == [*pin, sys.executable]
     assert argv[argv.index("--host") + 1] == "10.232.0.1" and p.url.endswith(":" + argv[argv.index("--port") + 1])
     extra = json.loads(argv[argv.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]
     assert f"tcp://{extra['host']}:{extra['port']}" == p.kvflow
-    assert pd.argv(d)[0] == sys.executable  # D stays here
+    assert pd.argv(d)[:4] == [shutil.which("taskset"), "-c", str(d.cpu), sys.executable]  # D stays here
     env = pd.env(p)
     assert env["UCX_TLS"] == "tcp" and env["UCX_NET_DEVICES"] == "kv0" and pd.env(d).get("UCX_NET_DEVICES") != "kv0"
     router = pd.router_argv(8000, "push")

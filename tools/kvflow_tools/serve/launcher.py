@@ -24,6 +24,7 @@ import ipaddress
 import json
 import os
 import secrets
+import shutil
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -194,6 +195,17 @@ class Server:
             raise ServerFailed(f"{self.name}: /metrics did not answer: {exc}") from exc
 
 
+def _pinned(cpu: int) -> tuple[str, ...]:
+    """The prefix that keeps a server's every process (API server, engine core, worker) on its
+    CPU.  vLLM binds only the worker's threads (VLLM_CPU_OMP_THREADS_BIND); its engine core,
+    which steps without pause while requests wait for KV, then ran on the other server's CPU:
+    on two cores a D holding pushed requests took P's CPU and P's prefill ran 1.4-2.5x longer
+    (`kvflow bench serve`, docs/benchmarks.md).  kvflow's engine processes set their own CPUs
+    (`engine_cpus`).  Without util-linux's taskset the servers run unpinned."""
+    taskset = shutil.which("taskset")
+    return (taskset, "-c", str(cpu)) if taskset else ()
+
+
 def place(names: Sequence[str], cpus: Sequence[int]) -> list[int]:
     """The CPU each server's vLLM worker binds to: prefill servers round robin over the first
     half of `cpus`, decode servers (and a reference engine) over the second, so that no P shares
@@ -281,6 +293,7 @@ class Deployment:
         port = server.url.rsplit(":", 1)[1]
         argv = [
             *(server.host.command if server.host else ()),
+            *_pinned(server.cpu),
             str(o.python),
             "-m",
             "vllm.entrypoints.openai.api_server",
