@@ -39,8 +39,6 @@ when the link returns (the engine holds the peer's blocks until then: `kvflow.ru
 from __future__ import annotations
 
 import concurrent.futures
-import importlib
-import importlib.util
 import logging
 import queue
 import threading
@@ -57,57 +55,14 @@ from kvflow.errors import ConfigError, KVFlowError, TransportError, TransportUna
 from kvflow.layout import DescriptorPlan, MemoryType, Region
 from kvflow.protocol.actions import OpKind
 from kvflow.transports.base import Completion, Notification, TransportCapabilities, drain, region_address
+from kvflow.transports.nixl_setup import INSTALL_HINT, load_nixl, net_devices, nixl_failures, require
 
 __all__ = ("INSTALL_HINT", "NixlTransport", "load_nixl", "nixl_failures", "require")
 
-INSTALL_HINT = (
-    "pip install 'kvflow[nixl]' (on a machine without CUDA, install the CPU torch first, "
-    "or use: pip install --no-deps nixl-cu13==1.5.1 numpy)"
-)
 _MEM_NAMES = {MemoryType.DRAM: "DRAM", MemoryType.VRAM: "VRAM"}
 LIST_ROWS = 128  # descriptor rows built as a list of tuples, not an array (see `_descs`)
 _SEG_TYPES = {"DRAM_SEG": MemoryType.DRAM, "VRAM_SEG": MemoryType.VRAM}
 log = logging.getLogger(__name__)
-
-
-def load_nixl(cuda: bool = True) -> Any:
-    """NIXL's Python API module (`nixl._api`, else a CUDA-specific build of it).  With `cuda`
-    False (host memory only, which every build moves), a build is imported directly: the `nixl`
-    package picks the build matching the CUDA stack and, on a machine without one, imports
-    torch to find that out (over a second).
-
-    :raises TransportUnavailable: NIXL is not installed; the message says how to install it.
-    """
-    names = ("nixl._api", "nixl_cu13._api", "nixl_cu12._api")
-    for name in names if cuda else names[1:] + names[:1]:
-        try:
-            return importlib.import_module(name)
-        except ImportError:
-            continue
-    raise TransportUnavailable(f"the NIXL transport needs the 'nixl' package; install it with: {INSTALL_HINT}")
-
-
-def require() -> None:
-    """:raises TransportUnavailable: NIXL is not installed (used by `load_transport`).  Nothing is
-    imported: the transport imports the build it needs (see `load_nixl`)."""
-    if not any(importlib.util.find_spec(name) for name in ("nixl", "nixl_cu13", "nixl_cu12")):
-        raise TransportUnavailable(f"the NIXL transport needs the 'nixl' package; install it with: {INSTALL_HINT}")
-
-
-def nixl_failures(api: Any) -> tuple[type[Exception], ...]:
-    """The exceptions by which NIXL reports a failed call: its bindings raise one type per error
-    status (`nixlNotFoundError`, `nixlBackendError`, `nixlInvalidParamError`, ...).
-
-    Nothing else is a NIXL failure.  The Python wrapper also raises `KeyError` for an unknown
-    memory type, operation or backend name and pybind11 a `TypeError` for an argument of the
-    wrong type: both mean kvflow passed something wrong, so they are left to propagate.
-    """
-    bindings = importlib.import_module(api.__name__.rsplit(".", 1)[0] + "._bindings")
-    return tuple(
-        cls
-        for name, cls in vars(bindings).items()
-        if isinstance(cls, type) and issubclass(cls, Exception) and name.startswith("nixl") and name.endswith("Error")
-    )
 
 
 @dataclass
@@ -163,7 +118,17 @@ class NixlTransport:
         call_timeout: float = 30.0,
         thread_setup: Callable[[], None] | None = None,
         cuda: bool = True,
+        loopback_only: bool = False,
     ) -> None:
+        """`loopback_only`: the engine's control channel binds loopback, so its peers are on this
+        host: UCX's network devices are kept to the loopback one (its TCP transport listens on
+        every device it uses, the host's external interface included), unless the deployment
+        chose devices itself (``UCX_NET_DEVICES``; see `nixl_setup.net_devices`).  UCX's
+        shared-memory and CUDA transports are not network devices and stay.
+
+        :raises ConfigError: `mode` is not one there is.
+        :raises TransportUnavailable: NIXL cannot be loaded.
+        """
         if mode not in ("direct", "prepped") or (mode == "prepped" and not granule):
             raise ConfigError("mode must be 'direct', or 'prepped' with a granule (the block length)")
         self.name = name
@@ -174,6 +139,7 @@ class NixlTransport:
         self._errors: dict[type[BaseException], type[KVFlowError]] = dict.fromkeys(self._failures, TransportError)
         self._backends = list(backends)
         self._backend_params = backend_params or {}
+        self._loopback_only = loopback_only
         self._idle_poll = idle_poll
         self._lazy_poll = lazy_poll
         self._traffic = True  # transfers under way, until the engine says otherwise
@@ -219,7 +185,7 @@ class NixlTransport:
                     self._agent = self._api.nixl_agent(self.name, config)
             except RuntimeError as exc:  # the wrapper's own failure: NIXL found no backend plugin at all
                 raise TransportUnavailable(f"NIXL on {self.name!r}: {exc}; reinstall it: {INSTALL_HINT}") from exc
-            with self._nixl("creating the backends"):
+            with self._nixl("creating the backends"), net_devices(self._loopback_only):
                 for backend in self._backends:
                     self._agent.create_backend(backend, self._backend_params.get(backend, {}))
                 mems = {m for b in self._backends for m in self._agent.get_backend_mem_types(b)}

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvflow.control.channel import ControlChannel
-from kvflow.control.zeromq import ZmqControl
+from kvflow.control.zeromq import ZmqControl, is_loopback
 from kvflow.errors import KVFlowError
 from kvflow.integrations.vllm.device import Device
 from kvflow.integrations.vllm.gpu_export import GpuExport, export_gpu_memory
@@ -106,6 +106,7 @@ def start_process(start: ProcessStart) -> tuple[ProcessLink, GpuExport, str]:
             "backends": list(settings.nixl_backends),
             "granule": layout.block_len,
             "cuda": bool(gpu.regions),
+            "loopback_only": is_loopback(start.bind),  # no data-plane socket beyond what the control binds
         },
         bind=start.bind,
         config=config,
@@ -152,7 +153,11 @@ def start_thread(
             from kvflow.transports.nixl import NixlTransport
 
             transport = NixlTransport(
-                engine_id, backends=settings.nixl_backends, granule=layout.block_len, thread_setup=device.bind_thread
+                engine_id,
+                backends=settings.nixl_backends,
+                granule=layout.block_len,
+                thread_setup=device.bind_thread,
+                loopback_only=is_loopback(bind),
             )
         control: ControlChannel = ZmqControl(engine_id, bind=bind, thread_setup=device.bind_thread)
         return Engine(engine_id, layout, transport, control, config=config, on_release=lambda _: news.set())
