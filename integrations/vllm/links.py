@@ -194,25 +194,27 @@ class ProcessLink:
         """:raises ConfigError: see `EngineProcess.call` (a command held behind a gate fails its
         future with it instead, once sent)."""
         if not self._gated:  # the hooks' common case, kept as cheap as a direct call
-            try:
-                return self.process.call(name, *args, lazy=lazy)
-            except EngineClosed as exc:
-                return failed_future(exc)
+            return self._call(name, args, lazy)
         gate = next((arg for arg in args if is_gate(arg)), None)
         if gate is not None:
             args = tuple(None if arg is gate else arg for arg in args)
         waiting = None if gate is None or gate.done() else self._gates().submit(gate)
         with self._lock:
             if waiting is None and not self._held:
-                try:
-                    return self.process.call(name, *args, lazy=lazy)
-                except EngineClosed as exc:
-                    return failed_future(exc)
+                return self._call(name, args, lazy)
             held = _Held(name, args, lazy, concurrent.futures.Future(), waiting)
             self._held.append(held)
         if waiting is not None:
             waiting.add_done_callback(lambda _: self._flush())
         return held.future
+
+    def _call(self, name: str, args: tuple[Any, ...], lazy: bool) -> concurrent.futures.Future[Any]:
+        """The call sent; a dead engine process fails its future.  :raises ConfigError: see
+        `EngineProcess.call`."""
+        try:
+            return self.process.call(name, *args, lazy=lazy)
+        except EngineClosed as exc:
+            return failed_future(exc)
 
     def _gates(self) -> GateWaiter:
         if self._waiter is None:
