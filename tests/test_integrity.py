@@ -44,7 +44,7 @@ from kvflow.protocol.messages import (
 from kvflow.protocol.state import Outcome, Role
 from kvflow.runtime.dataplane import DataPlane
 from kvflow.runtime.engine import Engine, EngineConfig
-from kvflow.runtime.integrity import Integrity, sampled
+from kvflow.runtime.integrity import Integrity, picked
 from kvflow.transports.loopback import FaultPlan, LoopbackFabric
 from kvflow_tools.testing import SMALL_SPEC, EnginePair, KVBuffers, same_kv
 from tests.test_layout_hetero import Case as HeteroCase
@@ -268,15 +268,13 @@ def test_d_checks_only_blocks_it_registered_and_leaves_a_malformed_payload_to_th
     assert check("P", stranger, kv.layout, lambda key: ()) is None  # no such transfer: the inbox counts it
 
 
-def test_p_refuses_to_seal_a_write_its_planner_would_refuse_and_leaves_unsampled_ones_unsealed() -> None:
+def test_p_refuses_to_seal_a_write_its_planner_would_refuse_and_seals_every_other_whatever_its_sample() -> None:
     p_kv, other = KVBuffers(SMALL_SPEC, 4), KVBuffers(replace(SMALL_SPEC, block_size=6), 4)
     op = SubmitOp(1, KEY, "D", OpKind.WRITE, (0,), (0,), None, encode_notification(KEY, 0, True))
     with pytest.raises(InvalidBatch, match="cannot read this WRITE: .*do not fill blocks of 6"):
         Integrity("P", p_kv.layout).seal(op, other.layout)  # blocks of 4 tokens and of 6
-    assert decode_notification(Integrity("P", p_kv.layout).seal(op, p_kv.layout))[3] is not None
-    # a transfer sampling leaves unchecked goes unsealed, whatever the peer's spec
-    every = next(n for n in range(2, 100) if not sampled(KEY, n))
-    assert Integrity("P", p_kv.layout, every=every).seal(op, other.layout) == op.notification
+    for every in (1, 2, 1000):  # P cannot know which transfers D checks, so it seals them all
+        assert decode_notification(Integrity("P", p_kv.layout, every=every).seal(op, p_kv.layout))[3] is not None
 
 
 def _in_memory(layout: KVLayout) -> tuple[KVLayout, npt.NDArray[np.uint8]]:
@@ -335,19 +333,37 @@ def test_heterogeneous_ranks_and_block_sizes_check_what_each_write_carries(
             assert "differ from what P holds" in (check("P", sealed, p, lambda key: rids) or "")
 
 
-def test_one_transfer_in_n_is_sealed_and_checked_the_same_ones_on_both_sides() -> None:
-    """`integrity_sample` N: P seals, and D demands a seal from, the same transfers (a digest of
-    the transfer id picks them), about one in N; the others go unsealed and unchecked."""
+def test_d_checks_one_transfer_in_n_picked_by_a_secret_no_one_else_holds() -> None:
+    """`integrity_sample` N: D checks about one transfer in N, picked by a digest keyed with a
+    secret each D draws for itself, so that whoever names the transfers (a client, the router)
+    or writes them (P) cannot tell which are checked: two D engines pick different transfers, and
+    D's picks are not the ones a digest of the id alone (or of the id under another key) gives.
+    Every WRITE must come sealed, picked or not, and name only the transfer's blocks."""
     keys = [TransferKey(f"request-{i}", 1) for i in range(2000)]
-    picked = [key for key in keys if sampled(key, 4)]
-    assert 400 < len(picked) < 600 and all(sampled(key, 1) for key in keys)
     p_kv, d_kv = KVBuffers(SMALL_SPEC, 4), KVBuffers(SMALL_SPEC, 4)
-    sealer, checker = Integrity("P", p_kv.layout, every=4), Integrity("D", d_kv.layout, every=4)
-    for key in (picked[0], next(key for key in keys if not sampled(key, 4))):
-        plain = encode_notification(key, 0, True)
-        op = SubmitOp(1, key, "D", OpKind.WRITE, (0,), (0,), None, plain)
-        sealed = decode_notification(sealer.seal(op, d_kv.layout))[3] is not None
-        unsealed = checker.check("P", plain, p_kv.layout, lambda key: (0,))
-        assert sealed is sampled(key, 4) and (unsealed is None) is (not sampled(key, 4)), (key, unsealed)
+    sealer = Integrity("P", p_kv.layout)
+    d1, d2 = Integrity("D", d_kv.layout, every=4), Integrity("D", d_kv.layout, every=4)
+
+    def checks(d: Integrity, key: TransferKey, payload: bytes, mine: tuple[int, ...] = (0,)) -> bool:
+        return d.prepare("P", payload, p_kv.layout, lambda k: mine if k == key else ()) is not None
+
+    def sealed(key: TransferKey) -> bytes:
+        op = SubmitOp(1, key, "D", OpKind.WRITE, (0,), (0,), None, encode_notification(key, 0))
+        return sealer.seal(op, d_kv.layout)
+
+    first = {key for key in keys if checks(d1, key, sealed(key))}
+    second = {key for key in keys if checks(d2, key, sealed(key))}
+    assert 400 < len(first) < 600 and 400 < len(second) < 600
+    assert len(first & second) < 250  # independent picks share about a quarter (125); one rule would share all
+    assert first == {key for key in keys if checks(d1, key, sealed(key))}  # the same transfer, the same pick
+    assert first == {key for key in keys if picked(key, 4, d1._secret)}
+    assert first != {key for key in keys if picked(key, 4, b"")}  # no key: what anyone could work out
+    assert all(picked(key, 1, d1._secret) for key in keys)
+    # unpicked, yet unsealed or naming a block D did not register for it: refused all the same
+    unpicked = next(key for key in keys if key not in first)
+    unsealed = d1.check("P", encode_notification(unpicked, 0, True), p_kv.layout, lambda k: (0,))
+    assert unsealed is not None and "came without digests" in unsealed
+    stranger = d1.check("P", sealed(unpicked), p_kv.layout, lambda k: (3,))
+    assert stranger is not None and "names blocks [0] D did not register" in stranger
     with pytest.raises(ConfigError, match="integrity_sample"):
         EngineConfig(integrity=True, integrity_sample=0)

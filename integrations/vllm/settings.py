@@ -93,7 +93,7 @@ class Settings:
     # D checks what landed before the request decodes (off by default: both sides hash every
     # byte; host memory only, for now); turn it on on both sides
     integrity: bool = False
-    integrity_sample: int = 1  # ... for one request in this many, the same ones on P and D
+    integrity_sample: int = 1  # D checks one request in this many, picked by a secret of its own
     # seconds a worker's step that schedules nothing, while transfers are outstanding, may sleep
     # until its engine says something (KV landed, blocks given back) instead of returning at once:
     # vLLM's engine core steps without pause while a request waits for remote KV; 0: no sleep

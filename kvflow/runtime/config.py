@@ -56,7 +56,8 @@ class EngineConfig:
     # WRITE with digests of what it read, D checks what landed (off by default: it costs a hash of
     # every byte on both sides); both sides must turn it on
     integrity: bool = False
-    integrity_sample: int = 1  # ... for one transfer in this many (the same ones on both sides)
+    # D checks one transfer in this many, picked with a secret of its own (P seals every WRITE)
+    integrity_sample: int = 1
 
     def __post_init__(self) -> None:
         """:raises ConfigError: a timeout, the lease, the heartbeat interval, a bound or the

@@ -135,6 +135,8 @@ class DataPlane:
         """On the loop: the notification, with what the check found, goes to the core.  A
         transfer gone meanwhile (aborted, expired: its blocks may hold another's KV by now) is
         the inbox's to count, not a mismatch."""
+        if pending.size:  # hashed (not a problem found from the seal alone)
+            self.counters.integrity_checks += 1
         if problem is not None and self.core.registered(pending.key):
             self.counters.integrity_mismatches += 1
         self.hooks.run(self.core.notification(note.peer, note.payload, self.hooks.now(), problem))

@@ -18,8 +18,14 @@ one block of the smaller block size, at their token offset in the other side's b
 linear-attention state page both hold (`kvflow.layout.states`).  Each side reads these in the
 same order (head, then array), so that the digests compare whatever the two layouts' strides.
 
-`EngineConfig.integrity_sample` N checks one transfer in N, picked by a digest of its id so that
-P and D pick the same ones.  Hashing is the `xxhash` package (C, about 16 GiB/s on one core here)
+P seals every WRITE; `EngineConfig.integrity_sample` N has D check one transfer in N, picked
+by a digest of the transfer (id and epoch) keyed with a secret D draws when it starts and never
+sends: neither P nor whoever names the requests can tell which transfers D checks.  (Picking by
+the id alone, as this did before, let the one who names the requests choose unchecked ones.  A
+P that means harm can still seal the wrong bytes it writes: the check is for faults and bugs.)
+D refuses an unsealed WRITE whether or not it picked the transfer, and checks on every WRITE
+that the blocks P names are the transfer's.
+Hashing is the `xxhash` package (C, about 16 GiB/s on one core here)
 over host memory in place; GPU memory is copied to the host unit by unit first (the driver's
 ``cuMemcpyDtoH``, `cuda_ipc.CudaDriver`, on the thread that hashes), so both sides compute the
 same digests whatever memory each holds.  That copy is the check's cost on a GPU (not yet
@@ -33,6 +39,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import secrets
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
@@ -47,7 +54,7 @@ from kvflow.protocol.actions import SubmitOp
 from kvflow.protocol.messages import Seal, TransferKey, decode_notification, encode_notification
 from kvflow.runtime.cuda_ipc import CudaDriver
 
-__all__ = ("Integrity", "PendingCheck", "sampled")
+__all__ = ("Integrity", "PendingCheck", "picked")
 
 Digests = tuple[tuple[int, int], ...]  # (layer or D block, digest), in order
 MAX_EVERY = 1 << 20
@@ -99,10 +106,18 @@ class PendingCheck:
 class Integrity:
     """Seals (P) and checks (D) the WRITEs of one engine, whose KV cache is `layout`."""
 
-    def __init__(self, engine_id: str, layout: KVLayout, every: int = 1, device_copy: DeviceCopy | None = None) -> None:
-        """Checks one transfer in `every` (1: each), the same ones on both sides (`sampled`).
-        GPU regions are read through `device_copy` (device, address, length) -> bytes; None:
-        the CUDA driver's, made when the layout has a GPU region.
+    def __init__(
+        self,
+        engine_id: str,
+        layout: KVLayout,
+        every: int = 1,
+        device_copy: DeviceCopy | None = None,
+        secret: bytes | None = None,
+    ) -> None:
+        """Seals every WRITE (P); checks one transfer in `every` (D; 1: each), picked with
+        `secret` (None: 32 random bytes drawn here; `picked`).  GPU regions are read through
+        `device_copy` (device, address, length) -> bytes; None: the CUDA driver's, made when
+        the layout has a GPU region.
 
         :raises ConfigError: a region of `layout` is neither host nor GPU memory, `every` is not
             a positive integer, or xxhash is missing.
@@ -111,6 +126,7 @@ class Integrity:
         if type(every) is not int or not 0 < every <= MAX_EVERY:
             raise ConfigError(f"integrity_sample must be an integer in 1..{MAX_EVERY}, not {every!r}")
         self.every = every
+        self._secret = secrets.token_bytes(32) if secret is None else secret
         other = [i for i, r in enumerate(layout.regions) if r.memory not in (MemoryType.DRAM, MemoryType.VRAM)]
         if other:
             raise ConfigError(f"the integrity check reads host and GPU memory; regions {other} are neither")
@@ -127,13 +143,10 @@ class Integrity:
         """`op`'s notification with the digests of what it reads here (P, a WRITE to a peer whose
         KV cache is `remote`).
 
-        :raises InvalidBatch: a transfer checked (`sampled`) whose blocks, layers or heads do not
-            map onto the peer's (the planner refuses the same batch), or whose digests do not fit
-            in a notification.
+        :raises InvalidBatch: the WRITE's blocks, layers or heads do not map onto the peer's (the
+            planner refuses the same batch), or its digests do not fit in a notification.
         """
         key, batch, last, _ = decode_notification(op.notification)
-        if not sampled(key, self.every):
-            return op.notification
         moved = Seal(op.remote_blocks, op.layers, op.fine_start, len(op.local_blocks), (), ())
         try:
             layers, blocks = self._digests(moved, self.layout, remote, op.local_blocks, is_p=True)
@@ -155,21 +168,24 @@ class Integrity:
         """The check of the WRITE `payload` announces, to run on any thread (D; on the thread
         that owns `registered`, the blocks this side registered for each transfer): None when
         there is nothing to check (a payload that does not parse, or names no transfer here, is
-        the inbox's business; a transfer sampling leaves out).  Never raises."""
+        the inbox's business; a sealed WRITE naming only the transfer's blocks, of a transfer
+        not `picked`).  Never raises."""
         try:
             key, _, _, seal = decode_notification(payload)
         except PeerProtocolError:
             return None
         where, mine = f"{peer} -> {self.engine_id}", tuple(registered(key))
-        if not mine or (seal is None and not sampled(key, self.every)):
+        if not mine:
             return None
         if seal is None:
-            why = "P's integrity check is off, or samples with another integrity_sample"
+            why = "P's integrity check is off"
             return PendingCheck.found(key, f"integrity: {where}: P's WRITE came without digests ({why})")
         strangers = sorted(set(seal.blocks) - set(mine))
         if strangers:
             problem = f"integrity: {where}: P's WRITE names blocks {strangers[:8]} D did not register for {key}"
             return PendingCheck.found(key, problem)
+        if not picked(key, self.every, self._secret):
+            return None
         size = self.layout.bytes_of(len(seal.blocks), seal.layers)
         return PendingCheck(key, size, partial(self._verify, where, seal, remote))
 
@@ -303,11 +319,15 @@ class _Reader:
         return self.memory[region][offset : offset + length]
 
 
-def sampled(key: TransferKey, every: int) -> bool:
-    """Whether the transfer `key` is one of the one in `every` checked: by a digest of its id, so
-    that P and D, told the same `every`, pick the same transfers.  Never raises."""
-    tag = hashlib.blake2b(key.transfer_id.encode("utf-8", "surrogatepass"), digest_size=8).digest()
-    return every <= 1 or int.from_bytes(tag, "little") % every == 0
+def picked(key: TransferKey, every: int, secret: bytes) -> bool:
+    """Whether D checks the transfer `key`, one in `every`: by a digest of its id and epoch keyed
+    with `secret` (D's, never sent), so that no one without the secret can tell which transfers
+    are checked, and every WRITE of one transfer is checked alike.  Never raises."""
+    if every <= 1:
+        return True
+    name = key.transfer_id.encode("utf-8", "surrogatepass") + b"\0" + str(key.epoch).encode()
+    tag = hashlib.blake2b(name, digest_size=8, key=secret[:64]).digest()
+    return int.from_bytes(tag, "little") % every == 0
 
 
 class _DeviceBytes:

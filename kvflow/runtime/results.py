@@ -33,6 +33,7 @@ class EngineCounters:
     bytes_written: int = 0  # by the WRITEs this engine submitted (push P)
     bytes_read: int = 0  # by the READs this engine submitted (pull D)
     integrity_mismatches: int = 0  # WRITEs D's integrity check failed (`kvflow.runtime.integrity`)
+    integrity_checks: int = 0  # WRITEs D's integrity check hashed (one transfer in integrity_sample)
 
     def posted(self, write: bool, nbytes: int) -> None:
         """An op this engine submitted moves `nbytes`: a WRITE (push P) or a READ (pull D)."""

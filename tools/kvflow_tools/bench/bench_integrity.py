@@ -6,10 +6,11 @@ it on at a cost read off this table.  Per prompt length, for a model shaped by `
 `--heads` and `--head-dim` (block size 16, float16): the time P takes to seal one WRITE of the
 whole prompt and D to check it (the digests alone; best and median of `--runs`), as GiB/s of KV,
 and the P→D latency of that push between two engines over the loopback fabric with the check off
-and on, after a push not counted, and the mean over `--sample` pushes with `integrity_sample` `--sample` (one of them
-checked, the rest not: what a sampled deployment pays on average), run in turns (off, on,
-sampled, off, ...) so that whatever else loads the machine falls on each alike.  The load
-average at the start and the end is printed with the table.
+and on, after a push not counted, and the mean over `--sample` pushes with `integrity_sample`
+`--sample` (P seals each, D checks the ones its secret picks, one in `--sample` on average: what a
+sampled deployment pays; the table says how many D checked), run in turns (off, on, sampled,
+off, ...) so that whatever else loads the machine falls on each alike.  The load average at the
+start and the end is printed with the table.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from kvflow.layout import KVSpec
 from kvflow.protocol.actions import OpKind, SubmitOp
 from kvflow.protocol.messages import TransferKey, encode_notification
 from kvflow.runtime.engine import EngineConfig
-from kvflow.runtime.integrity import Integrity, sampled
+from kvflow.runtime.integrity import Integrity
 from kvflow.transports.loopback import LoopbackFabric
 from kvflow_tools.errors import BenchError
 from kvflow_tools.testing import EnginePair, KVBuffers
@@ -66,12 +67,13 @@ def _digests(spec: KVSpec, blocks: int, runs: int) -> dict[str, list[float]]:
     return {"seal_s": seal_s, "check_s": check_s}
 
 
-async def _pushes(spec: KVSpec, blocks: int, config: EngineConfig, transfers: list[str]) -> list[float]:
+async def _pushes(spec: KVSpec, blocks: int, config: EngineConfig, transfers: list[str]) -> tuple[list[float], int]:
     """Seconds from P's kv_ready to D's outcome for a push of `blocks` blocks per transfer id,
     one after the other between the same two engines, after one push not counted (the first
-    faults D's fresh memory in)."""
+    faults D's fresh memory in); and how many of the counted WRITEs D's integrity check hashed."""
     pair = await EnginePair(LoopbackFabric(), spec=spec, num_blocks=blocks, config=config).start()
     try:
+        checked_warm_up = 0
         ids, seconds = list(range(blocks)), []  # (what the blocks hold costs nothing to move or hash: as made)
         for transfer in ["warm-up", *transfers]:
             waiting = await pair.d.expect(transfer, 1, peer="P", block_ids=ids, timeout=120.0)
@@ -81,16 +83,11 @@ async def _pushes(spec: KVSpec, blocks: int, config: EngineConfig, transfers: li
             seconds.append(time.perf_counter() - began)
             if not result.ok:
                 raise BenchError(f"bench integrity: the push failed: {result.reason}")
-        return seconds[1:]
+            if transfer == "warm-up":
+                checked_warm_up = pair.d.stats()["integrity_checks"]
+        return seconds[1:], pair.d.stats()["integrity_checks"] - checked_warm_up
     finally:
         await pair.close()
-
-
-def _one_sampled(every: int) -> list[str]:
-    """`every` transfer ids of which `integrity_sample` `every` checks exactly one (the first)."""
-    names = [f"r{i}" for i in range(64 * every)]  # (one in `every` is picked: some are, for sure)
-    picked = [name for name in names if sampled(TransferKey(name, 1), every)]
-    return picked[:1] + [name for name in names if name not in picked][: every - 1]
 
 
 def measure(tokens: list[int], layers: int, heads: int, head_dim: int, runs: int, every: int = 4) -> dict[str, Any]:
@@ -107,7 +104,7 @@ def measure(tokens: list[int], layers: int, heads: int, head_dim: int, runs: int
         "on": EngineConfig(transfer_timeout=120.0, integrity=True),
         "sampled": EngineConfig(transfer_timeout=120.0, integrity=True, integrity_sample=every),
     }
-    transfers = {"off": ["r"], "on": ["r"], "sampled": _one_sampled(every)}
+    transfers = {"off": ["r"], "on": ["r"], "sampled": [f"r{i}" for i in range(every)]}
     spec, load = _spec(layers, heads, head_dim), os.getloadavg()
     rows = []
     for count in tokens:
@@ -115,10 +112,12 @@ def measure(tokens: list[int], layers: int, heads: int, head_dim: int, runs: int
         kv_bytes = blocks * layers * spec.arrays_per_layer * spec.block_len
         times = _digests(spec, blocks, runs)
         latency: dict[str, list[float]] = {name: [] for name in configs}
+        checked = 0
         for _ in range(runs):
             for name, config in configs.items():  # in turns: what else loads the machine falls on each
-                seconds = asyncio.run(_pushes(spec, blocks, config, transfers[name]))
+                seconds, checks = asyncio.run(_pushes(spec, blocks, config, transfers[name]))
                 latency[name].append(statistics.mean(seconds))
+                checked += checks if name == "sampled" else 0
         off, on, some = (statistics.median(latency[name]) for name in configs)
         rows.append(
             {
@@ -133,6 +132,7 @@ def measure(tokens: list[int], layers: int, heads: int, head_dim: int, runs: int
                 "push_on_ms": round(on * 1e3, 2),
                 "added_ms": round((on - off) * 1e3, 2),
                 "push_sampled_ms": round(some * 1e3, 2),
+                "sampled_checked": [checked, runs * every],
             }
         )
     shape = {"layers": layers, "heads": heads, "head_dim": head_dim, "block_size": 16, "dtype": "float16"}
@@ -150,13 +150,15 @@ def render(report: dict[str, Any]) -> str:
         f"kvflow bench integrity: {m['layers']} layers x {m['heads']} KV heads x {m['head_dim']}, "
         f"{m['dtype']}, blocks of {m['block_size']}; best/median of {report['runs']}",
         f"{'tokens':>7} {'KV MiB':>8} {'seal ms':>15} {'check ms':>15} {'seal GiB/s':>10} {'check GiB/s':>11}"
-        f" {'push off ms':>11} {'push on ms':>10} {'added ms':>9} {'1 in ' + str(report['sample']) + ' ms':>10}",
+        f" {'push off ms':>11} {'push on ms':>10} {'added ms':>9} {'1 in ' + str(report['sample']) + ' ms':>10}"
+        f" {'checked':>8}",
     ]
     for r in report["rows"]:
         seal, check = "/".join(map(str, r["seal_ms"])), "/".join(map(str, r["check_ms"]))
         lines.append(
             f"{r['tokens']:>7} {r['kv_mib']:>8} {seal:>15} {check:>15} {r['seal_gib_s']:>10} {r['check_gib_s']:>11}"
             f" {r['push_off_ms']:>11} {r['push_on_ms']:>10} {r['added_ms']:>9} {r['push_sampled_ms']:>10}"
+            f" {'/'.join(map(str, r['sampled_checked'])):>8}"
         )
     start, end = report["load"]["start"], report["load"]["end"]
     lines.append(f"load average (1, 5, 15 min): {start[0]:.2f} {start[1]:.2f} {start[2]:.2f} at the start, "
