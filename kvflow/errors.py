@@ -42,6 +42,7 @@ __all__ = (
     "BlockSizeMismatch",
     "ConfigError",
     "EngineAsleep",
+    "EngineBusy",
     "EngineClosed",
     "EngineCrashed",
     "EngineTimeout",
@@ -147,6 +148,12 @@ class UsageError(KVFlowError, RuntimeError):
 
 class EngineClosed(KVFlowError):
     """The engine (or its control channel or writer) was closed; it accepts no more work."""
+
+
+class EngineBusy(KVFlowError):
+    """An engine process owes answers to as many calls as its host lets wait (it is stopped,
+    frozen or overloaded): the host refuses new work until it answers; what ends or frees work
+    still goes."""
 
 
 class EngineAsleep(KVFlowError):

@@ -20,11 +20,11 @@ import numpy as np
 import pytest
 
 import kvflow
-from kvflow.errors import EngineClosed, EngineCrashed, TransportError
+from kvflow.errors import ConfigError, EngineBusy, EngineClosed, EngineCrashed, TransportError
 from kvflow.integrations.vllm.links import ProcessLink
 from kvflow.integrations.vllm.supervision import RestartPolicy
 from kvflow.runtime.host_memory import share_in_place
-from kvflow.runtime.process import EngineProcess, ProcessSpec
+from kvflow.runtime.process import MAX_UNANSWERED, EngineProcess, ProcessSpec
 from tests.waiting import eventually_sync
 
 SPEC = kvflow.KVSpec(num_layers=1, block_size=16, num_kv_heads=1, head_dim=64)
@@ -58,8 +58,8 @@ class GpuLike:
         return None
 
 
-@pytest.fixture
-def link() -> Iterator[ProcessLink]:
+def linked(max_unanswered: int = MAX_UNANSWERED) -> ProcessLink:
+    """A rank agent's engine in a process of its own, over 4 blocks of host memory."""
     cache = np.zeros((2, 4, SPEC.block_len), np.uint8)
     regions = [kvflow.region_of(cache)]
     spans = share_in_place(regions)
@@ -72,11 +72,16 @@ def link() -> Iterator[ProcessLink]:
             agent="kvflow.integrations.vllm.rank_agent:RankAgent",
             agent_options={"transfer_timeout": 10.0},
         )
-        process = EngineProcess(spec, spans)
+        process = EngineProcess(spec, spans, max_unanswered=max_unanswered)
     finally:
         for span in spans:
             os.close(span.fd)
-    link = ProcessLink(process, GpuLike())
+    return ProcessLink(process, GpuLike())
+
+
+@pytest.fixture
+def link() -> Iterator[ProcessLink]:
+    link = linked()
     yield link
     link.close(timeout=10.0)
 
@@ -155,6 +160,45 @@ def test_a_command_to_a_dead_engine_process_fails_its_future_and_never_raises(li
         settled(link, future)
         with pytest.raises((EngineClosed, EngineCrashed)):
             future.result()
+
+
+def test_a_stopped_engine_process_costs_the_host_a_bounded_queue_and_what_frees_work_still_goes() -> None:
+    """An engine process that lives but does not answer (SIGSTOP here; a native call that hangs,
+    a starved CPU) is not seen from its socket.  Before the bound, each call the host made
+    meanwhile queued a future and a record (20,000 in 6 s).  Now new work is refused once
+    `max_unanswered` calls wait (each hook's future fails at once with `EngineBusy`, nothing
+    sent); a command that ends or frees work (`always`) still goes, gated or not; once the
+    process answers again, everything it owed is answered and new work is taken."""
+    link = linked(max_unanswered=16)
+    process = link.process
+    os.kill(process.pid, signal.SIGSTOP)
+    try:
+        taken = [link.command("describe") for _ in range(16)]
+        refused = [link.command("describe") for _ in range(500)]
+        assert all(future.done() for future in refused) and not any(future.done() for future in taken)
+        with pytest.raises(EngineBusy, match=r"owes answers to 16 calls \(max_unanswered 16\): 'describe' refused"):
+            refused[0].result()
+        assert process.refused_busy == 500 and len(process._futures) == 16 and len(process._backlog) <= 16
+        gate = TestGate()
+        freeing = [link.command("abort_pair", "t", 1, "decode", "ended", always=True) for _ in range(2)]
+        gated = link.command("post_groups", gate, [], always=True)
+        gate.opened.set()
+        eventually_sync(lambda: len(process._futures) == 19, "the gated command sent")
+    finally:
+        os.kill(process.pid, signal.SIGCONT)
+    try:
+        settled(link, *taken, *freeing, gated)
+        assert all(future.exception() is None for future in [*taken, *freeing, gated])
+        again = link.command("describe")
+        settled(link, again)
+        assert again.exception() is None and process.refused_busy == 500
+    finally:
+        link.close(timeout=10.0)
+    with pytest.raises(ConfigError, match="max_unanswered"):
+        layout = kvflow.KVLayout.per_layer_regions(
+            SPEC, 4, [kvflow.region_of(np.zeros((2, 4, SPEC.block_len), np.uint8))]
+        )
+        EngineProcess(ProcessSpec("x", layout), [], max_unanswered=0)
 
 
 def test_restarts_are_allowed_up_to_the_limit_within_the_window() -> None:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, Protocol
 
-from kvflow.errors import EngineClosed, EngineTimeout, KVFlowError
+from kvflow.errors import EngineBusy, EngineClosed, EngineTimeout, KVFlowError
 from kvflow.integrations.vllm.device import Device, GateWaiter, HostDevice, is_gate
 from kvflow.integrations.vllm.rank_agent import RankAgent
 from kvflow.protocol.actions import ReleaseBlocks
@@ -47,11 +47,15 @@ class EngineLink(Protocol):
 
     address: str
 
-    def command(self, name: str, *args: Any, lazy: bool = False) -> concurrent.futures.Future[Any]:
+    def command(
+        self, name: str, *args: Any, lazy: bool = False, always: bool = False
+    ) -> concurrent.futures.Future[Any]:
         """Run `RankAgent.<name>(*args)` with the engine; returns at once.  A `lazy` command
         may wait for the next one that is not, or for the step's results.  An engine that has
-        stopped (or whose process died) fails the future with `EngineClosed`: a hook that gives
-        a command never raises for it."""
+        stopped (or whose process died) fails the future with `EngineClosed`, and an engine
+        process that owes too many answers fails one that starts work with `EngineBusy`,
+        unless it is `always` (it ends, frees or continues work the engine took): a hook that
+        gives a command never raises for it."""
 
     def batch(self) -> contextlib.AbstractContextManager[None]:
         """The commands given inside start together when it ends.  Never raises."""
@@ -97,7 +101,9 @@ class ThreadLink:
         self._options = (transfer_timeout, device)
         self._agent: RankAgent | None = None  # made on the engine thread, by the first command
 
-    def command(self, name: str, *args: Any, lazy: bool = False) -> concurrent.futures.Future[Any]:
+    def command(
+        self, name: str, *args: Any, lazy: bool = False, always: bool = False
+    ) -> concurrent.futures.Future[Any]:
         def run(engine: Engine) -> Any:
             if self._agent is None:
                 self._agent = RankAgent(engine, *self._options)
@@ -158,6 +164,7 @@ class _Held:
     name: str
     args: tuple[Any, ...]
     lazy: bool
+    always: bool
     future: concurrent.futures.Future[Any]  # the caller's
     gate: concurrent.futures.Future[None] | None  # settled once the device ran the work (None: no gate)
 
@@ -190,30 +197,32 @@ class ProcessLink:
         self._held: deque[_Held] = deque()
         self._lock = threading.Lock()  # taken before the process's own, never after it
 
-    def command(self, name: str, *args: Any, lazy: bool = False) -> concurrent.futures.Future[Any]:
+    def command(
+        self, name: str, *args: Any, lazy: bool = False, always: bool = False
+    ) -> concurrent.futures.Future[Any]:
         """:raises ConfigError: see `EngineProcess.call` (a command held behind a gate fails its
         future with it instead, once sent)."""
         if not self._gated:  # the hooks' common case, kept as cheap as a direct call
-            return self._call(name, args, lazy)
+            return self._call(name, args, lazy, always)
         gate = next((arg for arg in args if is_gate(arg)), None)
         if gate is not None:
             args = tuple(None if arg is gate else arg for arg in args)
         waiting = None if gate is None or gate.done() else self._gates().submit(gate)
         with self._lock:
             if waiting is None and not self._held:
-                return self._call(name, args, lazy)
-            held = _Held(name, args, lazy, concurrent.futures.Future(), waiting)
+                return self._call(name, args, lazy, always)
+            held = _Held(name, args, lazy, always, concurrent.futures.Future(), waiting)
             self._held.append(held)
         if waiting is not None:
             waiting.add_done_callback(lambda _: self._flush())
         return held.future
 
-    def _call(self, name: str, args: tuple[Any, ...], lazy: bool) -> concurrent.futures.Future[Any]:
-        """The call sent; a dead engine process fails its future.  :raises ConfigError: see
-        `EngineProcess.call`."""
+    def _call(self, name: str, args: tuple[Any, ...], lazy: bool, always: bool) -> concurrent.futures.Future[Any]:
+        """The call sent; a dead engine process, or one owing too many answers, fails its
+        future.  :raises ConfigError: see `EngineProcess.call`."""
         try:
-            return self.process.call(name, *args, lazy=lazy)
-        except EngineClosed as exc:
+            return self.process.call(name, *args, lazy=lazy, always=always)
+        except (EngineClosed, EngineBusy) as exc:
             return failed_future(exc)
 
     def _gates(self) -> GateWaiter:
@@ -232,7 +241,7 @@ class ProcessLink:
                     held.future.set_exception(error)
                     continue
                 try:
-                    inner = self.process.call(held.name, *held.args, lazy=held.lazy)
+                    inner = self.process.call(held.name, *held.args, lazy=held.lazy, always=held.always)
                 except KVFlowError as exc:
                     held.future.set_exception(exc)
                     continue

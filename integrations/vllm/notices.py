@@ -51,7 +51,7 @@ class PeerNotices:
         reported to it; should P not be reached, P frees its blocks at its own deadline."""
         first = order.blocks[0].first if order.blocks else 0
         return self._tell_sources(order, f"cannot tell P that {order.request_id} needs no KV", logging.ERROR,
-                                  "nothing_wanted", first)  # fmt: skip
+                                  "nothing_wanted", first, always=True)  # fmt: skip
 
     def promise(self, order: Order) -> None:
         """The request is queued here: heartbeats to the other side's ranks it pairs with say so
@@ -87,14 +87,14 @@ class PeerNotices:
         ranks feeding this one, which may hold its KV (or compute it later), so that they free
         it at once (on failure P frees at its own deadline)."""
         self._tell_sources(order, f"could not tell P that {order.request_id} ended", logging.WARNING,
-                           "abort_unallocated", order.reason, order.params.mode.value)  # fmt: skip
+                           "abort_unallocated", order.reason, order.params.mode.value, always=True)  # fmt: skip
 
     def _tell_sources(
-        self, order: Order, what: str, level: int, command: str, *args: Any
+        self, order: Order, what: str, level: int, command: str, *args: Any, always: bool = False
     ) -> list[concurrent.futures.Future[Any]]:
         """D: run agent `command` (P's rank 0, that rank's TP size and number, the pair's key,
-        then `args`) for every P rank feeding this one; params naming no such ranks are logged
-        as errors, a failed command at `level`."""
+        then `args`) for every P rank feeding this one (`always`: see `EngineLink.command`);
+        params naming no such ranks are logged as errors, a failed command at `level`."""
         params = order.params
         try:
             parts = self._parts(params, Role.DECODE)
@@ -105,7 +105,9 @@ class PeerNotices:
         futures = []
         prefill = peer_wire(params.prefill)
         for source, _, key in parts:
-            future = self._link().command(command, prefill, p_tp, source, key.transfer_id, key.epoch, *args)
+            future = self._link().command(
+                command, prefill, p_tp, source, key.transfer_id, key.epoch, *args, always=always
+            )
             future.add_done_callback(partial(self.log_failure, what=what, level=level))
             futures.append(future)
         return futures

@@ -55,6 +55,13 @@ class _Part:
     opened: bool  # the transfer's first part: its failure leaves kvflow holding nothing
 
 
+def _log_if_failed(future: concurrent.futures.Future[Any]) -> None:
+    """A done callback: the engine refused the next parts of transfers under way (each one then
+    fails at its deadline, and its blocks come back with its release).  Never raises."""
+    if future.exception() is not None:
+        log.warning("cannot post the next parts of transfers under way: %s", future.exception())
+
+
 def _settle_parts(settled: dict[int, concurrent.futures.Future[Any]], future: concurrent.futures.Future[Any]) -> None:
     """The answer to a ``post_groups`` order onto each first part's own future: the errors it
     names by index, or the order's own error for all."""
@@ -239,14 +246,20 @@ class ProducerSide:
                 parts.append(_Part(wire, order.request_id, key, opened))
 
     def _send_parts(self, parts: list[_Part], gate: Gate | None) -> None:
-        """One order for every part a hook completed (one record, whatever their number); each
-        transfer's first part settles a future of its own (see `results`)."""
+        """One order for the parts a hook completed of transfers the engine took already, sent
+        whatever the engine process owes (refused, they would strand those transfers), and one
+        for the transfers that start here, which an engine process owing too many answers may
+        refuse (`links.EngineLink.command`); each transfer's first part settles a future of its
+        own (see `results`)."""
+        starting = {part.key for part in parts if part.opened}
+        going_on = [part.wire for part in parts if part.key not in starting]
+        if going_on:
+            self._link().command("post_groups", gate, going_on, always=True).add_done_callback(_log_if_failed)
+        parts = [part for part in parts if part.key in starting]
         if not parts:
             return
         future = self._link().command("post_groups", gate, [part.wire for part in parts])
         firsts = {index: part for index, part in enumerate(parts) if part.opened}
-        if not firsts:
-            return
         settled = {index: concurrent.futures.Future[Any]() for index in firsts}
         for index, part in firsts.items():
             self._ready_starts.append((settled[index], part.request_id, part.key))

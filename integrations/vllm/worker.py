@@ -239,7 +239,14 @@ class WorkerSide(ProducerSide):
             if not wanted(group):  # nothing of this group (none held): P releases its part at once
                 first = order.blocks[group].first if group < len(order.blocks) else 0
                 self._link().command(
-                    "nothing_wanted", peer_wire(params.prefill), p_tp, source, key.transfer_id, key.epoch, first
+                    "nothing_wanted",
+                    peer_wire(params.prefill),
+                    p_tp,
+                    source,
+                    key.transfer_id,
+                    key.epoch,
+                    first,
+                    always=True,
                 ).add_done_callback(
                     partial(self.notices.log_failure, what=f"cannot tell P {order.request_id} needs no {key}")
                 )
@@ -304,7 +311,7 @@ class WorkerSide(ProducerSide):
 
     def _abort_pair(self, key: TransferKey, role: Role, reason: str) -> None:
         """Give up on one pair transfer (D: once its registration, if still under way, is done)."""
-        self._link().command("abort_pair", key.transfer_id, key.epoch, role.value, reason)
+        self._link().command("abort_pair", key.transfer_id, key.epoch, role.value, reason, always=True)
 
     # ---------------------------------------------------------------- results
 

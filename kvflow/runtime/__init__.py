@@ -11,7 +11,8 @@ transfers down and lets go of the KV memory's registration (and takes it up agai
 KV it moves and checks what landed (opt-in).
 
 Embedding: `threaded` runs an engine on a thread of synchronous code (an inference engine's
-scheduler), `process` in a process of its own (`engine_process` is that process's program),
+scheduler), `process` in a process of its own (`process_spec` what it is told to build,
+`engine_process` its program),
 with `host_memory` sharing the host's KV caches in place (`cuda_ipc` its GPU memory, by legacy
 CUDA IPC handles, `cuda_vmm` by file descriptors of driver-mapped chunks, which `fd_passing`
 hands over to a running engine process); the host's calls and the process's

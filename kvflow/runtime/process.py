@@ -37,6 +37,15 @@ The child exits when the host's end of the socket closes (the host died or close
 learns of a dead child from its socket too, looked at every `LIVENESS_CHECK` seconds (every
 pending call then fails with `EngineCrashed`).  Every wait here has a deadline; nothing here
 blocks a hook.
+
+A child that lives but does not answer (stopped by a signal, frozen in a native call, starved of
+CPU) is not seen from the socket, and each call the host makes meanwhile costs a future and a
+record: 20,000 of them in 6 s of SIGSTOP before this bound.  So at most `max_unanswered` calls
+may wait for their answers; past that, `call` refuses new work with `EngineBusy` (the vLLM
+worker fails that request's load or hand-over at once, and vLLM frees its blocks), while a call
+marked `always` (an abort, a release, the rest of a transfer the engine already took) still
+goes: those are bounded by the work admitted before the bound, and refusing one would leave a
+transfer or its blocks stranded.
 """
 
 from __future__ import annotations
@@ -44,7 +53,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import logging
-import os
 import select
 import socket
 import subprocess
@@ -53,74 +61,42 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import msgpack
 
-from kvflow.errors import ConfigError, EngineClosed, EngineCrashed, EngineTimeout, KVFlowError, RingCorrupt
-from kvflow.layout import KVLayout, layout_to_wire
+from kvflow.errors import (
+    ConfigError,
+    EngineBusy,
+    EngineClosed,
+    EngineCrashed,
+    EngineTimeout,
+    KVFlowError,
+    RingCorrupt,
+)
 from kvflow.protocol.actions import ReleaseBlocks
 from kvflow.protocol.messages import TransferKey
 from kvflow.protocol.state import Outcome, Role
-from kvflow.runtime.config import EngineConfig
 from kvflow.runtime.cuda_ipc import Share, shares_to_wire
 from kvflow.runtime.cuda_vmm import Chunk, chunks_to_wire
 from kvflow.runtime.fd_passing import send_fds
 from kvflow.runtime.frames import READ_CHUNK, FrameReader, decode_record, encode_frame, encode_record, error_from_record
 from kvflow.runtime.host_memory import SharedSpan
 from kvflow.runtime.meter import MeterReading, TransferSample
+from kvflow.runtime.process_spec import SCHEDULING, ProcessSpec
 from kvflow.runtime.ring_memory import HostRings
 
-__all__ = ("SCHEDULING", "STALL_LIMIT", "EngineProcess", "ProcessSpec")
+__all__ = ("MAX_UNANSWERED", "SCHEDULING", "STALL_LIMIT", "EngineProcess", "ProcessSpec")
 
 log = logging.getLogger(__name__)
 
 SOCKET_BUFFER = 4 << 20
 LAZY_WAIT = 0.05  # seconds a lazy call may wait for another to go with before `pump` sends it
-SCHEDULING = ("batch", "normal")  # SCHED_BATCH, SCHED_OTHER
 LIVENESS_CHECK = 0.05  # seconds between two looks at the socket (is the child still there?)
 STALL_LIMIT = 1.0  # seconds a ring record may stay unreadable before the ring is taken as corrupt
-
-
-@dataclass(frozen=True)
-class ProcessSpec:
-    """What the engine process builds: the engine (id, layout at the host's addresses, config),
-    its transport (a name `transports.registry` knows, and keyword arguments), its control
-    channel's bind address, the agent that runs the host's calls (``module:Class``, built as
-    ``Class(engine, **agent_options)``), and the CPUs it runs on (`cpus`)."""
-
-    engine_id: str
-    layout: KVLayout
-    transport: str = "nixl"
-    transport_options: dict[str, Any] = field(default_factory=dict)
-    bind: str = "tcp://127.0.0.1:0"
-    config: EngineConfig = field(default_factory=EngineConfig)
-    agent: str = "kvflow.runtime.engine_process:EngineAgent"
-    agent_options: dict[str, Any] = field(default_factory=dict)
-    log_level: int = logging.WARNING
-    cpus: tuple[int, ...] = ()  # the CPUs the engine process runs on; empty: the host's
-    scheduling: str = "batch"  # its Linux policy (`SCHEDULING`): "batch" never preempts the host on waking
-
-    def to_wire(self, spans: Sequence[SharedSpan]) -> dict[str, Any]:
-        config = {k: v for k, v in asdict(self.config).items() if k != "thread_setup"}
-        if self.config.thread_setup is not None:
-            raise KVFlowError("an engine process runs no host code: its config cannot have a thread_setup")
-        return {
-            "engine_id": self.engine_id,
-            "layout": layout_to_wire(self.layout),
-            "spans": [[i, span.base, span.length] for i, span in enumerate(spans)],
-            "transport": self.transport,
-            "transport_options": self.transport_options,
-            "bind": self.bind,
-            "config": config,
-            "agent": self.agent,
-            "agent_options": self.agent_options,
-            "log_level": self.log_level,
-            "cpus": list(self.cpus),
-            "scheduling": self.scheduling,
-            "host_pid": os.getpid(),  # the engine process's parent, until the host dies
-        }
+# calls that may wait for the engine process's answer before new work is refused (a vLLM rank
+# has a few per request it moves: thousands are a process that stopped answering)
+MAX_UNANSWERED = 4096
 
 
 class EngineProcess:
@@ -131,7 +107,7 @@ class EngineProcess:
     meter are brought up to date by `pump`, which every reading method calls (it reads the
     ring of answers: no system call, but for a look at the socket every `LIVENESS_CHECK`).
 
-    :raises ConfigError: a spec with an unknown `scheduling`.
+    :raises ConfigError: a spec with an unknown `scheduling`, or `max_unanswered` below 1.
     :raises EngineTimeout: the child did not say ready within `start_timeout`.
     :raises KVFlowError: the child could not build or start its engine (the error it reported,
         by class); `TransportError` if the memory cannot be handed over.
@@ -145,12 +121,19 @@ class EngineProcess:
         cuda_shares: Sequence[Share] = (),
         cuda_chunks: Sequence[Chunk] = (),
         start_timeout: float = 60.0,
+        max_unanswered: int = MAX_UNANSWERED,
     ) -> None:
         """`spans`: the host memory of the layout's DRAM regions; `cuda_shares`: the exported
         allocations (`cuda_ipc`) holding its VRAM regions, or `cuda_chunks` the exported chunks
-        (`cuda_vmm`; the caller keeps its descriptors)."""
+        (`cuda_vmm`; the caller keeps its descriptors); `max_unanswered`: see the module's
+        header."""
         if spec.scheduling not in SCHEDULING:
             raise ConfigError(f"an engine process is scheduled as one of {list(SCHEDULING)}, not {spec.scheduling!r}")
+        if type(max_unanswered) is not int or max_unanswered < 1:
+            raise ConfigError(f"an engine process's max_unanswered must be an integer >= 1, not {max_unanswered!r}")
+        self.max_unanswered = max_unanswered
+        self.refused_busy = 0  # calls refused with EngineBusy
+        self._refusing = False  # refusing since the last call admitted (logged once a stall)
         self.engine_id = spec.engine_id
         self._lock = threading.RLock()
         self._seq = 0
@@ -210,13 +193,16 @@ class EngineProcess:
 
     # ---------------------------------------------------------------- calls
 
-    def call(self, name: str, *args: Any, lazy: bool = False) -> concurrent.futures.Future[Any]:
+    def call(self, name: str, *args: Any, lazy: bool = False, always: bool = False) -> concurrent.futures.Future[Any]:
         """Run the agent's `name` with `args` (plain data) in the engine process; returns at
         once.  Inside `batch`, the call is sent when the batch ends; a `lazy` one waits for the
         next call that is not (or a `pump` at least `LAZY_WAIT` later): a call that may wait
-        costs no system call (and no wake-up of the engine process) of its own.
+        costs no system call (and no wake-up of the engine process) of its own.  An `always`
+        call (one that ends, frees or continues work the engine took) is never refused as busy.
 
         :raises EngineClosed: the engine process is gone or closing.
+        :raises EngineBusy: `max_unanswered` calls wait for their answers and this one is not
+            `always` (nothing is sent).
         :raises ConfigError: `args` hold a value msgpack cannot carry, or more than a ring
             record holds (nothing is sent).
         """
@@ -224,6 +210,8 @@ class EngineProcess:
         with self._lock:
             if self.dead is not None:
                 raise EngineClosed(f"engine process of {self.engine_id!r} is gone: {self.dead}")
+            if not always:
+                self._admit(name)
             record = encode_record(["call", self._seq + 1, name, list(args)])
             if len(record) > self._rings.orders.max_record:
                 raise ConfigError(
@@ -241,6 +229,23 @@ class EngineProcess:
             else:
                 self._send([record])
         return future
+
+    def _admit(self, name: str) -> None:
+        """:raises EngineBusy: see `call`."""
+        if len(self._futures) < self.max_unanswered:
+            if self._refusing:
+                self._refusing = False
+                log.warning("%s: the engine process answers again; new work is taken", self.engine_id)
+            return
+        self.refused_busy += 1
+        if not self._refusing:
+            self._refusing = True
+            log.error("%s: the engine process has not answered %d calls (stopped or frozen?): new work is refused "
+                      "until it does", self.engine_id, len(self._futures))  # fmt: skip
+        raise EngineBusy(
+            f"engine process of {self.engine_id!r} owes answers to {len(self._futures)} calls "
+            f"(max_unanswered {self.max_unanswered}): {name!r} refused"
+        )
 
     def send_fds(self, fds: Sequence[int], timeout: float = 5.0) -> None:
         """Hand `fds` to the engine process (the caller keeps its own), for the next call that
