@@ -17,6 +17,7 @@ from kvflow.protocol.messages import MAX_HEARTBEAT_KEYS, ControlMessage, Goodbye
 from kvflow.protocol.peer_actions import (
     AddRoute,
     AddTransportPeer,
+    AnswerUnassociated,
     HandshakeSettled,
     PeerConnected,
     Refused,
@@ -150,7 +151,8 @@ def test_a_peer_the_transport_refuses_is_refused_and_not_associated() -> None:
         SendControl("P", Reject("metadata names another endpoint")),
         HandshakeSettled("P", error),
     ]
-    assert peers.peers() == [] and peers.receive("P", 1, Heartbeat(), 1.0) == [UnknownSender("P")]
+    # it speaks as if associated: told it is not (a Goodbye), at once
+    assert peers.peers() == [] and peers.receive("P", 1, Heartbeat(), 1.0) == [AnswerUnassociated("P", 1)]
 
 
 @pytest.mark.asyncio

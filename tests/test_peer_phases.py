@@ -50,7 +50,8 @@ def test_a_hello_is_new_with_no_run_in_place_and_otherwise_related_to_it() -> No
     assert relate_message(5, 5, goodbye=False) is Event.MESSAGE
     assert relate_message(5, 5, goodbye=True) is Event.GOODBYE
     assert relate_message(5, 6, goodbye=True) is Event.STRAY
-    assert relate_message(None, 1, goodbye=False) is Event.STRAY
+    assert relate_message(None, 1, goodbye=False) is Event.UNASSOCIATED  # answered: see below
+    assert relate_message(None, 1, goodbye=True) is Event.STRAY  # never answered: no ping-pong
     assert relate_reject(5, 6) is Event.REJECT_LATER_RUN
     assert relate_reject(5, 5) is Event.REJECT and relate_reject(None, 9) is Event.REJECT
 
@@ -66,7 +67,7 @@ def test_relating_any_hello_or_message_names_one_event(
     run: int | None, association: int | None, incarnation: int, reply: bool, number: int
 ) -> None:
     assert relate_hello(run, association, incarnation, reply, number) in Event
-    assert relate_message(run, incarnation, reply) in (Event.MESSAGE, Event.GOODBYE, Event.STRAY)
+    assert relate_message(run, incarnation, reply) in (Event.MESSAGE, Event.GOODBYE, Event.STRAY, Event.UNASSOCIATED)
     assert relate_reject(run, incarnation) in (Event.REJECT, Event.REJECT_LATER_RUN)
 
 

@@ -4,6 +4,7 @@
 the authenticated ZeroMQ implementation, `wire` the msgpack codec (plain data only), `auth` the
 shared secret, MACs and replay guard.  Around the ZeroMQ channel: `hardening` (CURVE keys, the
 ZAP handler), `connections` (counting the ROUTER's connections and their descriptors) and
-`monitor` (whether the link to a peer is up); `counts` is what the channel counts, each count
-a field and each reason to drop a frame a `Rejection`.
+`monitor` (whether the link to a peer is up); `admission` decides which frames it delivers;
+`counts` is what the channel counts, each count a field and each reason to drop a frame a
+`Rejection`.
 """

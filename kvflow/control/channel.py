@@ -12,6 +12,7 @@ between each pair of engines, never re-entrantly inside `send`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
 import threading
 import time
@@ -19,7 +20,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from kvflow.control import wire
-from kvflow.errors import EngineClosed, PeerUnknown, PeerUnreachable
+from kvflow.errors import EngineClosed, KVFlowError, PeerUnknown, PeerUnreachable
 from kvflow.protocol.messages import ControlMessage
 
 __all__ = (
@@ -93,6 +94,11 @@ class ControlChannel(Protocol):
             reading, its connection failed, or it stopped).
         :raises EngineClosed: the channel was closed.
         """
+
+    def answer(self, peer: str, incarnation: int, message: ControlMessage) -> None:
+        """From inside the handler: send `message` to run `incarnation` of `peer`, the sender of
+        the message being handled, the way that message came (there may be no route to it), at
+        most once a second per peer; best effort.  Never raises."""
 
     def close(self) -> None:
         """Stop sending and delivering.  Idempotent."""
@@ -175,6 +181,11 @@ class LocalControl:
             raise EngineClosed(f"control channel of {self.name!r} is closed")
         wire.encode(wire.Envelope(self.name, self._incarnation, peer, 0, message))
         self.hub.route(self.name, self._incarnation, peer, message)
+
+    def answer(self, peer: str, incarnation: int, message: ControlMessage) -> None:
+        """Sent each time: in one process there is no connection to flood.  Never raises."""
+        with contextlib.suppress(KVFlowError):  # routes are implicit here: the peer may be gone
+            self.send(peer, message)
 
     def close(self) -> None:
         self._closed = True

@@ -50,8 +50,9 @@ import zmq
 import zmq.asyncio
 from zmq.utils import z85
 
-from kvflow.control.auth import MAC_BYTES, ReplayGuard, Secret, secret_from_env
-from kvflow.control.channel import Crashed, MessageHandler, incarnation_ceiling, new_incarnation
+from kvflow.control.admission import RESTARTED, Dropped, admit
+from kvflow.control.auth import ReplayGuard, Secret, secret_from_env
+from kvflow.control.channel import Crashed, MessageHandler, new_incarnation
 from kvflow.control.connections import ConnectionWatch, raise_descriptor_limit
 from kvflow.control.counts import ControlCounts, Rejection
 from kvflow.control.hardening import (
@@ -64,14 +65,12 @@ from kvflow.control.hardening import (
     serve_zap,
 )
 from kvflow.control.monitor import LinkListener, LinkMonitors
-from kvflow.control.wire import MAX_FRAME_BYTES, Envelope, decode, encode
+from kvflow.control.wire import MAX_FRAME_BYTES, Envelope, encode
 from kvflow.errors import (
     ConfigError,
     EngineClosed,
-    PeerProtocolError,
     PeerUnknown,
     PeerUnreachable,
-    UnsupportedVersion,
     UsageError,
 )
 from kvflow.protocol.messages import ControlMessage, Hello, Reject, address_problem, require_engine_id
@@ -83,7 +82,6 @@ log = logging.getLogger(__name__)
 ENV_SECRET: Any = object()  # "read the secret from the environment"
 SOCKET_LIMIT = MAX_FRAME_BYTES + 4096  # per part: ZeroMQ drops a connection sending more; we count up to it
 MAX_LOGGED = 4096
-RESTARTED = "restarted: the association this frame is for was with an earlier run of this engine"
 RECEIVE_QUEUE = 128  # messages queued per connection (a frame is at most 2 parts of SOCKET_LIMIT): 256 MiB
 HANDSHAKE_TIMEOUT = 2.0  # seconds a connection may take to authenticate
 YIELD_EVERY = 64  # parts read before the receive loop lets the event loop run
@@ -182,7 +180,8 @@ class ZmqControl:
         self._send_queue = send_queue
         self._seq = 0
         self._guard = ReplayGuard()
-        self._told: dict[str, float] = {}  # peers told that this engine restarted: when
+        self._told: dict[str, float] = {}  # peers told that this engine restarted, or answered: when
+        self._handling: tuple[zmq.Socket[bytes], bytes] | None = None  # the frame `answer` replies to
         self._dealers: dict[str, zmq.Socket[bytes]] = {}
         self._ctx: zmq.asyncio.Context | None = None
         self._router: zmq.Socket[bytes] | None = None
@@ -485,7 +484,7 @@ class ZmqControl:
                 frames, excess = reader.frames, reader.excess
                 reader.frames, reader.excess = [], False
                 if not excess:
-                    self._on_frames(frames if reader.peer is None else [reader.peer, *frames])
+                    self._on_frames(frames if reader.peer is None else [reader.peer, *frames], sock)
         except zmq.Again:
             return  # nothing more now: the descriptor tells when there is
         except zmq.ZMQError as exc:
@@ -497,52 +496,16 @@ class ZmqControl:
         except Exception as exc:  # a bug, not a peer's frame (those are refused, counted)
             self._crashed(exc)
 
-    def _on_frames(self, frames: list[bytes]) -> None:
+    def _on_frames(self, frames: list[bytes], sock: zmq.Socket[bytes]) -> None:
         self._counts.frames_received += 1
-        if len(frames) != 3:
-            self._reject(frames[0] if frames else b"", Rejection.SHAPE, f"{len(frames)} parts")
-            return
-        identity, frame, mac = frames
-        if len(frame) > MAX_FRAME_BYTES:
-            self._reject(identity, Rejection.OVERSIZED, f"{len(frame)} bytes")
-            return
-        if self.secret is not None:
-            if len(mac) != MAC_BYTES or not self.secret.verify(frame, mac):
-                self._reject(identity, Rejection.BAD_MAC, "authentication failed")
-                return
-        elif mac:
-            self._reject(identity, Rejection.UNEXPECTED_MAC, "peer signs frames but this engine has no secret")
-            return
-        try:
-            envelope = decode(frame)
-        except UnsupportedVersion as exc:
-            self._reject(identity, Rejection.VERSION, str(exc))
-            self._refuse(identity, exc.sender, str(exc))
-            return
-        except PeerProtocolError as exc:
-            self._reject(identity, Rejection.MALFORMED, str(exc))
-            return
-        if envelope.receiver != self.engine_id:
-            self._reject(identity, Rejection.MISDIRECTED, f"frame for {envelope.receiver!r}")
-            return
-        if envelope.sender.encode() != sender_of(identity):
-            self._reject(identity, Rejection.IDENTITY, f"frame claims to come from {envelope.sender!r}")
-            return
-        if envelope.receiver_incarnation != self._incarnation:
-            message = envelope.message
-            opening = (isinstance(message, Hello) and not message.reply) or isinstance(message, Reject)
-            if envelope.receiver_incarnation != 0:
-                self._reject(identity, Rejection.STALE, "frame for an earlier run of this engine")
-                self._tell_restarted(identity, envelope.sender)
-                return
-            if not opening:
-                self._reject(identity, Rejection.UNBOUND, "frame names no run of this engine")
-                return
-        if envelope.incarnation > incarnation_ceiling(time.time_ns()):  # it would shut the real sender's runs out
-            self._reject(identity, Rejection.FUTURE, f"incarnation {envelope.incarnation} is no clock reading yet")
-            return
-        if not self._guard.accept(envelope.sender, envelope.incarnation, envelope.seq):
-            self._reject(identity, Rejection.REPLAYED, "old incarnation or sequence number")
+        envelope = admit(frames, self.engine_id, self._incarnation, self.secret, self._guard, time.time_ns())
+        identity = frames[0] if frames else b""
+        if isinstance(envelope, Dropped):
+            self._reject(identity, envelope.reason, envelope.detail)
+            if envelope.tell == RESTARTED:
+                self._tell_restarted(identity, envelope.peer)
+            elif envelope.tell:
+                self._refuse(identity, envelope.peer, envelope.tell)
             return
         message = envelope.message
         if isinstance(message, Hello) and message.control_address:
@@ -553,7 +516,11 @@ class ZmqControl:
                 return
         self._counts.messages_delivered += 1
         if self._handler is not None:
-            self._handler(envelope.sender, envelope.incarnation, message)
+            self._handling = (sock, identity)  # where `answer` replies, while the handler runs
+            try:
+                self._handler(envelope.sender, envelope.incarnation, message)
+            finally:
+                self._handling = None
 
     def _reject(self, identity: bytes, reason: Rejection, detail: str) -> None:
         rejected = self._counts.reject(reason)
@@ -569,26 +536,49 @@ class ZmqControl:
         elif len(self._logged) >= MAX_LOGGED:  # too many senders to name each: a summary now and then
             self._drops.note("frames", f"{rejected} rejected so far, last {reason}: {detail}")
 
+    def answer(self, peer: str, incarnation: int, message: ControlMessage) -> None:
+        """Send `message` to run `incarnation` of `peer` on the connection of the message being
+        handled (only from inside the handler, for that message's sender; elsewhere a no-op),
+        at most once a second per peer: we may have no route to it (it was forgotten).  Never
+        raises."""
+        if self._handling is not None and self._once_a_second(peer):
+            sock, identity = self._handling
+            self._reply(sock, identity, peer, message, incarnation)
+
     def _tell_restarted(self, identity: bytes, peer: str) -> None:
         """`peer` still speaks to an earlier run of this engine: tell it (a Reject from this
         run), at most once a second per peer, so that it ends that association at once rather
         than at its lease, and associates with this run."""
+        if self._once_a_second(peer):
+            self._refuse(identity, peer, RESTARTED)
+
+    def _once_a_second(self, peer: str) -> bool:
         now = time.monotonic()
         if now - self._told.get(peer, -1.0) < 1.0:
-            return
+            return False
         if len(self._told) >= MAX_LOGGED:
             self._told.clear()
         self._told[peer] = now
-        self._refuse(identity, peer, RESTARTED)
+        return True
 
     def _refuse(self, identity: bytes, peer: str, reason: str) -> None:
         """Tell a peer of another protocol version why it gets no answer, on the connection its
         frame came in on (we may know no route to it: its Hello was unreadable)."""
-        if self._router is None or peer.encode() != sender_of(identity):
+        if self._router is not None:
+            self._reply(self._router, identity, peer, Reject(reason))
+
+    def _reply(
+        self, sock: zmq.Socket[bytes], identity: bytes, peer: str, message: ControlMessage, bound: int = 0
+    ) -> None:
+        """`message` to `peer` on `sock`, the socket a frame of its came in on (`identity`: the
+        frame's routing id; on a ROUTER, the connection to answer on), bound to its run `bound`
+        (0: none).  Never raises."""
+        if peer.encode() != sender_of(identity):
             return
         self._seq += 1
-        frame = encode(Envelope(self.engine_id, self._incarnation, peer, self._seq, Reject(reason)))
+        frame = encode(Envelope(self.engine_id, self._incarnation, peer, self._seq, message, bound))
         mac = self.secret.sign(frame) if self.secret is not None else b""
+        parts = [identity, frame, mac] if sock is self._router else [frame, mac]
         with contextlib.suppress(zmq.ZMQError):
-            self._router.send_multipart([identity, frame, mac], flags=zmq.NOBLOCK)
-        self._after_send(self._router)
+            sock.send_multipart(parts, flags=zmq.NOBLOCK)
+        self._after_send(sock)

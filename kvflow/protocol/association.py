@@ -37,6 +37,7 @@ from kvflow.protocol.messages import ControlMessage, Goodbye, Heartbeat, Hello, 
 from kvflow.protocol.peer_actions import (
     AddRoute,
     AddTransportPeer,
+    AnswerUnassociated,
     AssociationAction,
     AwaitHandshake,
     Deliver,
@@ -255,8 +256,10 @@ class Associations:
                 early.append(message)
                 return []
             return [UnknownSender(sender)]  # too much too early
+        if do is Do.ANSWER_UNASSOCIATED:
+            return [AnswerUnassociated(sender, incarnation)]
         if do is not Do.DELIVER and do is not Do.SAY_GOODBYE:
-            return [UnknownSender(sender)]  # not associated, or an old run
+            return [UnknownSender(sender)]  # an old run, or being added or answered
         self.liveness.heard(sender, now)
         if isinstance(message, Goodbye):  # (`Do.SAY_GOODBYE`)
             self._forget(sender)

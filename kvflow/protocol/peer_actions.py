@@ -17,6 +17,7 @@ from kvflow.protocol.teardown import PeerFenced, PeerGone, RemovalFailed, Remove
 __all__ = (
     "AddRoute",
     "AddTransportPeer",
+    "AnswerUnassociated",
     "AssociationAction",
     "AwaitHandshake",
     "Deliver",
@@ -169,6 +170,20 @@ class UnknownSender:
 
 
 @dataclass(frozen=True, slots=True)
+class AnswerUnassociated:
+    """A message (not a Goodbye) from run `incarnation` of a peer with no association here at
+    all: counted as from an unknown sender, and answered with a Goodbye on the connection it
+    came in on (`ControlChannel.answer`), so that the peer ends its side at once and fails the
+    transfers it meant for us, instead of waiting for their deadlines to hear nothing."""
+
+    peer: str
+    incarnation: int
+    goodbye: Goodbye = Goodbye(
+        "not associated: this engine has no association with you (it ended it, or never had one)"
+    )
+
+
+@dataclass(frozen=True, slots=True)
 class Deliver:
     """A transfer message from an associated peer, for the transfer core."""
 
@@ -189,6 +204,7 @@ AssociationAction = (
     | PeerConnected
     | Refused
     | UnknownSender
+    | AnswerUnassociated
     | Deliver
     | Redeliver
     | RemovePeer

@@ -53,7 +53,8 @@ class Event(Enum):
     # other messages, related to the run in place (`relate_message`)
     MESSAGE = "message"  # a heartbeat or a transfer message from it
     GOODBYE = "goodbye"  # ... a Goodbye
-    STRAY = "stray"  # anything from another run, or from a peer with no run in place
+    STRAY = "stray"  # anything from another run, or a Goodbye from a peer with no run in place
+    UNASSOCIATED = "unassociated"  # any other message from a peer with no run in place
     REJECT = "reject"  # a Reject of our Hello
     REJECT_LATER_RUN = "reject-later-run"  # ... from a later run than the associated one
     # this side ends the association: the peer silent for a lease, its link down, cannot be sent to
@@ -79,6 +80,9 @@ class Do(Enum):
     DELIVER = "deliver"  # renew leases (a heartbeat) or hand the message to the transfer core
     KEEP_EARLY = "keep-early"  # kept, in order, until our side is in place (bounded)
     DROP_MESSAGE = "drop-message"  # counted as from an unknown sender
+    # counted so, and answered with a Goodbye: the peer thinks it is associated with us (we tore
+    # it down, or forgot it) and would otherwise wait out its transfers' deadlines
+    ANSWER_UNASSOCIATED = "answer-unassociated"
     SAY_GOODBYE = "say-goodbye"  # the peer tore us down: tear it down here
     SETTLE_REFUSED = "settle-refused"  # the peer refused our Hello
     END_RUN = "end-run"  # a later run of the peer refused us: the associated run is gone
@@ -148,6 +152,10 @@ _ROWS: dict[tuple[Phase, Event], Row] = {
     **_rows((Phase.NONE,), Event.MESSAGE, Do.DROP_MESSAGE),
     **_rows((Phase.NONE,), Event.GOODBYE, Do.DROP_MESSAGE),
     **_rows(tuple(Phase), Event.STRAY, Do.DROP_MESSAGE),
+    # With no run in place (only in NONE: adding or live, a run is), answered; a Goodbye is a
+    # STRAY, never answered, so two sides that each forgot the other do not answer each other.
+    **_rows((Phase.NONE,), Event.UNASSOCIATED, Do.ANSWER_UNASSOCIATED),
+    **_rows((Phase.ADDING, *LIVE), Event.UNASSOCIATED, Do.DROP_MESSAGE),
     **_rows(tuple(Phase), Event.REJECT, Do.SETTLE_REFUSED),
     **_rows(LIVE, Event.REJECT_LATER_RUN, Do.END_RUN, Phase.NONE),
     **_rows((Phase.NONE, Phase.ADDING), Event.REJECT_LATER_RUN, Do.SETTLE_REFUSED),
@@ -177,6 +185,8 @@ def relate_hello(run: int | None, association: int | None, incarnation: int, rep
 
 def relate_message(run: int | None, incarnation: int, goodbye: bool) -> Event:
     """Any other message than a Hello or a Reject, from run `incarnation` of its sender."""
+    if run is None and not goodbye:
+        return Event.UNASSOCIATED
     if run is None or incarnation != run:
         return Event.STRAY
     return Event.GOODBYE if goodbye else Event.MESSAGE

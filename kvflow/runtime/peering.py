@@ -39,6 +39,7 @@ from kvflow.protocol.messages import MAX_HEARTBEAT_KEYS, ControlMessage, Goodbye
 from kvflow.protocol.peer_actions import (
     AddRoute,
     AddTransportPeer,
+    AnswerUnassociated,
     AssociationAction,
     AwaitHandshake,
     Deliver,
@@ -147,7 +148,7 @@ class PeerExecutor:
         moved = not queue
         while queue:
             action = queue.popleft()
-            moved = moved or not isinstance(action, Deliver | UnknownSender)
+            moved = moved or not isinstance(action, Deliver | UnknownSender | AnswerUnassociated)
             if isinstance(action, Refused | TearDown):
                 ended.add(action.peer)
             if isinstance(action, Deliver):
@@ -203,6 +204,9 @@ class PeerExecutor:
                     self.hooks.run(self.core.peer_lost(action.peer, self.hooks.now(), why, refused=True))
             elif isinstance(action, UnknownSender):
                 self.counters.messages_from_unknown_peers += 1
+            elif isinstance(action, AnswerUnassociated):
+                self.counters.messages_from_unknown_peers += 1
+                self.control.answer(action.peer, action.incarnation, action.goodbye)
         self._forget(ended)
         self._update_settled()
         if moved:
