@@ -289,6 +289,20 @@ async def test_a_prefill_answer_larger_than_the_router_holds_fails_the_leg(live:
 
 
 @pytest.mark.asyncio
+async def test_a_bare_500_from_d_is_answered_with_where_its_cause_is_named(live: Live) -> None:
+    """vLLM answers a request that failed (a failed KV load: P died, the transfer timed out)
+    with a bare "Internal server error", the cause in D's log only: the router's 502 says so,
+    with the request id that log line carries."""
+    body = {"prompt": "x", "fake": {"D": {"status": 500}}}
+    async with live.http.post(live.stack.router + "/v1/completions", json=body) as response:
+        assert response.status == 502
+        error = (await response.json())["error"]
+    assert error["leg"] == "decode" and "answered HTTP 500" in error["message"]
+    (record,) = [r for r in await live.records(live.stack.d) if r["body"]["prompt"] == "x"]
+    assert f"its log names the cause, under request id {record['headers']['x-request-id']}" in error["message"]
+
+
+@pytest.mark.asyncio
 async def test_prefill_without_an_answer_in_time(live: Live) -> None:
     stack = live.stack
     process, url = start_router(stack.p, stack.d, "--timeout", "1")

@@ -159,11 +159,19 @@ INTEGRITY_FAILURE = re.compile(r"integrity: \S+ -> \S+: the bytes that landed in
 def _caught(p: StandInEngine, d: StandInEngine, tid: str, prompt: int) -> None:
     """D's request fails before it decodes, a rank's transfer failing for the reason the
     integrity check gives, naming the rank pair, the layers and the blocks; nothing is leaked."""
-    with _logged("kvflow.runtime.engine") as reasons:  # where an engine says why a transfer failed
+    with _logged("kvflow.runtime.engine") as reasons, _logged("kvflow.vllm") as worker:
         p_req, d_req = dispatch(p, d, tid, prompt)
         settle((p, d), [p_req, d_req], limit=30.0)
     assert d_req.status == RequestStatus.FINISHED_ERROR and not d_req.output_token_ids, d_req.status
     assert any(INTEGRITY_FAILURE.search(reason) for reason in reasons), reasons
+    # vLLM answers such a request with a bare HTTP 500: D's worker names the request and the
+    # transfer whose engine line (above) says why
+    said = [m for m in worker if f"the KV of {d_req.request_id} did not load: transfer " in m]
+    tags = {m.split(" did not load: transfer ")[1].split()[0] for m in said}
+    assert tags and all(any(f"transfer {tag} failed: integrity" in r for r in reasons) for tag in tags), (
+        worker,
+        reasons,
+    )
 
 
 @contextlib.contextmanager

@@ -432,6 +432,9 @@ class WorkerSide(ProducerSide):
         if request_id is None:
             return
         failed_pair = release.role is Role.DECODE and release.outcome is not Outcome.SUCCEEDED
+        if failed_pair and request_id not in self._aborted:  # vLLM answers it with a bare HTTP 500
+            log.error("%s: the KV of %s did not load: transfer %s %s (the kvflow engine's line for that transfer "
+                      "says why)", self.engine_id, request_id, release.key, release.outcome.value)  # fmt: skip
         self._pair_ended(request_id, release.role, release.key, recving, failed, failed=failed_pair)
 
     def _pair_ended(

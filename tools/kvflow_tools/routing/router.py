@@ -214,7 +214,10 @@ async def _open(
         raise LegFailed(leg, f"no answer from {url} within {timeout:g} s") from None
     except aiohttp.ClientError as exc:
         raise LegFailed(leg, f"{url}: {exc.__class__.__name__}: {exc}") from None
-    raise LegFailed(leg, f"{url} answered HTTP {response.status}: {detail}")
+    why = f"{url} answered HTTP {response.status}: {detail}"
+    if response.status >= 500:  # vLLM names no cause for a failed request (a failed KV load included)
+        why += f"; its log names the cause, under request id {headers.get('X-Request-Id', '?')}"
+    raise LegFailed(leg, why)
 
 
 async def _prefill(
