@@ -18,6 +18,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from enum import Enum
 
+from kvflow.protocol.tables import complete, pairs
+
 __all__ = (
     "ABORT_REASONS",
     "DECODE_START",
@@ -131,10 +133,33 @@ _ROWS: dict[tuple[Stage, Event], Row] = {
     (Stage.DRAINING, Event.SENT): (Stage.ENDED, ()),
 }
 
-TABLE: Mapping[tuple[Stage, Event], Row] = {
-    **{(stage, event): (stage, (Do.IGNORE,)) for stage in Stage for event in Event},
-    **_ROWS,
+_P = (Stage.QUEUED, Stage.HANDING, Stage.READY, Stage.PREEMPTED, Stage.READY_PREEMPTED, Stage.SENDING)
+_D = (Stage.WAITING, Stage.EXPECTING, Stage.LANDED, Stage.DRAINING)
+_RECEIVING = (Event.ALLOCATED, Event.NOTHING_TO_LOAD, Event.RECEIVED, Event.RECEIVE_FAILED)
+_PRODUCING = (Event.HANDED, Event.PROMPT_DONE, Event.PREEMPTED)
+_ENDING = (Event.FINISHED, Event.ABORTED)
+
+# Ignored: what the other role's requests go through, anything once forgotten, and what comes
+# again or late in a stage past it.
+_IGNORED = {
+    *pairs(_P, _RECEIVING),
+    *pairs(_D, _PRODUCING),  # (vLLM preempts a decode request as it likes: kvflow holds nothing then)
+    *pairs([Stage.ENDED], Event),
+    # P: the prompt is complete, or the request was preempted, sent or finished already
+    *pairs([Stage.READY, Stage.PREEMPTED, Stage.READY_PREEMPTED, Stage.SENDING], [Event.HANDED, Event.PROMPT_DONE]),
+    *pairs([Stage.PREEMPTED, Stage.READY_PREEMPTED, Stage.SENDING], [Event.PREEMPTED]),
+    *pairs([Stage.SENDING], _ENDING),
+    *pairs([Stage.QUEUED, Stage.HANDING, Stage.READY, Stage.PREEMPTED, Stage.READY_PREEMPTED], [Event.SENT]),
+    # D: no load started yet, one under way or landed, or a finished one draining
+    *pairs([Stage.WAITING], [Event.RECEIVED, Event.RECEIVE_FAILED, Event.SENT]),
+    *pairs([Stage.EXPECTING, Stage.LANDED], [Event.ALLOCATED, Event.NOTHING_TO_LOAD, Event.SENT]),
+    *pairs([Stage.LANDED], [Event.RECEIVED]),
+    *pairs([Stage.DRAINING], [Event.ALLOCATED, Event.NOTHING_TO_LOAD, *_ENDING]),
 }
+
+TABLE: Mapping[tuple[Stage, Event], Row] = complete(
+    "request stages", Stage, Event, _ROWS, _IGNORED, lambda stage: (stage, (Do.IGNORE,))
+)
 
 PRODUCING = frozenset({Stage.QUEUED, Stage.HANDING})  # P: a step may hand its KV over
 HOLDS_BLOCKS = frozenset({Stage.SENDING, Stage.DRAINING})  # finished; vLLM frees late (`delay_free`)

@@ -10,6 +10,7 @@ Peers: `association` decides handshakes, incarnations and leases, by the table o
 phase in `phases`, returning the effects of `peer_actions`; `liveness` when each peer is
 due a heartbeat or lost, `teardown` when a torn-down peer's blocks may go back (a table), and
 `admission` whom an engine may associate with.  `lifecycle` is an engine's own life (a table).
+`tables` builds the tables that are not the transfers': each pair a row or declared ignored.
 
 Nothing here reads a clock, opens a socket or touches asyncio: time is an input, effects are
 returned as data, and the runtime executes them.

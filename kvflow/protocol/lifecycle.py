@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from enum import Enum
 
+from kvflow.protocol.tables import complete, pairs
+
 __all__ = ("ACCEPTS_CALLS", "DRIVES_INPUTS", "START", "TABLE", "Do", "Event", "Life", "Lifecycle")
 
 
@@ -54,12 +56,19 @@ _ROWS: dict[tuple[Life, Event], Row] = {
     (Life.CLOSED, Event.CLOSE): (Life.CLOSED, ()),
 }
 
-# Everything else is refused and changes nothing: a second start, and (a bug if it came) an
-# event of the engine's own out of order.
-TABLE: Mapping[tuple[Life, Event], Row] = {
-    **{(life, event): (life, (Do.REFUSE,)) for life in Life for event in Event},
-    **_ROWS,
+# Refused, changing nothing: a second start, a close while it starts (the start ends first),
+# and (a bug if it came) an event of the engine's own out of order.
+_REFUSED = {
+    *pairs([Life.NEW], [Event.STARTED, Event.START_FAILED, Event.WOUND_DOWN]),
+    *pairs([Life.STARTING], [Event.START, Event.CLOSE, Event.WOUND_DOWN]),
+    *pairs([Life.RUNNING], [Event.START, Event.STARTED, Event.START_FAILED, Event.WOUND_DOWN]),
+    *pairs([Life.CLOSING], [Event.START, Event.STARTED, Event.START_FAILED]),
+    *pairs([Life.CLOSED], [Event.START, Event.STARTED, Event.START_FAILED, Event.WOUND_DOWN]),
 }
+
+TABLE: Mapping[tuple[Life, Event], Row] = complete(
+    "lifecycle", Life, Event, _ROWS, _REFUSED, lambda life: (life, (Do.REFUSE,))
+)
 
 ACCEPTS_CALLS = frozenset({Life.RUNNING})  # transfers, connects, memory changes
 DRIVES_INPUTS = frozenset({Life.RUNNING, Life.CLOSING})  # control messages and links feed the pure layer

@@ -21,6 +21,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from enum import Enum
 
+from kvflow.protocol.tables import complete, pairs
+
 __all__ = ("LIVE", "TABLE", "Do", "Event", "Phase", "relate_hello", "relate_message", "relate_reject")
 
 
@@ -163,11 +165,17 @@ _ROWS: dict[tuple[Phase, Event], Row] = {
     **_rows(tuple(Phase), Event.LOST, Do.TEAR_DOWN, Phase.NONE),
 }
 
-# An event a phase has no row for changes nothing.
-TABLE: Mapping[tuple[Phase, Event], Row] = {
-    **{(phase, event): (phase, ()) for phase in Phase for event in Event},
-    **_ROWS,
+# Changing nothing: the transport's and our answer's outcomes about an addition that is not
+# under way in that phase (`Associations` drops those about one given up before they come).
+_IGNORED = {
+    *pairs([Phase.NONE, Phase.ASSOCIATED], [Event.ADDED, Event.ADDED_ANSWERED, Event.ANSWER_SENT, Event.ANSWER_UNSENT]),
+    *pairs([Phase.ADDING], [Event.ANSWER_SENT, Event.ANSWER_UNSENT]),
+    *pairs([Phase.ANSWERING], [Event.ADDED, Event.ADDED_ANSWERED]),
 }
+
+TABLE: Mapping[tuple[Phase, Event], Row] = complete(
+    "peer phases", Phase, Event, _ROWS, _IGNORED, lambda phase: (phase, ())
+)
 
 
 def relate_hello(run: int | None, association: int | None, incarnation: int, reply: bool, number: int) -> Event:

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from kvflow.errors import KVFlowError
+from kvflow.protocol.tables import complete, pairs
 
 __all__ = (
     "RETRY_FIRST",
@@ -125,18 +126,40 @@ _REMOVAL: dict[tuple[Phase, Event], Row] = {
     (Phase.GRACE, Event.REMOVAL_FAILED): (Phase.GRACE, ()),
 }
 
+# Ignored: an ended teardown is forgotten (no event reaches it), and an answered one never holds.
+_ENDED = pairs([Phase.ENDED], Event)
+
+
+def _stays(phase: Phase) -> Row:
+    return (phase, ())
+
+
 TABLES: Mapping[Kind, Mapping[tuple[Phase, Event], Row]] = {
-    Kind.ANSWERED: {**_REMOVAL, (Phase.GRACE, Event.DEADLINE): (Phase.ENDED, (Do.LOSE,))},
-    Kind.SILENT: {
-        **_REMOVAL,
-        (Phase.GRACE, Event.DEADLINE): (Phase.HOLDING, (Do.SUPERSEDE, Do.LOSE_UNFENCED)),
-        (Phase.HOLDING, Event.HEARD_AGAIN): (Phase.HOLDING, (Do.SHORTEN_HOLD,)),
-        (Phase.HOLDING, Event.DEADLINE): (Phase.ENDED, (Do.FENCE,)),
-        (Phase.HOLDING, Event.SUPERSEDED): (Phase.ENDED, ()),
-        (Phase.HOLDING, Event.NOTHING_HELD): (Phase.ENDED, ()),
-        (Phase.HOLDING, Event.REMOVED): (Phase.HOLDING, ()),
-        (Phase.HOLDING, Event.REMOVAL_FAILED): (Phase.HOLDING, ()),
-    },
+    Kind.ANSWERED: complete(
+        "answered teardown",
+        Phase,
+        Event,
+        {**_REMOVAL, (Phase.GRACE, Event.DEADLINE): (Phase.ENDED, (Do.LOSE,))},
+        _ENDED | pairs([Phase.HOLDING], Event),
+        _stays,
+    ),
+    Kind.SILENT: complete(
+        "silent teardown",
+        Phase,
+        Event,
+        {
+            **_REMOVAL,
+            (Phase.GRACE, Event.DEADLINE): (Phase.HOLDING, (Do.SUPERSEDE, Do.LOSE_UNFENCED)),
+            (Phase.HOLDING, Event.HEARD_AGAIN): (Phase.HOLDING, (Do.SHORTEN_HOLD,)),
+            (Phase.HOLDING, Event.DEADLINE): (Phase.ENDED, (Do.FENCE,)),
+            (Phase.HOLDING, Event.SUPERSEDED): (Phase.ENDED, ()),
+            (Phase.HOLDING, Event.NOTHING_HELD): (Phase.ENDED, ()),
+            (Phase.HOLDING, Event.REMOVED): (Phase.HOLDING, ()),
+            (Phase.HOLDING, Event.REMOVAL_FAILED): (Phase.HOLDING, ()),
+        },
+        _ENDED,
+        _stays,
+    ),
 }
 
 
