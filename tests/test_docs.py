@@ -125,7 +125,7 @@ def test_the_module_map_names_every_module_and_no_other() -> None:
     named = {span for span in CODE_SPAN.findall(section) if span.endswith(".py")}
     modules = {p.name for package in MAPPED_PACKAGES for p in (ROOT / package).glob("*.py") if p.name != "__init__.py"}
     assert sorted(modules - named) == [], "modules the map in docs/design.md leaves out"
-    assert sorted(named - modules - {"kvflow/errors.py"}) == [], "modules the map in docs/design.md names that do not exist"
+    assert sorted(named - modules - {"kvflow/errors.py"}) == [], "modules the map names that do not exist"
 
 
 def test_testing_guide_describes_every_test_file_and_helper() -> None:
