@@ -165,13 +165,16 @@ def _caught(p: StandInEngine, d: StandInEngine, tid: str, prompt: int) -> None:
     assert d_req.status == RequestStatus.FINISHED_ERROR and not d_req.output_token_ids, d_req.status
     assert any(INTEGRITY_FAILURE.search(reason) for reason in reasons), reasons
     # vLLM answers such a request with a bare HTTP 500: D's worker names the request and the
-    # transfer whose engine line (above) says why
-    said = [m for m in worker if f"the KV of {d_req.request_id} did not load: transfer " in m]
-    tags = {m.split(" did not load: transfer ")[1].split()[0] for m in said}
-    assert tags and all(any(f"transfer {tag} failed: integrity" in r for r in reasons) for tag in tags), (
+    # transfer whose engine line (above) says why; another rank's transfer of the same request
+    # is then aborted on purpose, and says so
+    said = re.compile(rf"the KV of {re.escape(d_req.request_id)} did not load: transfer (\S+) (\w+) ")
+    outcomes = {m.group(1): m.group(2) for m in map(said.search, worker) if m}
+    failed = {tag for tag, outcome in outcomes.items() if outcome == "failed"}
+    assert failed and all(any(f"transfer {tag} failed: integrity" in r for r in reasons) for tag in failed), (
         worker,
         reasons,
     )
+    assert set(outcomes.values()) <= {"failed", "aborted"}, worker
 
 
 @contextlib.contextmanager

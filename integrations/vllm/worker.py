@@ -433,8 +433,12 @@ class WorkerSide(ProducerSide):
             return
         failed_pair = release.role is Role.DECODE and release.outcome is not Outcome.SUCCEEDED
         if failed_pair and request_id not in self._aborted:  # vLLM answers it with a bare HTTP 500
-            log.error("%s: the KV of %s did not load: transfer %s %s (the kvflow engine's line for that transfer "
-                      "says why)", self.engine_id, request_id, release.key, release.outcome.value)  # fmt: skip
+            # a failed or expired transfer has the engine's line giving the cause; an aborted one
+            # was ended on purpose, here after another of the request's transfers failed, or by P
+            aborted = release.outcome is Outcome.ABORTED
+            why = "ended on purpose" if aborted else "the kvflow engine's line for it says why"
+            log.error("%s: the KV of %s did not load: transfer %s %s (%s)", self.engine_id, request_id, release.key,
+                      release.outcome.value, why)  # fmt: skip
         self._pair_ended(request_id, release.role, release.key, recving, failed, failed=failed_pair)
 
     def _pair_ended(
