@@ -220,10 +220,14 @@ def test_a_small_run_of_the_command_writes_the_whole_contract(tmp_path: Path) ->
         assert cell["steps"]["p"] > 0 and cell["blocks_peak"]["d"] > 0 and cell["duration_s"] > 0
         for row in cell["per_request"]:
             assert set(row) == {"id", "prompt", "output", "arrival_s", "ttft_ms", "tpot_ms", "e2e_ms",
-                                "p_queue_ms", "prefill_ms", "transfer_wait_ms", "d_queue_ms"}  # fmt: skip
+                                "p_queue_ms", "prefill_ms", "transfer_wait_ms", "d_queue_ms",
+                                "ttft_from_p_ms"}  # fmt: skip
             assert 40 <= row["prompt"] <= 200 and 2 <= row["output"] <= 5
             parts = [row[k] for k in ("p_queue_ms", "prefill_ms", "transfer_wait_ms", "d_queue_ms")]
             assert min(parts) >= 0 and sum(parts) == pytest.approx(row["ttft_ms"], abs=0.01)
+            # the first token from P: P's queue and prefill only, the transfer and D's queue left out
+            assert row["ttft_from_p_ms"] == pytest.approx(parts[0] + parts[1], abs=0.01)
+            assert row["ttft_from_p_ms"] <= row["ttft_ms"]
     # the same requests for every system
     kv, pull = ([(r["prompt"], r["output"]) for r in c["per_request"]] for c in results["cells"])
     assert kv == pull

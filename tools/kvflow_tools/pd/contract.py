@@ -90,6 +90,7 @@ SCHEMA: dict[str, Any] = {
             "bad_pages": "int",
             "duration_s": "num",
             "ttft_ms": _STATS,
+            "ttft_from_p_ms": _STATS,
             "tpot_ms": _STATS,
             "e2e_ms": _STATS,
             "ttft_split_ms": dict.fromkeys(SPLIT_PARTS, "num?"),
@@ -111,6 +112,7 @@ SCHEMA: dict[str, Any] = {
                     "prefill_ms": "num?",
                     "transfer_wait_ms": "num?",
                     "d_queue_ms": "num?",
+                    "ttft_from_p_ms": "num?",
                 }
             ],
         }

@@ -67,6 +67,9 @@ class Request:
             "prefill_ms": ms(f.computed, self.scheduled),
             "transfer_wait_ms": ms(f.recving, f.computed),
             "d_queue_ms": ms(self.first, f.recving),
+            # with the router's first token from P (`--first-token prefill`): P's prefill ended
+            # with it sampled; the router's hop to the client is not modelled
+            "ttft_from_p_ms": ms(f.computed, t0),
         }
 
 
@@ -230,6 +233,7 @@ def _cell(done: list[Request], steps: dict[str, Steps], start: float, duration: 
         "bad_pages": sum(r.flight.bad_pages for r in done),
         "duration_s": round(duration, 3),
         "ttft_ms": _stats(values("ttft_ms")),
+        "ttft_from_p_ms": _stats(values("ttft_from_p_ms")),
         "tpot_ms": _stats(values("tpot_ms")),
         "e2e_ms": _stats(values("e2e_ms")),
         "ttft_split_ms": {k: (round(sum(v) / len(v), 3) if v else None) for k, v in split.items()},
