@@ -16,16 +16,17 @@ from kvflow_tools.errors import BenchError
 
 SLOWLORIS = ["--trickling", "3", "--idle", "2", "--duration", "0.1", "--grace", "60", "--trickle-interval", "0.05"]
 BODIES = ["--bodies", "3", "--body-mib", "1", "--body-budget", "2200000", "--max-body", "1100000"]
+LOCKOUT = ["--lockout-idle", "8", "--lockout-addresses", "2", "--lockout-cap", "8", "--genuine", "3"]
 LIMITS = ["--header-timeout", "2", "--idle-timeout", "2"]  # long enough for all five to be opened and counted first
 
 
 def test_every_scenario_runs_and_reports_what_it_observed(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "router.json"
-    argv = ["bench", "router", *SLOWLORIS, *BODIES, *LIMITS, "--requests", "10", "--warmup", "1"]
+    argv = ["bench", "router", *SLOWLORIS, *BODIES, *LOCKOUT, *LIMITS, "--requests", "10", "--warmup", "1"]
     assert main([*argv, "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     runs = {run["scenario"]: run for run in report["runs"]}
-    assert list(runs) == ["slowloris", "bodies", "endless", "latency"]
+    assert list(runs) == ["slowloris", "bodies", "endless", "latency", "lockout"]
     for run in runs.values():
         assert run["run"] == 1 and len(run["load_start"]) == len(run["load_end"]) == 3
 
@@ -45,6 +46,11 @@ def test_every_scenario_runs_and_reports_what_it_observed(tmp_path: Path, capsys
     assert endless["p_sent"] > endless["bound"] and endless["rss_peak"] > 0
 
     assert runs["latency"]["statuses"] == {"200": 10} and runs["latency"]["median_ms"] > 0
+
+    lockout = runs["lockout"]  # 8 idle from 127.0.0.2 and .3: each address keeps its share of 2, no more
+    assert lockout["max_connections"] == 8 and lockout["max_connections_per_client"] == 2
+    assert lockout["genuine_served"] == 3 and lockout["genuine_failed"] == {}
+    assert lockout["refused"]["evicted"] >= 1 and lockout["hostile_still_open"] <= 4  # two shares of 2
     table = capsys.readouterr().out
     assert "slowloris" in table and "refused body_budget 1" in table and "502 once P had sent" in table
 

@@ -27,6 +27,7 @@ from kvflow_tools.routing import http_limits, router
 from kvflow_tools.routing.backends import Backend
 from tests.router_processes import ROUTER_MODULE, WAIT, Process, stop_clean
 
+OTHER_CLIENT = "127.0.0.2"  # a client address of its own, on loopback
 ANSWER = {"id": "cmpl-1", "choices": [{"index": 0, "text": "x", "finish_reason": "length"}]}
 
 
@@ -362,43 +363,99 @@ async def test_a_body_over_max_body_gets_413_before_it_is_read(start: Any) -> No
 
 
 @pytest.mark.asyncio
-async def test_connections_over_the_limit_are_refused_while_the_others_are_served(start: Any) -> None:
-    live = await start("--max-connections", "3")
-    await live.http.close()  # its pool would take a connection of the three
-    connections = [await live.connect() for _ in range(3)]
-    for reader, writer in connections:
-        writer.write(get("/health"))
-        assert (await answer(reader, "one of the three"))[0] == 200
-    for _ in range(4):
-        over, over_writer = await live.connect()  # the kernel accepts it; the router closes it
-        assert await ended(over, "a connection over --max-connections") == b""
-        over_writer.close()
-    for reader, writer in connections:  # the three are still served
-        writer.write(get("/health"))
-        assert (await answer(reader, "one of the three, again"))[0] == 200
-    reader, writer = connections[0]
-    writer.write(get("/limits"))
-    status, limits = await answer(reader, "GET /limits")
-    assert status == 200 and limits["refused"]["connections"] == 4 and limits["connections"] == 3
-    assert limits["limits"]["max_connections"] == 3
-    writer.close()
-
-    async def a_new_one_is_served() -> bool:
-        reader, writer = await live.connect()
-        try:
-            writer.write(get("/health"))
-            status: bytes = await asyncio.wait_for(reader.readuntil(b"\r\n"), WAIT)
-            return status.startswith(b"HTTP/1.1 200")
-        except (ConnectionError, asyncio.IncompleteReadError):
-            return False
-        finally:
-            writer.close()
-
-    await until(a_new_one_is_served, "a connection once one of the three is closed")
-    for _, writer in connections[1:]:
-        writer.close()
+async def test_connections_over_the_limit_are_refused_while_those_busy_are_served(
+    start: Any, backends: Backends
+) -> None:
+    live = await start("--max-connections", "3", "--max-connections-per-client", "3")
+    url = live.url + "/v1/completions"
+    held = [asyncio.create_task(live.http.post(url, data=padded(100, hold="P"))) for _ in range(3)]
+    try:
+        await until(lambda: backends.arrived.count("P") == 3, "three requests at P, each on its own connection")
+        for _ in range(4):  # none of the three is idle: nothing gives way
+            over, over_writer = await live.connect()  # the kernel accepts it; the router closes it
+            assert await ended(over, "a connection over --max-connections") == b""
+            over_writer.close()
+        backends.release["P"].set()
+        for task in held:  # the three are still served
+            async with await task as response:
+                assert response.status == 200
+    finally:
+        for task in held:
+            task.cancel()
+    limits = await live.limits()  # on one of the three, kept alive in the session's pool
+    assert limits["refused"]["connections"] == 4 and limits["refused"]["evicted"] == 0
+    assert limits["connections"] <= 3 and limits["limits"]["max_connections"] == 3
     output = "".join(live.process.output)
     assert output.count("refused a connection") == 1, output  # the rest within 10 s: one line, later
+
+
+@pytest.mark.asyncio
+async def test_at_the_limit_the_connection_idle_longest_gives_way_to_a_new_one(start: Any) -> None:
+    """Clients that each send a request and then hold their connection idle no longer lock the
+    others out for the idle deadline: each new connection takes the place of the one idle longest."""
+    live = await start("--max-connections", "4", "--max-connections-per-client", "4")
+    await live.http.close()  # its pool would take a connection of the four
+    opened: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+    try:
+        for _ in range(4):  # the hostile ones: answered once, then idle
+            reader, writer = await live.connect()
+            writer.write(get("/health"))
+            assert (await answer(reader, "a request before idling"))[0] == 200
+            opened.append((reader, writer))
+        for index in range(6):  # genuine ones, on new connections: each served, and then idle in turn
+            reader, writer = await live.connect()
+            writer.write(get("/health"))
+            assert (await answer(reader, f"genuine request {index}"))[0] == 200
+            assert await ended(opened[index][0], f"connection {index}, idle longest") == b""
+            opened.append((reader, writer))
+        for reader, _ in opened[6:]:
+            assert not reader.at_eof()
+        reader, writer = opened[-1]
+        writer.write(get("/limits"))
+        status, limits = await answer(reader, "GET /limits")
+        assert status == 200 and limits["connections"] == 4 and limits["idle_connections"] == 3
+        assert limits["refused"]["evicted"] == 6 and limits["refused"]["connections"] == 0
+    finally:
+        for _, writer in opened:
+            writer.close()
+
+
+@pytest.mark.asyncio
+async def test_one_client_address_holds_its_share_and_no_more(start: Any, backends: Backends) -> None:
+    live = await start("--max-connections", "6", "--max-connections-per-client", "2")
+    await live.http.close()
+    other = aiohttp.ClientSession(connector=aiohttp.TCPConnector(local_addr=(OTHER_CLIENT, 0)))
+    url = live.url + "/v1/completions"
+    held = [asyncio.create_task(other.post(url, data=padded(100, hold="P"))) for _ in range(2)]
+    opened: list[asyncio.StreamWriter] = []
+    try:
+        await until(lambda: backends.arrived.count("P") == 2, f"two requests from {OTHER_CLIENT} at P")
+        reader, writer = await asyncio.open_connection(*live.address, local_addr=(OTHER_CLIENT, 0))
+        opened.append(writer)
+        assert await ended(reader, f"a third connection from {OTHER_CLIENT}, both of its share busy") == b""
+        reader, writer = await live.connect()  # another address has room
+        opened.append(writer)
+        writer.write(get("/health"))
+        assert (await answer(reader, "a request from 127.0.0.1"))[0] == 200
+        backends.release["P"].set()
+        for task in held:
+            async with await task as response:
+                assert response.status == 200
+        # both of its share idle now in the session's pool: a new one takes the place of one
+        reader, writer = await asyncio.open_connection(*live.address, local_addr=(OTHER_CLIENT, 0))
+        opened.append(writer)
+        writer.write(get("/limits"))
+        status, limits = await answer(reader, f"a new connection from {OTHER_CLIENT}")
+        assert status == 200 and limits["limits"]["max_connections_per_client"] == 2
+        assert limits["refused"]["client_share"] == 1 and limits["refused"]["evicted"] == 1
+        assert limits["refused"]["connections"] == 0
+    finally:
+        for task in held:
+            task.cancel()
+        for writer in opened:
+            writer.close()
+        await other.close()
+    assert "refused a connection from 127.0.0.2: it holds 2, none idle" in "".join(live.process.output)
 
 
 # ---------------------------------------------------------------- configuration
@@ -407,10 +464,11 @@ async def test_connections_over_the_limit_are_refused_while_the_others_are_serve
 def test_each_limit_has_an_option_and_refuses_a_non_positive_value(capsys: pytest.CaptureFixture[str]) -> None:
     assert router.config_from(router.parse_args([])).limits == http_limits.Limits()
     given = ["--header-timeout", "1.5", "--body-timeout", "2", "--body-budget", "4096", "--max-body", "1024"]
-    given += ["--max-connections", "7", "--idle-timeout", "3"]
-    assert router.config_from(router.parse_args(given)).limits == http_limits.Limits(1.5, 2.0, 4096, 1024, 7, 3.0)
+    given += ["--max-connections", "7", "--idle-timeout", "3", "--max-connections-per-client", "2"]
+    limits = http_limits.Limits(1.5, 2.0, 4096, 1024, 7, 3.0, 2)
+    assert router.config_from(router.parse_args(given)).limits == limits
     options = ("--header-timeout", "--body-timeout", "--body-budget", "--max-body", "--max-connections")
-    for option in (*options, "--idle-timeout"):
+    for option in (*options, "--idle-timeout", "--max-connections-per-client"):
         for value in ("0", "-1", "x"):
             with pytest.raises(SystemExit):
                 router.parse_args([option, value])
@@ -425,6 +483,9 @@ def test_the_default_connection_limit_leaves_descriptors_for_the_backends() -> N
     assert http_limits.default_max_connections(1024) == (1024 - 64) // 3 == 320
     assert http_limits.default_max_connections(65) == 1
     assert http_limits.default_max_connections() >= 1
+    assert http_limits.Limits(max_connections=320).per_client() == 80  # a quarter by default
+    assert http_limits.Limits(max_connections=3).per_client() == 1
+    assert http_limits.Limits(max_connections=3, max_connections_per_client=9).per_client() == 3
 
 
 @pytest.mark.asyncio

@@ -16,7 +16,12 @@ from /proc.  A fresh router for each scenario:
   stream, and its VmHWM;
 * ``endless``: P answers without end: the status the client gets and the router's memory;
 * ``latency``: `requests` small requests one after another: median and p90 latency, the
-  router's CPU (utime + stime) per request.
+  router's CPU (utime + stime) per request;
+* ``lockout``: `lockout_idle` keep-alive connections from `lockout_addresses` loopback
+  addresses (127.0.0.2 on), each answered once and then idle, against a router at
+  ``--max-connections`` `lockout_cap` (unless the options give one); then `genuine` requests
+  from 127.0.0.1, each on a new connection: how many were served, how many idle connections
+  were closed to make room, how many hostile ones are still open.
 
 Each run of a scenario records the load average at its start and end.
 """
@@ -57,7 +62,7 @@ from kvflow_tools.routing import router
 
 __all__ = ("SCENARIOS", "RouterBenchConfig", "add_arguments", "config_from", "main", "run_bench")
 
-SCENARIOS = ("slowloris", "bodies", "endless", "latency")
+SCENARIOS = ("slowloris", "bodies", "endless", "latency", "lockout")
 SAMPLE_EVERY = 0.25  # seconds between samples of the router's descriptors
 
 
@@ -75,13 +80,21 @@ class RouterBenchConfig:
     endless_mib: float = 2048.0  # endless: P stops here if the router never stops reading
     requests: int = 2000  # latency: measured requests
     warmup: int = 50  # latency: unmeasured requests first
+    lockout_idle: int = 320  # lockout: idle keep-alive connections
+    lockout_addresses: int = 4  # lockout: loopback addresses they come from
+    lockout_cap: int = 320  # lockout: the router's --max-connections, unless router_options give one
+    genuine: int = 20  # lockout: genuine requests once the idle ones are open
     router_options: tuple[str, ...] = ()  # passed to the router (its limits)
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.scenarios) - set(SCENARIOS))
         if unknown:
             raise BenchError(f"unknown scenarios {unknown}: choose from {', '.join(SCENARIOS)}")
-        for name in ("runs", "trickling", "bodies", "requests"):
+        if not 1 <= self.lockout_addresses <= 250:
+            raise BenchError("--lockout-addresses must be within 1..250 (127.0.0.2 on)")
+        if self.lockout_cap < 1:
+            raise BenchError("--lockout-cap must be >= 1")
+        for name in ("runs", "trickling", "bodies", "requests", "lockout_idle", "genuine"):
             if getattr(self, name) < 1:
                 raise BenchError(f"--{name.replace('_', '-')} must be >= 1")
         for name in ("duration", "trickle_interval", "body_mib", "endless_mib"):
@@ -272,11 +285,68 @@ async def latency(config: RouterBenchConfig, live: Stand) -> dict[str, Any]:
     }
 
 
+async def lockout(config: RouterBenchConfig, live: Stand) -> dict[str, Any]:
+    hostile: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+    refused_while_opening = 0
+    try:
+        for index in range(config.lockout_idle):
+            source = f"127.0.0.{2 + index % config.lockout_addresses}"
+            reader, writer = await asyncio.open_connection(*live.address, local_addr=(source, 0))
+            writer.write(get_request("/health"))
+            try:
+                if await asyncio.wait_for(read_answer(reader), WAIT) != 200:
+                    raise BenchError("GET /health on a hostile connection was not answered 200")
+            except (ConnectionError, asyncio.IncompleteReadError):
+                refused_while_opening += 1  # closed by the router: refused, or evicted already
+            hostile.append((reader, writer))
+        served, failed = 0, Counter[str]()
+        started = time.monotonic()
+        for _ in range(config.genuine):
+            try:
+                status, _ = await live.complete()
+            except aiohttp.ClientError as error:
+                failed[type(error).__name__] += 1
+                continue
+            served += status == 200
+            if status != 200:
+                failed[str(status)] += 1
+        genuine_s = time.monotonic() - started
+        still_open = sum(not reader.at_eof() and not writer.is_closing() for reader, writer in hostile)
+        try:
+            limits = await live.limits()
+        except aiohttp.ClientError:  # a router that keeps the idle ones refuses this one too
+            limits = {"limits": {"max_connections": None}, "refused": {}}
+    finally:
+        for _, writer in hostile:
+            writer.close()
+    return {
+        "hostile": config.lockout_idle,
+        "addresses": config.lockout_addresses,
+        "max_connections": limits["limits"]["max_connections"],
+        "max_connections_per_client": limits["limits"].get("max_connections_per_client"),  # None: no share
+        "refused_while_opening": refused_while_opening,
+        "genuine": config.genuine,
+        "genuine_served": served,
+        "genuine_failed": dict(failed),
+        "genuine_s": round(genuine_s, 3),
+        "hostile_still_open": still_open,
+        "refused": limits["refused"],
+    }
+
+
+def _options(config: RouterBenchConfig, scenario: str) -> tuple[str, ...]:
+    """The router's options for `scenario`: the config's, and lockout's cap unless they give one."""
+    if scenario == "lockout" and "--max-connections" not in config.router_options:
+        return (*config.router_options, "--max-connections", str(config.lockout_cap))
+    return config.router_options
+
+
 RUNNERS: dict[str, Callable[[RouterBenchConfig, Stand], Awaitable[dict[str, Any]]]] = {
     "slowloris": slowloris,
     "bodies": bodies,
     "endless": endless,
     "latency": latency,
+    "lockout": lockout,
 }
 
 
@@ -286,7 +356,7 @@ async def run_bench(config: RouterBenchConfig, progress: Callable[[str], None] |
     for run in range(1, config.runs + 1):
         for scenario in config.scenarios:
             load_start = os.getloadavg()
-            async with stand(Backends(), config.router_options) as live:
+            async with stand(Backends(), _options(config, scenario)) as live:
                 figures = await RUNNERS[scenario](config, live)
             record = {"scenario": scenario, "run": run, "load_start": load_start, "load_end": os.getloadavg()}
             records.append(record | figures)
@@ -325,6 +395,16 @@ def summary(record: dict[str, Any]) -> str:
             f"{record['status']} once P had sent {_mib(record['p_sent'])}; router RSS {_mib(record['rss_before'])}, "
             f"peak +{_mib(record['growth_peak'])}"
         )
+    if scenario == "lockout":
+        failed = ", ".join(f"{n} x {why}" for why, n in record["genuine_failed"].items()) or "none failed"
+        return (
+            f"{record['hostile']} idle from {record['addresses']} addresses at --max-connections "
+            f"{record['max_connections']} (per client {record['max_connections_per_client']}): genuine "
+            f"{record['genuine_served']} of {record['genuine']} served in {record['genuine_s']:.2f} s ({failed}); "
+            f"idle ones closed for room {refused.get('evicted', '?')}, refused client_share "
+            f"{refused.get('client_share', '?')}, "
+            f"connections {refused.get('connections', '?')}; hostile still open {record['hostile_still_open']}"
+        )
     statuses = ", ".join(f"{n} x {status}" for status, n in record["statuses"].items())
     return (
         f"{statuses}: median {record['median_ms']:.2f} ms, p90 {record['p90_ms']:.2f} ms; router CPU "
@@ -350,6 +430,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--endless-mib", type=float, default=2048.0, help="endless: where P stops if never stopped")
     parser.add_argument("--requests", type=int, default=2000, help="latency: measured requests")
     parser.add_argument("--warmup", type=int, default=50, help="latency: unmeasured requests first")
+    parser.add_argument("--lockout-idle", type=int, default=320, help="lockout: idle keep-alive connections")
+    parser.add_argument("--lockout-addresses", type=int, default=4, help="lockout: loopback addresses they use")
+    parser.add_argument("--lockout-cap", type=int, default=320, help="lockout: the router's --max-connections")
+    parser.add_argument("--genuine", type=int, default=20, help="lockout: genuine requests after them")
     limits = (
         "--header-timeout",
         "--idle-timeout",
@@ -357,6 +441,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--body-budget",
         "--max-body",
         "--max-connections",
+        "--max-connections-per-client",
     )
     for option in limits:
         parser.add_argument(option, default=None, help=f"the router's {option} (default: its own)")
@@ -365,7 +450,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def config_from(args: argparse.Namespace) -> RouterBenchConfig:
     options: list[str] = []
-    for name in ("header_timeout", "idle_timeout", "body_timeout", "body_budget", "max_body", "max_connections"):
+    limits = ("header_timeout", "idle_timeout", "body_timeout", "body_budget", "max_body", "max_connections")
+    for name in (*limits, "max_connections_per_client"):
         if getattr(args, name) is not None:
             options += ["--" + name.replace("_", "-"), str(getattr(args, name))]
     return RouterBenchConfig(
@@ -381,6 +467,10 @@ def config_from(args: argparse.Namespace) -> RouterBenchConfig:
         endless_mib=args.endless_mib,
         requests=args.requests,
         warmup=args.warmup,
+        lockout_idle=args.lockout_idle,
+        lockout_addresses=args.lockout_addresses,
+        lockout_cap=args.lockout_cap,
+        genuine=args.genuine,
         router_options=tuple(options),
     )
 

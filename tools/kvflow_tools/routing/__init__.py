@@ -3,6 +3,7 @@
 `router` (the HTTP front: each request to P and D at once, or P then D), `relay` (answers to
 the client as they arrive), `first_token` (a first token sent from P's answer and D's stream
 checked against it), `backends` (least-loaded selection and health checks), `http_limits`
-(bounds on what a client can make it hold).  P and D
+(bounds on what a client can make it hold), `limit_options` (their command-line options),
+`shares` (which connections give way at a cap, and each client address's share).  P and D
 hosts need none of it: vLLM loads only the connector (`kvflow.integrations.vllm`).
 """

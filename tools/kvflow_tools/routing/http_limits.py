@@ -35,12 +35,15 @@ descriptor limit), and six 60 MiB bodies at once grew the router by 1.5 GB.  Fou
   D's head): until then the router holds the parsed body and each leg's own serialised copy,
   about three times the body (measured: see docs/security.md), none of which D's streamed
   answer needs.  A body over ``max_body`` is refused with 413.
-* **A connection limit** (`max_connections`): a connection accepted beyond it is closed at
-  once, counted, and logged at most every 10 s; the router goes on serving those it has.  By
-  default it is what the process's descriptors allow: each client connection in flight takes
-  its own descriptor and one to each of P and D (`FDS_PER_CONNECTION`; a backend connection
-  idle in the pool was one of those a moment ago), less `RESERVED_FDS` for the interpreter's
-  own, the listening socket and the health checks.
+* **A connection limit** (`max_connections`), **with a share per client address**
+  (`max_connections_per_client`, a quarter of it by default): at either, the connection idle
+  longest (kept alive and waiting for its next request, or silent since it was accepted; of that
+  address, at its share) is closed to make room, and only when none is idle is the new one closed
+  at once, counted, and logged at most every 10 s (`kvflow_tools.routing.shares` says why); the
+  router goes on serving those it has.  By default the limit is what the process's descriptors
+  allow: each client connection in flight takes its own descriptor and one to each of P and D
+  (`FDS_PER_CONNECTION`; a backend connection idle in the pool was one of those a moment ago),
+  less `RESERVED_FDS` for the interpreter's own, the listening socket and the health checks.
 
 Every refusal is counted per limit, and `describe` (``GET /limits``) shows the counts with the
 limits, the connections open and the body bytes in flight.
@@ -48,7 +51,6 @@ limits, the connections open and the body bytes in flight.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import logging
@@ -61,6 +63,7 @@ from aiohttp import web
 
 from kvflow.errors import ConfigError
 from kvflow_tools.errors import RequestRefused
+from kvflow_tools.routing.shares import Refused, Shares
 
 __all__ = (
     "LIMITS",
@@ -68,12 +71,9 @@ __all__ = (
     "HeldBody",
     "Limits",
     "LimitedSite",
-    "add_arguments",
     "default_max_connections",
     "describe",
-    "limits_from",
     "middleware",
-    "positive",
     "start",
 )
 
@@ -82,7 +82,17 @@ log = logging.getLogger("kvflow.router")
 FDS_PER_CONNECTION = 3  # a client connection, and one to each of P and D while its request is in flight
 RESERVED_FDS = 64  # the interpreter's own (stdio, the loop's), the listening socket, the health checks
 LOG_EVERY = 10.0  # seconds: at most one log line per kind of refusal in this time
-REFUSALS = ("header_timeout", "idle", "body_timeout", "body_budget", "body_too_large", "connections")
+REFUSALS = (
+    "header_timeout",
+    "idle",
+    "body_timeout",
+    "body_budget",
+    "body_too_large",
+    "connections",
+    "client_share",
+    "evicted",  # an idle connection closed to make room for a new one
+)
+PER_CLIENT_DIVISOR = 4  # by default one client address holds at most a quarter of the connections
 
 
 def default_max_connections(soft: int | None = None) -> int:
@@ -103,6 +113,7 @@ class Limits:
     max_body: int = 64 << 20  # the largest request body
     max_connections: int | None = None  # None: default_max_connections()
     idle_timeout: float = 75.0  # seconds a kept-alive connection waits for its next request's first byte
+    max_connections_per_client: int | None = None  # None: max(1, max_connections // PER_CLIENT_DIVISOR)
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():
@@ -113,6 +124,11 @@ class Limits:
 
     def connections(self) -> int:
         return self.max_connections if self.max_connections is not None else default_max_connections()
+
+    def per_client(self) -> int:
+        """One client address's share (at most `connections()`)."""
+        share = self.max_connections_per_client
+        return min(share or max(1, self.connections() // PER_CLIENT_DIVISOR), self.connections())
 
 
 class _Throttle:
@@ -153,7 +169,7 @@ class ClientLimits:
             )
         self.refused = dict.fromkeys(REFUSALS, 0)
         self.body_bytes = 0  # held against the budget now
-        self._open: set[_Connection] = set()  # from the accept (connection_made comes later) to the end
+        self.shares = Shares(self.max_connections, limits.per_client())  # those admitted, by address
         self._by_transport: dict[asyncio.BaseTransport, _Connection] = {}
         self._held: dict[int, HeldBody] = {}  # by id(request) (a request is not hashable), until its handler ends
         self._throttle = _Throttle()
@@ -165,10 +181,15 @@ class ClientLimits:
             self._throttle.note(kind, message)
 
     def describe(self) -> dict[str, Any]:
-        limits = asdict(self.limits) | {"max_connections": self.max_connections}
+        shares = self.shares
+        limits = asdict(self.limits) | {
+            "max_connections": shares.max_connections,
+            "max_connections_per_client": shares.per_client,
+        }
         return {
             "limits": limits,
-            "connections": len(self._open),
+            "connections": len(shares),
+            "idle_connections": shares.idle_count,
             "body_bytes_in_flight": self.body_bytes,
             "refused": dict(self.refused),
         }
@@ -176,25 +197,27 @@ class ClientLimits:
     # ------------------------------------------------------------ connections
 
     def protocol_factory(self, inner: Callable[[], asyncio.Protocol]) -> Callable[[], asyncio.Protocol]:
-        """`inner` (aiohttp's ``runner.server``), each connection under the header deadline, and
-        none beyond `max_connections`."""
+        """`inner` (aiohttp's ``runner.server``) for each connection admitted (`connected`), under
+        the header deadline."""
+        return lambda: _Connection(self, inner)
 
-        def make() -> asyncio.Protocol:
-            if len(self._open) >= self.max_connections:
-                message = f"refused a connection: {len(self._open)} open (--max-connections {self.max_connections})"
-                self.refuse("connections", message)
-                return _Closed()
-            connection = _Connection(self, inner())
-            self._open.add(connection)
-            return connection
-
-        return make
-
-    def connected(self, connection: _Connection, transport: asyncio.BaseTransport) -> None:
+    def connected(self, connection: _Connection, transport: asyncio.BaseTransport) -> bool:
+        """Whether `connection` is admitted; one idle connection may be evicted for it."""
+        peer = transport.get_extra_info("peername")
+        address = str(peer[0]) if isinstance(peer, tuple) and peer else "?"
+        decision = self.shares.admit(connection, address)
+        if isinstance(decision, Refused):
+            self.refuse(decision.kind, decision.message)
+            return False
+        if decision.evicted is not None:
+            evicted = cast(_Connection, decision.evicted)
+            self.refuse("evicted", "", quiet=True)
+            evicted.close()
         self._by_transport[transport] = connection
+        return True
 
     def disconnected(self, connection: _Connection, transport: asyncio.BaseTransport | None) -> None:
-        self._open.discard(connection)
+        self.shares.gone(connection)
         if transport is not None:
             self._by_transport.pop(transport, None)
 
@@ -288,19 +311,14 @@ class HeldBody:
         self._data = None
 
 
-class _Closed(asyncio.Protocol):
-    """A connection over the limit: closed as soon as it is made."""
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        transport.close()
-
-
 class _Connection(asyncio.Protocol):
-    """aiohttp's protocol of one connection (every call passed on), under the header deadline."""
+    """aiohttp's protocol of one admitted connection (every call passed on), under the header
+    deadline; a connection refused is closed before aiohttp sees it."""
 
-    def __init__(self, limits: ClientLimits, inner: asyncio.Protocol) -> None:
+    def __init__(self, limits: ClientLimits, inner: Callable[[], asyncio.Protocol]) -> None:
         self._limits = limits
-        self._inner = inner
+        self._make_inner = inner
+        self._inner: asyncio.Protocol | None = None  # made once admitted
         self._transport: asyncio.Transport | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._busy = 0  # requests whose handler runs
@@ -309,39 +327,59 @@ class _Connection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)  # a TCP server's (asyncio's or uvloop's)
-        self._limits.connected(self, transport)
+        if not self._limits.connected(self, transport):
+            transport.close()
+            return
         self._arm(self._limits.limits.header_timeout)
+        self._inner = self._make_inner()
         self._inner.connection_made(transport)
 
     def data_received(self, data: bytes) -> None:
+        if self._inner is None:
+            return  # refused: closing
         if not self._busy and not self._heard:
             if self._kept_alive:  # the next request began: its head has the header deadline from now
                 self._arm(self._limits.limits.header_timeout)
             self._heard = True
+            self._limits.shares.busy(self)
         self._inner.data_received(data)
 
     def eof_received(self) -> bool | None:
-        return self._inner.eof_received()
+        return self._inner.eof_received() if self._inner is not None else None
 
     def pause_writing(self) -> None:
-        self._inner.pause_writing()
+        if self._inner is not None:
+            self._inner.pause_writing()
 
     def resume_writing(self) -> None:
-        self._inner.resume_writing()
+        if self._inner is not None:
+            self._inner.resume_writing()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
         self._limits.disconnected(self, self._transport)
-        self._inner.connection_lost(exc)
+        if self._inner is not None:
+            self._inner.connection_lost(exc)
 
     def request_started(self) -> None:
         self._busy += 1
         self._disarm()
+        self._limits.shares.busy(self)
 
     def request_ended(self) -> None:
         self._busy -= 1
         if not self._busy and self._transport is not None and not self._transport.is_closing():
             self._arm(self._limits.limits.idle_timeout, kept_alive=True)
+            self._limits.shares.idle(self)
+
+    def close(self) -> None:
+        """Closed to make room (it was idle), aborted should it not let go within the header deadline."""
+        transport = self._transport
+        if transport is None or transport.is_closing():
+            return
+        self._disarm()
+        transport.close()
+        self._timer = asyncio.get_running_loop().call_later(self._limits.limits.header_timeout, transport.abort)
 
     def _arm(self, timeout: float, kept_alive: bool = False) -> None:
         self._disarm()
@@ -443,63 +481,3 @@ async def start(app: web.Application, host: str, port: int) -> tuple[web.AppRunn
         await runner.cleanup()
         raise
     return runner, site
-
-
-# ---------------------------------------------------------------- command line
-
-
-def positive(kind: Callable[[str], Any], what: str) -> Callable[[str], Any]:
-    """An argparse type: `kind` of the option's value, refused unless it is above 0."""
-
-    def parse(value: str) -> Any:
-        try:
-            number = kind(value)
-        except ValueError:
-            number = 0
-        if not number > 0:
-            raise argparse.ArgumentTypeError(f"{value!r} is not a positive {what}")
-        return number
-
-    return parse
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The limits' options (see `Limits`)."""
-    seconds, count = positive(float, "number of seconds"), positive(int, "whole number")
-    parser.add_argument("--max-body", type=count, default=64 << 20, help="largest request body in bytes")
-    parser.add_argument(
-        "--header-timeout",
-        type=seconds,
-        default=10.0,
-        help="seconds a connection has for a request's head, from its start or from the head's first byte (default 10)",
-    )
-    parser.add_argument(
-        "--idle-timeout",
-        type=seconds,
-        default=75.0,
-        help="seconds a kept-alive connection may wait for its next request after an answer; keep it above "
-        "the clients' own keep-alive (default 75)",
-    )
-    parser.add_argument(
-        "--body-timeout", type=seconds, default=30.0, help="seconds a request has for its whole body (default 30)"
-    )
-    parser.add_argument(
-        "--body-budget",
-        type=count,
-        default=256 << 20,
-        help="request-body bytes in flight over all requests; beyond it 503 (default 256 MiB, at least --max-body)",
-    )
-    parser.add_argument(
-        "--max-connections",
-        type=count,
-        default=None,
-        help="client connections at once; more are closed at once (default: RLIMIT_NOFILE less "
-        f"{RESERVED_FDS}, over {FDS_PER_CONNECTION}: {default_max_connections()} here)",
-    )
-
-
-def limits_from(args: argparse.Namespace) -> Limits:
-    """:raises ConfigError: see `Limits`."""
-    return Limits(
-        args.header_timeout, args.body_timeout, args.body_budget, args.max_body, args.max_connections, args.idle_timeout
-    )

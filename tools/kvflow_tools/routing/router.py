@@ -66,7 +66,7 @@ from kvflow.integrations.vllm.params import SEQUENTIAL_PREFILL_PARAMS, TransferP
 from kvflow.protocol.messages import address_problem
 from kvflow.protocol.state import Mode
 from kvflow_tools.errors import LegFailed, NoBackend, RequestRefused
-from kvflow_tools.routing import first_token, http_limits
+from kvflow_tools.routing import first_token, http_limits, limit_options
 from kvflow_tools.routing.backends import Backend as Backend
 from kvflow_tools.routing.backends import BackendPool, Recheck, check_health
 from kvflow_tools.routing.http_limits import LIMITS, ClientLimits, Limits, middleware
@@ -436,7 +436,7 @@ def _tcp_address(value: str) -> str:
     return value
 
 
-_positive = http_limits.positive(float, "number of seconds")
+_positive = limit_options.positive(float, "number of seconds")
 ROLES = {"prefill": (8100, "prefill-0", 5700), "decode": (8200, "decode-0", 5800)}
 
 
@@ -485,10 +485,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="seconds an idle connection to a backend is reused; keep it below the backends' own keep-alive "
         "(vLLM: VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s)",
     )
-    http_limits.add_arguments(parser)
+    limit_options.add_arguments(parser)
     args = parser.parse_args(argv)
     try:
-        http_limits.limits_from(args)
+        limit_options.limits_from(args)
     except ConfigError as exc:
         parser.error(str(exc))
     for side, (http, engine, kvflow) in ROLES.items():
@@ -532,7 +532,7 @@ def config_from(args: argparse.Namespace) -> RouterConfig:
         nixl_push,
         args.health_misses,
         args.backend_keepalive,
-        http_limits.limits_from(args),
+        limit_options.limits_from(args),
         args.first_token == "prefill",
     )
 
