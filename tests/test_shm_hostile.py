@@ -27,7 +27,7 @@ import pytest
 from kvflow.errors import TransportError
 from kvflow.layout.buffers import region_of
 from kvflow.protocol.actions import OpKind
-from kvflow.transports import shm_files
+from kvflow.transports import shm_files, shm_peer
 from kvflow.transports.base import Completion
 from kvflow.transports.shm import SHM_DIR, ShmTransport
 from tests.transport_ends import whole
@@ -400,3 +400,67 @@ def test_segments_leave_nothing_in_dev_shm(pair: tuple[ShmTransport, ShmTranspor
     b = pair[1]
     assert not list(b._files.directory.glob("seg-*"))
     assert not [p for p in SHM_DIR.glob(f"{b._files.directory.name.removesuffix('.kvflow')}*") if p.is_file()]
+
+
+# ---------------------------------------------------------------------- mappings and descriptors
+
+
+def test_a_peers_segments_cost_a_mapping_each_and_no_descriptor() -> None:
+    """Python's mmap keeps a duplicate of each descriptor it maps: a peer advertising many
+    segments cost as many descriptors (4 names x 1,000 segments: 4,085)."""
+    tag = uuid.uuid4().hex[:8]
+    a, b = ShmTransport(f"a{tag}"), ShmTransport(f"b{tag}")
+    try:
+        for _ in range(40):
+            b.allocate(4096)
+        mappings, descriptors = held()
+        a.add_peer(b.name, b.local_metadata(), [])
+        # the 40 mappings, and the peer's 4 files (owner, fence lock, its generation and ours)
+        assert held() == (mappings + 40, descriptors + 4)
+        assert a.mappings.held == 40
+        a.remove_peer(b.name)
+        assert held() == (mappings, descriptors) and a.mappings.held == 0
+    finally:
+        a.close()
+        b.close()
+
+
+def test_the_peers_mappings_are_bounded_in_all_not_only_per_name() -> None:
+    tag = uuid.uuid4().hex[:8]
+    a = ShmTransport(f"a{tag}", max_mapped_segments=5)
+    peers = [ShmTransport(f"p{index}{tag}") for index in range(2)]
+    try:
+        for peer in peers:
+            for _ in range(3):
+                peer.allocate(4096)
+        first, second = peers
+        a.add_peer(first.name, first.local_metadata(), [])
+        before = held()
+        with pytest.raises(TransportError, match="take the peers' mappings to 6, over max_mapped_segments 5"):
+            a.add_peer(second.name, second.local_metadata(), [])
+        assert held() == before and a.mappings.held == 3  # nothing mapped, nothing kept
+        a.add_peer(first.name, first.local_metadata(), [])  # a new association of the first replaces its own
+        assert a.mappings.held == 3
+        a.remove_peer(first.name)
+        a.add_peer(second.name, second.local_metadata(), [])  # room again
+        assert a.mappings.held == 3
+    finally:
+        a.close()
+        for peer in peers:
+            peer.close()
+
+
+@pytest.mark.parametrize(("max_map_count", "budget"), [("200000", 50_000), ("1000", 1024), (None, 16_382)])
+def test_the_default_mapping_budget_is_a_quarter_of_the_kernels_map_count(
+    tmp_path: Path, max_map_count: str | None, budget: int
+) -> None:
+    path = tmp_path / "max_map_count"
+    if max_map_count is not None:
+        path.write_text(max_map_count + "\n")
+    assert shm_peer.mapping_budget(1024, path) == budget  # at least one peer's bound; 65,530 if unread
+    tag = uuid.uuid4().hex[:8]
+    endpoint = ShmTransport(f"a{tag}")
+    try:
+        assert endpoint.mappings.limit == shm_peer.mapping_budget(1024)  # this kernel's, by default
+    finally:
+        endpoint.close()

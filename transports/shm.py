@@ -55,6 +55,7 @@ from kvflow.transports.base import Completion, Notification, TransportCapabiliti
 from kvflow.transports.shm_files import (
     SHM_DIR,
     EndpointFiles,
+    PeerSegment,
     Segment,
     bump_generation,
     create_segment,
@@ -69,10 +70,12 @@ from kvflow.transports.shm_peer import (
     DEFAULT_MAX_SEGMENTS,
     PREFIX_CHARACTERS,
     UCRED,
+    MappingBudget,
     SegmentEntry,
     answer_request,
     check_metadata,
     host_memory,
+    mapping_budget,
     notify_address,
     prefix_ok,
     receive_segments,
@@ -90,7 +93,7 @@ class _Peer:
     lock_fd: int  # the peer's fence lock, open for the association's life
     gen_fd: int  # the peer's generation counter for *us*, likewise
     generation: int
-    segments: list[tuple[int, int, Segment]]  # (peer's base address, size, our mapping)
+    segments: list[tuple[int, int, PeerSegment]]  # (peer's base address, size, our mapping)
     regions: list[Region]
     fence_fd: int = -1  # *our* generation counter for the peer, to fence it on removal
     removed: bool = False
@@ -116,7 +119,9 @@ class ShmTransport:
     peer's fence lock, which a hostile peer could hold for ever), `attach_timeout` how long
     `add_peer` waits for the peer to hand over its segments.  A peer advertising more than
     `max_peer_segments` segments or `max_peer_bytes` bytes in all (default: the host's memory)
-    is refused.
+    is refused, and so is one whose segments would take the peers' mappings together past
+    `max_mapped_segments` (default: a quarter of the kernel's ``vm.max_map_count``, at least
+    `max_peer_segments`): a bound per peer alone let many names map without end.
     """
 
     def __init__(
@@ -128,6 +133,7 @@ class ShmTransport:
         attach_timeout: float = 10.0,
         max_peer_segments: int = DEFAULT_MAX_SEGMENTS,
         max_peer_bytes: int | None = None,
+        max_mapped_segments: int | None = None,
     ) -> None:
         """:raises ConfigError: `name` is not a valid engine id, `prefix` is not "kvflow" and
             plain characters (`prefix_ok`: both become part of file names), or a bound is not a
@@ -142,8 +148,11 @@ class ShmTransport:
         self._attach_timeout = attach_timeout
         self._max_segments = max_peer_segments
         self._max_bytes = host_memory() if max_peer_bytes is None else max_peer_bytes
+        mapped = mapping_budget(max_peer_segments) if max_mapped_segments is None else max_mapped_segments
+        self.mappings = MappingBudget(mapped)  # the peers' segments mapped, or being mapped, now
         for what, value in (("attach_timeout", attach_timeout), ("max_peer_segments", max_peer_segments),
-                            ("max_peer_bytes", self._max_bytes)):  # fmt: skip
+                            ("max_peer_bytes", self._max_bytes),
+                            ("max_mapped_segments", mapped)):  # fmt: skip
             if not value > 0:
                 raise ConfigError(f"shared-memory {what} must be positive, not {value!r}")
         self._files = EndpointFiles(f"{self._id}-{name}")
@@ -223,14 +232,18 @@ class ShmTransport:
     def add_peer(self, name: str, metadata: bytes, regions: Sequence[Region]) -> None:
         """:raises TransportError: the peer's name or metadata is not acceptable (more segments
         or bytes than the bounds, a notification address not its own: `shm_peer.check_metadata`),
-        its fence files are not regular files of this user or cannot be opened, or it did not
-        hand over sealed segments within `attach_timeout`."""
+        its segments would take the peers' past `max_mapped_segments`, its fence files are not
+        regular files of this user or cannot be opened, or it did not hand over sealed segments
+        within `attach_timeout`."""
         problem = engine_id_problem(name)
         if problem is not None:  # the name becomes part of the peer's lock and generation paths
             raise TransportError(f"cannot attach to peer {name!r}: its name {problem}")
         meta = check_metadata(name, metadata, self._max_segments, self._max_bytes)
+        with self._state:
+            replaced = self._peers.get(name)
+        self.mappings.take(name, len(meta.segments), len(replaced.segments) if replaced is not None else 0)
         directory = peer_directory(meta.id, name)
-        mapped: list[tuple[int, int, Segment]] = []
+        mapped: list[tuple[int, int, PeerSegment]] = []
         fds: list[int] = []
 
         def take(entry: SegmentEntry, fd: int) -> None:
@@ -255,12 +268,14 @@ class ShmTransport:
                     raise TransportError(f"peer {name!r} advertises a region outside its shared memory")
         except BaseException:
             _release(mapped, fds)
+            self.mappings.give(len(meta.segments))
             raise
         owner, lock, gen, fence = fds
         peer = _Peer(name, meta.notify, meta.pid, owner, lock, gen, generation, mapped, list(regions), fence_fd=fence)
         with self._state:
             if self._closed:
                 _release(mapped, fds)
+                self.mappings.give(len(mapped))
                 raise TransportError(f"cannot attach to peer {name!r}: the transport is closed")
             old = self._peers.pop(name, None)
             self._peers[name] = peer
@@ -268,6 +283,7 @@ class ShmTransport:
                 self._retire(old)  # ops of the old association used its mappings' addresses
         if old is not None:
             _release(old.segments, _files_of(old))
+            self.mappings.give(len(old.segments))
 
     def remove_peer(self, name: str) -> None:
         """Fence `name` both ways, then unmap its memory; waits for this endpoint's copy to it in
@@ -288,6 +304,7 @@ class ShmTransport:
         finally:
             if peer is not None:
                 _release(peer.segments, _files_of(peer))
+                self.mappings.give(len(peer.segments))
 
     # ------------------------------------------------------------------ ops
 
@@ -336,6 +353,7 @@ class ShmTransport:
         self._answers.close()
         for peer in peers:
             _release(peer.segments, _files_of(peer))
+            self.mappings.give(len(peer.segments))
         for segment in self._segments:  # its views stay mapped; nobody can ask for it any more
             fd, segment.fd = segment.fd, -1
             with contextlib.suppress(OSError):
@@ -474,7 +492,7 @@ def _files_of(peer: _Peer) -> list[int]:
     return [peer.owner_fd, peer.lock_fd, peer.gen_fd, peer.fence_fd]
 
 
-def _release(segments: list[tuple[int, int, Segment]], fds: list[int]) -> None:
+def _release(segments: list[tuple[int, int, PeerSegment]], fds: list[int]) -> None:
     """Unmap a peer's segments and close its files (nothing may copy into them any more)."""
     for _, _, segment in segments:
         segment.close()

@@ -32,9 +32,11 @@ import os
 import re
 import socket
 import struct
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TypeGuard
 
 import msgpack
@@ -50,7 +52,9 @@ __all__ = (
     "SegmentEntry",
     "answer_request",
     "check_metadata",
+    "MappingBudget",
     "host_memory",
+    "mapping_budget",
     "notify_address",
     "prefix_ok",
     "receive_segments",
@@ -70,6 +74,44 @@ def prefix_ok(prefix: object) -> TypeGuard[str]:
     """Whether `prefix` can start this endpoint's (or a peer's) file names: "kvflow" and plain
     characters, so that no path built from it leaves /dev/shm or holds a NUL."""
     return isinstance(prefix, str) and _PREFIX.fullmatch(prefix) is not None
+
+
+def mapping_budget(per_peer: int, max_map_count: Path = Path("/proc/sys/vm/max_map_count")) -> int:
+    """How many peers' segments one endpoint maps in all by default: a quarter of the kernel's
+    ``vm.max_map_count`` (the process's own libraries, heaps and buffers need the rest; past it
+    every mapping fails, the interpreter's own included), at least `per_peer`.  The kernel's
+    default, 65,530, when it cannot be read.  Never raises."""
+    try:
+        limit = int(max_map_count.read_text())
+    except (OSError, ValueError):
+        limit = 65530
+    return max(per_peer, limit // 4)
+
+
+class MappingBudget:
+    """The peers' segments one endpoint maps, in all, against `limit`; from any thread."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0  # mapped, or being mapped
+        self._lock = threading.Lock()
+
+    def take(self, name: str, count: int, replacing: int = 0) -> None:
+        """`count` more for peer `name`, whose association's `replacing` segments are given back
+        once the new one is in (so not counted against it).
+        :raises TransportError: over the limit; nothing is taken."""
+        with self._lock:
+            others = self.held - replacing
+            if others + count > self.limit:
+                raise TransportError(
+                    f"cannot attach to peer {name!r}: its {count} segments would take the peers' mappings to "
+                    f"{others + count}, over max_mapped_segments {self.limit}"
+                )
+            self.held += count
+
+    def give(self, count: int) -> None:
+        with self._lock:
+            self.held -= count
 
 
 def host_memory() -> int:
