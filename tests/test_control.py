@@ -507,7 +507,7 @@ async def test_a_failure_of_the_channels_own_receiving_reaches_its_owner_not_a_l
     a.start(asyncio.get_running_loop(), lambda *message: None, crashes.append)
     receiver, sender = ZmqControl("C", secret=SECRET, curve=False), ZmqControl("D", secret=SECRET, curve=False)
 
-    def broken_frames(self: ZmqControl, frames: list[bytes], sock: object, source: int = -1) -> None:
+    def broken_frames(self: ZmqControl, frames: list[bytes], sock: object) -> None:
         raise RuntimeError("reading a frame broke")
 
     try:

@@ -84,21 +84,13 @@ def zap_reply(request: list[bytes], allowed: frozenset[bytes]) -> tuple[list[byt
     return [b"1.0", request_id, b"400", b"unknown client key", b"", b""], False
 
 
-async def serve_zap(
-    sock: zmq.asyncio.Socket,
-    allowed: frozenset[bytes],
-    counts: ControlCounts,
-    room: Callable[[], bool] = lambda: True,
-) -> None:
+async def serve_zap(sock: zmq.asyncio.Socket, allowed: frozenset[bytes], counts: ControlCounts) -> None:
     """Answer ZAP requests on `sock` until it closes.  Each is answered at once, without
-    blocking (a reply ZeroMQ cannot take is dropped, and the handshake runs out).  A key that
-    is admitted is refused still when `room()` is false (the process is short of descriptors)."""
+    blocking (a reply ZeroMQ cannot take is dropped, and the handshake runs out)."""
     while True:
         try:
             request = await sock.recv_multipart()
             reply, admitted = zap_reply(request, allowed)
-            if admitted and not room():
-                reply, admitted = [*reply[:2], b"400", b"no room", b"", b""], False
             if admitted:
                 counts.zap_admitted += 1
             else:
