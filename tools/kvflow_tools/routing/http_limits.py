@@ -373,7 +373,8 @@ class _Connection(asyncio.Protocol):
             self._limits.shares.idle(self)
 
     def close(self) -> None:
-        """Closed to make room (it was idle), aborted should it not let go within the header deadline."""
+        """Close it (past a deadline, or idle and closed to make room), and abort it should it not
+        let go within the header deadline (one that takes nothing)."""
         transport = self._transport
         if transport is None or transport.is_closing():
             return
@@ -403,8 +404,7 @@ class _Connection(asyncio.Protocol):
             self._limits.refuse("header_timeout", message)
         else:
             self._limits.refuse("idle", "", quiet=True)  # silent since it opened or since its answer
-        transport.close()
-        self._timer = asyncio.get_running_loop().call_later(timeout, transport.abort)  # one that takes nothing
+        self.close()
 
 
 @web.middleware
