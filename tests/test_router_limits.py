@@ -439,8 +439,8 @@ async def test_one_client_address_holds_its_share_and_no_more(start: Any, backen
         assert (await answer(reader, "a request from 127.0.0.1"))[0] == 200
         backends.release["P"].set()
         for task in held:
-            async with await task as response:
-                assert response.status == 200
+            async with await task as response:  # read in full: the connection goes back to the pool, not closed
+                assert response.status == 200 and await response.read()
         # both of its share idle now in the session's pool: a new one takes the place of one
         reader, writer = await asyncio.open_connection(*live.address, local_addr=(OTHER_CLIENT, 0))
         opened.append(writer)
