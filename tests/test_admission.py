@@ -200,12 +200,23 @@ async def associate(engine: Zmq, name: str) -> None:
 async def test_a_process_short_of_descriptors_refuses_a_new_peer_and_serves_the_next(
     zmq_p: Zmq, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # Real descriptors held, under a limit of 1,024: 40 left, fewer than the Hello reserve (64) and
+    # than what the control channel keeps free (96), with no idle connection to close: the new
+    # peer's handshake is admitted and its Hello refused, naming the limit.
     engine = zmq_p
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
-    with monkeypatch.context() as patched:  # P's process as if its limit were a few files away
-        patched.setattr(resource, "getrlimit", lambda which: (len(os.listdir("/proc/self/fd")) + 8, hard))
-        with pytest.raises(PeerProtocolError, match="file descriptors left"):
-            await associate(engine, "D1")
+    held: list[int] = []
+    with monkeypatch.context() as patched:
+        patched.setattr(resource, "getrlimit", lambda which: (1024, hard))
+        null = os.open(os.devnull, os.O_RDONLY)
+        held = [os.dup(null) for _ in range(1024 - 40 - len(os.listdir("/proc/self/fd")))]
+        os.close(null)
+        try:
+            with pytest.raises(PeerProtocolError, match="file descriptors left"):
+                await associate(engine, "D1")
+        finally:
+            for fd in held:
+                os.close(fd)
     assert engine.p.crashed == [] and engine.p.peers() == [] and engine.p.stats()["peers_refused"] == 1
     await associate(engine, "D2")  # with room again, a peer associates
     assert engine.p.stats()["peers_refused"] == 1 and engine.p.crashed == []

@@ -104,6 +104,15 @@ def test_curve_keys_come_from_the_secret_and_zap_admits_only_the_client_key() ->
         assert not admitted and reply[2] in (b"400", b"500") and len(reply) == 6
 
 
+def test_without_a_secret_zap_admits_null_in_kvflows_domain_only() -> None:
+    # no secret: ZAP runs only so that a process short of descriptors can refuse handshakes
+    request = [b"1.0", b"7", b"kvflow", b"127.0.0.1", b"", b"NULL"]
+    assert zap_reply(request, None) == ([b"1.0", b"7", b"200", b"OK", b"kvflow", b""], True)
+    for bad in (request[:5] + [b"CURVE", b"k" * 32], request[:2] + [b"other"] + request[3:], request + [b"x"]):
+        reply, admitted = zap_reply(bad, None)
+        assert not admitted and reply[2] == b"400"
+
+
 def test_drops_are_logged_once_then_at_most_once_an_interval(caplog: pytest.LogCaptureFixture) -> None:
     now = [0.0]
     drops = DropLog("P", interval=10.0, clock=lambda: now[0])

@@ -70,6 +70,22 @@ def test_at_a_descriptor_limit_the_engine_holds_no_more_and_the_genuine_peer_sti
     assert all(any(why in error for why in SHORT_OF_DESCRIPTORS) for error in failed), failed
 
 
+@pytest.mark.system
+def test_an_insiders_idle_connections_at_the_limit_give_way_to_a_genuine_peer(tmp_path: Path) -> None:
+    """200 DEALERs holding the secret's keys, each completing its handshake and then sending
+    nothing (and reconnecting when closed), against P at 128 descriptors: before, they held every
+    descriptor and D never got in (P spinning on failed accepts); now P refuses new handshakes
+    while short, closes the idle connections, and D connects and moves KV."""
+    run = flood(tmp_path, "--nofile", "128", "--attack", "idle_insiders")
+    assert run["attack"] == "idle_insiders" and run["connections"] == 200
+    genuine = run["genuine"]
+    assert isinstance(genuine, dict) and genuine["completed"] is True, genuine
+    control = run["control"]
+    assert isinstance(control, dict) and control["connections_refused_short"] > 0, control
+    descriptors = run["p_descriptors"]
+    assert isinstance(descriptors, dict) and descriptors["peak"] <= 128
+
+
 def test_bench_floods_refuses_bad_settings() -> None:
     with pytest.raises(BenchError, match="--connections"):
         main(["bench", "floods", "--connections", "0"])
@@ -79,3 +95,5 @@ def test_bench_floods_refuses_bad_settings() -> None:
     for patience in ("0", "nan", "inf"):
         with pytest.raises(BenchError, match="--patience"):
             main(["bench", "floods", "--patience", patience])
+    with pytest.raises(SystemExit):  # argparse names the choices
+        main(["bench", "floods", "--attack", "knock"])

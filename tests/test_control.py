@@ -502,12 +502,13 @@ async def test_a_failure_of_the_channels_own_receiving_reaches_its_owner_not_a_l
     async def broken_zap(*args: object) -> None:
         raise RuntimeError("the ZAP server broke")
 
-    monkeypatch.setattr(zeromq, "serve_zap", broken_zap)
     a = ZmqControl("A", secret=SECRET)
-    a.start(asyncio.get_running_loop(), lambda *message: None, crashes.append)
+    with monkeypatch.context() as patched:  # (the other two run ZAP too: NULL, see `serve_zap`)
+        patched.setattr(zeromq, "serve_zap", broken_zap)
+        a.start(asyncio.get_running_loop(), lambda *message: None, crashes.append)
     receiver, sender = ZmqControl("C", secret=SECRET, curve=False), ZmqControl("D", secret=SECRET, curve=False)
 
-    def broken_frames(self: ZmqControl, frames: list[bytes], sock: object) -> None:
+    def broken_frames(self: ZmqControl, frames: list[bytes], sock: object, source: int = -1) -> None:
         raise RuntimeError("reading a frame broke")
 
     try:

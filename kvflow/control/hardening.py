@@ -72,25 +72,37 @@ def curve_keys(secret: Secret) -> CurveKeys:
     return CurveKeys(zmq.curve_public(server), server, zmq.curve_public(client), client)
 
 
-def zap_reply(request: list[bytes], allowed: frozenset[bytes]) -> tuple[list[bytes], bool]:
+def zap_reply(request: list[bytes], allowed: frozenset[bytes] | None) -> tuple[list[bytes], bool]:
     """The ZAP reply to `request` (RFC 27) and whether it admits the connection: CURVE with a
-    client key in `allowed` (raw 32-byte keys), nothing else.  Never raises."""
+    client key in `allowed` (raw 32-byte keys), or, where `allowed` is None (no secret: the
+    channel runs ZAP only to refuse connections while short of descriptors), NULL; nothing
+    else.  Never raises."""
     if len(request) < 6 or request[0] != b"1.0":
         return [b"1.0", request[1] if len(request) > 1 else b"", b"500", b"bad request", b"", b""], False
     _, request_id, domain, _address, _identity, mechanism, *credentials = request
     key = credentials[0] if len(credentials) == 1 else None
-    if domain == ZAP_DOMAIN.encode() and mechanism == b"CURVE" and key in allowed:
+    if domain == ZAP_DOMAIN.encode() and (
+        mechanism == b"NULL" and not credentials if allowed is None else mechanism == b"CURVE" and key in allowed
+    ):
         return [b"1.0", request_id, b"200", b"OK", b"kvflow", b""], True
     return [b"1.0", request_id, b"400", b"unknown client key", b"", b""], False
 
 
-async def serve_zap(sock: zmq.asyncio.Socket, allowed: frozenset[bytes], counts: ControlCounts) -> None:
+async def serve_zap(
+    sock: zmq.asyncio.Socket,
+    allowed: frozenset[bytes] | None,
+    counts: ControlCounts,
+    room: Callable[[], bool] = lambda: True,
+) -> None:
     """Answer ZAP requests on `sock` until it closes.  Each is answered at once, without
-    blocking (a reply ZeroMQ cannot take is dropped, and the handshake runs out)."""
+    blocking (a reply ZeroMQ cannot take is dropped, and the handshake runs out).  A key that
+    is admitted is refused still when `room()` is false (the process is short of descriptors)."""
     while True:
         try:
             request = await sock.recv_multipart()
             reply, admitted = zap_reply(request, allowed)
+            if admitted and not room():
+                reply, admitted = [*reply[:2], b"400", b"no room", b"", b""], False
             if admitted:
                 counts.zap_admitted += 1
             else:

@@ -117,11 +117,12 @@ def sender_of(identity: bytes) -> bytes:
 class _Reader:
     """A watched socket: its descriptor, its peer (None: the ROUTER), and the message read so far."""
 
-    __slots__ = ("excess", "fd", "frames", "peer", "scheduled")
+    __slots__ = ("excess", "fd", "frames", "peer", "scheduled", "source")
 
     def __init__(self, peer: bytes | None, fd: int) -> None:
         self.peer = peer
         self.fd = fd
+        self.source = -1  # on the ROUTER: the descriptor of the connection the message came on
         self.frames: list[bytes] = []
         self.excess = False  # the message has more parts than a frame: dropped when it ends
         self.scheduled = False  # a drain waits in the loop's queue
@@ -267,20 +268,20 @@ class ZmqControl:
         self._ctx = zmq.asyncio.Context()
         self._loop = loop
         self._on_crash = on_crash
-        if self._keys is not None:  # the ZAP handler must listen before the first handshake
-            zap = self._ctx.socket(zmq.REP)
-            zap.setsockopt(zmq.LINGER, 0)
-            zap.bind(ZAP_ENDPOINT)
-            self._helpers.append(zap)
-            self._spawn(serve_zap(zap, frozenset([z85.decode(self._keys.client_public)]), self._counts))
+        zap = self._ctx.socket(zmq.REP)  # the ZAP handler must listen before the first handshake
+        zap.setsockopt(zmq.LINGER, 0)
+        zap.bind(ZAP_ENDPOINT)
+        self._helpers.append(zap)
         router: zmq.Socket[bytes] = zmq.Socket(self._ctx, zmq.ROUTER)  # plain: see the module's header
         self._harden(router)
         router.setsockopt(zmq.RCVHWM, min(self._send_queue, RECEIVE_QUEUE))
         if self._keys is not None:
             router.setsockopt(zmq.CURVE_SERVER, 1)
             router.setsockopt(zmq.CURVE_SECRETKEY, self._keys.server_secret)
-            router.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN.encode())
-        self._watch_connections = ConnectionWatch.start(router, MONITORED, self.engine_id, self._thread_setup)
+        router.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN.encode())  # with NULL too: see `serve_zap`'s `room`
+        self._watch_connections = watch = ConnectionWatch.start(router, MONITORED, self.engine_id, self._thread_setup)
+        keys = None if self._keys is None else frozenset([z85.decode(self._keys.client_public)])
+        self._spawn(serve_zap(zap, keys, self._counts, watch.room))  # (handshakes start once bound, below)
         try:
             router.bind(self._bind)
         except zmq.ZMQError as exc:
@@ -289,6 +290,8 @@ class ZmqControl:
             raise ConfigError(f"cannot bind the control channel to {self._bind}: {exc}") from exc
         self._router = router
         self._address = router.getsockopt_string(zmq.LAST_ENDPOINT)
+        if urlsplit(self._address).scheme == "tcp":  # idle connections may go when descriptors are short
+            self._watch_connections.listening(urlsplit(self._address).port or 0, self._routes.__contains__)
         self._handler = handler
         self._watch(router, None)
         if self.secret is None:
@@ -472,6 +475,8 @@ class ZmqControl:
                     return
                 part = sock.recv(flags=zmq.NOBLOCK, copy=False)  # a zmq.Frame: dropped parts are never copied
                 parts += 1
+                if reader.peer is None and not reader.frames and not reader.excess:
+                    reader.source = part.get(zmq.SRCFD)  # libzmq's descriptor of its connection
                 if len(reader.frames) < limit and not reader.excess:
                     reader.frames.append(part.bytes)
                 elif not reader.excess:
@@ -484,7 +489,7 @@ class ZmqControl:
                 frames, excess = reader.frames, reader.excess
                 reader.frames, reader.excess = [], False
                 if not excess:
-                    self._on_frames(frames if reader.peer is None else [reader.peer, *frames], sock)
+                    self._on_frames(frames if reader.peer is None else [reader.peer, *frames], sock, reader.source)
         except zmq.Again:
             return  # nothing more now: the descriptor tells when there is
         except zmq.ZMQError as exc:
@@ -496,7 +501,7 @@ class ZmqControl:
         except Exception as exc:  # a bug, not a peer's frame (those are refused, counted)
             self._crashed(exc)
 
-    def _on_frames(self, frames: list[bytes], sock: zmq.Socket[bytes]) -> None:
+    def _on_frames(self, frames: list[bytes], sock: zmq.Socket[bytes], source: int = -1) -> None:
         self._counts.frames_received += 1
         envelope = admit(frames, self.engine_id, self._incarnation, self.secret, self._guard, time.time_ns())
         identity = frames[0] if frames else b""
@@ -514,6 +519,8 @@ class ZmqControl:
             except ConfigError as exc:
                 self._reject(identity, Rejection.ROUTE, str(exc))
                 return
+        if source >= 0 and self._watch_connections is not None:  # once routed: the connection is kept
+            self._watch_connections.spoke(source, envelope.sender)
         self._counts.messages_delivered += 1
         if self._handler is not None:
             self._handling = (sock, identity)  # where `answer` replies, while the handler runs

@@ -4,27 +4,37 @@ Why: every association costs descriptors (its control connection, and the transp
 mappings and endpoints: about 11 with the shared-memory transport), and a process out of them
 fails in whatever opens one next (an accept, a segment, a log file), far from the cause.  With
 ``ulimit -n 1024`` an engine ran out at 90 associations.  So a new peer is refused while fewer
-than `DESCRIPTOR_RESERVE` remain, naming the limit, and the engine keeps serving the peers it
-has.  Reading the count is the driver's business (it reads ``/proc``), deciding on it is not.
+than `DESCRIPTOR_RESERVE` remain (a sixteenth of a lower limit: below what the control channel
+keeps free by closing idle connections, `kvflow.control.connections.keep_free`, so that a peer
+that got in is not then refused for it), naming the limit, and the engine keeps serving the
+peers it has.  Reading the count is the driver's business (it reads ``/proc``), deciding on it
+is not.
 """
 
 from __future__ import annotations
 
-import os
 import resource
 
-__all__ = ("DESCRIPTOR_RESERVE", "headroom_problem")
+from kvflow.control.connections import open_descriptors
+
+__all__ = ("DESCRIPTOR_RESERVE", "RESERVE_SHARE", "headroom_problem")
 
 DESCRIPTOR_RESERVE = 64  # a few associations' worth, and room for the engine's own files
+RESERVE_SHARE = 16  # or a sixteenth of the limit, if less
 
 
-def headroom_problem(reserve: int = DESCRIPTOR_RESERVE) -> str | None:
+def headroom_problem(reserve: int | None = None) -> str | None:
     """Why this process cannot take on another peer (fewer than `reserve` descriptors left
-    under its soft ``RLIMIT_NOFILE``), or None; None too when it cannot tell (no
-    ``/proc/self/fd``, or no limit).  Never raises."""
+    under its soft ``RLIMIT_NOFILE``; by default `DESCRIPTOR_RESERVE`, or a `RESERVE_SHARE`th of
+    the limit if less), or None; None too when it cannot tell (no ``/proc/self/fd``, or no
+    limit).  Never raises."""
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if reserve is None:
+        reserve = (
+            DESCRIPTOR_RESERVE if soft == resource.RLIM_INFINITY else min(DESCRIPTOR_RESERVE, soft // RESERVE_SHARE)
+        )
     try:
-        open_now = len(os.listdir("/proc/self/fd"))
+        open_now = open_descriptors()
     except OSError:
         return None
     if soft == resource.RLIM_INFINITY or soft - open_now >= reserve:

@@ -15,6 +15,11 @@ refuses it for want of descriptors or cannot answer) and moves one transfer, who
 flood's window it reads CPU per thread of P from /proc/<pid>/task/<tid>/stat (the names of
 Python's threads from P itself, libzmq's from /proc), samples P's descriptors, and reports P's
 control counters and the machine's load average at the start and the end.
+
+``--attack idle_insiders`` floods with an insider's connections instead: DEALERs holding the
+secret's CURVE keys, each completing its handshake and then sending nothing, held until D's
+transfer is decided (libzmq reconnects each one P closes); the connections P closed to keep
+descriptors free are its ``connections_closed_short`` counter.
 """
 
 from __future__ import annotations
@@ -51,7 +56,9 @@ COUNTERS = (
     "rejected_handshake",
     "rejected_handshake_protocol",
     "rejected_handshake_auth",
+    "connections_closed_short",
 )
+ATTACKS = ("connection_flood", "idle_insiders")
 
 
 def cpu_ticks(pid: int) -> dict[int, tuple[str, int]]:
@@ -175,7 +182,9 @@ async def _genuine(p: Side, d: Side, patience: float) -> dict[str, Any]:
     return {**result, "transfer_s": round(time.monotonic() - start, 4), "completed": ok, "outcome": done["outcome"]}
 
 
-async def _flood_run(connections: int, nofile: int, rate: float, patience: float, logs: str) -> dict[str, Any]:
+async def _flood_run(
+    connections: int, nofile: int, rate: float, patience: float, logs: str, attack: str
+) -> dict[str, Any]:
     prefix, secret = f"kvflow-floods-{secrets.token_hex(4)}", secrets.token_hex(32)
     env = dict(os.environ, KVFLOW_SECRET=secret, PYTHONPATH=import_path())
     peer = [sys.executable, "-m", "kvflow_tools.testing.peer_process", "--transport", "shm"]
@@ -190,10 +199,10 @@ async def _flood_run(connections: int, nofile: int, rate: float, patience: float
         names = (await p.ask(cmd="threads"))["names"]
         base = _descriptors(p.pid)
         argv = [sys.executable, "-m", "kvflow_tools.testing.fuzz_process", "--address", p.address]
-        flood = await spawn(
-            [*argv, "--scale", str(connections), "--attack", "connection_flood", "--per-second", str(rate)],
-            stdout=True, env=env, cwd=ROOT,
-        )  # fmt: skip
+        argv += ["--scale", str(connections), "--attack", attack, "--per-second", str(rate)]
+        if attack == "idle_insiders":  # held until D's transfer is decided
+            argv += ["--until-stdin-closes", "--hold", str(3 * patience)]
+        flood = await spawn(argv, stdin=True, stdout=True, env=env, cwd=ROOT)
         assert flood.stdout is not None
         begin = json.loads(await flood.stdout.readline())
         before, total, began = cpu_ticks(p.pid), process_ticks(p.pid), time.monotonic()
@@ -205,6 +214,7 @@ async def _flood_run(connections: int, nofile: int, rate: float, patience: float
         reached.cancel()
         held = peak.now
         genuine = {**await _genuine(p, d, patience), "during_flood": not ending.done(), "p_descriptors_then": held}
+        flood.close_stdin()  # an insider's connections are held until now
         end = json.loads(await ending)
         after, total, seconds = cpu_ticks(p.pid), process_ticks(p.pid) - total, time.monotonic() - began
         await peak.stop()
@@ -220,6 +230,7 @@ async def _flood_run(connections: int, nofile: int, rate: float, patience: float
         await d.close()
         await p.close()
     return {
+        "attack": attack,
         "nofile": nofile or resource.getrlimit(resource.RLIMIT_NOFILE)[1],
         "connections": end["sent"],
         "refused": end["refused"],
@@ -262,22 +273,29 @@ def render(runs: list[dict[str, Any]]) -> str:
 
 
 def run_floods(
-    connections: int, nofile: int = 0, runs: int = 1, rate: float = 0.0, patience: float = PATIENCE
+    connections: int,
+    nofile: int = 0,
+    runs: int = 1,
+    rate: float = 0.0,
+    patience: float = PATIENCE,
+    attack: str = "connection_flood",
 ) -> list[dict[str, Any]]:
     """`runs` floods of `connections` connections each against a fresh P (`nofile`: its limit;
     `rate`: connections a second, 0 as fast as one process can; `patience`: seconds the genuine
-    peer may take to associate, and each side to decide its transfer).
+    peer may take to associate, and each side to decide its transfer; `attack`: one of `ATTACKS`).
 
     :raises BenchError: a setting is out of range, or a process did not start or failed.
     """
     if connections < 1 or runs < 1 or nofile < 0 or not 0 <= rate < float("inf"):
         raise BenchError("bench floods: --connections and --runs must be >= 1, --nofile and --rate >= 0")
+    if attack not in ATTACKS:
+        raise BenchError(f"bench floods: --attack must be one of {', '.join(ATTACKS)}, not {attack!r}")
     if not 0 < patience < float("inf"):
         raise BenchError(f"bench floods: --patience must be a positive number of seconds, not {patience}")
     logs = os.environ.get("TMPDIR", "/tmp")
 
     async def every() -> list[dict[str, Any]]:
-        return [await _flood_run(connections, nofile, rate, patience, logs) for _ in range(runs)]
+        return [await _flood_run(connections, nofile, rate, patience, logs, attack) for _ in range(runs)]
 
     return asyncio.run(every())
 
@@ -285,11 +303,12 @@ def run_floods(
 def main(args: argparse.Namespace) -> int:
     """Print the table; also write the runs as JSON with `--json`.  0 when every genuine
     transfer completed, 1 otherwise."""
-    runs = run_floods(args.connections, args.nofile, args.runs, args.rate, args.patience)
+    runs = run_floods(args.connections, args.nofile, args.runs, args.rate, args.patience, args.attack)
     sys.stdout.write(render(runs) + "\n")
     if args.json:
         config = {
             "connections": args.connections, "nofile": args.nofile, "rate": args.rate, "runs": args.runs,
+            "attack": args.attack,
             "patience": args.patience, "cpus": os.cpu_count(),
         }  # fmt: skip
         Path(args.json).write_text(json.dumps({"config": config, "runs": runs}, indent=1))
@@ -310,5 +329,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=PATIENCE,
         help=f"seconds the genuine peer may take to associate, and each side its transfer (default {PATIENCE:g})",
+    )
+    parser.add_argument(
+        "--attack",
+        choices=ATTACKS,
+        default="connection_flood",
+        help="a stranger's raw TCP connections (default), or an insider's idle authenticated ones",
     )
     parser.add_argument("--json", help="also write the runs to this file")

@@ -51,6 +51,7 @@ ATTACKS = (
     "connection_flood",
     "squat_identity",
     "replay",
+    "idle_insiders",
 )
 FRAME_BYTES = 64 * 1024
 SEND_WAIT_MS = 5000  # an insider's send the target does not take within this long counts as refused
@@ -80,6 +81,34 @@ def insider_bad_mac(address: str, secret: Secret, *, frames: int, frame_bytes: i
     finally:
         ctx.term()
     return AttackStats("insider_bad_mac", sent, refused, time.monotonic() - start)
+
+
+def idle_insiders(
+    address: str, secret: Secret, *, connections: int, hold: float, stop: threading.Event | None = None
+) -> AttackStats:
+    """`connections` DEALERs of an insider (CURVE keys from the secret, a routing id each),
+    connected to `address` and sending nothing, held `hold` seconds or until `stop` is set;
+    libzmq reconnects each one the target closes, as any DEALER does.
+
+    :raises zmq.ZMQError: the address is unusable, or no more sockets can be opened.
+    """
+    start = time.monotonic()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    ctx.setsockopt(zmq.MAX_SOCKETS, connections + 64)
+    socks: list[zmq.Socket[bytes]] = []
+    try:
+        for index in range(connections):
+            socks.append(insider_dealer(ctx, b"idle-%d" % index, address, secret))
+        opened = time.monotonic() - start
+        if stop is not None:
+            stop.wait(hold)
+        else:
+            time.sleep(hold)
+    finally:
+        for sock in socks:
+            sock.close(linger=0)
+        ctx.term()
+    return AttackStats("idle_insiders", len(socks), 0, time.monotonic() - start, opened)
 
 
 def recorded_replay(address: str, secret: Secret, *, copies: int) -> AttackStats:
@@ -138,6 +167,7 @@ def _plan(
         ),
         ("squat_identity", lambda: squat_identity(address, b"D", hold=2.0, keys=keys)),
         ("replay", lambda: recorded_replay(address, secret, copies=min(max(scale // 100, 1), 50))),
+        ("idle_insiders", lambda: idle_insiders(address, secret, connections=scale, hold=hold, stop=stop)),
     ]
     return plan
 
@@ -174,12 +204,15 @@ def main(argv: list[str] | None = None) -> int:
         "--per-second", type=float, default=0.0, help="connection_flood: connections a second (0: as fast as it can)"
     )
     parser.add_argument(
-        "--hold", type=float, default=5.0, help="connection_flood: seconds to hold each (inf: till the target closes)"
+        "--hold",
+        type=float,
+        default=5.0,
+        help="connection_flood: seconds to hold each (inf: till the target closes); idle_insiders: all of them",
     )
     parser.add_argument(
         "--until-stdin-closes",
         action="store_true",
-        help="connection_flood: stop opening, and close every connection held, when stdin closes",
+        help="connection_flood, idle_insiders: stop opening, and close every connection held, when stdin closes",
     )
     parser.add_argument("--no-curve", action="store_true", help="the target does not use CURVE")
     parser.add_argument("--attack", choices=ATTACKS, action="append", help="run only this attack (repeatable)")
