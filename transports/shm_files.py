@@ -46,6 +46,7 @@ import re
 import shutil
 import stat
 import struct
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -57,12 +58,14 @@ import numpy.typing as npt
 from kvflow.errors import TransportError
 
 __all__ = (
+    "MAP_FIXED",
     "SHM_DIR",
     "SUFFIX",
     "EndpointFiles",
     "PeerSegment",
     "Segment",
     "bump_generation",
+    "can_map",
     "create_segment",
     "flock_within",
     "map_received",
@@ -104,12 +107,44 @@ class Segment:
             self.fd = -1
 
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
-_libc.munmap.restype = ctypes.c_int
-_libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+_libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+if _libc is not None:
+    _libc.mmap.restype = ctypes.c_void_p
+    _libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
+    _libc.munmap.restype = ctypes.c_int
+    _libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
 _MAP_FAILED = ctypes.c_void_p(-1).value
+MAP_FIXED = 0x10  # Linux's; Python's mmap module does not name it
+
+
+def can_map() -> bool:
+    """Whether `map_shared` works here (Linux's C library)."""
+    return _libc is not None
+
+
+def map_shared(fd: int, size: int, *, offset: int = 0, at: int | None = None, flags: int = 0) -> int:
+    """Map `size` bytes of file `fd` from `offset`, shared, readable and writable, with the C
+    library's ``mmap``, which keeps no descriptor (Python's ``mmap.mmap`` keeps a duplicate);
+    at address `at` exactly (``MAP_FIXED``, replacing what was there) if given; `flags` are
+    added (``MAP_POPULATE``).  The address; `unmap` undoes it.
+
+    :raises OSError: the kernel refused it, or placed it elsewhere than `at`; or no C library
+        mapping here (`can_map`)."""
+    if _libc is None:
+        raise OSError(errno.ENOSYS, "mapping files needs Linux's C library")
+    flags |= mmap.MAP_SHARED | (MAP_FIXED if at is not None else 0)
+    base = _libc.mmap(at, size, mmap.PROT_READ | mmap.PROT_WRITE, flags, fd, offset)
+    if base is None or base == _MAP_FAILED or (at is not None and base != at):
+        code = ctypes.get_errno()
+        where = f" over {at:#x}" if at is not None else ""
+        raise OSError(code, f"mmap{where}: {os.strerror(code)}")
+    return int(base)
+
+
+def unmap(base: int, size: int) -> None:
+    """Undo `map_shared`.  Never raises."""
+    if _libc is not None:
+        _libc.munmap(base, size)
 
 
 @dataclass(eq=False)
@@ -123,7 +158,7 @@ class PeerSegment:
     def close(self) -> None:
         """Unmap it (again: nothing); nothing may copy into it any more.  Never raises."""
         if self.base:
-            _libc.munmap(self.base, self.size)
+            unmap(self.base, self.size)
             self.base = 0
 
 
@@ -225,11 +260,7 @@ def map_received(fd: int, name: str, size: int) -> PeerSegment:
         raise TransportError(f"segment {name} is not sealed against shrinking")
     if info.st_size < size:
         raise TransportError(f"segment {name} is smaller than advertised ({info.st_size} < {size} bytes)")
-    base = _libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
-    if base is None or base == _MAP_FAILED:
-        code = ctypes.get_errno()
-        raise OSError(code, os.strerror(code))
-    return PeerSegment(name, size, base)
+    return PeerSegment(name, size, map_shared(fd, size))
 
 
 def read_generation(fd: int) -> int:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -25,17 +24,12 @@ import numpy as np
 
 from kvflow.errors import ConfigError, TransportError
 from kvflow.layout import MemoryType, Region
+from kvflow.transports.shm_files import can_map, map_shared
 
 __all__ = ("MappedSpans", "SharedSpan", "share_in_place", "supported")
 
 PAGE = mmap.PAGESIZE
 CHUNK = 64 << 20  # bytes moved at a time (the most held twice)
-_libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
-if _libc is not None:
-    _libc.mmap.restype = ctypes.c_void_p
-    _libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
-    _libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
-_MAP_FAILED = ctypes.c_void_p(-1).value
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,7 +43,7 @@ class SharedSpan:
 
 def supported() -> bool:
     """Whether this platform can share host memory in place (Linux with memfd)."""
-    return _libc is not None and hasattr(os, "memfd_create")
+    return can_map() and hasattr(os, "memfd_create")
 
 
 def _spans(regions: Sequence[Region]) -> list[tuple[int, int]]:
@@ -83,7 +77,6 @@ def share_in_place(regions: Sequence[Region]) -> list[SharedSpan]:
         raise ConfigError("sharing host memory with an engine process needs Linux (memfd_create)")
     if any(region.memory is not MemoryType.DRAM for region in regions):
         raise ConfigError("only host (DRAM) memory can be shared with an engine process")
-    assert _libc is not None
     spans = []
     try:
         for base, length in _spans(regions):
@@ -101,16 +94,11 @@ def share_in_place(regions: Sequence[Region]) -> list[SharedSpan]:
 
 def _move_chunk(fd: int, base: int, offset: int, size: int) -> None:
     """Copy one chunk of the host's pages into the file (unless all zero) and map the file over it."""
-    assert _libc is not None
     here = (ctypes.c_char * size).from_address(base + offset)
     view = memoryview(here).cast("B")
     if np.frombuffer(view, np.uint8).any():  # a fresh file reads as zeros already
         os.pwrite(fd, view, offset)
-    flags = mmap.MAP_SHARED | 0x10 | getattr(mmap, "MAP_POPULATE", 0)  # MAP_FIXED, faulted in now
-    got = _libc.mmap(base + offset, size, mmap.PROT_READ | mmap.PROT_WRITE, flags, fd, offset)
-    if got == _MAP_FAILED or got != base + offset:
-        errno = ctypes.get_errno()
-        raise OSError(errno, f"mmap over {base + offset:#x}: {os.strerror(errno)}")
+    map_shared(fd, size, offset=offset, at=base + offset, flags=getattr(mmap, "MAP_POPULATE", 0))  # faulted in now
 
 
 class MappedSpans:
