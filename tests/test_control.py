@@ -21,7 +21,8 @@ from kvflow.control.auth import Secret
 from kvflow.control.channel import MAX_CLOCK_SKEW, LocalControlHub, incarnation_ceiling, new_incarnation
 from kvflow.control.connections import ConnectionWatch
 from kvflow.control.counts import ControlCounts, Rejection
-from kvflow.control.zeromq import RECEIVE_QUEUE, YIELD_EVERY, ZmqControl, is_loopback
+from kvflow.control.receiving import YIELD_EVERY
+from kvflow.control.zeromq import RECEIVE_QUEUE, ZmqControl, is_loopback
 from kvflow.errors import ConfigError, EngineClosed, HandshakeTimeout, PeerUnknown, PeerUnreachable, UsageError
 from kvflow.protocol.messages import (
     MAX_EPOCH,

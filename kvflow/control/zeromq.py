@@ -14,13 +14,13 @@ a name another holds (every DEALER's routing id is its own: nothing to squat or 
 `SOCKET_LIMIT` make ZeroMQ drop the connection, at most `RECEIVE_QUEUE` messages wait per
 connection, a message of more parts than a frame has is dropped (its parts are thrown away
 uncopied), and the receive loop yields to the event loop every `YIELD_EVERY` parts or
-`YIELD_AFTER` seconds.
+`YIELD_AFTER` seconds (`kvflow.control.receiving`).
 
 Why plain sockets under a reader callback, not pyzmq's asyncio sockets: those go through a
 future per part read (and per `RCVMORE` check); measured in an engine process, that cost 0.7 ms
 of CPU per control frame, half of what a transfer cost P's engine.  The ROUTER and DEALERs are
-plain `zmq.Socket`s; the loop watches each one's file descriptor and a callback reads whatever is
-queued, without blocking (ZeroMQ's descriptor is edge-triggered: it is drained each time, and
+plain `zmq.Socket`s; the loop watches each one's file descriptor and a callback
+(`kvflow.control.receiving`) reads whatever is queued, without blocking (ZeroMQ's descriptor is edge-triggered: it is drained each time, and
 read again after every send).  An unfinished multipart message is held inside libzmq, out of any
 reader's and HWM's reach, until it ends: only authenticating the connection first keeps a
 stranger from sending one.
@@ -65,6 +65,7 @@ from kvflow.control.hardening import (
     serve_zap,
 )
 from kvflow.control.monitor import LinkListener, LinkMonitors
+from kvflow.control.receiving import SocketReaders
 from kvflow.control.wire import MAX_FRAME_BYTES, Envelope, encode
 from kvflow.errors import (
     ConfigError,
@@ -84,8 +85,6 @@ SOCKET_LIMIT = MAX_FRAME_BYTES + 4096  # per part: ZeroMQ drops a connection sen
 MAX_LOGGED = 4096
 RECEIVE_QUEUE = 128  # messages queued per connection (a frame is at most 2 parts of SOCKET_LIMIT): 256 MiB
 HANDSHAKE_TIMEOUT = 2.0  # seconds a connection may take to authenticate
-YIELD_EVERY = 64  # parts read before the receive loop lets the event loop run
-YIELD_AFTER = 0.005  # seconds of receiving before it does
 FORGET_LINGER_MS = 200  # a forgotten peer's last frames (a Goodbye, a Reject) get this long to leave
 # TCP keepalive on every control connection: one whose other end is gone without a word (its
 # FIN lost behind a cut link, its host dead) is probed after this much silence and closed when
@@ -112,20 +111,6 @@ def routing_id(engine_id: str) -> bytes:
 def sender_of(identity: bytes) -> bytes:
     """The engine id part of a routing id (the whole of one without a NUL)."""
     return identity.partition(b"\0")[0]
-
-
-class _Reader:
-    """A watched socket: its descriptor, its peer (None: the ROUTER), and the message read so far."""
-
-    __slots__ = ("excess", "fd", "frames", "peer", "scheduled", "source")
-
-    def __init__(self, peer: bytes | None, fd: int) -> None:
-        self.peer = peer
-        self.fd = fd
-        self.source = -1  # on the ROUTER: the descriptor of the connection the message came on
-        self.frames: list[bytes] = []
-        self.excess = False  # the message has more parts than a frame: dropped when it ends
-        self.scheduled = False  # a drain waits in the loop's queue
 
 
 def is_loopback(address: str) -> bool:
@@ -186,7 +171,7 @@ class ZmqControl:
         self._dealers: dict[str, zmq.Socket[bytes]] = {}
         self._ctx: zmq.asyncio.Context | None = None
         self._router: zmq.Socket[bytes] | None = None
-        self._readers: dict[zmq.Socket[bytes], _Reader] = {}  # the sockets the loop watches
+        self._readers: SocketReaders | None = None  # the sockets the loop watches: from `start`
         self._helpers: list[zmq.asyncio.Socket] = []  # the ZAP handler's socket
         self._watch_connections: ConnectionWatch | None = None  # the ROUTER's monitor, on a thread
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -231,7 +216,8 @@ class ZmqControl:
             old = self._dealers.pop(peer, None)
             if old is not None:
                 self.links.unwatch(old)
-                self._unwatch(old)
+                if self._readers is not None:
+                    self._readers.unwatch(old)
                 old.close(linger=0)
             self._routes[peer] = address
 
@@ -241,7 +227,8 @@ class ZmqControl:
         dealer = self._dealers.pop(peer, None)
         if dealer is not None:
             self.links.unwatch(dealer)
-            self._unwatch(dealer)
+            if self._readers is not None:
+                self._readers.unwatch(dealer)
             dealer.close(linger=FORGET_LINGER_MS)
             self._counts.connections_forgotten += 1
         if peer not in self._configured:
@@ -268,6 +255,13 @@ class ZmqControl:
         self._ctx = zmq.asyncio.Context()
         self._loop = loop
         self._on_crash = on_crash
+        self._readers = SocketReaders(
+            loop,
+            self.engine_id,
+            self._on_frames,
+            lambda who, why: self._reject(who, Rejection.SHAPE, why),
+            self._crashed,
+        )
         zap = self._ctx.socket(zmq.REP)  # the ZAP handler must listen before the first handshake
         zap.setsockopt(zmq.LINGER, 0)
         zap.bind(ZAP_ENDPOINT)
@@ -293,7 +287,7 @@ class ZmqControl:
         if urlsplit(self._address).scheme == "tcp":  # idle connections may go when descriptors are short
             self._watch_connections.listening(urlsplit(self._address).port or 0, self._routes.__contains__)
         self._handler = handler
-        self._watch(router, None)
+        self._readers.watch(router, None)
         if self.secret is None:
             log.warning(
                 "%s: control plane on %s runs WITHOUT authentication (no KVFLOW_SECRET); allowed on loopback only",
@@ -340,7 +334,8 @@ class ZmqControl:
         except zmq.ZMQError as exc:
             raise PeerUnreachable(f"cannot send to {peer!r}: {exc}") from None
         finally:
-            self._after_send(dealer)
+            if self._readers is not None:
+                self._readers.after_send(dealer)
         self._counts.frames_sent += 1
 
     def _harden(self, sock: zmq.Socket[bytes]) -> None:
@@ -379,7 +374,8 @@ class ZmqControl:
             dealer.close(linger=0)
             raise PeerUnreachable(f"cannot connect to {peer!r} at {address}: {exc}") from exc
         self._dealers[peer] = dealer
-        self._watch(dealer, peer.encode())  # answers may come back this way
+        if self._readers is not None:
+            self._readers.watch(dealer, peer.encode())  # answers may come back this way
         return dealer
 
     def close(self) -> None:
@@ -389,8 +385,8 @@ class ZmqControl:
         for task in list(self._tasks):
             task.cancel()
         self.links.close()
-        for sock in list(self._readers):
-            self._unwatch(sock)
+        if self._readers is not None:
+            self._readers.close()
         for dealer in self._dealers.values():
             dealer.close(linger=0)
         self._dealers.clear()
@@ -424,82 +420,6 @@ class ZmqControl:
         log.error("%s: control channel failure: %r", self.engine_id, error, exc_info=error)
         if self._on_crash is not None:
             self._on_crash(error)
-
-    def _watch(self, sock: zmq.Socket[bytes], peer: bytes | None) -> None:
-        """Read `sock` whenever the loop sees its descriptor ready: the ROUTER (`peer` None:
-        frames carry the sender's identity) or a DEALER to `peer` (frames come from it only)."""
-        assert self._loop is not None  # started before any socket exists
-        reader = _Reader(peer, int(sock.getsockopt(zmq.FD)))
-        self._readers[sock] = reader
-        self._loop.add_reader(reader.fd, self._drain, sock)
-        self._loop.call_soon(self._drain, sock)  # what arrived before the reader was added
-
-    def _unwatch(self, sock: zmq.Socket[bytes]) -> None:
-        """Stop reading `sock` (before it closes).  Never raises."""
-        reader = self._readers.pop(sock, None)
-        if reader is not None and self._loop is not None and not self._loop.is_closed():
-            self._loop.remove_reader(reader.fd)
-
-    def _after_send(self, sock: zmq.Socket[bytes]) -> None:
-        """A send may take the descriptor's edge a message that arrived meanwhile would have
-        raised: read `sock` in a later turn if it holds one."""
-        reader = self._readers.get(sock)
-        if reader is None or reader.scheduled or self._loop is None:
-            return
-        with contextlib.suppress(zmq.ZMQError):
-            if int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
-                reader.scheduled = True
-                self._loop.call_soon(self._drain, sock)
-
-    def _drain(self, sock: zmq.Socket[bytes]) -> None:
-        """Read what `sock` holds, without blocking (what it raises, other than ZeroMQ's
-        errors, is the channel's crash).
-
-        Parts are read one at a time: a message with more parts than a frame is dropped when it
-        has one too many, and its further parts are thrown away without being copied.  After
-        `YIELD_EVERY` parts or `YIELD_AFTER` seconds the rest waits for a later turn of the
-        loop (even mid-message), so one busy peer cannot keep the loop from everything else.
-        """
-        reader = self._readers.get(sock)
-        if reader is None or self._closed or sock.closed:
-            return
-        reader.scheduled = False
-        limit = 3 if reader.peer is None else 2  # [identity,] envelope, mac
-        parts, since = 0, time.monotonic()
-        try:
-            while reader.frames or int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
-                if parts >= YIELD_EVERY or time.monotonic() - since >= YIELD_AFTER:
-                    reader.scheduled = True
-                    assert self._loop is not None
-                    self._loop.call_soon(self._drain, sock)
-                    return
-                part = sock.recv(flags=zmq.NOBLOCK, copy=False)  # a zmq.Frame: dropped parts are never copied
-                parts += 1
-                if reader.peer is None and not reader.frames and not reader.excess:
-                    reader.source = part.get(zmq.SRCFD)  # libzmq's descriptor of its connection
-                if len(reader.frames) < limit and not reader.excess:
-                    reader.frames.append(part.bytes)
-                elif not reader.excess:
-                    reader.excess = True
-                    self._reject(
-                        reader.frames[0] if reader.peer is None else reader.peer, Rejection.SHAPE, f"over {limit} parts"
-                    )
-                if part.more:
-                    continue
-                frames, excess = reader.frames, reader.excess
-                reader.frames, reader.excess = [], False
-                if not excess:
-                    self._on_frames(frames if reader.peer is None else [reader.peer, *frames], sock, reader.source)
-        except zmq.Again:
-            return  # nothing more now: the descriptor tells when there is
-        except zmq.ZMQError as exc:
-            if self._closed or sock.closed or exc.errno == zmq.ENOTSOCK:
-                return
-            log.error("%s: control socket error: %s", self.engine_id, exc)
-            assert self._loop is not None
-            self._loop.call_later(0.01, self._drain, sock)
-        except Exception as exc:  # a bug, not a peer's frame (those are refused, counted)
-            self._crashed(exc)
 
     def _on_frames(self, frames: list[bytes], sock: zmq.Socket[bytes], source: int = -1) -> None:
         self._counts.frames_received += 1
@@ -588,4 +508,5 @@ class ZmqControl:
         parts = [identity, frame, mac] if sock is self._router else [frame, mac]
         with contextlib.suppress(zmq.ZMQError):
             sock.send_multipart(parts, flags=zmq.NOBLOCK)
-        self._after_send(sock)
+        if self._readers is not None:
+            self._readers.after_send(sock)
