@@ -88,3 +88,13 @@ def test_pressure_lasts_the_window_after_a_connection_gave_way() -> None:
     book.gave_way(2, 3.0)
     assert len(book) == 0 and book.pressed(3.0, 10.0) and book.pressed(13.0, 10.0)
     assert not book.pressed(13.5, 10.0)
+
+
+@pytest.mark.parametrize("limit", [64, 128, 200, 256, 512, 1024, 4096, 1 << 16])
+def test_what_the_channel_keeps_free_exceeds_what_a_hello_wants_at_every_limit(limit: int) -> None:
+    # a peer whose connection got in (more than `keep_free` left) is not refused at its Hello,
+    # and the Hello reserve covers at least two associations (about 11 descriptors each)
+    from kvflow.control.connections import keep_free_for
+    from kvflow.runtime.descriptors import reserve_for
+
+    assert keep_free_for(limit) > reserve_for(limit) >= 22

@@ -59,12 +59,14 @@ __all__ = (
     "DESCRIPTORS",
     "GAP",
     "KEEP_FREE",
+    "KEEP_FREE_FLOOR",
     "KEEP_FREE_SHARE",
     "PAUSE",
     "PRESSURE_S",
     "ConnectionWatch",
     "descriptors_left",
     "keep_free",
+    "keep_free_for",
     "open_descriptors",
     "raise_descriptor_limit",
 )
@@ -79,7 +81,8 @@ BATCH = 4096  # events read at most in one batch
 JOIN_S = 2.0  # how long close() waits for the thread
 DESCRIPTORS = 1 << 16  # the soft limit is raised to the hard one, but not above this
 KEEP_FREE = 96  # descriptors the thread keeps free by closing idle connections (a Hello wants 64) ...
-KEEP_FREE_SHARE = 8  # ... or an eighth of the limit, if less (a limit of 128 would otherwise close all)
+KEEP_FREE_SHARE = 8  # ... or an eighth of the limit, if less (a limit of 128 would otherwise close all) ...
+KEEP_FREE_FLOOR = 48  # ... but never less: twice the least a Hello wants (24, `kvflow.runtime.descriptors`)
 CHECK_EVERY = 1.0  # seconds between two checks of the descriptors left when no connection comes
 PRESSURE_S = 10.0  # seconds after an idle connection was closed during which new ones are refused when short
 
@@ -355,10 +358,17 @@ def open_descriptors() -> int:
 
 
 def keep_free() -> int:
-    """Descriptors the connection thread keeps free: `KEEP_FREE`, or a `KEEP_FREE_SHARE`th of the
-    soft limit if that is less.  Never raises."""
+    """Descriptors the connection thread keeps free under this process's soft limit
+    (`keep_free_for`).  Never raises."""
     soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    return KEEP_FREE if soft == resource.RLIM_INFINITY else min(KEEP_FREE, soft // KEEP_FREE_SHARE)
+    return KEEP_FREE if soft == resource.RLIM_INFINITY else keep_free_for(soft)
+
+
+def keep_free_for(limit: int) -> int:
+    """Descriptors the connection thread keeps free under soft limit `limit`: `KEEP_FREE`, or a
+    `KEEP_FREE_SHARE`th of a lower limit, at least `KEEP_FREE_FLOOR`; always more than a Hello
+    wants, so that a peer whose connection got in is not refused for want of them.  Never raises."""
+    return min(KEEP_FREE, max(limit // KEEP_FREE_SHARE, KEEP_FREE_FLOOR))
 
 
 def _still_open(inode: int, fd: int) -> bool:

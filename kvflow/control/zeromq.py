@@ -20,10 +20,10 @@ Why plain sockets under a reader callback, not pyzmq's asyncio sockets: those go
 future per part read (and per `RCVMORE` check); measured in an engine process, that cost 0.7 ms
 of CPU per control frame, half of what a transfer cost P's engine.  The ROUTER and DEALERs are
 plain `zmq.Socket`s; the loop watches each one's file descriptor and a callback
-(`kvflow.control.receiving`) reads whatever is queued, without blocking (ZeroMQ's descriptor is edge-triggered: it is drained each time, and
-read again after every send).  An unfinished multipart message is held inside libzmq, out of any
-reader's and HWM's reach, until it ends: only authenticating the connection first keeps a
-stranger from sending one.
+(`kvflow.control.receiving`) reads whatever is queued, without blocking (ZeroMQ's descriptor
+is edge-triggered: it is drained each time, and read again after every send).  An unfinished
+multipart message is held inside libzmq, out of any reader's and HWM's reach, until it ends:
+only authenticating the connection first keeps a stranger from sending one.
 
 Every frame is checked before any message object exists: size, HMAC (`kvflow.control.auth`), the strict
 codec (`kvflow.control.wire`), receiver, the receiver's incarnation (this run's, or 0 on an

@@ -37,6 +37,7 @@ from collections.abc import Coroutine
 from typing import Any
 
 import numpy as np
+import numpy.random  # now, not at the first seed: at its descriptor limit an import fails
 import numpy.typing as npt
 
 import kvflow.control.wire
