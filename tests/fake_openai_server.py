@@ -119,9 +119,12 @@ async def completion(request: web.Request) -> web.StreamResponse:
         await response.write_eof()
         record["outcome"] = "answered"
         return response
-    except (asyncio.CancelledError, ConnectionError):
+    except asyncio.CancelledError:
         record["outcome"] = "cancelled"
         raise
+    except ConnectionError:  # the client went away mid-answer (the router gave the stream up): not the fake's error
+        record["outcome"] = "cancelled"
+        return web.Response(status=499)
     finally:
         record["ended"] = time.time()
 

@@ -7,6 +7,9 @@
   imports all count: a cycle hidden in a function is still a cycle in the design).
 * Layers: the sans-IO protocol and the layout know nothing of I/O or of the layers above them;
   the control plane does not know the runtime.
+* One door to an engine's pure state: above the protocol, nothing feeds the transfer core, the
+  associations or the teardowns an input; everything goes through the `Endpoint`, which is
+  where the machines' decisions are coordinated.
 * Two distributions: the library (`kvflow`, with the vLLM connector) imports nothing of
   `kvflow_tools` (the command, benchmarks, stand-in, router, test kit); `kvflow.integrations`
   holds the connector and nothing else; the router and the stand-in import nothing else of the
@@ -277,6 +280,57 @@ def test_layers_import_only_downwards() -> None:
 def test_a_planted_layering_violation_is_found(module: str, line: str) -> None:
     planted = Source(module.replace(".", "/") + ".py", module, ast.parse(line))
     assert list(layering_violations(planted)), line
+
+
+# ---------------------------------------------------------------------- one door to the pure state
+
+# The inputs of the machines the `Endpoint` owns: above the protocol only it may call them.
+MACHINE_INPUTS = frozenset(
+    {
+        *("expect", "kv_ready", "abort", "abort_all", "delivered", "unsent", "promise", "renew", "feed"),
+        *("peer_connected", "peer_lost", "peer_fenced", "op_submitted", "op_finished", "notification"),
+        *("receive", "timer", "connect", "tear_down", "goodbye_all", "tick", "link_changed"),
+        *("route_added", "pending_refused", "transport_peer_added", "hello_sent", "hello_unsent"),
+        *("torn_down", "removed", "removal_failed", "heard_again", "nothing_held", "closing"),
+    }
+)
+MACHINES = frozenset({"core", "assoc", "associations", "teardowns"})  # how the drivers name them
+ABOVE_THE_ENDPOINT = ("kvflow.runtime", "kvflow.control", "kvflow.integrations")
+
+
+def side_doors(source: Source) -> Iterator[str]:
+    """Calls of a machine's input, and writes to a machine's attributes, made past the endpoint."""
+    if not any(within(source.module, above) for above in ABOVE_THE_ENDPOINT):
+        return
+    for node in ast.walk(source.tree):
+        targets = node.targets if isinstance(node, ast.Assign) else []
+        for target in [node.func] if isinstance(node, ast.Call) else targets:
+            if not (isinstance(target, ast.Attribute) and isinstance(target.value, ast.Attribute)):
+                continue
+            machine, name = target.value.attr, target.attr
+            if machine in MACHINES and (name in MACHINE_INPUTS or not isinstance(node, ast.Call)):
+                yield f"{source.path}:{target.lineno}: .{machine}.{name} (goes through the Endpoint)"
+
+
+def test_above_the_protocol_every_input_goes_through_the_endpoint() -> None:
+    found = [v for s in SOURCES for v in side_doors(s)]
+    assert not found, "\n".join(found)
+
+
+@pytest.mark.parametrize(
+    ("module", "line"),
+    [
+        ("kvflow.runtime.engine", "self.core.receive(peer, message, now)"),
+        ("kvflow.runtime.peering", "actions = self.assoc.teardowns.removed(number, now)"),
+        ("kvflow.runtime.sleep", "self.engine.assoc.refusing = reason"),
+        ("kvflow.integrations.vllm.rank_agent", "engine.core.abort_all(now, 'asleep')"),
+    ],
+)
+def test_a_planted_side_door_is_found(module: str, line: str) -> None:
+    planted = Source(module.replace(".", "/") + ".py", module, ast.parse(line))
+    assert list(side_doors(planted)), line
+    allowed = Source(module.replace(".", "/") + ".py", module, ast.parse("self.endpoint.receive(p, m, now)"))
+    assert not list(side_doors(allowed))
 
 
 # ---------------------------------------------------------------------- what vLLM loads

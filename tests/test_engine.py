@@ -298,7 +298,7 @@ async def test_a_crashing_callback_is_recorded_and_surfaced() -> None:
     def broken(release: object) -> None:
         raise RuntimeError("callback bug")
 
-    pair.d._on_release = broken
+    pair.d.outcomes.on_release = broken
     await pair.start()
     waiting = await pair.d.expect("r", 1, peer="P", block_ids=[1])
     await pair.p.kv_ready("r", 1, block_ids=[2])

@@ -95,7 +95,7 @@ class Timed:
             engine.poke()
         await quiesce()
         # a removal runs on D's peer thread: wait for it however long a busy machine takes
-        assert await self.engines.d._peers.settled(120.0), "D's peer thread never returned"
+        assert await self.engines.d.peers_settled(120.0), "D's peer thread never returned"
         await quiesce()
 
 

@@ -55,7 +55,7 @@ def tear_down_unheard(d: Engine, peer: str) -> None:
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(d.control, "send", losing_goodbyes)
-        d._peers.associate(d.assoc.tear_down(peer, "its link went down here"))
+        d.drop_peer(peer, "its link went down here")
 
 
 @pytest.mark.asyncio

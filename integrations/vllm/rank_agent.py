@@ -367,7 +367,7 @@ class RankAgent(EngineAgent):
         for name, value in dict(getattr(engine.control, "counters", {})).items():
             if name.startswith("rejected_"):
                 rejected[name.removeprefix("rejected_")] = int(value)
-        in_flight = Counter(machine.state.value for machine in engine.core.live())
+        in_flight = Counter(machine.state.value for machine in engine.endpoint.live())
         hold = engine.hold_report()
         gauges = {
             "quarantined_blocks": int(stats["quarantined_blocks"]),
@@ -380,7 +380,7 @@ class RankAgent(EngineAgent):
     async def describe(self) -> str:
         """What the rank's engine still waits on, in words (for a run that stalled)."""
         engine = self.engine
-        live = [(m.key.transfer_id, m.role.value, m.state.name) for m in engine.core.live()]
+        live = [(m.key.transfer_id, m.role.value, m.state.name) for m in engine.endpoint.live()]
         stats = {k: v for k, v in engine.stats().items() if v}
         chains = sorted(str(key) for key in self._chains)
         return f"live {live}, stats {stats}, crashed {engine.crashed}, chains {chains}, peers {engine.peers()}"

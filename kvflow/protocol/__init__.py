@@ -12,6 +12,10 @@ due a heartbeat or lost, `teardown` when a torn-down peer's blocks may go back (
 `admission` whom an engine may associate with.  `lifecycle` is an engine's own life (a table).
 `tables` builds the tables that are not the transfers': each pair a row or declared ignored.
 
+`endpoint` is one engine's whole pure state behind one door: it owns the core and the
+associations (with their teardowns), coordinates them, and answers every input with one list of
+effects and one next deadline.
+
 Nothing here reads a clock, opens a socket or touches asyncio: time is an input, effects are
 returned as data, and the runtime executes them.
 """

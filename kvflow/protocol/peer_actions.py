@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from kvflow.errors import KVFlowError
 from kvflow.layout import KVLayout
-from kvflow.protocol.messages import Goodbye, Hello, Message, Reject, TransferKey
+from kvflow.protocol.messages import Goodbye, Heartbeat, Hello, Message, Reject, TransferKey
 from kvflow.protocol.teardown import PeerFenced, PeerGone, RemovalFailed, RemovePeer
 
 __all__ = (
@@ -76,10 +76,10 @@ class SendHello:
 
 @dataclass(frozen=True, slots=True)
 class SendControl:
-    """Send a Reject or Goodbye, best effort: a failure is counted and logged."""
+    """Send a Reject, a Goodbye or a Heartbeat, best effort: a failure is counted and logged."""
 
     peer: str
-    message: Reject | Goodbye
+    message: Reject | Goodbye | Heartbeat
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,9 +1,9 @@
-"""The asyncio runtime that executes the protocol's actions.
+"""The asyncio runtime that executes what the protocol decides.
 
-`engine` is the thin driver (feeds inputs to the transfer core and to the peer associations,
-executes their actions, arms one deadline timer (`timer`), never loses a task exception);
-`peering` executes what the associations decide; `config` is its `EngineConfig`; `results` are
-the handles, outcomes and counters a caller reads, `handshakes` the futures a `connect` awaits,
+`engine` is the thin driver (feeds every input to the protocol's one `Endpoint`, arms one
+deadline timer (`timer`), never loses a task exception); `interpreter` performs the effects the
+endpoint returns, `peering` the peer effects among them; `config` is its `EngineConfig`;
+`results` are the handles, outcomes and counters a caller reads, `handshakes` the futures a `connect` awaits,
 `meter` the per-transfer figures for metrics; `dataplane` plans and posts the engine's ops and
 drains its transport; `writer` is the dedicated thread it posts them from; `sleep` winds
 transfers down and lets go of the KV memory's registration (and takes it up again);

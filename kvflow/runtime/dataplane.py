@@ -1,4 +1,4 @@
-"""The engine's data plane: ops planned and posted off the loop, and what the transport reports fed to the core.
+"""The engine's data plane: ops planned and posted off the loop, and what the transport reports fed to the endpoint.
 
 Why its own module: this is the part of the driver that touches bytes.  Planning descriptors,
 posting an op and (with the integrity check on) hashing what a WRITE carries or what landed
@@ -6,7 +6,7 @@ can each take milliseconds for a long prompt, so they run on the engine's writer
 on the event loop (a small op, when nothing is queued before it, runs on the loop: two thread
 hand-overs cost more).  P seals a WRITE where it posts it; D checks a sealed WRITE's
 notification on the writer thread too, and feeds the notification to the core, with what the
-check found, once it is done.  Everything the core decides goes back through `EngineHooks.run`.
+check found, once it is done.  What the endpoint answers goes to the engine's interpreter.
 """
 
 from __future__ import annotations
@@ -19,8 +19,7 @@ from typing import Any
 from kvflow.errors import EngineClosed, KVFlowError
 from kvflow.layout import KVLayout, plan_transfer
 from kvflow.protocol.actions import OpKind, SubmitOp
-from kvflow.protocol.association import Associations
-from kvflow.protocol.core import TransferCore
+from kvflow.protocol.endpoint import Effect, Endpoint
 from kvflow.protocol.state import Role
 from kvflow.runtime.config import EngineConfig
 from kvflow.runtime.integrity import Integrity, PendingCheck
@@ -42,24 +41,24 @@ class DataPlane:
         layout: KVLayout,
         transport: Transport,
         submitter: Submitter,
-        parts: tuple[TransferCore, Associations, EngineCounters, TransferMeter],
+        parts: tuple[Endpoint, EngineCounters, TransferMeter],
         config: EngineConfig,
         hooks: EngineHooks,
         guard: Callable[..., None],
     ) -> None:
         """`guard(fn, *args)` runs a callback on the loop, recording what it raises."""
         self.layout, self.transport, self.submitter = layout, transport, submitter
-        self.core, self.assoc, self.counters, self.meter = parts
+        self.endpoint, self.counters, self.meter = parts
         self.config, self.hooks, self.guard = config, hooks, guard
         self.integrity = Integrity(engine_id, layout, config.integrity_sample) if config.integrity else None
         self._drain_scheduled = False
 
-    def submit(self, op: SubmitOp) -> None:
-        """Plan and post `op` (sealed, for a checked WRITE) on the writer thread, or here."""
-        remote = self.assoc.layouts.get(op.peer)
+    def submit(self, op: SubmitOp) -> list[Effect]:
+        """Plan and post `op` (sealed, for a checked WRITE) on the writer thread, or here; what
+        the endpoint answers when the op cannot even be planned (its peer is gone)."""
+        remote = self.endpoint.peer_layout(op.peer)
         if remote is None:
-            self.hooks.run(self.core.op_finished(op.op_id, self.hooks.now(), f"peer {op.peer!r} not connected"))
-            return
+            return self.endpoint.op_finished(op.op_id, self.hooks.now(), f"peer {op.peer!r} not connected")
         loop = self.hooks.loop()
         role = Role.PREFILL if op.kind is OpKind.WRITE else Role.DECODE
         self.meter.op_asked(op.key, role, self.hooks.now())
@@ -84,6 +83,7 @@ class DataPlane:
             after(self.guard, self._after_submit, op, role, error, posted)
 
         self._run_job(job, inline)
+        return []
 
     def _after_submit(self, op: SubmitOp, role: Role, error: str | None, posted: tuple[int, int, float]) -> None:
         """On the loop, once the writer has posted `op` (or failed to): the meter, then the core."""
@@ -91,9 +91,9 @@ class DataPlane:
         now = self.hooks.now()
         if error is None:
             self.counters.posted(op.kind is OpKind.WRITE, posted[0])
-            self.hooks.run(self.core.op_submitted(op.op_id, now))
+            self.hooks.run(self.endpoint.op_submitted(op.op_id, now))
         else:
-            self.hooks.run(self.core.op_finished(op.op_id, now, error))
+            self.hooks.run(self.endpoint.op_finished(op.op_id, now, error))
 
     def wake(self) -> None:
         """The transport has something to report: one drain on the loop.  From any thread."""
@@ -110,15 +110,15 @@ class DataPlane:
         completions, notifications = self.transport.poll()
         now = self.hooks.now()
         for completion in completions:
-            self.hooks.run(self.core.op_finished(completion.op_id, now, completion.error))
-        check, registered = self.integrity, self.core.registered
+            self.hooks.run(self.endpoint.op_finished(completion.op_id, now, completion.error))
+        check, registered = self.integrity, self.endpoint.registered
         for note in notifications:
-            if (layout := self.assoc.layouts.get(note.peer)) is None:
+            if (layout := self.endpoint.peer_layout(note.peer)) is None:
                 self.counters.notifications_from_unknown += 1
                 continue
             pending = check.prepare(note.peer, note.payload, layout, registered) if check is not None else None
             if pending is None:
-                self.hooks.run(self.core.notification(note.peer, note.payload, now, None))
+                self.hooks.run(self.endpoint.notification(note.peer, note.payload, now, None))
                 continue
             inline = self._inline(pending.size)
             self._run_job(partial(self._check, note, pending, inline), inline)
@@ -137,9 +137,9 @@ class DataPlane:
         the inbox's to count, not a mismatch."""
         if pending.size:  # hashed (not a problem found from the seal alone)
             self.counters.integrity_checks += 1
-        if problem is not None and self.core.registered(pending.key):
+        if problem is not None and self.endpoint.registered(pending.key):
             self.counters.integrity_mismatches += 1
-        self.hooks.run(self.core.notification(note.peer, note.payload, self.hooks.now(), problem))
+        self.hooks.run(self.endpoint.notification(note.peer, note.payload, self.hooks.now(), problem))
 
     def _inline(self, size: int) -> bool:
         return size <= self.config.inline_op_bytes and self.submitter.idle()

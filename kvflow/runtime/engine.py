@@ -1,8 +1,11 @@
-"""The asyncio engine: a thin driver that feeds the pure core and executes what it decides.
+"""The asyncio engine: a thin driver that feeds one pure `Endpoint` and executes what it decides.
 
-Why thin: every decision about states, blocks and deadlines lives in `TransferCore`.  This
-module only (as aioquic's `asyncio/protocol.py`) turns events into core calls with the loop's
-clock, executes the returned actions, and re-arms one timer for the core's next deadline:
+Why thin: every decision about transfers, peers, blocks and deadlines lives in the endpoint
+(`kvflow.protocol.endpoint`, over the transfer core, the associations and their teardowns).
+This module only (as aioquic's `asyncio/protocol.py`) turns events into endpoint inputs with
+the loop's clock, has the effects it returns performed by one interpreter
+(`kvflow.runtime.interpreter`), and re-arms one timer for the endpoint's `next_deadline`,
+clamped so that a timer the loop fires early still runs what was due:
 
 * control messages go out through a `ControlChannel`;
 * data-plane ops are planned and submitted on a dedicated writer thread (never on the loop, so
@@ -12,8 +15,8 @@ clock, executes the returned actions, and re-arms one timer for the core's next 
 * released blocks go to `on_release` and to a queue any thread may poll (`released`; finished
   transfers go to `finished`); both keep the newest `config.results_kept` entries, dropping and
   counting the oldest when nobody polls;
-* peers (handshakes, heartbeats, leases) are decided by the pure `Associations`; their actions
-  are executed by `kvflow.runtime.peering`.
+* peer effects (routes, transport peers, Hellos, removals) are performed by
+  `kvflow.runtime.peering`, which returns the endpoint's answer to each synchronous outcome.
 
 Every callback runs under a guard: an exception is recorded in `crashed`, logged, and surfaced
 by the next API call and by `aclose` as `EngineCrashed`; it never dies silently in a task.
@@ -24,27 +27,28 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from functools import partial
 from typing import Any
 
 from kvflow.control.channel import ControlChannel
-from kvflow.errors import EngineClosed, EngineCrashed, LedgerError, UnsendableMessage, UsageError
+from kvflow.errors import EngineClosed, EngineCrashed, LedgerError, UsageError
 from kvflow.layout import KVLayout, fingerprint
-from kvflow.protocol.actions import Action, DeclarePeerLost, ReleaseBlocks, Resolve, SendMessage, SubmitOp
+from kvflow.protocol.actions import ReleaseBlocks
 from kvflow.protocol.association import Associations
 from kvflow.protocol.core import TransferCore
+from kvflow.protocol.endpoint import Effect, Endpoint
 from kvflow.protocol.lifecycle import Do, Event, Life, Lifecycle
 from kvflow.protocol.messages import ControlMessage, TransferKey, require_engine_id, transfer_key
-from kvflow.protocol.state import Mode, Outcome, Role
+from kvflow.protocol.state import Mode, Role
 from kvflow.protocol.teardown import HoldReport
 from kvflow.runtime.config import EngineConfig
 from kvflow.runtime.dataplane import DataPlane
+from kvflow.runtime.interpreter import Interpreter
 from kvflow.runtime.meter import TransferMeter
 from kvflow.runtime.peering import EngineHooks, PeerExecutor
-from kvflow.runtime.results import EngineCounters, TransferHandle, TransferResult, keep, open_handle
+from kvflow.runtime.results import EngineCounters, Outcomes, TransferHandle, TransferResult
 from kvflow.runtime.sleep import ASLEEP, MemoryRegistration
 from kvflow.runtime.timer import DeadlineTimer
 from kvflow.runtime.writer import Submitter, WriterThread
@@ -75,41 +79,48 @@ class Engine:
         self.transport = transport
         self.control = control
         self.config = config or EngineConfig()
-        self.core = TransferCore(engine_id, layout.spec.num_layers, self.config.core, layout.spec.groups)
+        core = TransferCore(engine_id, layout.spec.num_layers, self.config.core, layout.spec.groups)
         self.crashed: list[BaseException] = []
-        kept = self.config.results_kept  # thread-safe to popleft from anywhere; oldest dropped
-        self.released: deque[ReleaseBlocks] = deque(maxlen=kept)
-        self.finished: deque[TransferResult] = deque(maxlen=kept)
         self.meter = TransferMeter()  # per-transfer time, bytes and outcomes, for metrics
         self.counters = EngineCounters()
+        kept = self.config.results_kept
+        self.outcomes = Outcomes(engine_id, kept, self.meter, self.counters, on_release, self._guard)
+        self.released, self.finished = self.outcomes.released, self.outcomes.finished  # any thread may poll
         self._submitter = submitter or WriterThread(
             f"kvflow-writer-{engine_id}", self._record_crash, thread_setup=self.config.thread_setup
         )
         self._clock = clock
-        self._on_release = on_release
         cfg, interval = self.config, self.config.heartbeat_interval or self.config.lease / 6
         peering = (cfg.lease, interval, cfg.max_peers, cfg.suspect_timeout, cfg.allowed_peers)
         grace = 0.0 if transport.capabilities.fences_inbound else cfg.unfenced_grace
-        self.assoc = Associations(engine_id, fingerprint(layout.spec), *peering, grace=grace, hold=cfg.unfenced_hold)
-        hooks = EngineHooks(
-            self._run, self._now, self._running_loop, self._arm_timer, self._soon, lambda: self._life.closed
-        )
+        assoc = Associations(engine_id, fingerprint(layout.spec), *peering, grace=grace, hold=cfg.unfenced_hold)
+        self.endpoint = Endpoint(core, assoc, layout, auto_deliver=cfg.auto_deliver)
+        hooks = EngineHooks(self._execute, self._now, self._running_loop, self._soon, lambda: self._life.closed)
         peer_thread = peer_worker or WriterThread(
             f"kvflow-peers-{engine_id}", self._record_crash, thread_setup=self.config.thread_setup
         )
-        executing = (self.config, self.assoc, self.core, self.counters, hooks, peer_thread)
+        executing = (self.config, self.endpoint, self.counters, hooks, peer_thread)
         self._peers = PeerExecutor(engine_id, layout, transport, control, *executing)
         # ops planned and posted off the loop; P seals and D checks WRITEs there (opt-in)
-        parts = (self.core, self.assoc, self.counters, self.meter)
+        parts = (self.endpoint, self.counters, self.meter)
         self.data = DataPlane(engine_id, layout, transport, self._submitter, parts, self.config, hooks, self._guard)
-        self._handles: dict[tuple[TransferKey, Role], asyncio.Future[TransferResult]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._timer = DeadlineTimer()
-        self._traffic = True  # what the transport was last told (`Transport.expect_traffic`)
-        self._idle = asyncio.Event()
         self._life = Lifecycle()
-        run, now, idle = self._run, self._now, self._wait_idle
-        self.memory = MemoryRegistration(layout, transport, self.core, self.assoc, self._peers, run, now, idle)
+        performers = (self._peers, self.data, self.outcomes, transport)
+        self.interpreter = Interpreter(self.endpoint, *performers, self._now, self._arm_timer)
+        run, now, idle = self._execute, self._now, self.interpreter.wait_idle
+        self.memory = MemoryRegistration(layout, transport, self.endpoint, self._peers, run, now, idle)
+
+    @property
+    def core(self) -> TransferCore:
+        """The transfer core, to read: its inputs go through `endpoint`."""
+        return self.endpoint.core
+
+    @property
+    def assoc(self) -> Associations:
+        """The associations, to read: their inputs go through `endpoint`."""
+        return self.endpoint.associations
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -135,9 +146,7 @@ class Engine:
                     log.error("%s: closing an engine whose start failed: %r", self.engine_id, exc)
             raise
         self._life.feed(Event.STARTED)
-        self._idle.set()
-        self._traffic = False
-        self.transport.expect_traffic(False)
+        self.interpreter.started()
 
     def _close_owned(self) -> list[Exception]:
         """Stop the threads (if a job started them), unhook and close the transport, close the
@@ -183,16 +192,30 @@ class Engine:
         require_engine_id(peer, "peer")
         limit = timeout if timeout is not None else self.config.handshake_timeout
         if not self._peers.handshakes.under_way(peer):
-            self._peers.associate(self.assoc.connect(peer, address))
+            self._execute(self.endpoint.connect(peer, address, self._now()))
         await self._peers.handshakes.wait(peer, limit)
 
     def peer_layout(self, peer: str) -> KVLayout | None:
         """The KV layout `peer` announced in its handshake (None: not associated).  Never raises."""
-        return self.assoc.layouts.get(peer)
+        return self.endpoint.peer_layout(peer)
 
     def peers(self) -> list[str]:
         """The engines associated with this one now.  Never raises."""
-        return self.assoc.peers()
+        return self.endpoint.peers()
+
+    def drop_peer(self, peer: str, reason: str) -> None:
+        """Tell `peer` why (best effort), end the association and remove the peer: its live
+        transfers fail once the transport confirms nothing of it can land any more.
+
+        :raises EngineClosed, EngineCrashed: the engine is not running.
+        """
+        self._check_open(asleep=True)
+        self._execute(self.endpoint.tear_down(peer, reason, self._now()))
+
+    async def peers_settled(self, timeout: float) -> bool:
+        """Wait (at most `timeout` seconds) until every peer addition and removal has returned.
+        Never raises; False when some are still running."""
+        return await self._peers.settled(timeout)
 
     async def aclose(self, drain_timeout: float | None = None) -> None:
         """Let transfers finish (up to `drain_timeout`), abort the rest, wait for their fences,
@@ -206,23 +229,21 @@ class Engine:
                 log.error("%s: closing an engine that never ran: %r", self.engine_id, exc)
         if Do.WIND_DOWN not in steps:
             return
-        self.assoc.teardowns.closing()
+        self.endpoint.closing()
         limit = drain_timeout if drain_timeout is not None else self.config.drain_timeout
         await self.memory.wind_down("engine closing", limit, self.config.core.fence_timeout)
-        self._peers.associate(self.assoc.goodbye_all("engine closing"))
+        self._execute(self.endpoint.goodbye_all("engine closing", self._now()))
         self._peers.handshakes.close(self.engine_id)
         self._timer.cancel()
         for exc in self._close_owned():
             self._record_crash(exc)
         self._life.feed(Event.WOUND_DOWN)
-        unremoved = self.assoc.teardowns.unremoved()
+        unremoved = self.endpoint.unremoved()
         if unremoved:  # their blocks stay quarantined: no op of theirs was fenced
             log.error("%s: closed without removing peers %s", self.engine_id, sorted(unremoved))
         elif self.core.ledger.held_blocks or self.core.live():
             self._record_crash(LedgerError(f"engine closed holding {self.core.ledger.held_blocks} blocks"))
-        for future in self._handles.values():
-            if not future.done():
-                future.set_exception(EngineClosed(f"engine {self.engine_id!r} closed"))
+        self.outcomes.closed()
         if self.crashed:
             raise EngineCrashed(self.crashed)
 
@@ -270,7 +291,7 @@ class Engine:
         self._check_open()
         key, now = transfer_key(transfer_id, epoch), self._now()
         deadline = self._deadline(now, timeout)
-        actions = self.core.expect(
+        effects = self.endpoint.expect(
             key,
             peer=peer,
             mode=mode,
@@ -283,7 +304,7 @@ class Engine:
             layers=layers,
         )
         handle = self._handle(key, Role.DECODE)
-        self._run(actions)
+        self._execute(effects)
         return handle
 
     async def kv_ready(
@@ -309,7 +330,7 @@ class Engine:
         self._check_open()
         key, now = transfer_key(transfer_id, epoch), self._now()
         deadline = self._deadline(now, timeout)
-        actions = self.core.kv_ready(
+        effects = self.endpoint.kv_ready(
             key,
             block_ids=block_ids,
             now=now,
@@ -321,7 +342,7 @@ class Engine:
             deadline=deadline,
         )
         handle = self._handle(key, Role.PREFILL)
-        self._run(actions)
+        self._execute(effects)
         return handle
 
     async def abort(
@@ -345,7 +366,7 @@ class Engine:
         """
         self._check_open(asleep=True, closing=True)
         key = transfer_key(transfer_id, epoch)
-        self._run(self.core.abort(key, role, self._now(), reason, peer=peer, mode=mode))
+        self._execute(self.endpoint.abort(key, role, self._now(), reason, peer=peer, mode=mode))
 
     async def promise(self, transfer_id: str, epoch: int, *, peer: str) -> None:
         """P: this engine holds the request of the transfer, queued or prefilling, for `peer`;
@@ -354,7 +375,7 @@ class Engine:
         :raises ConfigError, EngineCrashed, EngineClosed: not a key the wire carries; crashed; closed.
         """
         self._check_open(asleep=True, closing=True)
-        self.core.promise(transfer_key(transfer_id, epoch), peer, self._now())
+        self.endpoint.promise(transfer_key(transfer_id, epoch), peer, self._now())
 
     async def delivered(self, transfer_id: str, epoch: int) -> None:
         """D (with `auto_deliver` off): the consumer took the blocks of a finished transfer.
@@ -363,7 +384,7 @@ class Engine:
         :raises ConfigError, EngineCrashed, EngineClosed: not a key the wire carries; crashed; closed.
         """
         self._check_open(asleep=True, closing=True)
-        self._run(self.core.delivered(transfer_key(transfer_id, epoch), self._now()))
+        self._execute(self.endpoint.delivered(transfer_key(transfer_id, epoch), self._now()))
 
     def stats(self) -> dict[str, Any]:
         """Counters of the core, the engine and the ledger.  Never raises."""
@@ -374,7 +395,7 @@ class Engine:
             "held_blocks": self.core.ledger.held_blocks,
             "quarantined_blocks": self.core.ledger.quarantined_blocks,
             # peers whose removal has not succeeded yet: their blocks stay held
-            "unfenced_peers": len(self.assoc.teardowns.unremoved()),
+            "unfenced_peers": len(self.endpoint.unremoved()),
             "crashed": len(self.crashed),
         }
 
@@ -384,64 +405,20 @@ class Engine:
 
         :raises EngineClosed: the engine was never started and has no injected clock.
         """
-        return self.assoc.teardowns.report(self._now())
+        return self.endpoint.hold_report(self._now())
 
     def poke(self) -> None:
         """Run due deadlines now (tests driving an injected clock call this).
 
         :raises EngineClosed: the engine was never started and has no injected clock.
         """
-        self._on_timer()
+        self._timer.cancel()
+        self._execute(self.endpoint.timer(self._now()))
 
-    # ------------------------------------------------------------------ executing actions
+    # ------------------------------------------------------------------ executing effects
 
-    def _run(self, actions: list[Action]) -> None:
-        queue = deque(actions)
-        while queue:
-            action = queue.popleft()
-            if isinstance(action, SendMessage):
-                self._send(action)
-            elif isinstance(action, SubmitOp):
-                self.data.submit(action)
-            elif isinstance(action, ReleaseBlocks):
-                self.meter.released(action.key, action.role, action.outcome, self._now())
-                self.counters.released_dropped += keep(self.released, action)
-                if self._on_release is not None:
-                    self._guard(self._on_release, action)
-            elif isinstance(action, Resolve):
-                queue.extend(self._resolve(action))
-            elif isinstance(action, DeclarePeerLost):
-                self._peers.tear_down(action.peer, action.reason)
-        self._arm_timer()
-        live = bool(self.core.live_count())
-        if live:
-            self._idle.clear()
-        else:
-            self._idle.set()
-        if live != self._traffic:
-            self._traffic = live
-            self.transport.expect_traffic(live)
-
-    def _resolve(self, action: Resolve) -> list[Action]:
-        result = TransferResult(action.key, action.role, action.outcome, action.reason)
-        if action.outcome is Outcome.FAILED or action.outcome is Outcome.EXPIRED:  # an abort is the caller's
-            what = (action.role.value, action.key, action.outcome.value, action.reason)
-            log.warning("%s: %s transfer %s %s: %s", self.engine_id, *what)
-        self.meter.resolved(action.key, action.role, action.outcome, self._now())
-        self.counters.finished_dropped += keep(self.finished, result)
-        future = self._handles.pop((action.key, action.role), None)
-        if future is not None and not future.done():
-            future.set_result(result)
-        if self.config.auto_deliver and action.role is Role.DECODE and result.ok:
-            return self.core.delivered(action.key, self._now())
-        return []
-
-    def _send(self, action: SendMessage) -> None:
-        error, message = self._peers.try_send(action.peer, action.message), action.message
-        if isinstance(error, UnsendableMessage):  # that message's fault: only its transfer fails
-            self._run(self.core.unsent(message.key, self._now(), f"its {type(message).__name__}: {error}"))
-        elif error is not None and action.peer in self.assoc.layouts:
-            self._peers.tear_down(action.peer, f"cannot send to it: {error}")
+    def _execute(self, effects: list[Effect]) -> None:
+        self.interpreter.execute(effects)
 
     # ------------------------------------------------------------------ inbound events
 
@@ -451,7 +428,7 @@ class Engine:
     def _on_control(self, sender: str, incarnation: int, message: ControlMessage) -> None:
         if not self._life.drives_inputs:
             return
-        self._peers.associate(self.assoc.receive(sender, incarnation, message, self._now()))
+        self._execute(self.endpoint.receive(sender, incarnation, message, self._now()))
 
     def _guarded_link(self, peer: str, up: bool) -> None:
         self._guard(self._on_link, peer, up)
@@ -460,7 +437,7 @@ class Engine:
         """The control connection to `peer` dropped or came back: a dropped one makes the peer
         suspect, lost within `config.suspect_timeout` unless it comes back."""
         if self._life.drives_inputs:
-            self._peers.associate(self.assoc.link_changed(peer, up, self._now()))  # (re-arms the timer)
+            self._execute(self.endpoint.link_changed(peer, up, self._now()))
 
     # ------------------------------------------------------------------ time
 
@@ -471,27 +448,21 @@ class Engine:
         return self._clock() if self._clock is not None else self._running_loop().time()
 
     def _arm_timer(self) -> None:
-        core, peers = self.core.next_deadline(), self.assoc.next_deadline()
-        when = peers if core is None else core if peers is None else min(core, peers)
-        self._timer.arm(self._loop, when, self._now, partial(self._guard, self._on_timer))
+        self._timer.arm(self._loop, self.endpoint.next_deadline(), self._now, partial(self._guard, self._on_timer))
 
     def _on_timer(self) -> None:
-        self._timer.fired()
-        now = self._now()
-        self._peers.associate(self.assoc.tick(now))
-        self._run(self.core.timer(now))
-
-    async def _wait_idle(self, limit: float) -> None:
-        if not self.core.live_count():
-            return
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._idle.wait(), limit)
+        """The loop's timer went off.  On the loop's clock, `now` is at least the instant it was
+        armed for: a loop may fire a timer a hair early, and what was due must run now rather
+        than re-arm for the same instant.  An injected clock is the truth as it reads."""
+        armed_for, now = self._timer.fired(), self._now()
+        if self._clock is None and armed_for is not None:
+            now = max(now, armed_for)
+        self._execute(self.endpoint.timer(now))
 
     # ------------------------------------------------------------------ plumbing
 
     def _handle(self, key: TransferKey, role: Role) -> TransferHandle:
-        m = self.core.machine(key, role)
-        return open_handle(self._handles, key, role, self._running_loop(), m.outcome, m.reason)
+        return self.outcomes.handle(self.endpoint.machine(key, role), self._running_loop())
 
     def _guard(self, fn: Callable[..., Any], *args: Any) -> None:
         if self._life.closed:
@@ -505,13 +476,10 @@ class Engine:
         log.error("%s: background failure: %r", self.engine_id, exc, exc_info=exc)
         self.crashed.append(exc)
 
-    def _check_crashed(self) -> None:
-        if self.crashed:
-            raise EngineCrashed(self.crashed)
-
     def _check_open(self, *, asleep: bool = False, closing: bool = False) -> None:
         """:raises EngineCrashed, EngineClosed, EngineAsleep: crashed; neither running nor `closing`; `asleep`."""
-        self._check_crashed()
+        if self.crashed:
+            raise EngineCrashed(self.crashed)
         if not self._life.accepts_calls and not (closing and self._life.state is Life.CLOSING):
             raise EngineClosed(f"engine {self.engine_id!r} is {self._life.state.value}")
         if not asleep:

@@ -1,12 +1,12 @@
-"""Executing what `Associations` decides: routes, transport peers, Hellos, teardowns.
+"""Executing the peer effects the `Endpoint` decides: routes, transport peers, Hellos, removals.
 
-Why apart from the engine: the engine drives transfers; this drives *peers*.  Every decision
-about who may associate, when a peer is lost and when a lost peer's blocks may go back is pure
-(`kvflow.protocol.association`, `kvflow.protocol.teardown`), with its deadlines on the engine's
-one timer; this module performs the effects in the order they were decided and feeds each
-outcome that can fail (a route refused, a transport refusing a peer's memory or failing to
-remove it, an answer that cannot be sent) back as an input.  The engine hands it the transfer
-core's entry points as callbacks, so the core stays the engine's.
+Why apart from the engine: the engine's interpreter executes transfer effects itself and hands
+every peer effect here.  Every decision about who may associate, when a peer is lost and when a
+lost peer's blocks may go back is pure (`kvflow.protocol.endpoint` over the associations and
+teardowns), with its deadlines on the engine's one timer; this module performs the effects and
+returns each outcome that can fail (a route refused, a Hello unsent, a transport refusing a
+peer's memory) as the endpoint's answer to it, for the interpreter to execute next.  Outcomes
+that come later (a peer added or removed on the peer thread) go to the engine as a new input.
 
 Why a peer thread: a transport's `add_peer` and `remove_peer` may block (NIXL loads a remote
 agent for up to 30 s; shared memory maps segments, waits for copies and takes an exclusive
@@ -24,37 +24,28 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
 from kvflow.control.channel import ControlChannel
 from kvflow.errors import EngineClosed, KVFlowError, TransportError
 from kvflow.layout import KVLayout, layout_to_wire
-from kvflow.protocol.actions import Action
-from kvflow.protocol.association import Associations
-from kvflow.protocol.core import TransferCore
-from kvflow.protocol.messages import MAX_HEARTBEAT_KEYS, ControlMessage, Goodbye, Heartbeat, Hello
+from kvflow.protocol.endpoint import Effect, Endpoint, PeerEffect
+from kvflow.protocol.messages import ControlMessage, Goodbye, Hello
 from kvflow.protocol.peer_actions import (
     AddRoute,
     AddTransportPeer,
     AnswerUnassociated,
-    AssociationAction,
     AwaitHandshake,
-    Deliver,
     HandshakeSettled,
-    PeerConnected,
-    Redeliver,
     Refused,
-    RenewLeases,
     SendControl,
-    SendHeartbeat,
     SendHello,
     TearDown,
     UnknownSender,
 )
-from kvflow.protocol.teardown import PeerFenced, PeerGone, RemovalFailed, RemovePeer
+from kvflow.protocol.teardown import PeerGone, RemovalFailed, RemovePeer
 from kvflow.runtime.config import EngineConfig
 from kvflow.runtime.descriptors import headroom_problem
 from kvflow.runtime.handshakes import Handshakes
@@ -69,18 +60,17 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class EngineHooks:
-    """What the executor needs from its engine, as callbacks (the engine's loop and state)."""
+    """What the executors need from their engine, as callbacks (the engine's loop and state)."""
 
-    run: Callable[[list[Action]], None]  # execute the transfer core's actions
+    run: Callable[[list[Effect]], None]  # execute what the endpoint answered to a later outcome
     now: Callable[[], float]
     loop: Callable[[], asyncio.AbstractEventLoop]  # :raises EngineClosed: not started
-    rearm: Callable[[], None]  # the pure layer's next deadline may have changed
     soon: Callable[..., None]  # soon(fn, *args), from any thread: call fn on the loop, guarded
     closed: Callable[[], bool]
 
 
 class PeerExecutor:
-    """Executes association actions for one engine."""
+    """Executes peer effects for one engine."""
 
     def __init__(
         self,
@@ -89,8 +79,7 @@ class PeerExecutor:
         transport: Transport,
         control: ControlChannel,
         config: EngineConfig,
-        assoc: Associations,
-        core: TransferCore,
+        endpoint: Endpoint,
         counters: EngineCounters,
         hooks: EngineHooks,
         worker: Submitter,
@@ -100,8 +89,7 @@ class PeerExecutor:
         self.transport = transport
         self.control = control
         self.config = config
-        self.assoc = assoc
-        self.core = core
+        self.endpoint = endpoint
         self.counters = counters
         self.hooks = hooks
         # a local connect waits on these; one left unanswered closes what it opened
@@ -111,6 +99,7 @@ class PeerExecutor:
         self.wire_layout = layout_to_wire(layout)  # what every Hello says of our layout
         self._loop_thread: int | None = None
         self._outstanding = 0  # peer jobs whose outcome the loop has not had yet
+        self._ended: set[str] = set()  # peers refused or torn down: their connection goes at the end
         self._settled = asyncio.Event()
         self._settled.set()
 
@@ -133,91 +122,60 @@ class PeerExecutor:
             return False
         return True
 
-    def associate(self, actions: Sequence[AssociationAction]) -> None:
-        """Execute, in order, what `Associations` decided.
+    def execute(self, effect: PeerEffect) -> list[Effect]:
+        """Perform one peer effect; what the endpoint answers to its outcome, to execute next.
 
         :raises PeerUnknown, PeerUnreachable, EngineClosed: a local connect's Hello cannot be sent.
         :raises ConfigError: the channel refused the address of a local connect.
         """
-        queue = deque(actions)
-        ended: set[str] = set()  # peers refused or torn down here: their connection goes at the end
-        # whether a deadline of the associations or teardowns may have moved: not for a message
-        # in from a peer (a Deliver re-arms through the core's actions, an unknown sender moves
-        # nothing), so that the common and the hostile message pay for no re-arm of their own;
-        # a teardown input with no action (a removal that returned into its grace) does re-arm
-        moved = not queue
-        while queue:
-            action = queue.popleft()
-            moved = moved or not isinstance(action, Deliver | UnknownSender | AnswerUnassociated)
-            if isinstance(action, Refused | TearDown):
-                ended.add(action.peer)
-            if isinstance(action, Deliver):
-                self.hooks.run(self.core.receive(action.peer, action.message, self.hooks.now()))
-            elif isinstance(action, SendHeartbeat):
-                keys = self.core.heartbeat_keys(action.peer, self.hooks.now())
-                for start in range(0, max(len(keys), 1), MAX_HEARTBEAT_KEYS):  # what one frame may name
-                    self.try_send(action.peer, Heartbeat(keys[start : start + MAX_HEARTBEAT_KEYS]))
-            elif isinstance(action, SendControl):
-                self.try_send(action.peer, action.message)
-            elif isinstance(action, SendHello):
-                queue.extendleft(reversed(self._send_hello(action)))
-            elif isinstance(action, RenewLeases):
-                self.hooks.run(self.core.renew(action.peer, action.keys, action.now, action.lease))
-            elif isinstance(action, TearDown):
-                level = logging.INFO if action.expected else logging.WARNING
-                log.log(level, "%s: tearing down peer %s: %s", self.engine_id, action.peer, action.reason)
-                now = self.hooks.now()
-                gone = self.assoc.teardowns.torn_down(action.peer, action.reason, now, answered=action.answered)
-                queue.extendleft(reversed(gone))
-            elif isinstance(action, RemovePeer):
-                self._off_loop(partial(self.transport.remove_peer, action.peer), self._removed, action)
-            elif isinstance(action, RemovalFailed):
-                self._removal_failed(action)
-            elif isinstance(action, PeerGone):
-                if action.failed_attempts:
-                    failed = action.failed_attempts
-                    log.warning("%s: peer %s removed after %d failed attempts", self.engine_id, action.peer, failed)
-                now = self.hooks.now()
-                self.hooks.run(self.core.peer_lost(action.peer, now, action.reason, unfenced=action.unfenced))
-                if action.unfenced and not self.core.unfenced(action.peer):
-                    queue.extendleft(reversed(self.assoc.teardowns.nothing_held(action.peer, now)))
-            elif isinstance(action, PeerFenced):
-                self.hooks.run(self.core.peer_fenced(action.peer))
-            elif isinstance(action, AddTransportPeer):
-                self._add_transport_peer(action)
-            elif isinstance(action, Redeliver):
-                now = self.hooks.now()
-                queue.extendleft(reversed(self.assoc.receive(action.peer, action.incarnation, action.hello, now)))
-            elif isinstance(action, PeerConnected):
-                self.hooks.run(self.core.peer_connected(action.peer, action.now, self._block_ratio(action.peer)))
-            elif isinstance(action, AddRoute):
-                queue.extendleft(reversed(self._add_route(action)))
-            elif isinstance(action, AwaitHandshake):
-                self.handshakes.begin(action.peer, self.hooks.loop())
-            elif isinstance(action, HandshakeSettled):
-                self.handshakes.settle(action.peer, action.error)
-            elif isinstance(action, Refused):
-                self.counters.peers_refused += 1
-                log.error("%s: refusing peer %s: %s", self.engine_id, action.peer, action.error)
-                if action.abandon:
-                    why = f"its handshake was refused: {action.error}"
-                    self.hooks.run(self.core.peer_lost(action.peer, self.hooks.now(), why, refused=True))
-            elif isinstance(action, UnknownSender):
-                self.counters.messages_from_unknown_peers += 1
-            elif isinstance(action, AnswerUnassociated):
-                self.counters.messages_from_unknown_peers += 1
-                self.control.answer(action.peer, action.incarnation, action.goodbye)
+        if isinstance(effect, Refused | TearDown):
+            self._ended.add(effect.peer)
+        if isinstance(effect, SendControl):
+            self.try_send(effect.peer, effect.message)
+        elif isinstance(effect, SendHello):
+            return self._send_hello(effect)
+        elif isinstance(effect, TearDown):
+            level = logging.INFO if effect.expected else logging.WARNING
+            log.log(level, "%s: tearing down peer %s: %s", self.engine_id, effect.peer, effect.reason)
+        elif isinstance(effect, RemovePeer):
+            self._off_loop(partial(self.transport.remove_peer, effect.peer), self._removed, effect)
+        elif isinstance(effect, RemovalFailed):
+            self._removal_failed(effect)
+        elif isinstance(effect, PeerGone):
+            if effect.failed_attempts:
+                failed = effect.failed_attempts
+                log.warning("%s: peer %s removed after %d failed attempts", self.engine_id, effect.peer, failed)
+        elif isinstance(effect, AddTransportPeer):
+            return self._add_transport_peer(effect)
+        elif isinstance(effect, AddRoute):
+            return self._add_route(effect)
+        elif isinstance(effect, AwaitHandshake):
+            self.handshakes.begin(effect.peer, self.hooks.loop())
+        elif isinstance(effect, HandshakeSettled):
+            self.handshakes.settle(effect.peer, effect.error)
+        elif isinstance(effect, Refused):
+            self.counters.peers_refused += 1
+            log.error("%s: refusing peer %s: %s", self.engine_id, effect.peer, effect.error)
+        elif isinstance(effect, UnknownSender):
+            self.counters.messages_from_unknown_peers += 1
+        elif isinstance(effect, AnswerUnassociated):
+            self.counters.messages_from_unknown_peers += 1
+            self.control.answer(effect.peer, effect.incarnation, effect.goodbye)
+        return []
+
+    def executed(self) -> None:
+        """A batch of effects is done: close the connections of the peers it ended, and say
+        whether every peer job has settled."""
+        ended, self._ended = self._ended, set()
         self._forget(ended)
         self._update_settled()
-        if moved:
-            self.hooks.rearm()
 
     def _forget(self, peers: set[str]) -> None:
         """Close the connections of peers refused or torn down (once their Reject or Goodbye was
-        queued, above): made-up names must not use up sockets.  A peer that is (again) associated
-        or being added keeps its own."""
+        queued): made-up names must not use up sockets.  A peer that is (again) associated or
+        being added keeps its own."""
         for peer in sorted(peers):
-            if peer not in self.assoc.layouts and peer not in self.assoc.adding:
+            if not self.endpoint.keeps_connection(peer):
                 self.control.forget(peer)
 
     def try_send(self, peer: str, message: ControlMessage) -> KVFlowError | None:
@@ -232,27 +190,14 @@ class PeerExecutor:
             return exc
         return None
 
-    def tear_down(self, peer: str, reason: str) -> None:
-        """Tell `peer` why (best effort), end the association, remove it (see `remove_peer`)."""
-        self.associate(self.assoc.tear_down(peer, reason))
-
-    def _block_ratio(self, peer: str) -> int:
-        """The larger of our and `peer`'s block sizes over the smaller (1: equal, not multiples,
-        or no layout known)."""
-        remote = self.assoc.layouts.get(peer)
-        if remote is None:
-            return 1
-        small, large = sorted((self.layout.spec.block_size, remote.spec.block_size))
-        return large // small if large % small == 0 else 1
-
     def _removed(self, action: RemovePeer, error: TransportError | None) -> None:
         if self.hooks.closed():
             return  # nothing is left to release into
         now = self.hooks.now()
         if error is None:
-            self.associate(self.assoc.teardowns.removed(action.number, now))
+            self.hooks.run(self.endpoint.removed(action.number, now))
         else:
-            self.associate(self.assoc.teardowns.removal_failed(action.number, now, error))
+            self.hooks.run(self.endpoint.removal_failed(action.number, now, error))
 
     def _removal_failed(self, action: RemovalFailed) -> None:
         """The transport could not remove the peer (it could not fence the peer's copies into our
@@ -269,35 +214,38 @@ class PeerExecutor:
             action.retry_in,
         )
 
-    def _add_route(self, action: AddRoute) -> list[AssociationAction]:
+    def _add_route(self, action: AddRoute) -> list[Effect]:
         """:raises ConfigError: the channel refused the address of a local connect."""
         try:
             self.control.add_route(action.peer, action.address)
         except KVFlowError as exc:
             if action.pending is None:
                 raise
-            return self.assoc.pending_refused(action.peer, action.pending, exc)
-        return [] if action.pending is None else self.assoc.route_added(action.peer, action.pending, self.hooks.now())
+            return self.endpoint.pending_refused(action.peer, action.pending, exc, self.hooks.now())
+        if action.pending is None:
+            return []
+        return self.endpoint.route_added(action.peer, action.pending, self.hooks.now())
 
-    def _add_transport_peer(self, action: AddTransportPeer) -> None:
+    def _add_transport_peer(self, action: AddTransportPeer) -> list[Effect]:
         """Add the peer on the peer thread; a transport refusing its metadata refuses the peer,
         and so does a process short of file descriptors."""
         pending = action.pending
         problem = headroom_problem()
         if problem is not None:
-            self.associate(self.assoc.pending_refused(action.peer, pending, TransportError(problem)))
-            return
+            return self.endpoint.pending_refused(action.peer, pending, TransportError(problem), self.hooks.now())
         self._off_loop(
             lambda: self.transport.add_peer(action.peer, pending.hello.transport_metadata, pending.layout.regions),
             self._added,
             action,
         )
+        return []
 
     def _added(self, action: AddTransportPeer, error: TransportError | None) -> None:
+        now = self.hooks.now()
         if error is not None:
-            self.associate(self.assoc.pending_refused(action.peer, action.pending, error))
+            self.hooks.run(self.endpoint.pending_refused(action.peer, action.pending, error, now))
         else:
-            self.associate(self.assoc.transport_peer_added(action.peer, action.pending, self.hooks.now()))
+            self.hooks.run(self.endpoint.transport_peer_added(action.peer, action.pending, now))
 
     def _off_loop(self, work: Callable[[], None], then: Callable[..., None], subject: object) -> None:
         """Run `work` on the peer thread, then `then(subject, error)` on the loop (at once when the
@@ -338,12 +286,12 @@ class PeerExecutor:
     def _update_settled(self) -> None:
         """Settled: no peer job whose outcome the loop has not had, and no failed removal waiting
         for its retry."""
-        if self._outstanding == 0 and not self.assoc.teardowns.backing_off():
+        if self._outstanding == 0 and not self.endpoint.backing_off():
             self._settled.set()
         else:
             self._settled.clear()
 
-    def _send_hello(self, action: SendHello) -> list[AssociationAction]:
+    def _send_hello(self, action: SendHello) -> list[Effect]:
         """Send our Hello; when it answers a peer's, its outcome is an input of the associations.
 
         :raises PeerUnknown, PeerUnreachable, EngineClosed: a local connect's Hello was not sent.
@@ -351,7 +299,7 @@ class PeerExecutor:
         try:
             hello = Hello(
                 self.engine_id,
-                self.assoc.fingerprint,
+                self.endpoint.fingerprint,
                 self.wire_layout,
                 self.metadata,
                 action.reply,
@@ -362,9 +310,9 @@ class PeerExecutor:
         except KVFlowError as exc:
             if action.associating:
                 self.counters.sends_failed += 1
-                return self.assoc.hello_unsent(action.peer, exc)
+                return self.endpoint.hello_unsent(action.peer, exc, self.hooks.now())
             if not action.best_effort:
                 raise
             log.warning("%s: cannot answer %s: %s", self.engine_id, action.peer, exc)
             return []
-        return self.assoc.hello_sent(action.peer, self.hooks.now()) if action.associating else []
+        return self.endpoint.hello_sent(action.peer, self.hooks.now()) if action.associating else []

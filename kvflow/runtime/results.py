@@ -2,21 +2,30 @@
 
 Why apart from the engine: these are the values an embedder holds on to (a vLLM connector, a
 thread driving the engine from outside the loop); they carry no engine state, only a future
-the engine resolves.
+the engine resolves.  `Outcomes` is the engine's side of them: it executes the endpoint's
+`Resolve` and `ReleaseBlocks` effects into futures, bounded queues, metrics and a callback.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kvflow.errors import TransferFailed, TransferTimeout
+from kvflow.errors import EngineClosed, TransferFailed, TransferTimeout
+from kvflow.protocol.actions import ReleaseBlocks, Resolve
+from kvflow.protocol.machine import Machine
 from kvflow.protocol.messages import TransferKey
 from kvflow.protocol.state import Outcome, Role
+from kvflow.runtime.meter import TransferMeter
 
-__all__ = ("EngineCounters", "TransferHandle", "TransferResult", "keep", "open_handle")
+__all__ = ("EngineCounters", "Outcomes", "TransferHandle", "TransferResult", "keep", "open_handle")
+
+# a transfer's end is the engine's line (what operators filter on, and what the connector points to)
+log = logging.getLogger("kvflow.runtime.engine")
 
 
 @dataclass(slots=True)
@@ -111,3 +120,52 @@ def keep(records: deque[Any], record: Any) -> bool:
     full = len(records) == records.maxlen
     records.append(record)
     return full
+
+
+class Outcomes:
+    """How an engine's transfers end, as its callers see it: each side's future, the bounded
+    queues any thread may poll (`released`, `finished`: the newest `kept`, the oldest dropped
+    and counted), the meter, and the `on_release` callback (run through `guard`)."""
+
+    def __init__(
+        self,
+        engine_id: str,
+        kept: int,
+        meter: TransferMeter,
+        counters: EngineCounters,
+        on_release: Callable[[ReleaseBlocks], None] | None,
+        guard: Callable[..., None],
+    ) -> None:
+        self.engine_id = engine_id
+        self.released: deque[ReleaseBlocks] = deque(maxlen=kept)  # thread-safe to popleft from anywhere
+        self.finished: deque[TransferResult] = deque(maxlen=kept)
+        self.meter, self.counters = meter, counters
+        self.on_release, self._guard = on_release, guard
+        self._futures: dict[tuple[TransferKey, Role], asyncio.Future[TransferResult]] = {}
+
+    def handle(self, machine: Machine, loop: asyncio.AbstractEventLoop) -> TransferHandle:
+        """The handle of `machine`'s side of its transfer (resolved already if it has ended)."""
+        return open_handle(self._futures, machine.key, machine.role, loop, machine.outcome, machine.reason)
+
+    def release(self, action: ReleaseBlocks, now: float) -> None:
+        self.meter.released(action.key, action.role, action.outcome, now)
+        self.counters.released_dropped += keep(self.released, action)
+        if self.on_release is not None:
+            self._guard(self.on_release, action)
+
+    def resolve(self, action: Resolve, now: float) -> None:
+        result = TransferResult(action.key, action.role, action.outcome, action.reason)
+        if action.outcome is Outcome.FAILED or action.outcome is Outcome.EXPIRED:  # an abort is the caller's
+            what = (action.role.value, action.key, action.outcome.value, action.reason)
+            log.warning("%s: %s transfer %s %s: %s", self.engine_id, *what)
+        self.meter.resolved(action.key, action.role, action.outcome, now)
+        self.counters.finished_dropped += keep(self.finished, result)
+        future = self._futures.pop((action.key, action.role), None)
+        if future is not None and not future.done():
+            future.set_result(result)
+
+    def closed(self) -> None:
+        """The engine closed: every handle still waiting raises `EngineClosed`."""
+        for future in self._futures.values():
+            if not future.done():
+                future.set_exception(EngineClosed(f"engine {self.engine_id!r} closed"))

@@ -20,9 +20,7 @@ from collections.abc import Awaitable, Callable
 
 from kvflow.errors import EngineAsleep
 from kvflow.layout import KVLayout
-from kvflow.protocol.actions import Action
-from kvflow.protocol.association import Associations
-from kvflow.protocol.core import TransferCore
+from kvflow.protocol.endpoint import Effect, Endpoint
 from kvflow.runtime.peering import PeerExecutor
 from kvflow.transports.base import Transport
 
@@ -35,24 +33,22 @@ ASLEEP = "engine asleep: its KV memory is unregistered (vLLM sleep mode)"
 
 class MemoryRegistration:
     """One engine's KV memory registration with its transport, and its transfers' wind-down.
-    `run`, `now`, `wait_idle`: the engine's (execute core actions; its clock; wait, bounded, until
-    no transfer is live)."""
+    `run`, `now`, `wait_idle`: the engine's (execute the endpoint's effects; its clock; wait,
+    bounded, until no transfer is live)."""
 
     def __init__(
         self,
         layout: KVLayout,
         transport: Transport,
-        core: TransferCore,
-        assoc: Associations,
+        endpoint: Endpoint,
         peers: PeerExecutor,
-        run: Callable[[list[Action]], None],
+        run: Callable[[list[Effect]], None],
         now: Callable[[], float],
         wait_idle: Callable[[float], Awaitable[None]],
     ) -> None:
         self.layout = layout
         self.transport = transport
-        self.core = core
-        self.assoc = assoc
+        self.endpoint = endpoint
         self.peers = peers
         self.run = run
         self.now = now
@@ -69,13 +65,11 @@ class MemoryRegistration:
         `fence_timeout` for their fences, tear down every peer if one never comes (none of
         them then gets a Goodbye), and wait for the peer removals under way.  Never raises."""
         await self.wait_idle(drain)
-        if self.core.live():
-            self.run(self.core.abort_all(self.now(), reason))
+        if self.endpoint.live():
+            self.run(self.endpoint.abort_all(self.now(), reason))
             await self.wait_idle(fence_timeout)
-        if self.core.live():
-            waited_on = {m.peer for m in self.core.live() if m.peer is not None}
-            for peer in sorted(waited_on | set(self.assoc.layouts)):
-                self.peers.tear_down(peer, f"{reason}: fence not confirmed")
+        if self.endpoint.live():
+            self.run(self.endpoint.tear_down_unfenced(reason, self.now()))
         await self.peers.settled(max(drain, fence_timeout))
 
     async def unregister(self, reason: str, fence_timeout: float) -> None:
@@ -86,11 +80,12 @@ class MemoryRegistration:
             stays asleep: a later call tries again).
         """
         if not self.asleep:
-            log.info("%s: unregistering the KV memory: %s", self.core.engine_id, reason)
-            self.asleep = self.assoc.refusing = reason
+            log.info("%s: unregistering the KV memory: %s", self.peers.engine_id, reason)
+            self.asleep = reason
+            self.endpoint.refuse_handshakes(reason)
             await self.wind_down(reason, 0.0, fence_timeout)
-            for peer in self.assoc.peers():
-                self.peers.tear_down(peer, reason)  # the peer's remote keys die with the registration
+            for peer in self.endpoint.peers():  # the peer's remote keys die with the registration
+                self.run(self.endpoint.tear_down(peer, reason, self.now()))
             await self.peers.settled(fence_timeout)
         self.transport.deregister_regions()
 
@@ -109,5 +104,6 @@ class MemoryRegistration:
         except BaseException:
             self.transport.deregister_regions()
             raise
-        self.asleep = self.assoc.refusing = ""
-        log.info("%s: KV memory registered again", self.core.engine_id)
+        self.asleep = ""
+        self.endpoint.refuse_handshakes("")
+        log.info("%s: KV memory registered again", self.peers.engine_id)

@@ -40,9 +40,10 @@ class DeadlineTimer:
         self._at = when
         self._handle = loop.call_later(max(when - clock(), 0.0), fire)
 
-    def fired(self) -> None:
-        """The timer went off: nothing is armed any more."""
-        self._handle, self._at = None, None
+    def fired(self) -> float | None:
+        """The timer went off: nothing is armed any more.  The instant it was armed for."""
+        at, self._handle, self._at = self._at, None, None
+        return at
 
     def cancel(self) -> None:
         if self._handle is not None:
