@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from kvflow.protocol.actions import Action, DeclarePeerLost, OpKind, ReleaseBlocks, Resolve, SendMessage, SubmitOp
 from kvflow.protocol.core import CoreConfig, TransferCore
 from kvflow.protocol.messages import OPEN_BATCHES, Message, TransferKey
-from kvflow.protocol.state import TERMINAL, Mode, Outcome, Role
+from kvflow.protocol.state import Mode, Outcome, Role
+from kvflow.protocol.transfer_tables import TERMINAL
 
 NUM_LAYERS = 2
 P_BLOCKS = 12

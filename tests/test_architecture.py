@@ -350,6 +350,7 @@ CONNECTOR_MODULES = frozenset(
         "releases",  # what differs between the vLLM releases it runs on
         "mapping",  # scheduler side: vLLM requests to transfers
         "stages",  # its requests' table
+        "intake",  # which requests' params it serves, and its refusals
         "params",
         "producer",
         "settings",

@@ -18,7 +18,7 @@ from kvflow.errors import ConfigError
 from kvflow_tools.errors import BenchError
 from kvflow_tools.pd.workload import Arrival
 from kvflow_tools.routing.backends import Backend
-from kvflow_tools.routing.router import nixl_push_decode_body
+from kvflow_tools.routing.legs import nixl_push_decode_body
 from kvflow_tools.serve import bench_serve, serve_report
 from kvflow_tools.serve.bench_serve import MODEL, add_arguments, kv_bytes_per_token, main, plan_phases, rotated
 from kvflow_tools.serve.client import Result, deltas, group_usage, metric_sum, prompt_ids

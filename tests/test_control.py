@@ -22,7 +22,8 @@ from kvflow.control.channel import MAX_CLOCK_SKEW, LocalControlHub, incarnation_
 from kvflow.control.connections import ConnectionWatch
 from kvflow.control.counts import ControlCounts, Rejection
 from kvflow.control.receiving import YIELD_EVERY
-from kvflow.control.zeromq import RECEIVE_QUEUE, ZmqControl, is_loopback
+from kvflow.control.sockets import RECEIVE_QUEUE, is_loopback
+from kvflow.control.zeromq import ZmqControl
 from kvflow.errors import ConfigError, EngineClosed, HandshakeTimeout, PeerUnknown, PeerUnreachable, UsageError
 from kvflow.protocol.messages import (
     MAX_EPOCH,

@@ -14,7 +14,8 @@ from kvflow.errors import InvalidBatch
 from kvflow.protocol.actions import Action, ReleaseBlocks, Resolve, SendMessage, SubmitOp
 from kvflow.protocol.core import TransferCore
 from kvflow.protocol.messages import MAX_BLOCKS, Done, Message, Registration, TransferKey
-from kvflow.protocol.state import TERMINAL, Mode, Outcome, Role, State
+from kvflow.protocol.state import Mode, Outcome, Role, State
+from kvflow.protocol.transfer_tables import TERMINAL
 
 KEY = TransferKey("t", 1)
 

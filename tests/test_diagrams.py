@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from kvflow.protocol import phases, teardown
-from kvflow.protocol.state import STATE_TRIGGERED, TABLES, Input, Mode, Role, State
+from kvflow.protocol.state import STATE_TRIGGERED, Input, Mode, Role, State
+from kvflow.protocol.transfer_tables import TABLES
 from kvflow_tools.cli import main as cli_main
 from kvflow_tools.diagrams import DEFAULT_OUTPUT, REGENERATE, main, render
 

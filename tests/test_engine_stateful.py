@@ -84,7 +84,7 @@ class EngineProtocol(RuleBasedStateMachine):
         if fabric.is_dead(op.peer) or fabric.is_dead(op.initiator.name):
             return
         issuer = self.pair.p if op.initiator.name == "P" else self.pair.d
-        owner = issuer.core._ops.get(op.op_id)
+        owner = issuer.core.op_owner(op.op_id)
         assert owner is not None, f"op {op.op_id} of {op.initiator.name} runs for no transfer"
         key = owner[0]
         d_ledger, p_ledger = self.pair.d.core.ledger, self.pair.p.core.ledger

@@ -28,7 +28,8 @@ from kvflow.protocol.peer_actions import (
     TearDown,
     UnknownSender,
 )
-from kvflow.protocol.state import ACTIVE, Mode, Outcome, Role
+from kvflow.protocol.state import Mode, Outcome, Role
+from kvflow.protocol.transfer_tables import ACTIVE
 from kvflow.runtime.engine import Engine, EngineConfig
 from kvflow.transports.loopback import FaultPlan, LoopbackFabric
 from kvflow_tools.testing import SMALL_SPEC, EnginePair, KVBuffers, same_kv

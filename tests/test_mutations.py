@@ -14,7 +14,8 @@ import pytest
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import RuleBasedStateMachine, run_state_machine_as_test
 
-from kvflow.protocol.state import TABLES, Effect, Input, Mode, Role, State, Transition
+from kvflow.protocol.state import Effect, Input, Mode, Role, State, Transition
+from kvflow.protocol.transfer_tables import TABLES
 from tests.core_model import InvariantViolation
 from tests.test_core_stateful import EXAMPLES, STEPS, CoreProtocol
 from tests.test_engine_stateful import EngineProtocol

@@ -110,8 +110,8 @@ def test_nixl_without_any_backend_plugin_is_unavailable(tmp_path: Path) -> None:
 
 
 def died(a: NixlTransport) -> None:
-    a._thread.join(timeout=60)  # a guard against a hang; the thread ends as soon as it fails
-    assert not a._thread.is_alive()
+    a.agent_thread.thread.join(timeout=60)  # a guard against a hang; the thread ends as soon as it fails
+    assert not a.agent_thread.thread.is_alive()
 
 
 def assert_dead(ends: Ends, cause: str) -> None:
@@ -143,7 +143,7 @@ def test_a_bug_on_the_agent_thread_fails_the_op_in_flight_and_every_later_call(
         return "PROC"  # in flight: the agent thread drives it
 
     monkeypatch.setattr(agent, "transfer", posted)
-    monkeypatch.setattr(a, "_inline_poll", 0.0)  # submit never polls the op itself
+    monkeypatch.setattr(a, "inline_poll", 0.0)  # submit never polls the op itself
     bug = RuntimeError(f"{call} went wrong")
     if call == "check_xfer_state":
         monkeypatch.setattr(agent, "check_xfer_state", raising(bug))
@@ -170,7 +170,7 @@ def test_a_listener_that_raises_ends_the_agent_thread_and_later_calls_fail(ends:
 
 def test_a_call_waiting_on_the_agent_thread_fails_when_it_dies(ends: Ends, monkeypatch: pytest.MonkeyPatch) -> None:
     a = ends.a
-    monkeypatch.setattr(a, "_call_timeout", 3600.0)  # only the thread's death can end the wait
+    monkeypatch.setattr(a.agent_thread, "call_timeout", 3600.0)  # only the thread's death can end the wait
     inside, fail = threading.Event(), threading.Event()
 
     def stuck(*args: object) -> NoReturn:
@@ -180,7 +180,7 @@ def test_a_call_waiting_on_the_agent_thread_fails_when_it_dies(ends: Ends, monke
 
     monkeypatch.setattr(a._agent, "get_new_notifs", stuck)
     assert inside.wait(timeout=60)  # the agent thread is inside the call now
-    queued = a._jobs.qsize()
+    queued = a.agent_thread.jobs.qsize()
     outcome: list[BaseException] = []
 
     def caller() -> None:
@@ -192,9 +192,9 @@ def test_a_call_waiting_on_the_agent_thread_fails_when_it_dies(ends: Ends, monke
     thread = threading.Thread(target=caller, daemon=True)
     thread.start()
     end = time.monotonic() + 60
-    while a._jobs.qsize() == queued and time.monotonic() < end:  # until its job waits in the queue
+    while a.agent_thread.jobs.qsize() == queued and time.monotonic() < end:  # until its job waits in the queue
         time.sleep(0.001)
-    assert a._jobs.qsize() > queued
+    assert a.agent_thread.jobs.qsize() > queued
     fail.set()
     thread.join(timeout=60)
     assert not thread.is_alive()

@@ -24,7 +24,7 @@ import pytest_asyncio
 
 from kvflow.integrations.vllm.params import TransferParams
 from kvflow.protocol.state import Mode
-from kvflow_tools.routing import router
+from kvflow_tools.routing import legs, router
 from tests.router_processes import ROOT, ROUTER_MODULE, WAIT, Process, start_fake, start_router, stop_clean
 
 SCRIPTS = ROOT / "examples" / "vllm_1p1d"
@@ -281,11 +281,11 @@ async def test_bad_input_is_refused_and_not_dispatched(live: Live, data: bytes, 
 
 @pytest.mark.asyncio
 async def test_a_prefill_answer_larger_than_the_router_holds_fails_the_leg(live: Live) -> None:
-    body = {"prompt": "x", "fake": {"P": {"bloat": router.MAX_PREFILL_ANSWER + 1000}}}
+    body = {"prompt": "x", "fake": {"P": {"bloat": legs.MAX_PREFILL_ANSWER + 1000}}}
     async with live.http.post(live.stack.router + "/v1/completions", json=body) as response:
         assert response.status == 502
         error = (await response.json())["error"]
-    assert error["leg"] == "prefill" and f"more than {router.MAX_PREFILL_ANSWER} bytes" in error["message"]
+    assert error["leg"] == "prefill" and f"more than {legs.MAX_PREFILL_ANSWER} bytes" in error["message"]
 
 
 @pytest.mark.asyncio
@@ -345,7 +345,7 @@ D_BACKEND = router.Backend("http://d:8200", "decode-0", "tcp://127.0.0.1:5800")
 
 
 def kvflow_params(transfer_id: str, mode: str = "push") -> dict[str, Any]:
-    return router.kvflow_params(Mode(mode), P_BACKEND, D_BACKEND, transfer_id)
+    return legs.kvflow_params(Mode(mode), P_BACKEND, D_BACKEND, transfer_id)
 
 
 @pytest.mark.parametrize("mode", ["push", "pull"])
@@ -359,7 +359,7 @@ def test_kvflow_params_are_what_the_connector_parses(mode: str) -> None:
 def test_prefill_body_asks_one_token_without_streaming() -> None:
     body = {"prompt": "p", "max_tokens": 7, "min_tokens": 3, "stream": True, "stream_options": {}, "n": 1}
     params = kvflow_params("t")
-    out = router.prefill_body(body, params)
+    out = legs.prefill_body(body, params)
     assert out == {
         "prompt": "p",
         "max_tokens": 1,
@@ -369,15 +369,15 @@ def test_prefill_body_asks_one_token_without_streaming() -> None:
         "kv_transfer_params": {"do_remote_decode": True, "kvflow": params},
     }
     assert body["max_tokens"] == 7 and "stream_options" in body  # the client's body is left alone
-    assert "min_tokens" not in router.prefill_body({"min_tokens": 0}, params)
+    assert "min_tokens" not in legs.prefill_body({"min_tokens": 0}, params)
     assert "max_completion_tokens" not in out
-    assert router.prefill_body({"max_completion_tokens": 5}, params)["max_completion_tokens"] == 1
+    assert legs.prefill_body({"max_completion_tokens": 5}, params)["max_completion_tokens"] == 1
 
 
 def test_decode_body_is_the_client_body_with_params() -> None:
     params = kvflow_params("t")
     body = {"prompt": "p", "stream": True, "kv_transfer_params": {"other": 1}}
-    assert router.decode_body(body, params) == {
+    assert legs.decode_body(body, params) == {
         "prompt": "p",
         "stream": True,
         "kv_transfer_params": {"do_remote_prefill": True, "kvflow": params},
@@ -385,8 +385,8 @@ def test_decode_body_is_the_client_body_with_params() -> None:
 
 
 def test_leg_headers() -> None:
-    assert router.leg_headers("t", None) == {"X-Request-Id": "kvflow-t"}
-    assert router.leg_headers("t", "Bearer k") == {"X-Request-Id": "kvflow-t", "Authorization": "Bearer k"}
+    assert legs.leg_headers("t", None) == {"X-Request-Id": "kvflow-t"}
+    assert legs.leg_headers("t", "Bearer k") == {"X-Request-Id": "kvflow-t", "Authorization": "Bearer k"}
 
 
 def test_command_line() -> None:

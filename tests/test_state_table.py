@@ -16,12 +16,7 @@ from kvflow.protocol.actions import Action, ReleaseBlocks, SendMessage, SubmitOp
 from kvflow.protocol.core import TransferCore
 from kvflow.protocol.messages import Notice, Quiesced, Registration, TransferKey, id_tag
 from kvflow.protocol.state import (
-    ACTIVE,
-    FENCING,
-    FENCING_DONE,
     STATE_TRIGGERED,
-    TABLES,
-    TERMINAL,
     TRIGGERS_BY_STATE,
     Condition,
     Effect,
@@ -38,6 +33,7 @@ from kvflow.protocol.state import (
     transition,
     triggers_by_state,
 )
+from kvflow.protocol.transfer_tables import ACTIVE, FENCING, FENCING_DONE, TABLES, TERMINAL
 from kvflow_tools.diagrams import reachable_from
 
 SIDES = sorted(TABLES, key=lambda k: (k[0].value, k[1].value))
@@ -78,13 +74,13 @@ def check_pair(side: tuple[Mode, Role], state: State, input_: Input) -> None:
     expected = TABLES[side].get((state, input_))
     if expected is None:
         with pytest.raises(InvalidTransition) as caught:
-            core._feed(m, input_, 1.0)
+            core.feed(m, input_, 1.0)
         assert (repr(m), core.ledger.held_blocks, repr(core.stats)) == before
         assert m.state is state
         message = str(caught.value)
         assert state.name in message and input_.name in message and f"{id_tag('t')}@1" in message
     else:
-        core._feed(m, input_, 1.0)
+        core.feed(m, input_, 1.0)
         assert m.state is settled(side, expected.target, m.holds)
 
 

@@ -111,7 +111,7 @@ def test_the_command_refuses_an_unknown_connector_before_starting_anything() -> 
 def test_a_pair_that_does_not_start_in_time_is_started_again_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """A start that hangs (seen once in CI: engines that never said ready) gets one more try with
     fresh ports; an engine that exits is not retried, and a second hang is reported."""
-    from kvflow_tools.bench import bench_vllm as bench
+    from kvflow_tools.bench import runner_pair as bench
     from kvflow_tools.errors import BenchError
 
     attempts: list[str] = []
@@ -167,7 +167,7 @@ def test_a_connector_whose_engines_run_another_vllm_is_refused(monkeypatch: pyte
     they run, and the pair is refused before any request, naming both."""
     import sys
 
-    from kvflow_tools.bench.bench_vllm import start_pair
+    from kvflow_tools.bench.runner_pair import start_pair
     from kvflow_tools.bench.systems import installed_release
     from kvflow_tools.errors import BenchError
 

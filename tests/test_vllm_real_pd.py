@@ -27,7 +27,7 @@ import pytest
 
 from kvflow.protocol.state import Mode
 from kvflow_tools.routing.backends import Backend
-from kvflow_tools.routing.router import decode_body, kvflow_params, prefill_body
+from kvflow_tools.routing.legs import decode_body, kvflow_params, prefill_body
 from kvflow_tools.serve.launcher import Deployment, ServeOptions, Server
 from tests.vllm_real import (
     BLOCK,

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from kvflow.protocol.state import Mode
-from kvflow_tools.routing import router
+from kvflow_tools.routing import legs, router
 from kvflow_tools.standin import EngineOptions, ModelShape, StandInEngine
 from tests.vllm_compat_registry import moves, refused_at_handshake, scenario
 from tests.vllm_pairs import consecutive_free_ports, fabric, kvflow_engine, make_pair, move_and_check, settle
@@ -143,7 +143,7 @@ def _data_parallel(fragment: str, caplog: pytest.LogCaptureFixture) -> None:
     try:
         prefill = router.Backend("http://p:8100", "prefill", f"tcp://127.0.0.1:{p_base}", tp_size=1, dp_rank=1)
         decode = router.Backend("http://d:8200", "decode", f"tcp://127.0.0.1:{d_base}", tp_size=2, dp_rank=1)
-        kv = router.kvflow_params(Mode.PUSH, prefill, decode, "t-dp")
+        kv = legs.kvflow_params(Mode.PUSH, prefill, decode, "t-dp")
         assert kv["decode"] == {"engine": "decode_dp1", "address": f"tcp://127.0.0.1:{d_base + 2}", "tp_size": 2}
         assert [e.engine_id for e in d.kvflow_engines()] == ["decode_dp1-tp0", "decode_dp1-tp1"]
         assert decode.headers({}) == {"X-data-parallel-rank": "1"}

@@ -1,25 +1,20 @@
 """NIXL transport: the RDMA data plane (UCX here; LIBFABRIC for AWS EFA; GPUDirect VRAM).
 
-Why one thread owns the agent: NIXL's default thread-sync mode is NONE, and in RW mode a long
-synchronous post in one thread blocks notification polling in another.  Here a dedicated
-`kvflow-nixl-<name>` thread creates the agent and makes every agent call but one; other threads
-hand it jobs and wait.  It registers memory, exchanges metadata, adds and removes peers, sends
-standalone notifications and tears down; it polls `check_xfer_state` for every op in flight
-(which also drives UCX, so notifications leave promptly: UCX sends a WRITE's notification only
-when the initiator makes progress), polls `get_new_notifs`, and reports through the transport
-listener.  The exception is posting: `submit` builds and posts a WRITE or READ on the caller's
-thread (the engine's writer thread, never the event loop nor the host engine's thread), polls
-it briefly, and leaves it to the agent thread if it is not done.  The agent runs in STRICT
-sync mode so that those posts may come from another thread, and a lock orders them with
-`remove_peer`.  NIXL's own progress thread is off: the Python wrapper runs it with a zero
-delay, which spins a whole core per agent.
+Threads: one thread, `kvflow-nixl-<name>`, owns the agent (`nixl_agent_thread` says why, and
+how it runs): it creates the agent and makes every agent call but one.  It registers memory,
+exchanges metadata, adds and removes peers, sends standalone notifications and tears down; it
+polls `check_xfer_state` for every op in flight (which also drives UCX, so notifications leave
+promptly: UCX sends a WRITE's notification only when the initiator makes progress), polls
+`get_new_notifs`, and reports through the transport listener.  The exception is posting:
+`submit` builds and posts a WRITE or READ on the caller's thread (the engine's writer thread,
+never the event loop nor the host engine's thread), polls it briefly, and leaves it to the
+agent thread if it is not done.  The agent runs in STRICT sync mode so that those posts may
+come from another thread, and a lock orders them with `remove_peer`.  NIXL's own progress
+thread is off: the Python wrapper runs it with a zero delay, which spins a whole core per agent.
 
-Two ways to post an op:
-
-* ``direct`` (default): descriptor lists built from kvflow's coalesced plan for each op
-  (`initialize_xfer`), so a run of contiguous blocks is one descriptor;
-* ``prepped``: per-granule descriptor lists prepared once per region and per peer
-  (`prep_xfer_dlist`), ops by index (`make_prepped_xfer`); the plan's runs become index ranges.
+Two ways to post an op (`mode`): ``direct`` (default), with descriptor lists built from the
+plan for each op, and ``prepped``, with per-granule lists prepared once per region and per peer
+and ops by index; `nixl_descriptors` builds both kinds of list.
 
 Memory: DRAM (numpy arrays, CPU tensors) and VRAM (CUDA tensors, GPUDirect RDMA) as the loaded
 backend reports.  Trainium: NIXL has no Neuron memory type; Neuron HBM is registered as VRAM
@@ -38,9 +33,7 @@ when the link returns (the engine holds the peer's blocks until then: `kvflow.ru
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
-import queue
 import threading
 import time
 from collections import deque
@@ -54,13 +47,13 @@ import numpy.typing as npt
 from kvflow.errors import ConfigError, KVFlowError, TransportError, TransportUnavailable, map_exceptions
 from kvflow.layout import DescriptorPlan, MemoryType, Region
 from kvflow.protocol.actions import OpKind
-from kvflow.transports.base import Completion, Notification, TransportCapabilities, drain, region_address
+from kvflow.transports.base import Completion, Notification, TransportCapabilities, drain
+from kvflow.transports.nixl_agent_thread import AgentThread, AgentWork
+from kvflow.transports.nixl_descriptors import MEM_NAMES, descriptor_rows, granule_indices, granule_rows
 from kvflow.transports.nixl_setup import INSTALL_HINT, load_nixl, net_devices, nixl_failures, require
 
 __all__ = ("INSTALL_HINT", "NixlTransport", "load_nixl", "nixl_failures", "require")
 
-_MEM_NAMES = {MemoryType.DRAM: "DRAM", MemoryType.VRAM: "VRAM"}
-LIST_ROWS = 128  # descriptor rows built as a list of tuples, not an array (see `_descs`)
 _SEG_TYPES = {"DRAM_SEG": MemoryType.DRAM, "VRAM_SEG": MemoryType.VRAM}
 log = logging.getLogger(__name__)
 
@@ -92,6 +85,10 @@ class NixlTransport:
     `thread_setup` runs first on the agent thread (a GPU host binds it to its device: UCX
     disables CUDA IPC on a thread with no CUDA device set).  `cuda` False: this endpoint moves
     host memory only (see `load_nixl`).
+
+    `agent_thread` is the `AgentThread` that owns the agent: this transport hands it what to run
+    there (`AgentWork`: `_start_agent`, `_progress`, `_busy`, `_die` and `_teardown`) and goes
+    through it for every agent call but posting.
 
     NIXL's own exceptions (`nixl_failures`) become `TransportError` at every call into NIXL;
     anything else raised there is a bug and propagates as it is.  Raised on the agent thread
@@ -132,6 +129,14 @@ class NixlTransport:
         if mode not in ("direct", "prepped") or (mode == "prepped" and not granule):
             raise ConfigError("mode must be 'direct', or 'prepped' with a granule (the block length)")
         self.name = name
+        work = AgentWork(
+            start_agent=self._start_agent,
+            progress=self._progress,
+            busy=self._busy,
+            die=self._die,
+            teardown=self._teardown,
+        )
+        self.agent_thread = AgentThread(name, work, idle_poll=idle_poll, lazy_poll=lazy_poll, call_timeout=call_timeout)
         self.mode = mode
         self.granule = granule
         self._api = load_nixl(cuda)
@@ -140,13 +145,8 @@ class NixlTransport:
         self._backends = list(backends)
         self._backend_params = backend_params or {}
         self._loopback_only = loopback_only
-        self._idle_poll = idle_poll
-        self._lazy_poll = lazy_poll
-        self._traffic = True  # transfers under way, until the engine says otherwise
-        self._inline_poll = inline_poll
-        self._call_timeout = call_timeout
+        self.inline_poll = inline_poll  # how long `submit` polls an op it posted
         self._thread_setup = thread_setup
-        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._completions: deque[Completion] = deque()
         self._notifications: deque[Notification] = deque()
         self._listener: Callable[[], None] | None = None
@@ -159,71 +159,41 @@ class NixlTransport:
         # remote agents NIXL has loaded, by name: their metadata (kept after `remove_peer`)
         self._loaded: dict[str, bytes] = {}
         self._peer_lock = threading.Lock()
-        self._closed = False
-        self._failure: BaseException | None = None  # what ended the agent thread, once something has
-        self._death: concurrent.futures.Future[None] = concurrent.futures.Future()  # wakes `_call`s
         self._agent: Any = None
         self._mem_types: frozenset[MemoryType] = frozenset()
-        started: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self._thread = threading.Thread(target=self._run, args=(started,), name=f"kvflow-nixl-{name}", daemon=True)
-        self._thread.start()
-        try:
-            started.result(timeout=call_timeout)
-        except concurrent.futures.TimeoutError:
-            raise TransportError(f"NIXL agent {name!r} did not start within {call_timeout}s") from None
+        self.agent_thread.start()
 
-    # ------------------------------------------------------------------ the agent thread
+    # ------------------------------------------------------------------ run on the agent thread
 
-    def _run(self, started: concurrent.futures.Future[None]) -> None:
+    def _start_agent(self) -> None:
+        if self._thread_setup is not None:
+            self._thread_setup()
+        strict = self._api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT  # writers post from their thread
+        config = self._api.nixl_agent_config(enable_prog_thread=False, backends=[], sync_mode=strict)
         try:
-            if self._thread_setup is not None:
-                self._thread_setup()
-            strict = self._api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT  # writers post from their thread
-            config = self._api.nixl_agent_config(enable_prog_thread=False, backends=[], sync_mode=strict)
-            try:
-                with self._nixl("creating the agent"):
-                    self._agent = self._api.nixl_agent(self.name, config)
-            except RuntimeError as exc:  # the wrapper's own failure: NIXL found no backend plugin at all
-                raise TransportUnavailable(f"NIXL on {self.name!r}: {exc}; reinstall it: {INSTALL_HINT}") from exc
-            with self._nixl("creating the backends"), net_devices(self._loopback_only):
-                for backend in self._backends:
-                    self._agent.create_backend(backend, self._backend_params.get(backend, {}))
-                mems = {m for b in self._backends for m in self._agent.get_backend_mem_types(b)}
-                self._mem_types = frozenset(_SEG_TYPES[m] for m in mems if m in _SEG_TYPES)
-        except BaseException as exc:
-            started.set_exception(exc)
-            return
-        started.set_result(None)
-        try:
-            while True:
-                try:
-                    job = self._jobs.get(
-                        timeout=0 if self._busy() else self._idle_poll if self._traffic else self._lazy_poll
-                    )
-                except queue.Empty:
-                    job = None if self._closed else _noop
-                if job is None:
-                    break
-                job()
-                self._progress()
-        except BaseException as exc:  # a bug (kvflow's, NIXL's, the listener's): nothing may hang on it
-            self._die(exc)
-            return
-        self._teardown()
+            with self._nixl("creating the agent"):
+                self._agent = self._api.nixl_agent(self.name, config)
+        except RuntimeError as exc:  # the wrapper's own failure: NIXL found no backend plugin at all
+            raise TransportUnavailable(f"NIXL on {self.name!r}: {exc}; reinstall it: {INSTALL_HINT}") from exc
+        with self._nixl("creating the backends"), net_devices(self._loopback_only):
+            for backend in self._backends:
+                self._agent.create_backend(backend, self._backend_params.get(backend, {}))
+            mems = {m for b in self._backends for m in self._agent.get_backend_mem_types(b)}
+            self._mem_types = frozenset(_SEG_TYPES[m] for m in mems if m in _SEG_TYPES)
 
     def _die(self, exc: BaseException) -> None:
         """The agent thread's last act after `exc`: every op in flight fails (its handle released,
-        which cancels it), every `_call` waiting or to come and every later `submit` raises
-        `TransportError` naming `exc`, and the agent's resources are released."""
+        which cancels it), every call waiting on the agent thread or to come and every later
+        `submit` raises `TransportError` naming `exc`, and the agent's resources are released."""
         log.error("NIXL transport %r: the agent thread died; every op fails from now on", self.name, exc_info=exc)
         with self._peer_lock:  # a submit registers its op before this, or sees the failure
-            self._failure = exc
+            self.agent_thread.fail(exc)
             inflight = list(self._inflight.values())
             self._inflight.clear()
         for op in inflight:
             self._guarded(f"releasing op {op.op_id}", self._release, op.handle)
-            self._completions.append(Completion(op.op_id, self._dead_message()))
-        self._death.set_result(None)
+            self._completions.append(Completion(op.op_id, self.agent_thread.dead_message()))
+        self.agent_thread.bury()
         self._guarded("tearing down", self._teardown)
         self._guarded("signalling the listener", self._signal)
 
@@ -232,14 +202,6 @@ class NixlTransport:
             fn(*args)
         except Exception:
             log.exception("NIXL transport %r: %s after the agent thread died", self.name, what)
-
-    def _dead_message(self) -> str:
-        return f"NIXL agent thread of {self.name!r} died: {type(self._failure).__name__}: {self._failure}"
-
-    def _check_alive(self) -> None:
-        """:raises TransportError: the agent thread died (chained to what ended it)."""
-        if self._failure is not None:
-            raise TransportError(self._dead_message()) from self._failure
 
     def _progress(self) -> None:
         """Drive every op in flight and collect notifications (this is also what sends them).
@@ -271,32 +233,6 @@ class NixlTransport:
         if done or notes:
             self._signal()
 
-    def _call(self, what: str, fn: Callable[[], Any]) -> Any:
-        """Run `fn` on the agent thread and wait for its result.
-
-        :raises TransportError: the transport is closed, its agent thread died (before or while
-            `fn` waited), `fn` failed, or it took too long.
-        """
-        self._check_alive()
-        if self._closed:
-            raise TransportError(f"NIXL transport {self.name!r} is closed")
-        if threading.current_thread() is self._thread:
-            return fn()
-        result: concurrent.futures.Future[Any] = concurrent.futures.Future()
-
-        def job() -> None:
-            try:
-                result.set_result(fn())
-            except BaseException as exc:
-                result.set_exception(exc)
-
-        self._jobs.put(job)
-        concurrent.futures.wait((result, self._death), self._call_timeout, concurrent.futures.FIRST_COMPLETED)
-        if not result.done():
-            self._check_alive()
-            raise TransportError(f"NIXL {what} took longer than {self._call_timeout}s")
-        return result.result()
-
     def _nixl(self, what: str) -> Any:
         return map_exceptions(self._errors, f"NIXL {what} on {self.name!r}")
 
@@ -313,24 +249,24 @@ class NixlTransport:
                     raise TransportError(f"backends {self._backends} cannot move {region.memory.value} memory")
                 with self._nixl("registering memory"):
                     entry = [(region.base, region.length, region.device_id, "")]
-                    self._reg_handles.append(self._agent.register_memory(entry, _MEM_NAMES[region.memory]))
+                    self._reg_handles.append(self._agent.register_memory(entry, MEM_NAMES[region.memory]))
             self._regions.extend(regions)
             if self.mode == "prepped":
                 self._local_prepped, self._local_starts = self._prep("NIXL_INIT_AGENT", self._regions)
 
-        self._call("memory registration", register)
+        self.agent_thread.call("memory registration", register)
 
     def deregister_regions(self) -> None:
         """The remote keys peers held die with the registrations: peers are added again with new metadata."""
 
-        self._call("memory deregistration", self._deregister)
+        self.agent_thread.call("memory deregistration", self._deregister)
 
     def local_metadata(self) -> bytes:
         def metadata() -> bytes:
             with self._nixl("reading the agent metadata"):
                 return bytes(self._agent.get_agent_metadata())
 
-        return bytes(self._call("metadata", metadata))
+        return bytes(self.agent_thread.call("metadata", metadata))
 
     def add_peer(self, name: str, metadata: bytes, regions: Sequence[Region]) -> None:
         def add() -> None:
@@ -354,7 +290,7 @@ class NixlTransport:
             if old is not None and old.prepped is not None:
                 self._release(old.prepped)
 
-        self._call(f"adding peer {name!r}", add)
+        self.agent_thread.call(f"adding peer {name!r}", add)
 
     def remove_peer(self, name: str) -> None:
         def remove() -> None:
@@ -373,24 +309,25 @@ class NixlTransport:
             # TCP delivers anything still held from before ahead of every new WRITE.
             self._signal()
 
-        if not self._closed:
-            self._call(f"removing peer {name!r}", remove)
+        if not self.agent_thread.closed:
+            self.agent_thread.call(f"removing peer {name!r}", remove)
 
     def submit(self, op_id: int, kind: OpKind, peer: str, plan: DescriptorPlan, notification: bytes) -> None:
-        self._check_alive()
+        self.agent_thread.check_alive()
         target = self._peers.get(peer)
-        if self._closed or target is None:
+        if self.agent_thread.closed or target is None:
             raise TransportError(f"op {op_id}: peer {peer!r} is not connected")
-        local = self._descs(self._regions, plan.local_region, plan.local_offset, plan.length, "local")
-        remote = self._descs(target.regions, plan.remote_region, plan.remote_offset, plan.length, f"peer {peer!r}")
-        local_type = _MEM_NAMES[self._regions[plan.local_region.item(0)].memory]
-        remote_type = _MEM_NAMES[target.regions[plan.remote_region.item(0)].memory]
-        indices = self._indices(plan, target) if self.mode == "prepped" else None
+        local = descriptor_rows(self._regions, plan.local_region, plan.local_offset, plan.length, "local")
+        remote = descriptor_rows(target.regions, plan.remote_region, plan.remote_offset, plan.length, f"peer {peer!r}")
+        local_type = MEM_NAMES[self._regions[plan.local_region.item(0)].memory]
+        remote_type = MEM_NAMES[target.regions[plan.remote_region.item(0)].memory]
+        prepped = self.mode == "prepped"
+        indices = granule_indices(plan, self.granule or 1, self._local_starts, target.starts) if prepped else None
         agent, failures = self._agent, self._failures
         # Posted here, on the caller's (writer) thread: NIXL runs in STRICT sync mode, and the
         # lock orders this with remove_peer, so nothing is posted to a peer once it is removed.
         with self._peer_lock:
-            self._check_alive()  # else the op would be registered after `_die` and never finish
+            self.agent_thread.check_alive()  # else the op would be registered after `_die` and never finish
             if self._peers.get(peer) is not target:
                 raise TransportError(f"op {op_id}: peer {peer!r} was removed")
             handle = None
@@ -407,7 +344,7 @@ class NixlTransport:
                 # Over shared memory (CMA) most ops are done by now, or within a poll or two (the
                 # notification's send): finishing here saves two thread hops per op.
                 if state == "PROC":
-                    give_up = time.perf_counter() + self._inline_poll
+                    give_up = time.perf_counter() + self.inline_poll
                     while state == "PROC" and time.perf_counter() < give_up:
                         state = agent.check_xfer_state(handle)
             except failures as exc:
@@ -421,7 +358,7 @@ class NixlTransport:
                 error = None if state == "DONE" else f"NIXL refused or failed op {op_id} to {peer!r}"
                 self._completions.append(Completion(op_id, error))
         if state == "PROC":
-            self._jobs.put(_noop)  # wake the agent thread: it drives the op to completion
+            self.agent_thread.wake()  # the agent thread drives the op to completion
         else:
             self._signal()
 
@@ -433,22 +370,16 @@ class NixlTransport:
             with self._nixl(f"notifying {peer!r}"):
                 self._agent.send_notif(peer, payload)
 
-        self._call(f"notifying {peer!r}", send)
+        self.agent_thread.call(f"notifying {peer!r}", send)
 
     def set_listener(self, callback: Callable[[], None] | None) -> None:
         self._listener = callback
 
     def expect_traffic(self, active: bool) -> None:
-        was, self._traffic = self._traffic, active
-        if active and not was:
-            self._jobs.put(_noop)  # wake the agent thread from its lazy wait: poll at the idle rate now
+        self.agent_thread.expect_traffic(active)
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._jobs.put(None)
-        self._thread.join(timeout=self._call_timeout)
+        self.agent_thread.close()
 
     # ------------------------------------------------------------------ helpers
 
@@ -493,64 +424,12 @@ class NixlTransport:
         except self._failures:
             pass  # NIXL could not cancel it: nothing more to do from here
 
-    def _descs(
-        self,
-        regions: Sequence[Region],
-        index: npt.NDArray[np.int64],
-        offset: npt.NDArray[np.int64],
-        length: npt.NDArray[np.int64],
-        side: str,
-    ) -> npt.NDArray[np.uint64] | list[tuple[int, int, int]]:
-        """(address, length, device) rows, every range checked against its region: a list for up
-        to `LIST_ROWS` rows (cheapest for NIXL's wrapper, and below that many rows numpy's
-        per-call cost exceeds a Python loop's: 16 rows took 95 µs through numpy), an Nx3 array
-        for more (vectorised checks)."""
-        if len(length) <= LIST_ROWS:
-            return [
-                (region_address(regions, r, o, n, side), n, regions[r].device_id)
-                for r, o, n in zip(index.tolist(), offset.tolist(), length.tolist(), strict=True)
-            ]
-        bases = np.array([r.base for r in regions], dtype=np.int64)
-        sizes = np.array([r.length for r in regions], dtype=np.int64)
-        devices = np.array([r.device_id for r in regions], dtype=np.int64)
-        if index.min() < 0 or index.max() >= len(regions):
-            raise TransportError(f"{side} region {int(index.max())} is not registered")
-        if (offset < 0).any() or (length <= 0).any() or (offset + length > sizes[index]).any():
-            raise TransportError(f"{side} range lies outside region {int(index[0])}")
-        return np.stack([bases[index] + offset, length, devices[index]], axis=1).astype(np.uint64)
-
     def _prep(self, agent: str, regions: Sequence[Region]) -> tuple[Any, npt.NDArray[np.int64]]:
-        granule = self.granule or 1
-        counts = [r.length // granule for r in regions]
-        rows = np.concatenate(
-            [
-                np.stack(
-                    [
-                        np.arange(c, dtype=np.uint64) * granule + r.base,
-                        np.full(c, granule, dtype=np.uint64),
-                        np.full(c, r.device_id, dtype=np.uint64),
-                    ],
-                    axis=1,
-                )
-                for r, c in zip(regions, counts, strict=True)
-            ]
-        )
-        mem = _MEM_NAMES[regions[0].memory]
+        rows, starts = granule_rows(regions, self.granule or 1)
+        mem = MEM_NAMES[regions[0].memory]
         with self._nixl(f"preparing descriptors for {agent!r}"):
             handle = self._agent.prep_xfer_dlist(agent, rows, mem)
-        starts = np.concatenate(([0], np.cumsum(counts)[:-1])).astype(np.int64)
         return handle, starts
-
-    def _indices(self, plan: DescriptorPlan, peer: _Peer) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int32]]:
-        granule = self.granule or 1
-        if (plan.local_offset % granule).any() or (plan.remote_offset % granule).any() or (plan.length % granule).any():
-            raise TransportError(f"descriptors are not aligned to the {granule}-byte granule")
-        assert self._local_starts is not None and peer.starts is not None  # prepped mode
-        counts = plan.length // granule
-        steps = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
-        local = np.repeat(self._local_starts[plan.local_region] + plan.local_offset // granule, counts) + steps
-        remote = np.repeat(peer.starts[plan.remote_region] + plan.remote_offset // granule, counts) + steps
-        return local.astype(np.int32), remote.astype(np.int32)
 
     def _busy(self) -> bool:
         return bool(self._inflight)
@@ -559,7 +438,3 @@ class NixlTransport:
         listener = self._listener
         if listener is not None:
             listener()
-
-
-def _noop() -> None:
-    return None

@@ -13,7 +13,9 @@ generation counter.  An op takes the *target's* lock shared and checks that the 
 saw when the association began is still current; `remove_peer` takes the lock exclusively and
 bumps the generation.  Once it returns, an op of the removed peer either finished before or is
 refused: nothing of it lands.  The lock is released by the kernel if a process dies.  The lock
-and generation files of a peer are opened once, in `add_peer`, so an op opens no file.
+and generation files of a peer are opened once, in `add_peer`, so an op opens no file
+(`kvflow.transports.shm_association` holds them with the peer's mappings, and makes the op's
+side of the fence).
 
 A peer's mappings stay alive while a copy into or out of them runs: `remove_peer` marks the
 peer removed, waits for the copy in progress to it, and only then unmaps.  An op to a peer whose
@@ -32,7 +34,6 @@ the same pid namespace; root, which may forge credentials, is not defended again
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import fcntl
 import os
 import queue
@@ -52,59 +53,37 @@ from kvflow.layout import DescriptorPlan, MemoryType, Region
 from kvflow.protocol.actions import OpKind
 from kvflow.protocol.messages import engine_id_problem, require_engine_id
 from kvflow.transports.base import Completion, Notification, TransportCapabilities, drain, region_address
+from kvflow.transports.shm_association import PeerAssociation, open_association
 from kvflow.transports.shm_files import (
     SHM_DIR,
     EndpointFiles,
-    PeerSegment,
     Segment,
     bump_generation,
     create_segment,
     flock_within,
-    map_received,
-    open_directory,
     open_regular,
-    peer_directory,
-    read_generation,
 )
 from kvflow.transports.shm_peer import (
     DEFAULT_MAX_SEGMENTS,
     PREFIX_CHARACTERS,
     UCRED,
     MappingBudget,
-    SegmentEntry,
     answer_request,
     check_metadata,
     host_memory,
     mapping_budget,
     notify_address,
     prefix_ok,
-    receive_segments,
 )
 
 __all__ = ("DEFAULT_MAX_SEGMENTS", "PREFIX_CHARACTERS", "SHM_DIR", "ShmTransport", "prefix_ok")
 
 
 @dataclass(eq=False)
-class _Peer:
-    name: str
-    notify: str
-    pid: int
-    owner_fd: int  # the peer's owner file: locked while the peer process lives
-    lock_fd: int  # the peer's fence lock, open for the association's life
-    gen_fd: int  # the peer's generation counter for *us*, likewise
-    generation: int
-    segments: list[tuple[int, int, PeerSegment]]  # (peer's base address, size, our mapping)
-    regions: list[Region]
-    fence_fd: int = -1  # *our* generation counter for the peer, to fence it on removal
-    removed: bool = False
-    copying: int = 0  # copies into or out of its mappings in progress
-
-
-@dataclass(eq=False)
 class _Op:
     op_id: int
     kind: OpKind
-    peer: _Peer
+    peer: PeerAssociation
     copies: list[tuple[int, int, int]]  # (destination, source, length) in this process's addresses
     notification: bytes
     cancelled: bool = False
@@ -160,7 +139,7 @@ class ShmTransport:
         self.rejected_notifications = 0  # datagrams dropped: not from a peer's announced process
         self._segments: list[Segment] = []
         self._regions: list[Region] = []
-        self._peers: dict[str, _Peer] = {}
+        self._peers: dict[str, PeerAssociation] = {}
         self._notify_name = notify_address(self._id, name)
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
         self._answers = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
@@ -242,47 +221,29 @@ class ShmTransport:
         with self._state:
             replaced = self._peers.get(name)
         self.mappings.take(name, len(meta.segments), len(replaced.segments) if replaced is not None else 0)
-        directory = peer_directory(meta.id, name)
-        mapped: list[tuple[int, int, PeerSegment]] = []
-        fds: list[int] = []
-
-        def take(entry: SegmentEntry, fd: int) -> None:
-            mapped.append((entry.base, entry.size, map_received(fd, entry.name, entry.size)))
-
         try:
-            try:
-                folder = open_directory(directory)  # its files are opened through it: no link swapped in
-                try:
-                    for file, flags in (("owner", os.O_RDONLY), ("lock", os.O_RDONLY),
-                                        (f"gen-{self.name}", os.O_RDWR | os.O_CREAT)):  # fmt: skip
-                        fds.append(open_regular(directory / file, flags, directory=folder))
-                finally:
-                    os.close(folder)
-                fds.append(open_regular(self._files.generation_path(name), os.O_RDWR | os.O_CREAT))
-                generation = read_generation(fds[2])
-                receive_segments(meta, self._attach_timeout, take)
-            except (OSError, TransportError) as exc:  # gone, not ours to open, or not what it should be
-                raise TransportError(f"cannot attach to peer {name!r}: {exc}") from exc
-            for region in regions:
-                if not any(b <= region.base and region.base + region.length <= b + n for b, n, _ in mapped):
-                    raise TransportError(f"peer {name!r} advertises a region outside its shared memory")
+            peer = open_association(
+                name,
+                meta,
+                regions,
+                initiator=self.name,
+                fence_path=self._files.generation_path(name),
+                attach_timeout=self._attach_timeout,
+            )
         except BaseException:
-            _release(mapped, fds)
             self.mappings.give(len(meta.segments))
             raise
-        owner, lock, gen, fence = fds
-        peer = _Peer(name, meta.notify, meta.pid, owner, lock, gen, generation, mapped, list(regions), fence_fd=fence)
         with self._state:
             if self._closed:
-                _release(mapped, fds)
-                self.mappings.give(len(mapped))
+                peer.release()
+                self.mappings.give(len(peer.segments))
                 raise TransportError(f"cannot attach to peer {name!r}: the transport is closed")
             old = self._peers.pop(name, None)
             self._peers[name] = peer
             if old is not None:
                 self._retire(old)  # ops of the old association used its mappings' addresses
         if old is not None:
-            _release(old.segments, _files_of(old))
+            old.release()
             self.mappings.give(len(old.segments))
 
     def remove_peer(self, name: str) -> None:
@@ -303,7 +264,7 @@ class ShmTransport:
             self._fence(name, peer)  # none of the peer's ops lands here any more
         finally:
             if peer is not None:
-                _release(peer.segments, _files_of(peer))
+                peer.release()
                 self.mappings.give(len(peer.segments))
 
     # ------------------------------------------------------------------ ops
@@ -316,7 +277,7 @@ class ShmTransport:
             copies = []
             for d in plan:
                 local = region_address(self._regions, d.local_region, d.local_offset, d.length, "local")
-                remote = self._translate(target, d.remote_region, d.remote_offset, d.length)
+                remote = target.translate(d.remote_region, d.remote_offset, d.length)
                 copies.append((remote, local, d.length) if kind is OpKind.WRITE else (local, remote, d.length))
             op = _Op(op_id, kind, target, copies, notification)
             self._queued.add(op)
@@ -352,7 +313,7 @@ class ShmTransport:
         self._sock.close()
         self._answers.close()
         for peer in peers:
-            _release(peer.segments, _files_of(peer))
+            peer.release()
             self.mappings.give(len(peer.segments))
         for segment in self._segments:  # its views stay mapped; nobody can ask for it any more
             fd, segment.fd = segment.fd, -1
@@ -371,7 +332,7 @@ class ShmTransport:
                     op.peer.copying += 1  # its mappings stay until the copy is done
             if error is None:
                 try:
-                    self._execute(op)
+                    op.peer.fenced_copy(op.copies, self._fence_timeout)
                 except (OSError, TransportError) as exc:
                     error = str(exc)
                 finally:
@@ -384,24 +345,6 @@ class ShmTransport:
                 # if the peer went away after the bytes landed, its loss is seen elsewhere
                 with contextlib.suppress(TransportError):
                     self._notify(op.peer, op.notification)
-
-    def _execute(self, op: _Op) -> None:
-        try:
-            fcntl.flock(op.peer.owner_fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            pass  # its owner holds it: the peer process lives
-        else:
-            fcntl.flock(op.peer.owner_fd, fcntl.LOCK_UN)
-            raise TransportError(f"peer {op.peer.name!r} is gone (its process ended)")
-        if not flock_within(op.peer.lock_fd, fcntl.LOCK_SH, self._fence_timeout):
-            raise TransportError(f"peer {op.peer.name!r} held its fence lock past the fence timeout")
-        try:
-            if read_generation(op.peer.gen_fd) != op.peer.generation:
-                raise TransportError(f"peer {op.peer.name!r} has fenced this endpoint")
-            for dst, src, length in op.copies:
-                ctypes.memmove(dst, src, length)
-        finally:
-            fcntl.flock(op.peer.lock_fd, fcntl.LOCK_UN)
 
     def _read(self) -> None:
         space = socket.CMSG_SPACE(UCRED.size)
@@ -442,7 +385,7 @@ class ShmTransport:
 
     # ------------------------------------------------------------------ helpers
 
-    def _retire(self, peer: _Peer) -> None:
+    def _retire(self, peer: PeerAssociation) -> None:
         """With `_state` held: no op to `peer` starts any more, and the copy in progress ends."""
         peer.removed = True
         for op in self._queued:
@@ -451,7 +394,7 @@ class ShmTransport:
         while peer.copying:
             self._copy_done.wait()
 
-    def _fence(self, name: str, peer: _Peer | None) -> None:
+    def _fence(self, name: str, peer: PeerAssociation | None) -> None:
         # a peer's copy into this memory may be running: it ends, or the peer dies
         if not flock_within(self._files.lock_fd, fcntl.LOCK_EX, self._fence_timeout):
             raise TransportError(f"peer {name!r} kept an op into this memory past the fence timeout")
@@ -469,34 +412,13 @@ class ShmTransport:
         finally:
             fcntl.flock(self._files.lock_fd, fcntl.LOCK_UN)
 
-    def _notify(self, peer: _Peer, payload: bytes) -> None:
+    def _notify(self, peer: PeerAssociation, payload: bytes) -> None:
         try:
             self._sock.sendto(msgpack.packb([self.name, payload], use_bin_type=True), peer.notify)
         except OSError as exc:
             raise TransportError(f"cannot notify {peer.name!r}: {exc.strerror}") from exc
 
-    def _translate(self, peer: _Peer, index: int, offset: int, length: int) -> int:
-        remote = region_address(peer.regions, index, offset, length, f"peer {peer.name!r}")
-        for base, size, segment in peer.segments:
-            if base <= remote and remote + length <= base + size:
-                return segment.base + (remote - base)
-        raise TransportError(f"peer {peer.name!r} range {remote:#x}+{length} is outside its shared memory")
-
     def _signal(self) -> None:
         listener = self._listener
         if listener is not None:
             listener()
-
-
-def _files_of(peer: _Peer) -> list[int]:
-    return [peer.owner_fd, peer.lock_fd, peer.gen_fd, peer.fence_fd]
-
-
-def _release(segments: list[tuple[int, int, PeerSegment]], fds: list[int]) -> None:
-    """Unmap a peer's segments and close its files (nothing may copy into them any more)."""
-    for _, _, segment in segments:
-        segment.close()
-    for fd in fds:
-        if fd >= 0:
-            with contextlib.suppress(OSError):
-                os.close(fd)

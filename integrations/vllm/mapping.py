@@ -12,8 +12,9 @@ they send P ``do_remote_decode`` (``remote_*`` None, ``max_tokens`` 1) and hand 
 id: it is the capability to read the KV), keeps the blocks after the request finishes, and
 returns ``do_remote_prefill`` with a pull-mode ``kvflow`` entry naming P's engine and control
 address; D, given that, pulls.  A decode request whose ``do_remote_prefill`` kvflow cannot
-serve (malformed, another connector's params) is computed locally, but never silently: it is
-logged once with the request id and the reason, and counted in ``counters["unservable"]``.
+serve (malformed, another connector's params) is computed locally, but never silently: which
+requests kvflow serves, and how a refused one is logged and counted, is
+`kvflow.integrations.vllm.intake`'s.
 
 `SchedulerBook` turns scheduler events into per-step `Orders` for the workers; where each request
 is, and what every event does to it, is the table in `kvflow.integrations.vllm.stages`:
@@ -52,13 +53,12 @@ is, and what every event does to it, is the table in `kvflow.integrations.vllm.s
 
 from __future__ import annotations
 
-import logging
-import secrets
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvflow.errors import ConfigError
+from kvflow.integrations.vllm.intake import RequestIntake, roles_problem
 from kvflow.integrations.vllm.params import PeerRef, TransferParams
 from kvflow.integrations.vllm.stages import (
     ABORT_REASONS,
@@ -77,9 +77,7 @@ from kvflow.layout.groups import KVGroup
 from kvflow.protocol.admission import PeerAllowList
 from kvflow.protocol.state import Mode
 
-log = logging.getLogger("kvflow.vllm")
-
-__all__ = ("BookCounts", "Blocks", "Order", "Orders", "SchedulerBook")
+__all__ = ("Blocks", "Order", "Orders", "SchedulerBook")
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,15 +123,6 @@ class Orders:
 
     def __bool__(self) -> bool:
         return bool(self.expect or self.ready or self.abort or self.promise)
-
-
-@dataclass(slots=True)
-class BookCounts:
-    """What the scheduler-side book counts, cumulative, each count a field (`SchedulerBook.counters`
-    reads them by name, for vLLM's metrics)."""
-
-    unservable: int = 0  # do_remote_prefill / do_remote_decode requests computed locally instead
-    assigned: int = 0  # transfers assigned for a sequential router's request
 
 
 @dataclass(slots=True)
@@ -191,18 +180,20 @@ class SchedulerBook:
         # prompt's next-to-last token, and computes the last one itself (as vLLM's NIXL does)
         self.replay = 1 if any(group.state for group in self.groups) else 0
         self.prefix_caching = prefix_caching
-        self.producer = producer
-        self.allowed = allowed or PeerAllowList()
+        self.intake = RequestIntake(producer, allowed)  # which requests kvflow serves
         self._tracked: dict[str, _Tracked] = {}
         self._loaded: set[str] = set()  # D requests whose one remote load was ordered
         self._pending = Orders()
-        self.refused: dict[str, str] = {}  # request id -> why its kvflow params were refused
-        self.counts = BookCounts()
+
+    @property
+    def refused(self) -> dict[str, str]:
+        """Request id -> why its kvflow params were refused (`RequestIntake.refused`)."""
+        return self.intake.refused
 
     @property
     def counters(self) -> dict[str, int]:
-        """The counts by name (`BookCounts`), a copy.  Never raises."""
-        return asdict(self.counts)
+        """The counts by name (`kvflow.integrations.vllm.intake.BookCounts`), a copy.  Never raises."""
+        return self.intake.counters
 
     # ---------------------------------------------------------------- decode side
 
@@ -213,8 +204,8 @@ class SchedulerBook:
         prompt token it has not computed (`computed`: its local prefix-cache hit, whole
         blocks), asynchronously; with only the last token missing (a full hit: vLLM recomputes
         that token anyway) a push transfer loads nothing."""
-        params = self._mapping(request_id, params)
-        parsed = self._parse(request_id, params, receiving=True) if params.get("do_remote_prefill") else None
+        params = self.intake.mapping(request_id, params)
+        parsed = self.intake.parse(request_id, params, receiving=True) if params.get("do_remote_prefill") else None
         if parsed is None:
             return 0, False
         if request_id in self._loaded:
@@ -230,11 +221,11 @@ class SchedulerBook:
         and has not been loaded yet.  Side-effect free and silent: `matched_tokens` logs and
         counts what it refuses.  (A prompt D's prefix cache holds whole is the one case it
         answers yes and `matched_tokens` no.)"""
-        if not isinstance(params, Mapping) or _roles_problem(params) is not None:
+        if not isinstance(params, Mapping) or roles_problem(params) is not None:
             return False
         if not params.get("do_remote_prefill") or request_id in self._loaded:
             return False
-        return self._accepted(params, receiving=True)[0] is not None
+        return self.intake.accepted(params, receiving=True)[0] is not None
 
     def allocated(
         self,
@@ -250,10 +241,10 @@ class SchedulerBook:
         With no external tokens (a full hit, or vLLM skips the load) D computes the rest itself:
         P is told, once, that D needs nothing (push), and the request is not tracked (vLLM
         expects no load result for it)."""
-        params = self._mapping(request_id, params)
+        params = self.intake.mapping(request_id, params)
         if not params.get("do_remote_prefill"):
             return
-        parsed = self._parse(request_id, params, receiving=True)
+        parsed = self.intake.parse(request_id, params, receiving=True)
         if parsed is None or request_id in self._loaded:
             return  # refused; or loaded (or released) already
         known = self._tracked.get(request_id)
@@ -287,37 +278,24 @@ class SchedulerBook:
         queued, P is told (an abort order) instead of holding its KV to its deadline; and a
         promise order goes out too, so that D's heartbeats keep P holding KV it made ready
         however long D's queue is (P would free it after its transfer timeout)."""
-        params = self._mapping(request_id, params)
+        params = self.intake.mapping(request_id, params)
         if params.get("do_remote_decode"):
             if params.get("kvflow") is None:
-                assigned = self._assign(request_id)
+                assigned = self.intake.assign(request_id)
                 if assigned is not None:
                     self._tracked[request_id] = _Tracked(
                         assigned, prompt_len, PREFILL_START, producer=True, assigned=True
                     )
                 return
-            parsed = self._parse(request_id, params)
+            parsed = self.intake.parse(request_id, params)
             if parsed is not None:
                 self._tracked[request_id] = _Tracked(parsed, prompt_len, PREFILL_START, producer=True)
                 self._pending.promise.append(Order(request_id, parsed, producer=True))
         elif params.get("do_remote_prefill"):
-            parsed = self._parse(request_id, params, receiving=True)
+            parsed = self.intake.parse(request_id, params, receiving=True)
             if parsed is not None:
                 self._tracked[request_id] = _Tracked(parsed, prompt_len, DECODE_START, producer=False)
                 self._pending.promise.append(Order(request_id, parsed))
-
-    def _assign(self, request_id: str) -> TransferParams | None:
-        """A sequential router's request: a fresh pull transfer any one decode engine may claim."""
-        if self.producer is None:
-            self._unservable(
-                request_id,
-                "do_remote_decode without a kvflow entry needs this engine's control address in the "
-                "returned params, unknown with port 0 (set kv_connector_extra_config.port)",
-                "no KV is kept for a decode engine",
-            )
-            return None
-        self.counts.assigned += 1
-        return TransferParams(secrets.token_urlsafe(18), 1, Mode.PULL, self.producer, None)
 
     def producing(self, request_id: str) -> bool:
         """Whether a step of this request may hand KV over (`scheduled` wants its blocks)."""
@@ -398,7 +376,7 @@ class SchedulerBook:
         Blocks a transfer may still touch are freed only once the workers report them released.
         """
         self._loaded.discard(request_id)
-        self.refused.pop(request_id, None)
+        self.intake.refused.pop(request_id, None)
         tracked = self._tracked.get(request_id)
         if tracked is None:
             return False, None
@@ -471,65 +449,3 @@ class SchedulerBook:
 
     def tracked(self) -> int:
         return len(self._tracked)
-
-    def _parse(
-        self, request_id: str, params: Mapping[str, Any] | None, receiving: bool = False
-    ) -> TransferParams | None:
-        """The request's kvflow params; malformed ones, and a remote prefill without a kvflow
-        entry (`receiving`), are refused (logged once per request and counted) and the request
-        runs as if it had none: computed locally, never a crash of the scheduler."""
-        parsed, problem = self._accepted(params, receiving)
-        if problem is not None:
-            self._unservable(request_id, problem, "it is computed locally")
-        return parsed
-
-    def _accepted(
-        self, params: Mapping[str, Any] | None, receiving: bool = False
-    ) -> tuple[TransferParams | None, str | None]:
-        """`_parse` without its log and count: the params, or why they are refused."""
-        try:
-            parsed = TransferParams.parse(params)
-        except ConfigError as exc:
-            return None, str(exc)
-        if parsed is None and receiving:
-            keys = sorted(str(key) for key in (params or {}))[:12]
-            why = (
-                f"kv_transfer_params ask for a remote prefill but hold no kvflow entry (keys {keys}: "
-                "another connector's params, or a router that dropped P's answer)"
-            )
-            return None, why
-        peer = None if parsed is None else parsed.prefill if receiving else parsed.decode
-        problem = None if peer is None else self.allowed.problem(peer.engine, peer.address)
-        if problem is not None:
-            return None, f"kv_transfer_params name a peer this engine may not transfer with: {problem}"
-        return parsed, None
-
-    def _mapping(self, request_id: str, params: object) -> Mapping[str, Any]:
-        """vLLM's ``kv_transfer_params`` as a mapping: None is none, and so is anything that is
-        not a mapping (vLLM's offline API passes on what it is given), refused and logged."""
-        if params is not None and not isinstance(params, Mapping):
-            self._unservable(request_id, f"kv_transfer_params is a {type(params).__name__}, not a mapping", "ignored")
-            return {}
-        params = params or {}
-        why = _roles_problem(params)
-        if why is not None:
-            self._unservable(request_id, why, "it is computed locally")
-            return {}
-        return params
-
-    def _unservable(self, request_id: str, why: str, consequence: str) -> None:
-        """Log (once per request) and count a request kvflow cannot serve."""
-        if request_id not in self.refused:
-            self.refused[request_id] = why
-            self.counts.unservable += 1
-            log.error("request %s: kvflow cannot serve its kv_transfer_params: %s; %s", request_id, why, consequence)
-
-
-def _roles_problem(params: Mapping[str, Any]) -> str | None:
-    """Why the params' role flags are refused, or None: a request is P's (remote decode) or D's
-    (remote prefill), never both, and vLLM reads the flags as truths, so anything but a boolean
-    is refused as a whole."""
-    flags = [params.get(flag) for flag in ("do_remote_prefill", "do_remote_decode")]
-    if any(flag not in (None, True, False) for flag in flags) or all(flags):
-        return f"do_remote_prefill {flags[0]!r:.40} and do_remote_decode {flags[1]!r:.40} are not one role"
-    return None

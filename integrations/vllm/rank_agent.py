@@ -26,7 +26,7 @@ from kvflow.integrations.vllm.ranks import reach_rank
 from kvflow.protocol.messages import OPEN_BATCHES, TransferKey
 from kvflow.protocol.state import Mode, Role
 from kvflow.runtime.engine import Engine
-from kvflow.runtime.engine_process import EngineAgent
+from kvflow.runtime.engine_agent import EngineAgent
 from kvflow.runtime.frames import error_record
 
 __all__ = ("ENGINE_REJECTIONS", "RankAgent")

@@ -30,7 +30,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvflow.control.channel import ControlChannel
-from kvflow.control.zeromq import ZmqControl, is_loopback
+from kvflow.control.sockets import is_loopback
+from kvflow.control.zeromq import ZmqControl
 from kvflow.errors import KVFlowError
 from kvflow.integrations.vllm.device import Device
 from kvflow.integrations.vllm.gpu_export import GpuExport, export_gpu_memory

@@ -1,7 +1,8 @@
 """The control plane: how engines reach each other's control messages.
 
 `channel` is the contract (and an in-process hub for tests and single-process setups), `zeromq`
-the authenticated ZeroMQ implementation (its sockets read on the loop by `receiving`), `wire`
+the authenticated ZeroMQ implementation (its sockets set up by `sockets` and read on the loop
+by `receiving`), `wire`
 the msgpack codec (plain data only), `auth` the shared secret, MACs and replay guard.  Around
 the ZeroMQ channel: `hardening` (CURVE keys, the ZAP handler), `connections` (counting the
 ROUTER's connections and their descriptors, closing idle ones when the process is short of

@@ -3,18 +3,19 @@
 Why ZeroMQ: peers (vLLM, SGLang) already speak it, it reconnects by itself, and it keeps
 message order per connection.  Each engine binds one ROUTER socket (loopback by default) and
 opens one DEALER per peer, whose routing id is the engine id, a NUL byte and a random part of
-its own (`routing_id`).  A frame is ``[envelope, mac]``; the ROUTER adds the sender's routing
-id in front, whose engine id part must be the envelope's sender.  Only this module and
-`kvflow.control.hardening` import zmq.
+its own.  A frame is ``[envelope, mac]``; the ROUTER adds the sender's routing id in front,
+whose engine id part must be the envelope's sender.  How each socket is named and set up (its
+routing id, limits, keepalive and CURVE role) is `kvflow.control.sockets`; this module opens,
+sends on and closes them.
 
 A connection costs a stranger's effort, not ours: with a secret, every connection is CURVE
 authenticated by ZeroMQ before any of its messages is read (`kvflow.control.hardening`), an
 unauthenticated connection is closed when `handshake_timeout` runs out, no connection can take
-a name another holds (every DEALER's routing id is its own: nothing to squat or hand over), parts over
-`SOCKET_LIMIT` make ZeroMQ drop the connection, at most `RECEIVE_QUEUE` messages wait per
-connection, a message of more parts than a frame has is dropped (its parts are thrown away
-uncopied), and the receive loop yields to the event loop every `YIELD_EVERY` parts or
-`YIELD_AFTER` seconds (`kvflow.control.receiving`).
+a name another holds (every DEALER's routing id is its own: nothing to squat or hand over),
+parts over `SOCKET_LIMIT` make ZeroMQ drop the connection, at most `RECEIVE_QUEUE` messages
+wait per connection (`kvflow.control.sockets`), a message of more parts than a frame has is
+dropped (its parts are thrown away uncopied), and the receive loop yields to the event loop
+every `YIELD_EVERY` parts or `YIELD_AFTER` seconds (`kvflow.control.receiving`).
 
 Why plain sockets under a reader callback, not pyzmq's asyncio sockets: those go through a
 future per part read (and per `RCVMORE` check); measured in an engine process, that cost 0.7 ms
@@ -37,9 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import logging
-import os
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
@@ -55,18 +54,11 @@ from kvflow.control.auth import ReplayGuard, Secret, secret_from_env
 from kvflow.control.channel import Crashed, MessageHandler, new_incarnation
 from kvflow.control.connections import ConnectionWatch, raise_descriptor_limit
 from kvflow.control.counts import ControlCounts, Rejection
-from kvflow.control.hardening import (
-    MONITORED,
-    ZAP_DOMAIN,
-    ZAP_ENDPOINT,
-    CurveKeys,
-    DropLog,
-    curve_keys,
-    serve_zap,
-)
+from kvflow.control.hardening import MONITORED, ZAP_ENDPOINT, CurveKeys, DropLog, curve_keys, serve_zap
 from kvflow.control.monitor import LinkListener, LinkMonitors
 from kvflow.control.receiving import SocketReaders
-from kvflow.control.wire import MAX_FRAME_BYTES, Envelope, encode
+from kvflow.control.sockets import is_loopback, sender_of, set_up_dealer, set_up_router
+from kvflow.control.wire import Envelope, encode
 from kvflow.errors import (
     ConfigError,
     EngineClosed,
@@ -76,57 +68,14 @@ from kvflow.errors import (
 )
 from kvflow.protocol.messages import ControlMessage, Hello, Reject, address_problem, require_engine_id
 
-__all__ = ("ENV_SECRET", "RESTARTED", "ZmqControl", "is_loopback", "routing_id", "sender_of")
+__all__ = ("ENV_SECRET", "RESTARTED", "ZmqControl")
 
 log = logging.getLogger(__name__)
 
 ENV_SECRET: Any = object()  # "read the secret from the environment"
-SOCKET_LIMIT = MAX_FRAME_BYTES + 4096  # per part: ZeroMQ drops a connection sending more; we count up to it
 MAX_LOGGED = 4096
-RECEIVE_QUEUE = 128  # messages queued per connection (a frame is at most 2 parts of SOCKET_LIMIT): 256 MiB
 HANDSHAKE_TIMEOUT = 2.0  # seconds a connection may take to authenticate
 FORGET_LINGER_MS = 200  # a forgotten peer's last frames (a Goodbye, a Reject) get this long to leave
-# TCP keepalive on every control connection: one whose other end is gone without a word (its
-# FIN lost behind a cut link, its host dead) is probed after this much silence and closed when
-# the probes go unanswered or are answered with a reset: within 10 + 3 x 5 = 25 s, where it
-# would otherwise stay open for good (a descriptor per link flap).
-KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 10, 5, 3
-# No ZMTP heartbeats and no ROUTER_HANDOVER.  With one routing id per engine and handover, a
-# peer's connection of an earlier association was handed over to the new one and left with no
-# pipe: libzmq stops reading such a connection, and when its socket then fails it only marks
-# the error (libzmq 4.3.5, stream_engine_base.cpp: in_event_internal with input stopped): the
-# descriptor stayed open for good, and with ZMTP heartbeats on, the next heartbeat's write
-# aborted the process (``Assertion failed: !_io_error``, stream_engine_base.cpp:310; 2 of 4
-# link-flap runs on a loaded machine).  With a routing id per DEALER no connection is ever
-# handed over: every one keeps its pipe, which the reader drains, so a failed socket is closed
-# (`restart_input` ends it) and TCP keepalive (above) finds the dead ones.
-
-
-def routing_id(engine_id: str) -> bytes:
-    """A DEALER's ZeroMQ routing id: the engine id, NUL, and 8 random bytes of this socket's
-    own (engine ids hold no NUL)."""
-    return engine_id.encode() + b"\0" + os.urandom(8)
-
-
-def sender_of(identity: bytes) -> bytes:
-    """The engine id part of a routing id (the whole of one without a NUL)."""
-    return identity.partition(b"\0")[0]
-
-
-def is_loopback(address: str) -> bool:
-    """True for ipc:// and inproc:// endpoints and tcp:// on 127.0.0.0/8, ::1 or localhost."""
-    parts = urlsplit(address)
-    if parts.scheme in ("ipc", "inproc"):
-        return True
-    if parts.scheme != "tcp":
-        return False
-    host = (parts.hostname or "").strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 class ZmqControl:
@@ -267,12 +216,7 @@ class ZmqControl:
         zap.bind(ZAP_ENDPOINT)
         self._helpers.append(zap)
         router: zmq.Socket[bytes] = zmq.Socket(self._ctx, zmq.ROUTER)  # plain: see the module's header
-        self._harden(router)
-        router.setsockopt(zmq.RCVHWM, min(self._send_queue, RECEIVE_QUEUE))
-        if self._keys is not None:
-            router.setsockopt(zmq.CURVE_SERVER, 1)
-            router.setsockopt(zmq.CURVE_SECRETKEY, self._keys.server_secret)
-        router.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN.encode())  # with NULL too: see `serve_zap`'s `room`
+        set_up_router(router, self._keys, self._handshake_ms, self._send_queue)
         self._watch_connections = watch = ConnectionWatch.start(router, MONITORED, self.engine_id, self._thread_setup)
         keys = None if self._keys is None else frozenset([z85.decode(self._keys.client_public)])
         self._spawn(serve_zap(zap, keys, self._counts, watch.room))  # (handshakes start once bound, below)
@@ -338,15 +282,6 @@ class ZmqControl:
                 self._readers.after_send(dealer)
         self._counts.frames_sent += 1
 
-    def _harden(self, sock: zmq.Socket[bytes]) -> None:
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, SOCKET_LIMIT)
-        sock.setsockopt(zmq.HANDSHAKE_IVL, self._handshake_ms)
-        sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
-        sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, KEEPALIVE_IDLE_S)
-        sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, KEEPALIVE_INTERVAL_S)
-        sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, KEEPALIVE_PROBES)
-
     def _dealer(self, peer: str, address: str) -> zmq.Socket[bytes]:
         """A new DEALER connecting to `peer` at `address`, and its reader task.
 
@@ -359,13 +294,7 @@ class ZmqControl:
         except zmq.ZMQError as exc:
             self._drops.note("send_no_socket", str(exc))
             raise PeerUnreachable(f"cannot open a socket to {peer!r}: {exc}") from exc
-        self._harden(dealer)
-        dealer.setsockopt(zmq.IDENTITY, routing_id(self.engine_id))
-        dealer.setsockopt(zmq.SNDHWM, self._send_queue)
-        if self._keys is not None:
-            dealer.setsockopt(zmq.CURVE_SERVERKEY, self._keys.server_public)
-            dealer.setsockopt(zmq.CURVE_PUBLICKEY, self._keys.client_public)
-            dealer.setsockopt(zmq.CURVE_SECRETKEY, self._keys.client_secret)
+        set_up_dealer(dealer, self.engine_id, self._keys, self._handshake_ms, self._send_queue)
         self.links.watch(dealer, peer, self._loop)  # before connecting: no event is missed
         try:
             dealer.connect(address)

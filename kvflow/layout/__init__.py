@@ -1,6 +1,7 @@
 """KV-cache layouts: the pure mapping from logical block ids to registered byte ranges.
 
-`spec` describes a cache (`KVSpec`, `KVLayout`, the fingerprint two peers compare), `plan` turns
+`spec` describes a cache (`KVSpec`, `KVLayout`), `compatibility` the fingerprint two peers
+compare and whether their caches can exchange blocks, `plan` turns
 block ids into coalesced descriptors, `heads` says where each KV head's tokens sit in a block
 (for the planner and the integrity check), `pages` reads strided pages from a view's strides,
 `groups` says which layers share a block table and which positions each keeps, `states` slices
@@ -11,18 +12,16 @@ Mamba / linear-attention state pages between ranks of different tensor paralleli
 from __future__ import annotations
 
 from kvflow.layout.buffers import region_of
+from kvflow.layout.compatibility import FINGERPRINT_FIELDS, check_compatible, fingerprint
 from kvflow.layout.plan import Descriptor, DescriptorPlan, plan_transfer
 from kvflow.layout.spec import (
     DTYPE_SIZES,
-    FINGERPRINT_FIELDS,
     MAX_SPEC_TEXT,
     BlockArray,
     KVLayout,
     KVSpec,
     MemoryType,
     Region,
-    check_compatible,
-    fingerprint,
     layout_from_wire,
     layout_to_wire,
 )

@@ -1,10 +1,11 @@
 """The sans-IO transfer protocol: what every transfer may do next, decided without any I/O.
 
-`vocabulary` names the states, inputs and effects; `state` holds the transition tables (one per
-mode and role) and the state-triggered hops; `machine` is the per-transfer record; `ledger`
-accounts for every block; `transfers` stores the machines, their epochs and deadlines; `core`
-turns inputs into `actions`, with `inbox` refining what peers send and `early` keeping what
-they say about transfers not started yet; `messages` are what peers say to each other.
+`vocabulary` names the states, inputs and effects; `transfer_tables` builds the transition
+tables (one per mode and role) and `state` looks them up, with the state-triggered hops;
+`machine` is the per-transfer record; `ledger` accounts for every block; `transfers` stores the
+machines, their epochs and deadlines; `core` turns inputs into `actions`, `steps` carrying out
+each step a table picks, with `inbox` refining what peers send and `early` keeping what they say
+about transfers not started yet; `messages` are what peers say to each other.
 
 Peers: `association` decides handshakes, incarnations and leases, by the table of each peer's
 phase in `phases`, returning the effects of `peer_actions`; `liveness` when each peer is

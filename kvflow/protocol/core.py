@@ -15,7 +15,10 @@ counted in `stats` and ignored, because a peer's bug must not crash this engine.
 
 The records themselves (machines, epochs, the deadline heap, early messages, block accounts)
 live in a `TransferStore`; peers' messages are refined by a `PeerInbox`, which reaches the core
-only through that store and `feed`.
+only through that store and `feed`.  Every input reaches its machine through a `StepRunner`,
+which carries out the step the table selects (releases, quarantines and fence holds, submitted
+ops, messages, timers) and keeps the op and fence records those steps make; this class decides
+which input each call, deadline or op completion becomes.
 """
 
 from __future__ import annotations
@@ -24,23 +27,11 @@ from collections.abc import Sequence
 
 from kvflow.errors import ConfigError, StaleEpoch, UnknownTransfer
 from kvflow.layout.groups import KVGroup, check_groups
-from kvflow.protocol.actions import Action, DeclarePeerLost, ReleaseBlocks, Resolve, SendMessage, SubmitOp
+from kvflow.protocol.actions import Action, SendMessage
 from kvflow.protocol.inbox import PeerInbox
 from kvflow.protocol.machine import Machine, check_block_ids, check_registration, ready_batch, transfer_layers
-from kvflow.protocol.messages import (
-    Claim,
-    Done,
-    Message,
-    Notice,
-    Quiesced,
-    Ready,
-    Registration,
-    TransferKey,
-)
+from kvflow.protocol.messages import Message, Notice, TransferKey
 from kvflow.protocol.state import (
-    ACTIVE,
-    FENCING,
-    TERMINAL,
     Effect,
     Input,
     Mode,
@@ -48,12 +39,11 @@ from kvflow.protocol.state import (
     Role,
     State,
     initial_state,
-    outcome_of,
-    state_triggered,
     transition,
 )
+from kvflow.protocol.steps import StepRunner
+from kvflow.protocol.transfer_tables import ACTIVE, FENCING, TERMINAL
 from kvflow.protocol.transfers import CoreConfig, CoreStats, Owner, TransferStore
-from kvflow.protocol.vocabulary import ADDRESSED
 
 __all__ = ("CoreConfig", "CoreStats", "TransferCore")
 
@@ -76,13 +66,11 @@ class TransferCore:
         self.store = TransferStore(self.config)
         self.ledger = self.store.ledger
         self.stats = CoreStats()
-        self._ops: dict[int, Owner] = {}
-        self._next_op = 1
         self._connected: set[str] = set()
         self._ratios: dict[str, int] = {}  # a peer's blocks hold this many of the other side's
-        # target blocks of torn-down peers that the peer's late one-sided ops may still reach
-        self._unfenced: dict[str, list[Machine]] = {}
         self._refused: dict[str, str] = {}  # peers whose handshake was refused for good, and why
+        ratio_of, config_of = (lambda peer: self._ratios.get(peer, 1)), (lambda: self.config)
+        self._steps = StepRunner(self.store, self.stats, num_layers, ratio_of, config_of)
         self._inbox = PeerInbox(self.store, self.stats, num_layers, self.feed, lambda peer: self._ratios.get(peer, 1))
 
     # ------------------------------------------------------------------ introspection
@@ -115,6 +103,10 @@ class TransferCore:
 
     def next_deadline(self) -> float | None:
         return self.store.next_deadline()
+
+    def op_owner(self, op_id: int) -> Owner | None:
+        """The transfer and side an op submitted here runs for (None: no such op in flight)."""
+        return self._steps.op_owner(op_id)
 
     # ------------------------------------------------------------------ local API
 
@@ -164,7 +156,7 @@ class TransferCore:
         self.ledger.add(m.owner, ids, share)
         actions += self._replay_early(m, now)
         if peer in self._connected and m.state is State.ALLOCATED and m.remote_blocks is None:
-            actions += self._feed(m, Input.REGISTER, now)
+            actions += self._steps.feed(m, Input.REGISTER, now)
         return actions
 
     def kv_ready(
@@ -217,7 +209,7 @@ class TransferCore:
             actions += self._replay_early(m, now)  # D may have given up before P started
             consumed = Effect.RETURN_BATCH not in transition(mode, _PREFILL, m.state, input_).effects
         if not consumed:
-            return actions + self._feed(m, input_, now, returned=ids)
+            return actions + self._steps.feed(m, input_, now, returned=ids)
         if m.peer is None and peer is not None:
             self.store.set_peer(m, peer)
         self.store.mark_started(m)
@@ -229,10 +221,10 @@ class TransferCore:
         self.ledger.add(m.owner, ids)
         if mismatch is not None:
             batch.submitted = True  # never write a batch of a transfer that cannot complete
-            return actions + self._feed(m, Input.INCOMPATIBLE, now, reason=mismatch)
-        actions += self._feed(m, input_, now)
+            return actions + self._steps.feed(m, Input.INCOMPATIBLE, now, reason=mismatch)
+        actions += self._steps.feed(m, input_, now)
         if m.peer in self._refused and m.state in ACTIVE:  # named after its handshake was refused
-            actions += self._feed(m, Input.PEER_LOST, now, reason=f"peer {m.peer} lost: {self._refused[m.peer]}")
+            actions += self._steps.feed(m, Input.PEER_LOST, now, reason=f"peer {m.peer} lost: {self._refused[m.peer]}")
         return actions
 
     def abort(
@@ -262,14 +254,14 @@ class TransferCore:
         self.store.drop_promise(key)
         m = self.store.get(key, role)
         if m is not None:
-            return self._feed(m, Input.ABORT, now, reason=reason)
+            return self._steps.feed(m, Input.ABORT, now, reason=reason)
         if role is _DECODE and peer is None:
             raise UnknownTransfer(f"no {role.value} transfer {key}")
         self._check_epoch(key, role)
         if role is _PREFILL:
             mode, peer = Mode.PUSH, None
         m = self.store.create(key, role, mode, peer, now + self.config.retention, now)
-        actions = self._feed(m, Input.ABORT, now, reason=reason)
+        actions = self._steps.feed(m, Input.ABORT, now, reason=reason)
         if role is _DECODE and peer is not None:  # nothing was registered, so nothing can land
             actions.append(SendMessage(peer, Notice(key, Outcome.ABORTED, reason)))
         return actions
@@ -280,7 +272,7 @@ class TransferCore:
         :raises UnknownTransfer: no such transfer.
         :raises InvalidTransition: the transfer is not NOTIFIED.
         """
-        return self._feed(self.machine(key, _DECODE), Input.DELIVERED, now)
+        return self._steps.feed(self.machine(key, _DECODE), Input.DELIVERED, now)
 
     def unsent(self, key: TransferKey, now: float, reason: str) -> list[Action]:
         """A message about `key` could not be encoded (a value the wire cannot carry, a frame
@@ -290,13 +282,13 @@ class TransferCore:
         for role in (_DECODE, _PREFILL):
             m = self.store.get(key, role)
             if m is not None and m.state not in TERMINAL:
-                actions += self._feed(m, Input.ABORT, now, reason=reason)
+                actions += self._steps.feed(m, Input.ABORT, now, reason=reason)
         return actions
 
     def abort_all(self, now: float, reason: str) -> list[Action]:
         actions: list[Action] = []
         for m in self.live():
-            actions += self._feed(m, Input.ABORT, now, reason=reason)
+            actions += self._steps.feed(m, Input.ABORT, now, reason=reason)
         return actions
 
     # ------------------------------------------------------------------ peers and time
@@ -311,7 +303,7 @@ class TransferCore:
         actions: list[Action] = []
         for m in self.store.live():
             if m.peer == peer and m.state is State.ALLOCATED and m.role is _DECODE:
-                actions += self._feed(m, Input.REGISTER, now)
+                actions += self._steps.feed(m, Input.REGISTER, now)
         return actions
 
     def peer_lost(
@@ -341,23 +333,17 @@ class TransferCore:
             if m.peer == peer and m.state not in TERMINAL:
                 unheard = " before its verdict on the written KV" if m.state is State.WRITTEN else ""
                 reason = f"peer {peer} lost{unheard}{f': {why}' if why else ''}"
-                actions += self._feed(m, lost, now, reason=reason)
+                actions += self._steps.feed(m, lost, now, reason=reason)
         return actions
 
     def peer_fenced(self, peer: str) -> list[Action]:
         """Nothing `peer` issued before its teardown can land any more: release the target
         blocks `peer_lost(..., unfenced=True)` kept.  Unknown peers are ignored."""
-        actions: list[Action] = []
-        for m in self._unfenced.pop(peer, []):
-            blocks = self.ledger.release(m.owner)
-            m.released.update(blocks)
-            if blocks:
-                actions.append(ReleaseBlocks(m.key, m.role, blocks, m.outcome or Outcome.FAILED))
-        return actions
+        return self._steps.fenced(peer)
 
     def unfenced(self, peer: str) -> bool:
         """Whether target blocks of `peer`'s torn-down transfers wait for `peer_fenced`."""
-        return peer in self._unfenced
+        return self._steps.unfenced(peer)
 
     def renew(self, peer: str, keys: Sequence[TransferKey], now: float, lease: float) -> list[Action]:
         """`peer` still has these transfers in hand (its heartbeat listed them): hold each one's
@@ -398,7 +384,7 @@ class TransferCore:
         """Feed DEADLINE to every machine whose timer has passed; forget old finished ones and
         promises that ended."""
         actions: list[Action] = []
-        self._forgotten(self.store.forget_finished(now))
+        self._steps.forgotten(self.store.forget_finished(now))
         self.store.expire_promises(now, self.config.max_hold)
         while (due := self.store.pop_due(now)) is not None:
             when, m, gen = due
@@ -412,32 +398,18 @@ class TransferCore:
                     reason = f"written, but no verdict from the decode side within {self.config.fence_timeout}s"
                 else:
                     reason = "deadline reached"
-                actions += self._feed(m, Input.DEADLINE, now, reason=reason)
+                actions += self._steps.feed(m, Input.DEADLINE, now, reason=reason)
         return actions
 
     # ------------------------------------------------------------------ data plane
 
     def op_submitted(self, op_id: int, now: float) -> list[Action]:
-        owner = self._ops.get(op_id)
-        m = self.store.get_owner(owner) if owner is not None else None
-        if m is None or op_id not in m.inflight:
-            return []
-        return self._feed(m, Input.OP_SUBMITTED, now)
+        return self._steps.op_submitted(op_id, now)
 
     def op_finished(self, op_id: int, now: float, error: str | None = None) -> list[Action]:
         """An op this engine submitted completed (`error` None) or failed.  Per the transport
         contract, either way it will not touch memory any more."""
-        owner = self._ops.pop(op_id, None)
-        m = self.store.get_owner(owner) if owner is not None else None
-        if m is None or op_id not in m.inflight:
-            return []
-        m.inflight.discard(op_id)
-        last = not m.inflight
-        if error is None:
-            input_ = Input.LAST_OP_COMPLETED if last else Input.OP_COMPLETED
-        else:
-            input_ = Input.LAST_OP_FAILED if last else Input.OP_FAILED
-        return self._feed(m, input_, now, reason=error or "")
+        return self._steps.op_finished(op_id, now, error)
 
     def notification(self, peer: str, payload: bytes, now: float, problem: str | None = None) -> list[Action]:
         """A WRITE notification arrived from `peer` (push, on D); with a `problem` (the bytes it
@@ -471,7 +443,7 @@ class TransferCore:
         for epoch in sorted(self.store.epochs(key.transfer_id, role)):
             old = self.store.machine(TransferKey(key.transfer_id, epoch), role)
             if old.state in ACTIVE:
-                actions += self._feed(old, Input.ABORT, now, reason=f"superseded by epoch {key.epoch}")
+                actions += self._steps.feed(old, Input.ABORT, now, reason=f"superseded by epoch {key.epoch}")
         return actions
 
     def _replay_early(self, m: Machine, now: float) -> list[Action]:
@@ -481,113 +453,10 @@ class TransferCore:
             actions += self._inbox.receive(peer, message, now)
         return actions
 
-    def _forgotten(self, machines: list[Machine]) -> None:
-        """The store forgot these finished machines: so do the op records of any still in flight."""
-        for m in machines:
-            for op in m.inflight:
-                self._ops.pop(op, None)
-
     def feed(self, m: Machine, input_: Input, now: float, *, reason: str = "") -> list[Action]:
         """Feed one input to a machine of this core and return what it decides: the single way
         in for inputs decided outside the core's own methods (a peer's message, refined).
 
         :raises InvalidTransition: the machine's table does not allow `input_` in its state.
         """
-        return self._feed(m, input_, now, reason=reason)
-
-    def _feed(
-        self, m: Machine, input_: Input, now: float, *, reason: str = "", returned: tuple[int, ...] = ()
-    ) -> list[Action]:
-        step = transition(m.mode, m.role, m.state, input_, str(m.key))
-        old, m.state = m.state, step.target
-        actions: list[Action] = []
-        for effect in step.effects:
-            self._apply(m, effect, now, reason, returned, actions)
-        if step.target is not old or input_ is Input.DEADLINE:
-            self._retime(m, old, input_, now)
-        triggered = state_triggered(m.mode, m.role, m.state, m.holds)
-        if triggered is not None:
-            actions += self._feed(m, triggered, now)  # which looks again: until no hop applies
-        return actions
-
-    def _retime(self, m: Machine, old: State, input_: Input, now: float) -> None:
-        target = m.state
-        if target in ACTIVE:
-            self.store.set_timer(m, m.deadline)
-        elif target in FENCING and (old not in FENCING or input_ is Input.DEADLINE):
-            self.store.set_timer(m, now + self.config.fence_timeout)
-        elif target is State.WRITTEN:
-            self.store.set_timer(m, now + self.config.fence_timeout)  # wait for D's verdict
-        elif target not in FENCING:
-            self.store.set_timer(m, None)
-        if target in TERMINAL and old not in TERMINAL:
-            self._forgotten(self.store.ended(m, now))
-            if m.outcome is Outcome.SUCCEEDED or (m.outcome is None and target is State.DONE):
-                self.stats.completed += 1
-            else:
-                self.stats.failed += 1
-
-    def _apply(
-        self, m: Machine, effect: Effect, now: float, reason: str, returned: tuple[int, ...], out: list[Action]
-    ) -> None:
-        key = m.key
-        if effect is Effect.IGNORE:
-            self.stats.ignored += 1
-        elif effect is Effect.RESOLVE:
-            outcome = outcome_of(m.state) or Outcome.FAILED  # RESOLVE only leads to decided states
-            m.outcome = outcome
-            m.reason = reason or ("ok" if outcome is Outcome.SUCCEEDED else m.state.value)
-            out.append(Resolve(key, m.role, outcome, m.reason))
-        elif effect is Effect.QUARANTINE:
-            self.ledger.quarantine(m.owner)
-        elif effect is Effect.HOLD_FOR_FENCE and m.peer is not None and self.ledger.holds(m.owner):
-            # the torn-down peer may still write (push) or read (pull) these blocks
-            self.ledger.quarantine(m.owner)
-            self._unfenced.setdefault(m.peer, []).append(m)
-        elif effect is Effect.RELEASE or effect is Effect.HOLD_FOR_FENCE:  # (holding nothing: nothing to hold)
-            blocks = self.ledger.release(m.owner)
-            m.released.update(blocks)
-            if blocks:
-                out.append(ReleaseBlocks(key, m.role, blocks, m.outcome or Outcome.SUCCEEDED))
-        elif effect is Effect.RETURN_BATCH:
-            # A batch that will never be written: it joins the hold while the hold may still be
-            # read by an op in flight (and leaves with it), else it goes back now.  Either way
-            # each block of the transfer is released once.
-            if self.ledger.holds(m.owner):
-                self.ledger.add(m.owner, returned)
-            else:
-                fresh = tuple(dict.fromkeys(b for b in returned if b not in m.released))
-                m.released.update(fresh)
-                if fresh:
-                    out.append(ReleaseBlocks(key, m.role, fresh, m.outcome or Outcome.ABORTED))
-        elif effect is Effect.DECLARE_PEER_LOST:
-            if m.peer is not None:
-                out.append(DeclarePeerLost(m.peer, f"no fence from peer for {key} within {self.config.fence_timeout}s"))
-        elif m.peer is None:
-            assert effect in ADDRESSED, effect  # every other effect was handled above
-            self.stats.unaddressed += 1
-        elif effect is Effect.SUBMIT_PENDING:
-            self._submit(m, out)
-        elif effect is Effect.SEND_REGISTRATION:
-            ttl = max(m.deadline - now, 0.0)
-            out.append(SendMessage(m.peer, Registration(key, m.block_ids, m.expected_batches, ttl, m.first_position)))
-        elif effect is Effect.SEND_READY:
-            out.append(SendMessage(m.peer, Ready(key, *m.pull_source_blocks())))
-        elif effect is Effect.SEND_CLAIM:
-            out.append(SendMessage(m.peer, Claim(key)))
-        elif effect is Effect.SEND_ABORT:
-            outcome = m.outcome or outcome_of(m.state) or Outcome.FAILED
-            out.append(SendMessage(m.peer, Notice(key, outcome, m.reason or reason)))
-        elif effect is Effect.SEND_QUIESCED:
-            out.append(SendMessage(m.peer, Quiesced(key)))
-        elif effect is Effect.SEND_DONE:
-            out.append(SendMessage(m.peer, Done(key)))
-
-    def _submit(self, m: Machine, out: list[Action]) -> None:
-        if m.peer is None:
-            return  # the table submits only once the peer's blocks are known
-        for kind, local, remote, layers, note, fine_start in m.due_ops(self._ratios.get(m.peer, 1), self.num_layers):
-            op_id, self._next_op = self._next_op, self._next_op + 1
-            self._ops[op_id] = m.owner
-            m.inflight.add(op_id)
-            out.append(SubmitOp(op_id, m.key, m.peer, kind, local, remote, layers, note, fine_start))
+        return self._steps.feed(m, input_, now, reason=reason)

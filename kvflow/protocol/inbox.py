@@ -32,7 +32,8 @@ from kvflow.protocol.messages import (
     TransferKey,
     decode_notification,
 )
-from kvflow.protocol.state import TERMINAL, Input, Mode, Outcome, Role, transition
+from kvflow.protocol.state import Input, Mode, Outcome, Role, transition
+from kvflow.protocol.transfer_tables import TERMINAL
 from kvflow.protocol.transfers import CoreStats, TransferStore
 
 __all__ = ("Feed", "PeerInbox")

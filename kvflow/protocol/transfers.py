@@ -20,7 +20,8 @@ from kvflow.protocol.early import EarlyMessages
 from kvflow.protocol.ledger import BlockLedger
 from kvflow.protocol.machine import Machine
 from kvflow.protocol.messages import TransferKey
-from kvflow.protocol.state import ACTIVE, TERMINAL, Mode, Role
+from kvflow.protocol.state import Mode, Role
+from kvflow.protocol.transfer_tables import ACTIVE, TERMINAL
 
 __all__ = ("CoreConfig", "CoreStats", "Owner", "TransferStore")
 

@@ -1,8 +1,8 @@
 """The words the transfer tables are written in: modes, roles, states, inputs, effects, outcomes.
 
 Why apart from the tables: every layer speaks these names (the core, messages on the wire, the
-runtime's results, the vLLM connector), while only `kvflow.protocol.state` decides which state
-follows which input.  `kvflow.protocol.state` re-exports them all.
+runtime's results, the vLLM connector), while only the tables (`kvflow.protocol.transfer_tables`)
+decide which state follows which input.  `kvflow.protocol.state` re-exports them all.
 """
 
 from __future__ import annotations

@@ -12,7 +12,9 @@ KV it moves and checks what landed (opt-in).
 
 Embedding: `threaded` runs an engine on a thread of synchronous code (an inference engine's
 scheduler), `process` in a process of its own (`process_spec` what it is told to build,
-`engine_process` its program),
+`process_launch` how it is started, `process_answers` what it says back,
+`engine_process` its program, `engine_agent` the engine's API as commands, which embedders
+extend),
 with `host_memory` sharing the host's KV caches in place (`cuda_ipc` its GPU memory, by legacy
 CUDA IPC handles, `cuda_vmm` by file descriptors of driver-mapped chunks, which `fd_passing`
 hands over to a running engine process); the host's calls and the process's

@@ -10,9 +10,8 @@ through the other ring, written once per pass of the loop.  A record that is not
 agent has is refused (answered with `UsageError` when it names a call) and counted; a ring
 that stays unreadable is corrupt, and the engine closes as if its host had gone.
 
-The agent is the engine's API as commands (`EngineAgent`); an embedder extends it with its own
-commands (vLLM's connector: `kvflow.integrations.vllm.rank_agent`).  Only the names an agent
-lists in `COMMANDS` can be called.
+The agent is the engine's API as commands (`kvflow.runtime.engine_agent.EngineAgent`, or an
+embedder's extension of it, named in the host's spec); only the names it lists can be called.
 
 Lifetime: the process ends when the host says close, or when its end of the socket closes (the
 host died): the engine is closed as `Engine.aclose` does (abort, fence, release), within
@@ -26,7 +25,6 @@ import asyncio
 import contextlib
 import dataclasses
 import gc
-import importlib
 import logging
 import os
 import signal
@@ -34,7 +32,7 @@ import socket
 import sys
 import time
 import traceback
-from typing import Any, ClassVar
+from typing import Any
 
 import msgpack
 
@@ -44,11 +42,11 @@ from kvflow.layout import MemoryType, Region, layout_from_wire
 from kvflow.protocol.actions import ReleaseBlocks
 from kvflow.protocol.admission import PeerAllowList
 from kvflow.protocol.core import CoreConfig
-from kvflow.protocol.state import Mode, Role
 from kvflow.runtime.config import EngineConfig
 from kvflow.runtime.cuda_ipc import OpenedShares
 from kvflow.runtime.cuda_vmm import ImportedChunks, chunks_from_wire, open_gpu_memory
 from kvflow.runtime.engine import Engine
+from kvflow.runtime.engine_agent import EngineAgent, agent_class
 from kvflow.runtime.fd_passing import FdInbox
 from kvflow.runtime.frames import FrameReader, decode_record, encode_frame, encode_record, error_record
 from kvflow.runtime.host_memory import MappedSpans
@@ -57,7 +55,7 @@ from kvflow.runtime.process import STALL_LIMIT
 from kvflow.runtime.ring_memory import EngineRings
 from kvflow.transports.registry import load_transport
 
-__all__ = ("SHUTDOWN_TIMEOUT", "EngineAgent", "main")
+__all__ = ("SHUTDOWN_TIMEOUT", "main")
 
 log = logging.getLogger(__name__)
 
@@ -70,60 +68,6 @@ RING_LOOK = 0.05  # seconds between two looks at the ring of orders without a wa
 RING_LINGER = 0.005
 RING_POLL = 0.001  # ... and after a record not yet whole
 RING_RETRY = 0.001  # seconds before a ring of answers that had no room is tried again
-
-
-class EngineAgent:
-    """The engine's API as commands the host may call (arguments and results plain data)."""
-
-    COMMANDS: ClassVar[frozenset[str]] = frozenset(
-        {"connect", "expect", "kv_ready", "abort", "promise", "stats", "unregister_memory", "restore_memory"}
-    )
-
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-
-    async def connect(self, peer: str, address: str = "") -> None:
-        await self.engine.connect(peer, address)
-
-    async def expect(self, transfer_id: str, epoch: int, peer: str, block_ids: list[int], mode: str = "push") -> None:
-        await self.engine.expect(transfer_id, epoch, peer=peer, block_ids=block_ids, mode=Mode(mode))
-
-    async def kv_ready(
-        self, transfer_id: str, epoch: int, block_ids: list[int], mode: str = "push", peer: str | None = None
-    ) -> None:
-        await self.engine.kv_ready(transfer_id, epoch, block_ids=block_ids, mode=Mode(mode), peer=peer)
-
-    async def abort(self, transfer_id: str, epoch: int, role: str, reason: str = "aborted by caller") -> None:
-        await self.engine.abort(transfer_id, epoch, Role(role), reason)
-
-    async def promise(self, transfer_id: str, epoch: int, peer: str) -> None:
-        await self.engine.promise(transfer_id, epoch, peer=peer)
-
-    async def stats(self) -> dict[str, Any]:
-        return self.engine.stats()
-
-    async def unregister_memory(self) -> None:
-        """:raises KVFlowError: see `Engine.unregister_memory`."""
-        await self.engine.unregister_memory()
-
-    async def restore_memory(self) -> None:
-        """:raises KVFlowError: see `Engine.restore_memory`."""
-        await self.engine.restore_memory()
-
-    def close(self) -> None:
-        """The engine is about to close: let go of anything the agent runs itself."""
-
-
-def _agent_class(path: str) -> type[EngineAgent]:
-    """:raises ConfigError: `path` (``module:Class``) names no `EngineAgent`."""
-    module, _, name = path.partition(":")
-    try:
-        cls = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as exc:
-        raise ConfigError(f"no engine agent {path!r}: {exc}") from exc
-    if not (isinstance(cls, type) and issubclass(cls, EngineAgent)):
-        raise ConfigError(f"{path!r} is not an EngineAgent")
-    return cls
 
 
 class Server:
@@ -153,7 +97,7 @@ class Server:
         try:
             engine = self._build()
             await engine.start()
-            self.agent = _agent_class(self.spec["agent"])(engine, **self.spec["agent_options"])
+            self.agent = agent_class(self.spec["agent"])(engine, **self.spec["agent_options"])
         except KVFlowError as exc:
             self.sock.setblocking(True)
             self.sock.sendall(encode_frame([["failed", *error_record(exc)]]))
@@ -507,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
         loop.close()
 
 
-if __name__ == "__main__":  # run the importable module's main, so that agents subclass its EngineAgent
+if __name__ == "__main__":  # run the importable module's main, not this copy's: its logger is the module's
     from kvflow.runtime.engine_process import main as module_main
 
     sys.exit(module_main())

@@ -8,27 +8,19 @@ longer at p99, far more than what its hooks cost.  `EngineProcess` runs the engi
 and its transport in a child process; the host only copies orders into shared memory and reads
 results from it.
 
-The KV memory reaches the child as shared memory: `host_memory.share_in_place` moves the
-host's pages onto memory files at the same addresses, and the child maps the files and
-registers its mapping with the transport.  GPU memory travels as legacy CUDA IPC handles
-(`cuda_ipc`: one per allocation) or, for vLLM 0.34's exportable cache, as file descriptors of
-its physical chunks (`cuda_vmm`; again over the socket, `send_fds`, after the host remapped
-them), opened by the child, whose threads are bound to the device; not yet run on a GPU, so
-the vLLM worker uses it only when asked (``engine_process: "process"``) and the GPU check's
-phases G and V are its test.
+The KV memory reaches the child as shared memory (host memory shared in place, GPU memory by
+CUDA IPC handles or exported chunks' descriptors): `process_launch` starts the child with it.
 
 The protocol: records, each a msgpack array of plain types.  The host's calls,
 ``["call", seq, name, args]`` (each runs `name` on the child's agent, which is the engine's own
-API or an embedder's extension of it, `engine_process.EngineAgent`), go through a ring in shared
-memory (`ring`, `ring_memory`), and the child's answers come back through another:
-``["done", seq, error, result]`` for each call, ``["released", transfer_id, epoch, role,
-outcome, block_ids]`` whenever the engine gives blocks back, ``["meter", samples, outcomes,
-dropped]`` with the engine's per-transfer figures, ``["crashed", texts]``.  A hook's call costs
-a copy into the ring, and an eventfd write only when the engine process sleeps and nobody has
-woken it yet; the host reads the answers on each step with no system call, and a host step
-with nothing to do but wait for the engine may sleep on them (`wait_for_answers`), woken by
-the engine process's eventfd write once per sleep.  The life of the
-link goes over one Unix stream socket pair, in frames of a 4-byte big-endian length and a
+API or an embedder's extension of it, `engine_agent.EngineAgent`), go through a ring in shared
+memory (`ring`, `ring_memory`), and the child's answers come back through another (a call's
+result, blocks given back, the engine's figures, failures: `process_answers` keeps them until
+the host reads them).  A hook's call costs a copy into the ring, and an eventfd write only when
+the engine process sleeps and nobody has woken it yet; the host reads the answers on each step
+with no system call, and a host step with nothing to do but wait for the engine may sleep on
+them (`wait_for_answers`), woken by the engine process's eventfd write once per sleep.  The life
+of the link goes over one Unix stream socket pair, in frames of a 4-byte big-endian length and a
 msgpack array of records: the host's spec first (with the rings' descriptors), the child's
 ``["ready", address, pid]`` or ``["failed", ...]``, the host's ``["close"]``, the child's
 ``["closed", crashes]``.
@@ -54,43 +46,29 @@ import concurrent.futures
 import contextlib
 import logging
 import select
-import socket
 import subprocess
-import sys
 import threading
 import time
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-import msgpack
-
-from kvflow.errors import (
-    ConfigError,
-    EngineBusy,
-    EngineClosed,
-    EngineCrashed,
-    EngineTimeout,
-    KVFlowError,
-    RingCorrupt,
-)
+from kvflow.errors import ConfigError, EngineBusy, EngineClosed, EngineCrashed, EngineTimeout, KVFlowError, RingCorrupt
 from kvflow.protocol.actions import ReleaseBlocks
-from kvflow.protocol.messages import TransferKey
-from kvflow.protocol.state import Outcome, Role
-from kvflow.runtime.cuda_ipc import Share, shares_to_wire
-from kvflow.runtime.cuda_vmm import Chunk, chunks_to_wire
+from kvflow.runtime.cuda_ipc import Share
+from kvflow.runtime.cuda_vmm import Chunk
 from kvflow.runtime.fd_passing import send_fds
-from kvflow.runtime.frames import READ_CHUNK, FrameReader, decode_record, encode_frame, encode_record, error_from_record
+from kvflow.runtime.frames import READ_CHUNK, FrameReader, encode_frame, encode_record, error_from_record
 from kvflow.runtime.host_memory import SharedSpan
-from kvflow.runtime.meter import MeterReading, TransferSample
+from kvflow.runtime.meter import MeterReading
+from kvflow.runtime.process_answers import Answers
+from kvflow.runtime.process_launch import launch
 from kvflow.runtime.process_spec import SCHEDULING, ProcessSpec
-from kvflow.runtime.ring_memory import HostRings
 
 __all__ = ("MAX_UNANSWERED", "SCHEDULING", "STALL_LIMIT", "EngineProcess", "ProcessSpec")
 
 log = logging.getLogger(__name__)
 
-SOCKET_BUFFER = 4 << 20
 LAZY_WAIT = 0.05  # seconds a lazy call may wait for another to go with before `pump` sends it
 LIVENESS_CHECK = 0.05  # seconds between two looks at the socket (is the child still there?)
 STALL_LIMIT = 1.0  # seconds a ring record may stay unreadable before the ring is taken as corrupt
@@ -146,40 +124,11 @@ class EngineProcess:
         self.wakeups = 0  # eventfd writes made to wake the engine process
         self.woken = 0  # sleeps of `wait_for_answers` the engine process ended with its eventfd
         self._reader = FrameReader()
-        self._released: deque[ReleaseBlocks] = deque()
-        self._samples: list[TransferSample] = []
-        self._outcomes: Counter[str] = Counter()
-        self._dropped = 0
-        self.crashes: list[str] = []  # what the child reported as bugs in it
+        self._answers = Answers(self.engine_id)  # what the child said, until the host reads it
         self.dead: str | None = None  # why the child is gone, once it is
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        for end in (ours, theirs):
-            end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
-            end.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER)
-        self._rings = HostRings()
-        fds = [theirs.fileno(), *self._rings.fds, *(span.fd for span in spans), *(chunk.fd for chunk in cuda_chunks)]
-        wire = spec.to_wire(spans)
-        first_span = 1 + len(self._rings.fds)
-        wire["spans"] = [[fds[first_span + i], span.base, span.length] for i, span in enumerate(spans)]
-        wire["rings"] = [*self._rings.fds, self._rings.capacity]
-        wire["cuda_shares"] = shares_to_wire(cuda_shares)
-        wire["cuda_chunks"] = chunks_to_wire(cuda_chunks)
-        wire["cuda_chunk_fds"] = [chunk.fd for chunk in cuda_chunks]
+        self.proc, self._sock, self._rings, wire = launch(spec, spans, cuda_shares, cuda_chunks)
         try:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "kvflow.runtime.engine_process", str(theirs.fileno())],
-                pass_fds=fds,
-                stdin=subprocess.DEVNULL,
-            )
-        except BaseException:
-            self._rings.close()
-            ours.close()
-            raise
-        finally:
-            theirs.close()
-        self._sock = ours
-        try:
-            ours.sendall(encode_frame(wire))
+            self._sock.sendall(encode_frame(wire))
             ready = self._wait_for(("ready", "failed"), start_timeout, "start")
         except BaseException:
             self._kill()
@@ -187,7 +136,7 @@ class EngineProcess:
         if ready[0] == "failed":
             self._kill()
             raise error_from_record(ready[1:])
-        ours.setblocking(False)
+        self._sock.setblocking(False)
         self.address: str = str(ready[1])
         self.pid: int = int(ready[2])
 
@@ -322,13 +271,7 @@ class EngineProcess:
         except RingCorrupt as exc:
             self._gone(f"its ring is corrupt: {exc}")
             return
-        for payload in records:
-            try:
-                self._take(decode_record(payload))
-            except (ValueError, TypeError, IndexError, KeyError, msgpack.UnpackException) as exc:
-                log.error(
-                    "%s: engine process sent a record that is not one: %r (%s)", self.engine_id, payload[:64], exc
-                )
+        self._answers.take_payloads(records, self._futures)
         if answers.stalled_for(now) > STALL_LIMIT:
             self._gone(f"its ring is corrupt: a record at {answers.position} stayed unreadable for {STALL_LIMIT}s")
 
@@ -348,33 +291,9 @@ class EngineProcess:
                 break
             for frame in frames:
                 for record in frame:
-                    self._take(record)
+                    self._answers.take(record, self._futures)
             if count < READ_CHUNK:  # the socket is drained (what comes meanwhile waits for the next pump)
                 break
-
-    def _take(self, record: list[Any]) -> None:
-        kind = record[0]
-        if kind == "done":
-            _, seq, error, result = record
-            future = self._futures.pop(seq, None)
-            if future is None or not future.set_running_or_notify_cancel():
-                return
-            if error is None:
-                future.set_result(result)
-            else:
-                future.set_exception(error_from_record(error))
-        elif kind == "released":
-            _, tid, epoch, role, outcome, blocks = record
-            self._released.append(ReleaseBlocks(TransferKey(tid, epoch), Role(role), tuple(blocks), Outcome(outcome)))
-        elif kind == "meter":
-            _, samples, outcomes, dropped = record
-            self._samples.extend(TransferSample(*sample) for sample in samples)
-            self._outcomes.update(outcomes)
-            self._dropped += dropped
-        elif kind in ("crashed", "closed"):
-            self.crashes.extend(record[1])
-            for text in record[1]:
-                log.error("%s: engine process failure: %s", self.engine_id, text)
 
     def wait(self, future: concurrent.futures.Future[Any], timeout: float) -> Any:
         """Block until a call's `future` is settled, reading what the child sends meanwhile
@@ -404,7 +323,7 @@ class EngineProcess:
         per sleep.  Never raises (a dead engine process is seen by the next call, as ever)."""
         self.pump()
         answers = self._rings.answers
-        if self.dead is not None or self._released or answers.pending():
+        if self.dead is not None or self._answers.released or answers.pending():
             return True
         answers.sleep()
         try:
@@ -417,25 +336,24 @@ class EngineProcess:
             self._rings.take_wake()
         said = answers.pending()
         self.pump()
-        return said or bool(self._released)
+        return said or bool(self._answers.released)
 
     def poll_released(self) -> list[ReleaseBlocks]:
         """Blocks the engine gave back since the last call (never blocks)."""
         self.pump()
         with self._lock:
-            released = list(self._released)
-            self._released.clear()
-        return released
+            return self._answers.take_released()
 
     def meter_take(self) -> MeterReading:
         """The engine's per-transfer figures gathered since the last call (by `pump`, which the
         host calls each step for its results; never blocks)."""
         with self._lock:
-            if not (self._samples or self._outcomes or self._dropped):  # most steps
-                return MeterReading()
-            reading = MeterReading(self._samples, dict(self._outcomes), self._dropped)
-            self._samples, self._outcomes, self._dropped = [], Counter(), 0
-        return reading
+            return self._answers.meter_take()
+
+    @property
+    def crashes(self) -> list[str]:
+        """What the child reported as bugs in it."""
+        return self._answers.crashes
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -499,7 +417,7 @@ class EngineProcess:
                 for record in frame:
                     if record[0] in kinds:
                         return list(record)
-                    self._take(record)
+                    self._answers.take(record, self._futures)
 
     def _exit_status(self) -> str:
         try:

@@ -36,7 +36,7 @@ class ProcessSpec:
     transport_options: dict[str, Any] = field(default_factory=dict)
     bind: str = "tcp://127.0.0.1:0"
     config: EngineConfig = field(default_factory=EngineConfig)
-    agent: str = "kvflow.runtime.engine_process:EngineAgent"
+    agent: str = "kvflow.runtime.engine_agent:EngineAgent"
     agent_options: dict[str, Any] = field(default_factory=dict)
     log_level: int = logging.WARNING
     cpus: tuple[int, ...] = ()  # the CPUs the engine process runs on; empty: the host's

@@ -1,6 +1,6 @@
 """State diagrams drawn from the transition tables: ``python -m kvflow_tools.diagrams [--check]``.
 
-Why generated: the tables in `kvflow.protocol.state` are the protocol's documentation, but a few
+Why generated: the tables in `kvflow.protocol.transfer_tables` are the protocol's documentation, but a few
 hundred rows are hard to see whole.  This draws one Mermaid ``stateDiagram-v2`` per mode and
 role from the same data the core runs on, and one for each of the other machines' tables
 (`kvflow.protocol.lifecycle`, `kvflow.protocol.phases`, `kvflow.protocol.teardown`, and the vLLM
@@ -29,8 +29,6 @@ from kvflow.integrations.vllm import stages
 from kvflow.protocol import lifecycle, phases, teardown
 from kvflow.protocol.state import (
     STATE_TRIGGERED,
-    TABLES,
-    TERMINAL,
     Effect,
     Input,
     Mode,
@@ -39,6 +37,7 @@ from kvflow.protocol.state import (
     initial_state,
     is_initiator,
 )
+from kvflow.protocol.transfer_tables import TABLES, TERMINAL
 
 __all__ = ("DEFAULT_OUTPUT", "main", "reachable_from", "render", "render_table")
 
@@ -51,7 +50,7 @@ _INPUT_ORDER = {input_: index for index, input_ in enumerate(Input)}
 _HEADER = f"""\
 # State diagrams
 
-Generated from the transition tables in `kvflow/protocol/state.py` (transfers),
+Generated from the transition tables in `kvflow/protocol/transfer_tables.py` (transfers),
 `kvflow/protocol/lifecycle.py` (an engine's life), `kvflow/protocol/phases.py` (a peer's
 association), `kvflow/protocol/teardown.py` (torn-down peers) and `integrations/vllm/stages.py`
 (a request in the vLLM connector's book) by

@@ -50,7 +50,8 @@ from pathlib import Path
 from typing import Any
 
 from kvflow.errors import ConfigError
-from kvflow_tools.bench.bench_vllm import CONNECTORS, Flight, Pair, start_pair
+from kvflow_tools.bench.runner_pair import Flight, Pair, start_pair
+from kvflow_tools.bench.systems import CONNECTORS
 from kvflow_tools.errors import BenchError
 from kvflow_tools.pd.contract import percentiles
 from kvflow_tools.standin.pacing import burn

@@ -58,7 +58,7 @@ from kvflow_tools.bench.router_stand import (
     until_closed,
 )
 from kvflow_tools.errors import BenchError
-from kvflow_tools.routing import router
+from kvflow_tools.routing import legs
 
 __all__ = ("SCENARIOS", "RouterBenchConfig", "add_arguments", "config_from", "main", "run_bench")
 
@@ -246,7 +246,7 @@ async def endless(config: RouterBenchConfig, live: Stand) -> dict[str, Any]:
     return {
         "status": status,
         "message": message,
-        "bound": router.MAX_PREFILL_ANSWER,
+        "bound": legs.MAX_PREFILL_ANSWER,
         "p_sent": live.backends.p_sent,
         "rss_before": before["VmRSS"],
         "rss_after": after["VmRSS"],

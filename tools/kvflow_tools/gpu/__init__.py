@@ -19,6 +19,7 @@ failed, 1 otherwise, 2 when the run was interrupted.
 
 - `__main__`: the command line, for the parent and its children (``--role``).
 - `phases`: the phases and `run_phases`, which runs them under their time limits.
+- `transfer_phases`: phase B and its variants E, F, G and V, over the pair of engines C and D use too.
 - `run`: the parent's output folder (`Run`) and its child processes (`Proc`).
 - `child`: the children's entry points and phase A's environment report.
 - `engine_child`: the engine (P or D) a child runs, and its commands.

@@ -89,7 +89,7 @@ def main(args: argparse.Namespace) -> int:
     :raises ConfigError: a bad option.
     :raises BenchError: an engine died or a request stalled.
     """
-    from kvflow_tools.bench.bench_vllm import Pair
+    from kvflow_tools.bench.runner_pair import Pair
     from kvflow_tools.pd.run import run_point, start_system
     from kvflow_tools.pd.sizing import STANDIN_BLOCK, size
 

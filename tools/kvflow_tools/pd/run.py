@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvflow_tools.bench.bench_vllm import Flight, Pair, start_pair
+from kvflow_tools.bench.runner_pair import Flight, Pair, start_pair
 from kvflow_tools.errors import BenchError
 from kvflow_tools.pd.contract import percentiles
 from kvflow_tools.pd.sizing import STANDIN_BLOCK, Sizing

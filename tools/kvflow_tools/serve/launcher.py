@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from kvflow.control.auth import secret_from_env
-from kvflow.control.zeromq import is_loopback
+from kvflow.control.sockets import is_loopback
 from kvflow.errors import ConfigError
 from kvflow_tools.serve.processes import Group, ServerFailed, free_port, http_ok, wait_all
 

@@ -1,22 +1,18 @@
-"""A stand-in for vLLM's engine core and model runner, around vLLM's own scheduler.
+"""A stand-in for vLLM's engine core, around vLLM's own scheduler.
 
 Why: a KV connector's contract is with what vLLM hands it, so everything but the model's
 arithmetic is vLLM's own code.  `StandInEngine` builds a model config (a config.json, no
 weights), the per-layer KV cache specs the model's attention layers would declare (GQA, MLA,
 sliding window, fp8), the layout the engine core resolves for the attention backend in use
-(and the connector's request, if any), the KV cache config vLLM plans, the caches vLLM
-allocates (views over one int8 buffer, possibly split into kernel blocks, KV-sharing layers
-appended last), vLLM's `Scheduler` (synchronous or async), one worker connector per
-tensor-parallel rank, and vLLM's `KVOutputAggregator` over the ranks.
+(and the connector's request, if any), the KV cache config vLLM plans, vLLM's `Scheduler`
+(synchronous or async), one `Rank` per tensor-parallel rank (its worker connector and the caches
+vLLM allocates, made by `model_runner`), and vLLM's `KVOutputAggregator` over the ranks.
 
-`step()` plays one engine-core step in the hook order of the model runner chosen
-(`hook_order`): vLLM's V1 runner, or Model Runner V2 (vLLM 0.33's default on GPU: preemptions
-handed over first, ``finish_forward`` after the forward, the post-forward hooks only after
-sampling); with draft layers (speculative decoding) the results are read before
-``wait_for_save``, which runs after the drafter, as both runners do.  The forward runs layer by
-layer in execution order (``wait_for_layer_load``, the layer's KV writes, ``save_kv_layer``
-unless a full CUDA graph replays the forward).  On a `LaggingDevice` the KV writes are only
-enqueued, and run later on a device thread, as kernels on a GPU do.
+`step()` plays one engine-core step: it schedules, plans what the step's forward does (the KV
+prefill writes, the loaded pages D checks, the tokens sampled), has the model runner run it on
+every rank between the connector's hooks, in the hook order of the runner chosen
+(`hook_order`: vLLM's V1 runner or Model Runner V2), and hands the aggregated output back to
+the scheduler; with async scheduling, two batches in flight.
 
 The bytes: P writes, token by token as prefill computes them, a pattern unique to (transfer,
 block position, layer, KV shard) through vLLM's own per-layer views; D checks every page of a
@@ -29,62 +25,23 @@ from __future__ import annotations
 import hashlib
 import itertools
 import os
-import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import torch
-
-from kvflow.integrations.vllm.ranks import heads_of
 from kvflow.layout.groups import KVGroup
-from kvflow_tools.standin.build import (
-    backend_class,
-    distributed_worker,
-    init_distributed,
-    layer_specs,
-    mamba_shape,
-    vllm_config,
-)
-from kvflow_tools.standin.fabrics import fabric_of, named_fabric
-from kvflow_tools.standin.kv import LaggingDevice, PagedKV, StatePages
+from kvflow_tools.standin.build import backend_class, layer_specs, vllm_config
 from kvflow_tools.standin.model import EngineOptions
-from kvflow_tools.standin.pacing import HookClock, HostLoad, Pacer, thread_times
+from kvflow_tools.standin.model_runner import ModelRunner, Rank, Work
+from kvflow_tools.standin.pacing import HostLoad, Pacer, thread_times
 from kvflow_tools.standin.releases import runner_output
 
-__all__ = ("SAMPLED", "Rank", "StandInEngine")
+__all__ = ("SAMPLED", "StandInEngine")
 
 SAMPLED = 7  # the token the stand-in model always samples (never EOS)
-
-
-@dataclass
-class Rank:
-    """One tensor-parallel worker: its connector, its KV caches and its pages."""
-
-    worker: Any
-    kv_caches: dict[str, torch.Tensor]
-    pages: PagedKV  # the attention layers'
-    device: LaggingDevice | None
-    states: StatePages | None = None  # the Mamba layers', if the model has any
-
-    def __post_init__(self) -> None:
-        self.hooks = HookClock(self.worker)  # how the model runner calls the connector
-
-
-@dataclass
-class _Work:
-    """What one step's forward does, the same on every rank."""
-
-    req_ids: list[str] = field(default_factory=list)
-    sampled: list[list[int]] = field(default_factory=list)
-    # KV cache group, tag, position, block, first token, stop token
-    writes: list[tuple[int, str, int, int, int, int]] = field(default_factory=list)
-    completed: list[str] = field(default_factory=list)  # P requests whose prompt this step finished
 
 
 class StandInEngine:
@@ -99,13 +56,8 @@ class StandInEngine:
         self.emit = emit or (lambda **_: None)
         self.config = vllm_config(options)
         self.steps = 0
-        self.step_ms = 0.0
         self.spin = False  # step even with nothing scheduled (an engine core busy with other requests)
         self.pacer: Pacer | None = None  # paced by a step-time model (`kvflow bench pd`); else by step_ms
-        self.host: HostLoad | None = None  # the host engine's own work in each step (`kvflow bench host`)
-        self.host_python = 0.0  # seconds the step's host work (`host`) took, interpreter held
-        self.slept = 0.0  # the step's time spent waiting for its pace, not working
-        self.forward_ended = 0.0  # when the step's last layer was computed, before its KV was handed on
         self.step_starts: deque[float] = deque(maxlen=200_000)
         self.most_in_flight = 0
         self.tags: dict[str, str] = {}  # request id -> transfer tag (P writes it, D checks it)
@@ -166,9 +118,20 @@ class StandInEngine:
         }
         kinds = [group in self.state_groups for group in self.owner_group]
         self.page_index = [kinds[:owner].count(kind) for owner, kind in enumerate(kinds)]
+        self.runner = ModelRunner(
+            o,
+            self.config,
+            kv_cache_config,
+            self.backend,
+            self.layout,
+            self.owners,
+            self.owner_group,
+            self.state_groups,
+            self.page_index,
+        )
         try:
             for rank in range(o.tensor_parallel):
-                self.ranks.append(self._rank(rank))
+                self.ranks.append(self.runner.rank(rank, self.scheduler.connector))
         except BaseException:
             self.close()
             raise
@@ -186,61 +149,6 @@ class StandInEngine:
         hash_fn = get_hash_fn_by_name(self.config.cache_config.prefix_caching_hash_algo)
         init_none_hash(hash_fn)
         return get_request_block_hasher(block_size, hash_fn)
-
-    def _rank(self, rank: int) -> Rank:
-        """One worker: its connector, made as vLLM's worker makes it, and KV caches allocated
-        and registered as vLLM's GPU model runner does."""
-        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-        from vllm.v1.worker.utils import allocate_kv_cache, prepare_kernel_block_sizes
-
-        from kvflow.integrations.vllm.connector import KVFlowConnector
-
-        o, config, kv_cache_config = self.options, self.config, self.kv_cache_config
-        config.parallel_config.rank = rank  # what a worker process of that rank has
-        worker: Any = None  # no connector: the engine alone
-        if not o.connector:
-            if o.distributed:  # the same set-up (and its threads) as with a connector
-                init_distributed(o)
-        elif o.distributed:
-            worker = distributed_worker(config, kv_cache_config, o)
-        else:
-            worker = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kv_cache_config)
-        attention_groups = [
-            [SimpleNamespace(backend=self.backend, kv_cache_spec=group.kv_cache_spec)]
-            for group in kv_cache_config.kv_cache_groups
-        ]
-        kernel_block_sizes = prepare_kernel_block_sizes(kv_cache_config, attention_groups)  # type: ignore[arg-type]
-        place = torch.device("cpu")
-        if o.kv_device == "cuda":
-            place = torch.device("cuda", rank % torch.cuda.device_count())
-        kv_caches = allocate_kv_cache(kv_cache_config, place, self.layout, kernel_block_sizes)
-        for layer, target in self.shape.shared:  # appended last, as vLLM's init_kv_cache does
-            kv_caches[self.shape.layer_name(layer)] = kv_caches[self.shape.layer_name(target)]
-        device = None if o.device_lag is None else LaggingDevice(o.device_lag)
-        fabric = fabric_of(o.extra)[1]
-        if isinstance(worker, KVFlowConnector):  # what another connector would ignore
-            worker.inject(device=device, transport=named_fabric(fabric).endpoint if fabric is not None else None)
-        if worker is not None:
-            worker.register_kv_caches(kv_caches)
-        if worker is not None and o.distributed:
-            handshake = worker.get_handshake_metadata()
-            if handshake is not None:
-                assert self.scheduler.connector is not None
-                self.scheduler.connector.set_xfer_handshake_metadata_pp_aware({(0, 0): handshake})
-        model = config.model_config  # MLA: every rank holds the same latent cache, one "head"
-        total = 1 if model.use_mla else model.get_total_num_kv_heads()
-        heads = heads_of(total, o.tensor_parallel, rank)
-        block_size = self.config.cache_config.block_size
-        attention, states = ([kv_caches[n] for g, n in zip(self.owner_group, self.owners, strict=True)
-                              if (g in self.state_groups) is kind] for kind in (False, True))  # fmt: skip
-        pages = PagedKV(attention, kv_cache_config.num_blocks, block_size, heads, total_heads=total)
-        state_pages = None
-        if states:
-            mamba: Any = kv_cache_config.kv_cache_groups[min(self.state_groups)].kv_cache_spec
-            shape = mamba_shape(o, int(mamba.dtypes[0].itemsize))
-            state_pages = StatePages(states, kv_cache_config.num_blocks, shape, shard=rank, ranks=o.tensor_parallel)
-        return Rank(worker, kv_caches, pages, device, state_pages)
 
     def _watch_request_finished(self) -> None:
         """Timestamp the scheduler connector's request_finished (behaviour unchanged)."""
@@ -356,6 +264,24 @@ class StandInEngine:
 
     # ---------------------------------------------------------------- stepping
 
+    @property
+    def step_ms(self) -> float:
+        """The step's length in milliseconds: its forward ends no sooner (0: as fast as it runs)."""
+        return self.runner.step_ms
+
+    @step_ms.setter
+    def step_ms(self, ms: float) -> None:
+        self.runner.step_ms = ms
+
+    @property
+    def host(self) -> HostLoad | None:
+        """The host engine's own work in each step (`kvflow bench host`), the forward's included."""
+        return self.runner.host
+
+    @host.setter
+    def host(self, load: HostLoad | None) -> None:
+        self.runner.host = load
+
     def step(self) -> None:
         """One engine-core step.  With async scheduling, as vLLM's ``step_with_batch_queue``
         with two batches: schedule and run the next batch, and read the older batch's output
@@ -395,18 +321,18 @@ class StandInEngine:
         self.step_starts.append(started)
         clock = thread_times() if self.host is not None else None
         work = self._plan(so)
-        self.host_python = 0.0
+        self.runner.host_python = 0.0
         if self.pacer is not None:
-            self.step_ms, self.slept = self.pacer.plan(so, self.scheduler), 0.0
+            self.step_ms, self.runner.slept = self.pacer.plan(so, self.scheduler), 0.0
             for new in so.scheduled_new_reqs:
                 self.emit(ev="scheduled", id=new.req_id, t=started)
         outputs = []
         for rank in self.ranks:  # one after the other here; in parallel in vLLM
             if rank.worker is None:  # no connector: the forward alone
                 connector_output = None
-                self._forward(rank, work, range(len(self.layer_names())), started)
+                self.runner.forward(rank, work, range(len(self.layer_names())), started)
             else:
-                connector_output = self._run_hooks(rank, so, work, started)
+                connector_output = self.runner.run_hooks(rank, so, work, started)
             outputs.append(
                 runner_output(
                     ModelRunnerOutput,
@@ -420,14 +346,14 @@ class StandInEngine:
         busy = self.host.finish(clock) if self.host is not None and clock is not None else None
         now = time.perf_counter()
         if busy is not None:
-            self.emit(ev="hstep", t=started, dur=now - started, py=self.host_python, **busy)
+            self.emit(ev="hstep", t=started, dur=now - started, py=self.runner.host_python, **busy)
         spent, by_name, cpu = self.ranks[0].hooks.take()  # rank 0's time inside connector hooks
         # with the step's scheduled tokens (a prefill step on P: any) and its length, paced sleep included
         self.emit(ev="hooks", s=spent, by=by_name, cpu=cpu, tokens=so.total_num_scheduled_tokens, dur=now - started)
         for request_id in work.completed:  # made when the forward ended: a push may land before the step ends
-            self.emit(ev="computed", id=request_id, t=self.forward_ended, started=started)
+            self.emit(ev="computed", id=request_id, t=self.runner.forward_ended, started=started)
         if self.pacer is not None:
-            real_ms = (now - started - self.slept) * 1e3
+            real_ms = (now - started - self.runner.slept) * 1e3
             self.emit(ev="step", t=started, **self.pacer.report(self.scheduler, self.step_ms, real_ms))
             for request_id in self.pacer.firsts:  # the step sampled these requests' first tokens
                 self.emit(ev="first", id=request_id, t=now)
@@ -449,10 +375,10 @@ class StandInEngine:
         starts.reverse()
         return starts
 
-    def _plan(self, so: Any) -> _Work:
+    def _plan(self, so: Any) -> Work:
         """The step's prompt tokens P computes (and so writes), the loaded requests D reads for
         the first time (checked now, before the step's hooks), the tokens sampled."""
-        work = _Work()
+        work = Work()
         size = self.ranks[0].pages.block_size
         # an engine without a connector computes its prompts' KV itself, whatever its role
         producer = self.options.role == "kv_producer" or not self.options.connector
@@ -488,77 +414,6 @@ class StandInEngine:
             work.req_ids.append(request_id)
             work.sampled.append([SAMPLED] if computed + count >= prompt else [])
         return work
-
-    def _run_hooks(self, rank: Rank, so: Any, work: _Work, started: float) -> Any:
-        """The connector hooks of one step on one rank, in the model runner's order."""
-        from vllm.forward_context import get_forward_context, set_forward_context
-        from vllm.v1.outputs import KVConnectorOutput
-
-        worker, meta, v2 = rank.hooks, so.kv_connector_metadata, self.options.hook_order == "v2"
-        assert meta is not None  # a connector is configured
-        speculative = self.shape.draft_layers > 0
-        if rank.device is not None:
-            rank.device.host_threads.add(threading.get_ident())
-        with set_forward_context(None, self.config):
-            if v2:
-                worker.handle_preemptions(meta)
-            worker.bind_connector_metadata(meta)
-            if so.has_sync_kv_loads:
-                worker.start_load_kv(get_forward_context())
-            self._forward(rank, work, range(self.shape.attention_layers), started)
-            if v2:
-                worker.finish_forward()  # then Model Runner V2 samples, before the post-forward hooks
-            if not so.has_sync_kv_loads:
-                worker.start_load_kv(get_forward_context())
-            if not speculative:
-                worker.wait_for_save()
-            results = worker.get_transfer_results(so.finished_req_ids)
-            output = KVConnectorOutput(
-                finished_sending=results.finished_sending or None,
-                finished_recving=results.finished_recving or None,
-                failed_recving=results.failed_recving,
-                invalid_block_ids=worker.get_block_ids_with_load_errors(),
-                kv_connector_stats=worker.get_kv_connector_stats(),
-                kv_cache_events=worker.get_kv_connector_kv_cache_events(),
-                kv_connector_worker_meta=worker.build_connector_worker_meta(),
-            )
-            if speculative:  # the drafter runs, then the deferred finalize
-                self._forward(rank, work, range(self.shape.attention_layers, len(self.layer_names())), started)
-                worker.wait_for_save()
-            worker.clear_connector_metadata()
-        return output
-
-    def _forward(self, rank: Rank, work: _Work, layers: range, started: float) -> None:
-        """Layer by layer, as attention layers do: ``wait_for_layer_load``, the layer's KV
-        writes (enqueued on a lagging device), ``save_kv_layer`` (not under a full CUDA graph).
-        A step of `step_ms` ends no sooner than `step_ms` after it started."""
-        names, shared, hooks = self.layer_names(), dict(self.shape.shared), rank.worker is not None
-        total = len(names)
-        for layer in layers:
-            name = names[layer]
-            if self.host is not None:  # the forward's own Python for this layer (kernel launches)
-                self.host_python += self.host.layer(total)
-            if hooks:
-                rank.hooks.wait_for_layer_load(name)
-            if layer not in shared and work.writes:
-                owner = self.owners.index(name)
-                writes = [w[1:] for w in work.writes if w[0] == self.owner_group[owner]]
-                if self.owner_group[owner] in self.state_groups and rank.states is not None:
-                    kernel = rank.states.kernel(self.page_index[owner], writes)
-                else:
-                    kernel = rank.pages.kernel(self.page_index[owner], writes)
-                if rank.device is not None:
-                    rank.device.launch(kernel)
-                else:
-                    kernel()
-            if self.step_ms > 0:
-                layer_end = started + self.step_ms / 1000 * (layer + 1) / total
-                pause = max(0.0, layer_end - time.perf_counter())
-                self.slept += pause
-                time.sleep(pause)
-            self.forward_ended = time.perf_counter()
-            if hooks and not self.options.full_cudagraph:
-                rank.hooks.save_kv_layer(name, rank.kv_caches[name], None)
 
     # ---------------------------------------------------------------- inspection
 
