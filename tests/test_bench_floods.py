@@ -22,7 +22,8 @@ def flood(tmp_path: Path, *options: str) -> dict[str, object]:
     argv = ["bench", "floods", "--connections", "200", "--runs", "1", "--patience", "180", *options]
     status = main([*argv, "--json", str(out)])
     report = json.loads(out.read_text())
-    assert report["config"]["connections"] == 200 and len(report["runs"]) == 1
+    connections = int(argv[len(argv) - 1 - argv[::-1].index("--connections") + 1])  # the last one given
+    assert report["config"]["connections"] == connections and len(report["runs"]) == 1
     run: dict[str, object] = report["runs"][0]
     genuine = run["genuine"]
     assert isinstance(genuine, dict) and status == (0 if genuine["completed"] else 1)
@@ -97,3 +98,26 @@ def test_bench_floods_refuses_bad_settings() -> None:
             main(["bench", "floods", "--patience", patience])
     with pytest.raises(SystemExit):  # argparse names the choices
         main(["bench", "floods", "--attack", "knock"])
+
+
+@pytest.mark.system
+def test_an_insider_under_many_names_is_held_to_the_descriptor_budget_and_an_allow_list_keeps_it_out(
+    tmp_path: Path,
+) -> None:
+    """An insider associates 40 engines, one name each, with P at 256 descriptors: P takes
+    names until its descriptor reserve, refuses the rest naming why, never holds more than its
+    limit, and serves D once the names leave.  With an allow-list of engine ids (docs/security.md's
+    bound for this attacker) every name is refused and D moves KV while they are there."""
+    run = flood(tmp_path, "--nofile", "256", "--attack", "many_names", "--connections", "40")
+    insider, descriptors = run["insider"], run["p_descriptors"]
+    assert isinstance(insider, dict) and isinstance(descriptors, dict)
+    assert 0 < insider["associated"] < 40 and insider["associated"] + insider["refused"] == 40, insider
+    assert any("file descriptors left" in reason for reason in insider["reasons"]), insider
+    assert descriptors["peak"] <= 256
+    after = run["genuine_after"]
+    assert isinstance(after, dict) and after["completed"] is True, after
+
+    run = flood(tmp_path, "--nofile", "256", "--attack", "many_names", "--connections", "40", "--allowed-peers", "D")
+    insider, genuine = run["insider"], run["genuine"]
+    assert isinstance(insider, dict) and insider["associated"] == 0 and insider["refused"] == 40, insider
+    assert isinstance(genuine, dict) and genuine["completed"] is True and genuine["during_flood"] is True, genuine

@@ -70,6 +70,10 @@ class Handshakes:
                 del self._waiters[peer]
 
     def close(self, engine_id: str) -> None:
-        """The engine closes: every handshake still under way fails with `EngineClosed`."""
-        for peer in list(self._waiters):
+        """The engine closes: every handshake still under way fails with `EngineClosed`.  The
+        error is marked seen: a `connect` that failed before it waited (its Hello could not be
+        sent) left a handshake nobody awaits, and asyncio would log its error as lost."""
+        for peer, waiter in list(self._waiters.items()):
             self.settle(peer, EngineClosed(f"engine {engine_id!r} closed during the handshake with {peer!r}"))
+            if waiter.done() and not waiter.cancelled():
+                waiter.exception()

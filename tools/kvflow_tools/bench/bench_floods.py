@@ -20,6 +20,12 @@ control counters and the machine's load average at the start and the end.
 secret's CURVE keys, each completing its handshake and then sending nothing, held until D's
 transfer is decided (libzmq reconnects each one P closes); the connections P closed to keep
 descriptors free are its ``connections_closed_short`` counter.
+
+``--attack many_names`` is an insider speaking as many engines (`kvflow_tools.testing.many_names`:
+one real engine per name, all in one process): every name associates with P, or is refused, before
+D connects; the associations are held until D's transfer is decided.  Then D moves a second
+transfer, with the names gone.  ``--allowed-peers D`` gives P an allow-list of engine ids, the
+bound docs/security.md names for this attacker.
 """
 
 from __future__ import annotations
@@ -58,7 +64,7 @@ COUNTERS = (
     "rejected_handshake_auth",
     "connections_closed_short",
 )
-ATTACKS = ("connection_flood", "idle_insiders")
+ATTACKS = ("connection_flood", "idle_insiders", "many_names")
 
 
 def cpu_ticks(pid: int) -> dict[int, tuple[str, int]]:
@@ -157,8 +163,8 @@ async def _connect(p: Side, d: Side, patience: float) -> tuple[dict[str, Any], l
         await asyncio.sleep(RETRY_S)
 
 
-async def _genuine(p: Side, d: Side, patience: float) -> dict[str, Any]:
-    """D connects to P and moves one transfer of two blocks, whose bytes it checks."""
+async def _genuine(p: Side, d: Side, patience: float, tid: str = "genuine") -> dict[str, Any]:
+    """D connects to P and moves one transfer (`tid`) of two blocks, whose bytes it checks."""
     start = time.monotonic()
     connected, failures = await _connect(p, d, patience)
     result: dict[str, Any] = {
@@ -169,26 +175,39 @@ async def _genuine(p: Side, d: Side, patience: float) -> dict[str, Any]:
     }
     if connected["event"] != "connected":
         return {**result, "completed": False, "error": connected.get("error")}
-    common = {"tid": "genuine", "epoch": 1, "mode": "push"}
+    common = {"tid": tid, "epoch": 1, "mode": "push"}
     start = time.monotonic()
     await d.ask(cmd="expect", peer="P", blocks=[1, 2], verify=7, **common)
     await p.ask(cmd="kv_ready", peer="D", blocks=[5, 6], seed=7, **common)
     try:
-        done = await asyncio.wait_for(d.result_future("genuine"), patience)
-        sent = await asyncio.wait_for(p.result_future("genuine"), patience)
+        done = await asyncio.wait_for(d.result_future(tid), patience)
+        sent = await asyncio.wait_for(p.result_future(tid), patience)
     except TimeoutError:
         return {**result, "completed": False, "error": "no outcome"}
     ok = done["outcome"] == "succeeded" and sent["outcome"] == "succeeded" and done.get("verified") is True
     return {**result, "transfer_s": round(time.monotonic() - start, 4), "completed": ok, "outcome": done["outcome"]}
 
 
+def _flooder(attack: str, address: str, connections: int, rate: float, patience: float, prefix: str) -> list[str]:
+    """The command line of the process that runs `attack` against P at `address`."""
+    if attack == "many_names":  # held until stdin closes
+        names = ["--names", str(connections), "--prefix", f"{prefix}-i"]
+        return [sys.executable, "-m", "kvflow_tools.testing.many_names", "--address", address, *names]
+    argv = [sys.executable, "-m", "kvflow_tools.testing.fuzz_process", "--address", address]
+    argv += ["--scale", str(connections), "--attack", attack, "--per-second", str(rate)]
+    if attack == "idle_insiders":  # held until D's transfer is decided
+        argv += ["--until-stdin-closes", "--hold", str(3 * patience)]
+    return argv
+
+
 async def _flood_run(
-    connections: int, nofile: int, rate: float, patience: float, logs: str, attack: str
+    connections: int, nofile: int, rate: float, patience: float, logs: str, attack: str, allowed: str = ""
 ) -> dict[str, Any]:
     prefix, secret = f"kvflow-floods-{secrets.token_hex(4)}", secrets.token_hex(32)
     env = dict(os.environ, KVFLOW_SECRET=secret, PYTHONPATH=import_path())
     peer = [sys.executable, "-m", "kvflow_tools.testing.peer_process", "--transport", "shm"]
     limit = ["--nofile", str(nofile)] if nofile else []
+    limit += ["--allowed-peers", allowed] if allowed else []
     p = Side("P", [*peer, "--name", "P", "--prefix", f"{prefix}-p", *limit], env, f"{logs}/{prefix}-p.stderr")
     d = Side("D", [*peer, "--name", "D", "--prefix", f"{prefix}-d"], env, f"{logs}/{prefix}-d.stderr")
     load_start = os.getloadavg()
@@ -198,10 +217,7 @@ async def _flood_run(
         await d.start()
         names = (await p.ask(cmd="threads"))["names"]
         base = _descriptors(p.pid)
-        argv = [sys.executable, "-m", "kvflow_tools.testing.fuzz_process", "--address", p.address]
-        argv += ["--scale", str(connections), "--attack", attack, "--per-second", str(rate)]
-        if attack == "idle_insiders":  # held until D's transfer is decided
-            argv += ["--until-stdin-closes", "--hold", str(3 * patience)]
+        argv = _flooder(attack, p.address, connections, rate, patience, prefix)
         flood = await spawn(argv, stdin=True, stdout=True, env=env, cwd=ROOT)
         assert flood.stdout is not None
         begin = json.loads(await flood.stdout.readline())
@@ -209,20 +225,22 @@ async def _flood_run(
         target = base + max(int(connections * CONNECT_AT), 1)
         peak = _Peak(p.pid, min(target, int(nofile * LIMIT_AT)) if nofile else target)
         ending = asyncio.ensure_future(flood.stdout.readline())
-        reached = asyncio.ensure_future(peak.reached.wait())
-        await asyncio.wait([ending, reached], return_when=asyncio.FIRST_COMPLETED)
-        reached.cancel()
-        held = peak.now
+        if attack != "many_names":  # (whose first line comes once every name is decided)
+            reached = asyncio.ensure_future(peak.reached.wait())
+            await asyncio.wait([ending, reached], return_when=asyncio.FIRST_COMPLETED)
+            reached.cancel()
+        held, peers = peak.now, len((await p.ask(cmd="stats"))["peers"])
         genuine = {**await _genuine(p, d, patience), "during_flood": not ending.done(), "p_descriptors_then": held}
         flood.close_stdin()  # an insider's connections are held until now
         end = json.loads(await ending)
-        after, total, seconds = cpu_ticks(p.pid), process_ticks(p.pid) - total, time.monotonic() - began
+        after = await _genuine(p, d, patience, "after") if attack == "many_names" else None
+        ticks, total, seconds = cpu_ticks(p.pid), process_ticks(p.pid) - total, time.monotonic() - began
         await peak.stop()
         await flood.wait()
         if begin.get("event") != "begin" or "error" in end:
             raise BenchError(f"the flooding process failed: {begin} {end}")
         control = await _settled(p)
-        threads = _threads(before, after, names, p.pid, seconds)
+        threads = _threads(before, ticks, names, p.pid, seconds)
     finally:
         if flood is not None:
             flood.kill()  # (nothing, when it has exited)
@@ -243,6 +261,13 @@ async def _flood_run(
         "p_descriptors": {"before": base, "peak": peak.peak},
         "control": {k: control.get(k, 0) for k in COUNTERS} | {k: v for k, v in control.items() if k not in COUNTERS},
         "genuine": genuine,
+        "p_peers_then": peers,
+        **(
+            {"insider": {k: begin.get(k) for k in ("associated", "refused", "reasons")}}
+            if attack == "many_names"
+            else {}
+        ),
+        **({"genuine_after": after} if after is not None else {}),
         "load": {"start": [round(x, 2) for x in load_start], "end": [round(x, 2) for x in os.getloadavg()]},
     }
 
@@ -269,6 +294,13 @@ def render(runs: list[dict[str, Any]]) -> str:
             f"{g['attempts']:>5} {'yes' if g['completed'] else 'NO':>5} "
             f"{load['start'][0]:>8.2f}-{load['end'][0]:<8.2f}"
         )
+        if "insider" in run:  # many_names: what the names got, and D once they left
+            insider, after = run["insider"], run["genuine_after"]
+            lines.append(
+                f"    insider names: {insider['associated']} associated, {insider['refused']} refused "
+                f"(P's peers then {run['p_peers_then']}); D during: {'moved' if g['completed'] else g.get('error')}; "
+                f"D after the names left: {'moved' if after['completed'] else after.get('error')}"
+            )
     return "\n".join(lines)
 
 
@@ -279,10 +311,12 @@ def run_floods(
     rate: float = 0.0,
     patience: float = PATIENCE,
     attack: str = "connection_flood",
+    allowed: str = "",
 ) -> list[dict[str, Any]]:
     """`runs` floods of `connections` connections each against a fresh P (`nofile`: its limit;
     `rate`: connections a second, 0 as fast as one process can; `patience`: seconds the genuine
-    peer may take to associate, and each side to decide its transfer; `attack`: one of `ATTACKS`).
+    peer may take to associate, and each side to decide its transfer; `attack`: one of `ATTACKS`;
+    `allowed`: P's allow-list of engine ids, comma-separated patterns, empty for any).
 
     :raises BenchError: a setting is out of range, or a process did not start or failed.
     """
@@ -295,7 +329,7 @@ def run_floods(
     logs = os.environ.get("TMPDIR", "/tmp")
 
     async def every() -> list[dict[str, Any]]:
-        return [await _flood_run(connections, nofile, rate, patience, logs, attack) for _ in range(runs)]
+        return [await _flood_run(connections, nofile, rate, patience, logs, attack, allowed) for _ in range(runs)]
 
     return asyncio.run(every())
 
@@ -303,12 +337,14 @@ def run_floods(
 def main(args: argparse.Namespace) -> int:
     """Print the table; also write the runs as JSON with `--json`.  0 when every genuine
     transfer completed, 1 otherwise."""
-    runs = run_floods(args.connections, args.nofile, args.runs, args.rate, args.patience, args.attack)
+    runs = run_floods(
+        args.connections, args.nofile, args.runs, args.rate, args.patience, args.attack, args.allowed_peers
+    )
     sys.stdout.write(render(runs) + "\n")
     if args.json:
         config = {
             "connections": args.connections, "nofile": args.nofile, "rate": args.rate, "runs": args.runs,
-            "attack": args.attack,
+            "attack": args.attack, "allowed_peers": args.allowed_peers,
             "patience": args.patience, "cpus": os.cpu_count(),
         }  # fmt: skip
         Path(args.json).write_text(json.dumps({"config": config, "runs": runs}, indent=1))
@@ -334,6 +370,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--attack",
         choices=ATTACKS,
         default="connection_flood",
-        help="a stranger's raw TCP connections (default), or an insider's idle authenticated ones",
+        help="a stranger's raw TCP connections (default), an insider's idle authenticated ones, or an insider's"
+        " engines under --connections names",
+    )
+    parser.add_argument(
+        "--allowed-peers", default="", help="P's allow-list of engine ids, comma-separated patterns (default: any)"
     )
     parser.add_argument("--json", help="also write the runs to this file")

@@ -46,6 +46,7 @@ from kvflow.errors import KVFlowError
 from kvflow.layout import KVLayout, KVSpec
 from kvflow.layout.buffers import region_of
 from kvflow.protocol.actions import ReleaseBlocks
+from kvflow.protocol.admission import PeerAllowList
 from kvflow.protocol.core import CoreConfig
 from kvflow.protocol.state import Mode
 from kvflow.runtime.engine import Engine, EngineConfig
@@ -128,6 +129,9 @@ class Peer:
             # with every transfer up to then, and a soak that counts memory must not see it)
             results_kept=64,
             integrity=args.integrity,
+            allowed_peers=PeerAllowList(tuple(args.allowed_peers.split(",")))
+            if args.allowed_peers
+            else PeerAllowList(),
         )
         control = ZmqControl(args.name, args.bind, curve=not args.no_curve, handshake_timeout=args.handshake_timeout)
         self.engine = Engine(args.name, layout, self.transport, control, config=config, on_release=self.released)
@@ -278,6 +282,7 @@ if __name__ == "__main__":
     )
     parser.add_argument("--nofile", type=int, default=0, help="soft and hard open-files limit (0: inherited)")
     parser.add_argument("--integrity", action="store_true", help="seal WRITEs with digests, check what lands")
+    parser.add_argument("--allowed-peers", default="", help="engine ids P may associate with, comma-separated patterns")
     arguments = parser.parse_args()
     if arguments.nofile:  # soft and hard alike: the channel raises a soft limit to the hard one
         resource.setrlimit(resource.RLIMIT_NOFILE, (arguments.nofile, arguments.nofile))
