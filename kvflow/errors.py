@@ -52,6 +52,7 @@ __all__ = (
     "KVFlowError",
     "LayoutMismatch",
     "LedgerError",
+    "MalformedRequest",
     "PeerProtocolError",
     "PeerNotAllowed",
     "PeerUnknown",
@@ -144,6 +145,11 @@ class UnknownTransport(KVFlowError, LookupError):
 class UsageError(KVFlowError, RuntimeError):
     """An object was used against its contract, out of order (an engine or a control channel
     started twice, a worker used before its KV caches were registered): a bug in the caller."""
+
+
+class MalformedRequest(UsageError):
+    """The wire form of a request (`kvflow.protocol.requests`) that is not one: not a map, of a
+    type no request has, or with a field missing, unexpected or of the wrong type."""
 
 
 class EngineClosed(KVFlowError):

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from kvflow.protocol.actions import Action, DeclarePeerLost, OpKind, ReleaseBlocks, Resolve, SendMessage, SubmitOp
 from kvflow.protocol.core import CoreConfig, TransferCore
 from kvflow.protocol.messages import OPEN_BATCHES, Message, TransferKey
+from kvflow.protocol.requests import Expect, KvReady
 from kvflow.protocol.state import Mode, Outcome, Role
 from kvflow.protocol.transfer_tables import TERMINAL
 
@@ -250,14 +251,16 @@ class CorePair:
         if plan.open_count and plan.mode is Mode.PUSH:
             n_writes = OPEN_BATCHES  # also what an empty registration (nothing wanted) says
         actions = self.d.expect(
-            plan.key,
-            peer="P",
-            mode=plan.mode,
-            block_ids=plan.d_blocks,
-            deadline=self.net.now + ttl,
+            Expect(
+                plan.key,
+                peer="P",
+                mode=plan.mode,
+                block_ids=plan.d_blocks,
+                expected_batches=n_writes,
+                first_position=plan.hit,
+            ),
             now=self.net.now,
-            expected_batches=n_writes,
-            first_position=plan.hit,
+            deadline=self.net.now + ttl,
         )
         for block in plan.d_blocks:
             self.d_owner[block] = plan.key
@@ -292,14 +295,16 @@ class CorePair:
                 self.p_content[(block, layer)] = (plan.key, pos, layer)
         plan.sent += 1
         actions = self.p.kv_ready(
-            plan.key,
-            block_ids=ids,
+            KvReady(
+                plan.key,
+                block_ids=ids,
+                final=final,
+                first_position=first,
+                layers=layers if plan.mode is Mode.PUSH else None,
+                mode=plan.mode,
+                peer=None if plan.unclaimed else "D",
+            ),
             now=self.net.now,
-            final=final,
-            first_position=first,
-            layers=layers if plan.mode is Mode.PUSH else None,
-            mode=plan.mode,
-            peer=None if plan.unclaimed else "D",
             deadline=self.net.now + plan.p_ttl,
         )
         self.run("P", actions)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from kvflow.protocol.actions import Action, ReleaseBlocks, Resolve, SendMessage, SubmitOp
 from kvflow.protocol.core import CoreConfig, TransferCore
 from kvflow.protocol.messages import OPEN_BATCHES, Message, TransferKey
+from kvflow.protocol.requests import Abort, Expect, KvReady
 from kvflow.protocol.state import Mode, Outcome, Role
 
 KEY = TransferKey("shared", 1)
@@ -43,7 +44,7 @@ def registered() -> tuple[TransferCore, TransferCore]:
     d.peer_connected("P", 0.0, block_ratio=2)
     p.peer_connected("D", 0.0, block_ratio=2)
     expected = d.expect(
-        KEY, peer="P", mode=Mode.PUSH, block_ids=D_BLOCKS, deadline=50.0, now=0.0, expected_batches=OPEN_BATCHES
+        Expect(KEY, peer="P", mode=Mode.PUSH, block_ids=D_BLOCKS, expected_batches=OPEN_BATCHES), now=0.0, deadline=50.0
     )
     (registration,) = messages(expected)
     p.receive("D", registration, 0.1)
@@ -52,7 +53,7 @@ def registered() -> tuple[TransferCore, TransferCore]:
 
 def chunk(p: TransferCore, first: int, count: int, final: bool, now: float = 1.0) -> list[Action]:
     ids = list(range(100 + first, 100 + first + count))
-    return p.kv_ready(KEY, block_ids=ids, now=now, final=final, first_position=first, peer="D")
+    return p.kv_ready(KvReady(KEY, block_ids=ids, final=final, first_position=first, peer="D"), now=now)
 
 
 def written(p: TransferCore, submitted: list[SubmitOp], now: float = 2.0) -> list[bytes]:
@@ -84,7 +85,7 @@ def test_an_abort_while_a_d_block_is_half_written_fences_before_any_block_return
     first = ops(chunk(p, 0, 3, False))
     (note,) = written(p, first)
     assert verdicts(d.notification("P", note, 3.0)) == []  # block 11 holds P's first half only
-    aborted = d.abort(KEY, Role.DECODE, 3.1, "request ended")
+    aborted = d.abort(Abort(KEY, Role.DECODE, "request ended"), 3.1)
     assert verdicts(aborted) == [(Role.DECODE, Outcome.ABORTED)] and not released(aborted)
     assert d.ledger.quarantined_blocks == len(D_BLOCKS)  # P's second WRITE may still be coming
     answered: list[Action] = []

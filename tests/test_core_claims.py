@@ -12,6 +12,7 @@ from __future__ import annotations
 from kvflow.protocol.actions import Action, OpKind, ReleaseBlocks, Resolve, SendMessage, SubmitOp
 from kvflow.protocol.core import TransferCore
 from kvflow.protocol.messages import Claim, Message, Notice, Ready, TransferKey
+from kvflow.protocol.requests import Abort, Expect, KvReady
 from kvflow.protocol.state import Effect, Mode, Outcome, Role, State
 from kvflow.protocol.vocabulary import ADDRESSED
 
@@ -28,7 +29,7 @@ def _released(actions: list[Action]) -> list[tuple[int, ...]]:
 
 def _unclaimed_p(now: float = 0.0) -> TransferCore:
     p = TransferCore("P", num_layers=2)
-    actions = p.kv_ready(KEY, block_ids=[4, 5], now=now, mode=Mode.PULL, deadline=now + 30.0)
+    actions = p.kv_ready(KvReady(KEY, block_ids=[4, 5], mode=Mode.PULL), now=now, deadline=now + 30.0)
     assert _sent(actions) == []  # nobody to tell yet
     assert p.machine(KEY, Role.PREFILL).state is State.PREFILL_READY
     assert p.stats.unaddressed == 1  # the row's SEND_READY, with nobody to address it to
@@ -38,7 +39,7 @@ def _unclaimed_p(now: float = 0.0) -> TransferCore:
 def test_the_effects_dropped_for_a_machine_without_a_peer_are_exactly_those_addressed_to_it() -> None:
     assert {e for e in Effect if e.name.startswith("SEND_")} | {Effect.SUBMIT_PENDING} == ADDRESSED
     p = _unclaimed_p()
-    aborted = p.abort(KEY, Role.PREFILL, now=1.0, reason="client gone")
+    aborted = p.abort(Abort(KEY, Role.PREFILL, reason="client gone"), now=1.0)
     assert _sent(aborted) == [] and p.stats.unaddressed == 2  # its SEND_ABORT too
     assert _released(aborted) == [(4, 5)]  # and nobody can be reading: the blocks go back at once
 
@@ -47,7 +48,7 @@ def test_first_claimant_reads_and_p_releases_on_its_done() -> None:
     p = _unclaimed_p()
     d = TransferCore("D", num_layers=2)
     d.peer_connected("P", 0.0)
-    claim = _sent(d.expect(KEY, peer="P", mode=Mode.PULL, block_ids=[7, 8], deadline=20.0, now=1.0))
+    claim = _sent(d.expect(Expect(KEY, peer="P", mode=Mode.PULL, block_ids=[7, 8]), now=1.0, deadline=20.0))
     assert claim == [("P", Claim(KEY))]
     answer = p.receive("D", Claim(KEY), 1.0)
     assert _sent(answer) == [("D", Ready(KEY, (4, 5)))]
@@ -85,15 +86,15 @@ def test_nobody_claims_it_so_its_blocks_go_back_at_the_deadline_without_a_fence(
 def test_a_claim_before_the_kv_is_ready_waits_for_it() -> None:
     p = TransferCore("P", num_layers=2)
     assert p.receive("D", Claim(KEY), 0.5) == []
-    actions = p.kv_ready(KEY, block_ids=[4, 5], now=1.0, mode=Mode.PULL, deadline=31.0)
+    actions = p.kv_ready(KvReady(KEY, block_ids=[4, 5], mode=Mode.PULL), now=1.0, deadline=31.0)
     assert _sent(actions) == [("D", Ready(KEY, (4, 5)))]
 
 
 def test_d_giving_up_before_its_claim_releases_p_once_d_is_quiet() -> None:
     p = _unclaimed_p()
     d = TransferCore("D", num_layers=2)
-    d.expect(KEY, peer="P", mode=Mode.PULL, block_ids=[7, 8], deadline=20.0, now=1.0)  # not connected: no claim
-    gave_up = _sent(d.abort(KEY, Role.DECODE, 2.0))
+    d.expect(Expect(KEY, peer="P", mode=Mode.PULL, block_ids=[7, 8]), now=1.0, deadline=20.0)  # not connected: no claim
+    gave_up = _sent(d.abort(Abort(KEY, Role.DECODE), 2.0))
     released = []
     for _, message in gave_up:  # a notice, then "nothing in flight"
         released += _released(p.receive("D", message, 2.0))
@@ -103,6 +104,6 @@ def test_d_giving_up_before_its_claim_releases_p_once_d_is_quiet() -> None:
 
 def test_a_claim_for_a_push_transfer_is_not_taken() -> None:
     p = TransferCore("P", num_layers=2)
-    p.kv_ready(KEY, block_ids=[4], now=0.0, deadline=30.0)
+    p.kv_ready(KvReady(KEY, block_ids=[4]), now=0.0, deadline=30.0)
     assert p.receive("D", Claim(KEY), 1.0) == []
     assert p.machine(KEY, Role.PREFILL).peer is None and p.stats.foreign_peer == 1

@@ -22,6 +22,7 @@ from kvflow.protocol.messages import (
     decode_notification,
     encode_notification,
 )
+from kvflow.protocol.requests import Expect, KvReady
 from kvflow.protocol.state import Mode, Outcome, Role, State
 
 KEY = TransferKey("long", 1)
@@ -44,7 +45,9 @@ def registered(blocks: int = 4) -> tuple[TransferCore, TransferCore]:
     p.peer_connected("D", 0.0)
     ids = list(range(10, 10 + blocks))
     (registration,) = messages(
-        d.expect(KEY, peer="P", mode=Mode.PUSH, block_ids=ids, deadline=50.0, now=0.0, expected_batches=OPEN_BATCHES)
+        d.expect(
+            Expect(KEY, peer="P", mode=Mode.PUSH, block_ids=ids, expected_batches=OPEN_BATCHES), now=0.0, deadline=50.0
+        )
     )
     assert isinstance(registration, Registration) and registration.expected_batches == OPEN_BATCHES
     p.receive("D", registration, 0.1)
@@ -55,7 +58,7 @@ def chunk(
     p: TransferCore, first: int, count: int, layers: tuple[int, int], final: bool, now: float = 1.0
 ) -> list[Action]:
     ids = list(range(100 + first, 100 + first + count))
-    return p.kv_ready(KEY, block_ids=ids, now=now, final=final, first_position=first, layers=layers, peer="D")
+    return p.kv_ready(KvReady(KEY, block_ids=ids, final=final, first_position=first, layers=layers, peer="D"), now=now)
 
 
 def written(p: TransferCore, actions: list[Action], now: float = 2.0) -> list[bytes]:
@@ -140,7 +143,7 @@ def test_a_batch_beyond_the_last_fails_decode(sequence: list[tuple[int, bool]], 
 def test_a_fixed_count_still_checks_the_last_batch() -> None:
     d = TransferCore("D", LAYERS, CONFIG)
     d.peer_connected("P", 0.0)
-    d.expect(KEY, peer="P", mode=Mode.PUSH, block_ids=[1, 2], deadline=50.0, now=0.0, expected_batches=3)
+    d.expect(Expect(KEY, peer="P", mode=Mode.PUSH, block_ids=[1, 2], expected_batches=3), now=0.0, deadline=50.0)
     assert verdicts(d.notification("P", encode_notification(KEY, 0, True), 1.0)) == [(Role.DECODE, Outcome.FAILED)]
     assert "D expects 3 writes" in d.machine(KEY, Role.DECODE).reason
 
@@ -148,9 +151,11 @@ def test_a_fixed_count_still_checks_the_last_batch() -> None:
 def test_open_count_is_for_push_only_and_travels_on_the_wire() -> None:
     d = TransferCore("D", LAYERS, CONFIG)
     with pytest.raises(ConfigError, match="1 in pull mode"):
-        d.expect(KEY, peer="P", mode=Mode.PULL, block_ids=[1], deadline=5.0, now=0.0, expected_batches=OPEN_BATCHES)
+        d.expect(
+            Expect(KEY, peer="P", mode=Mode.PULL, block_ids=[1], expected_batches=OPEN_BATCHES), now=0.0, deadline=5.0
+        )
     with pytest.raises(ConfigError, match="got -1"):
-        d.expect(KEY, peer="P", mode=Mode.PUSH, block_ids=[1], deadline=5.0, now=0.0, expected_batches=-1)
+        d.expect(Expect(KEY, peer="P", mode=Mode.PUSH, block_ids=[1], expected_batches=-1), now=0.0, deadline=5.0)
     assert d.machines() == []
     registration = Registration(KEY, (1, 2), OPEN_BATCHES, 5.0)
     envelope = wire.Envelope("D", 1, "P", 1, registration)

@@ -11,6 +11,7 @@ from kvflow.errors import BlockConflict
 from kvflow.protocol.actions import Action, ReleaseBlocks, Resolve, SendMessage, SubmitOp
 from kvflow.protocol.core import CoreConfig, TransferCore
 from kvflow.protocol.messages import Message, Notice, Quiesced, Ready, Registration, TransferKey
+from kvflow.protocol.requests import Expect, KvReady
 from kvflow.protocol.state import Mode, Outcome, Role, State
 from kvflow.runtime.engine import Engine, EngineConfig
 from kvflow.transports.loopback import FaultPlan, LoopbackFabric
@@ -34,9 +35,13 @@ def written_push() -> tuple[TransferCore, TransferCore, bytes]:
     p, d = TransferCore("P", 2, CONFIG), TransferCore("D", 2, CONFIG)
     d.peer_connected("P", 0.0)
     p.peer_connected("D", 0.0)
-    (registration,) = messages(d.expect(KEY, peer="P", mode=Mode.PUSH, block_ids=[1, 2], deadline=5.0, now=0.0))
+    (registration,) = messages(d.expect(Expect(KEY, peer="P", mode=Mode.PUSH, block_ids=[1, 2]), now=0.0, deadline=5.0))
     p.receive("D", registration, 0.1)
-    (op,) = [a for a in p.kv_ready(KEY, block_ids=[7, 8], now=0.2, peer="D", deadline=30.0) if isinstance(a, SubmitOp)]
+    (op,) = [
+        a
+        for a in p.kv_ready(KvReady(KEY, block_ids=[7, 8], peer="D"), now=0.2, deadline=30.0)
+        if isinstance(a, SubmitOp)
+    ]
     p.op_submitted(op.op_id, 0.3)
     finished = p.op_finished(op.op_id, 0.4)
     assert verdicts(finished) == []  # written, and P's blocks are back, but the verdict is D's
@@ -81,7 +86,7 @@ def test_a_silent_peers_late_writes_keep_decodes_blocks_quarantined_until_it_is_
     assert not [a for a in lost if isinstance(a, ReleaseBlocks)]
     assert d.ledger.quarantined_blocks == 2 and d.unfenced("P")
     with pytest.raises(BlockConflict):  # the blocks cannot go to another transfer meanwhile
-        d.expect(TransferKey("next", 1), peer="P", mode=Mode.PUSH, block_ids=[2], deadline=9.0, now=3.1)
+        d.expect(Expect(TransferKey("next", 1), peer="P", mode=Mode.PUSH, block_ids=[2]), now=3.1, deadline=9.0)
     assert d.peer_fenced("Q") == []  # another peer's fence releases nothing
     (released,) = d.peer_fenced("P")
     assert isinstance(released, ReleaseBlocks)
@@ -113,7 +118,7 @@ def test_a_greedy_peer_cannot_use_up_the_registrations_of_others() -> None:
     live = len(p.live())
     # another peer's transfer is still served: registered, then written
     assert register(p, "D", "d") == [] and len(p.live()) == live + 1
-    actions = p.kv_ready(TransferKey("d", 1), block_ids=[5], now=1.0, peer="D", deadline=30.0)
+    actions = p.kv_ready(KvReady(TransferKey("d", 1), block_ids=[5], peer="D"), now=1.0, deadline=30.0)
     assert [a.peer for a in actions if isinstance(a, SubmitOp)] == ["D"]
     # the greedy peer got its quota, and each refusal names it
     assert [bool(a) for a in answers] == [i >= QUOTA.max_peer_transfers for i in range(QUOTA.max_unstarted)]
@@ -132,7 +137,7 @@ def test_a_registration_beyond_the_peers_block_quota_is_refused_and_changes_noth
     assert [(m.key, m.state) for m in p.machines()] == before and p.stats.over_quota == 1
     assert register(p, "D", "c", blocks=10) == []  # another peer has its own quota
     # a registration for a transfer P started itself fails that transfer, naming the quota
-    p.kv_ready(TransferKey("e", 1), block_ids=[1], now=0.0, peer="G", deadline=30.0)
+    p.kv_ready(KvReady(TransferKey("e", 1), block_ids=[1], peer="G"), now=0.0, deadline=30.0)
     notice, _ = register(p, "G", "e", blocks=5)
     assert isinstance(notice, Notice) and "max_peer_blocks" in notice.reason
     assert p.machine(TransferKey("e", 1), Role.PREFILL).outcome is Outcome.FAILED
@@ -145,7 +150,7 @@ def test_a_greedy_peers_early_messages_cannot_push_out_anothers() -> None:
     assert d.receive("P", Ready(KEY, (7,)), 0.0) == []
     for i in range(2 * QUOTA.max_unstarted):  # notices about transfers D never heard of
         d.receive("G", Notice(TransferKey(f"g{i}", 1), Outcome.ABORTED, "spam"), 0.1)
-    actions = d.expect(KEY, peer="P", mode=Mode.PULL, block_ids=[1], deadline=10.0, now=0.2)
+    actions = d.expect(Expect(KEY, peer="P", mode=Mode.PULL, block_ids=[1]), now=0.2, deadline=10.0)
     assert [a.remote_blocks for a in actions if isinstance(a, SubmitOp)] == [(7,)]  # P's ready was kept
     assert d.store.early.count_from("G") == (QUOTA.max_peer_early, 0)
     assert d.stats.over_quota == 2 * QUOTA.max_unstarted - QUOTA.max_peer_early
@@ -157,7 +162,7 @@ def test_a_notice_over_the_early_quota_still_withdraws_the_ready_it_follows() ->
     d.receive("P", Ready(KEY, (7,)), 0.0)  # held: the peer's one early message
     # P gave up before D allocated; D answers that nothing is in flight, so P reuses block 7
     assert messages(d.receive("P", Notice(KEY, Outcome.EXPIRED, "deadline"), 0.1)) == [Quiesced(KEY)]
-    actions = d.expect(KEY, peer="P", mode=Mode.PULL, block_ids=[1], deadline=10.0, now=0.2)
+    actions = d.expect(Expect(KEY, peer="P", mode=Mode.PULL, block_ids=[1]), now=0.2, deadline=10.0)
     assert [a for a in actions if isinstance(a, SubmitOp)] == []  # block 7 is not read
     assert verdicts(actions) == [(Role.DECODE, Outcome.FAILED)]
 
@@ -208,7 +213,9 @@ def writing_push(
     d.peer_connected("P", 0.0)
     p.peer_connected("D", 0.0)
     (registration,) = messages(
-        d.expect(KEY, peer="P", mode=Mode.PUSH, block_ids=[1, 2], expected_batches=expected, deadline=5.0, now=0.0)
+        d.expect(
+            Expect(KEY, peer="P", mode=Mode.PUSH, block_ids=[1, 2], expected_batches=expected), now=0.0, deadline=5.0
+        )
     )
     p.receive("D", registration, 0.1)
     ops: list[SubmitOp] = []
@@ -216,7 +223,9 @@ def writing_push(
         last = final and i == batches - 1
         size = 2 // batches
         ids = [7 + i * size + j for j in range(size)]
-        actions = p.kv_ready(KEY, block_ids=ids, first_position=i * size, now=0.2, final=last, peer="D", deadline=30.0)
+        actions = p.kv_ready(
+            KvReady(KEY, block_ids=ids, first_position=i * size, final=last, peer="D"), now=0.2, deadline=30.0
+        )
         ops += [a for a in actions if isinstance(a, SubmitOp)]
     for op in ops:
         p.op_submitted(op.op_id, 0.3)
@@ -260,14 +269,16 @@ def test_done_before_the_last_unwanted_batch() -> None:
     p, d = TransferCore("P", 2, CONFIG), TransferCore("D", 2, CONFIG)
     d.peer_connected("P", 0.0)
     p.peer_connected("D", 0.0)
-    (registration,) = messages(d.expect(KEY, peer="P", mode=Mode.PUSH, block_ids=[1], deadline=5.0, now=0.0))
+    (registration,) = messages(d.expect(Expect(KEY, peer="P", mode=Mode.PUSH, block_ids=[1]), now=0.0, deadline=5.0))
     p.receive("D", registration, 0.1)
-    (op,) = [a for a in p.kv_ready(KEY, block_ids=[7], now=0.2, final=False, peer="D") if isinstance(a, SubmitOp)]
+    (op,) = [
+        a for a in p.kv_ready(KvReady(KEY, block_ids=[7], final=False, peer="D"), now=0.2) if isinstance(a, SubmitOp)
+    ]
     p.op_submitted(op.op_id, 0.3)
     (done,) = messages(d.notification("P", op.notification, 0.35))
     assert p.receive("D", done, 0.36) == [] and p.stats.protocol_violations == 0
     assert verdicts(p.op_finished(op.op_id, 0.4)) == [(Role.PREFILL, Outcome.SUCCEEDED)]
-    late = p.kv_ready(KEY, block_ids=[9], first_position=1, now=0.5)
+    late = p.kv_ready(KvReady(KEY, block_ids=[9], first_position=1), now=0.5)
     assert ReleaseBlocks(KEY, Role.PREFILL, (9,), Outcome.SUCCEEDED) in late and p.ledger.held_blocks == 0
 
 
@@ -319,7 +330,7 @@ def test_a_peer_event_the_table_refuses_in_this_state_changes_nothing_and_is_cou
     d = TransferCore("D", num_layers=2)
     d.peer_connected("P", 0.0)
     key = TransferKey("t", 1)
-    d.expect(key, peer="P", mode=Mode.PULL, block_ids=[3, 4], deadline=60.0, now=0.0)
+    d.expect(Expect(key, peer="P", mode=Mode.PULL, block_ids=[3, 4]), now=0.0, deadline=60.0)
     m = d.machine(key, Role.DECODE)
     m.state = State.FAILING  # a state no reachable path gives it without P's blocks: forced
     assert d.receive("P", Ready(key, (7, 8)), 1.0) == []

@@ -17,6 +17,7 @@ from kvflow.protocol.association import EARLY_BLOCKS_KEPT, Associations
 from kvflow.protocol.core import CoreConfig, TransferCore
 from kvflow.protocol.messages import Message, Notice, Ready, Registration, TransferKey
 from kvflow.protocol.peer_actions import AddTransportPeer, UnknownSender
+from kvflow.protocol.requests import Expect
 from kvflow.protocol.state import Mode, Outcome, Role, State
 from kvflow_tools.testing import SMALL_SPEC
 from tests.handshakes import hello
@@ -81,7 +82,7 @@ def test_names_filling_the_early_pool_do_not_push_out_a_genuine_early_ready() ->
     assert d.store.early.totals()[0] == POOL.max_unstarted  # full, the newcomers pushed out others
     assert d.store.early.count_from("P") == (1, 1)
     assert d.stats.pushed_out == d.store.early.pushed_out > 0  # counted where the engine's stats show it
-    actions = d.expect(key, peer="P", mode=Mode.PULL, block_ids=[1], deadline=10.0, now=0.2)
+    actions = d.expect(Expect(key, peer="P", mode=Mode.PULL, block_ids=[1]), now=0.2, deadline=10.0)
     assert any(getattr(a, "remote_blocks", None) == (7,) for a in actions)  # P's ready was kept
 
 

@@ -24,6 +24,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from kvflow.protocol.actions import SendMessage
 from kvflow.protocol.core import CoreConfig
 from kvflow.protocol.messages import Claim, Notice, TransferKey
+from kvflow.protocol.requests import Abort
 from kvflow.protocol.state import Mode, Role
 from kvflow.protocol.transfers import Load
 from tests.core_model import CONFIG, NUM_LAYERS, CorePair, Plan
@@ -110,7 +111,7 @@ class CoreProtocol(RuleBasedStateMachine):
         plan = data.draw(st.sampled_from([p for p in self.current.values() if not p.allocated and not p.withdrawn]))
         plan.withdrawn = True
         now = self.pair.net.now
-        self.pair.run("D", self.pair.d.abort(plan.key, Role.DECODE, now, "gave up", peer="P", mode=plan.mode))
+        self.pair.run("D", self.pair.d.abort(Abort(plan.key, Role.DECODE, "gave up", peer="P", mode=plan.mode), now))
 
     @precondition(lambda self: bool(self.current))
     @rule(data=st.data())
@@ -185,7 +186,7 @@ class CoreProtocol(RuleBasedStateMachine):
         core = self.pair.p if side == "P" else self.pair.d
         role = Role.PREFILL if side == "P" else Role.DECODE
         if (plan.key, role) in {(m.key, m.role) for m in core.machines()}:
-            self.pair.run(side, core.abort(plan.key, role, self.pair.net.now, "test abort"))
+            self.pair.run(side, core.abort(Abort(plan.key, role, "test abort"), self.pair.net.now))
 
     @precondition(lambda self: bool(self.pair.net.ops))
     @rule(index=st.integers(0, 7), side=st.sampled_from(["P", "D"]))
@@ -195,7 +196,7 @@ class CoreProtocol(RuleBasedStateMachine):
         core = self.pair.p if side == "P" else self.pair.d
         role = Role.PREFILL if side == "P" else Role.DECODE
         if (key, role) in {(m.key, m.role) for m in core.machines()}:
-            self.pair.run(side, core.abort(key, role, self.pair.net.now, "test abort in flight"))
+            self.pair.run(side, core.abort(Abort(key, role, "test abort in flight"), self.pair.net.now))
 
     @precondition(lambda self: any(m.mode is Mode.PULL for m in self.pair.p.machines()))
     @rule(data=st.data())

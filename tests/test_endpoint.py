@@ -22,6 +22,7 @@ from kvflow.protocol.core import CoreConfig, TransferCore
 from kvflow.protocol.endpoint import Effect, Endpoint
 from kvflow.protocol.messages import MAX_HEARTBEAT_KEYS, Heartbeat, Hello, Registration, transfer_key
 from kvflow.protocol.peer_actions import AddRoute, AddTransportPeer, SendControl, SendHello, TearDown
+from kvflow.protocol.requests import Expect, KvReady
 from kvflow.protocol.state import Mode, Outcome, Role
 from kvflow.protocol.teardown import PeerGone, RemovePeer
 from kvflow_tools.testing import SMALL_SPEC, KVBuffers
@@ -39,16 +40,11 @@ def expect(d: Endpoint, tid: str, *, peer: str = "P", block: int = 1, deadline: 
     """D expects one push batch of one block from `peer`."""
     key, mode = transfer_key(tid, 1), Mode.PUSH
     return d.expect(
-        key,
-        peer=peer,
-        mode=mode,
-        block_ids=[block],
-        deadline=deadline,
+        Expect(
+            key, peer=peer, mode=mode, block_ids=[block], expected_batches=1, first_position=0, share="", layers=None
+        ),
         now=0.0,
-        expected_batches=1,
-        first_position=0,
-        share="",
-        layers=None,
+        deadline=deadline,
     )
 
 
@@ -107,14 +103,8 @@ class Wire:
         p, key = self.ends["P"], transfer_key(tid, 1)
         self.feed("D", expect(self.ends["D"], tid))
         ready = p.kv_ready(
-            key,
-            block_ids=[2],
+            KvReady(key, block_ids=[2], final=True, first_position=0, layers=None, mode=Mode.PUSH, peer="D"),
             now=self.now,
-            final=True,
-            first_position=0,
-            layers=None,
-            mode=Mode.PUSH,
-            peer="D",
             deadline=10.0,
         )
         self.feed("P", ready)

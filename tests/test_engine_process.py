@@ -25,17 +25,10 @@ import numpy as np
 import pytest
 
 import kvflow
-from kvflow.errors import (
-    ConfigError,
-    EngineClosed,
-    EngineCrashed,
-    InvalidBatch,
-    KVFlowError,
-    UnknownTransport,
-    UsageError,
-)
+from kvflow.errors import ConfigError, EngineClosed, EngineCrashed, InvalidBatch, KVFlowError, UsageError
 from kvflow.layout import MemoryType, Region
 from kvflow.protocol.actions import ReleaseBlocks
+from kvflow.protocol.requests import Abort, Expect, KvReady
 from kvflow.protocol.state import Outcome, Role
 from kvflow.runtime.frames import FrameReader, encode_frame, error_from_record
 from kvflow.runtime.host_memory import MappedSpans, share_in_place
@@ -110,8 +103,8 @@ def test_a_push_between_engine_processes_lands_in_the_hosts_own_memory(pair) -> 
     rng = np.random.default_rng(3)
     for layer in p_cache:
         layer[:, [0, 1, 2]] = rng.integers(0, 256, layer[:, [0, 1, 2]].shape, np.uint8)
-    expected = d.call("expect", "req-1", 1, "prefill-0", [4, 9, 10], "push")
-    ready = p.call("kv_ready", "req-1", 1, [0, 1, 2], "push", None)
+    expected = d.submit(Expect(kvflow.TransferKey("req-1", 1), "prefill-0", [4, 9, 10]))
+    ready = p.submit(KvReady(kvflow.TransferKey("req-1", 1), [0, 1, 2]))
     (d_release,) = released(d, 1)
     (p_release,) = released(p, 1)
     assert (expected.result(), ready.result()) == (None, None)
@@ -125,7 +118,7 @@ def test_a_push_between_engine_processes_lands_in_the_hosts_own_memory(pair) -> 
 
 def test_a_refused_call_fails_its_future_with_the_engines_own_error(pair) -> None:  # type: ignore[no-untyped-def]
     p, _, _, _ = pair
-    bad = p.call("kv_ready", "bad", 1, [-1], "push", None)  # no such block
+    bad = p.submit(KvReady(kvflow.TransferKey("bad", 1), [-1]))  # no such block
     unknown = p.call("shutdown_everything")
     answered(p, bad, unknown)
     with pytest.raises(InvalidBatch):
@@ -140,14 +133,15 @@ def test_a_refused_call_fails_its_future_with_the_engines_own_error(pair) -> Non
 def test_calls_in_a_batch_go_out_together_and_in_order(pair) -> None:  # type: ignore[no-untyped-def]
     p, d, _, _ = pair
     with d.batch():
-        first = d.call("expect", "b-1", 1, "prefill-0", [5], "push")
-        second = d.call("abort", "b-1", 1, "decode", "changed our mind")
+        first = d.submit(Expect(kvflow.TransferKey("b-1", 1), "prefill-0", [5]))
+        second = d.submit(Abort(kvflow.TransferKey("b-1", 1), Role.DECODE, "changed our mind"))
         assert not first.done() and not second.done()
     answered(d, first, second)
     assert (first.result(), second.result()) == (None, None)
     (release,) = released(d, 1)
     assert release.outcome is Outcome.ABORTED
-    leftover = p.call("abort", "b-1", 1, "prefill", "P never got the KV")  # P was told; nothing left on it
+    # P was told; nothing left on it
+    leftover = p.submit(Abort(kvflow.TransferKey("b-1", 1), Role.PREFILL, "P never got the KV"))
     answered(p, leftover)
 
 
@@ -167,11 +161,11 @@ def test_a_host_asleep_on_its_answers_is_woken_by_its_engine_process_when_blocks
     of stepping again at once; the KV landing ends the sleep, by the engine process's eventfd,
     not by the sleep's deadline (with no wake-up this waits out its 30 s and `woken` stays)."""
     p, d, _, _ = pair
-    expected = d.call("expect", "asleep-1", 1, "prefill-0", [7], "push")
+    expected = d.submit(Expect(kvflow.TransferKey("asleep-1", 1), "prefill-0", [7]))
     answered(d, expected)
     d.poll_released()
     woken = d.woken
-    p.call("kv_ready", "asleep-1", 1, [3], "push", None)
+    p.submit(KvReady(kvflow.TransferKey("asleep-1", 1), [3]))
     got: list[ReleaseBlocks] = []
     for _ in range(10):  # the engine process may say something else first (its figures)
         assert d.wait_for_answers(30.0)
@@ -185,7 +179,7 @@ def test_a_host_asleep_on_its_answers_is_woken_by_its_engine_process_when_blocks
 
 def test_an_engine_that_cannot_start_raises_its_error_and_leaves_nothing_running() -> None:
     before = _children()
-    with pytest.raises(UnknownTransport, match="warp-drive"):
+    with pytest.raises(kvflow.UnknownTransport, match="warp-drive"):
         engine("broken-0", cache(), transport="warp-drive")
     assert _children() == before
 

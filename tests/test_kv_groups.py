@@ -21,6 +21,7 @@ from kvflow.layout.groups import MAX_GROUPS, KVGroup, check_groups, group_of, gr
 from kvflow.protocol.actions import Action, SendMessage, SubmitOp
 from kvflow.protocol.core import TransferCore
 from kvflow.protocol.messages import Message, Ready, TransferKey
+from kvflow.protocol.requests import Expect, KvReady
 from kvflow.protocol.state import Mode, Outcome, Role, State
 
 KEY = TransferKey("t#g1", 1)
@@ -139,11 +140,16 @@ def test_a_transfer_moves_one_groups_layers_with_its_blocks() -> None:
     layers fill them, their WRITEs name those layers, and the transfer completes on that
     group's layers alone."""
     p, d = pair()
-    (registration,) = sent(d.expect(KEY, peer="P", mode=Mode.PUSH, block_ids=[20, 21], deadline=9.0, now=0.0,
-                                    expected_batches=2, layers=(2, 4)))  # fmt: skip
+    (registration,) = sent(
+        d.expect(
+            Expect(KEY, peer="P", mode=Mode.PUSH, block_ids=[20, 21], expected_batches=2, layers=(2, 4)),
+            now=0.0,
+            deadline=9.0,
+        )
+    )
     p.receive("D", registration, 0.0)
-    first = ops(p.kv_ready(KEY, block_ids=[10, 11], layers=(2, 3), final=False, now=0.0, deadline=9.0))
-    second = ops(p.kv_ready(KEY, block_ids=[10, 11], layers=(3, 4), now=0.0))
+    first = ops(p.kv_ready(KvReady(KEY, block_ids=[10, 11], layers=(2, 3), final=False), now=0.0, deadline=9.0))
+    second = ops(p.kv_ready(KvReady(KEY, block_ids=[10, 11], layers=(3, 4)), now=0.0))
     assert [(op.local_blocks, op.remote_blocks, op.layers) for op in first + second] == [
         ((10, 11), (20, 21), (2, 3)),
         ((10, 11), (20, 21), (3, 4)),
@@ -154,21 +160,21 @@ def test_a_transfer_moves_one_groups_layers_with_its_blocks() -> None:
 def test_a_batch_must_stay_in_its_transfers_group() -> None:
     p, _ = pair()
     with pytest.raises(InvalidBatch, match="cross KV cache groups"):
-        p.kv_ready(KEY, block_ids=[10], layers=(1, 3), now=0.0, deadline=9.0)
+        p.kv_ready(KvReady(KEY, block_ids=[10], layers=(1, 3)), now=0.0, deadline=9.0)
     with pytest.raises(InvalidBatch, match="cross KV cache groups"):
-        p.kv_ready(KEY, block_ids=[10], now=0.0, deadline=9.0)  # every layer: both groups
-    p.kv_ready(KEY, block_ids=[10], layers=(2, 3), final=False, now=0.0, deadline=9.0)
+        p.kv_ready(KvReady(KEY, block_ids=[10]), now=0.0, deadline=9.0)  # every layer: both groups
+    p.kv_ready(KvReady(KEY, block_ids=[10], layers=(2, 3), final=False), now=0.0, deadline=9.0)
     with pytest.raises(InvalidBatch, match="not in the transfer's KV cache group"):
-        p.kv_ready(KEY, block_ids=[10], layers=(0, 1), now=0.0)
+        p.kv_ready(KvReady(KEY, block_ids=[10], layers=(0, 1)), now=0.0)
     assert len(p.machine(KEY, Role.PREFILL).batches) == 1  # nothing changed
 
 
 def test_d_registers_one_groups_blocks_only() -> None:
     _, d = pair()
     with pytest.raises(InvalidBatch, match="cross KV cache groups"):
-        d.expect(KEY, peer="P", mode=Mode.PUSH, block_ids=[20], deadline=9.0, now=0.0)  # both groups
+        d.expect(Expect(KEY, peer="P", mode=Mode.PUSH, block_ids=[20]), now=0.0, deadline=9.0)  # both groups
     with pytest.raises(InvalidBatch, match="whole KV cache groups"):
-        d.expect(KEY, peer="P", mode=Mode.PUSH, block_ids=[20], deadline=9.0, now=0.0, layers=(2, 3))
+        d.expect(Expect(KEY, peer="P", mode=Mode.PUSH, block_ids=[20], layers=(2, 3)), now=0.0, deadline=9.0)
     assert d.machines() == []
 
 
@@ -176,10 +182,25 @@ def test_a_sliding_window_group_pushes_from_the_first_block_its_window_keeps() -
     """P hands over the sliding group's blocks from position 7 (what its window keeps) and D
     registered positions 7..9: the WRITE covers exactly those, and nothing before them."""
     p, d = pair()
-    (registration,) = sent(d.expect(KEY, peer="P", mode=Mode.PUSH, block_ids=[27, 28, 29], deadline=9.0, now=0.0,
-                                    first_position=7, expected_batches=0, layers=(0, 2)))  # fmt: skip
+    (registration,) = sent(
+        d.expect(
+            Expect(
+                KEY,
+                peer="P",
+                mode=Mode.PUSH,
+                block_ids=[27, 28, 29],
+                first_position=7,
+                expected_batches=0,
+                layers=(0, 2),
+            ),
+            now=0.0,
+            deadline=9.0,
+        )
+    )
     p.receive("D", registration, 0.0)
-    (op,) = ops(p.kv_ready(KEY, block_ids=[17, 18, 19], first_position=7, layers=(0, 2), now=0.0, deadline=9.0))
+    (op,) = ops(
+        p.kv_ready(KvReady(KEY, block_ids=[17, 18, 19], first_position=7, layers=(0, 2)), now=0.0, deadline=9.0)
+    )
     assert (op.local_blocks, op.remote_blocks, op.layers) == ((17, 18, 19), (27, 28, 29), (0, 2))
 
 
@@ -187,14 +208,27 @@ def test_pull_reads_a_sliding_window_from_the_first_block_p_holds() -> None:
     """P's Ready names where its blocks start (its window's first block); D reads the positions
     it registered; a Ready that starts after D's first position cannot fill D and fails it."""
     p, d = pair()
-    d.expect(KEY, peer="P", mode=Mode.PULL, block_ids=[28, 29], deadline=9.0, now=0.0, first_position=8, layers=(0, 2))
-    ready = sent(p.kv_ready(KEY, block_ids=[17, 18, 19], first_position=7, layers=(0, 2), now=0.0, mode=Mode.PULL,
-                            peer="D", deadline=9.0))  # fmt: skip
+    d.expect(
+        Expect(KEY, peer="P", mode=Mode.PULL, block_ids=[28, 29], first_position=8, layers=(0, 2)),
+        now=0.0,
+        deadline=9.0,
+    )
+    ready = sent(
+        p.kv_ready(
+            KvReady(KEY, block_ids=[17, 18, 19], first_position=7, layers=(0, 2), mode=Mode.PULL, peer="D"),
+            now=0.0,
+            deadline=9.0,
+        )
+    )
     assert ready == [Ready(KEY, (17, 18, 19), 7)]
     (op,) = ops(d.receive("P", ready[0], 0.1))
     assert (op.local_blocks, op.remote_blocks, op.layers) == ((28, 29), (18, 19), (0, 2))
     late = TransferKey("late#g0", 1)
-    d.expect(late, peer="P", mode=Mode.PULL, block_ids=[26, 27], deadline=9.0, now=0.0, first_position=6, layers=(0, 2))
+    d.expect(
+        Expect(late, peer="P", mode=Mode.PULL, block_ids=[26, 27], first_position=6, layers=(0, 2)),
+        now=0.0,
+        deadline=9.0,
+    )
     d.receive("P", Ready(late, (17, 18, 19), 7), 0.1)
     m = d.machine(late, Role.DECODE)
     assert m.outcome is Outcome.FAILED and "D expects 6..8" in m.reason and m.state is not State.ALLOCATED

@@ -16,6 +16,7 @@ from kvflow.errors import ConfigError, StaleEpoch, UnknownTransfer
 from kvflow.protocol.actions import Action, ReleaseBlocks, Resolve, SendMessage
 from kvflow.protocol.core import CoreConfig, TransferCore
 from kvflow.protocol.messages import Hello, Message, Notice, Quiesced, Registration, TransferKey
+from kvflow.protocol.requests import Abort, Expect, KvReady
 from kvflow.protocol.state import Mode, Outcome, Role, State
 from kvflow.runtime.engine import Engine, EngineConfig
 from kvflow.transports.loopback import LoopbackFabric
@@ -42,7 +43,9 @@ def pair() -> tuple[TransferCore, TransferCore]:
 
 
 def registered(p: TransferCore, d: TransferCore, deadline: float = 5.0) -> None:
-    (registration,) = messages(d.expect(KEY, peer="P", mode=Mode.PUSH, block_ids=[1, 2], deadline=deadline, now=0.0))
+    (registration,) = messages(
+        d.expect(Expect(KEY, peer="P", mode=Mode.PUSH, block_ids=[1, 2]), now=0.0, deadline=deadline)
+    )
     assert isinstance(registration, Registration)
     p.receive("D", registration, 0.1)
 
@@ -95,7 +98,7 @@ def test_a_promise_ends_with_the_transfer_or_after_max_hold() -> None:
     p.promise(KEY, "D", 0.0)
     p.promise(TransferKey("other", 1), "D2", 0.0)
     assert p.heartbeat_keys("D", 1.0) == (KEY,) and p.heartbeat_keys("D2", 1.0) == (TransferKey("other", 1),)
-    p.abort(KEY, Role.PREFILL, 2.0, "request ended")
+    p.abort(Abort(KEY, Role.PREFILL, "request ended"), 2.0)
     assert p.heartbeat_keys("D", 3.0) == ()
     assert p.heartbeat_keys("D2", 20.0) == ()  # max_hold after the promise: left out
     # listing is a query; the timer forgets what ended, so promises take no memory for long
@@ -111,7 +114,7 @@ def test_a_promise_ends_with_the_transfer_or_after_max_hold() -> None:
 def test_d_holding_a_queued_request_keeps_p_holding_the_kv_it_made_ready_past_its_deadline() -> None:
     p, d = pair()
     # push P is ready before D could allocate: P holds the KV until its transfer deadline (4.0)
-    p.kv_ready(KEY, block_ids=[5, 6], now=0.0, deadline=4.0, peer="D")
+    p.kv_ready(KvReady(KEY, block_ids=[5, 6], peer="D"), now=0.0, deadline=4.0)
     d.promise(KEY, "P", 0.0)  # D's request is queued behind others: no block yet
     for beat in (1.0, 3.0, 5.0, 7.0, 9.0):
         keys = d.heartbeat_keys("P", beat)
@@ -120,7 +123,9 @@ def test_d_holding_a_queued_request_keeps_p_holding_the_kv_it_made_ready_past_it
         assert p.timer(beat) == [] and d.timer(beat) == []
     assert p.machine(KEY, Role.PREFILL).state is State.PREFILL_READY
     # D allocates at last: its transfer, not its promise, is what its heartbeats list now
-    (registration,) = messages(d.expect(KEY, peer="P", mode=Mode.PUSH, block_ids=[1, 2], deadline=20.0, now=9.5))
+    (registration,) = messages(
+        d.expect(Expect(KEY, peer="P", mode=Mode.PUSH, block_ids=[1, 2]), now=9.5, deadline=20.0)
+    )
     assert d.heartbeat_keys("P", 9.6) == (KEY,)
     p.receive("D", registration, 9.6)
     assert p.machine(KEY, Role.PREFILL).state is State.WRITING  # the WRITE goes out
@@ -128,7 +133,7 @@ def test_d_holding_a_queued_request_keeps_p_holding_the_kv_it_made_ready_past_it
 
 def test_without_d_s_promise_p_frees_the_ready_kv_at_its_deadline() -> None:
     p, _ = pair()
-    p.kv_ready(KEY, block_ids=[5, 6], now=0.0, deadline=4.0, peer="D")
+    p.kv_ready(KvReady(KEY, block_ids=[5, 6], peer="D"), now=0.0, deadline=4.0)
     actions = p.timer(4.0)
     assert p.machine(KEY, Role.PREFILL).state in (State.EXPIRING, State.EXPIRED) and actions
 
@@ -136,7 +141,7 @@ def test_without_d_s_promise_p_frees_the_ready_kv_at_its_deadline() -> None:
 def test_d_s_promise_ends_with_its_abort_and_never_outlives_max_hold() -> None:
     _, d = pair()
     d.promise(KEY, "P", 0.0)
-    d.abort(KEY, Role.DECODE, 1.0, "request ended while queued", peer="P", mode=Mode.PUSH)
+    d.abort(Abort(KEY, Role.DECODE, "request ended while queued", peer="P", mode=Mode.PUSH), 1.0)
     assert d.heartbeat_keys("P", 1.5) == ()
     other = TransferKey("other", 1)
     d.promise(other, "P", 0.0)
@@ -179,11 +184,11 @@ async def test_d_s_heartbeats_carry_its_promise_so_p_holds_ready_kv_past_its_tra
 
 def test_d_aborting_a_transfer_it_never_registered_tells_p() -> None:
     p, d = pair()
-    actions = d.abort(KEY, Role.DECODE, 1.0, "client went away", peer="P")
+    actions = d.abort(Abort(KEY, Role.DECODE, "client went away", peer="P"), 1.0)
     (notice,) = messages(actions)
     assert isinstance(notice, Notice) and notice.outcome is Outcome.ABORTED and released(actions) == []
     # P had its KV ready, waiting for a registration that will never come: its blocks come back now
-    p.kv_ready(KEY, block_ids=[7, 8], now=0.5, peer="D", deadline=60.0)
+    p.kv_ready(KvReady(KEY, block_ids=[7, 8], peer="D"), now=0.5, deadline=60.0)
     answer = p.receive("D", notice, 1.1)
     assert released(answer) == [7, 8]
     assert p.machine(KEY, Role.PREFILL).outcome is Outcome.ABORTED
@@ -194,26 +199,26 @@ def test_d_aborting_a_transfer_it_never_registered_tells_p() -> None:
 
 def test_p_ready_after_d_gave_up_returns_its_blocks_at_once() -> None:
     p, d = pair()
-    (notice,) = messages(d.abort(KEY, Role.DECODE, 1.0, "client went away", peer="P"))
+    (notice,) = messages(d.abort(Abort(KEY, Role.DECODE, "client went away", peer="P"), 1.0))
     p.receive("D", notice, 1.1)  # P's request is still queued: nothing of it here yet
-    late = p.kv_ready(KEY, block_ids=[7, 8], now=2.0, peer="D", deadline=60.0)
+    late = p.kv_ready(KvReady(KEY, block_ids=[7, 8], peer="D"), now=2.0, deadline=60.0)
     assert released(late) == [7, 8]
     assert p.live() == []
 
 
 def test_a_late_registration_of_an_abandoned_transfer_is_refused_by_d_itself() -> None:
     p, d = pair()
-    d.abort(KEY, Role.DECODE, 1.0, "client went away", peer="P")
+    d.abort(Abort(KEY, Role.DECODE, "client went away", peer="P"), 1.0)
     assert d.machine(KEY, Role.DECODE).state is State.ABORTED
     # the epoch is taken: a stale caller cannot register blocks for it any more
     with pytest.raises(StaleEpoch):
-        d.expect(KEY, peer="P", mode=Mode.PUSH, block_ids=[1], deadline=9.0, now=2.0)
+        d.expect(Expect(KEY, peer="P", mode=Mode.PUSH, block_ids=[1]), now=2.0, deadline=9.0)
 
 
 def test_d_without_the_peer_still_refuses_an_unknown_abort_and_p_ignores_a_bogus_one() -> None:
     p, d = pair()
     with pytest.raises(UnknownTransfer):
-        d.abort(KEY, Role.DECODE, 1.0)
+        d.abort(Abort(KEY, Role.DECODE), 1.0)
     registered(p, d)
     # a notice from a peer that is not the transfer's changes nothing, and is counted
     p.receive("intruder", Notice(KEY, Outcome.ABORTED, "x"), 1.0)
@@ -222,17 +227,17 @@ def test_d_without_the_peer_still_refuses_an_unknown_abort_and_p_ignores_a_bogus
 
 def test_a_push_p_not_yet_registered_takes_the_abort_only_from_the_peer_its_promise_names() -> None:
     p, d = pair()
-    (notice,) = messages(d.abort(KEY, Role.DECODE, 1.0, "client went away", peer="P"))
+    (notice,) = messages(d.abort(Abort(KEY, Role.DECODE, "client went away", peer="P"), 1.0))
     # push: P's KV is ready before any registration, so P knows its peer only from its promise
-    p.kv_ready(KEY, block_ids=[7, 8], now=0.5, deadline=60.0)
+    p.kv_ready(KvReady(KEY, block_ids=[7, 8]), now=0.5, deadline=60.0)
     p.receive("D", notice, 1.1)
     assert p.stats.foreign_peer == 1  # unclaimed: not D's to end
     assert p.machine(KEY, Role.PREFILL).state is State.PREFILL_READY
     other = TransferKey("s", 1)
     p.promise(other, "D", 0.0)
-    (notice,) = messages(d.abort(other, Role.DECODE, 1.0, "client went away", peer="P"))
+    (notice,) = messages(d.abort(Abort(other, Role.DECODE, "client went away", peer="P"), 1.0))
     p.receive("D", notice, 1.1)  # held: P has nothing of it yet
-    assert released(p.kv_ready(other, block_ids=[3], now=2.0, deadline=60.0)) == [3]
+    assert released(p.kv_ready(KvReady(other, block_ids=[3]), now=2.0, deadline=60.0)) == [3]
 
 
 # ---------------------------------------------------------------- engines
@@ -284,5 +289,5 @@ def test_p_ready_for_d_refuses_a_transfer_another_engine_registered_first() -> N
     p.peer_connected("X", 0.0)
     p.receive("X", Registration(KEY, (5, 6), 1, 5.0), 0.05)  # before P had the request: not refusable then
     with pytest.raises(ConfigError, match="peer is X, not D"):
-        p.kv_ready(KEY, block_ids=[7, 8], now=0.5, peer="D")
+        p.kv_ready(KvReady(KEY, block_ids=[7, 8], peer="D"), now=0.5)
     assert p.machine(KEY, Role.PREFILL).batches == []  # nothing of P's is X's to write into

@@ -28,6 +28,7 @@ from kvflow.protocol.peer_actions import (
     TearDown,
     UnknownSender,
 )
+from kvflow.protocol.requests import KvReady
 from kvflow.protocol.state import Mode, Outcome, Role
 from kvflow.protocol.transfer_tables import ACTIVE
 from kvflow.runtime.engine import Engine, EngineConfig
@@ -288,8 +289,8 @@ async def test_a_handshake_asked_again_after_its_wait_ran_out_keeps_the_associat
 def test_core_renewal_holds_p_blocks_a_lease_past_the_heartbeat_and_only_for_its_peer() -> None:
     core = TransferCore("P", num_layers=2, config=CoreConfig(fence_timeout=1.0))
     key, other = TransferKey("r", 1), TransferKey("s", 1)
-    core.kv_ready(key, block_ids=[1, 2], now=0.0, mode=Mode.PULL, peer="D", deadline=10.0)
-    core.kv_ready(other, block_ids=[3], now=0.0, mode=Mode.PULL, peer="E", deadline=10.0)
+    core.kv_ready(KvReady(key, block_ids=[1, 2], mode=Mode.PULL, peer="D"), now=0.0, deadline=10.0)
+    core.kv_ready(KvReady(other, block_ids=[3], mode=Mode.PULL, peer="E"), now=0.0, deadline=10.0)
     assert core.renew("D", [key, other, TransferKey("unknown", 1)], now=9.0, lease=5.0) == []
     core.timer(10.0)  # the original deadline: only the transfer of the peer that renewed survives
     assert core.machine(key, Role.PREFILL).state in ACTIVE
@@ -304,7 +305,7 @@ def test_core_renewal_holds_p_blocks_a_lease_past_the_heartbeat_and_only_for_its
 def test_core_renewal_never_holds_p_blocks_past_max_hold() -> None:
     core = TransferCore("P", num_layers=2, config=CoreConfig(fence_timeout=1.0, max_hold=20.0))
     key = TransferKey("r", 1)
-    core.kv_ready(key, block_ids=[1, 2], now=5.0, mode=Mode.PULL, peer="D", deadline=10.0)
+    core.kv_ready(KvReady(key, block_ids=[1, 2], mode=Mode.PULL, peer="D"), now=5.0, deadline=10.0)
     for beat in (9.0, 14.0, 19.0):  # each renewal in full: the cap (5 + 20) is not reached
         core.renew("D", [key], now=beat, lease=5.0)
     assert core.next_deadline() == 24.0 and core.stats.capped_renewals == 0
@@ -398,10 +399,10 @@ def test_a_transfer_naming_a_peer_refused_for_good_fails_at_once_until_it_connec
     core = TransferCore("P", num_layers=2)
     core.peer_lost("D", 0.0, "its handshake was refused: kv layout mismatch on model", refused=True)
     key, later = TransferKey("r", 1), TransferKey("s", 1)
-    actions = core.kv_ready(key, block_ids=[1, 2], now=1.0, peer="D", deadline=600.0)
+    actions = core.kv_ready(KvReady(key, block_ids=[1, 2], peer="D"), now=1.0, deadline=600.0)
     m = core.machine(key, Role.PREFILL)
     assert m.outcome is Outcome.FAILED and "kv layout mismatch on model" in m.reason
     assert [a.block_ids for a in actions if isinstance(a, ReleaseBlocks)] == [(1, 2)]
     core.peer_connected("D", 2.0)
-    core.kv_ready(later, block_ids=[3], now=3.0, peer="D", deadline=600.0)
+    core.kv_ready(KvReady(later, block_ids=[3], peer="D"), now=3.0, deadline=600.0)
     assert core.machine(later, Role.PREFILL).state in ACTIVE

@@ -21,8 +21,11 @@ import pytest
 
 import kvflow
 from kvflow.errors import ConfigError, EngineBusy, EngineClosed, EngineCrashed, TransportError
-from kvflow.integrations.vllm.links import ProcessLink
+from kvflow.integrations.vllm.links import ProcessLink, send_request
 from kvflow.integrations.vllm.supervision import RestartPolicy
+from kvflow.protocol.messages import TransferKey
+from kvflow.protocol.requests import Abort
+from kvflow.protocol.state import Role
 from kvflow.runtime.host_memory import share_in_place
 from kvflow.runtime.process import MAX_UNANSWERED, EngineProcess, ProcessSpec
 from tests.waiting import eventually_sync
@@ -180,7 +183,7 @@ def test_a_stopped_engine_process_costs_the_host_a_bounded_queue_and_what_frees_
             refused[0].result()
         assert process.refused_busy == 500 and len(process._futures) == 16 and len(process._backlog) <= 16
         gate = TestGate()
-        freeing = [link.command("abort_pair", "t", 1, "decode", "ended", always=True) for _ in range(2)]
+        freeing = [send_request(link, Abort(TransferKey("t", 1), Role.DECODE, "ended"), always=True) for _ in range(2)]
         gated = link.command("post_groups", gate, [], always=True)
         gate.opened.set()
         eventually_sync(lambda: len(process._futures) == 19, "the gated command sent")

@@ -21,6 +21,8 @@ import kvflow
 from kvflow.errors import EngineAsleep, PeerProtocolError
 from kvflow.integrations.vllm.device import HostDevice
 from kvflow.integrations.vllm.links import ProcessLink
+from kvflow.protocol.messages import TransferKey
+from kvflow.protocol.requests import Expect, KvReady
 from kvflow.protocol.state import Outcome, Role
 from kvflow.runtime.engine import EngineConfig
 from kvflow.runtime.host_memory import share_in_place
@@ -120,8 +122,8 @@ def _push(p: ProcessLink, d: ProcessLink, p_cache: list[np.ndarray], d_cache: li
     for layer in p_cache:
         layer[:, [0, 1, 2]] = rng.integers(0, 256, layer[:, [0, 1, 2]].shape, np.uint8)
     _call(d, "connect", "prefill-0", p.address)
-    expected = d.command("expect", tid, 1, "prefill-0", [4, 5, 7], "push")
-    ready = p.command("kv_ready", tid, 1, [0, 1, 2], "push", None)
+    expected = d.command("submit", Expect(TransferKey(tid, 1), "prefill-0", [4, 5, 7]).to_wire())
+    ready = p.command("submit", KvReady(TransferKey(tid, 1), [0, 1, 2]).to_wire())
     assert (d.wait(expected, 30.0), p.wait(ready, 30.0)) == (None, None)
     got: list[Any] = []
 
@@ -150,7 +152,7 @@ def test_engine_processes_over_nixl_sleep_and_wake_and_a_push_lands_after(links:
         for _ in range(2):  # twice: harmless
             _call(link, "unregister_memory")
     with pytest.raises(EngineAsleep, match="asleep"):
-        _call(d, "expect", "asleep", 1, "prefill-0", [1], "push")
+        _call(d, "submit", Expect(TransferKey("asleep", 1), "prefill-0", [1]).to_wire())
     for link in (p, d):
         for _ in range(2):
             _call(link, "restore_memory")

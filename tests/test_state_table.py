@@ -15,6 +15,7 @@ from kvflow.errors import InvalidTransition
 from kvflow.protocol.actions import Action, ReleaseBlocks, SendMessage, SubmitOp
 from kvflow.protocol.core import TransferCore
 from kvflow.protocol.messages import Notice, Quiesced, Registration, TransferKey, id_tag
+from kvflow.protocol.requests import Abort, Expect, KvReady
 from kvflow.protocol.state import (
     STATE_TRIGGERED,
     TRIGGERS_BY_STATE,
@@ -50,9 +51,9 @@ def _machine_in(mode: Mode, role: Role, state: State) -> tuple[TransferCore, Tra
     core = TransferCore("engine", num_layers=2)
     key = TransferKey("t", 1)
     if role is Role.DECODE:
-        core.expect(key, peer="peer", mode=mode, block_ids=[0, 1], deadline=10.0, now=0.0)
+        core.expect(Expect(key, peer="peer", mode=mode, block_ids=[0, 1]), now=0.0, deadline=10.0)
     else:
-        core.kv_ready(key, block_ids=[3], now=0.0, final=False, mode=mode, peer="peer", deadline=10.0)
+        core.kv_ready(KvReady(key, block_ids=[3], final=False, mode=mode, peer="peer"), now=0.0, deadline=10.0)
     m = core.machine(key, role)
     m.state = state
     return core, key
@@ -159,7 +160,7 @@ def _idle_push_prefill() -> tuple[TransferCore, TransferKey]:
     come.  Nothing of P's is in flight, and it holds block 3."""
     core, key = TransferCore("P", num_layers=2), TransferKey("t", 1)
     core.peer_connected("D", 0.0)
-    core.kv_ready(key, block_ids=[3], now=0.0, final=False, deadline=10.0)
+    core.kv_ready(KvReady(key, block_ids=[3], final=False), now=0.0, deadline=10.0)
     (op,) = [a for a in core.receive("D", Registration(key, (7, 8), 2, 10.0), 0.0) if isinstance(a, SubmitOp)]
     core.op_submitted(op.op_id, 0.0)
     core.op_finished(op.op_id, 0.5)
@@ -169,7 +170,7 @@ def _idle_push_prefill() -> tuple[TransferCore, TransferKey]:
 
 
 GIVING_UP: dict[str, tuple[Callable[[TransferCore, TransferKey], list[Action]], Outcome]] = {
-    "abort": (lambda core, key: core.abort(key, Role.PREFILL, 1.0), Outcome.ABORTED),
+    "abort": (lambda core, key: core.abort(Abort(key, Role.PREFILL), 1.0), Outcome.ABORTED),
     "deadline": (lambda core, key: core.timer(10.0), Outcome.EXPIRED),
     "peer failed": (lambda core, key: core.receive("D", Notice(key, Outcome.FAILED, "boom"), 1.0), Outcome.FAILED),
 }

@@ -31,15 +31,16 @@ from functools import partial
 from typing import Any, Protocol
 
 from kvflow.errors import EngineBusy, EngineClosed, EngineTimeout, KVFlowError
-from kvflow.integrations.vllm.device import Device, GateWaiter, HostDevice, is_gate
-from kvflow.integrations.vllm.rank_agent import RankAgent
+from kvflow.integrations.vllm.device import Device, Gate, GateWaiter, HostDevice, is_gate
+from kvflow.integrations.vllm.rank_agent import RankAgent, Reach
 from kvflow.protocol.actions import ReleaseBlocks
+from kvflow.protocol.requests import Request
 from kvflow.runtime.engine import Engine
 from kvflow.runtime.meter import MeterReading
 from kvflow.runtime.process import EngineProcess
 from kvflow.runtime.threaded import EngineThread
 
-__all__ = ("EngineLink", "ProcessLink", "ThreadLink", "failed_future")
+__all__ = ("EngineLink", "ProcessLink", "ThreadLink", "failed_future", "send_request")
 
 
 class EngineLink(Protocol):
@@ -87,6 +88,17 @@ class EngineLink(Protocol):
 
     def close(self, timeout: float) -> None:
         """Close the engine (draining it).  :raises EngineCrashed, EngineTimeout: see the implementations."""
+
+
+def send_request(
+    link: EngineLink, request: Request, reach: Reach | None = None, gate: Gate | None = None, *, always: bool = False
+) -> concurrent.futures.Future[Any]:
+    """Give `request` to the rank's agent through its one door for the engine's requests
+    (`RankAgent.submit`), in its wire form, with the other side's rank it names (`reach`) and
+    the device's `gate` it waits for (`always`: see `EngineLink.command`).  Returns at once.
+    :raises ConfigError: see `EngineLink.command`."""
+    wire = (request.to_wire(), None if reach is None else reach.to_wire(), gate)
+    return link.command("submit", *wire, always=always)
 
 
 class ThreadLink:

@@ -18,11 +18,12 @@ from functools import partial
 from typing import Any
 
 from kvflow.errors import ConfigError
-from kvflow.integrations.vllm.links import EngineLink
+from kvflow.integrations.vllm.links import EngineLink, send_request
 from kvflow.integrations.vllm.mapping import Order
-from kvflow.integrations.vllm.rank_agent import peer_wire
+from kvflow.integrations.vllm.rank_agent import Reach, peer_wire
 from kvflow.integrations.vllm.ranks import rank_name, tp_sizes
 from kvflow.protocol.messages import TransferKey
+from kvflow.protocol.requests import Abort, Expect
 from kvflow.protocol.state import Role
 
 __all__ = ("PeerNotices",)
@@ -31,6 +32,8 @@ log = logging.getLogger("kvflow.vllm")
 
 
 Parts = Callable[[Any, Role], list[tuple[int, int, TransferKey]]]
+# what D tells one P rank: its order given on the rank's link, for P's rank and the pair's key
+Tell = Callable[[EngineLink, Reach, TransferKey], concurrent.futures.Future[Any]]
 
 
 class PeerNotices:
@@ -50,8 +53,12 @@ class PeerNotices:
         without a WRITE.  vLLM runs the request without waiting for a load, so nothing is
         reported to it; should P not be reached, P frees its blocks at its own deadline."""
         first = order.blocks[0].first if order.blocks else 0
-        return self._tell_sources(order, f"cannot tell P that {order.request_id} needs no KV", logging.ERROR,
-                                  "nothing_wanted", first, always=True)  # fmt: skip
+
+        def tell(link: EngineLink, reach: Reach, key: TransferKey) -> concurrent.futures.Future[Any]:
+            nothing = Expect(key, reach.name, (), expected_batches=0, first_position=first)
+            return send_request(link, nothing, reach, always=True)
+
+        return self._tell_sources(order, f"cannot tell P that {order.request_id} needs no KV", logging.ERROR, tell)
 
     def promise(self, order: Order) -> None:
         """The request is queued here: heartbeats to the other side's ranks it pairs with say so
@@ -66,7 +73,12 @@ class PeerNotices:
         params, decode = order.params, order.params.decode
         if not order.producer:
             what = f"cannot promise {order.request_id} (P frees its KV at its own deadline)"
-            self._tell_sources(order, what, logging.INFO, "promise_prefill", params.mode.value)
+
+            def tell(link: EngineLink, reach: Reach, key: TransferKey) -> concurrent.futures.Future[Any]:
+                where = (peer_wire(reach.peer), reach.tp_size, reach.rank)
+                return link.command("promise_prefill", *where, key.transfer_id, key.epoch, params.mode.value)
+
+            self._tell_sources(order, what, logging.INFO, tell)
             return
         if decode is None:
             return
@@ -86,15 +98,17 @@ class PeerNotices:
         """D: the request ended before it had blocks, so nothing was registered: tell the P
         ranks feeding this one, which may hold its KV (or compute it later), so that they free
         it at once (on failure P frees at its own deadline)."""
-        self._tell_sources(order, f"could not tell P that {order.request_id} ended", logging.WARNING,
-                           "abort_unallocated", order.reason, order.params.mode.value, always=True)  # fmt: skip
+        mode = order.params.mode
 
-    def _tell_sources(
-        self, order: Order, what: str, level: int, command: str, *args: Any, always: bool = False
-    ) -> list[concurrent.futures.Future[Any]]:
-        """D: run agent `command` (P's rank 0, that rank's TP size and number, the pair's key,
-        then `args`) for every P rank feeding this one (`always`: see `EngineLink.command`);
-        params naming no such ranks are logged as errors, a failed command at `level`."""
+        def tell(link: EngineLink, reach: Reach, key: TransferKey) -> concurrent.futures.Future[Any]:
+            ended = Abort(key, Role.DECODE, order.reason, reach.name, mode)
+            return send_request(link, ended, reach, always=True)
+
+        self._tell_sources(order, f"could not tell P that {order.request_id} ended", logging.WARNING, tell)
+
+    def _tell_sources(self, order: Order, what: str, level: int, tell: Tell) -> list[concurrent.futures.Future[Any]]:
+        """D: `tell` (this rank's link, P's rank to reach, the pair's key) every P rank feeding
+        this one; params naming no such ranks are logged as errors, a failed order at `level`."""
         params = order.params
         try:
             parts = self._parts(params, Role.DECODE)
@@ -103,11 +117,8 @@ class PeerNotices:
             log.error("%s: %s: %s", self.engine_id, what, exc)
             return []
         futures = []
-        prefill = peer_wire(params.prefill)
         for source, _, key in parts:
-            future = self._link().command(
-                command, prefill, p_tp, source, key.transfer_id, key.epoch, *args, always=always
-            )
+            future = tell(self._link(), Reach(params.prefill, p_tp, source), key)
             future.add_done_callback(partial(self.log_failure, what=what, level=level))
             futures.append(future)
         return futures

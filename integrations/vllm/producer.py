@@ -21,13 +21,14 @@ from typing import Any
 
 from kvflow.errors import ConfigError, KVFlowError
 from kvflow.integrations.vllm.device import Device, Gate
-from kvflow.integrations.vllm.links import EngineLink
+from kvflow.integrations.vllm.links import EngineLink, send_request
 from kvflow.integrations.vllm.mapping import Order, Orders
-from kvflow.integrations.vllm.rank_agent import peer_wire
+from kvflow.integrations.vllm.rank_agent import Reach
 from kvflow.integrations.vllm.ranks import PairBook, rank_name, tp_sizes
 from kvflow.integrations.vllm.settings import Settings, push_units
 from kvflow.layout.groups import KVGroup
 from kvflow.protocol.messages import TransferKey
+from kvflow.protocol.requests import KvReady
 from kvflow.protocol.state import Mode, Role
 from kvflow.runtime.frames import error_from_record
 
@@ -167,18 +168,11 @@ class ProducerSide:
                 blocks = order.blocks[group]
                 if not blocks.ids or not self._opened(order.request_id, key):
                     continue
-                future = self._link().command(
-                    "ready_pull",
-                    None if decode is None else peer_wire(decode),
-                    d_tp,
-                    target,
-                    key.transfer_id,
-                    key.epoch,
-                    list(blocks.ids),
-                    gate,
-                    blocks.first,
-                    list(self.kv_groups[group].layers) if many else None,
-                )
+                reach = None if decode is None else Reach(decode, d_tp, target)
+                layers = self.kv_groups[group].layers if many else None
+                peer = None if reach is None else reach.name
+                ready = KvReady(key, blocks.ids, first_position=blocks.first, layers=layers, mode=Mode.PULL, peer=peer)
+                future = send_request(self._link(), ready, reach, gate)
                 self._ready_starts.append((future, order.request_id, key))
         self._send_parts(pushed, gate)
 

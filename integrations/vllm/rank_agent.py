@@ -5,7 +5,9 @@ out orders; each order here is a short sequence of engine calls that may wait (f
 handshake with the peer's rank, for the device to have written the KV, for the layer group
 before it), so it runs with the engine, on its loop: on the rank's engine thread, or in the
 rank's engine process (`kvflow.runtime.engine_process`), where the host's interpreter is not
-shared.  Every command takes and returns plain data, so the same agent serves both.
+shared.  Every command takes and returns plain data, so the same agent serves both; the engine's
+requests (`kvflow.protocol.requests`) come through one of them, `submit`, in their wire form,
+with the `Reach` of the other side's rank each names as its peer.
 
 No vLLM import: an engine process never loads vLLM.
 """
@@ -16,20 +18,22 @@ import asyncio
 import contextlib
 import logging
 from collections import Counter
-from collections.abc import Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from kvflow.errors import BlockSizeMismatch, KVFlowError, UnknownTransfer, UsageError
+from kvflow.errors import BlockSizeMismatch, ConfigError, KVFlowError, MalformedRequest, UnknownTransfer, UsageError
 from kvflow.integrations.vllm.device import Device, Gate, GateWaiter, HostDevice
 from kvflow.integrations.vllm.params import PeerRef
-from kvflow.integrations.vllm.ranks import reach_rank
-from kvflow.protocol.messages import OPEN_BATCHES, TransferKey
+from kvflow.integrations.vllm.ranks import rank_name, reach_rank
+from kvflow.protocol.messages import TransferKey
+from kvflow.protocol.requests import Abort, Expect, KvReady, Request, request_from_wire
 from kvflow.protocol.state import Mode, Role
 from kvflow.runtime.engine import Engine
 from kvflow.runtime.engine_agent import EngineAgent
 from kvflow.runtime.frames import error_record
 
-__all__ = ("ENGINE_REJECTIONS", "RankAgent")
+__all__ = ("ENGINE_REJECTIONS", "RankAgent", "Reach")
 
 log = logging.getLogger("kvflow.vllm")
 
@@ -58,21 +62,44 @@ def _peer(wire: PeerWire) -> PeerRef:
     return PeerRef(str(wire[0]), str(wire[1]), int(wire[2]))
 
 
+@dataclass(frozen=True, slots=True)
+class Reach:
+    """The other side's rank a request names as its peer: rank `rank` of `peer`'s `tp_size`
+    ranks, found through `peer`'s rank 0 (`ranks.reach_rank`)."""
+
+    peer: PeerRef
+    tp_size: int
+    rank: int
+
+    @property
+    def name(self) -> str:
+        """The rank's engine id: the peer a request to it names."""
+        return rank_name(self.peer.engine, self.rank)
+
+    def to_wire(self) -> list[Any]:
+        """Plain data msgpack carries; `from_wire` makes it this `Reach` again."""
+        return [peer_wire(self.peer), self.tp_size, self.rank]
+
+    @classmethod
+    def from_wire(cls, wire: object) -> Reach:
+        """:raises MalformedRequest: not a `Reach`'s wire form."""
+        match wire:
+            case [[str(engine), str(address), int(peer_tp)], int(tp_size), int(rank)]:
+                if not any(isinstance(number, bool) for number in (peer_tp, tp_size, rank)):
+                    return cls(PeerRef(engine, address, peer_tp), tp_size, rank)
+        raise MalformedRequest(f"a rank to reach is [[engine, address, tp_size], tp_size, rank], not {wire!r:.80}")
+
+
 class RankAgent(EngineAgent):
     """One rank's engine-side state: each push transfer's posting chain, and D's registrations
     still under way (an abort waits for them).  `device` and `transfer_timeout`: what a WRITE
     waits for before it is posted, and for how long."""
 
     COMMANDS: ClassVar[frozenset[str]] = EngineAgent.COMMANDS | {
-        "expect_blocks",
-        "nothing_wanted",
-        "abort_unallocated",
         "promise_pair",
         "promise_prefill",
-        "ready_pull",
         "post_group",
         "post_groups",
-        "abort_pair",
         "snapshot",
         "describe",
     }
@@ -88,78 +115,84 @@ class RankAgent(EngineAgent):
         self._broken: set[TransferKey] = set()
         self._registrations: dict[TransferKey, asyncio.Future[Any]] = {}  # D: expects not returned yet
         self._chunk_blocks: dict[TransferKey, list[int]] = {}  # P: each push transfer's blocks of its chunk
+        self._handlers: dict[type[Request], Callable[[Any, Reach | None], Awaitable[None]]] = {
+            Expect: self._expect,
+            KvReady: self._ready,
+            Abort: self._abort,
+        }
 
-    # ---------------------------------------------------------------- D
+    # ---------------------------------------------------------------- the engine's requests
 
-    async def expect_blocks(
-        self,
-        prefill: PeerWire,
-        p_tp: int,
-        source: int,
-        transfer_id: str,
-        epoch: int,
-        block_ids: list[int],
-        mode: str,
-        first_position: int,
-        share: str,
-        layers: Sequence[int] | None = None,
-    ) -> None:
-        """D: register `block_ids` (of the KV cache group of `layers`; None: the model's one
-        group) with P rank `source` once associated with it; several P ranks may write their own
-        heads into the same blocks (`share`).
+    async def submit(self, wire: Any, reach: Any = None, gate: Gate | None = None) -> None:
+        """The engine's requests' one door (`EngineAgent.submit`), each run by its type's
+        handler once the device has run the work before `gate`: D's `Expect` registers its
+        blocks, P's `KvReady` makes its KV ready, and an `Abort` gives up on a transfer (D's
+        registration still under way waited for first; nothing to abort is no error).  `reach`:
+        a `Reach`'s wire form, the other side's rank the request names as its peer, associated
+        with first (None: the request's peer, if any, needs no handshake from here).
 
-        :raises KVFlowError: the handshake or the registration failed (see `Engine.expect`).
+        :raises MalformedRequest: `wire` or `reach` is not one (nothing is done).
+        :raises ConfigError: the rank `reach` names is not the request's peer.
+        :raises KVFlowError: the device, the handshake or the engine failed (see `Engine.submit`).
         """
-        key = TransferKey(transfer_id, epoch)
+        request = request_from_wire(wire)
+        rank = None if reach is None else Reach.from_wire(reach)
+        await self._wait_for_device(gate)
+        await self._handlers[type(request)](request, rank)
+
+    async def _expect(self, request: Expect, reach: Reach | None) -> None:
+        """D: register the blocks (several P ranks may write their own heads into the same
+        blocks: `share`); an abort of the transfer meanwhile waits for this to end."""
+        key = request.key
         done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._registrations[key] = done
         try:
-            peer = await self._reach_prefill(prefill, p_tp, source, key, Mode(mode))
-            await self.engine.expect(
-                transfer_id,
-                epoch,
-                peer=peer,
-                block_ids=block_ids,
-                mode=Mode(mode),
-                # P decides how many: its token budget splits the prompt into chunks
-                expected_batches=OPEN_BATCHES if Mode(mode) is Mode.PUSH else 1,
-                first_position=first_position,
-                share=share,
-                layers=None if layers is None else (int(layers[0]), int(layers[1])),
-            )
+            await self._associate(request, reach, Role.DECODE)
+            await self.engine.submit(request)
         finally:
             done.set_result(None)
             if self._registrations.get(key) is done:
                 del self._registrations[key]
 
-    async def nothing_wanted(
-        self, prefill: PeerWire, p_tp: int, source: int, transfer_id: str, epoch: int, first_position: int
-    ) -> None:
-        """D needs no KV (a full prefix hit): an empty registration, and P releases its blocks
-        without a WRITE.  :raises KVFlowError: see `expect_blocks`."""
-        peer = await self._reach_prefill(prefill, p_tp, source, TransferKey(transfer_id, epoch), Mode.PUSH)
-        await self.engine.expect(
-            transfer_id, epoch, peer=peer, block_ids=(), expected_batches=0, first_position=first_position
-        )
+    async def _ready(self, request: KvReady, reach: Reach | None) -> None:
+        """P: the KV is ready (pull: the D rank `reach` names is told; no `reach` and no peer: a
+        sequential router's transfer, for whichever D claims it)."""
+        await self._associate(request, reach, Role.PREFILL)
+        await self.engine.submit(request)
 
-    async def _reach_prefill(self, prefill: PeerWire, p_tp: int, source: int, key: TransferKey, mode: Mode) -> str:
-        """P rank `source`'s engine id, associated.  One this transfer cannot use (block sizes
-        that do not tile) is told at once, so that P frees the request's blocks now instead of
-        at its deadline.  :raises KVFlowError: see `reach_rank`."""
+    async def _abort(self, request: Abort, reach: Reach | None) -> None:
+        """Give up on a pair transfer; D's registration still under way is waited for first
+        (bounded: its handshake has a deadline).  With `reach`, D's request ended before it had
+        blocks: P is told, so that it frees its KV at once."""
+        self._chunk_blocks.pop(request.key, None)
+        registration = self._registrations.get(request.key) if request.role is Role.DECODE else None
+        if registration is not None:
+            await asyncio.wait([registration])
+        await self._associate(request, reach, request.role)
+        with contextlib.suppress(UnknownTransfer):  # never started here: nothing to abort
+            await self.engine.submit(request)
+
+    async def _associate(self, request: Request, reach: Reach | None, role: Role) -> None:
+        """Associated with the rank `reach` names, the request's peer (None: nothing to reach).
+        :raises ConfigError: that rank is not the request's peer.
+        :raises KVFlowError: see `_reach`."""
+        if reach is None:
+            return
+        name = await self._reach(reach, role, request.key, request.mode)
+        if name != request.peer:
+            raise ConfigError(f"{request.TAG} {request.key}: rank {reach.rank} is {name!r}, not {request.peer!r}")
+
+    async def _reach(self, reach: Reach, role: Role, key: TransferKey, mode: Mode) -> str:
+        """The engine id of the rank `reach` names, associated.  As D, a P rank this transfer
+        cannot use (block sizes that do not tile) is told at once, so that P frees the request's
+        blocks now instead of at its deadline.  :raises KVFlowError: see `reach_rank`."""
         try:
-            return await reach_rank(self.engine, _peer(prefill), p_tp, source, Role.DECODE)
+            return await reach_rank(self.engine, reach.peer, reach.tp_size, reach.rank, role)
         except BlockSizeMismatch as exc:
-            with contextlib.suppress(KVFlowError):  # best effort: P's deadline ends it otherwise
-                await self.engine.abort(key.transfer_id, key.epoch, Role.DECODE, str(exc), peer=exc.peer, mode=mode)
+            if role is Role.DECODE:
+                with contextlib.suppress(KVFlowError):  # best effort: P's deadline ends it otherwise
+                    await self.engine.submit(Abort(key, Role.DECODE, str(exc), exc.peer, mode))
             raise
-
-    async def abort_unallocated(
-        self, prefill: PeerWire, p_tp: int, source: int, transfer_id: str, epoch: int, reason: str, mode: str
-    ) -> None:
-        """D's request ended before it had blocks: P is told, so that it frees its KV at once.
-        :raises KVFlowError: the handshake failed or P cannot be told."""
-        peer = await self._reach_prefill(prefill, p_tp, source, TransferKey(transfer_id, epoch), Mode(mode))
-        await self.engine.abort(transfer_id, epoch, Role.DECODE, reason, peer=peer, mode=Mode(mode))
 
     async def promise_prefill(
         self, prefill: PeerWire, p_tp: int, source: int, transfer_id: str, epoch: int, mode: str
@@ -167,54 +200,15 @@ class RankAgent(EngineAgent):
         """D holds the request queued, before its blocks are allocated: associated with P rank
         `source`, its heartbeats say so, which keeps P holding KV it made ready meanwhile.
         :raises KVFlowError: the handshake failed."""
-        peer = await self._reach_prefill(prefill, p_tp, source, TransferKey(transfer_id, epoch), Mode(mode))
+        reach = Reach(_peer(prefill), p_tp, source)
+        peer = await self._reach(reach, Role.DECODE, TransferKey(transfer_id, epoch), Mode(mode))
         await self.engine.promise(transfer_id, epoch, peer=peer)
-
-    async def abort_pair(self, transfer_id: str, epoch: int, role: str, reason: str) -> None:
-        """Give up on a pair transfer; D's registration still under way is waited for first
-        (bounded: its handshake has a deadline).  Nothing to abort is no error."""
-        key = TransferKey(transfer_id, epoch)
-        self._chunk_blocks.pop(key, None)
-        registration = self._registrations.get(key) if Role(role) is Role.DECODE else None
-        if registration is not None:
-            await asyncio.wait([registration])
-        with contextlib.suppress(UnknownTransfer):  # never started here: nothing to abort
-            await self.engine.abort(transfer_id, epoch, Role(role), reason)
 
     # ---------------------------------------------------------------- P
 
     async def promise_pair(self, transfer_id: str, epoch: int, peer: str) -> None:
         """P holds the request for D rank `peer`: heartbeats say so."""
         await self.engine.promise(transfer_id, epoch, peer=peer)
-
-    async def ready_pull(
-        self,
-        decode: PeerWire | None,
-        d_tp: int,
-        target: int,
-        transfer_id: str,
-        epoch: int,
-        block_ids: list[int],
-        gate: Gate | None = None,
-        first_position: int = 0,
-        layers: Sequence[int] | None = None,
-    ) -> None:
-        """Pull: the KV of positions ``first_position..`` (of the KV cache group of `layers`;
-        None: the model's one group) is ready in `block_ids` once the device has run the work
-        before `gate`; D rank `target` is told (no `decode`: a sequential router's transfer, for
-        whichever D claims it).
-        :raises KVFlowError: see `Engine.kv_ready`; the device or the handshake failed."""
-        await self._wait_for_device(gate)
-        peer = None if decode is None else await reach_rank(self.engine, _peer(decode), d_tp, target, Role.PREFILL)
-        await self.engine.kv_ready(
-            transfer_id,
-            epoch,
-            block_ids=block_ids,
-            first_position=first_position,
-            layers=None if layers is None else (int(layers[0]), int(layers[1])),
-            mode=Mode.PULL,
-            peer=peer,
-        )
 
     async def post_group(
         self,

@@ -40,11 +40,11 @@ from kvflow.errors import ConfigError, KVFlowError, UsageError
 from kvflow.integrations.vllm.device import Device, HostDevice
 from kvflow.integrations.vllm.gpu_export import GpuExport
 from kvflow.integrations.vllm.kv_caches import CacheDescription
-from kvflow.integrations.vllm.links import EngineLink, ProcessLink, failed_future
+from kvflow.integrations.vllm.links import EngineLink, ProcessLink, failed_future, send_request
 from kvflow.integrations.vllm.mapping import Order, Orders
 from kvflow.integrations.vllm.notices import PeerNotices
 from kvflow.integrations.vllm.producer import ProducerSide, StepMemo
-from kvflow.integrations.vllm.rank_agent import peer_wire
+from kvflow.integrations.vllm.rank_agent import Reach
 from kvflow.integrations.vllm.ranks import PairBook, rank_name, ranked_layout, tp_sizes, transfer_parts
 from kvflow.integrations.vllm.settings import Settings, layer_groups
 from kvflow.integrations.vllm.supervision import ProcessStart, RestartPolicy, start_process, start_thread
@@ -52,8 +52,9 @@ from kvflow.layout import KVLayout, MemoryType
 from kvflow.layout.groups import KVGroup
 from kvflow.protocol.actions import ReleaseBlocks
 from kvflow.protocol.core import CoreConfig
-from kvflow.protocol.messages import TransferKey
-from kvflow.protocol.state import Outcome, Role
+from kvflow.protocol.messages import OPEN_BATCHES, TransferKey
+from kvflow.protocol.requests import Abort, Expect
+from kvflow.protocol.state import Mode, Outcome, Role
 from kvflow.runtime import host_memory
 from kvflow.runtime.engine import Engine, EngineConfig
 from kvflow.runtime.threaded import EngineThread
@@ -236,36 +237,22 @@ class WorkerSide(ProducerSide):
         p_tp = tp_sizes(params, Role.DECODE, self.tp_size)[0]
         many = len(self.kv_groups) > 1
         for source, group, key in parts:
+            reach = Reach(params.prefill, p_tp, source)
             if not wanted(group):  # nothing of this group (none held): P releases its part at once
                 first = order.blocks[group].first if group < len(order.blocks) else 0
-                self._link().command(
-                    "nothing_wanted",
-                    peer_wire(params.prefill),
-                    p_tp,
-                    source,
-                    key.transfer_id,
-                    key.epoch,
-                    first,
-                    always=True,
-                ).add_done_callback(
+                nothing = Expect(key, reach.name, (), expected_batches=0, first_position=first)
+                send_request(self._link(), nothing, reach, always=True).add_done_callback(
                     partial(self.notices.log_failure, what=f"cannot tell P {order.request_id} needs no {key}")
                 )
                 continue
             blocks = order.blocks[group]
             self._requests[(key, Role.DECODE)] = order.request_id
-            future = self._link().command(
-                "expect_blocks",
-                peer_wire(params.prefill),
-                p_tp,
-                source,
-                key.transfer_id,
-                key.epoch,
-                list(blocks.ids),
-                params.mode.value,
-                blocks.first,
-                f"{params.transfer_id}#{params.epoch}",  # several P ranks may fill the same blocks
-                list(self.kv_groups[group].layers) if many else None,
-            )
+            # push: P decides how many WRITEs (its token budget splits the prompt into chunks)
+            batches = OPEN_BATCHES if params.mode is Mode.PUSH else 1
+            share = f"{params.transfer_id}#{params.epoch}"  # several P ranks may fill the same blocks
+            layers = self.kv_groups[group].layers if many else None
+            expect = Expect(key, reach.name, blocks.ids, params.mode, batches, blocks.first, share, layers)
+            future = send_request(self._link(), expect, reach)
             self._failed_starts.append((future, order.request_id, every, key))
 
     def _parts(self, params: Any, role: Role) -> list[tuple[int, int, TransferKey]]:
@@ -311,7 +298,7 @@ class WorkerSide(ProducerSide):
 
     def _abort_pair(self, key: TransferKey, role: Role, reason: str) -> None:
         """Give up on one pair transfer (D: once its registration, if still under way, is done)."""
-        self._link().command("abort_pair", key.transfer_id, key.epoch, role.value, reason, always=True)
+        send_request(self._link(), Abort(key, role, reason), always=True)
 
     # ---------------------------------------------------------------- results
 

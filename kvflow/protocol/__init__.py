@@ -5,7 +5,8 @@ tables (one per mode and role) and `state` looks them up, with the state-trigger
 `machine` is the per-transfer record; `ledger` accounts for every block; `transfers` stores the
 machines, their epochs and deadlines; `core` turns inputs into `actions`, `steps` carrying out
 each step a table picks, with `inbox` refining what peers send and `early` keeping what they say
-about transfers not started yet; `messages` are what peers say to each other.
+about transfers not started yet; `messages` are what peers say to each other, and `requests`
+what a host asks of its engine (expect, KV ready, abort), each one typed value with its wire form.
 
 Peers: `association` decides handshakes, incarnations and leases, by the table of each peer's
 phase in `phases`, returning the effects of `peer_actions`; `liveness` when each peer is

@@ -4,7 +4,8 @@ Why sans-IO: the rules that keep KV safe (release once, never while a write may 
 stale epochs, honour every deadline) must be testable exhaustively.  So this class does no I/O
 and reads no clock.  It is driven by three kinds of sources, as in aioquic:
 
-1. local API calls (`expect`, `kv_ready`, `abort`, `delivered`),
+1. local API calls (`expect`, `kv_ready`, `abort`, each taking its typed request from
+   `kvflow.protocol.requests`, and `delivered`),
 2. events from the wire and the data plane (`receive`, `notification`, `op_submitted`,
    `op_finished`, `peer_connected`, `peer_lost`),
 3. time: `timer(now)` when `next_deadline()` has passed.
@@ -31,6 +32,7 @@ from kvflow.protocol.actions import Action, SendMessage
 from kvflow.protocol.inbox import PeerInbox
 from kvflow.protocol.machine import Machine, check_block_ids, check_registration, ready_batch, transfer_layers
 from kvflow.protocol.messages import Message, Notice, TransferKey
+from kvflow.protocol.requests import Abort, Expect, KvReady
 from kvflow.protocol.state import (
     Effect,
     Input,
@@ -110,30 +112,19 @@ class TransferCore:
 
     # ------------------------------------------------------------------ local API
 
-    def expect(
-        self,
-        key: TransferKey,
-        *,
-        peer: str,
-        mode: Mode,
-        block_ids: Sequence[int],
-        deadline: float,
-        now: float,
-        expected_batches: int = 1,
-        first_position: int = 0,
-        share: str = "",
-        layers: tuple[int, int] | None = None,
-    ) -> list[Action]:
-        """D: these destination blocks will receive transfer `key` from `peer`, for P's block
-        positions ``first_position..`` (in D's blocks): D holds the KV of the positions before (a
-        prefix-cache hit), so P writes (pull: D reads) none of them.  Push: `expected_batches`
-        counts P's batches that reach D's positions (each is one WRITE); `OPEN_BATCHES` lets P
-        decide how many (P's last WRITE's notification says it is the last, and the transfer
-        completes when every batch up to it has landed).  No blocks (push only, with
-        `expected_batches` 0): D needs nothing; P is told so and releases at once, and the
-        transfer succeeds here as soon as the registration is sent.  Transfers naming the same
-        non-empty `share` group may hold the same blocks (each writes its own part of them: a
-        tensor-parallel rank's KV heads).  `layers`: the blocks' KV cache group (None: the one).
+    def expect(self, request: Expect, now: float, deadline: float) -> list[Action]:
+        """D: the destination blocks of `request` will receive transfer `request.key` from its
+        peer, until `deadline`, for P's block positions ``first_position..`` (in D's blocks): D
+        holds the KV of the positions before (a prefix-cache hit), so P writes (pull: D reads)
+        none of them.  Push: `expected_batches` counts P's batches that reach D's positions
+        (each is one WRITE); `OPEN_BATCHES` lets P decide how many (P's last WRITE's
+        notification says it is the last, and the transfer completes when every batch up to it
+        has landed).  No blocks (push only, with `expected_batches` 0): D needs nothing; P is
+        told so and releases at once, and the transfer succeeds here as soon as the registration
+        is sent.  Transfers naming the same non-empty `share` group may hold the same blocks
+        (each writes its own part of them: a tensor-parallel rank's KV heads).  `layers`: the
+        blocks' KV cache group (None: the one).  The request's `timeout` is the driver's: it
+        made `deadline` of it.
 
         An older, unfinished epoch of the same transfer id is aborted (superseded).
 
@@ -144,48 +135,40 @@ class TransferCore:
         :raises StaleEpoch: this epoch is not newer than one already seen for the id.
         :raises ConfigError: bad deadline or batch count.
         """
-        ids = check_registration(key, block_ids, mode, expected_batches, first_position, self.config.max_batches)
-        span = transfer_layers(f"expect {key}", self.groups, layers or (0, self.num_layers), Mode.PULL)
+        key, mode, peer, first_position = request.key, request.mode, request.peer, request.first_position
+        max_batches = self.config.max_batches
+        ids = check_registration(key, request.block_ids, mode, request.expected_batches, first_position, max_batches)
+        span = transfer_layers(f"expect {key}", self.groups, request.layers or (0, self.num_layers), Mode.PULL)
         if deadline <= now:
             raise ConfigError(f"deadline {deadline} is not after now {now}")
         self._check_epoch(key, _DECODE)
-        self.ledger.check_free(ids, share)
+        self.ledger.check_free(ids, request.share)
         actions = self._supersede(key, _DECODE, now)
         m = self.store.create(key, _DECODE, mode, peer, deadline, now)
-        m.block_ids, m.expected_batches, m.first_position, m.span = ids, expected_batches, first_position, span
-        self.ledger.add(m.owner, ids, share)
+        m.block_ids, m.expected_batches, m.first_position, m.span = ids, request.expected_batches, first_position, span
+        self.ledger.add(m.owner, ids, request.share)
         actions += self._replay_early(m, now)
         if peer in self._connected and m.state is State.ALLOCATED and m.remote_blocks is None:
             actions += self._steps.feed(m, Input.REGISTER, now)
         return actions
 
-    def kv_ready(
-        self,
-        key: TransferKey,
-        *,
-        block_ids: Sequence[int],
-        now: float,
-        final: bool = True,
-        first_position: int = 0,
-        layers: tuple[int, int] | None = None,
-        mode: Mode = Mode.PUSH,
-        peer: str | None = None,
-        deadline: float | None = None,
-    ) -> list[Action]:
-        """P: KV for block positions ``first_position..`` of `layers` (None: all) is ready in
-        `block_ids`.  A transfer moves one KV cache group: every batch's layers lie in it.
-        `final` marks the last batch.  The first call creates the machine unless D's
-        registration already did.  Pull without a `peer`: the KV waits, until `deadline`, for the
-        first peer to claim the transfer (see `Claim`).
+    def kv_ready(self, request: KvReady, now: float, deadline: float | None = None) -> list[Action]:
+        """P: KV for block positions ``first_position..`` of the request's `layers` (None: all)
+        is ready in its `block_ids`.  A transfer moves one KV cache group: every batch's layers
+        lie in it.  `final` marks the last batch.  The first call creates the machine, with
+        `deadline`, unless D's registration already did.  Pull without a `peer`: the KV waits,
+        until `deadline`, for the first peer to claim the transfer (see `Claim`).  The request's
+        `timeout` is the driver's: it made `deadline` of it.
 
         :raises InvalidBatch: bad ids or layers (see `ready_batch`), overlap with an earlier batch.
         :raises InvalidTransition: the transfer cannot take KV now (e.g. after its last batch).
         :raises StaleEpoch: a newer epoch of the id exists.
         :raises ConfigError: missing deadline, or mode differs from the transfer's.
         """
-        ids = check_block_ids(block_ids, f"kv_ready {key}", unique=False)
-        span = layers if layers is not None else (0, self.num_layers)
-        group = transfer_layers(f"kv_ready {key}", self.groups, span, mode, first_position)
+        key, mode, peer, final = request.key, request.mode, request.peer, request.final
+        ids = check_block_ids(request.block_ids, f"kv_ready {key}", unique=False)
+        span = request.layers if request.layers is not None else (0, self.num_layers)
+        group = transfer_layers(f"kv_ready {key}", self.groups, span, mode, request.first_position)
         m = self.store.get(key, _PREFILL)
         if m is None:
             if deadline is None or deadline <= now:
@@ -200,7 +183,7 @@ class TransferCore:
         step = transition(mode, _PREFILL, state, input_, str(key))
         consumed = Effect.RETURN_BATCH not in step.effects
         pull_final = consumed and mode is Mode.PULL and final
-        batch = ready_batch(key, m, ids, first_position, (span, group), self.config.max_batches, pull_final)
+        batch = ready_batch(key, m, ids, request.first_position, (span, group), self.config.max_batches, pull_final)
         # Validated: from here on nothing raises for the caller's input.
         actions: list[Action] = []
         if m is None:
@@ -227,17 +210,9 @@ class TransferCore:
             actions += self._steps.feed(m, Input.PEER_LOST, now, reason=f"peer {m.peer} lost: {self._refused[m.peer]}")
         return actions
 
-    def abort(
-        self,
-        key: TransferKey,
-        role: Role,
-        now: float,
-        reason: str = "aborted by caller",
-        *,
-        peer: str | None = None,
-        mode: Mode = Mode.PUSH,
-    ) -> list[Action]:
-        """Give up on a transfer.  Idempotent once the transfer has ended.
+    def abort(self, request: Abort, now: float) -> list[Action]:
+        """Give up on transfer `request.key` as `request.role`.  Idempotent once the transfer has
+        ended.
 
         P may abort a transfer it has not seen yet (its request ended before D's registration
         arrived): the transfer is then remembered as aborted, and a registration for it, if one
@@ -251,6 +226,7 @@ class TransferCore:
         :raises UnknownTransfer: D has no such transfer and `peer` is None.
         :raises StaleEpoch: a newer epoch of the transfer id exists.
         """
+        key, role, reason, peer, mode = request.key, request.role, request.reason, request.peer, request.mode
         self.store.drop_promise(key)
         m = self.store.get(key, role)
         if m is not None:

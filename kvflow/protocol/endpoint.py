@@ -47,7 +47,8 @@ from kvflow.protocol.peer_actions import (
     TearDown,
     UnknownSender,
 )
-from kvflow.protocol.state import Mode, Outcome, Role
+from kvflow.protocol.requests import Abort, Expect, KvReady
+from kvflow.protocol.state import Outcome, Role
 from kvflow.protocol.teardown import HoldReport, PeerFenced, PeerGone, RemovalFailed, RemovePeer, TeardownAction
 
 __all__ = ("Effect", "Endpoint", "PeerEffect")
@@ -150,67 +151,17 @@ class Endpoint:
 
     # ------------------------------------------------------------------ transfers
 
-    def expect(
-        self,
-        key: TransferKey,
-        *,
-        peer: str,
-        mode: Mode,
-        block_ids: Sequence[int],
-        deadline: float,
-        now: float,
-        expected_batches: int,
-        first_position: int,
-        share: str,
-        layers: tuple[int, int] | None,
-    ) -> list[Effect]:
-        """:raises InvalidBatch, BlockConflict, StaleEpoch: see `TransferCore.expect`."""
-        actions = self._core.expect(
-            key,
-            peer=peer,
-            mode=mode,
-            block_ids=block_ids,
-            deadline=deadline,
-            now=now,
-            expected_batches=expected_batches,
-            first_position=first_position,
-            share=share,
-            layers=layers,
-        )
-        return self._transfers(actions, now)
+    def expect(self, request: Expect, now: float, deadline: float) -> list[Effect]:
+        """:raises InvalidBatch, BlockConflict, StaleEpoch, ConfigError: see `TransferCore.expect`."""
+        return self._transfers(self._core.expect(request, now, deadline), now)
 
-    def kv_ready(
-        self,
-        key: TransferKey,
-        *,
-        block_ids: Sequence[int],
-        now: float,
-        final: bool,
-        first_position: int,
-        layers: tuple[int, int] | None,
-        mode: Mode,
-        peer: str | None,
-        deadline: float,
-    ) -> list[Effect]:
-        """:raises InvalidBatch, InvalidTransition, StaleEpoch: see `TransferCore.kv_ready`."""
-        actions = self._core.kv_ready(
-            key,
-            block_ids=block_ids,
-            now=now,
-            final=final,
-            first_position=first_position,
-            layers=layers,
-            mode=mode,
-            peer=peer,
-            deadline=deadline,
-        )
-        return self._transfers(actions, now)
+    def kv_ready(self, request: KvReady, now: float, deadline: float) -> list[Effect]:
+        """:raises InvalidBatch, InvalidTransition, StaleEpoch, ConfigError: see `TransferCore.kv_ready`."""
+        return self._transfers(self._core.kv_ready(request, now, deadline), now)
 
-    def abort(
-        self, key: TransferKey, role: Role, now: float, reason: str, *, peer: str | None, mode: Mode
-    ) -> list[Effect]:
+    def abort(self, request: Abort, now: float) -> list[Effect]:
         """:raises UnknownTransfer, StaleEpoch: see `TransferCore.abort`."""
-        return self._transfers(self._core.abort(key, role, now, reason, peer=peer, mode=mode), now)
+        return self._transfers(self._core.abort(request, now), now)
 
     def abort_all(self, now: float, reason: str) -> list[Effect]:
         return self._transfers(self._core.abort_all(now, reason), now)

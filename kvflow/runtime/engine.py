@@ -30,7 +30,7 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from functools import partial
-from typing import Any
+from typing import Any, overload
 
 from kvflow.control.channel import ControlChannel
 from kvflow.errors import EngineClosed, EngineCrashed, LedgerError, UsageError
@@ -41,6 +41,7 @@ from kvflow.protocol.core import TransferCore
 from kvflow.protocol.endpoint import Effect, Endpoint
 from kvflow.protocol.lifecycle import Do, Event, Life, Lifecycle
 from kvflow.protocol.messages import ControlMessage, TransferKey, require_engine_id, transfer_key
+from kvflow.protocol.requests import Abort, Expect, KvReady, Request
 from kvflow.protocol.state import Mode, Role
 from kvflow.protocol.teardown import HoldReport
 from kvflow.runtime.config import EngineConfig
@@ -264,6 +265,42 @@ class Engine:
 
     # ------------------------------------------------------------------ transfers
 
+    @overload
+    async def submit(self, request: Expect | KvReady) -> TransferHandle: ...
+
+    @overload
+    async def submit(self, request: Abort) -> None: ...
+
+    async def submit(self, request: Request) -> TransferHandle | None:
+        """Run `request` (`kvflow.protocol.requests`).  D's `Expect` and P's `KvReady` open or
+        feed a transfer and return its handle; the transfer's deadline is the request's
+        `timeout` (default: the config's `transfer_timeout`) from now.  An `Abort` gives up on a
+        transfer (while the engine sleeps or closes too); its blocks come back once no op can
+        touch them.  In push mode D's registration is sent as soon as the peer is connected, and
+        P's KV written as soon as that registration is here; in pull mode a `KvReady` tells its
+        `peer` (without one, the KV waits for the first peer to claim the transfer).
+
+        :raises InvalidBatch, BlockConflict, StaleEpoch, InvalidTransition, UnknownTransfer,
+            ConfigError: see `TransferCore.expect`, `kv_ready`, `abort`; a key the wire cannot
+            carry (`transfer_key`).
+        :raises EngineClosed, EngineCrashed: the engine is not running.
+        """
+        if isinstance(request, Abort):
+            self._check_open(asleep=True, closing=True)
+            transfer_key(request.key.transfer_id, request.key.epoch)
+            self._execute(self.endpoint.abort(request, self._now()))
+            return None
+        self._check_open()
+        key, now = transfer_key(request.key.transfer_id, request.key.epoch), self._now()
+        deadline = self._deadline(now, request.timeout)
+        if isinstance(request, Expect):
+            effects, role = self.endpoint.expect(request, now, deadline), Role.DECODE
+        else:
+            effects, role = self.endpoint.kv_ready(request, now, deadline), Role.PREFILL
+        handle = self._handle(key, role)
+        self._execute(effects)
+        return handle
+
     async def expect(
         self,
         transfer_id: str,
@@ -278,34 +315,11 @@ class Engine:
         share: str = "",
         layers: tuple[int, int] | None = None,
     ) -> TransferHandle:
-        """D: receive transfer (`transfer_id`, `epoch`) from `peer` into `block_ids`, for P's
-        block positions from `first_position` on (D holds the ones before), of the KV cache group
-        of `layers` (None: a model with one group).  No blocks (push,
-        `expected_batches` 0): D needs nothing, and P releases its blocks without a WRITE.
-        Other transfers of the same `share` group may hold the blocks too: see `BlockLedger`.
-
-        In push mode the registration is sent as soon as the peer is connected.
-        :raises InvalidBatch, BlockConflict, StaleEpoch, ConfigError: see `TransferCore.expect`, `transfer_key`.
-        :raises EngineClosed, EngineCrashed: the engine is not running.
-        """
-        self._check_open()
-        key, now = transfer_key(transfer_id, epoch), self._now()
-        deadline = self._deadline(now, timeout)
-        effects = self.endpoint.expect(
-            key,
-            peer=peer,
-            mode=mode,
-            block_ids=block_ids,
-            deadline=deadline,
-            now=now,
-            expected_batches=expected_batches,
-            first_position=first_position,
-            share=share,
-            layers=layers,
-        )
-        handle = self._handle(key, Role.DECODE)
-        self._execute(effects)
-        return handle
+        """`submit` of an `Expect` of these fields (its key: `transfer_id` at `epoch`).
+        :raises KVFlowError: see `submit`."""
+        key = TransferKey(transfer_id, epoch)
+        request = Expect(key, peer, block_ids, mode, expected_batches, first_position, share, layers, timeout)
+        return await self.submit(request)
 
     async def kv_ready(
         self,
@@ -320,30 +334,10 @@ class Engine:
         peer: str | None = None,
         timeout: float | None = None,
     ) -> TransferHandle:
-        """P: KV for these positions (and layers) is ready in `block_ids`; `final` marks the last
-        batch.  Push: written as soon as D's registration is here.  Pull: `peer` is told (without
-        one, the KV waits for the first peer to claim the transfer).
-
-        :raises InvalidBatch, InvalidTransition, StaleEpoch, ConfigError: see `TransferCore.kv_ready`, `transfer_key`.
-        :raises EngineClosed, EngineCrashed: the engine is not running.
-        """
-        self._check_open()
-        key, now = transfer_key(transfer_id, epoch), self._now()
-        deadline = self._deadline(now, timeout)
-        effects = self.endpoint.kv_ready(
-            key,
-            block_ids=block_ids,
-            now=now,
-            final=final,
-            first_position=first_position,
-            layers=layers,
-            mode=mode,
-            peer=peer,
-            deadline=deadline,
-        )
-        handle = self._handle(key, Role.PREFILL)
-        self._execute(effects)
-        return handle
+        """`submit` of a `KvReady` of these fields (its key: `transfer_id` at `epoch`).
+        :raises KVFlowError: see `submit`."""
+        key = TransferKey(transfer_id, epoch)
+        return await self.submit(KvReady(key, block_ids, final, first_position, layers, mode, peer, timeout))
 
     async def abort(
         self,
@@ -355,18 +349,11 @@ class Engine:
         peer: str | None = None,
         mode: Mode = Mode.PUSH,
     ) -> None:
-        """Give up on a transfer; its blocks come back once no op can touch them.
-
-        P may abort a transfer D has not registered yet: a later registration is refused at once.
+        """`submit` of an `Abort` of these fields (its key: `transfer_id` at `epoch`).  P may
+        abort a transfer D has not registered yet: a later registration is refused at once.
         D may abort a transfer it never registered by naming its `peer` (and `mode`): P is told.
-
-        :raises UnknownTransfer: D has no such transfer and `peer` is None.
-        :raises StaleEpoch: a newer epoch of the transfer id exists.
-        :raises ConfigError, EngineCrashed, EngineClosed: not a key the wire carries; crashed; closed.
-        """
-        self._check_open(asleep=True, closing=True)
-        key = transfer_key(transfer_id, epoch)
-        self._execute(self.endpoint.abort(key, role, self._now(), reason, peer=peer, mode=mode))
+        :raises KVFlowError: see `submit`."""
+        await self.submit(Abort(TransferKey(transfer_id, epoch), role, reason, peer, mode))
 
     async def promise(self, transfer_id: str, epoch: int, *, peer: str) -> None:
         """P: this engine holds the request of the transfer, queued or prefilling, for `peer`;

@@ -5,8 +5,10 @@ not part of the program that serves it.  An embedder extends it with its own com
 connector: `kvflow.integrations.vllm.rank_agent`), and the same agent runs on an engine thread
 or in an engine process (`kvflow.runtime.engine_process`), so an embedder imports it from here
 without the process's rings, sockets and memory mappings.  Only the names an agent lists in
-`COMMANDS` can be called; `agent_class` finds the agent a process's spec names
-(``module:Class``) and refuses anything that is not an `EngineAgent`.
+`COMMANDS` can be called; the engine's requests (`kvflow.protocol.requests`) all come through
+one of them, `submit`, in their wire form, and their type is the one their tag names in that
+module's table, never a method the host names.  `agent_class` finds the agent a process's spec
+names (``module:Class``) and refuses anything that is not an `EngineAgent`.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import importlib
 from typing import Any, ClassVar
 
 from kvflow.errors import ConfigError
-from kvflow.protocol.state import Mode, Role
+from kvflow.protocol.requests import request_from_wire
 from kvflow.runtime.engine import Engine
 
 __all__ = ("EngineAgent", "agent_class")
@@ -25,7 +27,7 @@ class EngineAgent:
     """The engine's API as commands the host may call (arguments and results plain data)."""
 
     COMMANDS: ClassVar[frozenset[str]] = frozenset(
-        {"connect", "expect", "kv_ready", "abort", "promise", "stats", "unregister_memory", "restore_memory"}
+        {"connect", "submit", "promise", "stats", "unregister_memory", "restore_memory"}
     )
 
     def __init__(self, engine: Engine) -> None:
@@ -34,16 +36,14 @@ class EngineAgent:
     async def connect(self, peer: str, address: str = "") -> None:
         await self.engine.connect(peer, address)
 
-    async def expect(self, transfer_id: str, epoch: int, peer: str, block_ids: list[int], mode: str = "push") -> None:
-        await self.engine.expect(transfer_id, epoch, peer=peer, block_ids=block_ids, mode=Mode(mode))
+    async def submit(self, wire: Any) -> None:
+        """The engine's requests' one door: `wire`, a request's wire form (`Expect`, `KvReady`,
+        `Abort` of `kvflow.protocol.requests`), is made the request its tag names and submitted.
 
-    async def kv_ready(
-        self, transfer_id: str, epoch: int, block_ids: list[int], mode: str = "push", peer: str | None = None
-    ) -> None:
-        await self.engine.kv_ready(transfer_id, epoch, block_ids=block_ids, mode=Mode(mode), peer=peer)
-
-    async def abort(self, transfer_id: str, epoch: int, role: str, reason: str = "aborted by caller") -> None:
-        await self.engine.abort(transfer_id, epoch, Role(role), reason)
+        :raises MalformedRequest: `wire` is not a request's wire form (nothing is submitted).
+        :raises KVFlowError: see `Engine.submit`.
+        """
+        await self.engine.submit(request_from_wire(wire))
 
     async def promise(self, transfer_id: str, epoch: int, peer: str) -> None:
         await self.engine.promise(transfer_id, epoch, peer=peer)

@@ -13,7 +13,8 @@ CUDA IPC handles or exported chunks' descriptors): `process_launch` starts the c
 
 The protocol: records, each a msgpack array of plain types.  The host's calls,
 ``["call", seq, name, args]`` (each runs `name` on the child's agent, which is the engine's own
-API or an embedder's extension of it, `engine_agent.EngineAgent`), go through a ring in shared
+API or an embedder's extension of it, `engine_agent.EngineAgent`; the engine's requests all go
+through its one call ``submit``, in their wire form: `EngineProcess.submit`), go through a ring in shared
 memory (`ring`, `ring_memory`), and the child's answers come back through another (a call's
 result, blocks given back, the engine's figures, failures: `process_answers` keeps them until
 the host reads them).  A hook's call costs a copy into the ring, and an eventfd write only when
@@ -55,6 +56,7 @@ from typing import Any
 
 from kvflow.errors import ConfigError, EngineBusy, EngineClosed, EngineCrashed, EngineTimeout, KVFlowError, RingCorrupt
 from kvflow.protocol.actions import ReleaseBlocks
+from kvflow.protocol.requests import Request
 from kvflow.runtime.cuda_ipc import Share
 from kvflow.runtime.cuda_vmm import Chunk
 from kvflow.runtime.fd_passing import send_fds
@@ -178,6 +180,12 @@ class EngineProcess:
             else:
                 self._send([record])
         return future
+
+    def submit(self, request: Request, *, lazy: bool = False, always: bool = False) -> concurrent.futures.Future[None]:
+        """`call` of the agent's door for the engine's requests (`EngineAgent.submit`) with
+        `request`'s wire form: the engine process takes its type from the form's tag.
+        :raises EngineClosed, EngineBusy, ConfigError: see `call`."""
+        return self.call("submit", request.to_wire(), lazy=lazy, always=always)
 
     def _admit(self, name: str) -> None:
         """:raises EngineBusy: see `call`."""

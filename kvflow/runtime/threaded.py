@@ -14,14 +14,16 @@ import concurrent.futures
 import contextlib
 import threading
 from collections.abc import Awaitable, Callable, Iterator, Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeVar, overload
 
 from kvflow.errors import EngineClosed, EngineTimeout
 from kvflow.protocol.actions import ReleaseBlocks
+from kvflow.protocol.messages import TransferKey
+from kvflow.protocol.requests import Abort, Expect, KvReady, Request
 from kvflow.protocol.state import Mode, Role
 from kvflow.runtime.engine import Engine
 from kvflow.runtime.loop import new_event_loop
-from kvflow.runtime.results import TransferResult
+from kvflow.runtime.results import TransferHandle, TransferResult
 from kvflow.transports.base import drain
 
 __all__ = ("EngineThread",)
@@ -145,6 +147,16 @@ class EngineThread:
         """`Engine.connect` on the engine thread.  :raises EngineClosed: the thread has stopped."""
         return self.call(lambda e: e.connect(peer))
 
+    @overload
+    def submit(self, request: Expect | KvReady) -> concurrent.futures.Future[TransferHandle]: ...
+
+    @overload
+    def submit(self, request: Abort) -> concurrent.futures.Future[None]: ...
+
+    def submit(self, request: Request) -> concurrent.futures.Future[Any]:
+        """`Engine.submit` on the engine thread.  :raises EngineClosed: the thread has stopped."""
+        return self.call(lambda e: e.submit(request))
+
     def expect(
         self,
         transfer_id: str,
@@ -158,26 +170,11 @@ class EngineThread:
         first_position: int = 0,
         share: str = "",
         layers: tuple[int, int] | None = None,
-    ) -> concurrent.futures.Future[Any]:
-        """`Engine.expect` on the engine thread, with the same parameters.
-
-        :raises EngineClosed: the thread has stopped.
-        """
-        ids = list(block_ids)
-        return self.call(
-            lambda e: e.expect(
-                transfer_id,
-                epoch,
-                peer=peer,
-                block_ids=ids,
-                mode=mode,
-                expected_batches=expected_batches,
-                timeout=timeout,
-                first_position=first_position,
-                share=share,
-                layers=layers,
-            )
-        )
+    ) -> concurrent.futures.Future[TransferHandle]:
+        """`submit` of an `Expect` of these fields, as `Engine.expect` makes it.
+        :raises EngineClosed: the thread has stopped."""
+        key = TransferKey(transfer_id, epoch)
+        return self.submit(Expect(key, peer, block_ids, mode, expected_batches, first_position, share, layers, timeout))
 
     def kv_ready(
         self,
@@ -191,25 +188,11 @@ class EngineThread:
         mode: Mode = Mode.PUSH,
         peer: str | None = None,
         timeout: float | None = None,
-    ) -> concurrent.futures.Future[Any]:
-        """`Engine.kv_ready` on the engine thread, with the same parameters.
-
-        :raises EngineClosed: the thread has stopped.
-        """
-        ids = list(block_ids)
-        return self.call(
-            lambda e: e.kv_ready(
-                transfer_id,
-                epoch,
-                block_ids=ids,
-                final=final,
-                first_position=first_position,
-                layers=layers,
-                mode=mode,
-                peer=peer,
-                timeout=timeout,
-            )
-        )
+    ) -> concurrent.futures.Future[TransferHandle]:
+        """`submit` of a `KvReady` of these fields, as `Engine.kv_ready` makes it.
+        :raises EngineClosed: the thread has stopped."""
+        key = TransferKey(transfer_id, epoch)
+        return self.submit(KvReady(key, block_ids, final, first_position, layers, mode, peer, timeout))
 
     def abort(
         self,
@@ -221,11 +204,9 @@ class EngineThread:
         peer: str | None = None,
         mode: Mode = Mode.PUSH,
     ) -> concurrent.futures.Future[None]:
-        """`Engine.abort` on the engine thread, with the same parameters.
-
-        :raises EngineClosed: the thread has stopped.
-        """
-        return self.call(lambda e: e.abort(transfer_id, epoch, role, reason, peer=peer, mode=mode))
+        """`submit` of an `Abort` of these fields, as `Engine.abort` makes it.
+        :raises EngineClosed: the thread has stopped."""
+        return self.submit(Abort(TransferKey(transfer_id, epoch), role, reason, peer, mode))
 
     # ------------------------------------------------------------------ reading results
 

@@ -20,6 +20,7 @@ from typing import Any, TextIO
 
 import kvflow
 from kvflow.protocol.messages import TransferKey
+from kvflow.protocol.requests import KvReady
 from kvflow.runtime import host_memory
 from kvflow.runtime.cuda_ipc import CudaDriver, plan_shares
 from kvflow.runtime.cuda_vmm import Chunk, VmmDriver, chunks_to_wire
@@ -93,8 +94,9 @@ class ProcessEngineChild(EngineChild):
     async def cmd_send(self, cmd: dict[str, Any]) -> None:
         """kv_ready in the engine process; the outcome is the release of P's blocks."""
         t0 = time.monotonic()
-        await self._settled(self.process.call("kv_ready", cmd["tid"], 1, cmd["blocks"], cmd["mode"], cmd["peer"]))
-        key, deadline = TransferKey(cmd["tid"], 1), time.monotonic() + TRANSFER_S + 5
+        key, mode = TransferKey(cmd["tid"], 1), kvflow.Mode(cmd["mode"])
+        await self._settled(self.process.submit(KvReady(key, cmd["blocks"], mode=mode, peer=cmd["peer"])))
+        deadline = time.monotonic() + TRANSFER_S + 5
         while time.monotonic() < deadline:
             released = [r for r in self.process.poll_released() if r.key == key]
             if released:
