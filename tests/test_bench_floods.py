@@ -113,7 +113,9 @@ def test_an_insider_under_many_names_is_held_to_the_descriptor_budget_and_an_all
     assert isinstance(insider, dict) and isinstance(descriptors, dict)
     assert 0 < insider["associated"] < 40 and insider["associated"] + insider["refused"] == 40, insider
     assert any("file descriptors left" in reason for reason in insider["reasons"]), insider
-    assert descriptors["peak"] <= 256
+    # P never reaches its limit (on an older tree 300 names took it to 1,024 of 1,024); that
+    # names admitted together count what their additions will open is tests/test_peer_thread.py's
+    assert descriptors["peak"] < 256, descriptors
     after = run["genuine_after"]
     assert isinstance(after, dict) and after["completed"] is True, after
 

@@ -8,6 +8,7 @@ the silent, then the superseded, oldest first within each; `prune` forgets exact
 
 from __future__ import annotations
 
+import resource
 from typing import Any
 
 import pytest
@@ -98,3 +99,18 @@ def test_what_the_channel_keeps_free_exceeds_what_a_hello_wants_at_every_limit(l
     from kvflow.runtime.descriptors import reserve_for
 
     assert keep_free_for(limit) > reserve_for(limit) >= 22
+
+
+def test_peers_being_added_count_against_the_descriptor_reserve(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hellos that arrive together all see the same count, before any of their files is open:
+    16 names at once took a process at a limit of 256 to 6 descriptors left.  Each peer still
+    being added counts as `PEER_DESCRIPTORS` more."""
+    from kvflow.runtime import descriptors
+
+    soft, reserve = 1024, 24
+    monkeypatch.setattr(resource, "getrlimit", lambda _which: (soft, soft))
+    monkeypatch.setattr(descriptors, "open_descriptors", lambda: soft - reserve - descriptors.PEER_DESCRIPTORS)
+    assert descriptors.headroom_problem(reserve) is None
+    assert descriptors.headroom_problem(reserve, adding=1) is None
+    problem = descriptors.headroom_problem(reserve, adding=2)
+    assert problem is not None and f"{descriptors.PEER_DESCRIPTORS} for each of the 2 peers being added" in problem

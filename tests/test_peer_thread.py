@@ -9,6 +9,7 @@ and exchanging heartbeats.  A removed peer's transfers fail only once its remova
 from __future__ import annotations
 
 import asyncio
+import resource
 import threading
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ import pytest
 import pytest_asyncio
 
 from kvflow.control.channel import LocalControlHub
-from kvflow.errors import TransportError
+from kvflow.errors import PeerProtocolError, TransportError
 from kvflow.layout import Region, fingerprint
 from kvflow.protocol.association import EARLY_MESSAGES_KEPT, Associations
 from kvflow.protocol.core import CoreConfig
@@ -95,6 +96,7 @@ class Trio:
     gates: dict[tuple[str, str], Gate]
     kv: dict[str, KVBuffers]
     transport: GatedTransport
+    fabric: LoopbackFabric
 
 
 @pytest_asyncio.fixture
@@ -109,7 +111,7 @@ async def trio() -> AsyncIterator[Trio]:
     for engine in (p, d, e):
         await engine.start()
     await d.connect("P", timeout=5)
-    yield Trio(p, d, e, hub, gates, kv, transport)
+    yield Trio(p, d, e, hub, gates, kv, transport, fabric)
     transport.unfenceable.clear()
     for gate in gates.values():
         gate.opened.set()
@@ -142,6 +144,36 @@ async def test_a_blocking_add_peer_leaves_the_loop_serving_other_peers(trio: Tri
     gate.opened.set()
     await connecting
     assert trio.p.peers() == ["D", "E"] and trio.p.crashed == []
+
+
+@pytest.mark.asyncio
+async def test_a_peer_being_added_counts_against_the_descriptor_reserve(
+    trio: Trio, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Hellos arriving together all saw the same descriptor count, none of their files open
+    yet (16 names at once took a process at a limit of 256 to 6 descriptors left): with E's
+    addition under way, F is refused unless a further association's worth is left too."""
+    from kvflow.runtime import descriptors
+
+    soft = 4096
+    monkeypatch.setattr(resource, "getrlimit", lambda _which: (soft, soft))
+    left = descriptors.reserve_for(soft) + descriptors.PEER_DESCRIPTORS // 2  # room for one more peer, not two at once
+    monkeypatch.setattr(descriptors, "open_descriptors", lambda: soft - left)
+    gate = trio.gates["add", "E"] = Gate()
+    connecting = asyncio.create_task(trio.e.connect("P", timeout=20))
+    await eventually(gate.entered.is_set, "P's transport is adding E")
+    f = Engine("F", KVBuffers(SMALL_SPEC, 8).layout, trio.fabric.endpoint("F"), trio.hub.channel("F"), config=CONFIG)
+    await f.start()
+    try:
+        with pytest.raises(PeerProtocolError, match="for each of the 1 peers being added"):
+            await f.connect("P", timeout=5)
+        gate.opened.set()
+        await connecting
+        await f.connect("P", timeout=5)  # E's files are counted as open now: room for F again
+    finally:
+        gate.opened.set()
+        await f.aclose()
+    assert trio.p.peers() == ["D", "E", "F"] and trio.p.crashed == []
 
 
 @pytest.mark.asyncio

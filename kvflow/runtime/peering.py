@@ -99,6 +99,7 @@ class PeerExecutor:
         self.wire_layout = layout_to_wire(layout)  # what every Hello says of our layout
         self._loop_thread: int | None = None
         self._outstanding = 0  # peer jobs whose outcome the loop has not had yet
+        self._transport_adds = 0  # peers the transport is adding: their descriptors are not open yet
         self._ended: set[str] = set()  # peers refused or torn down: their connection goes at the end
         self._settled = asyncio.Event()
         self._settled.set()
@@ -230,9 +231,10 @@ class PeerExecutor:
         """Add the peer on the peer thread; a transport refusing its metadata refuses the peer,
         and so does a process short of file descriptors."""
         pending = action.pending
-        problem = headroom_problem()
+        problem = headroom_problem(adding=self._transport_adds)
         if problem is not None:
             return self.endpoint.pending_refused(action.peer, pending, TransportError(problem), self.hooks.now())
+        self._transport_adds += 1
         self._off_loop(
             lambda: self.transport.add_peer(action.peer, pending.hello.transport_metadata, pending.layout.regions),
             self._added,
@@ -241,6 +243,7 @@ class PeerExecutor:
         return []
 
     def _added(self, action: AddTransportPeer, error: TransportError | None) -> None:
+        self._transport_adds -= 1
         now = self.hooks.now()
         if error is not None:
             self.hooks.run(self.endpoint.pending_refused(action.peer, action.pending, error, now))
