@@ -363,6 +363,7 @@ CONNECTOR_MODULES = frozenset(
         "notices",
         "rank_agent",
         "ranks",
+        "request_book",  # each request's record on a rank (a table)
         "stats",  # metrics
     )
 ) | {"kvflow.integrations", "kvflow.integrations.vllm"}

@@ -1,5 +1,5 @@
 """The tables beside the transfers' (an engine's life, a peer's phases, a torn-down peer, a vLLM
-request's stages) are tables that can fail.
+request's stages, a worker rank's requests) are tables that can fail.
 
 Each is made by `kvflow.protocol.tables.complete`, which refuses a table where a (state,
 event) pair has no row and is not declared ignored: a row taken out of any of them is an error
@@ -21,12 +21,13 @@ from hypothesis import settings
 from hypothesis.stateful import run_state_machine_as_test
 
 from kvflow.errors import UsageError
-from kvflow.integrations.vllm import mapping, stages
+from kvflow.integrations.vllm import mapping, request_book, stages
 from kvflow.protocol import association, lifecycle, phases, teardown
 from kvflow.protocol.tables import complete, pairs
 from tests import test_engine_life, test_teardown
 from tests.test_peer_phases import PeerPhases
 from tests.test_vllm_book_stateful import BookMachine
+from tests.test_vllm_request_book import RequestBookMachine
 
 
 class Light(Enum):
@@ -59,6 +60,7 @@ TABLES: dict[str, tuple[Mapping[Any, Any], type[Enum], type[Enum]]] = {
     "answered teardown": (teardown.TABLES[teardown.Kind.ANSWERED], teardown.Phase, teardown.Event),
     "silent teardown": (teardown.TABLES[teardown.Kind.SILENT], teardown.Phase, teardown.Event),
     "stages": (stages.TABLE, stages.Stage, stages.Event),
+    "worker requests": (request_book.TABLE, request_book.Stage, request_book.Event),
 }
 
 
@@ -136,3 +138,32 @@ def test_a_decode_request_whose_failed_load_is_ignored_is_caught(monkeypatch: py
             BookMachine, settings=settings(max_examples=300, stateful_step_count=30, deadline=None, derandomize=True)
         )
     )
+
+
+def _worker_book_with(monkeypatch: pytest.MonkeyPatch, pair: Any, row: Any) -> None:
+    monkeypatch.setattr(request_book, "TABLE", _with(request_book.TABLE, pair, row))
+    _fails(
+        lambda: run_state_machine_as_test(
+            RequestBookMachine,
+            settings=settings(max_examples=300, stateful_step_count=40, deadline=None, derandomize=True),
+        )
+    )
+
+
+def test_a_released_prefill_request_never_reported_sent_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """P's blocks, released before vLLM said the request finished, would never be freed."""
+    pair = (request_book.Stage.RELEASED, request_book.Event.FINISHED)
+    _worker_book_with(monkeypatch, pair, (request_book.Stage.RELEASED, ()))
+
+
+def test_a_prefill_request_reported_sent_and_kept_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reported in finished_sending, yet still in the book: it could be reported again."""
+    pair = (request_book.Stage.RELEASED, request_book.Event.FINISHED)
+    _worker_book_with(monkeypatch, pair, (request_book.Stage.RELEASED, (request_book.Do.REPORT_SENT,)))
+
+
+def test_an_aborted_decode_request_reported_as_a_failed_load_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A load ended on purpose (vLLM aborted the request) taken for a failure."""
+    pair = (request_book.Stage.ABORTING, request_book.Event.ALL_ENDED_FAILED)
+    failed = (request_book.Do.REPORT_RECEIVED, request_book.Do.REPORT_FAILED)
+    _worker_book_with(monkeypatch, pair, (request_book.Stage.ENDED, failed))

@@ -169,7 +169,7 @@ def test_a_layer_group_is_posted_once_all_its_layers_are_saved_counted_by_name()
     def spy(orders: Any, layer_name: str) -> None:
         save_layer(orders, layer_name)
         if orders.ready:
-            posted.append((layer_name.split(".")[2], max(side._groups_sent.values(), default=0)))
+            posted.append((layer_name.split(".")[2], max(side.producer.step.sent.values(), default=0)))
 
     side.save_layer = spy
     try:

@@ -1,5 +1,5 @@
-"""Which P ranks feed which D ranks, the pair transfer ids, and a request's pairs on one rank
-(`kvflow.integrations.vllm.ranks`): pure code, checked against vLLM's head sharding."""
+"""Which P ranks feed which D ranks, and the pair transfer ids (`kvflow.integrations.vllm.ranks`):
+pure code, checked against vLLM's head sharding."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from hypothesis import strategies as st
 from kvflow.errors import ConfigError
 from kvflow.integrations.vllm.params import PeerRef, TransferParams
 from kvflow.integrations.vllm.ranks import (
-    PairBook,
     heads_of,
     pair_keys,
     pair_transfer_id,
@@ -81,17 +80,6 @@ def test_a_rank_pairs_as_the_params_say_and_refuses_params_that_misname_its_own_
     assert pair_keys(params(2, 1), Role.PREFILL, 1, 2, 1) == []  # MLA 2 -> 1: P rank 1 feeds nobody
     with pytest.raises(ConfigError, match="give engine 'decode' 4 tensor-parallel ranks; it has 2"):
         pair_keys(params(2, 4), Role.DECODE, 0, 2, 8)
-
-
-def test_a_request_ends_on_a_rank_when_its_last_pair_ends_and_fails_if_any_failed() -> None:
-    book = PairBook()
-    book.open("r", Role.DECODE, ["a", "b"], [4, 5])
-    assert book.close("r", Role.DECODE, "a", failed=True) is None
-    assert book.still_open("r", Role.DECODE) == ["b"]
-    assert book.close("r", Role.DECODE, "zz") is None  # unknown pair: nothing
-    done = book.close("r", Role.DECODE, "b")
-    assert done is not None and done.failed and not done.hard and done.blocks == (4, 5)
-    assert len(book) == 0 and book.close("r", Role.DECODE, "b") is None
 
 
 GROUPS = (KVGroup((0, 2), state=True), KVGroup((2, 4)))  # a Mamba state group, then full attention

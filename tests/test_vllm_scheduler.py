@@ -16,6 +16,7 @@ import pytest
 from vllm.v1.request import RequestStatus
 
 from kvflow.errors import ConfigError
+from kvflow.integrations.vllm.request_book import Stage
 from kvflow.transports.loopback import FaultPlan, LoopbackFabric
 from kvflow_tools.standin import StandInEngine
 from kvflow_tools.standin.fabrics import install_fabric
@@ -93,7 +94,7 @@ def test_decode_abort_during_the_handshake_still_reaches_prefill() -> None:
         assert engine.peers() == []  # the handshake is still on
         d.scheduler.finish_requests(d_req.request_id, RequestStatus.FINISHED_ABORTED)
         worker = d.ranks[0].worker._worker
-        run((d,), lambda: "d-t13" in worker._aborted)  # the worker ordered the abort
+        run((d,), lambda: worker.book.stage("d-t13") is Stage.ABORTING)  # the worker ordered the abort
         assert engine.peers() == []  # the handshake is still held back
         aborted.set()
         settle((p, d), [d_req], limit=30.0)  # long before the 600 s transfer deadline

@@ -8,13 +8,15 @@ the parts before it, waiting for the device (never the model runner's thread) to
 the KV.  Each (D rank, KV cache group) pair is a transfer of its own (`ranks.transfer_parts`),
 opened when its first blocks are handed over: a sliding-window group hands over only the block
 positions it keeps, which may start in a later chunk than the request's first.  Pull hands each
-group's blocks over once the prompt is complete.
+group's blocks over once the prompt is complete.  The worker owns one `ProducerSide` and hands it
+what it needs (its rank's link, its request book, how a request splits into part transfers).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import logging
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -23,8 +25,10 @@ from kvflow.errors import ConfigError, KVFlowError
 from kvflow.integrations.vllm.device import Device, Gate
 from kvflow.integrations.vllm.links import EngineLink, send_request
 from kvflow.integrations.vllm.mapping import Order, Orders
+from kvflow.integrations.vllm.notices import Parts
 from kvflow.integrations.vllm.rank_agent import Reach
-from kvflow.integrations.vllm.ranks import PairBook, rank_name, tp_sizes
+from kvflow.integrations.vllm.ranks import rank_name, tp_sizes
+from kvflow.integrations.vllm.request_book import RequestBook
 from kvflow.integrations.vllm.settings import Settings, push_units
 from kvflow.layout.groups import KVGroup
 from kvflow.protocol.messages import TransferKey
@@ -32,7 +36,7 @@ from kvflow.protocol.requests import KvReady
 from kvflow.protocol.state import Mode, Role
 from kvflow.runtime.frames import error_from_record
 
-__all__ = ("ProducerSide", "StepMemo")
+__all__ = ("Forward", "ProducerSide", "StepMemo")
 
 
 @dataclass(slots=True)
@@ -43,6 +47,7 @@ class StepMemo:
     units: dict[str, list[tuple[int, tuple[int, int]]]] = field(default_factory=dict)  # request -> its push parts
     parts: dict[str, list[tuple[int, int, TransferKey]] | ConfigError] = field(default_factory=dict)  # its pairs
     named: set[TransferKey] = field(default_factory=set)  # push transfers whose chunk blocks a record named
+    sent: dict[str, int] = field(default_factory=dict)  # push request -> parts of its chunk handed over
     held: list[tuple[Gate | None, list[tuple[Order, int]]]] = field(default_factory=list)  # "step" posting
 
 
@@ -85,57 +90,62 @@ def _settle_parts(settled: dict[int, concurrent.futures.Future[Any]], future: co
 log = logging.getLogger("kvflow.vllm")
 
 
+@dataclass(frozen=True, slots=True)
+class Forward:
+    """The model's forward as P's hooks see it, known once the KV caches are registered."""
+
+    kv_groups: tuple[KVGroup, ...] = (KVGroup((0, 1)),)  # the model's KV cache groups
+    run_order: tuple[int, ...] = (0,)  # kvflow layers in the forward's order
+    page_bytes: int = 0  # one block of one layer
+    layer_of: Mapping[str, int] = field(default_factory=dict)  # vLLM layer name -> kvflow layer
+
+
+@dataclass(slots=True, eq=False)
 class ProducerSide:
-    """Mixed into `WorkerSide`: what P's hooks hand the engine (its state lives there)."""
+    """What P's hooks hand a rank's engine: owned by the rank's `WorkerSide`, which gives it
+    the link to the engine, the request book and how a request splits into part transfers."""
 
     engine_id: str
     tp_size: int
     settings: Settings
-    pairs: PairBook
-    device: Device
-    kv_groups: tuple[KVGroup, ...]
-    layer_of: dict[str, int]
-    _run_order: tuple[int, ...]
-    _page_bytes: int
-    _unit_sets: dict[int, list[tuple[int, tuple[int, int]]]]
-    _step: StepMemo
-    _groups_sent: dict[str, int]
-    _requests: dict[tuple[TransferKey, Role], str]
-    _late_frees: set[str]
-    _ready_starts: list[tuple[concurrent.futures.Future[Any], str, TransferKey]]
+    book: RequestBook
+    link: Callable[[], EngineLink]  # the rank's link to its engine (:raises UsageError: not registered yet)
+    parts: Parts  # a request's part transfers on this rank (:raises ConfigError: see `ranks.transfer_parts`)
+    device: Device  # where the forward runs (its gates)
+    forward: Forward
+    step: StepMemo = field(default_factory=StepMemo)  # what this step's hooks worked out
+    # the (KV cache group, layers) parts a push chunk goes out in, by how many stretches of
+    # the forward (see `_units`); at most ``push_layer_groups`` stretches
+    _unit_sets: dict[int, list[tuple[int, tuple[int, int]]]] = field(default_factory=dict, init=False)
 
-    def _link(self) -> EngineLink:
-        raise NotImplementedError
-
-    def _parts(self, params: Any, role: Role) -> list[tuple[int, int, TransferKey]]:
-        raise NotImplementedError
-
-    def _completed_by(self, orders: Orders, layer_name: str) -> list[tuple[Order, int]]:
+    def completed_by(self, orders: Orders, layer_name: str) -> list[tuple[Order, int]]:
         """Mark a layer saved: the push orders whose next parts it completes, each with how
-        many of its parts are complete now (most layers complete none: nothing else happens)."""
-        layer = self.layer_of.get(layer_name)
+        many of its parts are complete now (most layers complete none: nothing else happens).
+        Never raises."""
+        layer = self.forward.layer_of.get(layer_name)
         if layer is None:
             return []
-        self._step.saved.add(layer)
+        self.step.saved.add(layer)
         completed = []
         for order in orders.ready:
             if order.params.mode is not Mode.PUSH:
                 continue
             units = self._units(order)
-            sent = complete = self._groups_sent.get(order.request_id, 0)
-            while complete < len(units) and self._step.saved.issuperset(range(*units[complete][1])):
+            sent = complete = self.step.sent.get(order.request_id, 0)
+            while complete < len(units) and self.step.saved.issuperset(range(*units[complete][1])):
                 complete += 1
             if complete > sent:
                 completed.append((order, complete))
         return completed
 
-    def _post_completed(self, completed: list[tuple[Order, int]]) -> None:
+    def post_completed(self, completed: list[tuple[Order, int]]) -> None:
         """The parts a layer completes: handed over now (``push_posting`` "layer"), or kept with
         their device event until the forward has been enqueued (``"step"``: one pass over
-        every part of the step, each still waiting for its own event)."""
+        every part of the step, each still waiting for its own event).
+        :raises UsageError: the rank's engine is not registered yet."""
         gate = self.device.record()  # one device event for every part this layer completes
         if self.settings.push_posting == "step":
-            self._step.held.append((gate, completed))
+            self.step.held.append((gate, completed))
             return
         self._hand_over(completed, gate)
 
@@ -145,12 +155,15 @@ class ProducerSide:
             self._post_units(order, complete, parts)
         self._send_parts(parts, gate)
 
-    def _save(self, orders: Orders) -> None:
+    def save(self, orders: Orders) -> None:
+        """The step's ready orders, its forward enqueued: the parts "step" posting held, pull
+        readiness, and every push part not posted yet.
+        :raises UsageError: the rank's engine is not registered yet."""
         if not orders.ready:
             return
-        for earlier, completed in self._step.held:  # "step" posting: the parts the layers completed
+        for earlier, completed in self.step.held:  # "step" posting: the parts the layers completed
             self._hand_over(completed, earlier)
-        self._step.held.clear()
+        self.step.held.clear()
         gate = self.device.record()
         pushed: list[_Part] = []
         for order in orders.ready:
@@ -158,59 +171,49 @@ class ProducerSide:
                 log.error("%s: the KV of %s is not all there: %s", self.engine_id, order.request_id, order.reason)
             if order.params.mode is Mode.PUSH:
                 self._post_units(order, len(self._units(order)), pushed)
-                self._groups_sent.pop(order.request_id, None)
+                self.step.sent.pop(order.request_id, None)
                 continue
             parts = self._sending_parts(order)
             decode = order.params.decode  # None: a sequential router's transfer, for whichever D claims it
             d_tp = tp_sizes(order.params, Role.PREFILL, self.tp_size)[1] if parts and decode is not None else 0
-            many = len(self.kv_groups) > 1
+            many = len(self.forward.kv_groups) > 1
             for target, group, key in parts:
                 blocks = order.blocks[group]
-                if not blocks.ids or not self._opened(order.request_id, key):
+                if not blocks.ids or not self.book.hand_over(order.request_id, key):
                     continue
                 reach = None if decode is None else Reach(decode, d_tp, target)
-                layers = self.kv_groups[group].layers if many else None
+                layers = self.forward.kv_groups[group].layers if many else None
                 peer = None if reach is None else reach.name
                 ready = KvReady(key, blocks.ids, first_position=blocks.first, layers=layers, mode=Mode.PULL, peer=peer)
-                future = send_request(self._link(), ready, reach, gate)
-                self._ready_starts.append((future, order.request_id, key))
+                future = send_request(self.link(), ready, reach, gate)
+                self.book.awaiting(order.request_id, future, key)
         self._send_parts(pushed, gate)
 
     def _sending_parts(self, order: Order) -> list[tuple[int, int, TransferKey]]:
         """P: the part transfers this rank feeds for `order`'s request; none (or params it cannot
         use): kvflow takes no block, and the request is reported sent once vLLM says it finished."""
         request_id = order.request_id
-        parts = self._step.parts.get(request_id)
+        parts = self.step.parts.get(request_id)
         if parts is None:  # once per request and step, not once per part
             try:
-                parts = self._parts(order.params, Role.PREFILL)
+                parts = self.parts(order.params, Role.PREFILL)
             except ConfigError as exc:
                 parts = exc
-            self._step.parts[request_id] = parts
+            self.step.parts[request_id] = parts
         if isinstance(parts, ConfigError):
             log.error("%s: could not hand over the KV of %s: %s", self.engine_id, request_id, parts)
             parts = []
-        if not parts and not self.pairs.has(request_id, Role.PREFILL):
-            self._late_frees.add(request_id)
+        if not parts:
+            self.book.nothing_taken(request_id)
         return parts
-
-    def _opened(self, request_id: str, key: TransferKey) -> bool:
-        """Record that part `key` of the request gets its first blocks now (the request opens
-        with its first part: until then kvflow holds nothing of it); False if it had."""
-        if not self.pairs.has(request_id, Role.PREFILL):
-            self.pairs.open(request_id, Role.PREFILL, [key], ())
-        elif not self.pairs.add(request_id, Role.PREFILL, key):
-            return False
-        self._requests[(key, Role.PREFILL)] = request_id
-        return True
 
     def _post_units(self, order: Order, upto: int, parts: list[_Part]) -> None:
         """Parts ``[sent, upto)`` of a push order, in order, for each D rank this rank feeds
         (each part of a group goes to that group's transfer), added to `parts`."""
-        first = self._groups_sent.get(order.request_id, 0)
+        first = self.step.sent.get(order.request_id, 0)
         if first >= upto:
             return
-        self._groups_sent[order.request_id] = upto
+        self.step.sent[order.request_id] = upto
         units = self._units(order)
         last = {group: index for index, (group, _) in enumerate(units)}  # each group's last part
         decode = order.params.decode
@@ -221,9 +224,9 @@ class ProducerSide:
             for unit in range(first, upto):
                 if units[unit][0] != group:
                     continue
-                opened = self._opened(order.request_id, key)
-                named = key in self._step.named  # the chunk's blocks go with its first group only
-                self._step.named.add(key)
+                opened = self.book.hand_over(order.request_id, key)
+                named = key in self.step.named  # the chunk's blocks go with its first group only
+                self.step.named.add(key)
                 wire = [
                     key.transfer_id,
                     key.epoch,
@@ -248,15 +251,15 @@ class ProducerSide:
         starting = {part.key for part in parts if part.opened}
         going_on = [part.wire for part in parts if part.key not in starting]
         if going_on:
-            self._link().command("post_groups", gate, going_on, always=True).add_done_callback(_log_if_failed)
+            self.link().command("post_groups", gate, going_on, always=True).add_done_callback(_log_if_failed)
         parts = [part for part in parts if part.key in starting]
         if not parts:
             return
-        future = self._link().command("post_groups", gate, [part.wire for part in parts])
+        future = self.link().command("post_groups", gate, [part.wire for part in parts])
         firsts = {index: part for index, part in enumerate(parts) if part.opened}
         settled = {index: concurrent.futures.Future[Any]() for index in firsts}
         for index, part in firsts.items():
-            self._ready_starts.append((settled[index], part.request_id, part.key))
+            self.book.awaiting(part.request_id, settled[index], part.key)
         future.add_done_callback(partial(_settle_parts, settled))
 
     def _units(self, order: Order) -> list[tuple[int, tuple[int, int]]]:
@@ -264,15 +267,17 @@ class ProducerSide:
         ``push_layer_groups`` allows with at least ``push_group_bytes`` in each (one stretch for
         a small chunk: every WRITE costs the engine the same work whatever its size, and a
         small one gains nothing from starting before the forward ends).  Once per request and step."""
-        units = self._step.units.get(order.request_id)
+        units = self.step.units.get(order.request_id)
         if units is not None:
             return units
         count = self.settings.push_layer_groups
         if self.settings.push_group_bytes:
-            moved = sum(len(part.ids) * group.count for part, group in zip(order.blocks, self.kv_groups, strict=False))
-            count = max(1, min(count, -(-moved * self._page_bytes // self.settings.push_group_bytes)))
+            moved = sum(
+                len(part.ids) * group.count for part, group in zip(order.blocks, self.forward.kv_groups, strict=False)
+            )
+            count = max(1, min(count, -(-moved * self.forward.page_bytes // self.settings.push_group_bytes)))
         units = self._unit_sets.get(count)
         if units is None:
-            units = self._unit_sets[count] = push_units(self._run_order, self.kv_groups, count)
-        self._step.units[order.request_id] = units
+            units = self._unit_sets[count] = push_units(self.forward.run_order, self.forward.kv_groups, count)
+        self.step.units[order.request_id] = units
         return units

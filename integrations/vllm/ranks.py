@@ -27,8 +27,7 @@ Pure functions, except `reach_rank`, which runs on a rank's engine thread.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Hashable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from kvflow.errors import BlockSizeMismatch, ConfigError
@@ -42,7 +41,6 @@ if TYPE_CHECKING:
     from kvflow.runtime.engine import Engine
 
 __all__ = (
-    "PairBook",
     "group_transfer_id",
     "heads_of",
     "pair_keys",
@@ -107,64 +105,6 @@ def pair_transfer_id(transfer_id: str, p_tp: int, d_tp: int, p_rank: int, d_rank
     if p_tp == d_tp and p_rank == d_rank:
         return transfer_id
     return f"{transfer_id}@p{p_rank}d{d_rank}"
-
-
-@dataclass(slots=True)
-class _Request:
-    open: set[Hashable]
-    blocks: tuple[int, ...]
-    failed: bool = False  # a pair's transfer failed
-    hard: bool = False  # a pair could not even start (a failure even if the request was aborted)
-    keys: list[Hashable] = field(default_factory=list)
-
-
-class PairBook:
-    """A rank's view of each request's pair transfers: the request is done on this rank when
-    every pair feeding (or fed by) it has ended, and has failed when any pair failed."""
-
-    def __init__(self) -> None:
-        self._requests: dict[tuple[str, Hashable], _Request] = {}
-
-    def open(self, request_id: str, role: Hashable, keys: Sequence[Hashable], blocks: Sequence[int]) -> None:
-        self._requests[(request_id, role)] = _Request(set(keys), tuple(blocks), keys=list(keys))
-
-    def add(self, request_id: str, role: Hashable, key: Hashable) -> bool:
-        """A pair transfer of an open request starts (a KV cache group's first batch comes with a
-        later chunk than the request's first); False when the request is not open, or had it."""
-        entry = self._requests.get((request_id, role))
-        if entry is None or key in entry.keys:
-            return False
-        entry.open.add(key)
-        entry.keys.append(key)
-        return True
-
-    def has(self, request_id: str, role: Hashable) -> bool:
-        """Whether the request is open on this side."""
-        return (request_id, role) in self._requests
-
-    def still_open(self, request_id: str, role: Hashable) -> list[Hashable]:
-        """The pairs of the request not ended yet, in the order they were opened."""
-        entry = self._requests.get((request_id, role))
-        return [key for key in entry.keys if key in entry.open] if entry is not None else []
-
-    def close(
-        self, request_id: str, role: Hashable, key: Hashable, *, failed: bool = False, hard: bool = False
-    ) -> _Request | None:
-        """One pair ended; the request's record once its last pair has (None before, or for a
-        pair this book does not know)."""
-        entry = self._requests.get((request_id, role))
-        if entry is None or key not in entry.open:
-            return None
-        entry.open.discard(key)
-        entry.failed |= failed or hard
-        entry.hard |= hard
-        if entry.open:
-            return None
-        del self._requests[(request_id, role)]
-        return entry
-
-    def __len__(self) -> int:
-        return len(self._requests)
 
 
 def ranked_layout(

@@ -11,7 +11,8 @@ in ``finished_recving`` on release (on failure also in ``failed_recving``, with 
 as load errors), also when the request was aborted meanwhile: vLLM counts every rank's report
 per set before it acts, and frees a finished request's blocks then.  P reports a request in
 ``finished_sending`` on release, once vLLM has told the worker that request finished (vLLM's
-rule for delayed frees).
+rule for delayed frees).  Each rank keeps one record per request, moved by a table
+(`request_book`); P's hooks are a collaborator of their own (`producer`).
 
 Why the hooks never wait: they run on the model runner's thread, inside every step of the
 batch, so each one only hands the engine its work (`RankAgent` commands, batched per hook) and
@@ -43,18 +44,18 @@ from kvflow.integrations.vllm.kv_caches import CacheDescription
 from kvflow.integrations.vllm.links import EngineLink, ProcessLink, failed_future, send_request
 from kvflow.integrations.vllm.mapping import Order, Orders
 from kvflow.integrations.vllm.notices import PeerNotices
-from kvflow.integrations.vllm.producer import ProducerSide, StepMemo
+from kvflow.integrations.vllm.producer import Forward, ProducerSide, StepMemo
 from kvflow.integrations.vllm.rank_agent import Reach
-from kvflow.integrations.vllm.ranks import PairBook, rank_name, ranked_layout, tp_sizes, transfer_parts
+from kvflow.integrations.vllm.ranks import rank_name, ranked_layout, tp_sizes, transfer_parts
+from kvflow.integrations.vllm.request_book import RequestBook
 from kvflow.integrations.vllm.settings import Settings, layer_groups
 from kvflow.integrations.vllm.supervision import ProcessStart, RestartPolicy, start_process, start_thread
 from kvflow.layout import KVLayout, MemoryType
 from kvflow.layout.groups import KVGroup
-from kvflow.protocol.actions import ReleaseBlocks
 from kvflow.protocol.core import CoreConfig
 from kvflow.protocol.messages import OPEN_BATCHES, TransferKey
 from kvflow.protocol.requests import Abort, Expect
-from kvflow.protocol.state import Mode, Outcome, Role
+from kvflow.protocol.state import Mode, Role
 from kvflow.runtime import host_memory
 from kvflow.runtime.engine import Engine, EngineConfig
 from kvflow.runtime.threaded import EngineThread
@@ -70,7 +71,7 @@ log = logging.getLogger("kvflow.vllm")
 SHUTDOWN_DRAIN = 2.0
 
 
-class WorkerSide(ProducerSide):
+class WorkerSide:
     def __init__(
         self, engine_id: str, rank: int, settings: Settings, tp_size: int = 1, total_heads: int = 0, dp_rank: int = 0
     ) -> None:
@@ -84,34 +85,17 @@ class WorkerSide(ProducerSide):
         self.tp_size = tp_size
         self.total_heads = total_heads
         self.settings = settings
-        self.pairs = PairBook()  # each request's pair transfers on this rank
+        self.book = RequestBook(self.engine_id, self._abort_pair)  # each request this rank moves KV for
         self.link: EngineLink | None = None  # to this rank's engine, wherever it runs
         self._gpu = GpuExport("legacy-ipc")  # how GPU memory reached an engine process (none yet)
         self.thread: EngineThread | None = None  # the engine's thread, when it runs on one
         self.notices = PeerNotices(self.engine_id, tp_size, self._link, self._parts)
-        self._requests: dict[tuple[TransferKey, Role], str] = {}
-        self._aborted: set[str] = set()  # D requests aborted while their KV was coming
-        # requests vLLM said finished whose KV kvflow may still give back (see `results`)
-        self._finished_ids: set[str] = set()
-        self._late_frees: set[str] = set()  # released, waiting for vLLM to say the request finished
-        self._load_errors: set[int] = set()
-        # D registrations handed to the engine: (future, request id, block ids, key)
-        self._failed_starts: list[tuple[concurrent.futures.Future[Any], str, tuple[int, ...], TransferKey | None]] = []
-        self._ready_starts: list[tuple[concurrent.futures.Future[Any], str, TransferKey]] = []
-        self._connected: dict[str, concurrent.futures.Future[None]] = {}
         self.kv_groups: tuple[KVGroup, ...] = (KVGroup((0, 1)),)  # the model's KV cache groups
-        self._run_order: tuple[int, ...] = (0,)  # kvflow layers in the forward's order
-        self._page_bytes = 0  # one block of one layer
-        # the (KV cache group, layers) parts a push chunk goes out in, by how many stretches of
-        # the forward (see `_units`); at most ``push_layer_groups`` stretches
-        self._unit_sets: dict[int, list[tuple[int, tuple[int, int]]]] = {}
         self.layer_of: dict[str, int] = {}  # vLLM layer name -> kvflow layer (execution order)
         self.device: Device = HostDevice()
-        self._step = StepMemo()  # what this step's hooks worked out (the layers saved, each request's parts)
-        self._groups_sent: dict[str, int] = {}  # push request -> parts of its chunk handed to the engine
+        self.producer = self._producer(Forward())  # P's hooks
         self._process_start: ProcessStart | None = None  # what the engine process started from
         self._restarts = RestartPolicy()
-        self._lost: dict[tuple[TransferKey, Role], str] = {}  # the pairs a dead engine process held
         self._gave_up = False  # the restarts ran out: said once
 
     # ---------------------------------------------------------------- setup
@@ -131,11 +115,13 @@ class WorkerSide(ProducerSide):
         settings = self.settings
         layout = self._ranked(caches.layout)
         self.kv_groups = layout.spec.groups
-        self._run_order = caches.run_order or tuple(range(layout.spec.num_layers))
-        self._page_bytes = layout.spec.page_bytes
-        self._unit_sets = {}
         self.layer_of = dict(caches.layer_of)
         self.device = device
+        run_order = caches.run_order or tuple(range(layout.spec.num_layers))
+        self.producer = self._producer(Forward(self.kv_groups, run_order, layout.spec.page_bytes, self.layer_of))
+        # vLLM 0.32/0.33 cannot map block ids back to requests with several KV cache groups (they
+        # are unique only within a group; it raises if given any): the failure is in failed_recving
+        self.book.block_errors = len(self.kv_groups) == 1
         config = EngineConfig(
             core=CoreConfig(fence_timeout=settings.fence_timeout),
             transfer_timeout=settings.transfer_timeout,
@@ -160,6 +146,10 @@ class WorkerSide(ProducerSide):
         if groups:  # vLLM's hybrid KV cache manager: each group's blocks move with its own layers
             log.info("kvflow engine %s: KV cache groups %s", self.engine_id, groups)
         log.info("kvflow engine %s up at %s (%s)", self.engine_id, self.address, self._where)
+
+    def _producer(self, forward: Forward) -> ProducerSide:
+        return ProducerSide(self.engine_id, self.tp_size, self.settings, self.book, self._link, self._parts,
+                            self.device, forward)  # fmt: skip
 
     def _why_not_a_process(self, layout: KVLayout, injected_transport: bool) -> str | None:
         """Why this rank's engine cannot run in a process of its own (None: it can)."""
@@ -202,7 +192,7 @@ class WorkerSide(ProducerSide):
         """Expect and abort orders: handed to the engine, never waited on.  First, a dead engine
         process is seen to (vLLM calls this at every step, one with nothing scheduled too)."""
         self._supervise()
-        self._step = StepMemo()  # a new step: its forward has saved no layer yet
+        self.producer.step = StepMemo()  # a new step: its forward has saved no layer yet
         if orders.expect or orders.abort or orders.promise:
             with self._batch():
                 self._start_load(orders)
@@ -226,14 +216,14 @@ class WorkerSide(ProducerSide):
             if order.reason:  # the scheduler side could not tell which blocks to register
                 raise ConfigError(f"cannot register the KV of {order.request_id}: {order.reason}")
             parts = self._parts(params, Role.DECODE)
-        except ConfigError as exc:
-            self._failed_starts.append((failed_future(exc), order.request_id, every, None))
+        except ConfigError as exc:  # reported as a failed load by the next results()
+            self.book.refused(order.request_id, every, failed_future(exc))
             return
 
         def wanted(group: int) -> bool:
             return group < len(order.blocks) and bool(order.blocks[group].ids)
 
-        self.pairs.open(order.request_id, Role.DECODE, [key for _, group, key in parts if wanted(group)], every)
+        self.book.expecting(order.request_id, [key for _, group, key in parts if wanted(group)], every)
         p_tp = tp_sizes(params, Role.DECODE, self.tp_size)[0]
         many = len(self.kv_groups) > 1
         for source, group, key in parts:
@@ -246,14 +236,13 @@ class WorkerSide(ProducerSide):
                 )
                 continue
             blocks = order.blocks[group]
-            self._requests[(key, Role.DECODE)] = order.request_id
             # push: P decides how many WRITEs (its token budget splits the prompt into chunks)
             batches = OPEN_BATCHES if params.mode is Mode.PUSH else 1
             share = f"{params.transfer_id}#{params.epoch}"  # several P ranks may fill the same blocks
             layers = self.kv_groups[group].layers if many else None
             expect = Expect(key, reach.name, blocks.ids, params.mode, batches, blocks.first, share, layers)
             future = send_request(self._link(), expect, reach)
-            self._failed_starts.append((future, order.request_id, every, key))
+            self.book.awaiting(order.request_id, future, key)
 
     def _parts(self, params: Any, role: Role) -> list[tuple[int, int, TransferKey]]:
         """:raises ConfigError: see `ranks.transfer_parts`."""
@@ -264,10 +253,10 @@ class WorkerSide(ProducerSide):
         the parts before it) is saved, those parts are posted, each WRITE waiting for the
         device to have run the kernels enqueued so far.  A layer whose KV is another's, or that
         kvflow does not know, completes nothing."""
-        completed = self._completed_by(orders, layer_name)
+        completed = self.producer.completed_by(orders, layer_name)
         if completed:
             with self._batch():
-                self._post_completed(completed)
+                self.producer.post_completed(completed)
 
     def save(self, orders: Orders) -> None:
         """Ready orders, once the forward that computed their KV is enqueued: pull readiness,
@@ -275,25 +264,21 @@ class WorkerSide(ProducerSide):
         have run the forward."""
         if orders.ready:
             with self._batch():
-                self._save(orders)
+                self.producer.save(orders)
 
     def _abort(self, order: Order) -> None:
         role = Role.PREFILL if order.producer else Role.DECODE
         if role is Role.DECODE and not order.allocated:
             self.notices.abort_unallocated(order)
             return
-        keys = self.pairs.still_open(order.request_id, role)
-        if role is Role.DECODE:
-            if not keys:
-                return  # released already (reported as received), or it never started
-            self._aborted.add(order.request_id)  # its release is then no load failure
-        else:  # every part, handed over or not (a sliding window's may not have started yet)
-            try:
-                keys = [key for _, _, key in self._parts(order.params, role)]
-            except ConfigError:
-                return  # nothing was started with these params
+        if role is Role.DECODE:  # its pairs still open; their release is then no load failure
+            self.book.abort(order.request_id, order.reason)
+            return
+        try:  # every part, handed over or not (a sliding window's may not have started yet)
+            keys = [key for _, _, key in self._parts(order.params, role)]
+        except ConfigError:
+            return  # nothing was started with these params
         for key in keys:
-            assert isinstance(key, TransferKey)
             self._abort_pair(key, role, order.reason)
 
     def _abort_pair(self, key: TransferKey, role: Role, reason: str) -> None:
@@ -306,65 +291,14 @@ class WorkerSide(ProducerSide):
         """(finished_sending, finished_recving, failed_recving) since the last call; with nothing
         to report, sleeps up to `idle_wait` seconds for the engine to give blocks back (a step
         with no work: see `Orders.idle_wait`)."""
-        self._finished_ids |= finished_req_ids
         # first: whatever the engine said since the last step (an engine process's answers
-        # settle the futures below)
+        # settle the futures the book waits on)
         released = self.link.poll_released() if self.link is not None else []
-        sending: set[str] = set()
-        recving: set[str] = set()
-        failed: set[str] = set()
-        if idle_wait > 0 and self.link is not None and not (released or self._late_frees):
+        if idle_wait > 0 and self.link is not None and not (released or self.book.waiting_for_finish()):
             # instead of vLLM's engine core stepping again at once
-            self.link.wait_for_engine(idle_wait, self._settled_start)
+            self.link.wait_for_engine(idle_wait, self.book.answered)
             released = self.link.poll_released()
-        if not (released or self._failed_starts or self._ready_starts or self._late_frees or self._lost):  # most
-            if self._finished_ids:
-                self._finished_ids &= self._sending_ids()
-            return sending, recving, failed
-        for start in list(self._failed_starts):
-            future, request_id, blocks, key = start
-            if not future.done():
-                continue
-            self._failed_starts.remove(start)
-            if future.exception() is not None:  # never registered: no block is held by kvflow
-                log.error("%s: could not start receiving %s: %s", self.engine_id, request_id, future.exception())
-                if key is None:  # no pair was opened
-                    self._aborted.discard(request_id)
-                    recving.add(request_id)
-                    failed.add(request_id)
-                    self._load_failed(blocks)
-                    continue
-                self._requests.pop((key, Role.DECODE), None)
-                self._pair_ended(request_id, Role.DECODE, key, recving, failed, hard=True)
-        for ready in list(self._ready_starts):
-            future, request_id, key = ready
-            if future.done():
-                self._ready_starts.remove(ready)
-                if future.exception() is not None:  # kvflow never took the blocks: vLLM frees them
-                    log.error(
-                        "%s: could not hand over the KV of %s: %s", self.engine_id, request_id, future.exception()
-                    )
-                    self._requests.pop((key, Role.PREFILL), None)
-                    self._pair_ended(request_id, Role.PREFILL, key, recving, failed, hard=True)
-        for (key, role), request_id in self._lost.items():  # what a dead engine process held
-            if self._requests.get((key, role)) == request_id:
-                del self._requests[(key, role)]
-                self._pair_ended(request_id, role, key, recving, failed, hard=True)
-        self._lost.clear()
-        for release in released:
-            self._on_release(release, recving, failed)
-        for request_id in list(self._late_frees):
-            if request_id in self._finished_ids:
-                self._late_frees.discard(request_id)
-                self._finished_ids.discard(request_id)
-                sending.add(request_id)
-        # Only a request whose prefill-side KV kvflow holds (or failed to take) can need its
-        # finish later; vLLM reports a request finished after the step that saved its KV, so
-        # every other finished id (every decode request, every request kvflow never sent) is
-        # dropped here instead of kept for the life of the process.
-        if self._finished_ids:
-            self._finished_ids &= self._sending_ids()
-        return sending, recving, failed
+        return self.book.results(released, finished_req_ids)
 
     def _supervise(self) -> None:
         """A dead engine process: the pairs it held end (at this step's `results`) and a new
@@ -372,11 +306,11 @@ class WorkerSide(ProducerSide):
         link, start = self.link, self._process_start
         if not isinstance(link, ProcessLink) or start is None or link.process.alive:
             return
-        if not self._lost and self._gave_up:
+        if self._gave_up and not self.book.lost_pending():
             return
         with contextlib.suppress(KVFlowError):
             link.close(timeout=1.0)  # reaped: every command it had not answered fails
-        self._lost.update(self._requests)
+        lost = self.book.engine_lost()
         if not self._restarts.allow(time.monotonic()):
             if not self._gave_up:
                 log.error("%s: kvflow's engine process died again: no more restarts within %gs; "
@@ -385,7 +319,7 @@ class WorkerSide(ProducerSide):
             return
         process = link.process
         log.error("%s: kvflow's engine process (pid %d) died, exit status %s: its %d transfers fail; starting a "
-                  "new one", self.engine_id, process.pid, process.proc.returncode, len(self._lost))  # fmt: skip
+                  "new one", self.engine_id, process.pid, process.proc.returncode, lost)  # fmt: skip
         try:  # at the address peers and routers know, where it can still be had
             self._start_process(dataclasses.replace(start, bind=link.address) if link.address else start)
         except KVFlowError as exc:
@@ -398,75 +332,17 @@ class WorkerSide(ProducerSide):
         self._gave_up = False
         log.info("kvflow engine %s up again at %s (%s)", self.engine_id, self.address, self._where)
 
-    def _settled_start(self) -> bool:
-        """Whether a registration or hand-over the engine was given has an answer to act on."""
-        return any(start[0].done() for start in self._failed_starts) or any(
-            ready[0].done() for ready in self._ready_starts
-        )
-
     @property
     def finished_waiting(self) -> int:
         """How many finished requests this worker still remembers, waiting for kvflow to give
         their KV back (bounded by the requests kvflow still sends).  Never raises."""
-        return len(self._finished_ids)
-
-    def _sending_ids(self) -> set[str]:
-        ids = {request_id for (_, role), request_id in self._requests.items() if role is Role.PREFILL}
-        return ids | self._late_frees | {request_id for _, request_id, _ in self._ready_starts}
-
-    def _on_release(self, release: ReleaseBlocks, recving: set[str], failed: set[str]) -> None:
-        request_id = self._requests.pop((release.key, release.role), None)
-        if request_id is None:
-            return
-        failed_pair = release.role is Role.DECODE and release.outcome is not Outcome.SUCCEEDED
-        if failed_pair and request_id not in self._aborted:  # vLLM answers it with a bare HTTP 500
-            # a failed or expired transfer has the engine's line giving the cause; an aborted one
-            # was ended on purpose, here after another of the request's transfers failed, or by P
-            aborted = release.outcome is Outcome.ABORTED
-            why = "ended on purpose" if aborted else "the kvflow engine's line for it says why"
-            log.error("%s: the KV of %s did not load: transfer %s %s (%s)", self.engine_id, request_id, release.key,
-                      release.outcome.value, why)  # fmt: skip
-        self._pair_ended(request_id, release.role, release.key, recving, failed, failed=failed_pair)
-
-    def _pair_ended(
-        self,
-        request_id: str,
-        role: Role,
-        key: TransferKey,
-        recving: set[str],
-        failed_ids: set[str],
-        *,
-        failed: bool = False,
-        hard: bool = False,
-    ) -> None:
-        """One pair transfer of a request ended (released, or never started: `hard`)."""
-        done = self.pairs.close(request_id, role, key, failed=failed, hard=hard)
-        if done is None:
-            if (failed or hard) and role is Role.DECODE:  # the request fails: end its other pairs now
-                for other in self.pairs.still_open(request_id, role):
-                    assert isinstance(other, TransferKey)
-                    self._abort_pair(other, role, f"another rank's transfer of {request_id} failed")
-            return
-        if role is Role.PREFILL:
-            self._late_frees.add(request_id)
-            return
-        # D: every rank reports the request once, in finished_recving, when all its pairs have
-        # ended, whether its KV landed or failed or the request ended meanwhile: vLLM's
-        # aggregator counts the ranks per set, and frees a finished request's blocks on
-        # finished_recving.  (With load failures reported as invalid blocks, vLLM may fail the
-        # request when the first rank fails; the others then abort, and report here too.)
-        recving.add(request_id)
-        aborted = request_id in self._aborted
-        self._aborted.discard(request_id)
-        if done.hard or (done.failed and not aborted):
-            failed_ids.add(request_id)
-            self._load_failed(done.blocks)
+        return self.book.finished_waiting
 
     def describe(self, timeout: float) -> str:
         """The engine's own account of what it waits on (at most `timeout` seconds), and this
         rank's: for a run that stalled, never for a hook."""
         link = self.link
-        mine = f"open pairs {len(self.pairs)}, starts {len(self._failed_starts)}/{len(self._ready_starts)}"
+        mine = self.book.describe()
         if link is None:
             return f"{self.engine_id}: not started; {mine}"
         try:
@@ -498,17 +374,8 @@ class WorkerSide(ProducerSide):
         args = () if chunks is None else (chunks,)
         self.link.wait(self.link.command("restore_memory", *args), timeout)
 
-    def _load_failed(self, blocks: tuple[int, ...]) -> None:
-        """A failed load's blocks, for vLLM's load-failure policy.  Not with several KV cache
-        groups: vLLM 0.32/0.33 cannot map block ids back to requests then (they are unique only
-        within a group; it raises if given any), and takes the request's failure from
-        ``failed_recving`` alone."""
-        if len(self.kv_groups) == 1:
-            self._load_errors.update(blocks)
-
     def load_errors(self) -> set[int]:
-        errors, self._load_errors = self._load_errors, set()
-        return errors
+        return self.book.take_load_errors()
 
     def close(self) -> None:
         if self.link is not None:
