@@ -79,3 +79,14 @@ def test_a_peers_association_is_drawn_from_its_table(monkeypatch: pytest.MonkeyP
     after = render()
     assert "ROUTED / REPLACE" not in after.replace("ANSWERING --> ADDING : ROUTED / REPLACE", "")
     assert "    ASSOCIATED --> ADDING : ROUTED / ADD" in after
+
+
+def test_a_worker_ranks_requests_are_drawn_from_their_table(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvflow.integrations.vllm import request_book as book
+
+    before = render()
+    assert "    RELEASED --> ENDED : FINISHED / REPORT_SENT" in before and "    [*] --> LOADING" in before
+    rows = dict(book.TABLE)
+    rows[(book.Stage.RELEASED, book.Event.FINISHED)] = (book.Stage.RELEASED, ())  # never reported
+    monkeypatch.setattr(book, "TABLE", rows)
+    assert "    RELEASED --> ENDED : FINISHED / REPORT_SENT" not in render()

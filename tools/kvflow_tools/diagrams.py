@@ -4,7 +4,8 @@ Why generated: the tables in `kvflow.protocol.transfer_tables` are the protocol'
 hundred rows are hard to see whole.  This draws one Mermaid ``stateDiagram-v2`` per mode and
 role from the same data the core runs on, and one for each of the other machines' tables
 (`kvflow.protocol.lifecycle`, `kvflow.protocol.phases`, `kvflow.protocol.teardown`, and the vLLM
-connector's request stages, `kvflow.integrations.vllm.stages`), so the picture cannot drift from the
+connector's request stages, `kvflow.integrations.vllm.stages`, and a worker rank's requests,
+`kvflow.integrations.vllm.request_book`), so the picture cannot drift from the
 code; a test regenerates it and fails when the committed file is out of date (``--check`` does
 the same).
 
@@ -25,7 +26,7 @@ from enum import Enum
 from pathlib import Path
 from typing import TypeVar
 
-from kvflow.integrations.vllm import stages
+from kvflow.integrations.vllm import request_book, stages
 from kvflow.protocol import lifecycle, phases, teardown
 from kvflow.protocol.state import (
     STATE_TRIGGERED,
@@ -52,8 +53,9 @@ _HEADER = f"""\
 
 Generated from the transition tables in `kvflow/protocol/transfer_tables.py` (transfers),
 `kvflow/protocol/lifecycle.py` (an engine's life), `kvflow/protocol/phases.py` (a peer's
-association), `kvflow/protocol/teardown.py` (torn-down peers) and `integrations/vllm/stages.py`
-(a request in the vLLM connector's book) by
+association), `kvflow/protocol/teardown.py` (torn-down peers), `integrations/vllm/stages.py`
+(a request in the vLLM connector's book) and `integrations/vllm/request_book.py` (a request on a
+worker rank) by
 `{REGENERATE}`; do not edit by hand (a test fails when this file is out of date).
 
 How to read them:
@@ -86,7 +88,19 @@ def render() -> str:
         mine = reachable_from(stages.TABLE, start)
         side = {key: row for key, row in stages.TABLE.items() if key[0] in mine and key[0] is not stages.Stage.ENDED}
         parts.append(render_table(title, (start, ()), side, [stages.Stage.ENDED], stages.Do.IGNORE))
+    parts += _worker_requests()
     return "\n".join(parts)
+
+
+def _worker_requests() -> list[str]:
+    """A worker rank's requests, P's and D's apart (D's start loading, or refused)."""
+    stage, drawn = request_book.Stage, []
+    for who, firsts in (("prefill (P)", [stage.SENDING]), ("decode (D)", [stage.LOADING, stage.REFUSED])):
+        title = f"## A {who} request on a worker rank (`integrations/vllm/request_book.py`)"
+        reached = set[request_book.Stage]().union(*(reachable_from(request_book.TABLE, first) for first in firsts))
+        rows = {key: row for key, row in request_book.TABLE.items() if key[0] in reached and key[0] is not stage.ENDED}
+        drawn.append(render_table(title, (firsts[0], ()), rows, [stage.ENDED], request_book.Do.IGNORE))
+    return drawn
 
 
 def reachable_from(rows: Mapping[tuple[S, E], tuple[S, object]], start: S) -> set[S]:
