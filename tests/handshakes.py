@@ -21,6 +21,13 @@ def associations() -> Associations:
     return Associations("D", fingerprint(SMALL_SPEC), lease=6.0, interval=1.0)
 
 
+def kept(peers: Associations, field: str) -> dict[str, object]:
+    """Each peer's `field` of its `PeerRecord`, for the peers that keep one (not None, not empty)."""
+    return {
+        peer: value for peer, record in peers.records.items() if (value := getattr(record, field)) not in (None, "", [])
+    }
+
+
 def receive(peers: Associations, sender: str, incarnation: int, message: Hello, now: float) -> list[object]:
     """Feed a message, answer each `AddTransportPeer` as a transport that accepts the peer, and
     each answering `SendHello` as a channel that sends it."""

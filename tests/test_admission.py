@@ -26,6 +26,7 @@ from kvflow.protocol.messages import Hello
 from kvflow.protocol.peer_actions import AddRoute, HandshakeSettled, Refused, SendHello
 from kvflow.runtime.engine import Engine, EngineConfig
 from kvflow_tools.testing import SMALL_SPEC, KVBuffers
+from tests import handshakes
 from tests.hostile import CONFIG, SECRET, Zmq, hello, signed
 from tests.waiting import eventually
 
@@ -109,7 +110,7 @@ def test_a_hello_from_a_peer_not_permitted_is_refused_without_an_answer() -> Non
         actions = assoc.receive(sender, 1, hello(sender, address), 0.0)
         refused, settled = actions
         assert isinstance(refused, Refused) and isinstance(settled, HandshakeSettled)
-        assert isinstance(refused.error, PeerNotAllowed) and assoc.adding == {}
+        assert isinstance(refused.error, PeerNotAllowed) and handshakes.kept(assoc, "adding") == {}
 
 
 def test_a_lasting_refusal_abandons_what_waits_for_the_peer_and_a_passing_one_does_not() -> None:
@@ -235,10 +236,11 @@ def test_a_connect_naming_another_engine_at_an_associated_peers_address_is_refus
     # When routing ids were engine ids, a second connection under ours to that address took the
     # live one's place at the peer's socket (ZeroMQ's handover), dropping what it carried: a request
     # naming a made-up engine at P's address made D tear its association with P down.
-    assoc = Associations("D", {}, 30.0, 5.0)
+    assoc = handshakes.associations()
     address = "tcp://127.0.0.1:5700"
     assoc.connect("P", address)
-    assoc.layouts["P"] = None  # type: ignore[assignment]  # P associated
+    handshakes.receive(assoc, "P", 1, handshakes.hello("P", reply=True), 0.0)  # P answers: associated
+    assert assoc.peers() == ["P"]
     actions = assoc.connect("rogue", address)
     (settled,) = [a for a in actions if isinstance(a, HandshakeSettled)]
     assert isinstance(settled.error, PeerNotAllowed) and "control address of 'P'" in str(settled.error)

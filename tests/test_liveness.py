@@ -34,7 +34,7 @@ from kvflow.protocol.transfer_tables import ACTIVE
 from kvflow.runtime.engine import Engine, EngineConfig
 from kvflow.transports.loopback import FaultPlan, LoopbackFabric
 from kvflow_tools.testing import SMALL_SPEC, EnginePair, KVBuffers, same_kv
-from tests.handshakes import associations, hello, receive
+from tests.handshakes import associations, hello, kept, receive
 from tests.waiting import eventually
 
 LEASE = EngineConfig(
@@ -63,7 +63,7 @@ def test_a_peer_starting_over_is_torn_down_before_it_is_added_again() -> None:
     ]
     again = receive(peers, "P", 2, hello("P"), 1.0)
     assert [type(a) for a in again] == [TearDown, AddTransportPeer, SendHello, HandshakeSettled, PeerConnected]
-    assert peers.incarnations == {"P": 2} and peers.peers() == ["P"]
+    assert kept(peers, "incarnation") == {"P": 2} and peers.peers() == ["P"]
     assert peers.receive("P", 1, Heartbeat(), 2.0) == [UnknownSender("P")]  # the old run is unknown now
     assert peers.receive("P", 2, hello("P", reply=True), 2.0) == [HandshakeSettled("P")]
 
@@ -73,7 +73,8 @@ def test_a_hello_sent_again_for_the_association_in_place_is_answered_not_torn_do
     # again, with the same number: the association and its transfers stay, P gets its answer.
     peers = associations()
     receive(peers, "P", 1, hello("P", association=7), 0.0)
-    ours = peers.ours["P"]
+    ours = peers.records["P"].ours
+    assert ours is not None
     assert receive(peers, "P", 1, hello("P", association=7), 1.0) == [
         SendHello("P", reply=True, best_effort=True, association=ours)
     ]
@@ -82,7 +83,7 @@ def test_a_hello_sent_again_for_the_association_in_place_is_answered_not_torn_do
     again = receive(peers, "P", 1, hello("P", association=8), 2.0)
     assert [type(a) for a in again] == [TearDown, AddTransportPeer, SendHello, HandshakeSettled, PeerConnected]
     assert isinstance(again[0], TearDown) and again[0].reason == "peer started a new association"
-    assert peers.theirs["P"] == 8 and peers.ours["P"] != ours  # ours is renumbered with it
+    assert kept(peers, "theirs")["P"] == 8 and kept(peers, "ours")["P"] != ours  # ours is renumbered with it
 
 
 def test_our_hellos_keep_one_number_per_association_until_it_is_dropped() -> None:
@@ -91,7 +92,7 @@ def test_our_hellos_keep_one_number_per_association_until_it_is_dropped() -> Non
     retry = [a for a in peers.connect("P", "tcp://127.0.0.1:1") if isinstance(a, SendHello)]
     assert first == retry and first[0].association > 0  # a retry after a timeout: the same association
     receive(peers, "P", 1, hello("P", reply=True), 1.0)  # the answer: associated, with that number
-    assert peers.ours["P"] == first[0].association
+    assert kept(peers, "ours")["P"] == first[0].association
     peers.tear_down("P", "silent")
     (after,) = [a for a in peers.connect("P", "tcp://127.0.0.1:1") if isinstance(a, SendHello)]
     assert after.association != first[0].association
@@ -101,7 +102,18 @@ def test_attempts_never_answered_are_bounded() -> None:
     peers = associations()
     for n in range(ATTEMPTS_KEPT + 10):
         peers.connect(f"P{n}", "tcp://127.0.0.1:1")
-    assert len(peers.ours) == ATTEMPTS_KEPT and "P0" not in peers.ours and f"P{ATTEMPTS_KEPT + 9}" in peers.ours
+    ours = kept(peers, "ours")
+    assert len(ours) == ATTEMPTS_KEPT and "P0" not in ours and f"P{ATTEMPTS_KEPT + 9}" in ours
+
+
+def test_the_addresses_of_attempts_are_bounded_and_a_live_peer_keeps_its_own() -> None:
+    peers = associations()
+    peers.connect("L", "tcp://127.0.0.1:1")
+    receive(peers, "L", 1, hello("L", reply=True), 0.0)  # L answers: associated at the address dialled
+    for n in range(ATTEMPTS_KEPT):
+        peers.connect(f"P{n}", f"tcp://127.0.0.1:{n + 2}")
+    newest = f"P{ATTEMPTS_KEPT - 1}"  # one past the bound: every other attempt's address goes
+    assert kept(peers, "address") == {"L": "tcp://127.0.0.1:1", newest: f"tcp://127.0.0.1:{ATTEMPTS_KEPT + 1}"}
 
 
 def test_a_reject_from_a_later_run_of_an_associated_peer_ends_the_association() -> None:

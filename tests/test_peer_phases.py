@@ -23,11 +23,12 @@ from kvflow.protocol.peer_actions import (
     SendHello,
     TearDown,
 )
+from kvflow.protocol.peer_record import PeerRecord
 from kvflow.protocol.phases import LIVE, TABLE, Do, Event, Phase, relate_hello, relate_message, relate_reject
 from kvflow.protocol.teardown import RemovePeer
 from kvflow_tools.diagrams import reachable_from
 from kvflow_tools.testing import SMALL_SPEC
-from tests.handshakes import associations, hello
+from tests.handshakes import associations, hello, kept, receive
 
 PEERS = ("P", "Q", "R")
 REFUSED_ADDRESS = "tcp://127.0.0.1:7999"  # the channel refuses a route to it
@@ -79,12 +80,12 @@ def test_a_peer_torn_down_while_the_transport_adds_it_is_given_up_and_the_answer
     (add,) = assoc.receive("P", 1, hello("P"), 0.0)
     assert isinstance(add, AddTransportPeer) and assoc.phase("P") is Phase.ADDING
     assert [type(a) for a in assoc.tear_down("P", "lost here")] == [TearDown]
-    assert assoc.phase("P") is Phase.NONE and assoc.adding == {}
+    assert assoc.phase("P") is Phase.NONE and kept(assoc, "adding") == {}
     if accepted:
         late = assoc.transport_peer_added("P", add.pending, 1.0)
     else:
         late = assoc.pending_refused("P", add.pending, TransportError("no"))
-    assert late == [] and assoc.phase("P") is Phase.NONE and assoc.peers() == [] and assoc.given_up == {}
+    assert late == [] and assoc.phase("P") is Phase.NONE and assoc.peers() == [] and kept(assoc, "given_up") == {}
 
 
 def test_the_transports_answer_about_an_addition_never_under_way_changes_nothing() -> None:
@@ -93,7 +94,7 @@ def test_the_transports_answer_about_an_addition_never_under_way_changes_nothing
     assert isinstance(add, AddTransportPeer)
     other = PendingHello(2, hello("P"), add.pending.layout)  # not the addition under way
     assert assoc.transport_peer_added("P", other, 1.0) == []
-    assert assoc.phase("P") is Phase.ADDING and assoc.peers() == [] and assoc.adding == {"P": add.pending}
+    assert assoc.phase("P") is Phase.ADDING and assoc.peers() == [] and kept(assoc, "adding") == {"P": add.pending}
     assert [type(a) for a in assoc.transport_peer_added("P", add.pending, 1.0)] == [SendHello]
 
 
@@ -109,7 +110,32 @@ def test_two_additions_given_up_before_the_transport_answered_either_stay_given_
         assoc.tear_down("Q", "lost here")
     assert assoc.transport_peer_added("Q", additions[0].pending, 1.0) == []
     assert assoc.pending_refused("Q", additions[1].pending, TransportError("no")) == []
-    assert assoc.phase("Q") is Phase.NONE and assoc.peers() == [] and assoc.given_up == {}
+    assert assoc.phase("Q") is Phase.NONE and assoc.peers() == [] and kept(assoc, "given_up") == {}
+
+
+def test_a_peer_that_goes_leaves_no_record_behind() -> None:
+    """Whatever way an association ends (torn down here, a Goodbye, an addition refused, given
+    up and answered, an answer that cannot go out), nothing of the peer is kept afterwards."""
+    assoc = associations()
+    receive(assoc, "P", 1, hello("P"), 0.0)  # P's Hello associates it
+    assoc.connect("Q", "tcp://127.0.0.1:7001")
+    receive(assoc, "Q", 1, hello("Q", reply=True), 0.0)  # Q answers ours
+    assert assoc.peers() == ["P", "Q"] and set(assoc.records) == {"P", "Q"}
+    assoc.tear_down("P", "lost here")
+    assert [type(a) for a in assoc.receive("Q", 1, Goodbye("bye"), 1.0)] == [TearDown]
+    for peer in ("R", "S", "T"):
+        (add,) = assoc.receive(peer, 1, hello(peer), 2.0)
+        assert isinstance(add, AddTransportPeer)
+        if peer == "R":
+            assoc.pending_refused(peer, add.pending, TransportError("no"))
+        elif peer == "S":
+            assoc.tear_down(peer, "lost here")
+            assert set(assoc.records) == {"S"}  # until the transport answers about the addition
+            assert assoc.transport_peer_added(peer, add.pending, 3.0) == []
+        else:
+            assoc.transport_peer_added(peer, add.pending, 3.0)
+            assoc.hello_unsent(peer, TransportError("unreachable"))
+    assert assoc.records == {} and assoc.liveness.next_deadline() is None
 
 
 class PeerPhases(RuleBasedStateMachine):
@@ -209,19 +235,31 @@ class PeerPhases(RuleBasedStateMachine):
             self.run(self.assoc.pending_refused(addition.peer, addition.pending, TransportError("no")))
 
     @invariant()
-    def the_data_is_that_of_the_phase_the_table_moved_the_peer_to(self) -> None:
-        assoc = self.assoc
-        assert Phase.NONE not in assoc.phases.values()
+    def each_record_keeps_the_data_of_the_phase_the_table_moved_the_peer_to(self) -> None:
+        assoc, records = self.assoc, self.assoc.records
+        assert set(records) <= set(PEERS)
+        assert all(record != PeerRecord() for record in records.values())  # none kept for nothing
         for peer in PEERS:
+            record = records.get(peer, PeerRecord())
             phase = assoc.phase(peer)
-            assert (phase is Phase.ADDING) == (peer in assoc.adding), (peer, phase)
+            assert phase is record.phase, peer
+            assert (phase is Phase.ADDING) == (record.adding is not None), (peer, phase)
             live = phase in LIVE
-            assert live == (peer in assoc.layouts) == (peer in assoc.incarnations) == (peer in assoc.theirs), peer
+            in_place = (record.layout is not None, record.incarnation is not None, record.theirs is not None)
+            assert in_place == (live, live, live), peer
             assert live == (peer in assoc.liveness._heard), peer
-            assert peer not in assoc.deferred or phase is Phase.ADDING, peer
-            assert peer not in assoc.early or phase in (Phase.ADDING, Phase.ANSWERING), peer
-            assert all(kept is not assoc.adding.get(peer) for kept in assoc.given_up.get(peer, [])), peer
-        assert len(assoc.layouts) + len(assoc.adding) <= assoc.max_peers
+            assert record.deferred is None or phase is Phase.ADDING, peer
+            assert not record.early or phase in (Phase.ADDING, Phase.ANSWERING), peer
+            assert all(given_up is not record.adding for given_up in record.given_up), peer
+        in_place_or_adding = [
+            p for p, record in records.items() if record.layout is not None or record.adding is not None
+        ]
+        assert len(in_place_or_adding) <= assoc.max_peers
+        # what the bounds count agrees with the records
+        assert assoc._engaged == sum(1 for record in records.values() if record.phase is not Phase.NONE)
+        assert assoc._addressed == sum(1 for record in records.values() if record.address)
+        assert assoc._numbers == {record.ours: peer for peer, record in records.items() if record.ours is not None}
+        assert list(assoc._numbers) == sorted(assoc._numbers)
 
 
 PeerPhases.TestCase.settings = settings(max_examples=500, stateful_step_count=60, deadline=None)

@@ -38,6 +38,7 @@ from kvflow.protocol.state import Outcome, Role
 from kvflow.runtime.engine import Engine, EngineConfig
 from kvflow.transports.loopback import LoopbackFabric, LoopbackTransport
 from kvflow_tools.testing import SMALL_SPEC, KVBuffers
+from tests.handshakes import kept
 from tests.hostile import hello
 from tests.waiting import eventually
 
@@ -279,7 +280,7 @@ def test_what_a_peer_says_while_we_still_add_it_is_delivered_in_order_once_the_a
     decided = assoc.hello_sent("P", 1.1)
     assert decided[:3] == [HandshakeSettled("P"), PeerConnected("P", 1.1), RenewLeases("P", (key,), 1.1, 6.0)]
     assert [type(a) for a in decided[3:]] == [TearDown]  # then its goodbye, in the order it was sent
-    assert assoc.peers() == [] and assoc.early == {}
+    assert assoc.peers() == [] and kept(assoc, "early") == {}
 
 
 def test_early_messages_are_bounded_and_forgotten_with_a_refused_addition() -> None:
@@ -289,7 +290,7 @@ def test_early_messages_are_bounded_and_forgotten_with_a_refused_addition() -> N
         assert assoc.receive("P", 1, Heartbeat(()), 0.5) == []
     assert assoc.receive("P", 1, Heartbeat(()), 0.5) == [UnknownSender("P")]  # one too many
     refused = assoc.pending_refused("P", first.pending, TransportError("no"))
-    assert refused.count(UnknownSender("P")) == EARLY_MESSAGES_KEPT and assoc.early == {}
+    assert refused.count(UnknownSender("P")) == EARLY_MESSAGES_KEPT and kept(assoc, "early") == {}
 
 
 def test_peers_being_added_count_toward_the_limit_and_a_refused_addition_frees_its_place() -> None:

@@ -9,9 +9,10 @@ about transfers not started yet; `messages` are what peers say to each other, an
 what a host asks of its engine (expect, KV ready, abort), each one typed value with its wire form.
 
 Peers: `association` decides handshakes, incarnations and leases, by the table of each peer's
-phase in `phases`, returning the effects of `peer_actions`; `liveness` when each peer is
-due a heartbeat or lost, `teardown` when a torn-down peer's blocks may go back (a table), and
-`admission` whom an engine may associate with.  `lifecycle` is an engine's own life (a table).
+phase in `phases`, keeping one `peer_record` per peer and returning the effects of
+`peer_actions`; `liveness` when each peer is due a heartbeat or lost, `teardown` when a
+torn-down peer's blocks may go back (a table), and `admission` whom an engine may associate
+with.  `lifecycle` is an engine's own life (a table).
 `tables` builds the tables that are not the transfers': each pair a row or declared ignored.
 
 `endpoint` is one engine's whole pure state behind one door: it owns the core and the

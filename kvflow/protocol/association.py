@@ -21,6 +21,9 @@ input moves the peer's phase by a row of `kvflow.protocol.phases.TABLE` and take
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
+
 from kvflow.errors import (
     ConfigError,
     KVFlowError,
@@ -53,6 +56,7 @@ from kvflow.protocol.peer_actions import (
     TearDown,
     UnknownSender,
 )
+from kvflow.protocol.peer_record import PeerRecord
 from kvflow.protocol.phases import TABLE, Do, Event, Phase, relate_hello, relate_message, relate_reject
 from kvflow.protocol.teardown import Teardowns
 
@@ -95,51 +99,77 @@ class Associations:
         self.allowed = allowed or PeerAllowList()  # whom this engine may associate with and dial
         self.max_peers = max_peers  # each association costs sockets and transport state: bounded
         self.fingerprint = fingerprint
-        self.layouts: dict[str, KVLayout] = {}
-        self.incarnations: dict[str, int] = {}
         self.liveness = Liveness(lease, interval, confirm)
         # torn-down peers on their way out; those whose late ops may still land cool: no new association
         self.teardowns = Teardowns(grace, hold, lease)
-        # peers the transport is adding (off the loop), and the newest Hello each sent meanwhile
-        self.adding: dict[str, PendingHello] = {}
-        self.deferred: dict[str, tuple[int, Hello]] = {}
-        # messages a peer sent once associated with us, before our side of the association was in
-        # place (the transport still adding it): delivered, in order, once it is
-        self.early: dict[str, list[ControlMessage]] = {}
-        # the control address each peer was last routed at (kept for live ones; attempts bounded)
-        self.addresses: dict[str, str] = {}
-        # our number for each association we hold or are attempting (a handshake that timed out
-        # here may still be answered, or retried: both keep the number), and the peer's number
-        # for each live one; the attempts kept are bounded, live ones first
-        self.ours: dict[str, int] = {}
-        self.theirs: dict[str, int] = {}
+        # every peer something is kept about, and only those: a record is made when a peer first
+        # needs one and goes once it keeps nothing.  A handshake that timed out here may still be
+        # answered, or retried: both keep our number for it (and the address it dialled), so the
+        # attempts kept are bounded over all peers, live ones first.
+        self._peers: dict[str, PeerRecord] = {}
+        # what the bounds count, kept beside the records so that no input scans them all: records
+        # not in `Phase.NONE` (`_move` counts them), those with an address, and our numbers kept
+        # (each with its peer), oldest first
+        self._engaged = 0
+        self._addressed = 0
+        self._numbers: dict[int, str] = {}
         self._numbered = 0
         self.refusing = ""  # why every Hello is refused now (the engine asleep); empty: none is
-        self.phases: dict[str, Phase] = {}  # every peer not in `Phase.NONE`
-        # additions torn down before the transport answered (the peer cools meanwhile, so
-        # rarely more than one; one per teardown whatever the runtime's order)
-        self.given_up: dict[str, list[PendingHello]] = {}
+
+    @property
+    def records(self) -> Mapping[str, PeerRecord]:
+        """Each peer's record, to read: a peer without one has nothing kept about it."""
+        return MappingProxyType(self._peers)
 
     def peers(self) -> list[str]:
-        return sorted(self.layouts)
+        """The peers associated now (the association's data in place), sorted."""
+        return sorted(peer for peer, record in self._peers.items() if record.layout is not None)
 
     def phase(self, peer: str) -> Phase:
-        return self.phases.get(peer, Phase.NONE)
+        record = self._peers.get(peer)
+        return Phase.NONE if record is None else record.phase
+
+    def layout(self, peer: str) -> KVLayout | None:
+        """The layout `peer` announced (None: not associated)."""
+        record = self._peers.get(peer)
+        return None if record is None else record.layout
+
+    def engaged(self, peer: str) -> bool:
+        """Whether `peer` is associated or being added (it counts toward `max_peers`)."""
+        record = self._peers.get(peer)
+        return record is not None and record.engaged
+
+    def _record(self, peer: str) -> PeerRecord:
+        """`peer`'s record, made now if it has none."""
+        record = self._peers.get(peer)
+        if record is None:
+            record = self._peers[peer] = PeerRecord()
+        return record
+
+    def _release(self, peer: str) -> None:
+        """Drop `peer`'s record once it keeps nothing (called wherever something of it goes)."""
+        record = self._peers.get(peer)
+        if record is not None and record.keeps_nothing():
+            del self._peers[peer]
 
     def _move(self, peer: str, event: Event) -> Do | None:
         """Move `peer` by the table's row for `event` in its phase; the row's step (None: none)
         is the caller's to take."""
-        to, steps = TABLE[self.phase(peer), event]
-        if to is Phase.NONE:
-            self.phases.pop(peer, None)
-        else:
-            self.phases[peer] = to
+        before = self.phase(peer)
+        to, steps = TABLE[before, event]
+        self._engaged += (to is not Phase.NONE) - (before is not Phase.NONE)
+        if to is not Phase.NONE or peer in self._peers:
+            self._record(peer).phase = to
+            self._release(peer)
         return steps[0] if steps else None
 
     def _run(self, peer: str) -> int | None:
         """The run of `peer` in place: the associated one, or the one the transport is adding."""
-        pending = self.adding.get(peer) if self.phase(peer) is Phase.ADDING else None
-        return self.incarnations.get(peer) if pending is None else pending.incarnation
+        record = self._peers.get(peer)
+        if record is None:
+            return None
+        pending = record.adding if record.phase is Phase.ADDING else None
+        return record.incarnation if pending is None else pending.incarnation
 
     # ---------------------------------------------------------------- local inputs
 
@@ -160,32 +190,47 @@ class Associations:
     def _route(self, peer: str, address: str, pending: PendingHello | None = None) -> list[AssociationAction]:
         if not address:
             return []
-        self.addresses[peer] = address
-        if len(self.addresses) > ATTEMPTS_KEPT:
-            for stale in [p for p in self.addresses if p not in self.layouts and p not in self.adding and p != peer]:
-                del self.addresses[stale]
+        record = self._record(peer)
+        if not record.address:  # records keep the order addresses came in (`_not_permitted` reads it)
+            self._addressed += 1
+            self._peers[peer] = self._peers.pop(peer)
+        record.address = address
+        if self._addressed > ATTEMPTS_KEPT:  # the addresses of attempts go, all but this one
+            for stale, kept in list(self._peers.items()):
+                if kept.address and not kept.engaged and stale != peer:
+                    kept.address = ""
+                    self._addressed -= 1
+                    self._release(stale)
         return [AddRoute(peer, address, pending)]
 
     def _number(self, peer: str) -> int:
         """Our number for the association with `peer`: the one held or attempted, else a new one."""
-        number = self.ours.get(peer)
-        if number is None:
-            self._numbered += 1
-            number = self.ours[peer] = self._numbered
-            if len(self.ours) > ATTEMPTS_KEPT:  # the oldest attempt never answered goes
-                stale = next((p for p in self.ours if p not in self.layouts and p not in self.adding), None)
-                if stale is not None:
-                    del self.ours[stale]
+        record = self._record(peer)
+        if record.ours is not None:
+            return record.ours
+        self._numbered += 1
+        record.ours = number = self._numbered
+        self._numbers[number] = peer
+        if len(self._numbers) > ATTEMPTS_KEPT:  # the oldest attempt never answered goes
+            stale = next((n for n, p in self._numbers.items() if self._peers[p].phase is Phase.NONE), None)
+            if stale is not None:
+                dropped = self._numbers.pop(stale)
+                self._peers[dropped].ours = None
+                self._release(dropped)
         return number
 
     def _forget(self, peer: str) -> None:
         """`peer` is being torn down: forget the association's data (the caller moved its phase)."""
-        self.early.pop(peer, None)
-        self.layouts.pop(peer, None)
-        self.incarnations.pop(peer, None)
-        self.ours.pop(peer, None)  # the next association with it is numbered anew
-        self.theirs.pop(peer, None)
-        self.addresses.pop(peer, None)
+        record = self._peers.get(peer)
+        if record is not None:
+            record.early = []
+            record.layout = record.incarnation = record.theirs = None
+            if record.ours is not None:  # the next association with it is numbered anew
+                del self._numbers[record.ours]
+                record.ours = None
+            self._addressed -= bool(record.address)
+            record.address = ""
+            self._release(peer)
         self.liveness.remove(peer)
 
     def tear_down(self, peer: str, reason: str, *, answered: bool = False) -> list[AssociationAction]:
@@ -193,16 +238,17 @@ class Associations:
         sent to): tell the peer why, best effort, then tear it down.  Without the goodbye a peer
         that was only paused (stopped, swapped out) would learn nothing and keep its side of
         every transfer alive, so that the two sides could end the same transfer differently."""
-        if self.phase(peer) is Phase.ADDING:  # given up: the transport's answer about it is stale
-            self.given_up.setdefault(peer, []).append(self.adding.pop(peer))
-            self.deferred.pop(peer, None)
+        record = self._peers.get(peer)
+        if record is not None and record.phase is Phase.ADDING and record.adding is not None:
+            record.given_up.append(record.adding)  # given up: the transport's answer about it is stale
+            record.adding = record.deferred = None
         self._move(peer, Event.LOST)
-        goodbye: list[AssociationAction] = [SendControl(peer, Goodbye(reason))] if peer in self.layouts else []
+        goodbye: list[AssociationAction] = [SendControl(peer, Goodbye(reason))] if self.layout(peer) is not None else []
         self._forget(peer)
         return [*goodbye, TearDown(peer, reason, answered=answered)]
 
     def goodbye_all(self, reason: str) -> list[AssociationAction]:
-        return [SendControl(peer, Goodbye(reason)) for peer in sorted(self.layouts)]
+        return [SendControl(peer, Goodbye(reason)) for peer in self.peers()]
 
     def next_deadline(self) -> float | None:
         """When `tick` has something to do next (None: nothing is due ever, as things stand)."""
@@ -241,13 +287,15 @@ class Associations:
             return self._on_hello(sender, incarnation, message, now)
         if isinstance(message, Reject):
             refused = HandshakeSettled(sender, PeerProtocolError(f"{sender!r} refused the handshake: {message.reason}"))
-            if self._move(sender, relate_reject(self.incarnations.get(sender), incarnation)) is Do.END_RUN:
+            record = self._peers.get(sender)
+            associated = None if record is None else record.incarnation
+            if self._move(sender, relate_reject(associated, incarnation)) is Do.END_RUN:
                 self._forget(sender)  # a later run of an associated peer: the old one is gone
                 return [TearDown(sender, f"a later run of it says: {message.reason}", answered=True), refused]
             return [refused]
         do = self._move(sender, relate_message(self._run(sender), incarnation, isinstance(message, Goodbye)))
         if do is Do.KEEP_EARLY:
-            early = self.early.setdefault(sender, [])
+            early = self._record(sender).early
             if len(early) < EARLY_MESSAGES_KEPT and sum(map(message_blocks, early)) + message_blocks(message) <= (
                 EARLY_BLOCKS_KEPT
             ):
@@ -277,7 +325,7 @@ class Associations:
             self._forget(peer)
             actions.append(TearDown(peer, "peer started a new association", answered=True))
         actions.append(AddTransportPeer(peer, pending))
-        self.adding[peer] = pending
+        self._record(peer).adding = pending
         return actions
 
     def pending_refused(self, peer: str, pending: PendingHello, error: KVFlowError) -> list[AssociationAction]:
@@ -287,19 +335,19 @@ class Associations:
         if self._stale(peer, pending):
             return []
         self._move(peer, Event.PENDING_REFUSED)
-        dropped = [UnknownSender(peer) for _ in self.early.pop(peer, ())]
+        dropped = [UnknownSender(peer) for _ in self._take_early(peer)]
         return [*self._refuse(peer, pending.hello, error), *dropped, *self._added(peer, pending)]
 
     def transport_peer_added(self, peer: str, pending: PendingHello, now: float) -> list[AssociationAction]:
         """The transport accepted the peer: the association begins (once our answer, when the
         peer started it, is sent: see `hello_sent`).  An addition given up since is dropped: the
         teardown's removal, queued behind it, undoes it."""
-        if self._stale(peer, pending) or self.adding.get(peer) is not pending:
+        record = self._peers.get(peer)
+        if self._stale(peer, pending) or record is None or record.adding is not pending:
             return []  # given up, or never handed to the transport: nothing of it goes in place
         do = self._move(peer, Event.ADDED_ANSWERED if pending.hello.reply else Event.ADDED)
-        self.layouts[peer] = pending.layout
-        self.incarnations[peer] = pending.incarnation
-        self.theirs[peer] = pending.hello.association
+        record.layout, record.incarnation = pending.layout, pending.incarnation
+        record.theirs = pending.hello.association
         self.liveness.add(peer, now)
         if do is Do.ANSWER_HELLO:
             answer = SendHello(peer, reply=True, associating=True, association=self._number(peer))
@@ -308,21 +356,31 @@ class Associations:
 
     def _stale(self, peer: str, pending: PendingHello) -> bool:
         """The transport's answer about `pending` comes for an addition given up (`tear_down`)."""
-        given_up = self.given_up.get(peer, [])
-        if not any(kept is pending for kept in given_up):
+        record = self._peers.get(peer)
+        if record is None or not any(kept is pending for kept in record.given_up):
             return False
-        given_up[:] = [kept for kept in given_up if kept is not pending]
-        if not given_up:
-            del self.given_up[peer]
+        record.given_up = [kept for kept in record.given_up if kept is not pending]
+        self._release(peer)
         return True
 
     def _added(self, peer: str, pending: PendingHello) -> list[AssociationAction]:
         """The transport is done with `pending`: a Hello that came meanwhile is decided next."""
-        if self.adding.get(peer) is not pending:
+        record = self._peers.get(peer)
+        if record is None or record.adding is not pending:
             return []
-        del self.adding[peer]
-        deferred = self.deferred.pop(peer, None)
+        deferred = record.deferred
+        record.adding = record.deferred = None
+        self._release(peer)
         return [] if deferred is None else [Redeliver(peer, *deferred)]
+
+    def _take_early(self, peer: str) -> list[ControlMessage]:
+        """What `peer` said early, in order, no longer kept."""
+        record = self._peers.get(peer)
+        if record is None:
+            return []
+        early, record.early = record.early, []
+        self._release(peer)
+        return early
 
     def hello_sent(self, peer: str, now: float) -> list[AssociationAction]:
         """Our answer to the Hello that started the association with `peer` went out: the
@@ -335,8 +393,9 @@ class Associations:
             *self.teardowns.heard_again(peer, now),
             PeerConnected(peer, now),
         ]
-        incarnation = self.incarnations[peer]
-        for message in self.early.pop(peer, ()):
+        incarnation = self._peers[peer].incarnation
+        assert incarnation is not None  # the association's data is in place (a live phase)
+        for message in self._take_early(peer):
             actions += self.receive(peer, incarnation, message, now)  # from no run once torn down by one of them
         return actions
 
@@ -353,14 +412,16 @@ class Associations:
         ]
 
     def _on_hello(self, sender: str, incarnation: int, hello: Hello, now: float) -> list[AssociationAction]:
-        related = relate_hello(self._run(sender), self.theirs.get(sender), incarnation, hello.reply, hello.association)
+        record = self._peers.get(sender)
+        theirs = None if record is None else record.theirs
+        related = relate_hello(self._run(sender), theirs, incarnation, hello.reply, hello.association)
         do = self._move(sender, related)
         if do is Do.SETTLE:
             return [HandshakeSettled(sender)]
         if do is Do.ANSWER_AGAIN:
             return [SendHello(sender, reply=True, best_effort=True, association=self._number(sender))]
         if do is Do.DEFER:
-            self.deferred[sender] = (incarnation, hello)  # decided once the transport is done
+            self._record(sender).deferred = (incarnation, hello)  # decided once the transport is done
             return []
         if do is Do.REFUSE_OLDER_RUN:
             return [Refused(sender, PeerProtocolError(f"hello from an earlier run of {sender!r} ({incarnation})"))]
@@ -412,7 +473,8 @@ class Associations:
         # there) would open a second connection under our identity, which the peer's socket
         # hands our live connection's place to: the live one is dropped with what it carries.
         if local and address:
-            owner = next((p for p, a in self.addresses.items() if a == address and p in self.layouts), peer)
+            live = (p for p, record in self._peers.items() if record.address == address and record.layout is not None)
+            owner = next(live, peer)
             if owner != peer:
                 return f"{address!r:.80} is the control address of {owner!r}, not of {peer!r}"
         return self.allowed.problem(peer, address)
@@ -421,12 +483,11 @@ class Associations:
         return PeerProtocolError(f"{self.engine_id!r} is at its limit of {self.max_peers} peers")
 
     def _full(self, peer: str) -> bool:
-        known = peer in self.layouts or peer in self.adding
-        return not known and len(self.layouts) + len(self.adding) >= self.max_peers
+        return not self.engaged(peer) and self._engaged >= self.max_peers
 
     def _refuse(self, sender: str, hello: Hello, error: KVFlowError) -> list[AssociationAction]:
         lasting = isinstance(error, LayoutMismatch | ConfigError | PeerNotAllowed | UnsupportedVersion)
-        actions: list[AssociationAction] = [Refused(sender, error, abandon=lasting and sender not in self.layouts)]
+        actions: list[AssociationAction] = [Refused(sender, error, abandon=lasting and self.layout(sender) is None)]
         if not hello.reply:
             if isinstance(error, LayoutMismatch):  # our Hello lets the peer name the field too
                 actions.append(SendHello(sender, reply=True, best_effort=True))

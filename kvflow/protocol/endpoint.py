@@ -124,11 +124,11 @@ class Endpoint:
 
     def peer_layout(self, peer: str) -> KVLayout | None:
         """The layout `peer` announced (None: not associated)."""
-        return self._assoc.layouts.get(peer)
+        return self._assoc.layout(peer)
 
     def keeps_connection(self, peer: str) -> bool:
         """Whether `peer` is associated or being added: its control connection stays open."""
-        return peer in self._assoc.layouts or peer in self._assoc.adding
+        return self._assoc.engaged(peer)
 
     def unremoved(self) -> dict[str, int]:
         """Peers whose removal has not succeeded yet (their blocks stay held), and failures each."""
@@ -187,7 +187,7 @@ class Endpoint:
         transfer; a peer that cannot be reached any more is torn down."""
         if isinstance(error, UnsendableMessage):
             return self._transfers(self._core.unsent(message.key, now, f"its {type(message).__name__}: {error}"), now)
-        if peer in self._assoc.layouts:
+        if self._assoc.layout(peer) is not None:
             return self.tear_down(peer, f"cannot send to it: {error}", now)
         return []
 
@@ -212,7 +212,7 @@ class Endpoint:
         on), so that the transport's removals fence what is left."""
         waited_on = {m.peer for m in self._core.live() if m.peer is not None}
         effects: list[Effect] = []
-        for peer in sorted(waited_on | set(self._assoc.layouts)):
+        for peer in sorted(waited_on | set(self._assoc.peers())):
             effects += self.tear_down(peer, f"{reason}: fence not confirmed", now)
         return effects
 
@@ -308,7 +308,7 @@ class Endpoint:
     def _block_ratio(self, peer: str) -> int:
         """The larger of our and `peer`'s block sizes over the smaller (1: equal, not multiples,
         or no layout known)."""
-        remote = self._assoc.layouts.get(peer)
+        remote = self._assoc.layout(peer)
         if remote is None:
             return 1
         small, large = sorted((self._block_size, remote.spec.block_size))
