@@ -17,7 +17,7 @@ from types import MappingProxyType
 from typing import Any
 
 import pytest
-from hypothesis import settings
+from hypothesis import Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 
 from kvflow.errors import UsageError
@@ -78,6 +78,19 @@ def _with(table: Mapping[Any, Any], pair: Any, row: Any) -> dict[Any, Any]:
     return {**table, pair: row}
 
 
+def _finding(max_examples: int, stateful_step_count: int) -> settings:
+    """Settings for a machine run that must find a planted row: the same examples every time,
+    and no shrinking of the failure found (only that one is found matters here; shrinking took
+    most of the run's time)."""
+    return settings(
+        max_examples=max_examples,
+        stateful_step_count=stateful_step_count,
+        deadline=None,
+        derandomize=True,
+        phases=(Phase.explicit, Phase.reuse, Phase.generate),
+    )
+
+
 def _fails(check: Callable[[], object]) -> None:
     """`check` fails as a test does: an assertion (or several, as Hypothesis reports distinct
     failures), or a `pytest.raises` that saw nothing raised."""
@@ -95,11 +108,7 @@ def test_a_peer_left_associated_by_its_teardown_is_caught(monkeypatch: pytest.Mo
     """An associated peer torn down here (lost) whose data goes but whose phase stays."""
     wrong = (phases.Phase.ASSOCIATED, (phases.Do.TEAR_DOWN,))
     monkeypatch.setattr(association, "TABLE", _with(phases.TABLE, (phases.Phase.ASSOCIATED, phases.Event.LOST), wrong))
-    _fails(
-        lambda: run_state_machine_as_test(
-            PeerPhases, settings=settings(max_examples=500, stateful_step_count=60, deadline=None, derandomize=True)
-        )
-    )
+    _fails(lambda: run_state_machine_as_test(PeerPhases, settings=_finding(max_examples=500, stateful_step_count=60)))
 
 
 def test_an_engine_that_starts_twice_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -133,11 +142,7 @@ def test_a_decode_request_whose_failed_load_is_ignored_is_caught(monkeypatch: py
     monkeypatch.setattr(
         mapping, "TABLE", _with(stages.TABLE, (stages.Stage.EXPECTING, stages.Event.RECEIVE_FAILED), wrong)
     )
-    _fails(
-        lambda: run_state_machine_as_test(
-            BookMachine, settings=settings(max_examples=300, stateful_step_count=30, deadline=None, derandomize=True)
-        )
-    )
+    _fails(lambda: run_state_machine_as_test(BookMachine, settings=_finding(max_examples=300, stateful_step_count=30)))
 
 
 def _worker_book_with(monkeypatch: pytest.MonkeyPatch, pair: Any, row: Any) -> None:
@@ -145,7 +150,7 @@ def _worker_book_with(monkeypatch: pytest.MonkeyPatch, pair: Any, row: Any) -> N
     _fails(
         lambda: run_state_machine_as_test(
             RequestBookMachine,
-            settings=settings(max_examples=300, stateful_step_count=40, deadline=None, derandomize=True),
+            settings=_finding(max_examples=300, stateful_step_count=40),
         )
     )
 
