@@ -95,11 +95,15 @@ def test_seeded_sampling_is_one_engines(pd: Deployment) -> None:
 
 def test_unseeded_sampling_draws_on_d_the_first_token_p_sent(pd: Deployment) -> None:
     """The router seeds both legs alike: without that, D draws its own first token and the
-    router ends the answer with an error (a vocabulary of 1,024 at temperature 2)."""
+    router ends the answer with an error (a vocabulary of 1,024 at temperature 2).  Tokens are
+    counted by id: a drawn token may decode to no word of its own."""
     for seed in range(3):
-        ours = stream(pd.router_url + "/v1/completions", request(20 + seed, temperature=2.0))
+        body = request(20 + seed, temperature=2.0, stream_options={"include_usage": True}, return_token_ids=True)
+        ours = stream(pd.router_url + "/v1/completions", body)
         assert "error" not in json.dumps(ours), ours
-        assert len(text_of(ours).split()) == 8 and choice_events(ours)[-1]["finish_reason"] == "length"
+        ids = [t for c in choice_events(ours) for t in c.get("token_ids") or ()]
+        assert len(ids) == 8 and ours[-2]["usage"]["completion_tokens"] == 8, ours
+        assert choice_events(ours)[-1]["finish_reason"] == "length"
 
 
 def test_the_first_tokens_logprobs_are_one_engines(pd: Deployment) -> None:
