@@ -102,8 +102,10 @@ async def _stdin_closed() -> None:
 
 async def _insider(address: str, target: str, names: int, prefix: str) -> None:
     start = time.monotonic()
-    engines = [_engine(f"{prefix}-n{index}") for index in range(names)]
+    engines: list[Engine] = []
     try:
+        for index in range(names):  # (one that fails to build leaves the others to close)
+            engines.append(_engine(f"{prefix}-n{index}"))
         outcomes = await _associate(engines, target, address)
         opened = time.monotonic() - start
         associated = outcomes.pop("associated", 0)
