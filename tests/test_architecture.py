@@ -354,6 +354,7 @@ CONNECTOR_MODULES = frozenset(
         "params",
         "producer",
         "settings",
+        "idle_sleep",  # the engine core asleep while its requests wait for KV
         "worker",  # worker side: KV caches, engines, their links
         "kv_caches",
         "device",

@@ -7,7 +7,11 @@ tiny local model), freezes P (SIGSTOP) so that nothing P does races the reading,
 group over `--seconds`: idle first, then with the requests waiting, then idle again after P is
 thawed and they are done.
 
-    .venv/bin/python -m examples.vllm_1p1d.d_waiting_cpu --requests 4 --seconds 5 [--idle-wait 0]
+    .venv/bin/python -m examples.vllm_1p1d.d_waiting_cpu --requests 4 --seconds 5 [--idle-sleep 0] [--idle-wait 0]
+
+``--idle-sleep 0`` is vLLM's own behaviour (the engine core steps without pause while requests
+wait); by default the connector's engine core sleeps until kvflow or vLLM has news for it.  The
+sleeps D counted, by how they ended, are printed last.
 """
 
 from __future__ import annotations
@@ -77,11 +81,16 @@ def main() -> None:
     parser.add_argument(
         "--idle-wait", type=float, default=None, help="the connector's idle_wait (default: its own; 0: no sleep)"
     )
+    parser.add_argument(
+        "--idle-sleep", type=float, default=None, help="the connector's idle_sleep (default: its own; 0: no sleep)"
+    )
     args = parser.parse_args()
     run_dir = Path(tempfile.mkdtemp(prefix="kvflow-d-waiting-"))
     settings: dict[str, object] = {"lease": 30.0, "transfer_timeout": 300.0}  # P stays frozen well within both
     if args.idle_wait is not None:
         settings["idle_wait"] = args.idle_wait
+    if args.idle_sleep is not None:
+        settings["idle_sleep"] = args.idle_sleep
     with Deployment(ServeOptions(port=0, run_dir=run_dir, kvflow_settings=settings)) as pd:
         p, d = pd.server("prefill-0"), pd.server("decode-0")
         print("D idle:", cores(d, args.seconds))
@@ -100,6 +109,9 @@ def main() -> None:
         print("D idle again:", cores(d, args.seconds))
         for error in errors:  # a frozen P's server may close a kept-alive connection on waking
             print("failed:", error)
+        for line in d.metrics().splitlines():
+            if line.startswith("vllm:kvflow_scheduler_events_total") and "idle_sleep" in line:
+                print("D:", line)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """vLLM integration: `KVFlowConnector`, a push (or pull) KV connector for vLLM.
 
-On vLLM's KV-connector V1 API, for vLLM 0.32.x and 0.33.x.
+On vLLM's KV-connector V1 API, for vLLM 0.32.x, 0.33.x and 0.34.x.
 
 vLLM loads it with ``kv_connector_module_path="kvflow.integrations.vllm"`` and
 ``kv_connector="KVFlowConnector"``.  The connector (which imports vLLM) is loaded on first

@@ -17,7 +17,9 @@ differs between the releases it runs on is in releases.py.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import logging
+import os
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -31,6 +33,7 @@ from vllm.v1.request import RequestStatus
 
 from kvflow.errors import ConfigError, UsageError
 from kvflow.integrations.vllm.device import Device, device_for
+from kvflow.integrations.vllm.idle_sleep import IdleSleep, StepView, engine_core_pid, listen
 from kvflow.integrations.vllm.kv_caches import cache_groups, check_supported, describe_kv_caches
 from kvflow.integrations.vllm.mapping import Orders, SchedulerBook
 from kvflow.integrations.vllm.releases import (
@@ -43,6 +46,7 @@ from kvflow.integrations.vllm.releases import (
 )
 from kvflow.integrations.vllm.stats import KVFlowConnectorStats, KVFlowPromMetrics, RankMeter, counter_deltas
 from kvflow.integrations.vllm.worker import Settings, WorkerSide
+from kvflow.runtime.bell import bell_path
 from kvflow.runtime.engine import Engine
 
 if TYPE_CHECKING:
@@ -60,6 +64,8 @@ if TYPE_CHECKING:
     from kvflow.transports.base import Transport
 
 __all__ = ("KVFlowConnector", "KVFlowMetadata")
+
+log = logging.getLogger("kvflow.vllm")
 
 
 class KVFlowMetadata(KVConnectorMetadata):
@@ -87,6 +93,13 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
         dp_size = int(parallel.data_parallel_size)
         self.engine_id = engine_id + suffix if dp_size > 1 and not engine_id.endswith(suffix) else engine_id
         check_supported(vllm_config, kv_cache_config)
+        # the engine core sleeps while every request waits for KV, woken by the ranks' bell
+        # (idle_sleep.py), where its workers are its children or itself, on one node, and it
+        # is the only data-parallel rank
+        backend = parallel.distributed_executor_backend
+        sleeps = self.settings.idle_sleep > 0 and dp_size == 1 and int(getattr(parallel, "nnodes", 1)) == 1
+        core_pid = engine_core_pid(backend, os.getpid(), os.getppid()) if sleeps else None
+        self._idle_sleep: IdleSleep | None = None
         self._block_size = vllm_config.cache_config.block_size
         self._book: SchedulerBook | None = None
         self._worker: WorkerSide | None = None
@@ -106,11 +119,15 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
             self._book = SchedulerBook(
                 self._block_size, prefix_caching, producer=producer, allowed=self.settings.allow_list(), groups=groups
             )
+            if core_pid is not None:
+                self._idle_sleep = listen(self.engine_id, self.settings.idle_sleep)
         else:
             parallel, model = vllm_config.parallel_config, vllm_config.model_config
             heads = 1 if model.use_mla else model.get_total_num_kv_heads()  # MLA: one latent cache on every rank
             tp_size = parallel.tensor_parallel_size
-            self._worker = WorkerSide(self.engine_id, parallel.rank, self.settings, tp_size, heads, self._dp)
+            self._worker = WorkerSide(
+                self.engine_id, parallel.rank, self.settings, tp_size, heads, self._dp, _bell(core_pid, self.engine_id)
+            )
             self._meter = RankMeter(self._worker.engine_id)
 
     @classmethod
@@ -221,6 +238,11 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
         idle = scheduler_output.total_num_scheduled_tokens == 0 and book.pending_work()
         orders = book.take_orders()
         orders.idle_wait = self.settings.idle_wait if idle else 0.0
+        if idle and self._idle_sleep is not None:
+            finishing = len(scheduler_output.finished_req_ids or ())
+            step = StepView(scheduler_output.total_num_scheduled_tokens, finishing, bool(orders), book.pending_work())
+            if self._idle_sleep.after_step(self, step, _holds):
+                orders.idle_wait = 0.0  # it slept here already: its workers need not again
         return KVFlowMetadata(orders)
 
     def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
@@ -336,6 +358,8 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.close()
+        if self._idle_sleep is not None:
+            self._idle_sleep.close()
 
     @property
     def control_address(self) -> str:
@@ -364,6 +388,8 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
         if self._meter is not None:
             return self._meter.take(self._worker.link if self._worker is not None else None)
         counted = {name: int(value) for name, value in dict(getattr(self._book, "counters", {})).items()}
+        if self._idle_sleep is not None:
+            counted.update(self._idle_sleep.counters)
         gained = counter_deltas(counted, self._scheduler_counted)
         self._scheduler_counted = counted
         return KVFlowConnectorStats(data={"scheduler": gained}) if gained else None
@@ -410,6 +436,27 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
         if self._worker is None:
             raise UsageError("worker-side hook called on a scheduler-role KVFlowConnector")
         return self._worker
+
+
+def _holds(scheduler: Any) -> Iterator[str]:
+    """What each request vLLM's scheduler holds is doing, for `IdleSleep`."""
+    for request in scheduler.requests.values():
+        status = request.status
+        if status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            yield "waiting"
+        else:
+            yield "finished" if RequestStatus.is_finished(status) else "running"
+
+
+def _bell(core_pid: int | None, engine_id: str) -> str:
+    """Where a worker rings its engine core's bell ("": it does not)."""
+    if core_pid is None:
+        return ""
+    try:
+        return bell_path(core_pid, engine_id)
+    except ConfigError as exc:
+        log.warning("kvflow: %s; the engine core steps without pause while requests wait for KV", exc)
+        return ""
 
 
 def _leave_for_decode(request: Any, tokens: int, hash_block_size: int) -> bool:

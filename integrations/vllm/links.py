@@ -35,6 +35,7 @@ from kvflow.integrations.vllm.device import Device, Gate, GateWaiter, HostDevice
 from kvflow.integrations.vllm.rank_agent import RankAgent, Reach
 from kvflow.protocol.actions import ReleaseBlocks
 from kvflow.protocol.requests import Request
+from kvflow.runtime.bell import Bell
 from kvflow.runtime.engine import Engine
 from kvflow.runtime.meter import MeterReading
 from kvflow.runtime.process import EngineProcess
@@ -104,10 +105,19 @@ def send_request(
 class ThreadLink:
     """The engine on a thread of this process (`EngineThread`), its agent with it."""
 
-    def __init__(self, thread: EngineThread, transfer_timeout: float, device: Any, news: threading.Event) -> None:
-        """`news` is set by the engine whenever it gives blocks back (its `on_release`)."""
+    def __init__(
+        self,
+        thread: EngineThread,
+        transfer_timeout: float,
+        device: Any,
+        news: threading.Event,
+        bell: Bell | None = None,
+    ) -> None:
+        """`news` is set by the engine whenever it gives blocks back (its `on_release`); `bell`
+        (its engine core's) is rung when a command fails, as the engine rings it for blocks."""
         self.thread = thread
         self._news = news
+        self._bell = bell
         self.woken = 0  # waits of `wait_for_engine` the engine's news ended
         self.address = thread.engine.control.address
         self._options = (transfer_timeout, device)
@@ -128,8 +138,10 @@ class ThreadLink:
         future.add_done_callback(self._answered)
         return future
 
-    def _answered(self, _: concurrent.futures.Future[Any]) -> None:
+    def _answered(self, future: concurrent.futures.Future[Any]) -> None:
         self._news.set()  # a step asleep in `wait_for_engine` acts on the answer
+        if self._bell is not None and not future.cancelled() and future.exception() is not None:
+            self._bell.ring()  # a failed registration fails its load at the next step
 
     def batch(self) -> contextlib.AbstractContextManager[None]:
         return self.thread.batch()
@@ -167,6 +179,8 @@ class ThreadLink:
         finally:
             if agent is not None:
                 agent.close()
+            if self._bell is not None:
+                self._bell.close()
 
 
 @dataclass(slots=True)

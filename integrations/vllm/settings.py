@@ -24,6 +24,7 @@ __all__ = ("KV_CACHE_LAYOUTS", "Settings", "layer_groups", "push_units", "settin
 
 ENGINE_PLACES = ("auto", "process", "thread")
 MAX_IDLE_WAIT = 1.0  # seconds: a request that arrives meanwhile is scheduled at most this late
+MAX_IDLE_SLEEP = 300.0  # seconds: what a rank's engine process that died can go unnoticed while D waits
 KV_CACHE_LAYOUTS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")  # vLLM 0.33's KVCacheLayout
 
 
@@ -98,6 +99,10 @@ class Settings:
     # until its engine says something (KV landed, blocks given back) instead of returning at once:
     # vLLM's engine core steps without pause while a request waits for remote KV; 0: no sleep
     idle_wait: float = 0.02
+    # seconds vLLM's engine core may sleep, at most, in the scheduler's hook while every request
+    # it holds waits for KV, woken at once by kvflow's news or vLLM's input (idle_sleep.py); 0:
+    # it steps without pause, as vLLM does
+    idle_sleep: float = 30.0
 
     def allow_list(self, ranks: bool = False) -> PeerAllowList:
         """The allow-list of vLLM engine ids, or (`ranks`) of the kvflow engines of their
@@ -151,6 +156,8 @@ class Settings:
                 raise ConfigError(f"kvflow {key} must be positive, not {getattr(settings, key)!r}")
         if not 0 <= settings.idle_wait <= MAX_IDLE_WAIT:
             raise ConfigError(f"kvflow idle_wait must be 0..{MAX_IDLE_WAIT} seconds, not {settings.idle_wait!r}")
+        if not 0 <= settings.idle_sleep <= MAX_IDLE_SLEEP:
+            raise ConfigError(f"kvflow idle_sleep must be 0..{MAX_IDLE_SLEEP} seconds, not {settings.idle_sleep!r}")
         if not 0 <= settings.push_group_bytes <= 1 << 40:
             raise ConfigError(f"kvflow push_group_bytes must be 0..2**40, not {settings.push_group_bytes!r}")
         if settings.kv_cache_layout and settings.kv_cache_layout not in KV_CACHE_LAYOUTS:

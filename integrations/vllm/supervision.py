@@ -39,6 +39,7 @@ from kvflow.integrations.vllm.links import ProcessLink, ThreadLink
 from kvflow.integrations.vllm.settings import Settings
 from kvflow.layout import KVLayout, MemoryType
 from kvflow.runtime import host_memory
+from kvflow.runtime.bell import Bell
 from kvflow.runtime.engine import Engine, EngineConfig
 from kvflow.runtime.process import EngineProcess, ProcessSpec
 from kvflow.runtime.threaded import EngineThread
@@ -79,6 +80,7 @@ class ProcessStart:
     bind: str
     settings: Settings
     device: Device
+    bell: str = ""  # where the engine process rings its engine core's bell (`kvflow.runtime.bell`)
 
 
 def start_process(start: ProcessStart) -> tuple[ProcessLink, GpuExport, str]:
@@ -116,6 +118,7 @@ def start_process(start: ProcessStart) -> tuple[ProcessLink, GpuExport, str]:
         log_level=log.getEffectiveLevel(),
         cpus=settings.engine_cpus,
         scheduling=settings.engine_scheduling,
+        bell=start.bell,
     )
     try:
         process = EngineProcess(spec, spans, cuda_shares=gpu.shares, cuda_chunks=gpu.chunks)
@@ -138,9 +141,11 @@ def start_thread(
     settings: Settings,
     device: Device,
     make_transport: Callable[[str], Transport] | None,
+    bell: str = "",
 ) -> tuple[EngineThread, ThreadLink, str]:
     """The rank's engine on a thread of this process (`make_transport`: the host's transport
-    in place of NIXL's); the thread, its link, and where it runs.
+    in place of NIXL's, `bell`: its engine core's bell, rung when blocks come back); the
+    thread, its link, and where it runs.
 
     :raises KVFlowError: the engine did not start.
     """
@@ -161,8 +166,15 @@ def start_thread(
                 loopback_only=is_loopback(bind),
             )
         control: ControlChannel = ZmqControl(engine_id, bind=bind, thread_setup=device.bind_thread)
-        return Engine(engine_id, layout, transport, control, config=config, on_release=lambda _: news.set())
+        return Engine(engine_id, layout, transport, control, config=config, on_release=lambda _: released())
+
+    def released() -> None:
+        news.set()
+        if ringer is not None:
+            ringer.ring()
 
     news = threading.Event()  # the engine gave blocks back: a step waiting for it goes on
+    ringer = Bell(bell) if bell else None
     thread = EngineThread(factory, name=f"kvflow-{engine_id}", thread_setup=device.bind_thread)
-    return thread, ThreadLink(thread, settings.transfer_timeout, device, news), f"engine thread, pid {os.getpid()}"
+    link = ThreadLink(thread, settings.transfer_timeout, device, news, ringer)
+    return thread, link, f"engine thread, pid {os.getpid()}"

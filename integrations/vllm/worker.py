@@ -57,6 +57,7 @@ from kvflow.protocol.messages import OPEN_BATCHES, TransferKey
 from kvflow.protocol.requests import Abort, Expect
 from kvflow.protocol.state import Mode, Role
 from kvflow.runtime import host_memory
+from kvflow.runtime.bell import Bell
 from kvflow.runtime.engine import Engine, EngineConfig
 from kvflow.runtime.threaded import EngineThread
 from kvflow.transports.base import Transport
@@ -73,11 +74,22 @@ SHUTDOWN_DRAIN = 2.0
 
 class WorkerSide:
     def __init__(
-        self, engine_id: str, rank: int, settings: Settings, tp_size: int = 1, total_heads: int = 0, dp_rank: int = 0
+        self,
+        engine_id: str,
+        rank: int,
+        settings: Settings,
+        tp_size: int = 1,
+        total_heads: int = 0,
+        dp_rank: int = 0,
+        bell: str = "",
     ) -> None:
         """`tp_size`: the engine's tensor parallelism; `total_heads`: the model's KV heads (1
         for MLA's latent cache; 0: this rank's heads times `tp_size`); `dp_rank`: the engine's
-        data-parallel rank (its ranks bind ports after the ``dp_rank * tp_size`` before them)."""
+        data-parallel rank (its ranks bind ports after the ``dp_rank * tp_size`` before them);
+        `bell`: where the rank's engine rings vLLM's engine core when it has news for it
+        (`idle_sleep.py`; "": it does not)."""
+        self.bell = bell
+        self._greeting_owed = bool(bell)  # rung once, at the first step
         self.port = settings.port + dp_rank * tp_size if settings.port else 0
         self.base_engine_id = engine_id
         self.engine_id = rank_name(engine_id, rank)
@@ -135,12 +147,12 @@ class WorkerSide:
         bind = f"tcp://{settings.host}:{port}"
         why_not = self._why_not_a_process(layout, transport is not None)
         if why_not is None:
-            self._start_process(ProcessStart(self.engine_id, layout, config, bind, settings, device))
+            self._start_process(ProcessStart(self.engine_id, layout, config, bind, settings, device, self.bell))
         elif settings.engine_process == "process":
             raise ConfigError(f"kvflow engine_process 'process' cannot serve rank {self.engine_id}: {why_not}")
         else:
             self.thread, self.link, self._where = start_thread(
-                self.engine_id, layout, config, bind, settings, device, transport
+                self.engine_id, layout, config, bind, settings, device, transport, self.bell
             )
         groups = layout.spec.kv_groups
         if groups:  # vLLM's hybrid KV cache manager: each group's blocks move with its own layers
@@ -192,6 +204,11 @@ class WorkerSide:
         """Expect and abort orders: handed to the engine, never waited on.  First, a dead engine
         process is seen to (vLLM calls this at every step, one with nothing scheduled too)."""
         self._supervise()
+        if self._greeting_owed:  # the engine core exists now (it sends the steps): it hears its bell
+            self._greeting_owed = False
+            greeting = Bell(self.bell)
+            greeting.ring()  # from here on it may sleep while requests wait (idle_sleep.py)
+            greeting.close()
         self.producer.step = StepMemo()  # a new step: its forward has saved no layer yet
         if orders.expect or orders.abort or orders.promise:
             with self._batch():

@@ -20,5 +20,6 @@ CUDA IPC handles, `cuda_vmm` by file descriptors of driver-mapped chunks, which 
 hands over to a running engine process); the host's calls and the process's
 answers go through two rings in shared memory (`ring` the protocol, `ring_memory` the memory
 file and the wake-up) and the link's life through a socket (`frames` packs both's records);
-`loop` picks uvloop when it is installed.
+`bell` is a wake-up one process rings for another that sleeps on something else (vLLM's engine
+core while its requests wait for KV); `loop` picks uvloop when it is installed.
 """

@@ -42,6 +42,7 @@ from kvflow.layout import MemoryType, Region, layout_from_wire
 from kvflow.protocol.actions import ReleaseBlocks
 from kvflow.protocol.admission import PeerAllowList
 from kvflow.protocol.core import CoreConfig
+from kvflow.runtime.bell import Bell
 from kvflow.runtime.config import EngineConfig
 from kvflow.runtime.cuda_ipc import OpenedShares
 from kvflow.runtime.cuda_vmm import ImportedChunks, chunks_from_wire, open_gpu_memory
@@ -90,6 +91,10 @@ class Server:
         self.inbox = FdInbox()  # descriptors the host sent since start, for the call that takes them
         self._tasks: set[asyncio.Task[None]] = set()
         self._closing: asyncio.Future[None] | None = None
+        # the host's scheduler may sleep until its workers have news: rung once what it would
+        # act on (blocks given back, a failed call) is in the ring (`kvflow.runtime.bell`)
+        self._bell = Bell(spec["bell"]) if spec.get("bell") else None
+        self._ring_owed = False
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
@@ -129,6 +134,8 @@ class Server:
         if self.gpu is not None:
             self.gpu.close()
         self._say_closed(crashes)
+        if self._bell is not None:
+            self._bell.close()
         return 0 if not crashes else 1
 
     def _build(self) -> Engine:
@@ -295,10 +302,12 @@ class Server:
         try:
             result = await method(*args)
         except KVFlowError as exc:
+            self._ring_owed = True
             self._queue(["done", seq, error_record(exc), None])
         except Exception as exc:  # a bug: the call fails, the host hears of it, the engine goes on
             text = "".join(traceback.format_exception_only(exc)).strip()
             log.error("engine process: %s failed", getattr(method, "__name__", method), exc_info=exc)
+            self._ring_owed = True
             self._queue(["done", seq, ["EngineCrashed", text], None])
             self._queue(["crashed", [text]])
         else:
@@ -352,6 +361,7 @@ class Server:
 
     def _released(self, release: ReleaseBlocks) -> None:
         key = release.key
+        self._ring_owed = True
         self._queue(
             ["released", key.transfer_id, key.epoch, release.role.value, release.outcome.value, release.block_ids]
         )
@@ -402,6 +412,9 @@ class Server:
         del self._backlog[:written]
         if answers.unread() and answers.wake_owed():  # the host sleeps on its ring (also a wake-up missed before)
             self._ends().wake_host()
+        if self._ring_owed and not self._backlog and self._bell is not None:
+            self._ring_owed = False
+            self._bell.ring()
         return bool(self._backlog)
 
     def _say_closed(self, crashes: list[str]) -> None:

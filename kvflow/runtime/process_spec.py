@@ -41,6 +41,7 @@ class ProcessSpec:
     log_level: int = logging.WARNING
     cpus: tuple[int, ...] = ()  # the CPUs the engine process runs on; empty: the host's
     scheduling: str = "batch"  # its Linux policy (`SCHEDULING`): "batch" never preempts the host on waking
+    bell: str = ""  # a `kvflow.runtime.bell` it rings when it gives blocks back or a call fails ("": none)
 
     def to_wire(self, spans: Sequence[SharedSpan]) -> dict[str, Any]:
         """The spec as the child reads it (`spans`: the host memory handed over with it).
@@ -63,5 +64,6 @@ class ProcessSpec:
             "log_level": self.log_level,
             "cpus": list(self.cpus),
             "scheduling": self.scheduling,
+            "bell": self.bell,
             "host_pid": os.getpid(),  # the engine process's parent, until the host dies
         }
