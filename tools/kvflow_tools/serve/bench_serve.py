@@ -6,7 +6,9 @@ real HTTP client, so that what it reports (TTFT at the first streamed token, TPO
 failures, KV moved, the engines' CPU) is what a user of `kvflow serve` would see here.
 
 Systems: ``kvflow`` (push) and ``kvflow-pull`` share one pair (kvflow's connector, one router
-per dispatch mode); ``vllm-pull`` is vLLM's NixlConnector (router mode sequential, as vLLM's
+per dispatch mode); ``kvflow-spin`` is kvflow's push on a pair of its own whose engine core
+steps without pause while requests wait for KV, as vLLM's does (``idle_sleep`` 0: what the
+sleep costs or saves); ``vllm-pull`` is vLLM's NixlConnector (router mode sequential, as vLLM's
 proxy), ``vllm-push`` its NixlPushConnector (router mode nixl-push).  The systems are
 interleaved: at each rate they take turns, the first rotating from rate to rate, and every pair
 not taking its turn is stopped (SIGSTOP), so that the machine's drift falls on all alike and an
@@ -52,13 +54,21 @@ from kvflow_tools.serve.tiny_model import TinyModel, write_model
 
 __all__ = ("MODEL", "SYSTEMS", "add_arguments", "main", "plan_phases")
 
-# system -> (the deployment's connector, the router's mode)
+# system -> (its pair of servers, the router's mode)
 SYSTEMS = {
     "kvflow": ("kvflow", "push"),
     "kvflow-pull": ("kvflow", "pull"),
     "kvflow-first": ("kvflow", "push+first"),  # the first token from P's answer (the router's --first-token)
+    "kvflow-spin": ("kvflow-spin", "push"),  # vLLM's engine core stepping without pause while requests wait
     "vllm-pull": ("nixl", "sequential"),
     "vllm-push": ("nixl-push", "nixl-push"),
+}
+# pair -> (its servers' connector, the kvflow settings that differ from the connector's own)
+PAIRS: dict[str, tuple[str, dict[str, Any]]] = {
+    "kvflow": ("kvflow", {}),
+    "kvflow-spin": ("kvflow", {"idle_sleep": 0.0}),
+    "nixl": ("nixl", {}),
+    "nixl-push": ("nixl-push", {}),
 }
 # Many KV heads and layers, a small hidden size: 32 KiB of float32 KV a token (1 MiB a 32-token
 # prompt), little compute a token, so that moving the KV is a real share of a request's time.
@@ -159,10 +169,11 @@ class Pairs:
         self.alive: dict[str, Deployment] = {}
         self.rss_gib: dict[str, float] = {}  # server name -> its group's RSS sum after warm-up
 
-    def options(self, connector: str, mode: str) -> ServeOptions:
-        settings = {"lease": 3600.0} if connector == "kvflow" else {}  # a stopped pair keeps its peers
+    def options(self, pair: str, mode: str) -> ServeOptions:
+        connector, differ = PAIRS[pair]
+        settings = {"lease": 3600.0, **differ} if connector == "kvflow" else {}  # a stopped pair keeps its peers
         delay = self.nixl_progress_delay_us if connector != "kvflow" else None
-        return ServeOptions(connector=connector, mode=mode, model=self.model, port=0, run_dir=self.folder / connector,
+        return ServeOptions(connector=connector, mode=mode, model=self.model, port=0, run_dir=self.folder / pair,
                             max_model_len=self.max_model_len, kv_cache_gib=self.kv_cache_gib,
                             kvflow_settings=settings, startup_timeout=1200.0,
                             nixl_progress_delay_us=delay)  # fmt: skip
@@ -401,7 +412,7 @@ def _describe(rates: list[float], count: int, prompt: LengthDist, output: Length
             "arrivals": "poisson (open loop)",
         },
         "systems": systems,
-        "routes": {s: {"connector": SYSTEMS[s][0], "router_mode": SYSTEMS[s][1]} for s in systems},
+        "routes": {s: {"connector": PAIRS[SYSTEMS[s][0]][0], "router_mode": SYSTEMS[s][1]} for s in systems},
         "phases": phases,
         "order": f"{scheme}; at each rate the systems alive take turns (the first rotating from rate to rate), "
         "each pair SIGSTOPped outside its turns; streaming /v1/completions through kvflow's router",

@@ -20,9 +20,9 @@ from kvflow_tools.pd.contract import percentiles
 __all__ = ("RESULTS_FILE", "markdown_table", "plot", "render_table", "spread_lines", "summarise", "write")
 
 RESULTS_FILE = "results.json"
-SYSTEM_ORDER = ("kvflow", "kvflow-first", "kvflow-pull", "vllm-pull", "vllm-push")
-COLOURS = {"kvflow": "#1f77b4", "kvflow-first": "#2ca02c", "kvflow-pull": "#17becf", "vllm-pull": "#d62728",
-           "vllm-push": "#ff7f0e"}  # fmt: skip
+SYSTEM_ORDER = ("kvflow", "kvflow-first", "kvflow-spin", "kvflow-pull", "vllm-pull", "vllm-push")
+COLOURS = {"kvflow": "#1f77b4", "kvflow-first": "#2ca02c", "kvflow-spin": "#9467bd", "kvflow-pull": "#17becf",
+           "vllm-pull": "#d62728", "vllm-push": "#ff7f0e"}  # fmt: skip
 MiB = 2**20
 
 
