@@ -14,6 +14,8 @@ import os
 import queue
 import socket
 import stat
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -35,6 +37,7 @@ from kvflow.integrations.vllm.idle_sleep import (
     find_engine_loop,
     may_sleep,
 )
+from kvflow.integrations.vllm.supervision import ring_at_exit
 from kvflow.protocol.requests import Expect, KvReady
 from kvflow.runtime import bell as bell_module
 from kvflow.runtime.bell import Bell, BellListener, bell_path
@@ -354,4 +357,22 @@ def test_an_engine_process_rings_when_blocks_come_back_or_a_call_fails() -> None
     finally:
         d.close()
         p.close()
+        listener.close()
+
+
+def test_the_end_of_an_engine_process_rings_its_bell() -> None:
+    """A rank's engine process that dies rings no bell of its own: the worker watches its pid,
+    so that an engine core asleep while its requests wait finds the death at once."""
+    rings: list[int] = []
+    listener = BellListener(bell_path(os.getpid(), "decode-0"), lambda: rings.append(1))
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        ring_at_exit(child.pid, listener.path)
+        time.sleep(0.1)
+        assert rings == []  # alive: no ring
+        child.kill()
+        until(lambda: rings == [1], "the ring for the killed process")
+    finally:
+        child.kill()
+        child.wait()
         listener.close()

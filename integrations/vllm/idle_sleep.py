@@ -12,11 +12,12 @@ What: when a step schedules nothing, sends the workers nothing new, and every re
 scheduler holds is waiting for remote KV (or finished, its blocks held for a transfer), the
 scheduler-side hook (`build_connector_meta`) sleeps until one of:
 - kvflow has news: a rank's engine rings this process's bell (`kvflow.runtime.bell`) when it
-  gives blocks back or a call fails, what the workers report at their next step;
+  gives blocks back or a call fails, what the workers report at their next step, and a worker
+  rings it when its rank's engine process ends (`supervision.ring_at_exit`), which the worker
+  finds at that step;
 - vLLM has new input (a request, an abort, a utility call): the engine core's input queue
   (`queue.Queue`) is waited on by its own condition, which a `put` notifies;
-- `limit` seconds pass (the only bound on what neither tells: a rank's engine process that
-  died, which the worker finds at its next step).
+- `limit` seconds pass (the bound on what none of these tells, should a ring be lost).
 After a sleep longer than the readers' one second both sides of vLLM's queues wait on sockets.
 It never sleeps before the bell has rung once: each worker rings it at its first step, which
 shows that the ranks' rings reach this process.
@@ -45,7 +46,7 @@ from typing import Any
 from kvflow.errors import KVFlowError
 from kvflow.runtime.bell import BellListener, bell_path
 
-__all__ = ("EngineLoop", "IdleSleep", "StepView", "engine_core_pid", "find_engine_loop", "may_sleep")
+__all__ = ("EngineLoop", "IdleSleep", "StepView", "engine_core_pid", "find_engine_loop", "listen", "may_sleep")
 
 log = logging.getLogger("kvflow.vllm")
 
