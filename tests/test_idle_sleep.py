@@ -10,17 +10,19 @@ wait below has a deadline that only guards against a hang; nothing asserts a dur
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import queue
 import socket
 import stat
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -30,6 +32,7 @@ from hypothesis import strategies as st
 import kvflow
 from kvflow.errors import ConfigError, InvalidBatch
 from kvflow.integrations.vllm.idle_sleep import (
+    FOLLOW_UP,
     EngineLoop,
     IdleSleep,
     StepView,
@@ -37,12 +40,17 @@ from kvflow.integrations.vllm.idle_sleep import (
     find_engine_loop,
     may_sleep,
 )
+from kvflow.integrations.vllm.links import EngineLink
+from kvflow.integrations.vllm.stats import RankMeter
 from kvflow.integrations.vllm.supervision import ring_at_exit
+from kvflow.protocol.actions import Resolve
 from kvflow.protocol.requests import Expect, KvReady
-from kvflow.runtime import bell as bell_module
+from kvflow.protocol.state import Outcome, Role
 from kvflow.runtime.bell import Bell, BellListener, bell_path
 from kvflow.runtime.host_memory import share_in_place
+from kvflow.runtime.meter import MeterReading, TransferMeter
 from kvflow.runtime.process import EngineProcess, ProcessSpec
+from kvflow.runtime.results import EngineCounters, Outcomes, TransferResult
 
 # each layer's cache 2 MiB: an allocation of its own (malloc maps it), so that moving its pages in
 # place (`share_in_place`) takes no page of the heap or of the other engine's caches with them
@@ -64,7 +72,7 @@ def until(condition: Callable[[], bool], what: str) -> None:
 @pytest.fixture(autouse=True)
 def private_bells(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """Each test's bells in a temporary directory of its own."""
-    monkeypatch.setattr(bell_module.tempfile, "gettempdir", lambda: str(tmp_path))
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path))
     return tmp_path
 
 
@@ -206,6 +214,14 @@ def heard(sleep: IdleSleep, ringer: Bell) -> None:
     until(lambda: sleep.heard, "the first ring")
 
 
+def settled(engine: EngineCore, sleep: IdleSleep, ringer: Bell) -> None:
+    """Past the first ring and the short sleep that follows any ring's step."""
+    heard(sleep, ringer)
+    assert engine.step(sleep) is True  # ended at once by the first ring
+    assert engine.step(sleep) is True  # the follow-up, ended by its own bound
+    assert (sleep.counters["idle_sleeps_ended_by_kvflow"], sleep.counters["idle_sleeps_ended_by_follow_up"]) == (1, 1)
+
+
 def in_a_while(action: Callable[[], None]) -> threading.Timer:
     timer = threading.Timer(0.05, action)
     timer.start()
@@ -225,15 +241,24 @@ def test_a_ring_before_the_sleep_ends_it_at_once_and_is_consumed(core) -> None: 
     heard(sleep, ringer)
     assert engine.step(sleep) is True
     assert sleep.counters["idle_sleeps_ended_by_kvflow"] == 1
-    sleep.limit = 0.05
-    assert engine.step(sleep) is True  # no ring left over: this one waits out its limit
-    assert sleep.counters["idle_sleeps_ended_by_limit"] == 1
+    assert engine.step(sleep) is True  # no ring left over: this one waits out its (follow-up) bound
+    assert sleep.counters["idle_sleeps_ended_by_follow_up"] == 1
+
+
+def test_after_kvflows_news_the_next_sleep_is_short_and_the_one_after_it_long(core) -> None:  # type: ignore[no-untyped-def]
+    """The step a ring starts asks the rank's engine for its gauges; the step after it reports
+    them (a silent peer's teardown, the blocks it holds): so the sleep between is short."""
+    engine, sleep, ringer = core
+    settled(engine, sleep, ringer)
+    sleep.limit = 2 * FOLLOW_UP
+    assert engine.step(sleep) is True
+    assert sleep.counters["idle_sleeps_ended_by_limit"] == 1  # no news: the whole limit
+    assert sleep.counters["idle_sleep_ms"] >= 1000 * (FOLLOW_UP + 2 * FOLLOW_UP) - 5
 
 
 def test_the_sleep_ends_when_kvflow_rings(core) -> None:  # type: ignore[no-untyped-def]
     engine, sleep, ringer = core
-    heard(sleep, ringer)
-    engine.step(sleep)  # the first ring consumed
+    settled(engine, sleep, ringer)
     timer = in_a_while(ringer.ring)
     assert engine.step(sleep) is True
     timer.join()
@@ -243,8 +268,7 @@ def test_the_sleep_ends_when_kvflow_rings(core) -> None:  # type: ignore[no-unty
 
 def test_the_sleep_ends_when_vllm_has_input(core) -> None:  # type: ignore[no-untyped-def]
     engine, sleep, ringer = core
-    heard(sleep, ringer)
-    engine.step(sleep)
+    settled(engine, sleep, ringer)
     timer = in_a_while(lambda: engine.input_queue.put(("ADD", "r-2")))
     assert engine.step(sleep) is True
     timer.join()
@@ -254,8 +278,7 @@ def test_the_sleep_ends_when_vllm_has_input(core) -> None:  # type: ignore[no-un
 
 def test_input_already_queued_ends_the_sleep_at_once(core) -> None:  # type: ignore[no-untyped-def]
     engine, sleep, ringer = core
-    heard(sleep, ringer)
-    engine.step(sleep)
+    settled(engine, sleep, ringer)
     engine.input_queue.put(("ABORT", "r-1"))
     assert engine.step(sleep) is True
     assert sleep.counters["idle_sleeps_ended_by_request"] == 1
@@ -263,8 +286,7 @@ def test_input_already_queued_ends_the_sleep_at_once(core) -> None:  # type: ign
 
 def test_with_neither_the_sleep_ends_at_its_limit(core) -> None:  # type: ignore[no-untyped-def]
     engine, sleep, ringer = core
-    heard(sleep, ringer)
-    engine.step(sleep)
+    settled(engine, sleep, ringer)
     sleep.limit = 0.05
     assert engine.step(sleep) is True
     assert sleep.counters["idle_sleeps_ended_by_limit"] == 1
@@ -331,6 +353,11 @@ def engine_process(name: str, caches: list[np.ndarray], bell: str = "") -> Engin
             os.close(span.fd)
 
 
+def answered(process: EngineProcess, future: concurrent.futures.Future[Any]) -> bool:
+    process.pump()
+    return future.done()
+
+
 def test_an_engine_process_rings_when_blocks_come_back_or_a_call_fails() -> None:
     rings: list[int] = []
     path = bell_path(os.getpid(), "decode-0")
@@ -339,9 +366,9 @@ def test_an_engine_process_rings_when_blocks_come_back_or_a_call_fails() -> None
     listener = BellListener(path, lambda: rings.append(1))
     try:
         connected = d.call("connect", "prefill-0", p.address)
-        until(lambda: (d.pump(), connected.done())[1], "the connection")
+        until(lambda: answered(d, connected), "the connection")
         quiet = d.call("stats")  # an answer that changes nothing a step reports: no ring
-        until(lambda: (d.pump(), quiet.done())[1], "the stats")
+        until(lambda: answered(d, quiet), "the stats")
         time.sleep(0.1)
         assert rings == []
         d.submit(Expect(kvflow.TransferKey("t-1", 1), "prefill-0", [1, 2]))
@@ -351,7 +378,7 @@ def test_an_engine_process_rings_when_blocks_come_back_or_a_call_fails() -> None
         before = len(rings)
         refused = d.submit(Expect(kvflow.TransferKey("t-2", 1), "prefill-0", [-1]))
         until(lambda: len(rings) > before, "a ring for the refused call")
-        until(lambda: (d.pump(), refused.done())[1], "the refusal")
+        until(lambda: answered(d, refused), "the refusal")
         with pytest.raises(InvalidBatch):
             refused.result()
     finally:
@@ -376,3 +403,47 @@ def test_the_end_of_an_engine_process_rings_its_bell() -> None:
         child.kill()
         child.wait()
         listener.close()
+
+
+def test_each_outcome_is_handed_to_on_end_even_while_its_blocks_stay_quarantined() -> None:
+    """A transfer that fails while its blocks stay held (a silent peer's) gives nothing back, yet
+    the host's scheduler must step to show the failure and the hold in its metrics: the engine
+    rings on each outcome (`on_end`), not only on released blocks."""
+    ended: list[TransferResult] = []
+    outcomes = Outcomes("decode-0", 16, TransferMeter(), EngineCounters(), None, lambda f, *a: f(*a), ended.append)
+    key = kvflow.TransferKey("t-1", 1)
+    outcomes.resolve(Resolve(key, Role.DECODE, Outcome.FAILED, "peer prefill-0 lost"), now=1.0)
+    assert ended == [TransferResult(key, Role.DECODE, Outcome.FAILED, "peer prefill-0 lost")]
+    assert list(outcomes.released) == []
+
+
+class SnapshotLink:
+    """The part of a rank's engine link the meter uses: its readings, and the snapshot calls
+    made (name, lazy), each answered at once with gauges that show a silent peer's hold."""
+
+    def __init__(self) -> None:
+        self.readings: list[MeterReading] = []
+        self.calls: list[tuple[str, bool]] = []
+
+    def meter_take(self) -> MeterReading:
+        return self.readings.pop(0) if self.readings else MeterReading()
+
+    def command(self, name: str, *args: Any, lazy: bool = False, always: bool = False) -> Any:
+        self.calls.append((name, lazy))
+        answer: concurrent.futures.Future[dict[str, Any]] = concurrent.futures.Future()
+        gauges = {"quarantined_blocks": 12, "in_flight": {}, "teardowns": {"holding": 1}, "hold_release_in_s": 95.0}
+        answer.set_result({"rejected": {}, "gauges": gauges})
+        return answer
+
+
+def test_a_step_that_reads_an_outcome_asks_for_the_gauges_at_once_and_the_next_reports_them() -> None:
+    fake, meter = SnapshotLink(), RankMeter("decode-0-tp0")
+    link = cast(EngineLink, fake)
+    meter.take(link)  # the first step: a snapshot asked lazily (it goes with the next call)
+    assert fake.calls == [("snapshot", True)]
+    meter.take(link)  # the answer read; the next one not due yet
+    fake.readings.append(MeterReading(outcomes={"failed": 1}))
+    meter.take(link)  # a transfer ended: asked at once, not lazily, whatever the interval
+    assert fake.calls == [("snapshot", True), ("snapshot", False)]
+    reported = meter.take(link)  # the step after it (the engine core's follow-up)
+    assert reported is not None and reported.data["ranks"]["decode-0-tp0"]["quarantined_blocks"] == 12

@@ -17,7 +17,9 @@ scheduler-side hook (`build_connector_meta`) sleeps until one of:
   finds at that step;
 - vLLM has new input (a request, an abort, a utility call): the engine core's input queue
   (`queue.Queue`) is waited on by its own condition, which a `put` notifies;
-- `limit` seconds pass (the bound on what none of these tells, should a ring be lost).
+- `limit` seconds pass (the bound on what none of these tells, should a ring be lost), or
+  `FOLLOW_UP` after a sleep kvflow's news ended (the worker's step asked its engine for the
+  gauges that news moved; the next step reports them to vLLM's metrics).
 After a sleep longer than the readers' one second both sides of vLLM's queues wait on sockets.
 It never sleeps before the bell has rung once: each worker rings it at its first step, which
 shows that the ranks' rings reach this process.
@@ -51,6 +53,10 @@ __all__ = ("EngineLoop", "IdleSleep", "StepView", "engine_core_pid", "find_engin
 log = logging.getLogger("kvflow.vllm")
 
 SEARCH_DEPTH = 16  # calling frames looked at for the engine core
+# After a sleep kvflow's news ended, the next sleep lasts at most this long: the step the news
+# started asked the rank's engine for its gauges (quarantined blocks, a peer's teardown), and
+# the step after it reports them.  Within a second of a step the worker polls anyway.
+FOLLOW_UP = 0.5
 
 
 @dataclass(frozen=True)
@@ -117,6 +123,7 @@ class IdleSleep:
         self._cond: threading.Condition | None = None
         self._loop: EngineLoop | None = None
         self._searched = False
+        self._follow_up = False  # the last sleep ended by kvflow's news: the next one is short
         self._listener = BellListener(bell_path(os.getpid(), engine_id), self._ring)
 
     @property
@@ -169,7 +176,8 @@ class IdleSleep:
     def _sleep(self, loop: EngineLoop) -> None:
         cond, pending = loop.inputs.not_empty, loop.inputs.queue  # read under the queue's own lock
         start = time.monotonic()
-        deadline = start + self.limit
+        short, self._follow_up = self._follow_up, False
+        deadline = start + (min(self.limit, FOLLOW_UP) if short else self.limit)
         with cond:
             while True:
                 if self._rung:
@@ -180,10 +188,11 @@ class IdleSleep:
                     break
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    ended = "limit"
+                    ended = "follow_up" if short else "limit"
                     break
                 cond.wait(left)
             self._rung = False  # news before this point is seen by the step that follows
+        self._follow_up = ended == "kvflow"
         self.counters[f"idle_sleeps_ended_by_{ended}"] += 1
         self.counters["idle_sleep_ms"] += round((time.monotonic() - start) * 1000)
 

@@ -223,7 +223,7 @@ class RankMeter:
         if link is None:
             return None
         reading = link.meter_take()
-        fresh = self._refresh(link)
+        fresh = self._refresh(link, urgent=bool(reading.outcomes))
         if not (fresh or reading.samples or reading.outcomes or reading.dropped):
             return None  # most steps: nothing new to say
         data = _empty()
@@ -244,9 +244,11 @@ class RankMeter:
         stats = _stats_of(data)
         return None if stats.is_empty() else stats
 
-    def _refresh(self, link: EngineLink) -> bool:
+    def _refresh(self, link: EngineLink, urgent: bool = False) -> bool:
         """Read the snapshot asked for earlier, if it came (True then); ask for the next one at
-        most every `SNAPSHOT_INTERVAL` seconds (each wakes the engine's loop)."""
+        most every `SNAPSHOT_INTERVAL` seconds (each wakes the engine's loop), or at once when
+        `urgent` (a transfer ended: its gauges moved, and vLLM's engine core may sleep after
+        this step, so the answer must be there for the next one, not wait for a later call)."""
         fresh = False
         pending = self._pending
         if pending is not None and pending.done():
@@ -255,10 +257,10 @@ class RankMeter:
                 snapshot = pending.result()
                 self._latest, fresh = _Snapshot(snapshot["rejected"], snapshot["gauges"]), True
         now = time.monotonic()
-        if self._pending is None and now >= self._next_snapshot:
+        if self._pending is None and (urgent or now >= self._next_snapshot):
             self._next_snapshot = now + SNAPSHOT_INTERVAL
             with contextlib.suppress(KVFlowError):  # the engine stopped: the last snapshot stands
-                self._pending = link.command("snapshot", lazy=True)
+                self._pending = link.command("snapshot", lazy=not urgent)
         return fresh
 
 

@@ -190,7 +190,13 @@ def start_thread(
                 loopback_only=is_loopback(bind),
             )
         control: ControlChannel = ZmqControl(engine_id, bind=bind, thread_setup=device.bind_thread)
-        return Engine(engine_id, layout, transport, control, config=config, on_release=lambda _: released())
+        return Engine(
+            engine_id, layout, transport, control, config=config, on_release=lambda _: released(), on_end=ended
+        )
+
+    def ended(_: object) -> None:  # a failure, and the gauges it moves, reach vLLM at its next step
+        if ringer is not None:
+            ringer.ring()
 
     def released() -> None:
         news.set()

@@ -73,8 +73,12 @@ class Engine:
         peer_worker: Submitter | None = None,
         clock: Callable[[], float] | None = None,
         on_release: Callable[[ReleaseBlocks], None] | None = None,
+        on_end: Callable[[TransferResult], None] | None = None,
     ) -> None:
-        """:raises ConfigError: `engine_id` is not a valid engine id, or the config is unusable."""
+        """`on_release` is called (on the engine's loop) with each batch of blocks given back,
+        `on_end` with each side's outcome as its transfer ends.
+
+        :raises ConfigError: `engine_id` is not a valid engine id, or the config is unusable."""
         self.engine_id = require_engine_id(engine_id)
         self.layout = layout
         self.transport = transport
@@ -85,7 +89,7 @@ class Engine:
         self.meter = TransferMeter()  # per-transfer time, bytes and outcomes, for metrics
         self.counters = EngineCounters()
         kept = self.config.results_kept
-        self.outcomes = Outcomes(engine_id, kept, self.meter, self.counters, on_release, self._guard)
+        self.outcomes = Outcomes(engine_id, kept, self.meter, self.counters, on_release, self._guard, on_end)
         self.released, self.finished = self.outcomes.released, self.outcomes.finished  # any thread may poll
         self._submitter = submitter or WriterThread(
             f"kvflow-writer-{engine_id}", self._record_crash, thread_setup=self.config.thread_setup

@@ -53,6 +53,7 @@ from kvflow.runtime.frames import FrameReader, decode_record, encode_frame, enco
 from kvflow.runtime.host_memory import MappedSpans
 from kvflow.runtime.loop import new_event_loop
 from kvflow.runtime.process import STALL_LIMIT
+from kvflow.runtime.results import TransferResult
 from kvflow.runtime.ring_memory import EngineRings
 from kvflow.transports.registry import load_transport
 
@@ -165,7 +166,9 @@ class Server:
             options.update(cuda=True, thread_setup=gpu.bind)
         transport = load_transport(spec["transport"])(spec["engine_id"], **options)
         control = ZmqControl(spec["engine_id"], bind=spec["bind"])
-        self.engine = Engine(spec["engine_id"], layout, transport, control, config=config, on_release=self._released)
+        self.engine = Engine(
+            spec["engine_id"], layout, transport, control, config=config, on_release=self._released, on_end=self._ended
+        )
         return self.engine
 
     def _ends(self) -> EngineRings:
@@ -366,8 +369,19 @@ class Server:
             ["released", key.transfer_id, key.epoch, release.role.value, release.outcome.value, release.block_ids]
         )
 
+    def _ended(self, _: TransferResult) -> None:
+        """A transfer ended (its outcome goes in the meter's next record): its failure, and
+        the gauges it moves (quarantined blocks, a peer's teardown), reach the host's scheduler
+        at its next step, which the bell starts when it sleeps."""
+        if self._bell is not None:
+            self._ring_owed = True
+            self._queue_flush()
+
     def _queue(self, record: list[Any]) -> None:
         self._out.append(record)
+        self._queue_flush()
+
+    def _queue_flush(self) -> None:
         if not self._flush_scheduled:
             self._flush_scheduled = True
             asyncio.get_running_loop().call_soon(self._flush)

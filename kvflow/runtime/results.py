@@ -125,7 +125,7 @@ def keep(records: deque[Any], record: Any) -> bool:
 class Outcomes:
     """How an engine's transfers end, as its callers see it: each side's future, the bounded
     queues any thread may poll (`released`, `finished`: the newest `kept`, the oldest dropped
-    and counted), the meter, and the `on_release` callback (run through `guard`)."""
+    and counted), the meter, and the `on_release` and `on_end` callbacks (run through `guard`)."""
 
     def __init__(
         self,
@@ -135,12 +135,13 @@ class Outcomes:
         counters: EngineCounters,
         on_release: Callable[[ReleaseBlocks], None] | None,
         guard: Callable[..., None],
+        on_end: Callable[[TransferResult], None] | None = None,
     ) -> None:
         self.engine_id = engine_id
         self.released: deque[ReleaseBlocks] = deque(maxlen=kept)  # thread-safe to popleft from anywhere
         self.finished: deque[TransferResult] = deque(maxlen=kept)
         self.meter, self.counters = meter, counters
-        self.on_release, self._guard = on_release, guard
+        self.on_release, self.on_end, self._guard = on_release, on_end, guard
         self._futures: dict[tuple[TransferKey, Role], asyncio.Future[TransferResult]] = {}
 
     def handle(self, machine: Machine, loop: asyncio.AbstractEventLoop) -> TransferHandle:
@@ -163,6 +164,8 @@ class Outcomes:
         future = self._futures.pop((action.key, action.role), None)
         if future is not None and not future.done():
             future.set_result(result)
+        if self.on_end is not None:
+            self._guard(self.on_end, result)
 
     def closed(self) -> None:
         """The engine closed: every handle still waiting raises `EngineClosed`."""
