@@ -16,8 +16,11 @@ without racing it: what the frozen side would do happens only once it is thawed 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import functools
+import os
 import signal
+import time
 import urllib.request
 import uuid
 from collections.abc import Iterator
@@ -54,6 +57,7 @@ from tests.vllm_real import (
 )
 
 LEASE = 15.0  # kvflow's lease here: a dead peer is noticed within it (heartbeats every 2.5 s)
+HOLD = 5.0  # seconds a request waits at D for a frozen P's KV
 SETTLE = 90.0  # the bound on any wait for a server to return to idle (a lease and a transfer timeout in it)
 SEEDS = {"push": 1, "pull": 2, "sequential": 3}  # each test's prompts its own (D's cache holds earlier ones)
 pytestmark = [pytest.mark.timeout(1200), pytest.mark.real_engine]  # the module's first test also starts four engines
@@ -98,6 +102,39 @@ def frozen(server: Server) -> Any:
     return hold()
 
 
+def engines_frozen(server: Server) -> Any:
+    """A context in which `server`'s processes but its API server (the group's leader) are
+    stopped: its engine core, workers and their kvflow engine processes; thawed on exit."""
+    from contextlib import contextmanager
+
+    leader = server.group.pid or 0
+
+    @contextmanager
+    def hold() -> Iterator[None]:
+        stopped = [pid for pid in _group(leader) if pid != leader]
+        assert stopped, f"no engine process in {server.name}'s group"
+        for pid in stopped:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            for pid in stopped:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
+
+    return hold()
+
+
+def _group(pgid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError):
+                if os.getpgid(int(entry)) == pgid:
+                    found.append(int(entry))
+    return found
+
+
 # ---------------------------------------------------------------- the ways in
 
 
@@ -138,6 +175,34 @@ def test_kvflows_series_are_on_both_servers_metrics_and_in_vllms_log_line(pd: De
     pushed = sum(metric(pd.server(p), "vllm:kvflow_bytes_transferred_sum") for p in ("prefill-0", "prefill-1"))
     assert pushed > 0  # P posts the WRITEs in push mode and counts their bytes
     assert settles(lambda: "KV Transfer metrics: Transfers succeeded=" in d.group.tail(1 << 20), SETTLE)
+
+
+def test_d_sleeps_while_its_request_waits_for_ps_kv_and_wakes_when_it_lands(pd: Deployment) -> None:
+    """vLLM's engine core would step without pause while the request waits; with kvflow it
+    sleeps until kvflow rings (docs/vllm.md, ``idle_sleep``), and the answer is still exact."""
+    router = pd.add_router("push")
+    [prompt] = prompts(61, [300])
+    p0, p1, d = (pd.server(n) for n in ("prefill-0", "prefill-1", "decode-0"))
+
+    def sleeps() -> dict[str, float]:
+        return {
+            event: metric(d, "vllm:kvflow_scheduler_events_total", event=event)
+            for event in ("idle_sleep_ms", "idle_sleeps_ended_by_kvflow")
+        }
+
+    before = sleeps()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        # whichever P the router picks: D holds the request meanwhile.  P's API server stays up
+        # (a frozen one resets, on waking, the kept-alive connection the request came on)
+        with engines_frozen(p0), engines_frozen(p1):
+            answer = pool.submit(complete, router, prompt)
+            time.sleep(HOLD)
+        same(answer.result(timeout=SETTLE), reference(pd, prompt))
+    gained = {event: value - before[event] for event, value in sleeps().items()}
+    assert gained["idle_sleep_ms"] >= 1000 * (HOLD - 2), gained  # asleep for most of the wait
+    assert gained["idle_sleeps_ended_by_kvflow"] >= 1, gained  # the landing woke it
+    for name in ("prefill-0", "prefill-1"):  # frozen, they failed the router's health checks
+        assert settles(functools.partial(router_sees, router, name, True), SETTLE)
 
 
 # ---------------------------------------------------------------- faults (they stop servers)
