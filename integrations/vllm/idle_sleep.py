@@ -12,12 +12,13 @@ What: when a step schedules nothing, sends the workers nothing new, and every re
 scheduler holds is waiting for remote KV (or finished, its blocks held for a transfer), the
 scheduler-side hook (`build_connector_meta`) sleeps until one of:
 - kvflow has news: a rank's engine rings this process's bell (`kvflow.runtime.bell`) when it
-  gives blocks back or a call fails, what the workers report at their next step, and a worker
-  rings it when its rank's engine process ends (`supervision.ring_at_exit`), which the worker
-  finds at that step;
+  gives blocks back, a transfer ends or a call fails: what the workers report at their next
+  step;
 - vLLM has new input (a request, an abort, a utility call): the engine core's input queue
   (`queue.Queue`) is waited on by its own condition, which a `put` notifies;
-- `limit` seconds pass (the bound on what none of these tells, should a ring be lost), or
+- `limit` seconds pass: the bound on what none of these tells, a rank's engine process that
+  died (found by its worker at the next step; a thread here watching its pid would run while
+  the host's KV memory moves in place at an engine process's start, see `host_memory`), or
   `FOLLOW_UP` after a sleep kvflow's news ended (the worker's step asked its engine for the
   gauges that news moved; the next step reports them to vLLM's metrics).
 After a sleep longer than the readers' one second both sides of vLLM's queues wait on sockets.

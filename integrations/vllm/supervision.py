@@ -24,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import select
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -46,7 +45,7 @@ from kvflow.runtime.process import EngineProcess, ProcessSpec
 from kvflow.runtime.threaded import EngineThread
 from kvflow.transports.base import Transport
 
-__all__ = ("ProcessStart", "RestartPolicy", "ring_at_exit", "start_process", "start_thread")
+__all__ = ("ProcessStart", "RestartPolicy", "start_process", "start_thread")
 
 log = logging.getLogger("kvflow.vllm")
 
@@ -127,30 +126,7 @@ def start_process(start: ProcessStart) -> tuple[ProcessLink, GpuExport, str]:
         for span in spans:  # the child has its own; this process's mapping keeps the memory
             os.close(span.fd)
         gpu.close_fds()
-    if start.bell:
-        ring_at_exit(process.pid, start.bell)
     return ProcessLink(process, start.device), gpu, _where(process, gpu)
-
-
-def ring_at_exit(pid: int, bell: str) -> None:
-    """Ring `bell` when the process `pid` ends: an engine core asleep while its requests wait
-    (idle_sleep.py) then steps, and the worker finds the death at once instead of at the end of
-    the sleep.  Never raises (without a pidfd, the sleep's limit bounds it)."""
-    try:
-        pidfd = os.pidfd_open(pid)
-    except OSError:
-        return
-
-    def watch() -> None:
-        try:
-            select.select([pidfd], [], [])  # readable once the process has ended
-            ringer = Bell(bell)
-            ringer.ring()
-            ringer.close()
-        finally:
-            os.close(pidfd)
-
-    threading.Thread(target=watch, name=f"kvflow-watch-{pid}", daemon=True).start()
 
 
 def _where(process: EngineProcess, gpu: GpuExport) -> str:
