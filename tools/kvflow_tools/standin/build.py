@@ -58,6 +58,19 @@ def backend_class(name: str) -> Any:
     return getattr(importlib.import_module(module), cls)
 
 
+def _extra(o: EngineOptions) -> dict[str, Any]:
+    """The connector's settings: the stand-in's own keys out and, for kvflow's, no engine-core
+    sleep unless a test asks for one.  No stand-in engine core would sleep (its loop is not
+    vLLM's), and the bell that ends a sleep would ring threads of this process, which here
+    holds P's and D's ranks together, while another rank's KV memory moves in place
+    (`host_memory.share_in_place`: the stand-in's caches are small heap allocations, whose pages
+    any running thread may write).  The sleep is tested on real servers."""
+    extra = dict(fabric_of(o.extra)[0])
+    if o.connector == "KVFlowConnector":
+        extra.setdefault("idle_sleep", 0.0)
+    return extra
+
+
 def vllm_config(o: EngineOptions) -> Any:
     """The VllmConfig of one engine, as a GPU host would have it."""
     from vllm.config import (
@@ -85,7 +98,7 @@ def vllm_config(o: EngineOptions) -> Any:
             kv_connector_module_path=o.module_path,
             kv_role=o.role,  # type: ignore[arg-type]
             engine_id=o.engine_id or o.name,
-            kv_connector_extra_config=fabric_of(o.extra)[0],  # the stand-in's own keys out
+            kv_connector_extra_config=_extra(o),
             kv_load_failure_policy=o.failure_policy,  # type: ignore[arg-type]
             kv_buffer_device=o.kv_buffer_device,
         )
