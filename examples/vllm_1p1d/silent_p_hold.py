@@ -23,32 +23,31 @@ import time
 from pathlib import Path
 
 from examples.vllm_1p1d.d_waiting_cpu import ask as waiting_ask
+from kvflow_tools.serve.client import metric_sum
 from kvflow_tools.serve.launcher import Deployment, ServeOptions, Server
 
-WATCHED = (
-    "vllm:num_requests_waiting",
-    "vllm:kv_cache_usage_perc",
-    "vllm:kvflow_quarantined_blocks",
-    "vllm:kvflow_peer_teardowns",
-    "vllm:kvflow_hold_release_seconds",
-    "vllm:kvflow_scheduler_events_total",
-)
+PHASES = ("removing", "backing-off", "grace", "holding")  # kvflow's teardown phases
+SLEEPS = ("kvflow", "request", "limit", "follow_up")  # how the engine core's sleeps ended
+WATCHED = [
+    ("vllm:num_requests_waiting", {}),
+    ("vllm:kv_cache_usage_perc", {}),
+    ("vllm:kvflow_quarantined_blocks", {}),
+    ("vllm:kvflow_hold_release_seconds", {}),
+    *[("vllm:kvflow_peer_teardowns", {"phase": phase}) for phase in PHASES],
+    *[("vllm:kvflow_scheduler_events_total", {"event": f"idle_sleeps_ended_by_{end}"}) for end in SLEEPS],
+    ("vllm:kvflow_scheduler_events_total", {"event": "idle_sleep_ms"}),
+]
 
 
 def watched(server: Server) -> dict[str, float]:
-    """The `WATCHED` samples of `server`'s metrics, by name and phase or event (summed over the rest)."""
-    found: dict[str, float] = {}
-    for line in server.metrics().splitlines():
-        name, _, rest = line.partition("{")
-        if line.startswith("#") or name not in WATCHED:
-            continue
-        labels, _, value = rest.rpartition("} ")
-        label = next((part.split('"')[1] for part in labels.split(",") if part.split("=")[0] in ("phase", "event")), "")
-        if name.endswith("scheduler_events_total") and "idle" not in label:
-            continue
-        key = name.removeprefix("vllm:") + (f".{label}" if label else "")
-        found[key] = found.get(key, 0.0) + float(value)
-    return {key: round(value, 3) for key, value in sorted(found.items()) if value}
+    """The `WATCHED` series of `server`'s metrics that are not 0, by name and phase or event."""
+    text = server.metrics()
+    found = {}
+    for name, labels in WATCHED:
+        value = metric_sum(text, name, labels)
+        if value:
+            found[".".join([name.removeprefix("vllm:"), *labels.values()])] = round(value, 3)
+    return found
 
 
 def ask(router: str, index: int, answers: list[str], start: float) -> None:
