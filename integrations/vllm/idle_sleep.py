@@ -154,9 +154,9 @@ class IdleSleep:
         It never sleeps before the bell has rung once (each worker rings it at its first step):
         ranks that ring elsewhere (a worker that is not the engine core's child) must not leave
         requests asleep until `limit`; it then steps as vLLM does.  Never raises."""
-        if not step.outstanding or step.scheduled_tokens or not self._heard:
-            return False  # the common cases, before any look at vLLM's objects
-        loop = self._engine_loop(connector)
+        if not self._heard:
+            return False
+        loop = self._engine_loop(connector)  # found once; `holds_of` is read only if the step is quiet
         if loop is None or not may_sleep(step, holds_of(loop.scheduler)):
             return False
         self._sleep(loop)
