@@ -77,14 +77,22 @@ def test_an_insiders_idle_connections_at_the_limit_give_way_to_a_genuine_peer(tm
     nothing (and reconnecting when closed), against P at 128 descriptors: before, they held every
     descriptor and D never got in (P spinning on failed accepts); now P refuses new handshakes
     while short, closes the idle connections, and D connects and moves KV."""
-    run = flood(tmp_path, "--nofile", "128", "--attack", "idle_insiders")
-    assert run["attack"] == "idle_insiders" and run["connections"] == 200
-    genuine = run["genuine"]
-    assert isinstance(genuine, dict) and genuine["completed"] is True, genuine
-    control = run["control"]
-    assert isinstance(control, dict) and control["connections_refused_short"] > 0, control
-    descriptors = run["p_descriptors"]
-    assert isinstance(descriptors, dict) and descriptors["peak"] <= 128
+    refused = []
+    for _ in range(2):
+        run = flood(tmp_path, "--nofile", "128", "--attack", "idle_insiders")
+        assert run["attack"] == "idle_insiders" and run["connections"] == 200
+        genuine = run["genuine"]
+        assert isinstance(genuine, dict) and genuine["completed"] is True, genuine
+        descriptors = run["p_descriptors"]
+        assert isinstance(descriptors, dict) and descriptors["peak"] <= 128
+        control = run["control"]
+        assert isinstance(control, dict)
+        refused.append(control.get("connections_refused_short", 0))  # a count that never moved is absent
+        if refused[-1] > 0:
+            break
+        # seen once in about ten runs beside other tests: the insider's handshakes failed on their
+        # own (slow ZAP answers), D got in at its first try, and P never had to refuse: once more
+    assert refused[-1] > 0, f"P never refused a handshake for want of descriptors: {refused}, {control}"
 
 
 def test_bench_floods_refuses_bad_settings() -> None:
