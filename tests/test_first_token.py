@@ -2,7 +2,8 @@
 say to the client, and D's stream checked against it and cut.
 
 Pure tests here; the router sending it through real processes is in
-tests/test_router_first_token.py, and real vLLM servers in tests/test_vllm_real_first_token.py.
+tests/test_router_first_token.py, and real vLLM servers in tests/real_first_token.py (run by
+tests/test_vllm_real_pd.py).
 """
 
 from __future__ import annotations

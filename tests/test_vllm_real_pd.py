@@ -7,7 +7,9 @@ two P servers, one D, and one plain engine without a connector as the reference.
 deployment serves the whole module, so engine start-up is paid once.  Every request's greedy
 tokens on D equal the reference's, and D's own counters say the KV came by transfer
 (`vllm:prompt_tokens_by_source_total`: ``external_kv_transfer`` is every prompt token D's cache
-did not hold, ``local_compute`` 0).  The faults come last: they kill and restart servers.
+did not hold, ``local_compute`` 0).  The first token from P (a router that streams it from P's
+answer) is checked here too, on the same engines (tests/real_first_token.py says how).  The
+faults come last: they kill and restart servers.
 
 Freezing a server (SIGSTOP of its process group) is how a test holds a request mid-transfer
 without racing it: what the frozen side would do happens only once it is thawed or killed.
@@ -32,6 +34,7 @@ from kvflow.protocol.state import Mode
 from kvflow_tools.routing.backends import Backend
 from kvflow_tools.routing.legs import decode_body, kvflow_params, prefill_body
 from kvflow_tools.serve.launcher import Deployment, ServeOptions, Server
+from tests import real_first_token as first
 from tests.vllm_real import (
     BLOCK,
     PREFILL_BUDGET,
@@ -203,6 +206,39 @@ def test_d_sleeps_while_its_request_waits_for_ps_kv_and_wakes_when_it_lands(pd: 
     assert gained["idle_sleeps_ended_by_kvflow"] >= 1, gained  # the landing woke it
     for name in ("prefill-0", "prefill-1"):  # frozen, they failed the router's health checks
         assert settles(functools.partial(router_sees, router, name, True), SETTLE)
+
+
+# ---------------------------------------------------------------- the first token from P (tests/real_first_token.py)
+
+
+def test_first_token_from_p_greedy_streamed_tokens_and_usage_are_one_engines(pd: Deployment) -> None:
+    first.greedy_streamed(pd)
+
+
+def test_first_token_from_p_seeded_sampling_is_one_engines(pd: Deployment) -> None:
+    first.seeded_sampling(pd)
+
+
+def test_first_token_from_p_unseeded_sampling_draws_on_d_the_token_p_sent(pd: Deployment) -> None:
+    first.unseeded_sampling(pd)
+
+
+def test_first_token_from_p_its_logprobs_are_one_engines(pd: Deployment) -> None:
+    first.first_logprobs(pd)
+
+
+@pytest.mark.parametrize("how", ["stop string", "stop token"])
+def test_first_token_from_p_that_ends_the_answer_is_ps_and_d_is_left_idle(pd: Deployment, how: str) -> None:
+    first.ended_by_the_first_token(pd, how)
+
+
+def test_first_token_from_p_n_above_one_is_refused_before_p_or_d_does_any_work(pd: Deployment) -> None:
+    first.several_samples_refused(pd)
+
+
+@pytest.mark.parametrize("max_tokens", [1, 8])
+def test_first_token_from_p_unstreamed_answers_are_one_engines(pd: Deployment, max_tokens: int) -> None:
+    first.unstreamed(pd, max_tokens)
 
 
 # ---------------------------------------------------------------- faults (they stop servers)
