@@ -149,3 +149,30 @@ def unstreamed(pd: Deployment, max_tokens: int) -> None:
     assert ours.body["usage"] == reference.body["usage"]
     assert ours.body.get("kv_transfer_params") == reference.body.get("kv_transfer_params")
     assert settles(lambda: idle(pd.server("decode-0")), SETTLE)
+
+
+def chat(pd: Deployment) -> None:
+    """A chat (the tiny model's template joins the contents), streamed and not: what the client
+    reads through the router is the reference's, and the streamed one's first token came from P."""
+    (prompt,) = prompts(SALT + 70, [100])
+    words = " ".join(f"<{token}>" for token in prompt)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": words}], "max_tokens": 8, "temperature": 0}
+    path = "/v1/chat/completions"
+    before = router_log(pd).count("first token from P")
+    streamed = body | {"stream_options": {"include_usage": True}}
+    ours, reference = stream(router(pd) + path, streamed), stream(pd.server("reference").url + path, streamed)
+    assert "error" not in json.dumps(ours), ours
+
+    def deltas(events: list[Any], key: str) -> list[Any]:
+        return [c["delta"][key] for c in choice_events(events) if c["delta"].get(key) is not None]
+
+    assert "".join(deltas(ours, "content")) == "".join(deltas(reference, "content"))
+    assert len("".join(deltas(ours, "content")).split()) == 8
+    assert deltas(ours, "role") == deltas(reference, "role") == ["assistant"]
+    assert choice_events(ours)[-1]["finish_reason"] == choice_events(reference)[-1]["finish_reason"] == "length"
+    assert ours[-2]["usage"] == reference[-2]["usage"] and ours[-1] == "[DONE]"
+    assert router_log(pd).count("first token from P") == before + 1
+    ours_whole, reference_whole = (post(url + path, body) for url in (router(pd), pd.server("reference").url))
+    assert ours_whole.status == reference_whole.status == 200
+    assert ours_whole.body["choices"][0]["message"] == reference_whole.body["choices"][0]["message"]
+    assert ours_whole.body["usage"] == reference_whole.body["usage"]

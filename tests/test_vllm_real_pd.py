@@ -236,6 +236,10 @@ def test_first_token_from_p_n_above_one_is_refused_before_p_or_d_does_any_work(p
     first.several_samples_refused(pd)
 
 
+def test_first_token_from_p_a_chat_streamed_and_not_is_one_engines(pd: Deployment) -> None:
+    first.chat(pd)
+
+
 @pytest.mark.parametrize("max_tokens", [1, 8])
 def test_first_token_from_p_unstreamed_answers_are_one_engines(pd: Deployment, max_tokens: int) -> None:
     first.unstreamed(pd, max_tokens)

@@ -4,7 +4,9 @@ Why: a real vLLM engine needs a model directory, and tests and demos must not do
 The weights are random but seeded, so greedy output is the same on every machine and run (and
 differs from prompt to prompt, which vLLM's ``load_format="dummy"`` weights do not); the
 tokenizer maps the words ``<0>`` .. ``<vocab-1>`` to their ids, so prompts can name token ids
-directly.  Only torch, safetensors and tokenizers are used, so a directory written by one
+directly.  Its chat template joins the messages' contents with spaces (a chat is its words, no
+role markers), so a chat request names its prompt's tokens too.  Only torch, safetensors and
+tokenizers are used, so a directory written by one
 environment loads in another (the main venv and a vLLM CPU build's).
 """
 
@@ -27,6 +29,7 @@ __all__ = ("TinyModel", "write_model")
 
 
 ARCHITECTURES = ("llama", "gemma2", "granite-hybrid")
+CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }} {% endfor %}"
 
 
 @dataclass(frozen=True)
@@ -242,7 +245,12 @@ def write_model(path: str | os.PathLike[str], model: TinyModel = TinyModel()) ->
         "generation_config.json": json.dumps({"bos_token_id": 0, "eos_token_id": model.vocab_size - 1}),
         "tokenizer.json": _tokenizer_json(model),
         "tokenizer_config.json": json.dumps(
-            {"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "<0>", "model_max_length": 1 << 20}
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "unk_token": "<0>",
+                "model_max_length": 1 << 20,
+                "chat_template": CHAT_TEMPLATE,
+            }
         ),
     }
     for name, text in files.items():
