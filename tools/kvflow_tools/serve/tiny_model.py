@@ -6,8 +6,8 @@ differs from prompt to prompt, which vLLM's ``load_format="dummy"`` weights do n
 tokenizer maps the words ``<0>`` .. ``<vocab-1>`` to their ids, so prompts can name token ids
 directly.  Its chat template joins the messages' contents with spaces (a chat is its words, no
 role markers), so a chat request names its prompt's tokens too.  Only torch, safetensors and
-tokenizers are used, so a directory written by one
-environment loads in another (the main venv and a vLLM CPU build's).
+tokenizers are used, so a directory written by one environment loads in another (the main venv
+and a vLLM CPU build's).
 """
 
 from __future__ import annotations
