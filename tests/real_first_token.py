@@ -25,7 +25,7 @@ import pytest
 
 from kvflow_tools.serve.launcher import Deployment
 from tests.test_first_token import datas, text_of
-from tests.vllm_real import MODEL, idle, post, prompts, settles
+from tests.vllm_real import MODEL, Answer, idle, post, prompts, settles
 
 ROUTE = "push+first"
 SALT = 100  # the first salt of these prompts
@@ -47,10 +47,14 @@ def router(pd: Deployment) -> str:
     return pd.add_router(ROUTE)
 
 
-def both(pd: Deployment, body: Mapping[str, Any]) -> tuple[list[Any], list[Any]]:
-    """`body` streamed through the router and by the reference engine."""
-    path = "/v1/completions"
+def both(pd: Deployment, body: Mapping[str, Any], path: str = "/v1/completions") -> tuple[list[Any], list[Any]]:
+    """`body` streamed to `path` through the router and by the reference engine."""
     return stream(router(pd) + path, body), stream(pd.server("reference").url + path, body)
+
+
+def both_whole(pd: Deployment, body: Mapping[str, Any], path: str = "/v1/completions") -> tuple[Answer, Answer]:
+    """`body` sent unstreamed to `path` through the router and to the reference engine."""
+    return post(router(pd) + path, body), post(pd.server("reference").url + path, body)
 
 
 def request(salt: int, length: int = 100, **more: Any) -> dict[str, Any]:
@@ -143,7 +147,7 @@ def several_samples_refused(pd: Deployment) -> None:
 
 def unstreamed(pd: Deployment, max_tokens: int) -> None:
     body = request(60 + max_tokens, max_tokens=max_tokens)
-    ours, reference = (post(url + "/v1/completions", body) for url in (router(pd), pd.server("reference").url))
+    ours, reference = both_whole(pd, body)
     assert ours.status == reference.status == 200
     assert ours.body["choices"][0]["text"] == reference.body["choices"][0]["text"]
     assert ours.body["usage"] == reference.body["usage"]
@@ -160,7 +164,7 @@ def chat(pd: Deployment) -> None:
     path = "/v1/chat/completions"
     before = router_log(pd).count("first token from P")
     streamed = body | {"stream_options": {"include_usage": True}}
-    ours, reference = stream(router(pd) + path, streamed), stream(pd.server("reference").url + path, streamed)
+    ours, reference = both(pd, streamed, path)
     assert "error" not in json.dumps(ours), ours
 
     def deltas(events: list[Any], key: str) -> list[Any]:
@@ -172,7 +176,7 @@ def chat(pd: Deployment) -> None:
     assert choice_events(ours)[-1]["finish_reason"] == choice_events(reference)[-1]["finish_reason"] == "length"
     assert ours[-2]["usage"] == reference[-2]["usage"] and ours[-1] == "[DONE]"
     assert router_log(pd).count("first token from P") == before + 1
-    ours_whole, reference_whole = (post(url + path, body) for url in (router(pd), pd.server("reference").url))
+    ours_whole, reference_whole = both_whole(pd, body, path)
     assert ours_whole.status == reference_whole.status == 200
     assert ours_whole.body["choices"][0]["message"] == reference_whole.body["choices"][0]["message"]
     assert ours_whole.body["usage"] == reference_whole.body["usage"]
