@@ -14,14 +14,25 @@ from __future__ import annotations
 
 from collections import deque
 
-from kvflow.errors import KVFlowError, PeerUnreachable, UnsendableMessage
+import pytest
+
+from kvflow.errors import KVFlowError, PeerUnknown, PeerUnreachable, UnsendableMessage
 from kvflow.layout import fingerprint, layout_to_wire
 from kvflow.protocol.actions import ReleaseBlocks, Resolve, SendMessage, SubmitOp
 from kvflow.protocol.association import Associations
 from kvflow.protocol.core import CoreConfig, TransferCore
 from kvflow.protocol.endpoint import Effect, Endpoint
-from kvflow.protocol.messages import MAX_HEARTBEAT_KEYS, Heartbeat, Hello, Registration, transfer_key
-from kvflow.protocol.peer_actions import AddRoute, AddTransportPeer, SendControl, SendHello, TearDown
+from kvflow.protocol.messages import MAX_HEARTBEAT_KEYS, FirstToken, Heartbeat, Hello, Registration, transfer_key
+from kvflow.protocol.peer_actions import (
+    AddRoute,
+    AddTransportPeer,
+    AnswerUnassociated,
+    SendControl,
+    SendHello,
+    TearDown,
+    TokenArrived,
+    UnknownSender,
+)
 from kvflow.protocol.requests import Expect, KvReady
 from kvflow.protocol.state import Mode, Outcome, Role
 from kvflow.protocol.teardown import PeerGone, RemovePeer
@@ -200,3 +211,27 @@ def test_fences_not_confirmed_tear_down_every_peer_waited_on_and_every_associate
     effects = d.tear_down_unfenced("engine closing", 0.0)
     torn = [(e.peer, e.reason) for e in effects if isinstance(e, TearDown)]
     assert torn == [("P", "engine closing: fence not confirmed"), ("Q", "engine closing: fence not confirmed")]
+
+
+def test_a_first_token_from_an_associated_peer_goes_to_the_host_and_not_to_the_core() -> None:
+    wire = Wire()
+    wire.connect()
+    key = transfer_key("t", 1)
+    wire.feed("P", wire.ends["P"].first_token("D", key, 42))
+    arrived = [e for e in wire.seen["D"] if isinstance(e, TokenArrived)]
+    assert arrived == [TokenArrived("P", FirstToken(key, 42))]
+    assert wire.ends["D"].live_count() == 0  # no transfer was started by it
+    # before D registered, and after: the core never sees it (D's transfer is untouched)
+    wire.feed("D", expect(wire.ends["D"], "t"))
+    wire.feed("P", wire.ends["P"].first_token("D", key, 43))
+    assert [e.message.token for e in wire.seen["D"] if isinstance(e, TokenArrived)] == [42, 43]
+    assert wire.ends["D"].machine(key, Role.DECODE).outcome is None
+
+
+def test_a_first_token_from_a_stranger_is_dropped_and_one_for_a_stranger_is_refused() -> None:
+    d = endpoint("D")
+    effects = d.receive("X", 1, FirstToken(transfer_key("t", 1), 42), 0.0)
+    assert not any(isinstance(e, TokenArrived) for e in effects)
+    assert any(isinstance(e, UnknownSender | AnswerUnassociated) for e in effects)
+    with pytest.raises(PeerUnknown, match="not associated"):
+        d.first_token("X", transfer_key("t", 1), 42)

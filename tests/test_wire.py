@@ -17,9 +17,11 @@ from kvflow.protocol.messages import (
     MAX_BLOCKS,
     MAX_EPOCH,
     MAX_POSITION,
+    MAX_TOKEN_ID,
     Claim,
     ControlMessage,
     Done,
+    FirstToken,
     Goodbye,
     Heartbeat,
     Hello,
@@ -48,6 +50,7 @@ messages: st.SearchStrategy[ControlMessage] = st.one_of(
     st.builds(Quiesced, keys),
     st.builds(Done, keys),
     st.builds(Claim, keys),
+    st.builds(FirstToken, keys, st.integers(0, MAX_TOKEN_ID)),
     st.builds(Heartbeat, st.lists(keys, max_size=20).map(tuple)),
     st.builds(Goodbye, text),
     st.builds(Reject, text),
@@ -126,6 +129,24 @@ def test_a_notice_outcome_travels_as_its_value_and_decodes_to_the_enum() -> None
     refusal = r"notice outcome must be one of \['aborted', 'failed', 'expired'\]"
     for outcome in ("exploded", "succeeded", "ABORTED", 1, None, b"aborted"):
         bad = msgpack.packb([wire.MAGIC, wire.VERSION, "a", 1, "b", 1, 4, ["t", 1, outcome, ""], 0], use_bin_type=True)
+        with pytest.raises(PeerProtocolError, match=refusal):
+            wire.decode(bad)
+
+
+def test_a_first_token_is_a_vocabulary_entry_and_anything_else_is_refused() -> None:
+    token = wire.Envelope("a", 1, "b", 1, FirstToken(TransferKey("t", 3), 1023))
+    frame = wire.encode(token)
+    assert msgpack.unpackb(frame)[6:8] == [10, ["t", 3, 1023]]
+    assert wire.decode(frame).message == FirstToken(TransferKey("t", 3), 1023)
+    for body, refusal in (
+        (["t", 3, -1], "first token"),
+        (["t", 3, MAX_TOKEN_ID + 1], "first token"),
+        (["t", 3, "7"], "first token"),
+        (["t", 3, True], "first token"),
+        (["t", 3], "first token"),
+        (["", 3, 7], "transfer id"),
+    ):
+        bad = msgpack.packb([wire.MAGIC, wire.VERSION, "a", 1, "b", 1, 10, body, 0], use_bin_type=True)
         with pytest.raises(PeerProtocolError, match=refusal):
             wire.decode(bad)
 

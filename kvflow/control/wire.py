@@ -44,10 +44,12 @@ from kvflow.protocol.messages import (
     MAX_EPOCH,
     MAX_HEARTBEAT_KEYS,
     MAX_POSITION,
+    MAX_TOKEN_ID,
     MAX_TRANSFER_ID,
     Claim,
     ControlMessage,
     Done,
+    FirstToken,
     Goodbye,
     Heartbeat,
     Hello,
@@ -279,6 +281,11 @@ def _heartbeat(body: Any) -> Heartbeat:
     return Heartbeat(tuple(map(TransferKey, ids, epochs)))
 
 
+def _first_token(body: Any) -> FirstToken:
+    tid, epoch, token = _body(body, 3, "first token")
+    return FirstToken(_key(tid, epoch), _int(token, "first token", 0, MAX_TOKEN_ID))
+
+
 def _goodbye(body: Any) -> Goodbye:
     (reason,) = _body(body, 1, "goodbye")
     return Goodbye(_text(reason, "reason"))
@@ -295,6 +302,7 @@ _DECODERS: dict[int, Decoder] = {
     7: _heartbeat,
     8: _goodbye,
     9: _claim,
+    10: _first_token,
 }
 
 
@@ -319,6 +327,8 @@ def _encode_body(message: ControlMessage) -> tuple[int, list[Any]]:
         return 6, [message.key.transfer_id, message.key.epoch]
     if isinstance(message, Claim):
         return 9, [message.key.transfer_id, message.key.epoch]
+    if isinstance(message, FirstToken):
+        return 10, [message.key.transfer_id, message.key.epoch, message.token]
     if isinstance(message, Heartbeat):
         keys = message.keys
         return 7, [[k.transfer_id for k in keys], np.fromiter((k.epoch for k in keys), EPOCH, len(keys)).tobytes()]

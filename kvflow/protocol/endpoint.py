@@ -21,13 +21,13 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Sequence
 
-from kvflow.errors import KVFlowError, UnsendableMessage
+from kvflow.errors import KVFlowError, PeerUnknown, UnsendableMessage
 from kvflow.layout import KVLayout
 from kvflow.protocol.actions import Action, DeclarePeerLost, ReleaseBlocks, Resolve, SendMessage, SubmitOp
 from kvflow.protocol.association import Associations
 from kvflow.protocol.core import TransferCore
 from kvflow.protocol.machine import Machine
-from kvflow.protocol.messages import MAX_HEARTBEAT_KEYS, ControlMessage, Heartbeat, Message, TransferKey
+from kvflow.protocol.messages import MAX_HEARTBEAT_KEYS, ControlMessage, FirstToken, Heartbeat, Message, TransferKey
 from kvflow.protocol.peer_actions import (
     AddRoute,
     AddTransportPeer,
@@ -45,6 +45,7 @@ from kvflow.protocol.peer_actions import (
     SendHeartbeat,
     SendHello,
     TearDown,
+    TokenArrived,
     UnknownSender,
 )
 from kvflow.protocol.requests import Abort, Expect, KvReady
@@ -68,6 +69,7 @@ PeerEffect = (
     | RemovePeer
     | RemovalFailed
     | PeerGone
+    | TokenArrived
 )
 # ... and everything it executes: transfer effects too (messages, ops, outcomes, released blocks)
 Effect = SendMessage | SubmitOp | ReleaseBlocks | Resolve | PeerEffect
@@ -191,6 +193,15 @@ class Endpoint:
             return self.tear_down(peer, f"cannot send to it: {error}", now)
         return []
 
+    def first_token(self, peer: str, key: TransferKey, token: int) -> list[Effect]:
+        """Tell `peer` the first token sampled for transfer `key`'s request (best effort).
+
+        :raises PeerUnknown: `peer` is not associated with this engine.
+        """
+        if self._assoc.layout(peer) is None:
+            raise PeerUnknown(f"cannot send the first token of {key} to {peer!r}: not associated")
+        return [SendControl(peer, FirstToken(key, token))]
+
     # ------------------------------------------------------------------ peers
 
     def connect(self, peer: str, address: str, now: float) -> list[Effect]:
@@ -272,7 +283,11 @@ class Endpoint:
         while queue:
             action = queue.popleft()
             if isinstance(action, Deliver):
-                effects += self._transfers(self._core.receive(action.peer, action.message, now), now)
+                message = action.message
+                if isinstance(message, FirstToken):  # not the core's business: the host's
+                    effects.append(TokenArrived(action.peer, message))
+                else:
+                    effects += self._transfers(self._core.receive(action.peer, message, now), now)
             elif isinstance(action, SendHeartbeat):
                 keys = self._core.heartbeat_keys(action.peer, now)
                 for start in range(0, max(len(keys), 1), MAX_HEARTBEAT_KEYS):  # what one frame may name

@@ -27,6 +27,7 @@ __all__ = (
     "Claim",
     "ControlMessage",
     "Done",
+    "FirstToken",
     "Goodbye",
     "Heartbeat",
     "Hello",
@@ -34,6 +35,7 @@ __all__ = (
     "MAX_BLOCK_ID",
     "MAX_BLOCKS",
     "MAX_EPOCH",
+    "MAX_TOKEN_ID",
     "MAX_POSITION",
     "MAX_TRANSFER_ID",
     "OPEN_BATCHES",
@@ -73,6 +75,7 @@ MAX_BLOCKS = 1 << 17  # block ids one message names (a registration, a Ready)
 # is a Python object per key, so the cap bounds the loop's work per frame (about 2 ms)
 MAX_HEARTBEAT_KEYS = 4096
 MAX_POSITION = (1 << 31) - 1  # a block position in a prompt
+MAX_TOKEN_ID = (1 << 31) - 1  # a vocabulary entry (vLLM keeps token ids as int32)
 MAX_BLOCK_ID = (1 << 31) - 1  # block ids travel as uint32; below 2**31 for every engine's index type
 ENGINE_ID_CHARACTERS = "letters, digits and . _ : @ + - (not first)"
 _ENGINE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+-]*")
@@ -289,8 +292,19 @@ class Done:
     key: TransferKey
 
 
+@dataclass(frozen=True, slots=True)
+class FirstToken:
+    """P to D: the first token P sampled for this transfer's request (a router that streams it
+    to the client from P asked for it); D's request continues from it instead of drawing its own.
+    Not about the transfer's bytes, so not the core's business: the engine hands it to its host."""
+
+    key: TransferKey
+    token: int
+
+
 Message = Registration | Ready | Claim | Notice | Quiesced | Done  # about one transfer: the core's business
-ControlMessage = Message | Hello | Heartbeat | Goodbye | Reject  # everything a control channel carries
+# everything a control channel carries
+ControlMessage = Message | Hello | Heartbeat | Goodbye | Reject | FirstToken
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from kvflow.errors import KVFlowError
 from kvflow.layout import KVLayout
-from kvflow.protocol.messages import Goodbye, Heartbeat, Hello, Message, Reject, TransferKey
+from kvflow.protocol.messages import FirstToken, Goodbye, Heartbeat, Hello, Message, Reject, TransferKey
 from kvflow.protocol.teardown import PeerFenced, PeerGone, RemovalFailed, RemovePeer
 
 __all__ = (
@@ -31,6 +31,7 @@ __all__ = (
     "SendHeartbeat",
     "SendHello",
     "TearDown",
+    "TokenArrived",
     "UnknownSender",
 )
 
@@ -76,10 +77,11 @@ class SendHello:
 
 @dataclass(frozen=True, slots=True)
 class SendControl:
-    """Send a Reject, a Goodbye or a Heartbeat, best effort: a failure is counted and logged."""
+    """Send a Reject, a Goodbye, a Heartbeat or a first token, best effort: a failure is
+    counted and logged."""
 
     peer: str
-    message: Reject | Goodbye | Heartbeat
+    message: Reject | Goodbye | Heartbeat | FirstToken
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,10 +187,20 @@ class AnswerUnassociated:
 
 @dataclass(frozen=True, slots=True)
 class Deliver:
-    """A transfer message from an associated peer, for the transfer core."""
+    """A message about one transfer from an associated peer: for the transfer core, or (a first
+    token) for the engine's host."""
 
     peer: str
-    message: Message
+    message: Message | FirstToken
+
+
+@dataclass(frozen=True, slots=True)
+class TokenArrived:
+    """An associated peer's first token for one of its transfers, for the engine's host (the
+    endpoint turns a `Deliver` of one into this)."""
+
+    peer: str
+    message: FirstToken
 
 
 AssociationAction = (

@@ -4,7 +4,8 @@
 deadline timer (`timer`), never loses a task exception); `interpreter` performs the effects the
 endpoint returns, `peering` the peer effects among them; `config` is its `EngineConfig`;
 `results` are the handles, outcomes and counters a caller reads, `handshakes` the futures a `connect` awaits,
-`meter` the per-transfer figures for metrics; `dataplane` plans and posts the engine's ops and
+`meter` the per-transfer figures for metrics, `first_tokens` the first tokens peers sent
+until the host takes them; `dataplane` plans and posts the engine's ops and
 drains its transport; `writer` is the dedicated thread it posts them from; `sleep` winds
 transfers down and lets go of the KV memory's registration (and takes it up again);
 `descriptors` checks file-descriptor headroom; `integrity` seals each WRITE with digests of the

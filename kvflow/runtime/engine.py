@@ -208,6 +208,13 @@ class Engine:
         """The engines associated with this one now.  Never raises."""
         return self.endpoint.peers()
 
+    def send_first_token(self, peer: str, key: TransferKey, token: int) -> None:
+        """Tell the associated `peer` the first token of transfer `key`'s request (best effort: a
+        failed send is counted and logged); `outcomes.tokens` keeps what peers send this engine.
+        :raises PeerUnknown, EngineClosed, EngineCrashed: not associated; not running."""
+        self._check_open()
+        self._execute(self.endpoint.first_token(peer, key, token))
+
     def drop_peer(self, peer: str, reason: str) -> None:
         """Tell `peer` why (best effort), end the association and remove the peer: its live
         transfers fail once the transport confirms nothing of it can land any more.

@@ -297,11 +297,14 @@ class Server:
         # the memory's own commands: the engine's, and what this process maps of the host's GPU memory
         mine = name in ("unregister_memory", "restore_memory")
         method = getattr(self, "_" + name) if mine else getattr(self.agent, name)
-        task = asyncio.get_running_loop().create_task(self._call(seq, method, args))
+        news = name in getattr(self.agent, "NEWS", ())
+        task = asyncio.get_running_loop().create_task(self._call(seq, method, args, news))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _call(self, seq: int, method: Any, args: list[Any]) -> None:
+    async def _call(self, seq: int, method: Any, args: list[Any], news: bool = False) -> None:
+        """Run one call and queue its answer; a failure, or the answer of a call that is `news`,
+        rings the host's bell."""
         try:
             result = await method(*args)
         except KVFlowError as exc:
@@ -314,6 +317,7 @@ class Server:
             self._queue(["done", seq, ["EngineCrashed", text], None])
             self._queue(["crashed", [text]])
         else:
+            self._ring_owed = self._ring_owed or news
             self._queue(["done", seq, None, result])
 
     async def _unregister_memory(self) -> None:

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 from kvflow.protocol.actions import ReleaseBlocks, Resolve, SendMessage, SubmitOp
 from kvflow.protocol.endpoint import Effect, Endpoint
-from kvflow.protocol.peer_actions import AnswerUnassociated, UnknownSender
+from kvflow.protocol.peer_actions import AnswerUnassociated, TokenArrived, UnknownSender
 from kvflow.runtime.dataplane import DataPlane
 from kvflow.runtime.peering import PeerExecutor
 from kvflow.runtime.results import Outcomes
@@ -79,6 +79,8 @@ class Interpreter:
                     self.outcomes.release(effect, self.now())
                 elif isinstance(effect, Resolve):
                     self.outcomes.resolve(effect, self.now())
+                elif isinstance(effect, TokenArrived):
+                    self.outcomes.tokens.arrived(effect.peer, effect.message.key, effect.message.token)
                 else:
                     queue.extendleft(reversed(self.peers.execute(effect)))
         finally:

@@ -20,6 +20,7 @@ from kvflow.protocol.actions import ReleaseBlocks, Resolve
 from kvflow.protocol.machine import Machine
 from kvflow.protocol.messages import TransferKey
 from kvflow.protocol.state import Outcome, Role
+from kvflow.runtime.first_tokens import FirstTokens
 from kvflow.runtime.meter import TransferMeter
 
 __all__ = ("EngineCounters", "Outcomes", "TransferHandle", "TransferResult", "keep", "open_handle")
@@ -143,6 +144,7 @@ class Outcomes:
         self.meter, self.counters = meter, counters
         self.on_release, self.on_end, self._guard = on_release, on_end, guard
         self._futures: dict[tuple[TransferKey, Role], asyncio.Future[TransferResult]] = {}
+        self.tokens = FirstTokens(kept)  # first tokens peers sent, until the host takes them
 
     def handle(self, machine: Machine, loop: asyncio.AbstractEventLoop) -> TransferHandle:
         """The handle of `machine`'s side of its transfer (resolved already if it has ended)."""
@@ -168,7 +170,8 @@ class Outcomes:
             self._guard(self.on_end, result)
 
     def closed(self) -> None:
-        """The engine closed: every handle still waiting raises `EngineClosed`."""
+        """The engine closed: every handle (and first token) still waited for raises `EngineClosed`."""
+        self.tokens.closed()
         for future in self._futures.values():
             if not future.done():
                 future.set_exception(EngineClosed(f"engine {self.engine_id!r} closed"))
