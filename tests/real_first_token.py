@@ -16,13 +16,19 @@ answer, "answered by P alone" where P's token ended it); its timing is `kvflow b
 
 from __future__ import annotations
 
+import concurrent.futures
+import dataclasses
 import json
 import urllib.request
+import uuid
 from collections.abc import Mapping
 from typing import Any
 
 import pytest
 
+from kvflow.integrations.vllm.params import PeerRef, TransferParams
+from kvflow.protocol.state import Mode
+from kvflow_tools.routing.legs import decode_body, prefill_body
 from kvflow_tools.serve.launcher import Deployment
 from tests.test_first_token import datas, text_of
 from tests.vllm_real import MODEL, Answer, idle, post, prompts, settles
@@ -103,6 +109,26 @@ def unseeded_sampling(pd: Deployment) -> None:
         ids = [t for c in choice_events(ours) for t in c.get("token_ids") or ()]
         assert len(ids) == 8 and ours[-2]["usage"]["completion_tokens"] == 8, ours
         assert choice_events(ours)[-1]["finish_reason"] == "length"
+
+
+def d_continues_from_ps_token(pd: Deployment) -> None:
+    """D's sampler is held to the token P sent (``first_token`` in the kvflow entry), not to
+    its own draw: the legs sent to P and D straight, as the router sends them, but with two
+    seeds at temperature 2, so that D drawing for itself would draw another first token (a
+    vocabulary of 1,024).  D's first token is P's every time, and its answer has all 8 tokens."""
+    prefill, decode = pd.server("prefill-0"), pd.server("decode-0")
+    for salt in range(3):
+        params = TransferParams(
+            uuid.uuid4().hex, 1, Mode.PUSH, PeerRef(prefill.name, prefill.kvflow), PeerRef(decode.name, decode.kvflow)
+        )
+        entry = dataclasses.replace(params, first_token=True).to_params()
+        body = request(60 + salt, temperature=2.0, return_token_ids=True, ignore_eos=True)
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            on_d = pool.submit(post, decode.url + "/v1/completions", decode_body(body | {"seed": 2 + salt}, entry))
+            on_p = pool.submit(post, prefill.url + "/v1/completions", prefill_body(body | {"seed": 1}, entry))
+            p_tokens, d_tokens = on_p.result().tokens, on_d.result().tokens
+        assert len(p_tokens) == 1 and len(d_tokens) == 8, (p_tokens, d_tokens)
+        assert d_tokens[0] == p_tokens[0], (p_tokens, d_tokens)
 
 
 def first_logprobs(pd: Deployment) -> None:

@@ -366,8 +366,13 @@ CONNECTOR_MODULES = frozenset(
         "ranks",
         "request_book",  # each request's record on a rank (a table)
         "stats",  # metrics
+        "first_token",  # P's first token on its way to D's sampler
+        "logits",  # D's sampler held to it: vLLM loads it by ``--logits-processors``
+        "logits_v1",  # ... on vLLM 0.32 and 0.33
+        "logits_v2",  # ... on vLLM 0.34
     )
 ) | {"kvflow.integrations", "kvflow.integrations.vllm"}
+PROCESSOR_MODULE = "kvflow.integrations.vllm.logits"  # what vLLM loads besides the connector
 
 
 def loaded_by(graph: dict[str, set[str]], start: str) -> set[str]:
@@ -398,9 +403,10 @@ def boundary_violations(graph: dict[str, set[str]]) -> Iterator[str]:
                 within(target, p) for p in ("kvflow.runtime", "kvflow.control")
             ):
                 yield f"{module} imports {target} (transports know neither the engine nor its control plane)"
-    for module in sorted(loaded_by(graph, CONNECTOR)):
-        if not in_library(module) and module not in CONNECTOR_MODULES:
-            yield f"vLLM loading {CONNECTOR} loads {module} (not the library, not the connector)"
+    for start in (CONNECTOR, PROCESSOR_MODULE):
+        for module in sorted(loaded_by(graph, start)):
+            if not in_library(module) and module not in CONNECTOR_MODULES:
+                yield f"vLLM loading {start} loads {module} (not the library, not the connector)"
 
 
 def strangers(modules: set[str]) -> list[str]:
@@ -416,7 +422,8 @@ def test_the_integrations_folder_holds_the_connector_and_nothing_else() -> None:
 def test_the_library_and_what_vllm_loads_import_nothing_else() -> None:
     found = list(boundary_violations(kvflow_graph()))
     assert not found, "\n".join(found)
-    assert loaded_by(kvflow_graph(), CONNECTOR) >= CONNECTOR_MODULES  # the list names no stale module
+    loaded = loaded_by(kvflow_graph(), CONNECTOR) | loaded_by(kvflow_graph(), PROCESSOR_MODULE)
+    assert loaded >= CONNECTOR_MODULES  # the list names no stale module
 
 
 @pytest.mark.parametrize(
@@ -430,6 +437,7 @@ def test_the_library_and_what_vllm_loads_import_nothing_else() -> None:
         ("kvflow.integrations.vllm.mapping", "kvflow_tools.standin.engine", "not the connector"),
         ("kvflow.integrations.vllm.stats", "kvflow_tools.bench.bench_vllm", "not the connector"),
         ("kvflow.integrations.vllm.worker", "kvflow_tools.testing.pair", "not the connector"),
+        ("kvflow.integrations.vllm.logits", "kvflow_tools.standin.engine", "not the connector"),
     ],
 )
 def test_a_planted_boundary_violation_is_found(importer: str, imported: str, why: str) -> None:

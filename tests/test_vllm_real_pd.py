@@ -223,6 +223,10 @@ def test_first_token_from_p_unseeded_sampling_draws_on_d_the_token_p_sent(pd: De
     first.unseeded_sampling(pd)
 
 
+def test_first_token_from_p_d_continues_from_ps_token_not_its_own_draw(pd: Deployment) -> None:
+    first.d_continues_from_ps_token(pd)
+
+
 def test_first_token_from_p_its_logprobs_are_one_engines(pd: Deployment) -> None:
     first.first_logprobs(pd)
 

@@ -35,5 +35,7 @@ config=$(printf '{%s,"kv_role":"kv_consumer","engine_id":"%s","kv_load_failure_p
     "$CONNECTOR" "$ENGINE_ID" "$KV_LOAD_FAILURE_POLICY" "$EXTRA")
 
 # Prefix caching on (vLLM's default): D receives only the blocks after a request's local hit.
+# The logits processor: with a router that streams the first token from P (--first-token prefill),
+# D continues from P's token instead of drawing its own; it touches no other request.
 exec "$PYTHON" -m vllm.entrypoints.openai.api_server --model "$MODEL" --host "$HOST" --port "$PORT" \
-    --kv-transfer-config "$config" "$@"
+    --kv-transfer-config "$config" --logits-processors kvflow.integrations.vllm.logits:FirstTokenProcessor "$@"

@@ -33,6 +33,7 @@ from vllm.v1.request import RequestStatus
 
 from kvflow.errors import ConfigError, UsageError
 from kvflow.integrations.vllm.device import Device, device_for
+from kvflow.integrations.vllm.first_token import PROCESSOR, FirstTokenWaits
 from kvflow.integrations.vllm.idle_sleep import IdleSleep, StepView, engine_core_pid, listen
 from kvflow.integrations.vllm.kv_caches import cache_groups, check_supported, describe_kv_caches
 from kvflow.integrations.vllm.mapping import Orders, SchedulerBook
@@ -128,6 +129,8 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker = WorkerSide(
                 self.engine_id, parallel.rank, self.settings, tp_size, heads, self._dp, _bell(core_pid, self.engine_id)
             )
+            if PROCESSOR in (model.logits_processors or ()):  # D's sampler takes P's first token
+                self._worker.firsts = FirstTokenWaits()
             self._meter = RankMeter(self._worker.engine_id)
 
     @classmethod
@@ -262,7 +265,9 @@ class KVFlowConnector(KVConnectorBase_V1, SupportsHMA):
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._left_for_decode.discard(request.request_id)
-        return self._scheduler().finished(request.request_id, aborted=request.status == RequestStatus.FINISHED_ABORTED)
+        aborted = request.status == RequestStatus.FINISHED_ABORTED
+        first = request.output_token_ids[0] if request.output_token_ids else None
+        return self._scheduler().finished(request.request_id, aborted, first)
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]

@@ -135,13 +135,13 @@ class ThreadLink:
             future = self.thread.call(run)
         except EngineClosed as exc:
             return failed_future(exc)
-        future.add_done_callback(self._answered)
+        future.add_done_callback(partial(self._answered, news=name in RankAgent.NEWS))
         return future
 
-    def _answered(self, future: concurrent.futures.Future[Any]) -> None:
+    def _answered(self, future: concurrent.futures.Future[Any], news: bool = False) -> None:
         self._news.set()  # a step asleep in `wait_for_engine` acts on the answer
-        if self._bell is not None and not future.cancelled() and future.exception() is not None:
-            self._bell.ring()  # a failed registration fails its load at the next step
+        if self._bell is not None and not future.cancelled() and (news or future.exception() is not None):
+            self._bell.ring()  # a failed registration fails its load at the next step; a first token frees one
 
     def batch(self) -> contextlib.AbstractContextManager[None]:
         return self.thread.batch()

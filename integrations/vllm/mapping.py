@@ -102,6 +102,7 @@ class Order:
     producer: bool = False  # the order is for the side that produces the KV (P)
     allocated: bool = True  # D's abort: False when the request ended before it had any block
     final: bool = True  # ready: the last of the request's ready orders
+    token: int = -1  # first: the first token P sampled, for D
 
     @property
     def block_count(self) -> int:
@@ -117,12 +118,13 @@ class Orders:
     ready: list[Order] = field(default_factory=list)
     abort: list[Order] = field(default_factory=list)
     promise: list[Order] = field(default_factory=list)  # P: requests now queued here (see `new_request`)
+    first: list[Order] = field(default_factory=list)  # P: first tokens sampled, for D (`finished`)
     # seconds the workers may sleep at the step's end waiting for their engines: the step
     # schedules nothing while transfers are outstanding (0: return at once)
     idle_wait: float = 0.0
 
     def __bool__(self) -> bool:
-        return bool(self.expect or self.ready or self.abort or self.promise)
+        return bool(self.expect or self.ready or self.abort or self.promise or self.first)
 
 
 @dataclass(slots=True)
@@ -370,10 +372,14 @@ class SchedulerBook:
 
     # ---------------------------------------------------------------- both sides
 
-    def finished(self, request_id: str, aborted: bool) -> tuple[bool, dict[str, Any] | None]:
+    def finished(
+        self, request_id: str, aborted: bool, first_token: int | None = None
+    ) -> tuple[bool, dict[str, Any] | None]:
         """`request_finished`: returns vLLM's (delay_free, kv_transfer_params).
 
         Blocks a transfer may still touch are freed only once the workers report them released.
+        `first_token`: the token P sampled; when the request's params ask for it, a first order
+        sends it to D (the engine steps again for it: `pending_work`).
         """
         self._loaded.discard(request_id)
         self.intake.refused.pop(request_id, None)
@@ -384,6 +390,9 @@ class SchedulerBook:
         hold = tracked.stage in HOLDS_BLOCKS
         if Do.HAND_OVER not in dos:
             return hold, None
+        # (with Mamba state P's prompt was shortened, `replay`: its token is not the first one)
+        if tracked.params.first_token and first_token is not None and not aborted and not self.replay:
+            self._pending.first.append(Order(request_id, tracked.params, producer=True, token=first_token))
         if not tracked.assigned:
             return hold, {"kvflow": tracked.params.to_params(), "kvflow_prefill_finished": True}
         if aborted:
@@ -434,7 +443,7 @@ class SchedulerBook:
         """`has_pending_push_work`: transfers whose end the workers have not reported yet (a promise
         alone is no such work: the promised request keeps the engine stepping)."""
         pending = self._pending
-        return bool(pending.expect or pending.ready or pending.abort) or any(
+        return bool(pending.expect or pending.ready or pending.abort or pending.first) or any(
             t.stage in OUTSTANDING for t in self._tracked.values()
         )
 

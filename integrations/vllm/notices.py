@@ -4,7 +4,8 @@ Why apart from the worker: these are the messages that carry no KV (D needs noth
 full prefix hit; one side holds a queued request for the other; D's request ended before it
 had blocks), each sent for every part transfer this rank takes in the request (each rank of
 the other side it pairs with, each KV cache group), found through that side's rank 0
-(`ranks.reach_rank`, run by the rank's agent).  None of them waits: a failure is logged, and
+(`ranks.reach_rank`, run by the rank's agent); and P's first token, which D waits for
+(`kvflow.integrations.vllm.first_token`).  None of them waits: a failure is logged, and
 the peer then falls back on its own deadline.  The worker holds one `PeerNotices` and hands it
 what it needs (its rank's link and how a request's params split into part transfers).
 """
@@ -18,6 +19,7 @@ from functools import partial
 from typing import Any
 
 from kvflow.errors import ConfigError
+from kvflow.integrations.vllm.first_token import FIRST_TOKEN_WAIT
 from kvflow.integrations.vllm.links import EngineLink, send_request
 from kvflow.integrations.vllm.mapping import Order
 from kvflow.integrations.vllm.rank_agent import Reach, peer_wire
@@ -93,6 +95,30 @@ class PeerNotices:
             self._link().command("promise_pair", key.transfer_id, key.epoch, peer, lazy=True).add_done_callback(
                 partial(self.log_failure, what=f"cannot promise {order.request_id}")
             )
+
+    def first_token(self, order: Order) -> None:
+        """P: the first token it sampled, to each D rank this rank feeds (once per D rank, with
+        the pair transfer of its first KV cache group), which holds the request for it
+        (`first_token.FirstTokenWaits`).  Should D not be reached, D draws its own."""
+        params, decode = order.params, order.params.decode
+        if decode is None:
+            return
+        what = f"cannot send D the first token of {order.request_id}"
+        try:
+            parts = self._parts(params, Role.PREFILL)
+            d_tp = tp_sizes(params, Role.PREFILL, self.tp_size)[1]
+        except ConfigError as exc:
+            log.error("%s: %s: %s", self.engine_id, what, exc)
+            return
+        told: set[int] = set()
+        for target, _, key in parts:
+            if target in told:
+                continue
+            told.add(target)
+            reach = Reach(decode, d_tp, target).to_wire()
+            told_by = (reach, key.transfer_id, key.epoch, order.token, FIRST_TOKEN_WAIT)
+            future = self._link().command("tell_first_token", *told_by)
+            future.add_done_callback(partial(self.log_failure, what=what))
 
     def abort_unallocated(self, order: Order) -> None:
         """D: the request ended before it had blocks, so nothing was registered: tell the P

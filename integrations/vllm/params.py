@@ -7,10 +7,13 @@ The router sets, in each request's ``kv_transfer_params``, a ``kvflow`` entry:
 
     {"transfer_id": str, "epoch": int, "mode": "push" | "pull",
      "prefill": {"engine": str, "address": "tcp://IP:port", "tp_size": int},
-     "decode":  {"engine": str, "address": "tcp://IP:port", "tp_size": int}}
+     "decode":  {"engine": str, "address": "tcp://IP:port", "tp_size": int},
+     "first_token": bool}
 
 (the address is the engine's tensor-parallel rank 0; ``tp_size``, optional, is the engine's
-tensor parallelism: see `kvflow.integrations.vllm.ranks` for why it travels with the request)
+tensor parallelism: see `kvflow.integrations.vllm.ranks` for why it travels with the request;
+``first_token``, optional: the router streams P's first token to the client, so P sends it to D
+and D continues from it, `kvflow.integrations.vllm.first_token`)
 
 plus vLLM's own flags: ``do_remote_decode`` on the prefill request, ``do_remote_prefill`` on the
 decode request.  Transfers are matched by ``transfer_id``, never by request ids.  In pull mode
@@ -70,6 +73,8 @@ class TransferParams:
     mode: Mode
     prefill: PeerRef
     decode: PeerRef | None  # pull: None when P waits for whichever decode engine claims it
+    # the router streams P's first token to the client: P sends it to D, and D continues from it
+    first_token: bool = False
 
     @classmethod
     def parse(cls, params: Mapping[str, Any] | None) -> TransferParams | None:
@@ -98,7 +103,10 @@ class TransferParams:
         if not isinstance(mode, str) or mode not in MODES:
             raise ConfigError(f"kv_transfer_params.kvflow.mode must be one of {tuple(MODES)}")
         decode = None if MODES[mode] is Mode.PULL and raw.get("decode") is None else _peer(raw, "decode")
-        return cls(str(tid), int(epoch), MODES[mode], _peer(raw, "prefill"), decode)
+        first_token = raw.get("first_token", False)
+        if type(first_token) is not bool:
+            raise ConfigError(f"kv_transfer_params.kvflow.first_token must be true or false, not {first_token!r:.40}")
+        return cls(str(tid), int(epoch), MODES[mode], _peer(raw, "prefill"), decode, first_token)
 
     def to_params(self) -> dict[str, Any]:
         params: dict[str, Any] = {
@@ -109,6 +117,8 @@ class TransferParams:
         }
         if self.decode is not None:
             params["decode"] = _peer_params(self.decode)
+        if self.first_token:
+            params["first_token"] = True
         return params
 
 

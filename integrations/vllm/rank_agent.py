@@ -22,7 +22,15 @@ from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from kvflow.errors import BlockSizeMismatch, ConfigError, KVFlowError, MalformedRequest, UnknownTransfer, UsageError
+from kvflow.errors import (
+    BlockSizeMismatch,
+    ConfigError,
+    KVFlowError,
+    MalformedRequest,
+    PeerUnknown,
+    UnknownTransfer,
+    UsageError,
+)
 from kvflow.integrations.vllm.device import Device, Gate, GateWaiter, HostDevice
 from kvflow.integrations.vllm.params import PeerRef
 from kvflow.integrations.vllm.ranks import rank_name, reach_rank
@@ -36,6 +44,10 @@ from kvflow.runtime.frames import error_record
 __all__ = ("ENGINE_REJECTIONS", "RankAgent", "Reach")
 
 log = logging.getLogger("kvflow.vllm")
+
+# seconds between looks at whether a D rank associated, while P holds a first token for it (rare:
+# D associates when its request is queued, which is before P's prefill ends unless D lags)
+ASSOCIATION_POLL = 0.02
 
 # the engine's and its core's counters of refused peer messages -> the reason reported
 ENGINE_REJECTIONS = {
@@ -102,7 +114,11 @@ class RankAgent(EngineAgent):
         "post_groups",
         "snapshot",
         "describe",
+        "tell_first_token",
+        "first_token",
     }
+    # commands whose answer is news for vLLM's engine core, asleep while its requests wait (`Bell`)
+    NEWS: ClassVar[frozenset[str]] = frozenset({"first_token"})
 
     def __init__(self, engine: Engine, transfer_timeout: float = 60.0, device: Device | None = None) -> None:
         super().__init__(engine)
@@ -204,7 +220,28 @@ class RankAgent(EngineAgent):
         peer = await self._reach(reach, Role.DECODE, TransferKey(transfer_id, epoch), Mode(mode))
         await self.engine.promise(transfer_id, epoch, peer=peer)
 
+    async def first_token(self, peer: str, transfer_id: str, epoch: int, timeout: float) -> int | None:
+        """D: the first token P rank `peer` sent for the pair transfer, waited for at most
+        `timeout` seconds (None: none came).  :raises EngineClosed: the engine closed meanwhile."""
+        return await self.engine.outcomes.tokens.take(peer, TransferKey(transfer_id, epoch), timeout)
+
     # ---------------------------------------------------------------- P
+
+    async def tell_first_token(self, reach: Any, transfer_id: str, epoch: int, token: int, wait: float) -> None:
+        """P: tell the D rank `reach` names the first token it sampled for the pair transfer
+        (best effort: a send that fails is counted and logged by the engine).  P never opens
+        that association itself (D does, to register: two handshakes crossing could drop a
+        registration), so a D rank not associated yet is waited for, at most `wait` seconds.
+        :raises MalformedRequest: `reach` is not a `Reach`'s wire form.
+        :raises PeerUnknown: the D rank did not associate within `wait`."""
+        rank, key = Reach.from_wire(reach), TransferKey(transfer_id, epoch)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait
+        while rank.name not in self.engine.peers():
+            if loop.time() >= deadline:
+                raise PeerUnknown(f"D rank {rank.name!r} did not associate within {wait:g} s for {key}'s first token")
+            await asyncio.sleep(ASSOCIATION_POLL)
+        self.engine.send_first_token(rank.name, key, token)
 
     async def promise_pair(self, transfer_id: str, epoch: int, peer: str) -> None:
         """P holds the request for D rank `peer`: heartbeats say so."""

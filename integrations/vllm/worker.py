@@ -39,6 +39,7 @@ from typing import Any
 
 from kvflow.errors import ConfigError, KVFlowError, UsageError
 from kvflow.integrations.vllm.device import Device, HostDevice
+from kvflow.integrations.vllm.first_token import FIRST_TOKEN_WAIT, FirstTokenWaits
 from kvflow.integrations.vllm.gpu_export import GpuExport
 from kvflow.integrations.vllm.kv_caches import CacheDescription
 from kvflow.integrations.vllm.links import EngineLink, ProcessLink, failed_future, send_request
@@ -109,6 +110,8 @@ class WorkerSide:
         self._process_start: ProcessStart | None = None  # what the engine process started from
         self._restarts = RestartPolicy()
         self._gave_up = False  # the restarts ran out: said once
+        # D: requests held for P's first token; None unless D's sampler takes it (`logits.PROCESSOR`)
+        self.firsts: FirstTokenWaits | None = None
 
     # ---------------------------------------------------------------- setup
 
@@ -210,7 +213,7 @@ class WorkerSide:
             greeting.ring()  # from here on it may sleep while requests wait (idle_sleep.py)
             greeting.close()
         self.producer.step = StepMemo()  # a new step: its forward has saved no layer yet
-        if orders.expect or orders.abort or orders.promise:
+        if orders.expect or orders.abort or orders.promise or orders.first:
             with self._batch():
                 self._start_load(orders)
 
@@ -221,6 +224,8 @@ class WorkerSide:
             self._abort(order)
         for order in orders.promise:
             self.notices.promise(order)
+        for order in orders.first:
+            self.notices.first_token(order)
 
     def _expect(self, order: Order) -> None:
         """D: register each KV cache group's blocks with every P rank feeding this one (a part
@@ -242,6 +247,10 @@ class WorkerSide:
 
         self.book.expecting(order.request_id, [key for _, group, key in parts if wanted(group)], every)
         p_tp = tp_sizes(params, Role.DECODE, self.tp_size)[0]
+        if self.firsts is not None and params.first_token and parts and not any(g.state for g in self.kv_groups):
+            source, _, key = parts[0]  # the first P rank feeding this one sends it, naming its first part
+            first_from = (params.transfer_id, Reach(params.prefill, p_tp, source).name, key, self._ask_first)
+            self.firsts.expect(order.request_id, *first_from)
         many = len(self.kv_groups) > 1
         for source, group, key in parts:
             reach = Reach(params.prefill, p_tp, source)
@@ -313,9 +322,24 @@ class WorkerSide:
         released = self.link.poll_released() if self.link is not None else []
         if idle_wait > 0 and self.link is not None and not (released or self.book.waiting_for_finish()):
             # instead of vLLM's engine core stepping again at once
-            self.link.wait_for_engine(idle_wait, self.book.answered)
+            self.link.wait_for_engine(idle_wait, self._answered)
             released = self.link.poll_released()
-        return self.book.results(released, finished_req_ids)
+        sending, recving, failed = self.book.results(released, finished_req_ids)
+        if self.firsts is None:
+            return sending, recving, failed
+        for request_id in failed:
+            self.firsts.forget(request_id)
+        held = self.firsts.hold(recving - failed, finished_req_ids)
+        return sending, held | (recving & failed), failed
+
+    def _answered(self) -> bool:
+        return self.book.answered() or (self.firsts is not None and self.firsts.answered())
+
+    def _ask_first(self, peer: str, key: TransferKey) -> concurrent.futures.Future[Any]:
+        """D: P rank `peer`'s first token of pair transfer `key`, waited for on the engine (as
+        long as the KV may take to land, and `FIRST_TOKEN_WAIT` more)."""
+        wait = self.settings.transfer_timeout + FIRST_TOKEN_WAIT
+        return self._link().command("first_token", peer, key.transfer_id, key.epoch, wait)
 
     def _supervise(self) -> None:
         """A dead engine process: the pairs it held end (at this step's `results`) and a new

@@ -35,9 +35,12 @@ Legs = tuple[bytes, "asyncio.Task[aiohttp.ClientResponse]"]  # P's answer, and t
 # ---------------------------------------------------------------- what each leg carries
 
 
-def kvflow_params(mode: Mode, prefill: Backend, decode: Backend, transfer_id: str, epoch: int = 1) -> dict[str, Any]:
-    """The ``kvflow`` entry of both legs' ``kv_transfer_params`` (concurrent dispatch)."""
-    return TransferParams(transfer_id, epoch, mode, prefill.peer(), decode.peer()).to_params()
+def kvflow_params(
+    mode: Mode, prefill: Backend, decode: Backend, transfer_id: str, epoch: int = 1, first_token: bool = False
+) -> dict[str, Any]:
+    """The ``kvflow`` entry of both legs' ``kv_transfer_params`` (concurrent dispatch);
+    `first_token`: P sends D the first token it samples, and D continues from it."""
+    return TransferParams(transfer_id, epoch, mode, prefill.peer(), decode.peer(), first_token).to_params()
 
 
 def prefill_body(body: Mapping[str, Any], params: Mapping[str, Any] | None) -> dict[str, Any]:

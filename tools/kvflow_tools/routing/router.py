@@ -168,7 +168,8 @@ async def proxy(request: web.Request) -> web.StreamResponse:
     if first:  # both legs draw with one seed, so D draws the first token P sent (first_token.py)
         body = first_token.with_seed(body, secrets.randbelow(1 << 31))
     try:
-        answer, decode = await _dispatch(request, body, (p_lease.backend, d_lease.backend), headers, request_id)
+        backends = (p_lease.backend, d_lease.backend)
+        answer, decode = await _dispatch(request, body, backends, headers, request_id, first=first)
         held.release()  # its share of the budget is not held while the answer streams
         p_lease.release()
         if first:
@@ -184,10 +185,16 @@ async def proxy(request: web.Request) -> web.StreamResponse:
 
 
 async def _dispatch(
-    request: web.Request, body: dict[str, Any], backends: tuple[Backend, Backend], headers: dict[str, str], rid: str
+    request: web.Request,
+    body: dict[str, Any],
+    backends: tuple[Backend, Backend],
+    headers: dict[str, str],
+    rid: str,
+    first: bool = False,
 ) -> Legs:
     """Both legs, as the config says (`backends`: P, D; `rid`: the request id), until P has
     answered: P's answer and the task opening D's leg.  The legs' bodies end with this call.
+    `first`: the first token comes from P, so kvflow's P sends it to D too.
     :raises LegFailed: either leg failed (the other is cancelled)."""
     config, session, path = request.app[CONFIG], request.app[SESSION], request.path
     prefill, decode = backends
@@ -200,7 +207,7 @@ async def _dispatch(
         p_id = f"chatcmpl-{xid}" if path.endswith("chat/completions") else f"cmpl-{xid}-0"
         p_body, d_body = prefill_body(body, None), nixl_push_decode_body(body, prefill, p_id)
     else:
-        params = kvflow_params(config.mode, prefill, decode, uuid.uuid4().hex)  # a new transfer id
+        params = kvflow_params(config.mode, prefill, decode, uuid.uuid4().hex, first_token=first)  # a new transfer id
         p_body, d_body = prefill_body(body, params), decode_body(body, params)
     return await concurrent_legs(session, p_body, d_body, urls, legs, config.timeout)
 

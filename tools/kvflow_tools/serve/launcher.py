@@ -36,6 +36,7 @@ from typing import Any
 from kvflow.control.auth import secret_from_env
 from kvflow.control.sockets import is_loopback
 from kvflow.errors import ConfigError
+from kvflow.integrations.vllm.first_token import PROCESSOR
 from kvflow_tools.serve.processes import Group, ServerFailed, free_port, http_ok, wait_all
 
 __all__ = (
@@ -315,6 +316,8 @@ class Deployment:
         config = self.transfer_config(server)
         if config is not None:
             argv += ["--kv-transfer-config", json.dumps(config)]
+        if config is not None and o.connector == "kvflow" and server.role == "decode":
+            argv += ["--logits-processors", PROCESSOR]  # D continues from P's first token (first_token.py)
         return argv + list(o.vllm_args)
 
     def env(self, server: Server) -> dict[str, str]:
