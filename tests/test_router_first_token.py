@@ -93,6 +93,8 @@ async def test_the_first_token_reaches_the_client_while_d_has_sent_nothing(
     (p_record,), d_record = await records(http, p), await ended(http, d)
     seed = p_record["body"]["seed"]
     assert isinstance(seed, int) and d_record["body"]["seed"] == seed  # both legs draw alike
+    for leg in (p_record, d_record):  # kvflow's P sends D its token, and D continues from it
+        assert leg["body"]["kv_transfer_params"]["kvflow"]["first_token"] is True
 
 
 @pytest.mark.asyncio
@@ -152,6 +154,7 @@ async def test_echo_gets_ds_stream_alone_and_no_seed(urls: Urls, http: aiohttp.C
     assert text_of(got) == "AB"
     (p_record,) = await records(http, p)
     assert "seed" not in p_record["body"]
+    assert "first_token" not in p_record["body"]["kv_transfer_params"]["kvflow"]  # D draws its own
 
 
 @pytest.mark.asyncio
