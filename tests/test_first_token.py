@@ -162,11 +162,17 @@ def test_a_first_token_that_ends_the_answer_is_the_whole_answer(finish: str, bod
         {"choices": []},
         {"choices": [p_answer("a")["choices"][0], p_answer("b")["choices"][0]]},
         "not a dict",
+        p_answer("a") | {"kv_transfer_params": {"kvflow_first_token": False}},  # P's connector: not the first
     ],
 )
 def test_answers_that_cannot_stand_for_the_first_token(answer: Any) -> None:
     chat = isinstance(answer, dict) and "message" in str(answer)
     assert head(answer, {"stream": True}, chat=chat) is None
+
+
+@pytest.mark.parametrize("params", [None, {}, {"kvflow_prefill_finished": True}, {"kvflow_first_token": True}])
+def test_an_answer_whose_connector_does_not_deny_it_stands_for_the_first_token(params: Any) -> None:
+    assert head(p_answer("a") | {"kv_transfer_params": params}, {"stream": True}, chat=False) is not None
 
 
 def test_logprobs_and_token_ids_of_the_first_token_come_from_p_and_ds_are_cut() -> None:

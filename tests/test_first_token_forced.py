@@ -20,7 +20,7 @@ import pytest
 from kvflow.errors import ConfigError, EngineClosed, PeerUnknown, UsageError
 from kvflow.integrations.vllm.first_token import FirstTokenWaits, ForcedTokens, forced_transfer
 from kvflow.integrations.vllm.mapping import Order, SchedulerBook
-from kvflow.integrations.vllm.params import TransferParams
+from kvflow.integrations.vllm.params import FIRST_TOKEN_ANSWER, TransferParams
 from kvflow.layout.groups import KVGroup
 from kvflow.protocol.messages import TransferKey
 from kvflow.runtime.first_tokens import FirstTokens
@@ -83,6 +83,18 @@ def test_no_first_token_goes_out_unasked_unsampled_aborted_or_from_a_shortened_p
 ) -> None:
     book = SchedulerBook(BLOCK_SIZE, groups=groups)
     assert finished_p(book, kv, token, aborted) == []
+
+
+def test_ps_answer_says_its_token_is_not_the_first_where_p_prefilled_all_but_the_last_token() -> None:
+    mamba = (KVGroup((0, 1), state=True, scratch=1), KVGroup((1, 2)))  # as vLLM groups a Mamba hybrid
+    for groups, tables, says in (((), [[3, 4]], None), (mamba, [[50, 51], [1, 2, 3]], False)):
+        book = SchedulerBook(BLOCK_SIZE, groups=groups)
+        book.new_request("p1", p_params(entry("tp", first_token=True)), 9)  # (Mamba: its 10th left to D)
+        book.take_orders()
+        book.scheduled("p1", 0, 9, tables)
+        assert book.take_orders().ready
+        _, answer = book.finished("p1", aborted=False, first_token=77)
+        assert answer is not None and answer.get(FIRST_TOKEN_ANSWER) is says
 
 
 # ------------------------------------------------------------------ an engine's tokens

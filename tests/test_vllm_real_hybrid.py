@@ -21,6 +21,7 @@ those tokens' KV and the Mamba state after them, and computes the last token its
 from __future__ import annotations
 
 import functools
+import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -29,11 +30,13 @@ import pytest
 
 from kvflow_tools.serve.launcher import Deployment, ServeOptions
 from kvflow_tools.serve.tiny_model import TinyModel, write_model
+from tests.real_first_token import stream
 from tests.vllm_real import (
     BLOCK,
     asking,
     by_source,
     complete,
+    completion,
     gained,
     idle,
     metric,
@@ -158,3 +161,20 @@ def test_a_mamba_hybrid_moves_its_state_and_d_computes_the_prompts_last_token(ma
         p_wrote(mamba, router, sent, sum(map(state_bytes, lengths)), state_bytes)
     for server in (p, d):
         assert settles(functools.partial(idle, server), 90.0), server.name
+
+
+def test_a_mamba_hybrids_first_token_comes_from_d_through_a_router_that_sends_ps(mamba: Deployment) -> None:
+    """With Mamba state P prefills all but the prompt's last token, so the token P samples is
+    not the request's first: a router sending the first token from P (``--first-token
+    prefill``) must take D's answer instead, streamed and not, and say so in its log."""
+    router = mamba.add_router("push+first")
+    for prompt in prompts(SEEDS["push"] + 30, [9, 70]):
+        want = reference(mamba, prompt)
+        streamed = stream(router + "/v1/completions", completion(prompt))
+        assert "error" not in json.dumps(streamed), streamed
+        assert [
+            t for event in streamed if isinstance(event, dict) for c in event["choices"] for t in c["token_ids"]
+        ] == want
+        same(complete(router, prompt, max_tokens=1), want[:1])  # P's answer would be the whole one
+    log = "".join(path.read_text(errors="replace") for path in mamba.run_dir.glob("router-push+first.log"))
+    assert "first token from P" not in log and "P's answer cannot stand for it" in log

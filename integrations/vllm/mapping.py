@@ -59,7 +59,7 @@ from typing import Any
 
 from kvflow.errors import ConfigError
 from kvflow.integrations.vllm.intake import RequestIntake, roles_problem
-from kvflow.integrations.vllm.params import PeerRef, TransferParams
+from kvflow.integrations.vllm.params import FIRST_TOKEN_ANSWER, PeerRef, TransferParams
 from kvflow.integrations.vllm.stages import (
     ABORT_REASONS,
     DECODE_START,
@@ -394,7 +394,10 @@ class SchedulerBook:
         if tracked.params.first_token and first_token is not None and not aborted and not self.replay:
             self._pending.first.append(Order(request_id, tracked.params, producer=True, token=first_token))
         if not tracked.assigned:
-            return hold, {"kvflow": tracked.params.to_params(), "kvflow_prefill_finished": True}
+            answer: dict[str, Any] = {"kvflow": tracked.params.to_params(), "kvflow_prefill_finished": True}
+            if self.replay:  # P's token came from the prompt less its last token: not the first
+                answer[FIRST_TOKEN_ANSWER] = False
+            return hold, answer
         if aborted:
             return hold, None  # a sequential router's request: no decode engine will claim it
         return hold, {

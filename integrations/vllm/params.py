@@ -38,7 +38,15 @@ from kvflow.protocol.messages import (
 )
 from kvflow.protocol.state import Mode
 
-__all__ = ("MAX_REQUEST_TRANSFER_ID", "MAX_TP", "MODES", "SEQUENTIAL_PREFILL_PARAMS", "PeerRef", "TransferParams")
+__all__ = (
+    "FIRST_TOKEN_ANSWER",
+    "MAX_REQUEST_TRANSFER_ID",
+    "MAX_TP",
+    "MODES",
+    "SEQUENTIAL_PREFILL_PARAMS",
+    "PeerRef",
+    "TransferParams",
+)
 
 MODES = {mode.value: mode for mode in Mode}  # a mode travels as its value
 MAX_TP = 1024  # tensor-parallel ranks a side may announce
@@ -46,6 +54,11 @@ MAX_TP = 1024  # tensor-parallel ranks a side may announce
 # "@p<rank>d<rank>", ranks below MAX_TP) and the KV cache group's ("#g<group>", groups below
 # MAX_GROUPS), so that every part's id is one the wire carries.
 MAX_REQUEST_TRANSFER_ID = MAX_TRANSFER_ID - len(f"@p{MAX_TP - 1}d{MAX_TP - 1}#g{MAX_GROUPS - 1}")
+
+# In the ``kv_transfer_params`` of P's answer: false when the token P sampled is not the
+# request's first (with Mamba state P prefills all but the prompt's last token), so a router
+# must not send it to the client as the first token
+FIRST_TOKEN_ANSWER = "kvflow_first_token"
 
 # What a sequential router (vLLM's toy proxy, tests/v1/kv_connector/nixl_integration/
 # toy_proxy_server.py) sends P, with max_tokens 1, before handing P's answer to D.

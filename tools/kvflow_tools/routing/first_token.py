@@ -3,16 +3,20 @@
 Why: P has sampled the first token when its prefill ends.  Sent to the client then, the time to
 the first token is P's prefill plus one hop, whatever the transfer and D's queue add.
 
-Why the client still gets what one engine gives: D draws the first token again itself, from
-the same prompt, the same KV and the same seed (a request without a seed gets one from the
-router, the same on both legs), so it draws P's token and continues from it as one engine
-would.  The router holds D to that: the text and the per-token entries (logprobs, token ids) of
+Why the client still gets what one engine gives: D continues from P's token.  Both legs ask
+kvflow for it (``first_token`` in their kvflow entry): P's connector sends D its token and D's
+sampler is held to it (`kvflow.integrations.vllm.first_token`).  Where that cannot happen (a D
+started without kvflow's logits processor, a token that did not come in time) D draws the first
+token again itself, from the same prompt, the same KV and the same seed (a request without a
+seed gets one from the router, the same on both legs).  Either way the router holds D to it: the text and the per-token entries (logprobs, token ids) of
 D's stream that P's answer already gave are checked against it and dropped; a D that drew
 something else (logits that differ in their last bit) ends the answer with `Diverged` rather
 than with a stream that contradicts itself.
 
-What P's answer may give (`head`): one choice (n 1, no best_of, no echo, one prompt, no prompt
-logprobs, no tools: `ineligible`), text without an unfinished character, less the characters
+What P's answer may give (`head`): nothing where P's connector says its token is not the
+request's first (`FIRST_TOKEN_ANSWER`: a Mamba model's P prefills all but the prompt's last
+token); otherwise one choice (n 1, no best_of, no echo, one prompt, no prompt logprobs, no
+tools: `ineligible`), text without an unfinished character, less the characters
 one engine holds back while a stop string may still match.  When P's first token ends the
 answer (a stop token, a stop string, EOS, or one token asked for), P's answer is the whole
 answer and D's request is cancelled.  Anything else gets D's stream alone, as without this mode.
@@ -27,6 +31,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvflow.integrations.vllm.params import FIRST_TOKEN_ANSWER
 from kvflow_tools.errors import Diverged
 
 __all__ = ("DecodeTail", "Head", "head", "ineligible", "with_seed")
@@ -108,6 +113,9 @@ def head(answer: Any, body: Mapping[str, Any], chat: bool) -> Head | None:
     gets D's stream alone)."""
     if not isinstance(answer, dict) or not isinstance(answer.get("choices"), list) or len(answer["choices"]) != 1:
         return None
+    params = answer.get("kv_transfer_params")
+    if isinstance(params, dict) and params.get(FIRST_TOKEN_ANSWER) is False:
+        return None  # P's connector says its token is not the request's first (Mamba state)
     choice = answer["choices"][0]
     if not isinstance(choice, dict):
         return None
