@@ -4,7 +4,8 @@ A server placed on a `Host` runs under that host's command prefix, listens (HTTP
 the host's address, gets the host's environment, and every server of a deployment with one off
 loopback shares one control-plane secret in a file only this user reads.  vLLM's NIXL agents are
 given the progress delay asked for, and the vLLM CPU environment's start-up hook applies it to a
-real NIXL agent's config.
+real NIXL agent's config.  kvflow's D loads the logits processor that holds it to P's first
+token, and `kvflow serve` sends the first token from P by default with kvflow's connector only.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any
 import pytest
 
 from kvflow.errors import ConfigError
+from kvflow.integrations.vllm.first_token import PROCESSOR
 from kvflow_tools.serve.cli import add_arguments, options_from
 from kvflow_tools.serve.launcher import NIXL_KEEP_CPUS, NIXL_PROGRESS_DELAY, Deployment, Host, ServeOptions
 
@@ -231,3 +233,23 @@ def test_a_delay_that_is_not_a_whole_number_up_to_a_second_stops_the_interpreter
     assert (
         f"{NIXL_PROGRESS_DELAY} must be a whole number of microseconds up to 1000000, not {value!r}" in refused.stderr
     )
+
+
+def test_kvflows_d_loads_the_first_token_processor_and_kvflow_serve_sends_the_first_token_from_p(
+    tmp_path: Path,
+) -> None:
+    pd = Deployment(options(tmp_path))
+    d_argv, p_argv = pd.argv(pd.server("decode-0")), pd.argv(pd.server("prefill-0"))
+    assert d_argv[d_argv.index("--logits-processors") + 1] == PROCESSOR and "--logits-processors" not in p_argv
+    nixl = Deployment(options(tmp_path, connector="nixl", mode="sequential"))
+    assert "--logits-processors" not in nixl.argv(nixl.server("decode-0"))
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    model = ["--model", str(tmp_path / "model")]
+    for argv, first in (
+        ([], True),  # kvflow's D continues from P's token: on by default
+        (["--first-token", "decode"], False),
+        (["--connector", "nixl"], False),  # vLLM's D draws the first token again: off by default
+        (["--connector", "nixl", "--first-token", "prefill"], True),
+    ):
+        assert options_from(parser.parse_args(model + argv)).first_token is first, argv

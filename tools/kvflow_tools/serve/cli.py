@@ -64,9 +64,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--first-token",
         choices=("decode", "prefill"),
-        default="decode",
+        default=None,
         help="prefill: the router sends a streamed request's first token from P's answer the moment P has it, "
-        "then D's stream, checked against it (default decode: D's stream alone)",
+        "then D's stream, checked against it (D continues from P's token with kvflow's connector); decode: "
+        "D's stream alone (default: prefill with kvflow's connector, decode with vLLM's, whose D draws the "
+        "first token again)",
     )
     parser.add_argument("--vllm-arg", dest="vllm_args", action="append", default=[], help="passed to every server")
     parser.add_argument(
@@ -103,7 +105,7 @@ def options_from(args: argparse.Namespace) -> ServeOptions:
         python=args.vllm_python,
         startup_timeout=args.startup_timeout,
         nixl_progress_delay_us=args.nixl_progress_delay_us,
-        first_token=args.first_token == "prefill",
+        first_token=(args.first_token or ("prefill" if args.connector == "kvflow" else "decode")) == "prefill",
         **changes,
     )
     options.check()
