@@ -110,7 +110,7 @@ class WorkerSide:
         self._process_start: ProcessStart | None = None  # what the engine process started from
         self._restarts = RestartPolicy()
         self._gave_up = False  # the restarts ran out: said once
-        # D: requests held for P's first token; None unless D's sampler takes it (`logits.PROCESSOR`)
+        # D: requests held for P's first token; None unless D's sampler takes it (`first_token.PROCESSOR`)
         self.firsts: FirstTokenWaits | None = None
 
     # ---------------------------------------------------------------- setup

@@ -3,15 +3,15 @@
 Why: P has sampled the first token when its prefill ends.  Sent to the client then, the time to
 the first token is P's prefill plus one hop, whatever the transfer and D's queue add.
 
-Why the client still gets what one engine gives: D continues from P's token.  Both legs ask
+Why the client still gets what one engine gives: D continues from P's token. Both legs ask
 kvflow for it (``first_token`` in their kvflow entry): P's connector sends D its token and D's
-sampler is held to it (`kvflow.integrations.vllm.first_token`).  Where that cannot happen (a D
+sampler is held to it (`kvflow.integrations.vllm.first_token`). Where that cannot happen (a D
 started without kvflow's logits processor, a token that did not come in time) D draws the first
 token again itself, from the same prompt, the same KV and the same seed (a request without a
-seed gets one from the router, the same on both legs).  Either way the router holds D to it: the text and the per-token entries (logprobs, token ids) of
-D's stream that P's answer already gave are checked against it and dropped; a D that drew
-something else (logits that differ in their last bit) ends the answer with `Diverged` rather
-than with a stream that contradicts itself.
+seed gets one from the router, the same on both legs). Either way the router holds D to it: the
+text and the per-token entries (logprobs, token ids) of D's stream that P's answer already gave
+are checked against it and dropped; a D that drew something else (logits that differ in their
+last bit) ends the answer with `Diverged` rather than with a stream that contradicts itself.
 
 What P's answer may give (`head`): nothing where P's connector says its token is not the
 request's first (`FIRST_TOKEN_ANSWER`: a Mamba model's P prefills all but the prompt's last

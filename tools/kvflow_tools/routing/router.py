@@ -11,7 +11,8 @@ made at once (`Recheck`: a backend back from a restart serves the next request).
 
 With ``--first-token prefill``, a streamed request's first token goes to the client from P's
 answer the moment P has it, and D's stream follows, checked against it (first_token.py): the
-time to the first token is P's prefill and one hop.
+time to the first token is P's prefill and one hop.  Both legs ask kvflow's connector for P's
+token (``first_token`` in their kvflow entry), so that D continues from it.
 
 Ways to dispatch (``--mode``; what each leg is sent, and how, is legs.py):
 
@@ -165,7 +166,7 @@ async def proxy(request: web.Request) -> web.StreamResponse:
     request_id = uuid.uuid4().hex
     headers = leg_headers(request_id, request.headers.get("Authorization"))
     first = config.first_token and first_token.ineligible(body) is None
-    if first:  # both legs draw with one seed, so D draws the first token P sent (first_token.py)
+    if first:  # one seed on both legs: where D cannot continue from P's token, it draws the same (first_token.py)
         body = first_token.with_seed(body, secrets.randbelow(1 << 31))
     try:
         backends = (p_lease.backend, d_lease.backend)
