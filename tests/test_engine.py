@@ -400,6 +400,10 @@ async def test_a_peer_that_starts_over_fails_the_old_association_and_serves_new_
         assert (await old_d.wait(1)).outcome is Outcome.ABORTED
         # the block goes back once P's removal returned (on the peer thread), not before
         await eventually(lambda: pair.d.core.ledger.held_blocks == 0, "D's block back after P's removal")
+        # P's own fence for its stalled WRITE times out as well, and P tears D down; D starts
+        # over only after that.  (Seen 4 times in 30 runs beside load: P's timer fired after D
+        # had started over, and tore the new association down, whose transfer then failed.)
+        await eventually(lambda: "D" not in pair.p.peers(), "P tears D down too")
         await pair.d.connect("P", timeout=2)  # a new association: P drops everything of the old one
         assert (await old_p.wait(1)).outcome in (Outcome.ABORTED, Outcome.FAILED)
         waiting = await pair.d.expect("new", 1, peer="P", block_ids=[1])
