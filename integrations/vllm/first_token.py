@@ -33,7 +33,15 @@ from typing import Any
 
 from kvflow.protocol.messages import TransferKey
 
-__all__ = ("FIRST_TOKEN_WAIT", "FORCED", "PROCESSOR", "FirstTokenWaits", "ForcedTokens", "forced_transfer")
+__all__ = (
+    "FIRST_TOKEN_WAIT",
+    "FORCED",
+    "PROCESSOR",
+    "FirstTokenWaits",
+    "ForcedTokens",
+    "forced_token",
+    "forced_transfer",
+)
 
 log = logging.getLogger("kvflow.vllm")
 
@@ -66,8 +74,8 @@ class ForcedTokens:
             return self._tokens.pop(transfer_id, None)
 
     def drop(self, transfer_id: str) -> None:
-        with self._lock:
-            self._tokens.pop(transfer_id, None)
+        """The token for `transfer_id` is not wanted any more (`take`, the token let go)."""
+        self.take(transfer_id)
 
     def __len__(self) -> int:
         return len(self._tokens)
@@ -86,6 +94,14 @@ def forced_transfer(extra_args: Mapping[str, Any] | None) -> str | None:
         return None
     transfer_id = entry.get("transfer_id")
     return transfer_id if isinstance(transfer_id, str) else None
+
+
+def forced_token(extra_args: Mapping[str, Any] | None, forced: ForcedTokens = FORCED) -> int | None:
+    """P's first token for the request whose sampling params' ``extra_args`` these are, taken
+    from `forced` (the sampler holds it from now on); None when the request did not ask for one
+    or D's rank has none for it.  Never raises."""
+    transfer_id = forced_transfer(extra_args)
+    return forced.take(transfer_id) if transfer_id is not None else None
 
 
 # asks the rank's engine for P rank `peer`'s first token of a pair transfer: a future of the
@@ -126,12 +142,9 @@ class FirstTokenWaits:
         out = {r for r in received if r not in self._waits}
         self._landed |= received & self._waits.keys()
         for request_id in finished:
-            wait = self._waits.pop(request_id, None)
-            if wait is not None:
-                self.forced.drop(wait.transfer_id)
-                if request_id in self._landed:
-                    out.add(request_id)
-                self._landed.discard(request_id)
+            if request_id in self._landed:
+                out.add(request_id)
+            self.forget(request_id)
         for request_id in list(self._landed):
             wait = self._waits[request_id]
             if not wait.answer.done():
@@ -148,7 +161,7 @@ class FirstTokenWaits:
         return out
 
     def forget(self, request_id: str) -> None:
-        """The request's load failed or was aborted: nothing to wait for."""
+        """The request's load failed, or it ended: nothing to wait for."""
         self._landed.discard(request_id)
         wait = self._waits.pop(request_id, None)
         if wait is not None:

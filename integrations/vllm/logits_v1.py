@@ -3,7 +3,7 @@
 Why apart: vLLM 0.34's model runner has another interface (`logits_v2`); `logits` loads the one
 the installed vLLM has.  Here a processor sees each request's sampling params and its running
 output list when it joins the batch (`BatchUpdate`): a request whose kvflow entry asks for P's
-first token (`first_token.forced_transfer`), whose token D's rank took in (`first_token.FORCED`)
+first token (`first_token.forced_token`), whose token D's rank took in (`first_token.FORCED`)
 and whose output is still empty gets every logit but the token's set to -inf, until its output
 has a token.
 """
@@ -21,7 +21,7 @@ from vllm.v1.sample.logits_processor import (  # type: ignore[import-not-found,u
     MoveDirectionality,
 )
 
-from kvflow.integrations.vllm.first_token import FORCED, forced_transfer
+from kvflow.integrations.vllm.first_token import forced_token
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -46,8 +46,7 @@ class FirstTokenProcessorV1(LogitsProcessor):  # type: ignore[misc,unused-ignore
             self._rows.pop(index, None)
         for index, params, _prompt, output in batch_update.added:
             self._rows.pop(index, None)
-            transfer_id = forced_transfer(params.extra_args) if not output else None
-            token = FORCED.take(transfer_id) if transfer_id is not None else None
+            token = forced_token(params.extra_args) if not output else None
             if token is not None:
                 self._rows[index] = (token, output)
         for a, b, direction in batch_update.moved:

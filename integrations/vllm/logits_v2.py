@@ -5,7 +5,7 @@ installed vLLM has.  Here a request joins a persistent slot (`add_request`, with
 params) and each step's `apply` sees the whole batch's logits, a row per token sampled, with
 the slot of each row (``ctx.expanded_idx_mapping``, on the device; ``ctx.idx_mapping_np``, the
 slots in the batch, on the host).  A request whose kvflow entry asks for P's first token
-(`first_token.forced_transfer`) and whose token D's rank took in (`first_token.FORCED`) is held
+(`first_token.forced_token`) and whose token D's rank took in (`first_token.FORCED`) is held
 in its slot until the first step that samples it: D computes the prompt's last token after its
 KV landed and samples the first output token in that step.  Its rows then get every logit but
 the token's set to -inf, with device operations only (no sync), and the slot is let go.
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 from vllm.v1.worker.gpu.sample.logits_processor.interface import LogitsProcessor
 
-from kvflow.integrations.vllm.first_token import FORCED, forced_transfer
+from kvflow.integrations.vllm.first_token import forced_token
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -36,8 +36,7 @@ class FirstTokenProcessorV2(LogitsProcessor):
 
     def add_request(self, req_idx: int, sampling_params: SamplingParams) -> bool:
         self._held.pop(req_idx, None)  # a recycled slot: nothing of its last occupant
-        transfer_id = forced_transfer(sampling_params.extra_args)
-        token = FORCED.take(transfer_id) if transfer_id is not None else None
+        token = forced_token(sampling_params.extra_args)
         if token is None:
             return False
         self._held[req_idx] = token
